@@ -1,0 +1,65 @@
+// Copyright mstar-kv authors.
+//
+// KVCache: a KVLayout plus the memory that holds it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "mstar/kv/layout.hpp"
+
+namespace mstar::kv {
+
+enum class MemoryKind : std::uint8_t {
+  kHost = 0,        // private process memory
+  kSharedHost = 1,  // host memory another process of the same user can map
+  kDevice = 2,      // GPU memory (not dereferenceable on the host)
+};
+
+// The memory behind a cache. Implementations own their memory and release it
+// in the destructor; engines that need more (a file descriptor, an IPC
+// handle) downcast to the concrete class they created.
+class KVMemory {
+ public:
+  virtual ~KVMemory() = default;
+  virtual std::byte* data() const noexcept = 0;
+  virtual std::size_t size() const noexcept = 0;
+  virtual MemoryKind kind() const noexcept = 0;
+};
+
+// Page-aligned, zero-filled private host memory.
+std::unique_ptr<KVMemory> allocate_host_memory(std::size_t size);
+
+// A layout bound to memory of at least layout.total_bytes(). Move-only;
+// share it with std::shared_ptr. Views are bounds-checked and throw
+// Error(kInvalidArgument) naming the index and its range. Thread safety: the
+// object is immutable after construction; the bytes are not synchronised.
+class KVCache {
+ public:
+  // Validates the layout and that memory is large enough.
+  KVCache(const KVLayout& layout, std::unique_ptr<KVMemory> memory);
+  // Owned private host memory, zero-filled.
+  static std::shared_ptr<KVCache> create_host(const KVLayout& layout);
+
+  KVCache(const KVCache&) = delete;
+  KVCache& operator=(const KVCache&) = delete;
+
+  const KVLayout& layout() const noexcept { return layout_; }
+  const KVMemory& memory() const noexcept { return *memory_; }
+  MemoryKind memory_kind() const noexcept { return memory_->kind(); }
+  std::byte* base() const noexcept { return memory_->data(); }
+  std::size_t size_bytes() const noexcept { return layout_.total_bytes(); }
+
+  // The bytes of one (layer, k|v, page). For kDevice memory the span holds a
+  // device pointer: do not dereference it on the host.
+  std::span<std::byte> block(std::uint32_t layer, KV kv,
+                             std::uint32_t page) const;
+
+ private:
+  KVLayout layout_;
+  std::unique_ptr<KVMemory> memory_;
+};
+
+}  // namespace mstar::kv

@@ -1,0 +1,79 @@
+// Copyright mstar-kv authors.
+//
+// TransferFuture: the outcome of one asynchronous read.
+//
+// A future resolves exactly once, to the number of bytes read or to an error
+// Status. Resolution is a promise from the engine: after it, no byte of that
+// read lands in a local page (a failed or cancelled read may have written
+// some of its destination pages before resolving; those pages hold undefined
+// data, and no other page is touched).
+//
+// Thread safety: every method is safe from any thread. Dropping a future is
+// safe at any time; the transfer then continues to completion unobserved
+// (call cancel() first to stop it). Copies of a future share one state.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+
+#include "mstar/kv/status.hpp"
+
+namespace mstar::kv {
+
+namespace detail {
+struct TransferState;
+}
+
+class TransferFuture {
+ public:
+  TransferFuture() = default;  // invalid: valid() is false
+
+  bool valid() const noexcept { return state_ != nullptr; }
+  // Non-blocking poll.
+  bool ready() const noexcept;
+  // Waits up to `timeout`; true if resolved. A false return does not resolve
+  // the future: the engine's own timeout does that.
+  bool wait_for(std::chrono::nanoseconds timeout) const;
+  void wait() const;
+  // Resolved status; StatusCode::kInProgress while unresolved.
+  Status status() const;
+  // Bytes read; 0 until resolved successfully.
+  std::uint64_t bytes() const noexcept;
+  // Waits, then returns the bytes read or throws Error with the status.
+  std::uint64_t get() const;
+  // Asks the engine to stop. The future still resolves (kCancelled, or
+  // success if the bytes were already there); returns immediately.
+  void cancel() const noexcept;
+
+ private:
+  friend class TransferPromise;
+  explicit TransferFuture(std::shared_ptr<detail::TransferState> s)
+      : state_(std::move(s)) {}
+  std::shared_ptr<detail::TransferState> state_;
+};
+
+// The engine's side. complete()/fail() resolve the shared state; only the
+// first resolution counts (later ones return false and change nothing), so
+// an engine may race a timeout against a completion safely.
+// Safe from any thread.
+class TransferPromise {
+ public:
+  TransferPromise();
+
+  TransferFuture future() const { return TransferFuture(state_); }
+  bool complete(std::uint64_t bytes) noexcept;
+  bool fail(Status status) noexcept;
+  bool resolved() const noexcept;
+  // True once cancel() was called on any copy of the future.
+  bool cancel_requested() const noexcept;
+
+ private:
+  std::shared_ptr<detail::TransferState> state_;
+};
+
+// A future that is already resolved (for engines that finish synchronously).
+TransferFuture make_ready_future(std::uint64_t bytes);
+TransferFuture make_failed_future(Status status);
+
+}  // namespace mstar::kv

@@ -1,0 +1,17 @@
+// Copyright mstar-kv authors.
+//
+// Umbrella header: everything a user of mstar-kv touches.
+#pragma once
+
+#include "mstar/kv/cache.hpp"
+#include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/engine.hpp"
+#include "mstar/kv/future.hpp"
+#include "mstar/kv/layout.hpp"
+#include "mstar/kv/local_only.hpp"
+#include "mstar/kv/manager.hpp"
+#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/planner.hpp"
+#include "mstar/kv/pool.hpp"
+#include "mstar/kv/read_info.hpp"
+#include "mstar/kv/status.hpp"

@@ -1,0 +1,117 @@
+// Copyright mstar-kv authors.
+//
+// KVLayout: the geometry of one paged KV cache and the byte arithmetic on it.
+//
+// A cache holds, for every layer, K (and V unless the model stores a single
+// latent, as MLA does) for num_pages pages of page_size tokens each. Two axis
+// orders are supported for the whole cache and two inside a page:
+//
+//   CacheOrder::kLayerMajor  [layer][k|v][page][page bytes]
+//   CacheOrder::kPageMajor   [page][layer][k|v][page bytes]
+//   PageOrder::kNHD          [token][head][dim]   (token-major)
+//   PageOrder::kHND          [head][token][dim]   (head-major)
+//
+// A "block" is the page bytes of one (layer, k|v, page). Value type; all
+// methods are const and safe from any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace mstar::kv {
+
+enum class DType : std::uint8_t {
+  kFloat32 = 0,
+  kFloat16 = 1,
+  kBFloat16 = 2,
+  kFloat8E4M3 = 3,
+  kFloat8E5M2 = 4,
+};
+
+enum class CacheOrder : std::uint8_t { kLayerMajor = 0, kPageMajor = 1 };
+enum class PageOrder : std::uint8_t { kNHD = 0, kHND = 1 };
+enum class KV : std::uint8_t { kKey = 0, kValue = 1 };
+
+std::size_t dtype_size(DType dtype) noexcept;
+std::string_view to_string(DType dtype) noexcept;
+std::string_view to_string(CacheOrder order) noexcept;
+std::string_view to_string(PageOrder order) noexcept;
+// Parses "fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2"; throws Error.
+DType parse_dtype(std::string_view name);
+// Parses "layer" / "page"; throws Error.
+CacheOrder parse_cache_order(std::string_view name);
+// Parses "nhd" / "hnd"; throws Error.
+PageOrder parse_page_order(std::string_view name);
+
+// Limits applied to every layout, including those decoded from the wire, so
+// that all byte arithmetic fits in 64 bits with room to spare.
+struct LayoutLimits {
+  static constexpr std::uint32_t kMaxLayers = 4096;
+  static constexpr std::uint32_t kMaxPages = 1u << 26;
+  static constexpr std::uint32_t kMaxPageSize = 1u << 16;
+  static constexpr std::uint32_t kMaxHeads = 4096;
+  static constexpr std::uint32_t kMaxHeadDim = 1u << 16;
+  static constexpr std::uint64_t kMaxTotalBytes = 1ull << 46;  // 64 TiB
+};
+
+struct KVLayout {
+  std::uint32_t num_layers = 0;
+  std::uint32_t num_pages = 0;
+  std::uint32_t page_size = 0;  // tokens per page
+  std::uint32_t num_kv_heads = 0;
+  std::uint32_t head_dim = 0;
+  DType dtype = DType::kBFloat16;
+  bool has_v = true;  // false for MLA's single latent
+  CacheOrder cache_order = CacheOrder::kLayerMajor;
+  PageOrder page_order = PageOrder::kNHD;
+
+  // Throws Error(kInvalidArgument) naming the first field outside its limit.
+  void validate() const;
+
+  std::size_t element_size() const noexcept { return dtype_size(dtype); }
+  std::uint32_t num_kv() const noexcept { return has_v ? 2u : 1u; }
+  // Bytes of one token of one head (head_dim elements).
+  std::uint64_t head_bytes() const noexcept {
+    return std::uint64_t{head_dim} * element_size();
+  }
+  // Bytes of one token across all heads, for one layer and one of k|v.
+  std::uint64_t token_bytes() const noexcept {
+    return head_bytes() * num_kv_heads;
+  }
+  // Bytes of one block: one page of one layer, one of k|v.
+  std::uint64_t block_bytes() const noexcept {
+    return token_bytes() * page_size;
+  }
+  // Bytes of one page across all layers and k|v.
+  std::uint64_t page_bytes_all_layers() const noexcept {
+    return block_bytes() * num_kv() * num_layers;
+  }
+  std::uint64_t total_bytes() const noexcept {
+    return page_bytes_all_layers() * num_pages;
+  }
+
+  // Byte offset of block (layer, kv, page) from the cache base. Unchecked:
+  // callers validate indices first (KVCache::block does).
+  std::uint64_t block_offset(std::uint32_t layer, KV kv,
+                             std::uint32_t page) const noexcept;
+
+  // Byte offset inside a block of (token, head, dim 0).
+  std::uint64_t in_block_offset(std::uint32_t token,
+                                std::uint32_t head) const noexcept;
+
+  // Throws Error(kIncompatibleLayout) naming the first field that differs
+  // between *this (local) and `remote` among those a read needs to match:
+  // num_layers, page_size, num_kv_heads, head_dim, dtype, has_v. num_pages,
+  // cache_order and page_order may differ (the planner handles them).
+  void check_compatible(const KVLayout& remote) const;
+  bool is_compatible(const KVLayout& remote) const noexcept;
+
+  // "32L x 1024P x 16T x 8H x 128D bf16 kv layer-major nhd"
+  std::string to_string() const;
+
+  bool operator==(const KVLayout&) const = default;
+};
+
+}  // namespace mstar::kv

@@ -1,0 +1,96 @@
+// Copyright mstar-kv authors.
+//
+// KVTransferManager: picks the engine, runs plan -> engine, cleans up.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "mstar/kv/cache.hpp"
+#include "mstar/kv/engine.hpp"
+
+namespace mstar::kv {
+
+// Options every engine understands, plus engine-specific ones by name.
+struct EngineOptions {
+  std::uint32_t max_workers = 3;  // copy threads / streams
+  // A read that has not finished after this long fails with kTimeout.
+  std::chrono::milliseconds timeout{30000};
+  // Engine-specific settings, documented in each engine's header
+  // (e.g. "mooncake_lib" for the Mooncake engine).
+  std::map<std::string, std::string> extra;
+};
+
+// The spec's TransferEngineInfo: who this process is to its peers and which
+// transfer engine moves its pages. transfer_engine names a built engine:
+// "local", "shm", "cuda_ipc", "ucx" or "mooncake".
+struct TransferEngineInfo {
+  std::string my_entity_id;
+  std::string my_session_id;
+  std::string transfer_engine;
+  EngineOptions options;
+};
+
+// The one place engines are created. With no info (or "local") the engine is
+// LocalOnlyKVTransferEngine. Throws Error(kUnavailable) naming the engine
+// when it was not built or cannot run here, Error(kInvalidArgument) when the
+// cache's memory kind does not suit it.
+std::unique_ptr<KVTransferEngine> make_engine(
+    const std::optional<TransferEngineInfo>& info,
+    std::shared_ptr<KVCache> kv_cache);
+
+// Engines compiled into this build, e.g. {"local", "shm", "ucx"}.
+std::vector<std::string> built_engines();
+
+// Thread safety: every method is safe from any thread; concurrent retrieves
+// into disjoint local pages are supported. cleanup() shuts the engine down
+// (in-flight futures resolve with kShutdown); it is idempotent and run by the
+// destructor.
+class KVTransferManager {
+ public:
+  KVTransferManager(std::optional<TransferEngineInfo> transfer_engine_info,
+                    std::shared_ptr<KVCache> kv_cache);
+  // Around an engine built elsewhere (e.g. wrapped by a fault injector).
+  KVTransferManager(std::shared_ptr<KVCache> kv_cache,
+                    std::unique_ptr<KVTransferEngine> engine);
+  ~KVTransferManager();
+
+  KVTransferManager(const KVTransferManager&) = delete;
+  KVTransferManager& operator=(const KVTransferManager&) = delete;
+
+  // Descriptor another process needs to read this cache remotely.
+  // KVCachePool::publish stamps it onto every SequenceInfo.
+  KVTransferInfo get_kv_transfer_info() const;
+
+  // Pulls tokens [start_len, end_len) of a remote sequence (skip a cached
+  // prefix by raising start_len). Validates everything first and throws
+  // Error before any byte moves; std::nullopt when start_len == end_len.
+  std::optional<TransferFuture> start_async_retrieve(
+      std::uint64_t start_len, std::uint64_t end_len,
+      std::span<const std::uint32_t> local_page_indices,
+      std::span<const std::uint32_t> remote_page_indices,
+      const KVTransferInfo& kv_transfer_info);
+
+  // Same, then waits; returns the bytes read or throws Error.
+  std::uint64_t sync_retrieve(std::uint64_t start_len, std::uint64_t end_len,
+                              std::span<const std::uint32_t> local_page_indices,
+                              std::span<const std::uint32_t> remote_page_indices,
+                              const KVTransferInfo& kv_transfer_info);
+
+  void cleanup();
+
+  KVTransferEngine& engine() noexcept { return *engine_; }
+  const KVCache& kv_cache() const noexcept { return *kv_cache_; }
+
+ private:
+  std::shared_ptr<KVCache> kv_cache_;
+  std::unique_ptr<KVTransferEngine> engine_;
+};
+
+}  // namespace mstar::kv

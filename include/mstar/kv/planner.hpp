@@ -1,0 +1,63 @@
+// Copyright mstar-kv authors.
+//
+// Read planning: token ranges -> KVReadInfo per (layer, page) -> coalesced
+// byte copies between two layouts. Pure functions, safe from any thread.
+//
+// Cost: plan_reads is O(layers x pages touched); plan_copies is O(reads) when
+// both sides use the same in-page order (a partial page in HND adds one span
+// per head) and O(reads x tokens x heads) when the in-page orders differ
+// (every (token, head) row is its own span). Both allocate their output once.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "mstar/kv/layout.hpp"
+#include "mstar/kv/read_info.hpp"
+
+namespace mstar::kv {
+
+// Reads for tokens [start_len, end_len) of a sequence whose page table is
+// `local_pages` here and `remote_pages` there, for every layer, with the first
+// and last page clipped. Emitted in the local cache's order (page-major:
+// page, then layer; layer-major: layer, then page) so that contiguous page
+// tables coalesce into the fewest copies.
+// Throws Error(kInvalidArgument) when start_len > end_len, a page table is
+// shorter than end_len needs, or a local page is out of range. Returns an
+// empty vector when start_len == end_len.
+std::vector<KVReadInfo> plan_reads(const KVLayout& local,
+                                   std::uint64_t start_len,
+                                   std::uint64_t end_len,
+                                   std::span<const std::uint32_t> local_pages,
+                                   std::span<const std::uint32_t> remote_pages);
+
+// One contiguous copy: `length` bytes from remote_offset (from the remote
+// cache base) to local_offset (from the local cache base).
+struct CopySpan {
+  std::uint64_t local_offset = 0;
+  std::uint64_t remote_offset = 0;
+  std::uint64_t length = 0;
+
+  bool operator==(const CopySpan&) const = default;
+};
+
+struct CopyPlan {
+  std::vector<CopySpan> spans;   // coalesced, in read order
+  std::uint64_t total_bytes = 0;
+  std::uint64_t uncoalesced_spans = 0;  // spans before coalescing
+};
+
+// Validates every read against both layouts (layer, local and remote page,
+// token range, duplicate (layer, local page) destinations) and the layouts'
+// compatibility, then emits the byte copies, merging neighbours that are
+// contiguous on both sides. Throws Error before returning anything.
+CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
+                     std::span<const KVReadInfo> reads);
+
+// Splits spans longer than max_bytes (> 0) into pieces of at most max_bytes,
+// e.g. to spread one large copy over several workers.
+std::vector<CopySpan> split_spans(std::span<const CopySpan> spans,
+                                  std::uint64_t max_bytes);
+
+}  // namespace mstar::kv

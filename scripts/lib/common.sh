@@ -1,0 +1,59 @@
+# Shared by scripts/*: installs what is missing, configures and builds.
+# Sourced, not run.
+set -euo pipefail
+
+MSTAR_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+MSTAR_JOBS=${MSTAR_JOBS:-$(nproc)}
+
+# Debian packages the build and tests use. Each is installed only if absent.
+MSTAR_APT_PACKAGES=(
+  cmake g++ make pkg-config
+  libgtest-dev libgmock-dev libbenchmark-dev
+  libucx-dev ucx-utils
+  libcpp-httplib-dev
+  iperf3 iproute2
+  clang libclang-rt-14-dev
+)
+
+ensure_apt() {
+  local missing=()
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "== installing Debian packages: ${missing[*]}"
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+}
+
+# Python packages from PyPI, installed only if absent. Failure is not fatal:
+# what needs them skips with the reason printed.
+ensure_pip() {
+  local py=${PYTHON:-python3}
+  for spec in "$@"; do
+    local name=${spec%%[=<>]*}
+    if ! "$py" -m pip show -q "$name" >/dev/null 2>&1; then
+      echo "== installing PyPI package: $spec"
+      "$py" -m pip install -q "$spec" || echo "== warning: pip could not install $spec; dependent checks will skip"
+    fi
+  done
+}
+
+ensure_deps() {
+  ensure_apt "${MSTAR_APT_PACKAGES[@]}"
+  if [ -f "$MSTAR_ROOT/scripts/lib/pip-packages.txt" ]; then
+    mapfile -t pkgs < <(grep -v '^#' "$MSTAR_ROOT/scripts/lib/pip-packages.txt" | grep -v '^$')
+    [ ${#pkgs[@]} -eq 0 ] || ensure_pip "${pkgs[@]}"
+  fi
+}
+
+# build PRESET [extra cmake args...]
+build_preset() {
+  local preset=$1
+  shift
+  cmake --preset "$preset" -S "$MSTAR_ROOT" "$@" >/dev/null
+  cmake --build "$MSTAR_ROOT/build/$preset" -j "$MSTAR_JOBS"
+}

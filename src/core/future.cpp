@@ -1,0 +1,118 @@
+// Copyright mstar-kv authors.
+#include "mstar/kv/future.hpp"
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+
+namespace mstar::kv {
+
+namespace detail {
+
+struct TransferState {
+  std::mutex mu;
+  std::condition_variable cv;
+  // Written once under mu before `resolved` is released; read after an
+  // acquire load of `resolved` sees true.
+  Status status{StatusCode::kInProgress, ""};
+  std::uint64_t bytes = 0;
+  std::atomic<bool> resolved{false};
+  std::atomic<bool> cancel{false};
+
+  bool resolve(Status s, std::uint64_t b) noexcept {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (resolved.load(std::memory_order_relaxed)) return false;
+      status = std::move(s);
+      bytes = b;
+      resolved.store(true, std::memory_order_release);
+    }
+    cv.notify_all();
+    return true;
+  }
+};
+
+}  // namespace detail
+
+bool TransferFuture::ready() const noexcept {
+  return state_ && state_->resolved.load(std::memory_order_acquire);
+}
+
+bool TransferFuture::wait_for(std::chrono::nanoseconds timeout) const {
+  if (!state_) return false;
+  std::unique_lock<std::mutex> lock(state_->mu);
+  return state_->cv.wait_for(lock, timeout, [&] {
+    return state_->resolved.load(std::memory_order_acquire);
+  });
+}
+
+void TransferFuture::wait() const {
+  if (!state_) return;
+  std::unique_lock<std::mutex> lock(state_->mu);
+  state_->cv.wait(lock, [&] {
+    return state_->resolved.load(std::memory_order_acquire);
+  });
+}
+
+Status TransferFuture::status() const {
+  if (!state_) return {StatusCode::kInvalidArgument, "invalid TransferFuture"};
+  if (!ready()) return {StatusCode::kInProgress, ""};
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->status;
+}
+
+std::uint64_t TransferFuture::bytes() const noexcept {
+  if (!ready()) return 0;
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->status.is_ok() ? state_->bytes : 0;
+}
+
+std::uint64_t TransferFuture::get() const {
+  if (!state_) {
+    throw Error(StatusCode::kInvalidArgument, "get() on an invalid TransferFuture");
+  }
+  wait();
+  std::lock_guard<std::mutex> lock(state_->mu);
+  if (!state_->status.is_ok()) throw Error(state_->status);
+  return state_->bytes;
+}
+
+void TransferFuture::cancel() const noexcept {
+  if (state_) state_->cancel.store(true, std::memory_order_release);
+}
+
+TransferPromise::TransferPromise()
+    : state_(std::make_shared<detail::TransferState>()) {}
+
+bool TransferPromise::complete(std::uint64_t bytes) noexcept {
+  return state_->resolve(Status::ok(), bytes);
+}
+
+bool TransferPromise::fail(Status status) noexcept {
+  if (status.is_ok()) {
+    status = Status(StatusCode::kInternal, "fail() called with an OK status");
+  }
+  return state_->resolve(std::move(status), 0);
+}
+
+bool TransferPromise::resolved() const noexcept {
+  return state_->resolved.load(std::memory_order_acquire);
+}
+
+bool TransferPromise::cancel_requested() const noexcept {
+  return state_->cancel.load(std::memory_order_acquire);
+}
+
+TransferFuture make_ready_future(std::uint64_t bytes) {
+  TransferPromise p;
+  p.complete(bytes);
+  return p.future();
+}
+
+TransferFuture make_failed_future(Status status) {
+  TransferPromise p;
+  p.fail(std::move(status));
+  return p.future();
+}
+
+}  // namespace mstar::kv

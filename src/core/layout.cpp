@@ -1,0 +1,178 @@
+// Copyright mstar-kv authors.
+#include "mstar/kv/layout.hpp"
+
+#include <string>
+
+#include "mstar/kv/status.hpp"
+
+namespace mstar::kv {
+
+std::size_t dtype_size(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::kFloat32: return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16: return 2;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2: return 1;
+  }
+  return 0;
+}
+
+std::string_view to_string(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::kFloat32: return "fp32";
+    case DType::kFloat16: return "fp16";
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat8E4M3: return "fp8_e4m3";
+    case DType::kFloat8E5M2: return "fp8_e5m2";
+  }
+  return "unknown";
+}
+
+std::string_view to_string(CacheOrder order) noexcept {
+  return order == CacheOrder::kLayerMajor ? "layer" : "page";
+}
+
+std::string_view to_string(PageOrder order) noexcept {
+  return order == PageOrder::kNHD ? "nhd" : "hnd";
+}
+
+DType parse_dtype(std::string_view name) {
+  for (DType d : {DType::kFloat32, DType::kFloat16, DType::kBFloat16,
+                  DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+    if (name == to_string(d)) return d;
+  }
+  throw Error(StatusCode::kInvalidArgument,
+              "unknown dtype '" + std::string(name) +
+                  "' (expected fp32, fp16, bf16, fp8_e4m3 or fp8_e5m2)");
+}
+
+CacheOrder parse_cache_order(std::string_view name) {
+  if (name == "layer") return CacheOrder::kLayerMajor;
+  if (name == "page") return CacheOrder::kPageMajor;
+  throw Error(StatusCode::kInvalidArgument,
+              "unknown cache order '" + std::string(name) +
+                  "' (expected layer or page)");
+}
+
+PageOrder parse_page_order(std::string_view name) {
+  if (name == "nhd") return PageOrder::kNHD;
+  if (name == "hnd") return PageOrder::kHND;
+  throw Error(StatusCode::kInvalidArgument,
+              "unknown page order '" + std::string(name) +
+                  "' (expected nhd or hnd)");
+}
+
+namespace {
+
+void check_field(const char* name, std::uint64_t value, std::uint64_t max) {
+  if (value == 0 || value > max) {
+    throw Error(StatusCode::kInvalidArgument,
+                std::string("layout ") + name + " " + std::to_string(value) +
+                    " out of range [1, " + std::to_string(max) + "]");
+  }
+}
+
+}  // namespace
+
+void KVLayout::validate() const {
+  check_field("num_layers", num_layers, LayoutLimits::kMaxLayers);
+  check_field("num_pages", num_pages, LayoutLimits::kMaxPages);
+  check_field("page_size", page_size, LayoutLimits::kMaxPageSize);
+  check_field("num_kv_heads", num_kv_heads, LayoutLimits::kMaxHeads);
+  check_field("head_dim", head_dim, LayoutLimits::kMaxHeadDim);
+  if (static_cast<std::uint8_t>(dtype) > static_cast<std::uint8_t>(DType::kFloat8E5M2)) {
+    throw Error(StatusCode::kInvalidArgument,
+                "layout dtype " + std::to_string(static_cast<int>(dtype)) +
+                    " out of range [0, 4]");
+  }
+  if (static_cast<std::uint8_t>(cache_order) > 1 ||
+      static_cast<std::uint8_t>(page_order) > 1) {
+    throw Error(StatusCode::kInvalidArgument,
+                "layout cache_order/page_order out of range [0, 1]");
+  }
+  // Each factor is bounded, but their product may not fit in 64 bits.
+  std::uint64_t total = head_bytes();
+  const bool overflow =
+      __builtin_mul_overflow(total, std::uint64_t{num_kv_heads}, &total) ||
+      __builtin_mul_overflow(total, std::uint64_t{page_size}, &total) ||
+      __builtin_mul_overflow(total, std::uint64_t{num_kv()}, &total) ||
+      __builtin_mul_overflow(total, std::uint64_t{num_layers}, &total) ||
+      __builtin_mul_overflow(total, std::uint64_t{num_pages}, &total);
+  if (overflow || total > LayoutLimits::kMaxTotalBytes) {
+    throw Error(StatusCode::kInvalidArgument,
+                "layout total size " +
+                    (overflow ? std::string("overflows 64 bits")
+                              : std::to_string(total) + " bytes") +
+                    ", limit " + std::to_string(LayoutLimits::kMaxTotalBytes));
+  }
+}
+
+std::uint64_t KVLayout::block_offset(std::uint32_t layer, KV kv,
+                                     std::uint32_t page) const noexcept {
+  const std::uint64_t k = static_cast<std::uint64_t>(kv);
+  std::uint64_t index = 0;
+  if (cache_order == CacheOrder::kLayerMajor) {
+    index = (std::uint64_t{layer} * num_kv() + k) * num_pages + page;
+  } else {
+    index = (std::uint64_t{page} * num_layers + layer) * num_kv() + k;
+  }
+  return index * block_bytes();
+}
+
+std::uint64_t KVLayout::in_block_offset(std::uint32_t token,
+                                        std::uint32_t head) const noexcept {
+  if (page_order == PageOrder::kNHD) {
+    return (std::uint64_t{token} * num_kv_heads + head) * head_bytes();
+  }
+  return (std::uint64_t{head} * page_size + token) * head_bytes();
+}
+
+namespace {
+
+template <typename T>
+void compare(const char* field, const T& local, const T& remote) {
+  if (local != remote) {
+    throw Error(StatusCode::kIncompatibleLayout,
+                std::string("layouts differ in ") + field + ": local " +
+                    std::to_string(local) + ", remote " +
+                    std::to_string(remote));
+  }
+}
+
+}  // namespace
+
+void KVLayout::check_compatible(const KVLayout& remote) const {
+  compare("num_layers", num_layers, remote.num_layers);
+  compare("page_size", page_size, remote.page_size);
+  compare("num_kv_heads", num_kv_heads, remote.num_kv_heads);
+  compare("head_dim", head_dim, remote.head_dim);
+  if (dtype != remote.dtype) {
+    throw Error(StatusCode::kIncompatibleLayout,
+                "layouts differ in dtype: local " + std::string(kv::to_string(dtype)) +
+                    ", remote " + std::string(kv::to_string(remote.dtype)));
+  }
+  if (has_v != remote.has_v) {
+    throw Error(StatusCode::kIncompatibleLayout,
+                std::string("layouts differ in has_v: local ") +
+                    (has_v ? "true" : "false") + ", remote " +
+                    (remote.has_v ? "true" : "false"));
+  }
+}
+
+bool KVLayout::is_compatible(const KVLayout& remote) const noexcept {
+  return num_layers == remote.num_layers && page_size == remote.page_size &&
+         num_kv_heads == remote.num_kv_heads && head_dim == remote.head_dim &&
+         dtype == remote.dtype && has_v == remote.has_v;
+}
+
+std::string KVLayout::to_string() const {
+  return std::to_string(num_layers) + "L x " + std::to_string(num_pages) +
+         "P x " + std::to_string(page_size) + "T x " +
+         std::to_string(num_kv_heads) + "H x " + std::to_string(head_dim) +
+         "D " + std::string(kv::to_string(dtype)) + (has_v ? " kv " : " k-only ") +
+         std::string(kv::to_string(cache_order)) + "-major " +
+         std::string(kv::to_string(page_order));
+}
+
+}  // namespace mstar::kv

@@ -1,0 +1,59 @@
+// Copyright mstar-kv authors.
+#include "mstar/kv/manager.hpp"
+
+#include "mstar/kv/planner.hpp"
+#include "mstar/kv/status.hpp"
+
+namespace mstar::kv {
+
+KVTransferManager::KVTransferManager(
+    std::optional<TransferEngineInfo> transfer_engine_info,
+    std::shared_ptr<KVCache> kv_cache)
+    : kv_cache_(std::move(kv_cache)) {
+  if (!kv_cache_) {
+    throw Error(StatusCode::kInvalidArgument, "KVTransferManager needs a KV cache");
+  }
+  engine_ = make_engine(transfer_engine_info, kv_cache_);
+}
+
+KVTransferManager::KVTransferManager(std::shared_ptr<KVCache> kv_cache,
+                                     std::unique_ptr<KVTransferEngine> engine)
+    : kv_cache_(std::move(kv_cache)), engine_(std::move(engine)) {
+  if (!kv_cache_ || !engine_) {
+    throw Error(StatusCode::kInvalidArgument,
+                "KVTransferManager needs a KV cache and an engine");
+  }
+}
+
+KVTransferManager::~KVTransferManager() { cleanup(); }
+
+KVTransferInfo KVTransferManager::get_kv_transfer_info() const {
+  return engine_->get_kv_transfer_info();
+}
+
+std::optional<TransferFuture> KVTransferManager::start_async_retrieve(
+    std::uint64_t start_len, std::uint64_t end_len,
+    std::span<const std::uint32_t> local_page_indices,
+    std::span<const std::uint32_t> remote_page_indices,
+    const KVTransferInfo& kv_transfer_info) {
+  const std::vector<KVReadInfo> reads =
+      plan_reads(kv_cache_->layout(), start_len, end_len, local_page_indices,
+                 remote_page_indices);
+  return engine_->read_batched_async(kv_transfer_info, reads);
+}
+
+std::uint64_t KVTransferManager::sync_retrieve(
+    std::uint64_t start_len, std::uint64_t end_len,
+    std::span<const std::uint32_t> local_page_indices,
+    std::span<const std::uint32_t> remote_page_indices,
+    const KVTransferInfo& kv_transfer_info) {
+  auto future = start_async_retrieve(start_len, end_len, local_page_indices,
+                                     remote_page_indices, kv_transfer_info);
+  return future ? future->get() : 0;
+}
+
+void KVTransferManager::cleanup() {
+  if (engine_) engine_->shutdown();
+}
+
+}  // namespace mstar::kv

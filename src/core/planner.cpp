@@ -1,0 +1,228 @@
+// Copyright mstar-kv authors.
+#include "mstar/kv/planner.hpp"
+
+#include <bit>
+#include <string>
+
+#include "mstar/kv/status.hpp"
+
+namespace mstar::kv {
+
+namespace {
+
+[[noreturn]] void invalid(const std::string& msg) {
+  throw Error(StatusCode::kInvalidArgument, msg);
+}
+
+std::string range(std::uint64_t lo, std::uint64_t hi) {
+  return "[" + std::to_string(lo) + ", " + std::to_string(hi) + ")";
+}
+
+// Open-addressing set of (layer, local page) keys, sized for n inserts.
+// Linear in the number of reads, unlike a bitmap over the whole cache.
+class KeySet {
+ public:
+  explicit KeySet(std::size_t n)
+      : slots_(std::bit_ceil(n * 2 + 2), kEmpty), mask_(slots_.size() - 1) {}
+
+  // False if the key was already present.
+  bool insert(std::uint64_t key) {
+    std::size_t i = mix(key) & mask_;
+    while (slots_[i] != kEmpty) {
+      if (slots_[i] == key) return false;
+      i = (i + 1) & mask_;
+    }
+    slots_[i] = key;
+    return true;
+  }
+
+ private:
+  static constexpr std::uint64_t kEmpty = ~std::uint64_t{0};
+  static std::size_t mix(std::uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return static_cast<std::size_t>(x);
+  }
+  std::vector<std::uint64_t> slots_;
+  std::size_t mask_;
+};
+
+class SpanSink {
+ public:
+  explicit SpanSink(CopyPlan& plan) : plan_(plan) {}
+  void add(std::uint64_t local, std::uint64_t remote, std::uint64_t len) {
+    ++plan_.uncoalesced_spans;
+    plan_.total_bytes += len;
+    if (!plan_.spans.empty()) {
+      CopySpan& last = plan_.spans.back();
+      if (last.local_offset + last.length == local &&
+          last.remote_offset + last.length == remote) {
+        last.length += len;
+        return;
+      }
+    }
+    plan_.spans.push_back({local, remote, len});
+  }
+
+ private:
+  CopyPlan& plan_;
+};
+
+}  // namespace
+
+std::vector<KVReadInfo> plan_reads(const KVLayout& local,
+                                   std::uint64_t start_len,
+                                   std::uint64_t end_len,
+                                   std::span<const std::uint32_t> local_pages,
+                                   std::span<const std::uint32_t> remote_pages) {
+  if (start_len > end_len) {
+    invalid("start_len " + std::to_string(start_len) + " is greater than end_len " +
+            std::to_string(end_len));
+  }
+  std::vector<KVReadInfo> reads;
+  if (start_len == end_len) return reads;
+  const std::uint64_t ps = local.page_size;
+  const std::uint64_t first = start_len / ps;
+  const std::uint64_t needed = (end_len + ps - 1) / ps;  // pages [0, needed)
+  if (local_pages.size() < needed) {
+    invalid("local page table has " + std::to_string(local_pages.size()) +
+            " entries, tokens " + range(start_len, end_len) + " need " +
+            std::to_string(needed));
+  }
+  if (remote_pages.size() < needed) {
+    invalid("remote page table has " + std::to_string(remote_pages.size()) +
+            " entries, tokens " + range(start_len, end_len) + " need " +
+            std::to_string(needed));
+  }
+  for (std::uint64_t i = first; i < needed; ++i) {
+    if (local_pages[i] >= local.num_pages) {
+      invalid("local page " + std::to_string(local_pages[i]) + " (table entry " +
+              std::to_string(i) + ") out of range " + range(0, local.num_pages));
+    }
+  }
+  reads.reserve((needed - first) * local.num_layers);
+  auto emit = [&](std::uint32_t layer, std::uint64_t i) {
+    const std::uint64_t page_start = i * ps;
+    const std::uint64_t ts = start_len > page_start ? start_len - page_start : 0;
+    const std::uint64_t te = std::min<std::uint64_t>(ps, end_len - page_start);
+    reads.push_back({layer, local_pages[i], remote_pages[i],
+                     static_cast<std::int64_t>(ts), static_cast<std::int64_t>(te)});
+  };
+  if (local.cache_order == CacheOrder::kPageMajor) {
+    for (std::uint64_t i = first; i < needed; ++i) {
+      for (std::uint32_t layer = 0; layer < local.num_layers; ++layer) emit(layer, i);
+    }
+  } else {
+    for (std::uint32_t layer = 0; layer < local.num_layers; ++layer) {
+      for (std::uint64_t i = first; i < needed; ++i) emit(layer, i);
+    }
+  }
+  return reads;
+}
+
+CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
+                     std::span<const KVReadInfo> reads) {
+  local.check_compatible(remote);
+  CopyPlan plan;
+  plan.spans.reserve(reads.size() * local.num_kv());
+  SpanSink sink(plan);
+  KeySet seen(reads.size());
+  const bool same_order = local.page_order == remote.page_order;
+  const std::uint64_t hb = local.head_bytes();
+  const std::uint64_t tb = local.token_bytes();
+  const std::uint32_t heads = local.num_kv_heads;
+  const std::int64_t ps = local.page_size;
+
+  // Pass 1: validate every read before emitting anything.
+  for (std::size_t n = 0; n < reads.size(); ++n) {
+    const KVReadInfo& r = reads[n];
+    // Built only on the error path: planning allocates nothing per read.
+    auto where = [n] { return "read " + std::to_string(n) + ": "; };
+    if (r.layer_idx < 0 || r.layer_idx >= std::int64_t{local.num_layers}) {
+      invalid(where() + "layer " + std::to_string(r.layer_idx) + " out of range " +
+              range(0, local.num_layers));
+    }
+    if (r.local_page_idx < 0 || r.local_page_idx >= std::int64_t{local.num_pages}) {
+      invalid(where() + "local page " + std::to_string(r.local_page_idx) +
+              " out of range " + range(0, local.num_pages) + " in local cache");
+    }
+    if (r.remote_page_idx < 0 || r.remote_page_idx >= std::int64_t{remote.num_pages}) {
+      invalid(where() + "remote page " + std::to_string(r.remote_page_idx) +
+              " out of range " + range(0, remote.num_pages) + " in remote cache");
+    }
+    if (r.token_start < 0 || r.token_start >= r.token_end || r.token_end > ps) {
+      invalid(where() + "token range [" + std::to_string(r.token_start) + ", " +
+              std::to_string(r.token_end) + ") must satisfy 0 <= start < end <= " +
+              std::to_string(ps));
+    }
+    const auto layer = static_cast<std::uint64_t>(r.layer_idx);
+    const auto lpage = static_cast<std::uint64_t>(r.local_page_idx);
+    if (!seen.insert(layer * local.num_pages + lpage)) {
+      invalid(where() + "duplicate destination: layer " + std::to_string(layer) +
+              " local page " + std::to_string(lpage) + " appears twice in one batch");
+    }
+  }
+
+  // Pass 2: emit. K and V of one layer are neighbours in a page-major cache,
+  // so emit them per read there; in a layer-major cache all K blocks of a
+  // layer are neighbours, so emit every read's K, then every read's V.
+  auto emit = [&](const KVReadInfo& r, KV kv) {
+    const auto layer = static_cast<std::uint32_t>(r.layer_idx);
+    const auto ts = static_cast<std::uint32_t>(r.token_start);
+    const auto te = static_cast<std::uint32_t>(r.token_end);
+    const bool full = ts == 0 && te == local.page_size;
+    const std::uint64_t lb =
+        local.block_offset(layer, kv, static_cast<std::uint32_t>(r.local_page_idx));
+    const std::uint64_t rb =
+        remote.block_offset(layer, kv, static_cast<std::uint32_t>(r.remote_page_idx));
+    if (same_order && (full || local.page_order == PageOrder::kNHD)) {
+      sink.add(lb + ts * tb, rb + ts * tb, std::uint64_t{te - ts} * tb);
+    } else if (same_order) {  // partial HND page: one run per head
+      for (std::uint32_t h = 0; h < heads; ++h) {
+        const std::uint64_t off = local.in_block_offset(ts, h);
+        sink.add(lb + off, rb + off, std::uint64_t{te - ts} * hb);
+      }
+    } else {  // NHD <-> HND: every (token, head) row moves on its own
+      for (std::uint32_t t = ts; t < te; ++t) {
+        for (std::uint32_t h = 0; h < heads; ++h) {
+          sink.add(lb + local.in_block_offset(t, h), rb + remote.in_block_offset(t, h), hb);
+        }
+      }
+    }
+  };
+  if (local.cache_order == CacheOrder::kPageMajor) {
+    for (const KVReadInfo& r : reads) {
+      for (std::uint32_t k = 0; k < local.num_kv(); ++k) emit(r, static_cast<KV>(k));
+    }
+  } else {
+    // Reads from plan_reads come layer by layer; emit K then V per run of
+    // reads of one layer so that both passes stay local in memory.
+    std::size_t begin = 0;
+    while (begin < reads.size()) {
+      std::size_t end = begin + 1;
+      while (end < reads.size() && reads[end].layer_idx == reads[begin].layer_idx) ++end;
+      for (std::uint32_t k = 0; k < local.num_kv(); ++k) {
+        for (std::size_t i = begin; i < end; ++i) emit(reads[i], static_cast<KV>(k));
+      }
+      begin = end;
+    }
+  }
+  return plan;
+}
+
+std::vector<CopySpan> split_spans(std::span<const CopySpan> spans,
+                                  std::uint64_t max_bytes) {
+  if (max_bytes == 0) invalid("split_spans: max_bytes must be > 0");
+  std::vector<CopySpan> out;
+  out.reserve(spans.size());
+  for (const CopySpan& s : spans) {
+    for (std::uint64_t done = 0; done < s.length; done += max_bytes) {
+      out.push_back({s.local_offset + done, s.remote_offset + done,
+                     std::min(max_bytes, s.length - done)});
+    }
+  }
+  return out;
+}
+
+}  // namespace mstar::kv

@@ -1,0 +1,24 @@
+// Copyright mstar-kv authors.
+//
+// Constructors of the engines that are built, for the factory
+// (src/engines/factory.cpp) only. Each is defined in its engine's folder.
+#pragma once
+
+#include <memory>
+
+#include "mstar/kv/cache.hpp"
+#include "mstar/kv/engine.hpp"
+#include "mstar/kv/manager.hpp"
+
+namespace mstar::kv::engines {
+
+std::unique_ptr<KVTransferEngine> make_shm_engine(std::shared_ptr<KVCache> cache,
+                                                  const TransferEngineInfo& info);
+std::unique_ptr<KVTransferEngine> make_ucx_engine(std::shared_ptr<KVCache> cache,
+                                                  const TransferEngineInfo& info);
+std::unique_ptr<KVTransferEngine> make_mooncake_engine(std::shared_ptr<KVCache> cache,
+                                                       const TransferEngineInfo& info);
+std::unique_ptr<KVTransferEngine> make_cuda_ipc_engine(std::shared_ptr<KVCache> cache,
+                                                       const TransferEngineInfo& info);
+
+}  // namespace mstar::kv::engines

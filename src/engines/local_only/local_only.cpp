@@ -1,0 +1,20 @@
+// Copyright mstar-kv authors.
+#include "mstar/kv/local_only.hpp"
+
+#include <string>
+
+namespace mstar::kv {
+
+std::optional<TransferFuture> LocalOnlyKVTransferEngine::read_batched_async(
+    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
+  if (read_info.empty()) return std::nullopt;
+  throw Error(StatusCode::kInvalidArgument,
+              "LocalOnlyKVTransferEngine cannot read remote pages: " +
+                  std::to_string(read_info.size()) + " reads given" +
+                  (remote_kv_info.empty()
+                       ? std::string()
+                       : " from a '" + remote_kv_info.engine + "' descriptor") +
+                  ", limit 0");
+}
+
+}  // namespace mstar::kv

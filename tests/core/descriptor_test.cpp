@@ -1,0 +1,171 @@
+// Copyright mstar-kv authors.
+#include <gtest/gtest.h>
+
+#include "core/codec.hpp"
+#include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/status.hpp"
+
+namespace mstar::kv {
+namespace {
+
+SequenceInfo sample() {
+  SequenceInfo s;
+  s.seq_id = 0x1122334455667788ULL;
+  s.num_tokens = 37;
+  s.page_indices = {9, 4, 1000};
+  s.kv_transfer_info = {"shm", {1, 2, 3, 4, 5}};
+  return s;
+}
+
+void expect_corrupt(std::span<const std::uint8_t> bytes, const std::string& needle) {
+  try {
+    SequenceInfo::decode(bytes);
+    FAIL() << "expected CorruptDescriptor containing '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kCorruptDescriptor) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+// Re-frames a hand-built payload with a valid checksum, to reach the checks
+// that sit behind the CRC.
+std::vector<std::uint8_t> frame(const codec::ByteWriter& w) {
+  auto copy = w;
+  return codec::encode_frame(codec::FrameKind::kSequenceInfo, copy.data());
+}
+
+TEST(Descriptor, SequenceInfoRoundTrips) {
+  const SequenceInfo s = sample();
+  EXPECT_EQ(SequenceInfo::decode(s.encode()), s);
+  SequenceInfo empty;
+  EXPECT_EQ(SequenceInfo::decode(empty.encode()), empty);
+}
+
+TEST(Descriptor, TransferInfoRoundTrips) {
+  const KVTransferInfo t{"ucx", std::vector<std::uint8_t>(300, 7)};
+  EXPECT_EQ(KVTransferInfo::decode(t.encode()), t);
+  EXPECT_EQ(KVTransferInfo::decode(KVTransferInfo{}.encode()), KVTransferInfo{});
+}
+
+TEST(Descriptor, EveryTruncationIsRejected) {
+  const auto bytes = sample().encode();
+  for (std::size_t n = 0; n < bytes.size(); ++n) {
+    EXPECT_THROW(SequenceInfo::decode(std::span(bytes).first(n)), Error) << n;
+  }
+}
+
+TEST(Descriptor, EveryFlippedByteIsRejected) {
+  const auto good = sample().encode();
+  for (std::size_t i = 0; i < good.size(); ++i) {
+    auto bad = good;
+    bad[i] ^= 0x40;
+    EXPECT_THROW(SequenceInfo::decode(bad), Error) << "byte " << i;
+  }
+}
+
+TEST(Descriptor, WrongKindVersionAndMagic) {
+  const auto t = KVTransferInfo{"shm", {}}.encode();
+  expect_corrupt(t, "frame kind 1, expected 2");
+  auto s = sample().encode();
+  s[0] = 'X';
+  expect_corrupt(s, "not an mstar-kv descriptor");
+  codec::ByteWriter payload;
+  payload.u64(1);
+  auto v2 = codec::encode_frame(codec::FrameKind::kSequenceInfo, payload.data());
+  v2[4] = 2;  // version 2, then fix the CRC so only the version is wrong
+  const std::uint32_t crc = codec::crc32c(std::span(v2).first(v2.size() - 4));
+  for (int i = 0; i < 4; ++i) v2[v2.size() - 4 + i] = static_cast<std::uint8_t>(crc >> (8 * i));
+  expect_corrupt(v2, "unsupported version 2");
+}
+
+TEST(Descriptor, OversizedFieldsAreRejected) {
+  codec::ByteWriter w;
+  w.u64(1);
+  w.u64(10);
+  w.u32(0xFFFFFFFFu);  // page count far over the limit
+  expect_corrupt(frame(w), "exceed the limit");
+
+  codec::ByteWriter w2;
+  w2.u64(1);
+  w2.u64(10);
+  w2.u32(1000);  // claims 1000 pages, carries none
+  expect_corrupt(frame(w2), "truncated: 1000 pages need 4000 bytes");
+
+  codec::ByteWriter w3;
+  w3.u64(1);
+  w3.u64(1);
+  w3.u32(1);
+  w3.u32(0);
+  w3.u32(1u << 30);  // engine name length
+  expect_corrupt(frame(w3), "length 1073741824 exceeds limit 64");
+}
+
+TEST(Descriptor, InconsistentFieldsAreRejected) {
+  codec::ByteWriter w;
+  w.u64(1);
+  w.u64(5);  // 5 tokens
+  w.u32(0);  // no pages
+  w.str("");
+  w.bytes({});
+  expect_corrupt(frame(w), "5 tokens with no pages");
+
+  codec::ByteWriter w2;
+  w2.u64(1);
+  w2.u64(1);
+  w2.u32(1);
+  w2.u32(0);
+  w2.str("");
+  const std::uint8_t junk[] = {1};
+  w2.bytes(junk);
+  expect_corrupt(frame(w2), "local-only (empty) transfer info carries 1 payload bytes");
+
+  codec::ByteWriter w3;
+  w3.u64(1);
+  w3.u64(1);
+  w3.u32(1);
+  w3.u32(0);
+  w3.str("../etc");
+  w3.bytes({});
+  expect_corrupt(frame(w3), "engine name must be");
+
+  auto trailing = sample().encode();
+  codec::ByteWriter w4;
+  w4.u64(1);
+  w4.u64(0);
+  w4.u32(0);
+  w4.str("");
+  w4.bytes({});
+  w4.u8(0);
+  expect_corrupt(frame(w4), "1 unexpected trailing bytes");
+}
+
+TEST(Descriptor, LayoutDecodingValidates) {
+  KVLayout l;
+  l.num_layers = 2;
+  l.num_pages = 4;
+  l.page_size = 16;
+  l.num_kv_heads = 1;
+  l.head_dim = 64;
+  codec::ByteWriter w;
+  w.layout(l);
+  codec::ByteReader r(w.data(), "test");
+  EXPECT_EQ(r.layout("layout"), l);
+  l.page_size = 0;
+  codec::ByteWriter w2;
+  w2.layout(l);
+  codec::ByteReader r2(w2.data(), "test");
+  try {
+    r2.layout("layout");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kCorruptDescriptor);
+    EXPECT_NE(std::string(e.what()).find("page_size 0 out of range"), std::string::npos);
+  }
+  auto raw = w.data();
+  raw[20] = 9;  // dtype byte
+  codec::ByteReader r3(raw, "test");
+  EXPECT_THROW(r3.layout("layout"), Error);
+}
+
+}  // namespace
+}  // namespace mstar::kv

@@ -1,0 +1,81 @@
+// Copyright mstar-kv authors.
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "mstar/kv/future.hpp"
+
+namespace mstar::kv {
+namespace {
+
+using namespace std::chrono_literals;
+
+TEST(TransferFuture, PollsWaitsAndCarriesBytes) {
+  TransferPromise p;
+  TransferFuture f = p.future();
+  EXPECT_TRUE(f.valid());
+  EXPECT_FALSE(f.ready());
+  EXPECT_EQ(f.status().code(), StatusCode::kInProgress);
+  EXPECT_FALSE(f.wait_for(1ms));
+  std::thread t([&] {
+    std::this_thread::sleep_for(5ms);
+    p.complete(123);
+  });
+  EXPECT_EQ(f.get(), 123u);
+  t.join();
+  EXPECT_TRUE(f.ready());
+  EXPECT_TRUE(f.status().is_ok());
+  EXPECT_EQ(f.bytes(), 123u);
+}
+
+TEST(TransferFuture, FirstResolutionWins) {
+  TransferPromise p;
+  EXPECT_TRUE(p.fail({StatusCode::kTimeout, "read took too long"}));
+  EXPECT_FALSE(p.complete(10));
+  EXPECT_FALSE(p.fail({StatusCode::kPeerFailure, "x"}));
+  auto f = p.future();
+  EXPECT_EQ(f.status().code(), StatusCode::kTimeout);
+  EXPECT_EQ(f.bytes(), 0u);
+  try {
+    f.get();
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kTimeout);
+    EXPECT_STREQ(e.what(), "Timeout: read took too long");
+  }
+}
+
+TEST(TransferFuture, CancelIsSeenByThePromise) {
+  TransferPromise p;
+  auto f = p.future();
+  EXPECT_FALSE(p.cancel_requested());
+  f.cancel();
+  EXPECT_TRUE(p.cancel_requested());
+  EXPECT_FALSE(f.ready());  // cancel asks; the engine resolves
+}
+
+TEST(TransferFuture, DroppingTheFutureIsSafe) {
+  TransferPromise p;
+  { auto f = p.future(); }
+  EXPECT_TRUE(p.complete(1));
+  TransferFuture invalid;
+  EXPECT_FALSE(invalid.valid());
+  EXPECT_FALSE(invalid.ready());
+  EXPECT_THROW(invalid.get(), Error);
+}
+
+TEST(TransferFuture, ReadyAndFailedHelpers) {
+  EXPECT_EQ(make_ready_future(5).get(), 5u);
+  EXPECT_EQ(make_failed_future({StatusCode::kCancelled, "c"}).status().code(),
+            StatusCode::kCancelled);
+}
+
+TEST(Status, ScopesGroupWhatMustBeTornDown) {
+  EXPECT_EQ(Status(StatusCode::kTimeout, "").scope(), FailureScope::kTransfer);
+  EXPECT_EQ(Status(StatusCode::kPeerFailure, "").scope(), FailureScope::kPeer);
+  EXPECT_EQ(Status(StatusCode::kShutdown, "").scope(), FailureScope::kEngine);
+  EXPECT_EQ(Status(StatusCode::kRetryLater, "").scope(), FailureScope::kNone);
+}
+
+}  // namespace
+}  // namespace mstar::kv

@@ -1,0 +1,68 @@
+// Copyright mstar-kv authors.
+#include <gtest/gtest.h>
+
+#include "mstar/kv/cache.hpp"
+#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/status.hpp"
+
+namespace mstar::kv {
+namespace {
+
+KVLayout layout(CacheOrder co, PageOrder po) {
+  KVLayout l;
+  l.num_layers = 2;
+  l.num_pages = 8;
+  l.page_size = 4;
+  l.num_kv_heads = 3;
+  l.head_dim = 5;  // 10-byte rows: exercises the partial-word tail
+  l.dtype = DType::kFloat16;
+  l.cache_order = co;
+  l.page_order = po;
+  return l;
+}
+
+TEST(Pattern, FillThenVerify) {
+  auto c = KVCache::create_host(layout(CacheOrder::kPageMajor, PageOrder::kHND));
+  const std::vector<std::uint32_t> pages = {3, 1, 6};
+  fill_pattern(*c, 9, pages, 0, 11);
+  auto v = verify_pattern(*c, 9, pages, 0, 11);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+  EXPECT_EQ(v.blocks_checked, 3u * 2 * 2);
+  EXPECT_EQ(v.bytes_checked, 11u * 30 * 2 * 2);
+  EXPECT_FALSE(verify_pattern(*c, 10, pages, 0, 11).ok());  // other seed
+}
+
+TEST(Pattern, IsIndependentOfPhysicalPlacementAndOrder) {
+  auto a = KVCache::create_host(layout(CacheOrder::kLayerMajor, PageOrder::kNHD));
+  auto b = KVCache::create_host(layout(CacheOrder::kPageMajor, PageOrder::kHND));
+  const std::vector<std::uint32_t> pa = {0, 1, 2};
+  const std::vector<std::uint32_t> pb = {7, 5, 4};
+  fill_pattern(*a, 1, pa, 0, 12);
+  fill_pattern(*b, 1, pb, 0, 12);
+  auto va = verify_pattern(*a, 1, pa, 0, 12);
+  auto vb = verify_pattern(*b, 1, pb, 0, 12);
+  EXPECT_TRUE(va.ok() && vb.ok());
+  EXPECT_EQ(va.checksum, vb.checksum);
+}
+
+TEST(Pattern, OneFlippedByteIsFoundAndNamed) {
+  auto c = KVCache::create_host(layout(CacheOrder::kLayerMajor, PageOrder::kNHD));
+  const std::vector<std::uint32_t> pages = {2, 5};
+  fill_pattern(*c, 3, pages, 0, 8);
+  c->block(1, KV::kValue, 5)[7] ^= std::byte{1};
+  auto v = verify_pattern(*c, 3, pages, 0, 8);
+  EXPECT_EQ(v.mismatched_blocks, 1u);
+  EXPECT_NE(v.first_mismatch.find("layer 1 v page 5 (sequence page 1"), std::string::npos)
+      << v.first_mismatch;
+}
+
+TEST(Pattern, RejectsShortTables) {
+  auto c = KVCache::create_host(layout(CacheOrder::kLayerMajor, PageOrder::kNHD));
+  const std::vector<std::uint32_t> pages = {2};
+  EXPECT_THROW(fill_pattern(*c, 3, pages, 0, 8), Error);
+  const std::vector<std::uint32_t> oob = {8};
+  EXPECT_THROW(verify_pattern(*c, 3, oob, 0, 4), Error);
+}
+
+}  // namespace
+}  // namespace mstar::kv
