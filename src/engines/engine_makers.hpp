@@ -21,4 +21,8 @@ std::unique_ptr<KVTransferEngine> make_mooncake_engine(std::shared_ptr<KVCache> 
 std::unique_ptr<KVTransferEngine> make_cuda_ipc_engine(std::shared_ptr<KVCache> cache,
                                                        const TransferEngineInfo& info);
 
+// Memory providers, for make_kv_cache().
+std::unique_ptr<KVMemory> allocate_shared_memory(std::size_t size);
+std::unique_ptr<KVMemory> allocate_device_memory(std::size_t size, int device);
+
 }  // namespace mstar::kv::engines

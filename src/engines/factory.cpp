@@ -75,6 +75,34 @@ std::unique_ptr<KVTransferEngine> make_engine(
                   known + ")");
 }
 
+std::shared_ptr<KVCache> make_kv_cache(const KVLayout& layout, MemoryKind kind,
+                                       int device) {
+  layout.validate();
+  switch (kind) {
+    case MemoryKind::kHost:
+      return KVCache::create_host(layout);
+    case MemoryKind::kSharedHost:
+#if MSTAR_KV_HAVE_SHM
+      return std::make_shared<KVCache>(
+          layout, engines::allocate_shared_memory(layout.total_bytes()));
+#else
+      throw Error(StatusCode::kUnavailable,
+                  "shared host memory needs the shm engine, which is not built");
+#endif
+    case MemoryKind::kDevice:
+#if MSTAR_KV_HAVE_CUDA_IPC
+      return std::make_shared<KVCache>(
+          layout, engines::allocate_device_memory(layout.total_bytes(), device));
+#else
+      (void)device;
+      throw Error(StatusCode::kUnavailable,
+                  "device memory needs the cuda_ipc engine, which is not built");
+#endif
+  }
+  throw Error(StatusCode::kInvalidArgument,
+              "unknown memory kind " + std::to_string(static_cast<int>(kind)));
+}
+
 std::vector<std::string> built_engines() {
   std::vector<std::string> out{"local"};
   for (const Entry& e : kEngines) {

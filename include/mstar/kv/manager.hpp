@@ -48,6 +48,13 @@ std::unique_ptr<KVTransferEngine> make_engine(
 // Engines compiled into this build, e.g. {"local", "shm", "ucx"}.
 std::vector<std::string> built_engines();
 
+// A zero-filled cache in memory of the given kind: kHost (private), kSharedHost
+// (needs the shm engine; mappable by other processes of the same user) or
+// kDevice (needs the cuda_ipc engine; on CUDA device `device`). Throws
+// Error(kUnavailable) when the engine providing that memory is not built.
+std::shared_ptr<KVCache> make_kv_cache(const KVLayout& layout, MemoryKind kind,
+                                       int device = 0);
+
 // Thread safety: every method is safe from any thread; concurrent retrieves
 // into disjoint local pages are supported. cleanup() shuts the engine down
 // (in-flight futures resolve with kShutdown); it is idempotent and run by the
