@@ -1,0 +1,424 @@
+// Copyright mstar-kv authors.
+//
+// The engine conformance suite: the same data checks, error cases and
+// shutdown cases for every engine that is built and can run here, each
+// against a real peer process (kv_conformance_peer). An engine that needs
+// something absent skips with the reason printed.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <dlfcn.h>
+#include <thread>
+
+#include "mstar/kv/kv.hpp"
+#include "peer_process.hpp"
+
+namespace mstar::kv {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::PeerProcess;
+using testing::PeerSpec;
+
+struct EngineCase {
+  std::string label;
+  std::string engine;
+  std::map<std::string, std::string> env;    // for both processes
+  std::map<std::string, std::string> extra;  // EngineOptions.extra
+  std::string skip_reason;                   // non-empty: cannot run here
+};
+
+// Keeps gtest from printing the struct as raw bytes.
+void PrintTo(const EngineCase& c, std::ostream* os) { *os << c.label; }
+
+bool built(const std::string& name) {
+  const auto b = built_engines();
+  return std::find(b.begin(), b.end(), name) != b.end();
+}
+
+std::vector<EngineCase> engine_cases() {
+  std::vector<EngineCase> cases;
+  auto add = [&](EngineCase c) {
+    if (c.skip_reason.empty() && !built(c.engine)) {
+      c.skip_reason = "engine '" + c.engine + "' is not built";
+    }
+    cases.push_back(std::move(c));
+  };
+  add({"shm", "shm", {}, {}, ""});
+  add({"ucx_tcp", "ucx", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}, {}, ""});
+  add({"ucx_shm", "ucx", {{"UCX_TLS", "sm,self,tcp"}, {"UCX_NET_DEVICES", "lo"}}, {}, ""});
+  EngineCase mc{"mooncake", "mooncake", {}, {}, ""};
+  const char* lib = std::getenv("MSTAR_KV_MOONCAKE_LIB");
+  if (lib == nullptr || *lib == '\0') {
+    mc.skip_reason =
+        "MSTAR_KV_MOONCAKE_LIB is not set: no Mooncake library with the C API here "
+        "(the PyPI wheel carries none)";
+  } else if (void* h = ::dlopen(lib, RTLD_NOW | RTLD_LOCAL); h == nullptr) {
+    mc.skip_reason = std::string("cannot load MSTAR_KV_MOONCAKE_LIB: ") + ::dlerror();
+  } else {
+    ::dlclose(h);
+    mc.extra["mooncake_lib"] = lib;
+  }
+  add(mc);
+  return cases;
+}
+
+// 4 layers, 64 pages of 16 tokens, 2 heads x 64 bf16: 4 KiB blocks, 2 MiB.
+KVLayout small_layout(CacheOrder co = CacheOrder::kLayerMajor, PageOrder po = PageOrder::kNHD) {
+  KVLayout l;
+  l.num_layers = 4;
+  l.num_pages = 64;
+  l.page_size = 16;
+  l.num_kv_heads = 2;
+  l.head_dim = 64;
+  l.dtype = DType::kBFloat16;
+  l.cache_order = co;
+  l.page_order = po;
+  return l;
+}
+
+constexpr std::byte kSentinel{0xA5};
+constexpr std::uint64_t kSeed = 1234;
+
+class Conformance : public ::testing::TestWithParam<EngineCase> {
+ protected:
+  void SetUp() override {
+    const EngineCase& c = GetParam();
+    if (!c.skip_reason.empty()) GTEST_SKIP() << c.skip_reason;
+    for (const auto& [k, v] : c.env) ::setenv(k.c_str(), v.c_str(), 1);
+  }
+
+  PeerSpec peer_spec(const KVLayout& layout, std::uint64_t tokens) const {
+    PeerSpec s;
+    s.engine = GetParam().engine;
+    s.layout = layout;
+    s.tokens = tokens;
+    s.seed = kSeed;
+    s.env = GetParam().env;
+    s.extra = GetParam().extra;
+    return s;
+  }
+
+  std::unique_ptr<KVTransferManager> manager(std::shared_ptr<KVCache> cache,
+                                             std::chrono::milliseconds timeout = 5000ms) {
+    EngineOptions o;
+    o.timeout = timeout;
+    o.extra = GetParam().extra;
+    return std::make_unique<KVTransferManager>(
+        TransferEngineInfo{"decode", "", GetParam().engine, o}, std::move(cache));
+  }
+
+  std::shared_ptr<KVCache> local_cache(const KVLayout& l) {
+    auto c = make_kv_cache(l, MemoryKind::kHost);
+    std::memset(c->base(), static_cast<int>(kSentinel), l.total_bytes());
+    return c;
+  }
+
+  // Every byte outside the destination spans of `reads` still holds the
+  // sentinel.
+  static void expect_only_named_bytes_written(const KVCache& local, const KVLayout& remote,
+                                              const std::vector<KVReadInfo>& reads) {
+    std::vector<std::uint8_t> named(local.layout().total_bytes(), 0);
+    if (!reads.empty()) {
+      for (const CopySpan& s : plan_copies(local.layout(), remote, reads).spans) {
+        std::fill_n(named.begin() + static_cast<std::ptrdiff_t>(s.local_offset), s.length, 1);
+      }
+    }
+    std::uint64_t touched = 0;
+    for (std::size_t i = 0; i < named.size(); ++i) {
+      touched += (!named[i] && local.base()[i] != kSentinel);
+    }
+    EXPECT_EQ(touched, 0u) << "bytes outside the read were written";
+  }
+
+  static std::vector<std::uint32_t> local_pages(std::size_t n, std::uint32_t first = 3) {
+    std::vector<std::uint32_t> v(n);
+    for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::uint32_t>((first + i * 5) % 64);
+    return v;
+  }
+};
+
+TEST_P(Conformance, FullPullMovesEveryByte) {
+  const KVLayout l = small_layout();
+  PeerProcess peer(peer_spec(l, 300));  // last page partial (300 = 18*16 + 12)
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = peer.sequence();
+  const auto lp = local_pages(seq.page_indices.size());
+  const std::uint64_t bytes = m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices,
+                                               seq.kv_transfer_info);
+  EXPECT_EQ(bytes, 300u * l.token_bytes() * 2 * l.num_layers);
+  auto v = verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+  expect_only_named_bytes_written(
+      *cache, l, plan_reads(l, 0, seq.num_tokens, lp, seq.page_indices));
+}
+
+TEST_P(Conformance, PrefixHitPullsOnlyTheTail) {
+  const KVLayout l = small_layout();
+  PeerProcess peer(peer_spec(l, 256));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = peer.sequence();
+  const auto lp = local_pages(seq.page_indices.size());
+  const std::uint64_t start = 197;  // inside page 12
+  auto f = m->start_async_retrieve(start, seq.num_tokens, lp, seq.page_indices,
+                                   seq.kv_transfer_info);
+  ASSERT_TRUE(f.has_value());
+  EXPECT_EQ(f->get(), (256u - start) * l.token_bytes() * 2 * l.num_layers);
+  auto v = verify_pattern(*cache, kSeed, lp, start, seq.num_tokens);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+  expect_only_named_bytes_written(
+      *cache, l, plan_reads(l, start, seq.num_tokens, lp, seq.page_indices));
+}
+
+TEST_P(Conformance, OrdersMayDifferBetweenTheTwoCaches) {
+  const KVLayout remote = small_layout(CacheOrder::kPageMajor, PageOrder::kHND);
+  for (auto [co, po] : {std::pair{CacheOrder::kLayerMajor, PageOrder::kNHD},
+                        std::pair{CacheOrder::kPageMajor, PageOrder::kHND},
+                        std::pair{CacheOrder::kLayerMajor, PageOrder::kHND}}) {
+    PeerProcess peer(peer_spec(remote, 90));
+    const KVLayout l = small_layout(co, po);
+    auto cache = local_cache(l);
+    auto m = manager(cache);
+    const auto& seq = peer.sequence();
+    const auto lp = local_pages(seq.page_indices.size());
+    m->sync_retrieve(5, 90, lp, seq.page_indices, seq.kv_transfer_info);
+    auto v = verify_pattern(*cache, kSeed, lp, 5, 90);
+    EXPECT_TRUE(v.ok()) << l.to_string() << ": " << v.first_mismatch;
+    expect_only_named_bytes_written(*cache, remote, plan_reads(l, 5, 90, lp, seq.page_indices));
+  }
+}
+
+TEST_P(Conformance, NothingToReadReturnsNoFuture) {
+  const KVLayout l = small_layout();
+  PeerProcess peer(peer_spec(l, 32));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = peer.sequence();
+  EXPECT_FALSE(m->start_async_retrieve(32, 32, local_pages(2), seq.page_indices,
+                                       seq.kv_transfer_info)
+                   .has_value());
+}
+
+TEST_P(Conformance, IncompatibleLayoutIsRejectedBeforeAnyByteMoves) {
+  PeerProcess peer(peer_spec(small_layout(), 64));
+  KVLayout l = small_layout();
+  l.head_dim = 32;
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = peer.sequence();
+  try {
+    m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, seq.kv_transfer_info);
+    FAIL() << "expected IncompatibleLayout";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kIncompatibleLayout) << e.what();
+    EXPECT_NE(std::string(e.what()).find("head_dim"), std::string::npos) << e.what();
+  }
+  expect_only_named_bytes_written(*cache, l, {});
+}
+
+TEST_P(Conformance, OutOfRangeRemotePageIsRejectedBeforeAnyByteMoves) {
+  const KVLayout l = small_layout();
+  PeerProcess peer(peer_spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  auto remote = peer.sequence().page_indices;
+  remote[2] = 64;  // one past the remote cache
+  try {
+    m->start_async_retrieve(0, 64, local_pages(4), remote, peer.sequence().kv_transfer_info);
+    FAIL() << "expected InvalidArgument";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("remote page 64 out of range [0, 64)"),
+              std::string::npos)
+        << e.what();
+  }
+  expect_only_named_bytes_written(*cache, l, {});
+}
+
+TEST_P(Conformance, CorruptDescriptorIsRejectedBeforeAnyByteMoves) {
+  const KVLayout l = small_layout();
+  PeerProcess peer(peer_spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = peer.sequence();
+  // Truncated payloads and flipped bytes: every one is an Error thrown now
+  // (or, where a flipped byte still decodes, a read that fails cleanly).
+  const auto& good = seq.kv_transfer_info;
+  for (std::size_t n = 0; n < good.payload.size(); n += std::max<std::size_t>(1, good.payload.size() / 16)) {
+    KVTransferInfo bad = good;
+    bad.payload.resize(n);
+    EXPECT_THROW(m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, bad), Error)
+        << "payload truncated to " << n;
+  }
+  KVTransferInfo other = good;
+  other.engine = good.engine == "shm" ? "ucx" : "shm";
+  EXPECT_THROW(m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, other), Error);
+  EXPECT_THROW(m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, KVTransferInfo{}),
+               Error);
+  expect_only_named_bytes_written(*cache, l, {});
+}
+
+TEST_P(Conformance, DescriptorOfARestartedPeerIsRejected) {
+  const KVLayout l = small_layout();
+  auto cache = local_cache(l);
+  auto m = manager(cache, 3000ms);
+  KVTransferInfo stale;
+  std::vector<std::uint32_t> remote_pages;
+  {
+    PeerProcess first(peer_spec(l, 64));
+    stale = first.sequence().kv_transfer_info;
+    remote_pages = first.sequence().page_indices;
+    // A first successful read caches whatever the engine caches per peer.
+    m->sync_retrieve(0, 64, local_pages(4), remote_pages, stale);
+    first.kill_now();
+  }
+  std::memset(cache->base(), static_cast<int>(kSentinel), l.total_bytes());
+  PeerProcess second(peer_spec(l, 64));
+  const auto t0 = std::chrono::steady_clock::now();
+  bool failed = false;
+  try {
+    auto f = m->start_async_retrieve(0, 64, local_pages(4), remote_pages, stale);
+    ASSERT_TRUE(f.has_value());
+    ASSERT_TRUE(f->wait_for(10s)) << "future did not resolve";
+    failed = !f->status().is_ok();
+  } catch (const Error&) {
+    failed = true;
+  }
+  EXPECT_TRUE(failed) << "a descriptor of a dead peer was read";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  expect_only_named_bytes_written(*cache, l, {});
+  // The new peer's own descriptor works.
+  const auto& seq = second.sequence();
+  const auto lp = local_pages(seq.page_indices.size());
+  m->sync_retrieve(0, 64, lp, seq.page_indices, seq.kv_transfer_info);
+  EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 0, 64).ok());
+}
+
+TEST_P(Conformance, PeerKilledDuringReadResolvesInBoundedTime) {
+  KVLayout l = small_layout();
+  l.num_pages = 2048;  // 64 MiB
+  PeerProcess peer(peer_spec(l, 2048 * 16));
+  auto cache = make_kv_cache(l, MemoryKind::kHost);
+  auto m = manager(cache, 3000ms);
+  const auto& seq = peer.sequence();
+  std::vector<std::uint32_t> lp(seq.page_indices.size());
+  for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>(i);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::optional<TransferFuture> f;
+  try {
+    f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
+  } catch (const Error& e) {
+    FAIL() << e.what();
+  }
+  peer.kill_now();
+  ASSERT_TRUE(f.has_value());
+  ASSERT_TRUE(f->wait_for(15s)) << "no resolution 15 s after the peer died";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
+  if (f->status().is_ok()) {
+    // Completed before or despite the death: then every byte must be right.
+    auto v = verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+    EXPECT_TRUE(v.ok()) << "success reported with wrong bytes: " << v.first_mismatch;
+  } else {
+    EXPECT_NE(f->status().code(), StatusCode::kOk);
+  }
+  // The engine still works with a new peer.
+  PeerProcess again(peer_spec(small_layout(), 64));
+  auto cache2 = local_cache(small_layout());
+  auto m2 = manager(cache2);
+  m2->sync_retrieve(0, 64, local_pages(4), again.sequence().page_indices,
+                    again.sequence().kv_transfer_info);
+  EXPECT_TRUE(verify_pattern(*cache2, kSeed, local_pages(4), 0, 64).ok());
+}
+
+TEST_P(Conformance, ShutdownResolvesEveryReadInFlight) {
+  KVLayout l = small_layout();
+  l.num_pages = 1024;
+  PeerProcess peer(peer_spec(l, 1024 * 16));
+  auto cache = make_kv_cache(l, MemoryKind::kHost);
+  auto m = manager(cache, 20000ms);
+  const auto& seq = peer.sequence();
+  std::vector<TransferFuture> futures;
+  for (std::uint32_t part = 0; part < 4; ++part) {
+    std::vector<std::uint32_t> lp(256);
+    std::vector<std::uint32_t> rp(256);
+    for (std::uint32_t i = 0; i < 256; ++i) {
+      lp[i] = part * 256 + i;
+      rp[i] = seq.page_indices[part * 256 + i];
+    }
+    auto f = m->start_async_retrieve(0, 256 * 16, lp, rp, seq.kv_transfer_info);
+    ASSERT_TRUE(f.has_value());
+    futures.push_back(*f);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  m->cleanup();
+  for (auto& f : futures) {
+    ASSERT_TRUE(f.wait_for(10s)) << "a read in flight did not resolve after shutdown";
+    const StatusCode c = f.status().code();
+    EXPECT_TRUE(c == StatusCode::kOk || c == StatusCode::kShutdown || c == StatusCode::kCancelled)
+        << f.status().to_string();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  try {
+    m->start_async_retrieve(0, 16, std::vector<std::uint32_t>{0}, std::vector<std::uint32_t>{0},
+                            seq.kv_transfer_info);
+    FAIL() << "a read after shutdown was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kShutdown) << e.what();
+  }
+}
+
+TEST_P(Conformance, ConcurrentPullsFromManyThreads) {
+  KVLayout l = small_layout();
+  l.num_pages = 256;
+  PeerProcess peer(peer_spec(l, 256 * 16));
+  auto cache = local_cache(l);
+  auto m = manager(cache, 10000ms);
+  const auto& seq = peer.sequence();
+  constexpr int kThreads = 4;
+  constexpr std::uint32_t kPagesEach = 64;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        for (int rep = 0; rep < 3; ++rep) {
+          std::vector<std::uint32_t> lp(kPagesEach);
+          std::vector<std::uint32_t> rp(kPagesEach);
+          for (std::uint32_t i = 0; i < kPagesEach; ++i) {
+            lp[i] = static_cast<std::uint32_t>(t) * kPagesEach + (i * 7) % kPagesEach;
+            rp[i] = seq.page_indices[static_cast<std::uint32_t>(t) * kPagesEach + i];
+          }
+          m->sync_retrieve(0, kPagesEach * 16, lp, rp, seq.kv_transfer_info);
+        }
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "thread " << t << ": " << e.what();
+        ++failures;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  ASSERT_EQ(failures.load(), 0);
+  // Sequence page t*64 + i landed in local page t*64 + (i*7)%64.
+  std::vector<std::uint32_t> table(kThreads * kPagesEach);
+  for (std::uint32_t t = 0; t < kThreads; ++t) {
+    for (std::uint32_t i = 0; i < kPagesEach; ++i) {
+      table[t * kPagesEach + i] = t * kPagesEach + (i * 7) % kPagesEach;
+    }
+  }
+  auto v = verify_pattern(*cache, kSeed, table, 0, kThreads * kPagesEach * 16);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, Conformance, ::testing::ValuesIn(engine_cases()),
+                         [](const ::testing::TestParamInfo<EngineCase>& p) {
+                           return p.param.label;
+                         });
+
+}  // namespace
+}  // namespace mstar::kv

@@ -1,0 +1,60 @@
+// Copyright mstar-kv authors.
+//
+// A real peer process for engine tests: fork/exec of kv_conformance_peer,
+// which builds a cache and an engine, fills one sequence with the pattern,
+// prints "SEQ <hex SequenceInfo bytes>" and serves until told to quit, its
+// stdin closes or it is killed. The destructor kills and reaps it.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/layout.hpp"
+
+namespace mstar::kv::testing {
+
+struct PeerSpec {
+  std::string engine;          // "shm", "ucx", "mooncake"
+  KVLayout layout;
+  std::uint64_t tokens = 0;
+  std::uint64_t seed = 1;
+  std::uint64_t scatter_seed = 7;  // 0: contiguous pages
+  std::map<std::string, std::string> env;    // extra environment for the child
+  std::map<std::string, std::string> extra;  // EngineOptions.extra
+};
+
+std::string layout_arg(const KVLayout& l);
+KVLayout parse_layout_arg(const std::string& s);
+std::string to_hex(const std::vector<std::uint8_t>& bytes);
+std::vector<std::uint8_t> from_hex(const std::string& hex);
+
+class PeerProcess {
+ public:
+  // Starts the peer and waits (up to `timeout`) for its SequenceInfo.
+  // Throws std::runtime_error with the peer's message on failure.
+  explicit PeerProcess(const PeerSpec& spec,
+                       std::chrono::milliseconds timeout = std::chrono::seconds(30));
+  ~PeerProcess();
+  PeerProcess(const PeerProcess&) = delete;
+  PeerProcess& operator=(const PeerProcess&) = delete;
+
+  const SequenceInfo& sequence() const { return seq_; }
+  pid_t pid() const { return pid_; }
+  // SIGKILL and reap.
+  void kill_now();
+  // Asks it to quit and reaps it.
+  void quit();
+
+ private:
+  pid_t pid_ = -1;
+  int to_child_ = -1;
+  int from_child_ = -1;
+  SequenceInfo seq_;
+};
+
+}  // namespace mstar::kv::testing
