@@ -1,0 +1,148 @@
+// Copyright mstar-kv authors.
+#include "mooncake_api.hpp"
+
+#include <dlfcn.h>
+
+#include <cstddef>
+#include <cstdlib>
+#include <utility>
+
+#include "mstar/kv/status.hpp"
+
+namespace mstar::kv::engines::mooncake {
+
+// The C layouts of transfer_engine_c.h on LP64 (x86_64, aarch64).
+static_assert(sizeof(void*) == 8, "the Mooncake C API is used on LP64 only");
+static_assert(offsetof(McTransferRequest, opcode) == 0);
+static_assert(offsetof(McTransferRequest, source) == 8);
+static_assert(offsetof(McTransferRequest, target_id) == 16);
+static_assert(offsetof(McTransferRequest, target_offset) == 24);
+static_assert(offsetof(McTransferRequest, length) == 32);
+static_assert(sizeof(McTransferRequest) == 40);
+static_assert(offsetof(McTransferStatus, transferred_bytes) == 8);
+static_assert(sizeof(McTransferStatus) == 16);
+
+const char* task_status_name(int status) noexcept {
+  switch (static_cast<McTaskStatus>(status)) {
+    case McTaskStatus::kWaiting: return "WAITING";
+    case McTaskStatus::kPending: return "PENDING";
+    case McTaskStatus::kInvalid: return "INVALID";
+    case McTaskStatus::kCanceled: return "CANCELED";
+    case McTaskStatus::kCompleted: return "COMPLETED";
+    case McTaskStatus::kTimeout: return "TIMEOUT";
+    case McTaskStatus::kFailed: return "FAILED";
+  }
+  return "UNKNOWN";
+}
+
+std::string status_code_name(int code) {
+  const char* name = nullptr;
+  switch (code) {
+    case 0: name = "Ok"; break;
+    case 1: name = "InvalidArgument"; break;
+    case 2: name = "TooManyRequests"; break;
+    case 3: name = "AddressNotRegistered"; break;
+    case 4: name = "BatchBusy"; break;
+    case 6: name = "DeviceNotFound"; break;
+    case 7: name = "AddressOverlapped"; break;
+    case 8: name = "NotSupportedTransport"; break;
+    case 101: name = "Dns"; break;
+    case 102: name = "Socket"; break;
+    case 103: name = "MalformedJson"; break;
+    case 104: name = "RejectHandshake"; break;
+    case 200: name = "Metadata"; break;
+    case 201: name = "Endpoint"; break;
+    case 202: name = "Context"; break;
+    case 300: name = "Numa"; break;
+    case 301: name = "Clock"; break;
+    case 302: name = "Memory"; break;
+    case 999: name = "NotImplemented"; break;
+    default: break;
+  }
+  std::string out = name != nullptr ? name : "code";
+  out += " (" + std::to_string(code) + ")";
+  return out;
+}
+
+std::string resolve_library_path(const std::map<std::string, std::string>& options) {
+  if (auto it = options.find(kLibOption); it != options.end() && !it->second.empty()) {
+    return it->second;
+  }
+  // getenv is read once here, at engine creation; the engine never writes it.
+  if (const char* env = std::getenv(kLibEnv); env != nullptr && *env != '\0') {
+    return env;
+  }
+  return kDefaultLib;
+}
+
+namespace {
+
+// Resolves `name` into `fn`; throws naming the symbol when it is absent.
+template <typename Fn>
+void resolve(void* handle, const std::string& path, const char* name, Fn& fn) {
+  dlerror();  // clear a stale error
+  void* sym = dlsym(handle, name);
+  if (sym == nullptr) {
+    const char* err = dlerror();
+    throw Error(StatusCode::kUnavailable,
+                "Mooncake library '" + path + "' lacks the C API symbol '" + name +
+                    "'" + (err != nullptr ? std::string(": ") + err : std::string()) +
+                    "; point --mooncake-lib / MSTAR_KV_MOONCAKE_LIB at a "
+                    "libtransfer_engine.so built with transfer_engine_c.h");
+  }
+  // POSIX guarantees that object and function pointers convert via dlsym.
+  fn = reinterpret_cast<Fn>(sym);
+}
+
+}  // namespace
+
+MooncakeLibrary::MooncakeLibrary(const std::string& path) : path_(path) {
+  dlerror();
+  handle_ = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle_ == nullptr) {
+    const char* err = dlerror();
+    throw Error(StatusCode::kUnavailable,
+                "cannot load Mooncake library '" + path +
+                    "': " + (err != nullptr ? err : "unknown dlopen error") +
+                    "; set --mooncake-lib PATH or " + kLibEnv);
+  }
+  try {
+    resolve(handle_, path_, "createTransferEngine", api_.createTransferEngine);
+    resolve(handle_, path_, "getLocalIpAndPort", api_.getLocalIpAndPort);
+    resolve(handle_, path_, "installTransport", api_.installTransport);
+    resolve(handle_, path_, "openSegment", api_.openSegment);
+    resolve(handle_, path_, "closeSegment", api_.closeSegment);
+    resolve(handle_, path_, "destroyTransferEngine", api_.destroyTransferEngine);
+    resolve(handle_, path_, "registerLocalMemory", api_.registerLocalMemory);
+    resolve(handle_, path_, "unregisterLocalMemory", api_.unregisterLocalMemory);
+    resolve(handle_, path_, "allocateBatchID", api_.allocateBatchID);
+    resolve(handle_, path_, "submitTransfer", api_.submitTransfer);
+    resolve(handle_, path_, "getTransferStatus", api_.getTransferStatus);
+    resolve(handle_, path_, "freeBatchID", api_.freeBatchID);
+  } catch (...) {
+    dlclose(handle_);
+    handle_ = nullptr;
+    throw;
+  }
+}
+
+MooncakeLibrary::~MooncakeLibrary() {
+  if (handle_ != nullptr) dlclose(handle_);
+}
+
+MooncakeLibrary::MooncakeLibrary(MooncakeLibrary&& other) noexcept
+    : handle_(std::exchange(other.handle_, nullptr)),
+      path_(std::move(other.path_)),
+      api_(std::exchange(other.api_, MooncakeApi{})) {}
+
+MooncakeLibrary& MooncakeLibrary::operator=(MooncakeLibrary&& other) noexcept {
+  if (this != &other) {
+    if (handle_ != nullptr) dlclose(handle_);
+    handle_ = std::exchange(other.handle_, nullptr);
+    path_ = std::move(other.path_);
+    api_ = std::exchange(other.api_, MooncakeApi{});
+  }
+  return *this;
+}
+
+}  // namespace mstar::kv::engines::mooncake
