@@ -1,0 +1,157 @@
+// Copyright mstar-kv authors.
+//
+// The one-sided RMA backend interface (the spec's TensorTransferEngine role).
+//
+// RmaKVTransferEngine (rma_engine.hpp) does everything above the transport
+// once, for every remote engine: descriptor encoding and validation, read
+// planning and coalescing, futures, the per-read timeout, cancellation, the
+// peer cache and shutdown. A backend (UCX, Mooncake) only has to
+//
+//   1. register the local cache's memory and describe it to peers
+//      (RmaBackend::local_region, with its own bytes in backend_blob),
+//   2. connect to a peer from that peer's description (RmaBackend::connect),
+//      and say whether a description is what the peer really serves
+//      (RmaPeer::verify, usually via verify_region() below),
+//   3. read batches of byte ranges from the peer into local memory and report
+//      each batch's outcome exactly once (RmaPeer::post_reads), stopping early
+//      when asked (RmaOperation::abort).
+//
+// The contract that makes futures trustworthy lives in (3): a batch's
+// completion callback runs exactly once, and only when no byte of that batch
+// can land in local memory any more. The engine resolves the future from that
+// callback and nowhere else, so "no byte after resolution" holds as long as
+// the backend keeps this promise.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "mstar/kv/layout.hpp"
+#include "mstar/kv/planner.hpp"
+#include "mstar/kv/status.hpp"
+
+namespace mstar::kv::rma {
+
+// What an owner publishes about its registered cache: the spec's
+// MooncakeKVTransferInfo fields (entity_id, session_id, data_ptr, layout) plus
+// the size of the registered region, a generation that changes every time the
+// region is (re)registered, and the backend's own bytes (a UCX remote key, a
+// Mooncake segment name, ...). Value type.
+struct RmaRegionInfo {
+  std::string entity_id;    // who the owner is (TransferEngineInfo::my_entity_id)
+  std::string session_id;   // how to reach it (backend-defined, e.g. "HOST:PORT")
+  std::uint64_t data_ptr = 0;    // base address of the cache in the owner
+  std::uint64_t size = 0;        // bytes registered from data_ptr
+  KVLayout layout;
+  std::uint64_t generation = 0;  // nonzero; new for every registration
+  std::vector<std::uint8_t> backend_blob;
+
+  // Limits on decoded fields (the payload must fit a KVTransferInfo).
+  static constexpr std::size_t kMaxIdBytes = 256;
+  static constexpr std::size_t kMaxBlobBytes = 32u << 10;
+
+  // Payload bytes for KVTransferInfo::payload (versioned; no frame: the
+  // KVTransferInfo around it carries the checksum).
+  std::vector<std::uint8_t> encode() const;
+  // Untrusted bytes: throws Error(kCorruptDescriptor) naming the field on
+  // truncated, oversized or inconsistent input (zero generation, a layout that
+  // does not fit `size`, data_ptr + size overflowing), never over-reads.
+  static RmaRegionInfo decode(std::span<const std::uint8_t> payload);
+
+  bool operator==(const RmaRegionInfo&) const = default;
+};
+
+// Compares what a descriptor claims (`claimed`) with what the peer serves now
+// (`served`, learned from the peer itself) and throws, before any read is
+// posted:
+//   kStaleDescriptor    generation differs (owner restarted / re-registered)
+//   kPermissionDenied   data_ptr / size differ (address outside the region)
+//                       or backend_blob differs (forged remote key)
+//   kIncompatibleLayout layout differs
+//   kInvalidArgument    entity_id differs
+// Every message names both values. Backends call this from RmaPeer::verify
+// when their connection tells them the served region.
+void verify_region(const RmaRegionInfo& served, const RmaRegionInfo& claimed);
+
+// One contiguous read: `length` bytes at the peer's data_ptr + remote_offset
+// land at the local cache base + local_offset. Spans come from the planner
+// (already coalesced and bounds-checked against both layouts and regions);
+// backends may split them further (split_spans) but must not merge across
+// batches.
+using RmaRead = CopySpan;
+
+// Called exactly once per batch with its outcome: ok, or why it stopped
+// (kPeerFailure when the peer died or became unreachable, kInternal for an
+// unexpected transport error; after abort() the status is ignored and the
+// engine reports its own reason). May run on a backend thread or, when the
+// batch finishes synchronously, inside post_reads(). Must not block.
+using RmaCompletion = std::function<void(Status)>;
+
+// A posted batch. Thread safety: abort() is safe from any thread, any time,
+// any number of times, also after completion (then it does nothing).
+class RmaOperation {
+ public:
+  virtual ~RmaOperation() = default;
+  // Asks the backend to stop the batch. Non-blocking. The completion still
+  // runs exactly once, within a bounded time the backend documents, and only
+  // once nothing more of the batch can land locally (cancel the outstanding
+  // requests and wait for their callbacks, close the endpoint, ...).
+  virtual void abort() noexcept = 0;
+};
+
+// A connection to one peer (one remote region owner). Shared by every read to
+// that peer; the engine caches it by session_id and drops it once failed().
+// Thread safety: every method is safe from any thread.
+class RmaPeer {
+ public:
+  virtual ~RmaPeer() = default;
+
+  // Throws Error (see verify_region) unless `claimed` is exactly what this
+  // peer serves now. Called before every batch; must not block long.
+  virtual void verify(const RmaRegionInfo& claimed) const = 0;
+
+  // True once the connection broke (peer died, endpoint error). A failed peer
+  // never becomes healthy again; the engine connects afresh.
+  virtual bool failed() const noexcept = 0;
+
+  // Posts the reads and returns at once (never waits for the transfer).
+  // `done` runs exactly once (see RmaCompletion). Reads may be empty only
+  // never: the engine does not post empty batches. Throws Error only for a
+  // synchronous failure before anything was posted (then `done` never runs).
+  virtual std::shared_ptr<RmaOperation> post_reads(std::vector<RmaRead> reads,
+                                                   RmaCompletion done) = 0;
+};
+
+// One backend instance per engine, bound to one local cache. Thread safety:
+// every method is safe from any thread.
+class RmaBackend {
+ public:
+  virtual ~RmaBackend() = default;
+
+  // The KVTransferInfo::engine name of descriptors this backend reads and
+  // writes ("ucx", "mooncake").
+  virtual std::string_view engine_name() const noexcept = 0;
+
+  // This process's region, ready to publish (all fields set).
+  virtual RmaRegionInfo local_region() const = 0;
+
+  // Connects to the owner of `remote` (already decoded, not yet verified),
+  // bounded by `timeout`. Throws Error: kPeerFailure / kTimeout when the peer
+  // cannot be reached in time, kInvalidArgument for an unusable session_id.
+  // The engine then calls verify() on the result.
+  virtual std::shared_ptr<RmaPeer> connect(const RmaRegionInfo& remote,
+                                           std::chrono::milliseconds timeout) = 0;
+
+  // Stops the backend: every batch still outstanding completes (its callback
+  // has run when this returns), connections close, memory is deregistered.
+  // Idempotent. The engine calls it after aborting its own reads.
+  virtual void shutdown() noexcept = 0;
+};
+
+}  // namespace mstar::kv::rma
