@@ -1,0 +1,177 @@
+// Copyright mstar-kv authors.
+//
+// The same-host shared-memory engine: the CPU twin of the spec's
+// CudaIpcKVTransferEngine. Two processes of one user on one host; the reader
+// maps the owner's cache read-only and copies pages with a worker pool.
+//
+// Shared memory (make_kv_cache(layout, MemoryKind::kSharedHost)) is an
+// anonymous memfd: no name in /dev/shm or anywhere else, so nothing is left
+// behind when either process exits, even by kill -9. Its size is sealed (it
+// can never shrink), so a reader's mapping can never fault with SIGBUS, and
+// the memory stays valid for a reader as long as it is mapped, even after the
+// owner died. Its first 4 KiB hold a header (magic, a random 64-bit nonce,
+// size); the cache starts after it.
+//
+// Another process reaches the memfd through /proc/<pid>/fd/<fd>: the kernel
+// lets only the same user (ptrace read access) open it, and the reader opens
+// it O_RDONLY and maps it PROT_READ, so a reader can never write the owner's
+// cache. A descriptor names pid, fd, uid, the owner's start time, the nonce,
+// the size and the layout; one from a dead owner (kNotFound), a restarted
+// owner or a freed and re-allocated cache (kStaleDescriptor), or another user
+// (kPermissionDenied) is rejected before any byte moves.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <sys/types.h>
+
+#include "mstar/kv/cache.hpp"
+#include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/engine.hpp"
+#include "mstar/kv/layout.hpp"
+#include "mstar/kv/manager.hpp"
+#include "mstar/kv/planner.hpp"
+#include "mstar/kv/status.hpp"
+
+namespace mstar::kv {
+
+// What a reader needs to map an owner's shared cache. Value type.
+struct ShmKVTransferInfo {
+  static constexpr const char* kEngineName = "shm";
+
+  std::uint32_t pid = 0;          // owner process
+  std::uint32_t fd = 0;           // the memfd in the owner (/proc/<pid>/fd/<fd>)
+  std::uint32_t uid = 0;          // owner's effective uid
+  std::uint64_t start_time = 0;   // owner's start time (/proc/<pid>/stat field 22)
+  std::uint64_t nonce = 0;        // random, chosen when the memory was allocated
+  std::uint64_t size = 0;         // cache bytes (after the header page)
+  KVLayout layout;
+
+  // KVTransferInfo{engine = "shm", payload}.
+  KVTransferInfo encode() const;
+  // Treats the bytes as untrusted: throws Error(kInvalidArgument) when
+  // info.engine is not "shm", Error(kCorruptDescriptor) naming the field when
+  // the payload is truncated, oversized or out of range (pid, fd, nonce 0,
+  // size smaller than layout.total_bytes(), invalid layout).
+  static ShmKVTransferInfo decode(const KVTransferInfo& info);
+
+  bool operator==(const ShmKVTransferInfo&) const = default;
+};
+
+// A read-only mapping of another process's shared cache. RAII, move-only:
+// the destructor unmaps. The engine caches one per (pid, nonce); tools use it
+// directly for a memcpy baseline over the same memory.
+// Thread safety: const methods are safe from any thread.
+class ShmMapping {
+ public:
+  // Validates and maps. Throws Error:
+  //   kPermissionDenied  the owner is another user (descriptor uid, file uid
+  //                      or the kernel's access check);
+  //   kNotFound          the owner process or its cache no longer exists;
+  //   kStaleDescriptor   the pid now belongs to another process, or the fd
+  //                      now holds another cache (nonce, size or seals differ);
+  //   kInternal          an unexpected system error (named).
+  static ShmMapping open(const ShmKVTransferInfo& info);
+
+  ShmMapping(ShmMapping&& other) noexcept;
+  ShmMapping& operator=(ShmMapping&& other) noexcept;
+  ShmMapping(const ShmMapping&) = delete;
+  ShmMapping& operator=(const ShmMapping&) = delete;
+  ~ShmMapping();
+
+  // The owner's cache bytes, read-only (PROT_READ).
+  const std::byte* data() const noexcept { return base_ + kHeaderBytes; }
+  std::size_t size() const noexcept { return info_.size; }
+  const ShmKVTransferInfo& info() const noexcept { return info_; }
+
+  // OK while the owner is alive and still holds this very cache at
+  // /proc/<pid>/fd/<fd>; else kNotFound (owner exited, cache freed) or
+  // kStaleDescriptor (the fd now names other memory). Two cheap syscalls.
+  Status check_owner() const;
+
+  static constexpr std::size_t kHeaderBytes = 4096;
+
+ private:
+  ShmMapping() = default;
+  void reset() noexcept;
+
+  ShmKVTransferInfo info_;
+  std::byte* base_ = nullptr;
+  std::size_t mapped_bytes_ = 0;
+  int pidfd_ = -1;
+  std::uint64_t dev_ = 0;
+  std::uint64_t ino_ = 0;
+};
+
+struct ShmEngineOptions {
+  std::uint32_t max_workers = 3;  // copy threads, 1..256
+  // A read not finished after this long resolves with kTimeout (once no
+  // worker is still writing its pages).
+  std::chrono::milliseconds timeout{30000};
+};
+
+// Reads pages of other processes' shared caches into the local cache.
+//
+// * The local cache may be kSharedHost (then get_kv_transfer_info() describes
+//   it, so others can read it too) or kHost (a private cache can still read
+//   others; its get_kv_transfer_info() is empty, i.e. local-only to others).
+//   kDevice is rejected with Error(kInvalidArgument).
+// * read_batched_async(remote, reads) decodes and validates the descriptor,
+//   opens the remote mapping (once per (pid, nonce), re-checked cheaply on
+//   every read, dropped when the owner is gone or its generation changes),
+//   plans and coalesces the copies, splits them into pieces and queues them
+//   for a persistent pool of max_workers threads. It never waits for the
+//   copy. Every check happens before the first byte moves and throws Error.
+// * The future completes when every byte is in place. TransferFuture::cancel()
+//   and the timeout stop a read between pieces; the future then resolves
+//   (kCancelled / kTimeout) only after the last piece being copied finished,
+//   so no byte lands after resolution. Pages already copied hold the new
+//   bytes; no page outside the read is touched.
+// * If the owner dies during a read, the memory stays mapped and valid: the
+//   read completes with correct bytes. The next read of that descriptor fails
+//   with kNotFound.
+// * shutdown(): reads not yet finished resolve with kShutdown (pieces being
+//   copied finish first), workers are joined, mappings unmapped; later reads
+//   throw Error(kShutdown). Idempotent; the destructor calls it.
+// Thread safety: every method is safe from any thread.
+class ShmKVTransferEngine final : public KVTransferEngine {
+ public:
+  // Throws Error(kInvalidArgument) for a null or device cache or
+  // max_workers outside [1, 256].
+  ShmKVTransferEngine(std::shared_ptr<KVCache> kv_cache, ShmEngineOptions options = {});
+  ~ShmKVTransferEngine() override;
+
+  ShmKVTransferEngine(const ShmKVTransferEngine&) = delete;
+  ShmKVTransferEngine& operator=(const ShmKVTransferEngine&) = delete;
+
+  KVTransferInfo get_kv_transfer_info() const override;
+  std::optional<TransferFuture> read_batched_async(
+      const KVTransferInfo& remote_kv_info,
+      std::span<const KVReadInfo> read_info) override;
+  void shutdown() override;
+
+  // The descriptor as a struct; std::nullopt for a private (kHost) cache.
+  std::optional<ShmKVTransferInfo> shm_info() const;
+
+  // Number of remote mappings currently cached (for tests and tools).
+  std::size_t cached_mappings() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// The reading side's measurement helper: copies `spans` (as plan_copies
+// emits them, offsets from each cache base) from src to dst with `threads`
+// plain threads, each taking one contiguous share of the bytes: what the
+// engine's copy costs without the engine. Returns the seconds taken.
+double memcpy_spans(std::byte* dst, const std::byte* src,
+                    std::span<const CopySpan> spans, std::uint32_t threads);
+
+}  // namespace mstar::kv

@@ -1,0 +1,214 @@
+// Copyright mstar-kv authors.
+#include "copy_pool.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include "mstar/kv/status.hpp"
+
+namespace mstar::kv::shm {
+
+namespace {
+
+enum Stop : std::uint8_t { kRunning = 0, kCancel, kDeadline, kShutdownStop };
+
+// Pieces: large enough that the per-piece bookkeeping vanishes next to the
+// copy, small enough that the pool balances and stops within ~1 ms.
+constexpr std::uint64_t kMinPiece = 256u << 10;
+constexpr std::uint64_t kMaxPiece = 4u << 20;
+constexpr auto kPollPeriod = std::chrono::milliseconds(10);
+
+}  // namespace
+
+struct CopyPool::Job {
+  TransferPromise promise;
+  CopyJobSpec spec;
+  std::vector<std::uint32_t> piece_begin;  // piece i: spans [begin[i], begin[i+1])
+  std::uint32_t pieces = 0;
+  std::chrono::steady_clock::time_point deadline;
+  std::chrono::milliseconds timeout{0};
+
+  // Dekker-style handshake between workers and stoppers (all seq_cst): a
+  // worker raises `inflight` and then reads `stop`; a stopper writes `stop`
+  // and then reads `inflight`. At least one of them sees the other, so either
+  // the worker backs off or the stopper leaves resolution to the last worker.
+  std::atomic<std::uint32_t> next_piece{0};
+  std::atomic<std::uint32_t> done_pieces{0};
+  std::atomic<std::uint32_t> inflight{0};
+  std::atomic<std::uint8_t> stop{kRunning};
+
+  void resolve_stopped() noexcept {
+    switch (stop.load()) {
+      case kCancel:
+        promise.fail({StatusCode::kCancelled, spec.what + " was cancelled"});
+        break;
+      case kDeadline:
+        promise.fail({StatusCode::kTimeout, spec.what + " did not finish in " +
+                                                std::to_string(timeout.count()) + " ms"});
+        break;
+      default:
+        promise.fail({StatusCode::kShutdown, spec.what + " was stopped by engine shutdown"});
+        break;
+    }
+  }
+
+  void request_stop(Stop why) noexcept {
+    std::uint8_t expected = kRunning;
+    stop.compare_exchange_strong(expected, why);
+    if (inflight.load() == 0) resolve_stopped();
+  }
+
+  // Copies at most one piece; false when nothing is left for this worker.
+  bool work_one() noexcept {
+    inflight.fetch_add(1);
+    bool more = false;
+    if (stop.load() == kRunning) {
+      std::uint8_t expected = kRunning;
+      if (promise.cancel_requested()) {
+        stop.compare_exchange_strong(expected, kCancel);
+      } else if (std::chrono::steady_clock::now() >= deadline) {
+        stop.compare_exchange_strong(expected, kDeadline);
+      }
+    }
+    if (stop.load() == kRunning) {
+      const std::uint32_t i = next_piece.fetch_add(1, std::memory_order_relaxed);
+      if (i < pieces) {
+        const CopySpan* s = spec.spans.data() + piece_begin[i];
+        const CopySpan* e = spec.spans.data() + piece_begin[i + 1];
+        for (; s != e; ++s) {
+          std::memcpy(spec.dst_base + s->local_offset, spec.src_base + s->remote_offset,
+                      s->length);
+        }
+        if (done_pieces.fetch_add(1, std::memory_order_acq_rel) + 1 == pieces) {
+          promise.complete(spec.total_bytes);
+        }
+        more = i + 1 < pieces;
+      }
+    }
+    if (inflight.fetch_sub(1) == 1 && stop.load() != kRunning) resolve_stopped();
+    return more;
+  }
+};
+
+CopyPool::CopyPool(std::uint32_t workers, std::chrono::milliseconds timeout)
+    : workers_(workers), timeout_(timeout) {
+  threads_.reserve(workers_);
+  try {
+    for (std::uint32_t i = 0; i < workers_; ++i) threads_.emplace_back([this] { worker_loop(); });
+    watchdog_ = std::thread([this] { watchdog_loop(); });
+  } catch (...) {
+    shutdown();
+    throw;
+  }
+}
+
+CopyPool::~CopyPool() { shutdown(); }
+
+TransferFuture CopyPool::submit(CopyJobSpec spec) {
+  auto job = std::make_shared<Job>();
+  job->timeout = timeout_;
+  job->deadline = std::chrono::steady_clock::now() + timeout_;
+  // Split so that no span exceeds one piece, then cut the span list into
+  // pieces of about total / (4 x workers) bytes, within [kMinPiece, kMaxPiece].
+  const std::uint64_t target = std::clamp<std::uint64_t>(
+      spec.total_bytes / (std::uint64_t{workers_} * 4), kMinPiece, kMaxPiece);
+  bool needs_split = false;
+  for (const CopySpan& s : spec.spans) needs_split |= s.length > target;
+  if (needs_split) spec.spans = split_spans(spec.spans, target);
+  job->piece_begin.reserve(spec.total_bytes / target + 2);
+  std::uint64_t acc = 0;
+  for (std::size_t i = 0; i < spec.spans.size(); ++i) {
+    if (acc == 0) job->piece_begin.push_back(static_cast<std::uint32_t>(i));
+    acc += spec.spans[i].length;
+    if (acc >= target) acc = 0;
+  }
+  job->pieces = static_cast<std::uint32_t>(job->piece_begin.size());
+  job->piece_begin.push_back(static_cast<std::uint32_t>(spec.spans.size()));
+  job->spec = std::move(spec);
+  TransferFuture future = job->promise.future();
+  if (job->pieces == 0) {  // nothing to copy
+    job->promise.complete(job->spec.total_bytes);
+    return future;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) {
+      throw Error(StatusCode::kShutdown, job->spec.what + " refused: the engine is shut down");
+    }
+    queue_.push_back(job);
+    active_.push_back(job);
+  }
+  work_cv_.notify_all();
+  watch_cv_.notify_one();
+  return future;
+}
+
+void CopyPool::worker_loop() {
+  for (;;) {
+    std::shared_ptr<Job> job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and every job was handed out
+      job = queue_.front();
+    }
+    while (job->work_one()) {
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!queue_.empty() && queue_.front() == job) queue_.pop_front();
+  }
+}
+
+void CopyPool::watchdog_loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    std::erase_if(active_, [](const auto& j) { return j->promise.resolved(); });
+    if (active_.empty()) {
+      watch_cv_.wait(lock);
+      continue;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    auto wake = now + kPollPeriod;
+    for (const auto& j : active_) {
+      // Jobs still queued behind others resolve here, not when a worker
+      // finally reaches them.
+      if (j->promise.cancel_requested()) {
+        j->request_stop(kCancel);
+      } else if (now >= j->deadline) {
+        j->request_stop(kDeadline);
+      } else {
+        wake = std::min(wake, j->deadline);
+      }
+    }
+    watch_cv_.wait_until(lock, wake);
+  }
+}
+
+void CopyPool::shutdown() {
+  std::lock_guard<std::mutex> serial(shutdown_mu_);
+  std::vector<std::shared_ptr<Job>> active;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    active = active_;
+    for (const auto& j : active) j->request_stop(kShutdownStop);
+  }
+  work_cv_.notify_all();
+  watch_cv_.notify_all();
+  for (auto& t : threads_) {
+    if (t.joinable()) t.join();
+  }
+  if (watchdog_.joinable()) watchdog_.join();
+  // No worker runs any more: whatever is unresolved can be resolved now.
+  for (const auto& j : active) {
+    std::uint8_t expected = kRunning;
+    j->stop.compare_exchange_strong(expected, kShutdownStop);
+    j->resolve_stopped();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  queue_.clear();
+  active_.clear();
+}
+
+}  // namespace mstar::kv::shm

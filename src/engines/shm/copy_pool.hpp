@@ -1,0 +1,74 @@
+// Copyright mstar-kv authors.
+//
+// CopyPool: a persistent pool of copy threads that runs byte-span copies and
+// resolves one TransferFuture per submitted job (private to the shm engine).
+//
+// A job is cut into pieces (contiguous ranges of spans of roughly equal
+// bytes); workers claim pieces with one atomic increment, so several workers
+// share one large job and a piece costs no lock, allocation or syscall.
+// Between pieces a worker checks the job's stop conditions (cancel, deadline,
+// shutdown). A stopped job resolves only once no worker is inside one of its
+// pieces: after resolution no byte of it is written.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "mstar/kv/future.hpp"
+#include "mstar/kv/planner.hpp"
+
+namespace mstar::kv::shm {
+
+struct CopyJobSpec {
+  std::byte* dst_base = nullptr;
+  const std::byte* src_base = nullptr;
+  std::vector<CopySpan> spans;      // local_offset -> dst, remote_offset -> src
+  std::uint64_t total_bytes = 0;
+  std::shared_ptr<const void> keep_alive;  // e.g. the source mapping
+  std::string what;                 // "read of 12 MiB from pid 7" for messages
+};
+
+class CopyPool {
+ public:
+  // Starts `workers` copy threads and one watchdog thread.
+  CopyPool(std::uint32_t workers, std::chrono::milliseconds timeout);
+  ~CopyPool();
+  CopyPool(const CopyPool&) = delete;
+  CopyPool& operator=(const CopyPool&) = delete;
+
+  // Queues the job; never waits for it. Throws Error(kShutdown) after
+  // shutdown().
+  TransferFuture submit(CopyJobSpec spec);
+
+  // Resolves every unfinished job with kShutdown (pieces being copied finish
+  // first) and joins the threads. Idempotent, safe from any thread but a
+  // worker.
+  void shutdown();
+
+  struct Job;
+
+ private:
+  void worker_loop();
+  void watchdog_loop();
+
+  const std::uint32_t workers_;
+  const std::chrono::milliseconds timeout_;
+  std::mutex shutdown_mu_;  // serialises shutdown() callers
+  std::mutex mu_;
+  std::condition_variable work_cv_;   // workers wait for jobs
+  std::condition_variable watch_cv_;  // the watchdog waits for jobs
+  bool stopping_ = false;                       // guarded by mu_
+  std::deque<std::shared_ptr<Job>> queue_;      // guarded by mu_; jobs with pieces left
+  std::vector<std::shared_ptr<Job>> active_;    // guarded by mu_; unresolved jobs
+  std::vector<std::thread> threads_;
+  std::thread watchdog_;
+};
+
+}  // namespace mstar::kv::shm

@@ -1,0 +1,213 @@
+// Copyright mstar-kv authors.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "copy_pool.hpp"
+#include "engines/engine_makers.hpp"
+#include "mstar/kv/shm.hpp"
+#include "shm_memory.hpp"
+
+namespace mstar::kv {
+
+namespace {
+
+constexpr std::uint32_t kMaxWorkers = 256;
+constexpr std::size_t kMaxCachedMappings = 64;
+
+std::string human_bytes(std::uint64_t b) {
+  if (b >= (1u << 20)) return std::to_string(b >> 20) + " MiB";
+  if (b >= (1u << 10)) return std::to_string(b >> 10) + " KiB";
+  return std::to_string(b) + " B";
+}
+
+}  // namespace
+
+struct ShmKVTransferEngine::Impl {
+  Impl(std::shared_ptr<KVCache> c, ShmEngineOptions o)
+      : cache(std::move(c)), options(o), pool(o.max_workers, o.timeout) {}
+
+  // The mapping for this descriptor: cached per (pid, nonce), re-checked on
+  // every use; a new generation of the same pid evicts the old one.
+  std::shared_ptr<const ShmMapping> mapping_for(const ShmKVTransferInfo& info) {
+    std::lock_guard<std::mutex> lock(map_mu);
+    if (shut) {
+      throw Error(StatusCode::kShutdown, "shm engine is shut down: no new reads");
+    }
+    const auto key = std::make_pair(info.pid, info.nonce);
+    if (auto it = mappings.find(key); it != mappings.end()) {
+      // The cached mapping came from a validated descriptor: its fields must
+      // all match, or this descriptor is forged (e.g. another uid).
+      if (!(it->second->info() == info)) {
+        if (info.uid != it->second->info().uid) {
+          throw Error(StatusCode::kPermissionDenied,
+                      "shm descriptor names uid " + std::to_string(info.uid) +
+                          " for a cache owned by uid " +
+                          std::to_string(it->second->info().uid));
+        }
+        throw Error(StatusCode::kStaleDescriptor,
+                    "shm descriptor for pid " + std::to_string(info.pid) +
+                        " differs from the cache it names (fd, size, start time or layout)");
+      }
+      Status s = it->second->check_owner();
+      if (s.is_ok()) return it->second;
+      mappings.erase(it);  // in-flight reads keep their own reference
+      throw Error(s);
+    }
+    // Any other generation of this pid is dead: drop it.
+    for (auto it = mappings.begin(); it != mappings.end();) {
+      it = it->first.first == info.pid ? mappings.erase(it) : std::next(it);
+    }
+    if (mappings.size() >= kMaxCachedMappings) {
+      std::erase_if(mappings, [](const auto& kv) { return !kv.second->check_owner().is_ok(); });
+      if (mappings.size() >= kMaxCachedMappings) mappings.erase(mappings.begin());
+    }
+    auto m = std::make_shared<const ShmMapping>(ShmMapping::open(info));
+    mappings.emplace(key, m);
+    return m;
+  }
+
+  std::shared_ptr<KVCache> cache;
+  ShmEngineOptions options;
+  shm::CopyPool pool;
+  mutable std::mutex map_mu;
+  bool shut = false;  // guarded by map_mu
+  std::map<std::pair<std::uint32_t, std::uint64_t>, std::shared_ptr<const ShmMapping>>
+      mappings;  // guarded by map_mu
+};
+
+namespace {
+
+std::shared_ptr<KVCache> checked_cache(std::shared_ptr<KVCache> cache,
+                                       const ShmEngineOptions& options) {
+  if (!cache) throw Error(StatusCode::kInvalidArgument, "shm engine needs a KV cache, got null");
+  if (cache->memory_kind() == MemoryKind::kDevice) {
+    throw Error(StatusCode::kInvalidArgument,
+                "shm engine needs a host cache (kSharedHost or kHost), got device memory "
+                "(use the cuda_ipc engine)");
+  }
+  if (options.max_workers == 0 || options.max_workers > kMaxWorkers) {
+    throw Error(StatusCode::kInvalidArgument,
+                "shm engine max_workers " + std::to_string(options.max_workers) +
+                    " out of range [1, " + std::to_string(kMaxWorkers) + "]");
+  }
+  if (options.timeout.count() < 0) {
+    throw Error(StatusCode::kInvalidArgument,
+                "shm engine timeout " + std::to_string(options.timeout.count()) +
+                    " ms must be >= 0");
+  }
+  return cache;
+}
+
+}  // namespace
+
+ShmKVTransferEngine::ShmKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
+                                         ShmEngineOptions options)
+    : impl_(std::make_unique<Impl>(checked_cache(std::move(kv_cache), options), options)) {}
+
+ShmKVTransferEngine::~ShmKVTransferEngine() { shutdown(); }
+
+std::optional<ShmKVTransferInfo> ShmKVTransferEngine::shm_info() const {
+  const auto* mem = dynamic_cast<const shm::SharedMemory*>(&impl_->cache->memory());
+  if (mem == nullptr) return std::nullopt;
+  ShmKVTransferInfo info;
+  info.pid = mem->owner_pid();
+  info.fd = static_cast<std::uint32_t>(mem->fd());
+  info.uid = mem->owner_uid();
+  info.start_time = mem->owner_start_time();
+  info.nonce = mem->nonce();
+  info.size = mem->size();
+  info.layout = impl_->cache->layout();
+  return info;
+}
+
+KVTransferInfo ShmKVTransferEngine::get_kv_transfer_info() const {
+  auto info = shm_info();
+  return info ? info->encode() : KVTransferInfo{};
+}
+
+std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
+    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
+  if (read_info.empty()) return std::nullopt;
+  const ShmKVTransferInfo info = ShmKVTransferInfo::decode(remote_kv_info);
+  const KVLayout& local = impl_->cache->layout();
+  CopyPlan plan = plan_copies(local, info.layout, read_info);
+  std::shared_ptr<const ShmMapping> mapping = impl_->mapping_for(info);
+  shm::CopyJobSpec spec;
+  spec.dst_base = impl_->cache->base();
+  spec.src_base = mapping->data();
+  spec.total_bytes = plan.total_bytes;
+  spec.spans = std::move(plan.spans);
+  spec.what = "shm read of " + human_bytes(spec.total_bytes) + " (" +
+              std::to_string(read_info.size()) + " page reads) from pid " +
+              std::to_string(info.pid);
+  spec.keep_alive = std::move(mapping);
+  return impl_->pool.submit(std::move(spec));
+}
+
+void ShmKVTransferEngine::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->map_mu);
+    impl_->shut = true;
+  }
+  impl_->pool.shutdown();
+  std::lock_guard<std::mutex> lock(impl_->map_mu);
+  impl_->mappings.clear();
+}
+
+std::size_t ShmKVTransferEngine::cached_mappings() const {
+  std::lock_guard<std::mutex> lock(impl_->map_mu);
+  return impl_->mappings.size();
+}
+
+double memcpy_spans(std::byte* dst, const std::byte* src, std::span<const CopySpan> spans,
+                    std::uint32_t threads) {
+  if (threads == 0) threads = 1;
+  std::uint64_t total = 0;
+  for (const CopySpan& s : spans) total += s.length;
+  // Thread t copies bytes [t*total/threads, (t+1)*total/threads) of the
+  // concatenated spans.
+  auto run = [&](std::uint32_t t) {
+    const std::uint64_t lo = total * t / threads;
+    const std::uint64_t hi = total * (t + 1) / threads;
+    std::uint64_t pos = 0;
+    for (const CopySpan& s : spans) {
+      const std::uint64_t a = std::max(lo, pos);
+      const std::uint64_t b = std::min(hi, pos + s.length);
+      if (a < b) {
+        std::memcpy(dst + s.local_offset + (a - pos), src + s.remote_offset + (a - pos), b - a);
+      }
+      pos += s.length;
+      if (pos >= hi) break;
+    }
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  for (std::uint32_t t = 1; t < threads; ++t) pool.emplace_back(run, t);
+  run(0);
+  for (auto& th : pool) th.join();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace mstar::kv
+
+namespace mstar::kv::engines {
+
+std::unique_ptr<KVTransferEngine> make_shm_engine(std::shared_ptr<KVCache> cache,
+                                                  const TransferEngineInfo& info) {
+  ShmEngineOptions o;
+  o.max_workers = info.options.max_workers;
+  o.timeout = info.options.timeout;
+  return std::make_unique<ShmKVTransferEngine>(std::move(cache), o);
+}
+
+}  // namespace mstar::kv::engines

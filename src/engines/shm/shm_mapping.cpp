@@ -1,0 +1,217 @@
+// Copyright mstar-kv authors.
+//
+// ShmMapping: opening another process's shared cache read-only, with every
+// check that keeps a stale or forged descriptor from being read.
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "mstar/kv/shm.hpp"
+#include "shm_memory.hpp"
+
+namespace mstar::kv {
+
+namespace {
+
+using shm::errno_text;
+
+std::string fd_path(const ShmKVTransferInfo& info) {
+  return "/proc/" + std::to_string(info.pid) + "/fd/" + std::to_string(info.fd);
+}
+
+std::string owner_name(const ShmKVTransferInfo& info) {
+  return "shm cache of pid " + std::to_string(info.pid) + " (fd " + std::to_string(info.fd) +
+         ")";
+}
+
+// A descriptor-table lookup: pidfd_open(2) pins the exact process, immune to
+// pid reuse. -1 with errno when unavailable.
+int open_pidfd(std::uint32_t pid) noexcept {
+#ifdef SYS_pidfd_open
+  return static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0u));
+#else
+  (void)pid;
+  errno = ENOSYS;
+  return -1;
+#endif
+}
+
+// A pidfd becomes readable when its process exits.
+bool pidfd_exited(int pidfd) noexcept {
+  pollfd p{pidfd, POLLIN, 0};
+  return ::poll(&p, 1, 0) > 0;
+}
+
+class Fd {
+ public:
+  explicit Fd(int fd) noexcept : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const noexcept { return fd_; }
+  int release() noexcept { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
+}  // namespace
+
+ShmMapping ShmMapping::open(const ShmKVTransferInfo& info) {
+  const std::string who = owner_name(info);
+  const auto my_uid = static_cast<std::uint32_t>(::geteuid());
+  if (info.uid != my_uid) {
+    throw Error(StatusCode::kPermissionDenied,
+                who + " belongs to uid " + std::to_string(info.uid) + ", this process is uid " +
+                    std::to_string(my_uid) +
+                    ": shared KV caches are readable only by the same user");
+  }
+  // Pin the process first, then check it is the one that published: a pid
+  // reused after the owner died has another start time.
+  Fd pidfd(open_pidfd(info.pid));
+  if (pidfd.get() < 0 && errno == ESRCH) {
+    throw Error(StatusCode::kNotFound,
+                who + ": owner process " + std::to_string(info.pid) + " no longer exists");
+  }
+  const std::uint64_t start = shm::process_start_time(static_cast<int>(info.pid));
+  if (start == 0) {
+    throw Error(StatusCode::kNotFound,
+                who + ": owner process " + std::to_string(info.pid) + " no longer exists (" +
+                    errno_text(errno) + ")");
+  }
+  if (start != info.start_time) {
+    throw Error(StatusCode::kStaleDescriptor,
+                who + ": pid " + std::to_string(info.pid) + " now belongs to a process started at " +
+                    std::to_string(start) + ", the descriptor's owner started at " +
+                    std::to_string(info.start_time) + " (owner restarted)");
+  }
+  const std::string path = fd_path(info);
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    const int err = errno;
+    if (err == EACCES || err == EPERM) {
+      throw Error(StatusCode::kPermissionDenied,
+                  who + ": cannot open " + path + ": " + errno_text(err) +
+                      " (only the owner's user may map its cache)");
+    }
+    if (err == ENOENT || err == ESRCH) {
+      throw Error(StatusCode::kNotFound,
+                  who + ": " + path + " does not exist: the cache was freed or its owner exited");
+    }
+    throw Error(StatusCode::kInternal, who + ": open " + path + ": " + errno_text(err));
+  }
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) {
+    throw Error(StatusCode::kInternal, who + ": fstat: " + errno_text(errno));
+  }
+  if (st.st_uid != info.uid) {
+    throw Error(StatusCode::kPermissionDenied,
+                who + ": the memory belongs to uid " + std::to_string(st.st_uid) +
+                    ", the descriptor says uid " + std::to_string(info.uid));
+  }
+  // Only a size-sealed memfd is ours: the seal is what keeps SIGBUS away.
+  const int seals = ::fcntl(fd.get(), F_GET_SEALS);
+  const std::uint64_t want = kHeaderBytes + info.size;
+  if (!S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+    throw Error(StatusCode::kStaleDescriptor,
+                who + ": fd " + std::to_string(info.fd) +
+                    " is not a sealed mstar-kv shared cache (the cache was freed and the fd "
+                    "reused)");
+  }
+  if (static_cast<std::uint64_t>(st.st_size) != want) {
+    throw Error(StatusCode::kStaleDescriptor,
+                who + ": the memory holds " + std::to_string(st.st_size) +
+                    " bytes, the descriptor needs " + std::to_string(want) +
+                    " (header + size): another cache now has this fd");
+  }
+  void* p = ::mmap(nullptr, want, PROT_READ, MAP_SHARED, fd.get(), 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    throw Error(err == ENOMEM ? StatusCode::kRetryLater : StatusCode::kInternal,
+                who + ": mmap of " + std::to_string(want) + " bytes: " + errno_text(err));
+  }
+  ShmMapping m;
+  m.info_ = info;
+  m.base_ = static_cast<std::byte*>(p);
+  m.mapped_bytes_ = want;
+  m.dev_ = st.st_dev;
+  m.ino_ = st.st_ino;
+  shm::Header h;
+  std::memcpy(&h, m.base_, sizeof h);
+  if (h.magic != shm::Header::kMagic || h.nonce != info.nonce || h.size != info.size) {
+    throw Error(StatusCode::kStaleDescriptor,
+                who + ": generation mismatch (the cache's nonce is " + std::to_string(h.nonce) +
+                    ", the descriptor's " + std::to_string(info.nonce) +
+                    "): the cache was re-allocated since the descriptor was made");
+  }
+  m.pidfd_ = pidfd.release();
+  // The owner may have died between the checks above and the open.
+  if (Status s = m.check_owner(); !s.is_ok()) throw Error(s);
+  return m;
+}
+
+Status ShmMapping::check_owner() const {
+  const std::string who = owner_name(info_);
+  if (pidfd_ >= 0 && pidfd_exited(pidfd_)) {
+    return {StatusCode::kNotFound,
+            who + ": owner process " + std::to_string(info_.pid) + " exited"};
+  }
+  // The fd entry must still name this very memory: same device and inode
+  // (the inode cannot be recycled while this mapping holds it).
+  struct stat st {};
+  const std::string path = fd_path(info_);
+  if (::stat(path.c_str(), &st) != 0) {
+    return {StatusCode::kNotFound,
+            who + ": " + path + " is gone (" + errno_text(errno) +
+                "): the cache was freed or its owner exited"};
+  }
+  if (st.st_dev != dev_ || st.st_ino != ino_) {
+    return {StatusCode::kStaleDescriptor,
+            who + ": fd " + std::to_string(info_.fd) +
+                " now names other memory: the cache was re-allocated"};
+  }
+  return Status::ok();
+}
+
+void ShmMapping::reset() noexcept {
+  if (base_ != nullptr) ::munmap(base_, mapped_bytes_);
+  if (pidfd_ >= 0) ::close(pidfd_);
+  base_ = nullptr;
+  mapped_bytes_ = 0;
+  pidfd_ = -1;
+}
+
+ShmMapping::ShmMapping(ShmMapping&& other) noexcept
+    : info_(other.info_),
+      base_(std::exchange(other.base_, nullptr)),
+      mapped_bytes_(std::exchange(other.mapped_bytes_, 0)),
+      pidfd_(std::exchange(other.pidfd_, -1)),
+      dev_(other.dev_),
+      ino_(other.ino_) {}
+
+ShmMapping& ShmMapping::operator=(ShmMapping&& other) noexcept {
+  if (this != &other) {
+    reset();
+    info_ = other.info_;
+    base_ = std::exchange(other.base_, nullptr);
+    mapped_bytes_ = std::exchange(other.mapped_bytes_, 0);
+    pidfd_ = std::exchange(other.pidfd_, -1);
+    dev_ = other.dev_;
+    ino_ = other.ino_;
+  }
+  return *this;
+}
+
+ShmMapping::~ShmMapping() { reset(); }
+
+}  // namespace mstar::kv
