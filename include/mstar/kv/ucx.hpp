@@ -1,0 +1,88 @@
+// Copyright mstar-kv authors.
+//
+// The UCX engine ("ucx"): cross-host reads of a host-memory KV cache through
+// UCX (Debian's libucx), built when UCX is found (MSTAR_KV_ENGINE_UCX).
+// Create it through the factory: make_engine / KVTransferManager with
+// TransferEngineInfo{entity, "HOST:PORT", "ucx", options} and a cache from
+// make_kv_cache(layout, MemoryKind::kHost).
+//
+// How it works
+// * At construction the engine registers the whole cache with ucp_mem_map
+//   (once), packs its remote key and opens a ucp_listener on
+//   my_session_id = "HOST:PORT" (empty: 127.0.0.1 and a free port in
+//   20000-29999, outside the ephemeral range). The session id is how peers
+//   reach it; the descriptor carries it.
+// * Progress: one dedicated progress thread per engine owns the UCP worker;
+//   every UCP call other than registration runs on it. Callers never drive
+//   progress; read_batched_async posts and returns, futures resolve from the
+//   progress thread.
+// * Connecting: the first read from a peer connects to its listener (client
+//   / server endpoints with UCP_ERR_HANDLING_MODE_PEER, so both sides hold an
+//   endpoint) and asks the peer for the region it serves now; the descriptor
+//   must equal it (generation, region, remote key, layout), otherwise the
+//   read is rejected before anything is posted. Endpoints are cached per
+//   peer; a failed peer is evicted and the next read connects afresh.
+// * Two ways to read, chosen per connection ("ucx_mode"):
+//     get  one-sided ucp_get_nbx with the peer's remote key; used where the
+//          transport has real RMA (shared memory: posix/sysv/cma, RDMA).
+//     am   peer-served: the reader sends the planned byte ranges in one
+//          active message; the owner validates them against its registered
+//          region and generation and answers with active-message sends
+//          straight from its registered pages; the reader lands them in its
+//          own (registered) pages. Used where RMA is only emulated (tcp),
+//          where UCX's software get is 3-5x slower than its sends.
+//   auto (default) asks the connected endpoint which transport carries its
+//   RMA lanes (ucp_ep_print_info) and uses get when one is a real RMA
+//   transport (not tcp), am otherwise. The public API is a read either way.
+// * Faults: a dead peer fails every read on it with kPeerFailure as soon as
+//   UCX's peer error handling reports it, and in any case within the
+//   engine's timeout (kTimeout). A read that is timed out, cancelled or shut
+//   down is stopped without letting a byte land afterwards: data messages of
+//   a stopped read are dropped on arrival (eager data is copied only while
+//   the read is live; both happen on the progress thread), and when UCX
+//   requests that write into local pages are still outstanding (a
+//   rendezvous receive, a get) the endpoint is closed with
+//   UCP_EP_CLOSE_FLAG_FORCE and the read resolves only once UCX has
+//   completed those requests. Closing evicts the peer: other reads on the
+//   same connection fail with kPeerFailure and the next read reconnects.
+//
+// Options (EngineOptions.extra)
+//   ucx_mode        auto | get | am            (default auto)
+//   ucx_am_proto    eager | rndv               how the owner sends am replies
+//                                               (default eager: lowest cost
+//                                               on tcp, see README)
+//   ucx_chunk_bytes bytes per get / am reply   (default 1 MiB, >= 4096)
+// UCX itself is configured by its environment (UCX_TLS, UCX_NET_DEVICES).
+//
+// Thread safety, errors and shutdown are those of every engine (engine.hpp):
+// safe from any thread; shutdown() resolves every in-flight read with
+// kShutdown, closes every endpoint and the listener, deregisters the memory.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/layout.hpp"
+
+namespace mstar::kv {
+
+// The "ucx" engine's descriptor: the spec's MooncakeKVTransferInfo fields
+// plus what UCX needs. Value type. Available when the ucx engine is built.
+struct UcxKVTransferInfo {
+  std::string entity_id;   // the owner's TransferEngineInfo::my_entity_id
+  std::string session_id;  // "HOST:PORT" of the owner's ucp_listener
+  std::uint64_t data_ptr = 0;  // base address of the owner's cache
+  std::uint64_t size = 0;      // bytes registered from data_ptr
+  KVLayout layout;
+  std::uint64_t generation = 0;   // new for every engine instance
+  std::vector<std::uint8_t> rkey; // ucp_rkey_pack of the registration
+
+  // Throws Error(kInvalidArgument) when info is not a "ucx" descriptor and
+  // Error(kCorruptDescriptor) naming the field when its payload is malformed.
+  static UcxKVTransferInfo from_transfer_info(const KVTransferInfo& info);
+  KVTransferInfo to_transfer_info() const;
+};
+
+}  // namespace mstar::kv

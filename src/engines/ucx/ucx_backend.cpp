@@ -1,0 +1,1109 @@
+// Copyright mstar-kv authors.
+#include "ucx_backend.hpp"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "rma/rma_engine.hpp"
+
+namespace mstar::kv::ucx {
+
+namespace {
+
+// Active-message ids and their headers. Both ends run this code on the same
+// architecture; every header and span list is still length-checked, and the
+// owner validates every requested range against its region.
+enum AmId : unsigned {
+  kAmHello = 1,       // reader -> owner: which region do you serve?
+  kAmHelloReply = 2,  // owner -> reader: RmaRegionInfo bytes
+  kAmReadReq = 3,     // reader -> owner: spans to send back
+  kAmReadData = 4,    // owner -> reader: one span's bytes
+  kAmReadErr = 5,     // owner -> reader: request rejected
+};
+
+struct HelloHdr {
+  std::uint64_t token;
+};
+struct ReadReqHdr {
+  std::uint64_t batch_id;
+  std::uint64_t generation;
+  std::uint64_t nspans;
+};
+struct WireSpan {
+  std::uint64_t remote_offset;
+  std::uint64_t length;
+  std::uint64_t local_offset;
+};
+struct DataHdr {
+  std::uint64_t batch_id;
+  std::uint64_t local_offset;
+  std::uint64_t length;
+};
+struct ErrHdr {
+  std::uint64_t batch_id;
+  std::uint32_t code;
+  std::uint32_t pad;
+};
+
+constexpr std::uint64_t kMaxSpansPerRequest = 1u << 22;
+
+std::string ucs_str(ucs_status_t st) { return ucs_status_string(st); }
+
+struct HostPort {
+  std::string host;
+  std::uint16_t port = 0;
+};
+
+HostPort parse_host_port(const std::string& s) {
+  const auto colon = s.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == s.size()) {
+    throw Error(StatusCode::kInvalidArgument,
+                "ucx session id '" + s + "' is not HOST:PORT");
+  }
+  HostPort hp;
+  hp.host = s.substr(0, colon);
+  if (hp.host.size() > 2 && hp.host.front() == '[' && hp.host.back() == ']') {
+    hp.host = hp.host.substr(1, hp.host.size() - 2);
+  }
+  const std::string port = s.substr(colon + 1);
+  unsigned long v = 0;
+  for (char c : port) {
+    if (c < '0' || c > '9' || v > 65535) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "ucx session id '" + s + "': port '" + port + "' is not in [1, 65535]");
+    }
+    v = v * 10 + static_cast<unsigned>(c - '0');
+  }
+  if (v == 0 || v > 65535) {
+    throw Error(StatusCode::kInvalidArgument,
+                "ucx session id '" + s + "': port " + port + " is not in [1, 65535]");
+  }
+  hp.port = static_cast<std::uint16_t>(v);
+  return hp;
+}
+
+sockaddr_storage resolve(const HostPort& hp, socklen_t* len) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const std::string port = std::to_string(hp.port);
+  const int rc = ::getaddrinfo(hp.host.c_str(), port.c_str(), &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    throw Error(StatusCode::kInvalidArgument,
+                "cannot resolve ucx host '" + hp.host + "': " + ::gai_strerror(rc));
+  }
+  sockaddr_storage ss{};
+  std::memcpy(&ss, res->ai_addr, res->ai_addrlen);
+  *len = res->ai_addrlen;
+  ::freeaddrinfo(res);
+  return ss;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// UcxCore: everything that touches UCP. Members marked [progress] are used
+// only on the progress thread.
+// ---------------------------------------------------------------------------
+
+class UcxCore;
+
+struct Conn {
+  UcxCore* core = nullptr;
+  std::uint64_t id = 0;
+  std::string session_id;
+  ucp_ep_h ep = nullptr;             // [progress]
+  ucp_rkey_h rkey = nullptr;         // [progress]
+  bool closing = false;              // [progress]
+  bool hello_set = false;            // [progress]
+  std::set<std::uint64_t> batches;   // [progress]
+  std::atomic<bool> failed{false};
+  // Written on the progress thread before `hello` is set; read by others
+  // only after hello's future is ready (the promise orders them).
+  Mode mode = Mode::kAm;
+  rma::RmaRegionInfo served;
+  std::promise<Status> hello;
+};
+
+struct Batch {
+  std::uint64_t id = 0;
+  std::shared_ptr<Conn> conn;
+  rma::RmaCompletion done;
+  std::vector<rma::RmaRead> chunks;
+  std::unordered_map<std::uint64_t, std::uint64_t> pending;  // am: local off -> len
+  std::size_t outstanding = 0;  // UCX requests that may still write locally
+  bool aborted = false;
+  std::optional<Status> failure;
+};
+
+struct ReqCtx {  // user_data of a request that writes into local pages
+  UcxCore* core;
+  std::uint64_t batch_id;
+};
+
+struct AmTag {  // argument of the active-message handler for one id
+  UcxCore* core = nullptr;
+  unsigned id = 0;
+};
+
+class UcxCore : public std::enable_shared_from_this<UcxCore> {
+ public:
+  UcxCore(std::shared_ptr<KVCache> cache, const std::string& entity_id,
+          const std::string& session_id, const UcxOptions& options);
+  ~UcxCore();
+  UcxCore(const UcxCore&) = delete;
+  UcxCore& operator=(const UcxCore&) = delete;
+
+  const rma::RmaRegionInfo& region() const noexcept { return region_; }
+  const UcxOptions& options() const noexcept { return options_; }
+
+  // Runs `cmd` on the progress thread; false when the core is stopped.
+  bool post(std::function<void()> cmd);
+  // Closes everything, joins the progress thread, releases UCX. Idempotent.
+  void stop() noexcept;
+
+  // Caller threads.
+  std::shared_ptr<Conn> connect(const rma::RmaRegionInfo& remote,
+                                std::chrono::milliseconds timeout);
+  // Progress thread.
+  void start_batch(const std::shared_ptr<Batch>& b);
+  void abort_batch(std::uint64_t id);
+  void close_conn(std::shared_ptr<Conn> c, const Status& why);
+
+ private:
+  void init_ucp(const std::string& session_id);
+  void release_ucp() noexcept;
+  void run();
+  void open_listener(const std::string& session_id);
+  void drain_deferred();
+  void reap_closing(bool force);
+
+  static void on_conn_request(ucp_conn_request_h req, void* arg);
+  static void on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t st);
+  static void on_client_ep_error(void* arg, ucp_ep_h ep, ucs_status_t st);
+  static ucs_status_t on_am(void* arg, const void* header, std::size_t header_length,
+                            void* data, std::size_t length, const ucp_am_recv_param_t* param);
+  static void on_req_done(void* request, ucs_status_t st, void* user_data);
+  static void on_recv_done(void* request, ucs_status_t st, std::size_t length, void* user_data);
+
+  ucs_status_t handle_am(unsigned id, const void* header, std::size_t header_length,
+                         void* data, std::size_t length, const ucp_am_recv_param_t* param);
+  ucs_status_t handle_data(const DataHdr& h, void* data, std::size_t length,
+                           const ucp_am_recv_param_t* param);
+  void serve_hello(ucp_ep_h ep, std::uint64_t token);
+  void serve_read(ucp_ep_h ep, std::uint64_t batch_id, std::uint64_t generation,
+                  const std::vector<WireSpan>& spans);
+  void send_err(ucp_ep_h ep, std::uint64_t batch_id, const Status& st);
+  void hello_reply(std::uint64_t token, const std::vector<std::uint8_t>& bytes);
+  void request_finished(std::uint64_t batch_id, ucs_status_t st);
+  void maybe_finish(const std::shared_ptr<Batch>& b);
+  void fail_batch(const std::shared_ptr<Batch>& b, Status st);
+  Mode pick_mode(ucp_ep_h ep);
+  void close_server_ep(ucp_ep_h ep);
+  // Sends a small message whose header and data are copied into a block
+  // that lives until the send completes.
+  void send_small(ucp_ep_h ep, unsigned id, const void* header, std::size_t header_len,
+                  const void* data, std::size_t data_len, bool reply);
+
+  const std::shared_ptr<KVCache> cache_;
+  const UcxOptions options_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  ucp_mem_h memh_ = nullptr;
+  ucp_listener_h listener_ = nullptr;
+  int efd_ = -1;
+  rma::RmaRegionInfo region_;
+  AmTag am_tags_[6];
+
+  std::mutex mu_;
+  std::deque<std::function<void()>> commands_;  // guarded by mu_
+  bool stopped_ = false;                        // guarded by mu_
+  std::atomic<bool> stop_requested_{false};
+  std::mutex stop_mu_;
+  std::thread thread_;
+
+  // [progress]
+  std::vector<std::function<void()>> deferred_;
+  std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> conns_;
+  std::unordered_map<std::uint64_t, std::shared_ptr<Batch>> batches_;
+  std::set<ucp_ep_h> server_eps_;
+  struct Closing {
+    void* request;
+    ucp_rkey_h rkey;
+    std::shared_ptr<Conn> conn;  // keeps the error-handler argument alive
+  };
+  std::vector<Closing> closing_;
+  std::uint64_t next_conn_ = 1;
+
+ public:
+  std::atomic<std::uint64_t> next_batch{1};  // batch ids, unique per core
+};
+
+UcxCore::UcxCore(std::shared_ptr<KVCache> cache, const std::string& entity_id,
+                 const std::string& session_id, const UcxOptions& options)
+    : cache_(std::move(cache)), options_(options) {
+  if (cache_->memory_kind() == MemoryKind::kDevice) {
+    throw Error(StatusCode::kInvalidArgument,
+                "the ucx engine needs a host-memory cache (make_kv_cache(layout, "
+                "MemoryKind::kHost)), got device memory");
+  }
+  region_.entity_id = entity_id;
+  region_.data_ptr = reinterpret_cast<std::uintptr_t>(cache_->base());
+  region_.size = cache_->size_bytes();
+  region_.layout = cache_->layout();
+  region_.generation = rma::new_generation();
+  try {
+    init_ucp(session_id);
+  } catch (...) {
+    release_ucp();
+    throw;
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+void UcxCore::init_ucp(const std::string& session_id) {
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_config_read: " + ucs_str(st));
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  st = ucp_init(&params, config, &context_);
+  ucp_config_release(config);
+  if (st != UCS_OK) {
+    context_ = nullptr;
+    throw Error(StatusCode::kUnavailable, "ucp_init: " + ucs_str(st));
+  }
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  st = ucp_worker_create(context_, &wp, &worker_);
+  if (st != UCS_OK) {
+    worker_ = nullptr;
+    throw Error(StatusCode::kUnavailable, "ucp_worker_create: " + ucs_str(st));
+  }
+  if (ucp_worker_get_efd(worker_, &efd_) != UCS_OK) efd_ = -1;  // then poll busily
+
+  ucp_mem_map_params_t mp{};
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  mp.address = cache_->base();
+  mp.length = cache_->size_bytes();
+  st = ucp_mem_map(context_, &mp, &memh_);
+  if (st != UCS_OK) {
+    memh_ = nullptr;
+    throw Error(StatusCode::kUnavailable,
+                "ucp_mem_map of " + std::to_string(mp.length) + " bytes: " + ucs_str(st));
+  }
+  void* rkey_buf = nullptr;
+  std::size_t rkey_len = 0;
+  st = ucp_rkey_pack(context_, memh_, &rkey_buf, &rkey_len);
+  if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_rkey_pack: " + ucs_str(st));
+  region_.backend_blob.assign(static_cast<std::uint8_t*>(rkey_buf),
+                              static_cast<std::uint8_t*>(rkey_buf) + rkey_len);
+  ucp_rkey_buffer_release(rkey_buf);
+
+  ucp_am_handler_param_t hp{};
+  hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+  hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+  hp.cb = &UcxCore::on_am;
+  for (unsigned id : {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr}) {
+    am_tags_[id] = AmTag{this, id};
+    hp.id = id;
+    hp.arg = &am_tags_[id];
+    st = ucp_worker_set_am_recv_handler(worker_, &hp);
+    if (st != UCS_OK) {
+      throw Error(StatusCode::kUnavailable, "ucp_worker_set_am_recv_handler: " + ucs_str(st));
+    }
+  }
+  open_listener(session_id);
+}
+
+void UcxCore::release_ucp() noexcept {
+  if (listener_) ucp_listener_destroy(listener_);
+  listener_ = nullptr;
+  if (memh_) ucp_mem_unmap(context_, memh_);
+  memh_ = nullptr;
+  if (worker_) ucp_worker_destroy(worker_);
+  worker_ = nullptr;
+  if (context_) ucp_cleanup(context_);
+  context_ = nullptr;
+}
+
+void UcxCore::open_listener(const std::string& session_id) {
+  ucp_listener_params_t lp{};
+  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  lp.conn_handler.cb = &UcxCore::on_conn_request;
+  lp.conn_handler.arg = this;
+  auto try_open = [&](const HostPort& hp) {
+    socklen_t len = 0;
+    sockaddr_storage ss = resolve(hp, &len);
+    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+    lp.sockaddr.addrlen = len;
+    const ucs_status_t st = ucp_listener_create(worker_, &lp, &listener_);
+    if (st != UCS_OK) listener_ = nullptr;
+    return st;
+  };
+  if (!session_id.empty()) {
+    const HostPort hp = parse_host_port(session_id);
+    const ucs_status_t st = try_open(hp);
+    if (st != UCS_OK) {
+      throw Error(st == UCS_ERR_BUSY ? StatusCode::kRetryLater : StatusCode::kUnavailable,
+                  "cannot listen on ucx session '" + session_id + "': " + ucs_str(st));
+    }
+    region_.session_id = session_id;
+    return;
+  }
+  std::random_device rd;
+  std::mt19937 rng(rd());
+  std::uniform_int_distribution<int> port(20000, 29999);
+  ucs_status_t st = UCS_OK;
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    const HostPort hp{"127.0.0.1", static_cast<std::uint16_t>(port(rng))};
+    st = try_open(hp);
+    if (st == UCS_OK) {
+      region_.session_id = hp.host + ":" + std::to_string(hp.port);
+      return;
+    }
+  }
+  throw Error(StatusCode::kUnavailable,
+              "no free port in 20000-29999 for the ucx listener: " + ucs_str(st));
+}
+
+UcxCore::~UcxCore() { stop(); }
+
+bool UcxCore::post(std::function<void()> cmd) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopped_) return false;
+    commands_.push_back(std::move(cmd));
+  }
+  ucp_worker_signal(worker_);  // safe from any thread
+  return true;
+}
+
+void UcxCore::drain_deferred() {
+  while (!deferred_.empty()) {
+    auto work = std::move(deferred_);
+    deferred_.clear();
+    for (auto& w : work) w();
+  }
+}
+
+void UcxCore::reap_closing(bool force) {
+  for (auto it = closing_.begin(); it != closing_.end();) {
+    if (force || ucp_request_check_status(it->request) != UCS_INPROGRESS) {
+      ucp_request_free(it->request);
+      if (it->rkey) ucp_rkey_destroy(it->rkey);
+      it = closing_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void UcxCore::run() {
+  using Clock = std::chrono::steady_clock;
+  int idle = 0;
+  bool closing_all = false;
+  auto deadline = Clock::time_point::max();
+  for (;;) {
+    std::deque<std::function<void()>> cmds;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      cmds.swap(commands_);
+    }
+    for (auto& c : cmds) c();
+    unsigned progressed = 0;
+    while (unsigned n = ucp_worker_progress(worker_)) {
+      progressed += n;
+      drain_deferred();
+    }
+    drain_deferred();
+    reap_closing(false);
+    if (!closing_all && stop_requested_.load(std::memory_order_acquire)) {
+      closing_all = true;
+      deadline = Clock::now() + std::chrono::seconds(2);
+      std::deque<std::function<void()>> last;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        stopped_ = true;  // post() refuses from now on
+        last.swap(commands_);
+      }
+      for (auto& c : last) c();
+      auto conns = conns_;
+      for (auto& [id, c] : conns) {
+        close_conn(c, Status(StatusCode::kShutdown, "the ucx engine shut down"));
+      }
+      auto seps = server_eps_;
+      for (ucp_ep_h ep : seps) close_server_ep(ep);
+      if (listener_) ucp_listener_destroy(listener_);
+      listener_ = nullptr;
+      continue;
+    }
+    if (closing_all) {
+      if ((closing_.empty() && batches_.empty()) || Clock::now() > deadline) break;
+      continue;
+    }
+    if (progressed != 0 || !cmds.empty()) {
+      idle = 0;
+      continue;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!commands_.empty()) continue;
+    }
+    // Spin briefly after activity (latency), then sleep on the worker's
+    // event fd (a shared 2-core machine must not burn a core per engine).
+    if (++idle < 256 || efd_ < 0) {
+      if (efd_ < 0 && idle >= 256) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      continue;
+    }
+    idle = 0;
+    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    pollfd pfd{efd_, POLLIN, 0};
+    (void)::poll(&pfd, 1, 100);
+  }
+  // What UCX did not complete in the grace period: the worker is destroyed
+  // right after this returns, so nothing can land any more.
+  auto left = batches_;
+  for (auto& [id, b] : left) {
+    b->outstanding = 0;
+    fail_batch(b, Status(StatusCode::kShutdown, "the ucx engine shut down"));
+  }
+}
+
+void UcxCore::stop() noexcept {
+  std::lock_guard<std::mutex> lk(stop_mu_);
+  if (!worker_) return;
+  if (thread_.joinable()) {
+    stop_requested_.store(true, std::memory_order_release);
+    ucp_worker_signal(worker_);
+    thread_.join();
+  }
+  {
+    std::lock_guard<std::mutex> lk2(mu_);
+    stopped_ = true;
+    commands_.clear();
+  }
+  reap_closing(true);
+  conns_.clear();
+  batches_.clear();
+  release_ucp();
+}
+
+// ---- server side -----------------------------------------------------------
+
+void UcxCore::on_conn_request(ucp_conn_request_h req, void* arg) {
+  auto* self = static_cast<UcxCore*>(arg);
+  if (self->stop_requested_.load(std::memory_order_acquire)) {
+    ucp_listener_reject(self->listener_, req);
+    return;
+  }
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.conn_request = req;
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = &UcxCore::on_server_ep_error;
+  ep.err_handler.arg = self;
+  ucp_ep_h h = nullptr;
+  if (ucp_ep_create(self->worker_, &ep, &h) == UCS_OK) self->server_eps_.insert(h);
+}
+
+void UcxCore::on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t) {
+  auto* self = static_cast<UcxCore*>(arg);
+  self->deferred_.push_back([self, ep] { self->close_server_ep(ep); });
+}
+
+void UcxCore::close_server_ep(ucp_ep_h ep) {
+  if (server_eps_.erase(ep) == 0) return;
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t sp = ucp_ep_close_nbx(ep, &rp);
+  if (UCS_PTR_IS_PTR(sp)) closing_.push_back({sp, nullptr, nullptr});
+}
+
+void UcxCore::send_small(ucp_ep_h ep, unsigned id, const void* header,
+                         std::size_t header_len, const void* data, std::size_t data_len,
+                         bool reply) {
+  auto* block = new std::vector<std::uint8_t>(header_len + data_len);
+  if (header_len) std::memcpy(block->data(), header, header_len);
+  if (data_len) std::memcpy(block->data() + header_len, data, data_len);
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                    UCP_OP_ATTR_FIELD_USER_DATA;
+  rp.flags = UCP_AM_SEND_FLAG_EAGER | (reply ? UCP_AM_SEND_FLAG_REPLY : 0);
+  rp.cb.send = [](void* req, ucs_status_t, void* ud) {
+    delete static_cast<std::vector<std::uint8_t>*>(ud);
+    ucp_request_free(req);
+  };
+  rp.user_data = block;
+  ucs_status_ptr_t sp = ucp_am_send_nbx(ep, id, block->data(), header_len,
+                                        block->data() + header_len, data_len, &rp);
+  if (!UCS_PTR_IS_PTR(sp)) delete block;
+}
+
+void UcxCore::serve_hello(ucp_ep_h ep, std::uint64_t token) {
+  if (server_eps_.count(ep) == 0) return;
+  const HelloHdr hdr{token};
+  const std::vector<std::uint8_t> bytes = region_.encode();
+  send_small(ep, kAmHelloReply, &hdr, sizeof hdr, bytes.data(), bytes.size(), false);
+}
+
+void UcxCore::send_err(ucp_ep_h ep, std::uint64_t batch_id, const Status& st) {
+  const ErrHdr hdr{batch_id, static_cast<std::uint32_t>(st.code()), 0};
+  send_small(ep, kAmReadErr, &hdr, sizeof hdr, st.message().data(), st.message().size(), false);
+}
+
+void UcxCore::serve_read(ucp_ep_h ep, std::uint64_t batch_id, std::uint64_t generation,
+                         const std::vector<WireSpan>& spans) {
+  if (server_eps_.count(ep) == 0) return;
+  // Validate the whole request before sending a byte: the reader is not
+  // trusted with anything outside the registered region.
+  if (generation != region_.generation) {
+    send_err(ep, batch_id,
+             Status(StatusCode::kStaleDescriptor,
+                    "read names generation " + std::to_string(generation) +
+                        ", this owner serves generation " +
+                        std::to_string(region_.generation)));
+    return;
+  }
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const WireSpan& s = spans[i];
+    if (s.length == 0 || s.remote_offset > region_.size ||
+        s.length > region_.size - s.remote_offset) {
+      send_err(ep, batch_id,
+               Status(StatusCode::kPermissionDenied,
+                      "span " + std::to_string(i) + " [" + std::to_string(s.remote_offset) +
+                          ", +" + std::to_string(s.length) +
+                          ") is outside the registered region of " +
+                          std::to_string(region_.size) + " bytes"));
+      return;
+    }
+  }
+  for (const WireSpan& s : spans) {
+    auto* hdr = new DataHdr{batch_id, s.local_offset, s.length};
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                      UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+    rp.flags = options_.am_rndv ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
+    rp.memh = memh_;
+    rp.cb.send = [](void* req, ucs_status_t, void* ud) {
+      delete static_cast<DataHdr*>(ud);
+      ucp_request_free(req);
+    };
+    rp.user_data = hdr;
+    ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReadData, hdr, sizeof *hdr,
+                                          cache_->base() + s.remote_offset, s.length, &rp);
+    if (!UCS_PTR_IS_PTR(sp)) delete hdr;
+    if (UCS_PTR_IS_ERR(sp)) return;  // the endpoint failed; its error handler closes it
+  }
+}
+
+// ---- active messages -------------------------------------------------------
+
+ucs_status_t UcxCore::on_am(void* arg, const void* header, std::size_t header_length,
+                            void* data, std::size_t length, const ucp_am_recv_param_t* param) {
+  auto* tag = static_cast<AmTag*>(arg);
+  return tag->core->handle_am(tag->id, header, header_length, data, length, param);
+}
+
+ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t header_length,
+                                void* data, std::size_t length,
+                                const ucp_am_recv_param_t* param) {
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  const bool has_reply_ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0;
+  switch (id) {
+    case kAmHello: {
+      if (header_length != sizeof(HelloHdr) || !has_reply_ep || rndv) return UCS_OK;
+      HelloHdr h;
+      std::memcpy(&h, header, sizeof h);
+      ucp_ep_h ep = param->reply_ep;
+      deferred_.push_back([this, ep, h] { serve_hello(ep, h.token); });
+      return UCS_OK;
+    }
+    case kAmHelloReply: {
+      if (header_length != sizeof(HelloHdr) || rndv) return UCS_OK;
+      HelloHdr h;
+      std::memcpy(&h, header, sizeof h);
+      std::vector<std::uint8_t> bytes(static_cast<std::uint8_t*>(data),
+                                      static_cast<std::uint8_t*>(data) + length);
+      deferred_.push_back([this, h, b = std::move(bytes)] { hello_reply(h.token, b); });
+      return UCS_OK;
+    }
+    case kAmReadReq: {
+      if (header_length != sizeof(ReadReqHdr) || !has_reply_ep || rndv) return UCS_OK;
+      ReadReqHdr h;
+      std::memcpy(&h, header, sizeof h);
+      ucp_ep_h ep = param->reply_ep;
+      if (h.nspans == 0 || h.nspans > kMaxSpansPerRequest ||
+          length != h.nspans * sizeof(WireSpan)) {
+        deferred_.push_back([this, ep, h] {
+          send_err(ep, h.batch_id,
+                   Status(StatusCode::kInvalidArgument, "malformed read request"));
+        });
+        return UCS_OK;
+      }
+      std::vector<WireSpan> spans(h.nspans);
+      std::memcpy(spans.data(), data, length);
+      deferred_.push_back([this, ep, h, s = std::move(spans)] {
+        serve_read(ep, h.batch_id, h.generation, s);
+      });
+      return UCS_OK;
+    }
+    case kAmReadData: {
+      if (header_length != sizeof(DataHdr)) return UCS_OK;
+      DataHdr h;
+      std::memcpy(&h, header, sizeof h);
+      return handle_data(h, data, length, param);
+    }
+    case kAmReadErr: {
+      if (header_length != sizeof(ErrHdr) || rndv) return UCS_OK;
+      ErrHdr h;
+      std::memcpy(&h, header, sizeof h);
+      auto it = batches_.find(h.batch_id);
+      if (it == batches_.end()) return UCS_OK;
+      StatusCode code = static_cast<StatusCode>(h.code);
+      if (h.code > static_cast<std::uint32_t>(StatusCode::kInternal) || h.code == 0) {
+        code = StatusCode::kInternal;
+      }
+      std::string msg(static_cast<const char*>(data), std::min<std::size_t>(length, 1024));
+      fail_batch(it->second, Status(code, "owner rejected the read: " + msg));
+      return UCS_OK;
+    }
+    default:
+      return UCS_OK;
+  }
+}
+
+ucs_status_t UcxCore::handle_data(const DataHdr& h, void* data, std::size_t length,
+                                  const ucp_am_recv_param_t* param) {
+  auto it = batches_.find(h.batch_id);
+  // A stopped or unknown read: drop the data (a rendezvous is dropped too,
+  // and the owner's send completes).
+  if (it == batches_.end()) return UCS_OK;
+  auto b = it->second;
+  if (b->aborted || b->failure) return UCS_OK;
+  auto p = b->pending.find(h.local_offset);
+  if (p == b->pending.end() || p->second != h.length || h.length != length) {
+    // The owner sent something this read did not ask for: never write it.
+    fail_batch(b, Status(StatusCode::kInternal,
+                         "owner sent " + std::to_string(length) + " bytes for local offset " +
+                             std::to_string(h.local_offset) + " that the read did not ask for"));
+    return UCS_OK;
+  }
+  b->pending.erase(p);
+  std::byte* dest = cache_->base() + h.local_offset;
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
+    std::memcpy(dest, data, length);
+    maybe_finish(b);
+    return UCS_OK;
+  }
+  auto* ctx = new ReqCtx{this, b->id};
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                    UCP_OP_ATTR_FIELD_MEMH;
+  rp.cb.recv_am = &UcxCore::on_recv_done;
+  rp.user_data = ctx;
+  rp.memh = memh_;
+  ucs_status_ptr_t sp = ucp_am_recv_data_nbx(worker_, data, dest, length, &rp);
+  if (UCS_PTR_IS_PTR(sp)) {
+    ++b->outstanding;
+    return UCS_INPROGRESS;
+  }
+  delete ctx;
+  if (UCS_PTR_IS_ERR(sp)) {
+    fail_batch(b, Status(StatusCode::kPeerFailure,
+                         "ucp_am_recv_data_nbx: " + ucs_str(UCS_PTR_STATUS(sp))));
+  } else {
+    maybe_finish(b);
+  }
+  return UCS_INPROGRESS;
+}
+
+// ---- client side -----------------------------------------------------------
+
+std::shared_ptr<Conn> UcxCore::connect(const rma::RmaRegionInfo& remote,
+                                       std::chrono::milliseconds timeout) {
+  const HostPort hp = parse_host_port(remote.session_id);
+  socklen_t len = 0;
+  const sockaddr_storage ss = resolve(hp, &len);
+  auto conn = std::make_shared<Conn>();
+  conn->core = this;
+  conn->session_id = remote.session_id;
+  std::future<Status> hello = conn->hello.get_future();
+  const bool posted = post([this, conn, ss, len] {
+    conn->id = next_conn_++;
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+    ep.sockaddr.addrlen = len;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = &UcxCore::on_client_ep_error;
+    ep.err_handler.arg = conn.get();
+    const ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->ep);
+    if (st != UCS_OK) {
+      conn->ep = nullptr;
+      close_conn(conn, Status(StatusCode::kPeerFailure, "ucp_ep_create: " + ucs_str(st)));
+      return;
+    }
+    conns_[conn->id] = conn;
+    const HelloHdr hdr{conn->id};
+    send_small(conn->ep, kAmHello, &hdr, sizeof hdr, nullptr, 0, true);
+  });
+  if (!posted) throw Error(StatusCode::kShutdown, "the ucx engine is shut down");
+  if (hello.wait_for(timeout) != std::future_status::ready) {
+    post([this, conn] {
+      close_conn(conn, Status(StatusCode::kTimeout, "connect timed out"));
+    });
+    throw Error(StatusCode::kTimeout, "ucx peer at " + remote.session_id +
+                                          " did not answer within " +
+                                          std::to_string(timeout.count()) + " ms");
+  }
+  const Status st = hello.get();
+  if (!st.is_ok()) {
+    throw Error(st.code() == StatusCode::kShutdown ? StatusCode::kShutdown
+                                                   : StatusCode::kPeerFailure,
+                "cannot connect to ucx peer at " + remote.session_id + ": " + st.message());
+  }
+  return conn;
+}
+
+void UcxCore::hello_reply(std::uint64_t token, const std::vector<std::uint8_t>& bytes) {
+  auto it = conns_.find(token);
+  if (it == conns_.end()) return;
+  auto conn = it->second;
+  if (conn->hello_set || conn->closing) return;
+  try {
+    conn->served = rma::RmaRegionInfo::decode(bytes);
+  } catch (const Error& e) {
+    close_conn(conn, Status(StatusCode::kCorruptDescriptor,
+                            std::string("the peer's region is malformed: ") + e.what()));
+    return;
+  }
+  conn->mode = options_.mode == Mode::kAuto ? pick_mode(conn->ep) : options_.mode;
+  if (conn->mode == Mode::kGet) {
+    const ucs_status_t st =
+        ucp_ep_rkey_unpack(conn->ep, conn->served.backend_blob.data(), &conn->rkey);
+    if (st != UCS_OK) {
+      conn->rkey = nullptr;
+      close_conn(conn, Status(StatusCode::kPermissionDenied,
+                              "the peer's remote key does not unpack: " + ucs_str(st)));
+      return;
+    }
+  }
+  conn->hello_set = true;
+  conn->hello.set_value(Status::ok());
+}
+
+Mode UcxCore::pick_mode(ucp_ep_h ep) {
+  // UCX 1.13 has no query for "is RMA native on this endpoint"; its
+  // configuration dump names the transport of every lane and marks the RMA
+  // lanes ("rma_bw"). tcp's get is emulated on active messages (no rma_bw
+  // lane), so get is used only when an rma_bw lane runs on something else.
+  char* buf = nullptr;
+  std::size_t size = 0;
+  FILE* f = ::open_memstream(&buf, &size);
+  if (f == nullptr) return Mode::kAm;
+  ucp_ep_print_info(ep, f);
+  std::fclose(f);
+  std::string info(buf, size);
+  std::free(buf);
+  Mode mode = Mode::kAm;
+  std::size_t pos = 0;
+  while ((pos = info.find('\n', pos)) != std::string::npos || pos < info.size()) {
+    const std::size_t start = pos == 0 ? 0 : pos;
+    const std::size_t end = info.find('\n', start + 1);
+    const std::string line = info.substr(start, end == std::string::npos ? std::string::npos
+                                                                          : end - start);
+    if (line.find("rma_bw") != std::string::npos && line.find("tcp") == std::string::npos) {
+      mode = Mode::kGet;
+    }
+    if (end == std::string::npos) break;
+    pos = end;
+  }
+  return mode;
+}
+
+void UcxCore::on_client_ep_error(void* arg, ucp_ep_h, ucs_status_t st) {
+  auto* conn = static_cast<Conn*>(arg);
+  UcxCore* self = conn->core;
+  conn->failed.store(true, std::memory_order_release);
+  const std::uint64_t id = conn->id;
+  self->deferred_.push_back([self, id, st] {
+    auto it = self->conns_.find(id);
+    if (it == self->conns_.end()) return;
+    self->close_conn(it->second,
+                     Status(StatusCode::kPeerFailure, "peer failed: " + ucs_str(st)));
+  });
+}
+
+void UcxCore::close_conn(std::shared_ptr<Conn> c, const Status& why) {
+  if (c->closing) return;
+  c->closing = true;
+  c->failed.store(true, std::memory_order_release);
+  if (c->ep) {
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    // A forced close purges every request on the endpoint: their callbacks
+    // run (with an error) before the close completes.
+    ucs_status_ptr_t sp = ucp_ep_close_nbx(c->ep, &rp);
+    if (UCS_PTR_IS_PTR(sp)) {
+      closing_.push_back({sp, c->rkey, c});
+    } else if (c->rkey) {
+      ucp_rkey_destroy(c->rkey);
+    }
+    c->ep = nullptr;
+    c->rkey = nullptr;
+  }
+  conns_.erase(c->id);
+  if (!c->hello_set) {
+    c->hello_set = true;
+    c->hello.set_value(why);
+  }
+  std::vector<std::uint64_t> ids(c->batches.begin(), c->batches.end());
+  for (std::uint64_t id : ids) {
+    auto it = batches_.find(id);
+    if (it == batches_.end()) continue;
+    fail_batch(it->second,
+               Status(why.code() == StatusCode::kShutdown ? StatusCode::kShutdown
+                                                          : StatusCode::kPeerFailure,
+                      "connection to " + c->session_id + " closed: " + why.message()));
+  }
+}
+
+void UcxCore::fail_batch(const std::shared_ptr<Batch>& b, Status st) {
+  if (!b->failure) b->failure = std::move(st);
+  maybe_finish(b);
+}
+
+void UcxCore::maybe_finish(const std::shared_ptr<Batch>& b) {
+  if (b->outstanding != 0) return;
+  const bool stopped = b->aborted || b->failure.has_value();
+  if (!stopped && !b->pending.empty()) return;
+  if (batches_.erase(b->id) == 0) return;  // finished already
+  b->conn->batches.erase(b->id);
+  Status st = b->failure  ? *b->failure
+              : b->aborted ? Status(StatusCode::kCancelled, "aborted")
+                           : Status::ok();
+  auto done = std::move(b->done);
+  if (done) done(std::move(st));
+}
+
+void UcxCore::request_finished(std::uint64_t batch_id, ucs_status_t st) {
+  auto it = batches_.find(batch_id);
+  if (it == batches_.end()) return;
+  auto b = it->second;
+  if (b->outstanding > 0) --b->outstanding;
+  if (st != UCS_OK && !b->failure && !b->aborted) {
+    b->failure = Status(StatusCode::kPeerFailure, "ucx request failed: " + ucs_str(st));
+  }
+  maybe_finish(b);
+}
+
+void UcxCore::on_req_done(void* request, ucs_status_t st, void* user_data) {
+  auto* ctx = static_cast<ReqCtx*>(user_data);
+  ctx->core->request_finished(ctx->batch_id, st);
+  delete ctx;
+  ucp_request_free(request);
+}
+
+void UcxCore::on_recv_done(void* request, ucs_status_t st, std::size_t, void* user_data) {
+  on_req_done(request, st, user_data);
+}
+
+void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
+  const auto& c = b->conn;
+  batches_[b->id] = b;
+  if (c->closing || c->ep == nullptr) {
+    fail_batch(b, Status(StatusCode::kPeerFailure,
+                         "connection to " + c->session_id + " is closed"));
+    return;
+  }
+  c->batches.insert(b->id);
+  if (c->mode == Mode::kGet) {
+    for (const rma::RmaRead& r : b->chunks) {
+      auto* ctx = new ReqCtx{this, b->id};
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_MEMH;
+      rp.cb.send = &UcxCore::on_req_done;
+      rp.user_data = ctx;
+      rp.memh = memh_;
+      ucs_status_ptr_t sp =
+          ucp_get_nbx(c->ep, cache_->base() + r.local_offset, r.length,
+                      c->served.data_ptr + r.remote_offset, c->rkey, &rp);
+      if (UCS_PTR_IS_PTR(sp)) {
+        ++b->outstanding;
+        continue;
+      }
+      delete ctx;
+      if (UCS_PTR_IS_ERR(sp)) {
+        b->failure = Status(StatusCode::kPeerFailure,
+                            "ucp_get_nbx: " + ucs_str(UCS_PTR_STATUS(sp)));
+        break;
+      }
+    }
+    maybe_finish(b);
+    return;
+  }
+  std::vector<WireSpan> spans;
+  spans.reserve(b->chunks.size());
+  for (const rma::RmaRead& r : b->chunks) {
+    spans.push_back({r.remote_offset, r.length, r.local_offset});
+    b->pending.emplace(r.local_offset, r.length);
+  }
+  const ReadReqHdr hdr{b->id, c->served.generation, spans.size()};
+  send_small(c->ep, kAmReadReq, &hdr, sizeof hdr, spans.data(),
+             spans.size() * sizeof(WireSpan), true);
+}
+
+void UcxCore::abort_batch(std::uint64_t id) {
+  auto it = batches_.find(id);
+  if (it == batches_.end()) return;
+  auto b = it->second;
+  b->aborted = true;
+  if (b->outstanding == 0) {
+    maybe_finish(b);
+    return;
+  }
+  // Requests that write into local pages are in flight: only a forced close
+  // guarantees they are purged before the read resolves.
+  close_conn(b->conn, Status(StatusCode::kCancelled,
+                             "a read on it was stopped with requests in flight"));
+}
+
+// ---------------------------------------------------------------------------
+// RmaPeer / RmaOperation / RmaBackend
+// ---------------------------------------------------------------------------
+
+namespace {
+
+class UcxOperation final : public rma::RmaOperation {
+ public:
+  UcxOperation(std::weak_ptr<UcxCore> core, std::uint64_t id)
+      : core_(std::move(core)), id_(id) {}
+  void abort() noexcept override {
+    if (auto core = core_.lock()) {
+      UcxCore* c = core.get();
+      const std::uint64_t id = id_;
+      try {
+        c->post([c, id] { c->abort_batch(id); });
+      } catch (...) {
+        // Out of memory queuing the abort: the timeout or shutdown retries.
+      }
+    }
+  }
+
+ private:
+  std::weak_ptr<UcxCore> core_;
+  std::uint64_t id_;
+};
+
+class UcxPeer final : public rma::RmaPeer {
+ public:
+  UcxPeer(std::shared_ptr<UcxCore> core, std::shared_ptr<Conn> conn)
+      : core_(std::move(core)), conn_(std::move(conn)) {}
+  ~UcxPeer() override {
+    UcxCore* c = core_.get();
+    auto conn = conn_;
+    c->post([c, conn] { c->close_conn(conn, Status(StatusCode::kCancelled, "released")); });
+  }
+
+  void verify(const rma::RmaRegionInfo& claimed) const override {
+    rma::verify_region(conn_->served, claimed);
+  }
+  bool failed() const noexcept override {
+    return conn_->failed.load(std::memory_order_acquire);
+  }
+  std::shared_ptr<rma::RmaOperation> post_reads(std::vector<rma::RmaRead> reads,
+                                                rma::RmaCompletion done) override {
+    auto b = std::make_shared<Batch>();
+    b->id = core_->next_batch.fetch_add(1, std::memory_order_relaxed);
+    b->conn = conn_;
+    b->done = std::move(done);
+    b->chunks = split_spans(reads, core_->options().chunk_bytes);
+    UcxCore* c = core_.get();
+    if (!c->post([c, b] { c->start_batch(b); })) {
+      throw Error(StatusCode::kShutdown, "the ucx engine is shut down");
+    }
+    return std::make_shared<UcxOperation>(core_, b->id);
+  }
+
+ private:
+  std::shared_ptr<UcxCore> core_;
+  std::shared_ptr<Conn> conn_;
+};
+
+}  // namespace
+
+UcxOptions UcxOptions::parse(const EngineOptions& options) {
+  UcxOptions o;
+  for (const auto& [key, value] : options.extra) {
+    if (key == "ucx_mode") {
+      if (value == "auto") o.mode = Mode::kAuto;
+      else if (value == "get") o.mode = Mode::kGet;
+      else if (value == "am") o.mode = Mode::kAm;
+      else throw Error(StatusCode::kInvalidArgument,
+                       "ucx_mode '" + value + "' is not one of auto, get, am");
+    } else if (key == "ucx_am_proto") {
+      if (value == "eager") o.am_rndv = false;
+      else if (value == "rndv") o.am_rndv = true;
+      else throw Error(StatusCode::kInvalidArgument,
+                       "ucx_am_proto '" + value + "' is not one of eager, rndv");
+    } else if (key == "ucx_chunk_bytes") {
+      char* end = nullptr;
+      const unsigned long long v = std::strtoull(value.c_str(), &end, 10);
+      if (value.empty() || *end != '\0' || v < 4096 || v > (1ull << 30)) {
+        throw Error(StatusCode::kInvalidArgument,
+                    "ucx_chunk_bytes '" + value + "' is not in [4096, 2^30]");
+      }
+      o.chunk_bytes = v;
+    }
+    // Keys of other engines are ignored: one EngineOptions may serve several.
+  }
+  return o;
+}
+
+UcxBackend::UcxBackend(std::shared_ptr<KVCache> cache, const std::string& entity_id,
+                       const std::string& session_id, const UcxOptions& options)
+    : core_(std::make_shared<UcxCore>(std::move(cache), entity_id, session_id, options)) {}
+
+UcxBackend::~UcxBackend() { shutdown(); }
+
+rma::RmaRegionInfo UcxBackend::local_region() const { return core_->region(); }
+
+std::shared_ptr<rma::RmaPeer> UcxBackend::connect(const rma::RmaRegionInfo& remote,
+                                                  std::chrono::milliseconds timeout) {
+  auto conn = core_->connect(remote, timeout);
+  return std::make_shared<UcxPeer>(core_, std::move(conn));
+}
+
+void UcxBackend::shutdown() noexcept { core_->stop(); }
+
+}  // namespace mstar::kv::ucx

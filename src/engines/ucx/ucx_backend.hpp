@@ -1,0 +1,49 @@
+// Copyright mstar-kv authors.
+//
+// The UCX RmaBackend (see include/mstar/kv/ucx.hpp for the behaviour).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "mstar/kv/cache.hpp"
+#include "mstar/kv/manager.hpp"
+#include "rma/rma_backend.hpp"
+
+namespace mstar::kv::ucx {
+
+enum class Mode : std::uint8_t { kAuto, kGet, kAm };
+
+struct UcxOptions {
+  Mode mode = Mode::kAuto;
+  bool am_rndv = false;                 // am replies: rendezvous instead of eager
+  std::uint64_t chunk_bytes = 1u << 20;
+  // Throws Error(kInvalidArgument) naming a bad key or value.
+  static UcxOptions parse(const EngineOptions& options);
+};
+
+class UcxCore;  // context, worker, registration, listener, progress thread
+
+class UcxBackend final : public rma::RmaBackend {
+ public:
+  // Registers the cache, opens the listener on `session_id` ("HOST:PORT";
+  // empty: 127.0.0.1 and a free port in 20000-29999) and starts the progress
+  // thread. Throws Error(kUnavailable) when UCX cannot start,
+  // Error(kInvalidArgument) for a bad session id or a cache that is not host
+  // memory.
+  UcxBackend(std::shared_ptr<KVCache> cache, const std::string& entity_id,
+             const std::string& session_id, const UcxOptions& options);
+  ~UcxBackend() override;
+
+  std::string_view engine_name() const noexcept override { return "ucx"; }
+  rma::RmaRegionInfo local_region() const override;
+  std::shared_ptr<rma::RmaPeer> connect(const rma::RmaRegionInfo& remote,
+                                        std::chrono::milliseconds timeout) override;
+  void shutdown() noexcept override;
+
+ private:
+  std::shared_ptr<UcxCore> core_;
+};
+
+}  // namespace mstar::kv::ucx
