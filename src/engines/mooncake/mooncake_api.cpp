@@ -119,6 +119,9 @@ MooncakeLibrary::MooncakeLibrary(const std::string& path) : path_(path) {
     resolve(handle_, path_, "submitTransfer", api_.submitTransfer);
     resolve(handle_, path_, "getTransferStatus", api_.getTransferStatus);
     resolve(handle_, path_, "freeBatchID", api_.freeBatchID);
+    dlerror();
+    api_.openSegmentNoCache =
+        reinterpret_cast<McOpenSegmentFn>(dlsym(handle_, "openSegmentNoCache"));
   } catch (...) {
     dlclose(handle_);
     handle_ = nullptr;

@@ -78,12 +78,11 @@ enum class McTaskStatus : int {
 };
 
 // True for the states after which Mooncake no longer touches the task's
-// buffers (freeBatchID succeeds only once every task was seen in one).
+// buffers: freeBatchID succeeds only once every task was seen in one of them.
+// (TIMEOUT is not final: Mooncake reports it while the request's slices are
+// still outstanding in the transport.)
 constexpr bool is_final(int status) noexcept {
-  return status == static_cast<int>(McTaskStatus::kInvalid) ||
-         status == static_cast<int>(McTaskStatus::kCanceled) ||
-         status == static_cast<int>(McTaskStatus::kCompleted) ||
-         status == static_cast<int>(McTaskStatus::kTimeout) ||
+  return status == static_cast<int>(McTaskStatus::kCompleted) ||
          status == static_cast<int>(McTaskStatus::kFailed);
 }
 const char* task_status_name(int status) noexcept;
@@ -91,7 +90,8 @@ const char* task_status_name(int status) noexcept;
 // freeBatchID, e.g. 3 -> "AddressNotRegistered".
 std::string status_code_name(int code);
 
-// The function table of one loaded library; every pointer is non-null.
+// The function table of one loaded library; every required pointer is
+// non-null.
 struct MooncakeApi {
   McCreateTransferEngineFn createTransferEngine = nullptr;
   McGetLocalIpAndPortFn getLocalIpAndPort = nullptr;
@@ -105,6 +105,9 @@ struct MooncakeApi {
   McSubmitTransferFn submitTransfer = nullptr;
   McGetTransferStatusFn getTransferStatus = nullptr;
   McFreeBatchIdFn freeBatchID = nullptr;
+  // Optional (null when the library lacks it): openSegment after refreshing
+  // Mooncake's cached descriptor of that segment.
+  McOpenSegmentFn openSegmentNoCache = nullptr;
 };
 
 // Where to load Mooncake from: options["mooncake_lib"], else the environment

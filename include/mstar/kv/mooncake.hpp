@@ -1,0 +1,163 @@
+// Copyright mstar-kv authors.
+//
+// The Mooncake engine: the spec's MooncakeKVTransferEngine, moving pages with
+// Mooncake's transfer engine (its TCP transport with the P2P handshake, or
+// whatever transport and metadata service a deployment already runs).
+//
+// mstar-kv has no build-time dependency on Mooncake. The engine loads
+// Mooncake's C API (transfer_engine_c.h) at run time from a shared library:
+//   1. EngineOptions::extra["mooncake_lib"] (the CLI's --mooncake-lib PATH),
+//   2. else the environment variable MSTAR_KV_MOONCAKE_LIB,
+//   3. else "libtransfer_engine.so" through the dynamic loader's search path.
+// A library that cannot be loaded, or lacks a C API symbol, makes the
+// constructor throw Error(kUnavailable) naming the path (or the symbol) and
+// how to point at another one. The PyPI wheel mooncake-transfer-engine-non-cuda
+// does not carry such a library (its .so files are pybind11 modules); build
+// Mooncake's libtransfer_engine.so from source (see README.md).
+//
+// How a read works. The owner registers its whole cache with Mooncake
+// (registerLocalMemory, location "cpu:0") and publishes a descriptor: the
+// spec's MooncakeKVTransferInfo (entity_id, session_id, data_ptr, layout) plus
+// the region size, a random generation and the address of a small registered
+// "identity" page in which the owner keeps its own descriptor. A reader opens
+// the owner's Mooncake segment by session id (openSegment, once per peer),
+// reads the identity page and compares it with the descriptor it was given:
+// a descriptor of a restarted owner (kStaleDescriptor), a forged address or
+// size (kPermissionDenied) or another layout (kIncompatibleLayout) is rejected
+// before any page read is submitted. Page reads are then submitted as one
+// Mooncake batch of READ requests (target_offset = the owner's data_ptr +
+// offset, i.e. the owner's absolute address) and completed by a progress
+// thread polling getTransferStatus.
+//
+// Options, all in EngineOptions::extra (all optional):
+//   "mooncake_lib"       library path (see above)
+//   "mooncake_metadata"  Mooncake's metadata connection string; default
+//                        "P2PHANDSHAKE" (no metadata server: peers handshake
+//                        directly). With anything else ("etcd://...",
+//                        "http://..."), my_session_id names this process's
+//                        segment and is required.
+//   "mooncake_host"      P2P mode: the host/IP advertised to peers; default
+//                        the host part of my_session_id, else "127.0.0.1".
+//   "mooncake_protocol"  the transport to install; default "tcp" (the only
+//                        one tested here; "rdma" for RDMA deployments).
+//   "mooncake_location"  registerLocalMemory location; default "cpu:0".
+//   "mooncake_abort_grace_ms"  see "Timeouts" below; default 2000.
+// Unknown "mooncake_*" keys are rejected (kInvalidArgument) so that a typo is
+// not silently ignored. Before creating Mooncake's engine the constructor sets
+// MC_TCP_ENABLE_CONNECTION_POOL=1 and MC_LOG_LEVEL=WARNING in the process
+// environment unless the user already set them (without the connection pool,
+// Mooncake's TCP transport opens a connection per request and runs ~4x
+// slower; Mooncake still logs a few INFO lines at start-up). The engine keeps
+// at most MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (default 1024) requests per
+// peer in Mooncake's hands, because Mooncake's TCP transport fails requests
+// beyond that queue instead of waiting.
+//
+// Timeouts and the "no byte after resolution" promise. Mooncake's C API has
+// no way to cancel a submitted request, so a read's future resolves only once
+// Mooncake reports every request of its batch COMPLETED or FAILED. A peer
+// that dies resets its sockets and its requests fail within milliseconds. A
+// read that outlives EngineOptions::timeout is aborted: its future resolves
+// with kTimeout as soon as all its requests reached a final state. If some
+// are still in flight `mooncake_abort_grace_ms` after the abort (the peer
+// hangs with its connections open), the only way to stop Mooncake writing
+// into our pages is to destroy Mooncake's engine: the engine does that, every
+// read still in flight then fails (kPeerFailure, naming the hung peer), and
+// the engine is unusable from then on (further reads throw kUnavailable, its
+// descriptor no longer works); create a new one. A hung peer thus costs the
+// engine, never a late write into a page whose future already resolved.
+// openSegment's handshake is synchronous inside Mooncake and bounded by
+// Mooncake's own socket timeouts, not by EngineOptions::timeout.
+//
+// Thread safety: every method is safe from any thread. shutdown() resolves
+// every read in flight (kShutdown), deregisters the memory and destroys
+// Mooncake's engine; idempotent, run by the destructor. The library stays
+// loaded until the engine is destroyed.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "mstar/kv/cache.hpp"
+#include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/engine.hpp"
+#include "mstar/kv/layout.hpp"
+#include "mstar/kv/manager.hpp"
+
+namespace mstar::kv {
+
+// The engine's settings, parsed from EngineOptions::extra (see above).
+struct MooncakeOptions {
+  std::string library_path;  // resolved: option, environment or default
+  std::string metadata = "P2PHANDSHAKE";
+  std::string host;          // empty: from my_session_id, else 127.0.0.1
+  std::string protocol = "tcp";
+  std::string location = "cpu:0";
+  std::uint32_t abort_grace_ms = 2000;
+
+  // Throws Error(kInvalidArgument) naming an unknown "mooncake_*" key or a
+  // value outside its limit.
+  static MooncakeOptions from_extra(const std::map<std::string, std::string>& extra);
+};
+
+// The spec's MooncakeKVTransferInfo plus what makes it checkable. Value type.
+struct MooncakeKVTransferInfo {
+  static constexpr const char* kEngineName = "mooncake";
+
+  std::string entity_id;        // TransferEngineInfo::my_entity_id of the owner
+  std::string session_id;       // what a peer passes to openSegment
+  std::uint64_t data_ptr = 0;   // the owner's cache base address
+  KVLayout layout;
+  std::uint64_t size = 0;       // bytes registered from data_ptr
+  std::uint64_t generation = 0; // random, nonzero, new for every engine
+  std::uint64_t identity_ptr = 0;  // the owner's registered identity page
+
+  // KVTransferInfo{engine = "mooncake", payload}.
+  KVTransferInfo encode() const;
+  // Treats the bytes as untrusted: throws Error(kInvalidArgument) when
+  // info.engine is not "mooncake", Error(kCorruptDescriptor) naming the field
+  // when the payload is truncated, oversized or inconsistent (null address,
+  // zero generation, a layout larger than size, overflow).
+  static MooncakeKVTransferInfo decode(const KVTransferInfo& info);
+
+  bool operator==(const MooncakeKVTransferInfo&) const = default;
+};
+
+class MooncakeKVTransferEngine final : public KVTransferEngine {
+ public:
+  // The spec's MooncakeKVTransferEngine(kv_cache, entity_id, transfer_engine):
+  // loads Mooncake, creates its engine, installs the transport and registers
+  // the cache's memory (kHost or kSharedHost). Throws Error: kUnavailable
+  // (library absent or incomplete, Mooncake refused to start),
+  // kInvalidArgument (bad option, device memory, P2P-less metadata without a
+  // session id). Nothing is left registered or loaded on failure.
+  MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
+                           const TransferEngineInfo& info);
+  ~MooncakeKVTransferEngine() override;
+
+  MooncakeKVTransferEngine(const MooncakeKVTransferEngine&) = delete;
+  MooncakeKVTransferEngine& operator=(const MooncakeKVTransferEngine&) = delete;
+
+  KVTransferInfo get_kv_transfer_info() const override;
+  // The same descriptor, decoded.
+  MooncakeKVTransferInfo mooncake_transfer_info() const;
+  // The spec's TransferEngineInfo.my_session_id as Mooncake reports it
+  // (P2P mode: getLocalIpAndPort, "HOST:PORT").
+  const std::string& session_id() const noexcept { return session_id_; }
+
+  std::optional<TransferFuture> read_batched_async(
+      const KVTransferInfo& remote_kv_info,
+      std::span<const KVReadInfo> read_info) override;
+
+  void shutdown() override;
+
+ private:
+  std::string session_id_;
+  std::unique_ptr<KVTransferEngine> impl_;  // the RMA engine over Mooncake
+};
+
+}  // namespace mstar::kv

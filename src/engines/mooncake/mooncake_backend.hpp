@@ -1,0 +1,132 @@
+// Copyright mstar-kv authors.
+//
+// MooncakeBackend: the RMA backend (rma/rma_backend.hpp) over Mooncake's
+// transfer engine C API. Private to the Mooncake engine; the behaviour users
+// see is documented in include/mstar/kv/mooncake.hpp.
+//
+// Progress model: post_reads() splits the reads into requests of at most
+// kMaxRequestBytes and queues them as one batch; it never calls Mooncake.
+// One progress thread per backend allocates each batch's Mooncake batch,
+// submits its READ requests while the peer has fewer than window_ requests
+// in Mooncake's hands (Mooncake's TCP transport fails requests beyond its
+// per-peer queue, MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER, default 1024), polls
+// getTransferStatus (from the first unfinished task, backing off from 10 us
+// to 1 ms while nothing moves) and runs a batch's completion once every
+// submitted task was seen COMPLETED or FAILED, right after freeBatchID.
+// After a failure or an abort no further request of that batch is submitted. A batch whose abort() was requested keeps being polled;
+// if it is still unfinished abort_grace later, the progress thread destroys
+// Mooncake's engine (the only way to stop its sockets writing into our
+// pages), fails every batch in flight and leaves the backend dead.
+//
+// Locks: api_mu_ (shared for every Mooncake call, exclusive to destroy
+// Mooncake's engine) is never taken while holding mu_; completions run with
+// no lock held.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "mooncake_api.hpp"
+#include "mstar/kv/cache.hpp"
+#include "mstar/kv/mooncake.hpp"
+#include "engines/rma/rma_backend.hpp"
+
+namespace mstar::kv::engines::mooncake {
+
+// The identity page: every backend registers one page holding its own
+// descriptor, so that a reader can check a descriptor against what the owner
+// serves now. Layout: u64 magic | u32 length | RmaRegionInfo payload |
+// u32 CRC-32C of everything before it; zero-padded to kIdentityBytes.
+inline constexpr std::size_t kIdentityBytes = 4096;
+// Largest single READ request: Mooncake's TCP transport carries one request
+// on one of its (4) connections per peer, so large spans are cut to share
+// them.
+inline constexpr std::uint64_t kMaxRequestBytes = 1u << 20;
+inline constexpr std::uint64_t kIdentityMagic = 0x4449434d564b534dull;  // "MSKVMCID"
+
+// backend_blob of a Mooncake RmaRegionInfo: u16 version | u64 identity_ptr.
+std::vector<std::uint8_t> encode_blob(std::uint64_t identity_ptr);
+// Untrusted: throws Error(kCorruptDescriptor) naming the field.
+std::uint64_t decode_blob(std::span<const std::uint8_t> blob);
+
+class MooncakeBackend final : public rma::RmaBackend {
+ public:
+  // Loads the library, creates and configures Mooncake's engine and
+  // registers the cache and the identity page. Throws Error (see
+  // MooncakeKVTransferEngine's constructor); nothing is left behind then.
+  MooncakeBackend(std::shared_ptr<KVCache> cache, const MooncakeOptions& options,
+                  const std::string& entity_id, const std::string& my_session_id);
+  ~MooncakeBackend() override;
+
+  MooncakeBackend(const MooncakeBackend&) = delete;
+  MooncakeBackend& operator=(const MooncakeBackend&) = delete;
+
+  std::string_view engine_name() const noexcept override { return "mooncake"; }
+  rma::RmaRegionInfo local_region() const override { return region_; }
+  std::shared_ptr<rma::RmaPeer> connect(const rma::RmaRegionInfo& remote,
+                                        std::chrono::milliseconds timeout) override;
+  void shutdown() noexcept override;
+
+  const std::string& session_id() const noexcept { return region_.session_id; }
+
+  // For MooncakePeer: submits `reads` (offsets from the peer's `remote_base`
+  // and from `local_base`) as one batch. `peer_failed` is set when a request
+  // fails; `keepalive` lives until the completion has run.
+  std::shared_ptr<rma::RmaOperation> post(McSegmentId segment, const std::string& peer_name,
+                                          std::uint64_t remote_base, std::byte* local_base,
+                                          std::span<const rma::RmaRead> reads,
+                                          rma::RmaCompletion done,
+                                          std::shared_ptr<std::atomic<bool>> peer_failed,
+                                          std::shared_ptr<void> keepalive);
+  bool dead() const noexcept { return dead_.load(std::memory_order_acquire); }
+
+ private:
+  struct Batch;
+  class Scratch;
+
+  void progress_loop();
+  // Both: caller holds api_mu_ shared and engine_ is live; progress thread
+  // only. `outstanding` counts the peer's requests in Mooncake's hands.
+  // Polls b from its first unfinished task; true if a task finished.
+  bool poll(Batch& b, std::size_t& outstanding);
+  // Allocates b's Mooncake batch and submits what the peer's window allows.
+  bool submit_more(Batch& b, std::size_t& outstanding);
+  // Destroys Mooncake's engine after `why`, failing every batch in flight.
+  void tear_down(const std::string& why);
+  std::string dead_message() const;
+  void unregister(void* addr) noexcept;
+
+  // Declared first: unloaded last, after Mooncake's engine is destroyed.
+  std::unique_ptr<MooncakeLibrary> lib_;
+  const MooncakeApi* api_ = nullptr;
+  std::shared_ptr<KVCache> cache_;
+  MooncakeOptions options_;
+  rma::RmaRegionInfo region_;
+  std::unique_ptr<std::byte, void (*)(void*)> identity_;
+
+  mutable std::shared_mutex api_mu_;
+  McEngine engine_ = nullptr;  // guarded by api_mu_; null once destroyed
+  bool cache_registered_ = false;     // guarded by api_mu_
+  bool identity_registered_ = false;  // guarded by api_mu_
+
+  std::size_t window_ = 1024;  // requests per peer in Mooncake's hands
+  std::atomic<bool> dead_{false};
+  mutable std::mutex mu_;
+  std::condition_variable cv_;               // a batch arrived / stopping
+  std::vector<std::shared_ptr<Batch>> batches_;  // guarded by mu_
+  std::uint64_t arrivals_ = 0;               // guarded by mu_
+  bool stopping_ = false;                    // guarded by mu_
+  std::string dead_reason_;                  // guarded by mu_
+  std::thread progress_;
+};
+
+}  // namespace mstar::kv::engines::mooncake

@@ -1,0 +1,132 @@
+// Copyright mstar-kv authors.
+//
+// MooncakeKVTransferEngine: the RMA engine over MooncakeBackend, plus its
+// options and descriptor (include/mstar/kv/mooncake.hpp).
+#include <string>
+#include <utility>
+
+#include "engines/engine_makers.hpp"
+#include "mooncake_api.hpp"
+#include "mooncake_backend.hpp"
+#include "mstar/kv/mooncake.hpp"
+#include "engines/rma/rma_engine.hpp"
+
+namespace mstar::kv {
+
+MooncakeOptions MooncakeOptions::from_extra(const std::map<std::string, std::string>& extra) {
+  MooncakeOptions o;
+  o.library_path = engines::mooncake::resolve_library_path(extra);
+  for (const auto& [key, value] : extra) {
+    if (key.rfind("mooncake_", 0) != 0) continue;  // another engine's option
+    if (key == "mooncake_lib") {
+      // resolved above
+    } else if (key == "mooncake_metadata") {
+      o.metadata = value;
+    } else if (key == "mooncake_host") {
+      o.host = value;
+    } else if (key == "mooncake_protocol") {
+      o.protocol = value;
+    } else if (key == "mooncake_location") {
+      o.location = value;
+    } else if (key == "mooncake_abort_grace_ms") {
+      std::uint64_t ms = 0;
+      try {
+        std::size_t used = 0;
+        ms = std::stoull(value, &used);
+        if (used != value.size()) throw std::invalid_argument("trailing");
+      } catch (const std::exception&) {
+        throw Error(StatusCode::kInvalidArgument,
+                    "mooncake_abort_grace_ms '" + value + "' is not a number of milliseconds");
+      }
+      if (ms < 1 || ms > 600000) {
+        throw Error(StatusCode::kInvalidArgument,
+                    "mooncake_abort_grace_ms " + value + " out of range [1, 600000]");
+      }
+      o.abort_grace_ms = static_cast<std::uint32_t>(ms);
+    } else {
+      throw Error(StatusCode::kInvalidArgument,
+                  "unknown Mooncake option '" + key +
+                      "' (known: mooncake_lib, mooncake_metadata, mooncake_host, "
+                      "mooncake_protocol, mooncake_location, mooncake_abort_grace_ms)");
+    }
+  }
+  if (o.metadata.empty() || o.protocol.empty() || o.location.empty()) {
+    throw Error(StatusCode::kInvalidArgument,
+                "mooncake_metadata, mooncake_protocol and mooncake_location must not be empty");
+  }
+  return o;
+}
+
+KVTransferInfo MooncakeKVTransferInfo::encode() const {
+  rma::RmaRegionInfo r;
+  r.entity_id = entity_id;
+  r.session_id = session_id;
+  r.data_ptr = data_ptr;
+  r.size = size;
+  r.layout = layout;
+  r.generation = generation;
+  r.backend_blob = engines::mooncake::encode_blob(identity_ptr);
+  return KVTransferInfo{kEngineName, r.encode()};
+}
+
+MooncakeKVTransferInfo MooncakeKVTransferInfo::decode(const KVTransferInfo& info) {
+  if (info.engine != kEngineName) {
+    throw Error(StatusCode::kInvalidArgument,
+                "descriptor of engine '" + info.engine + "' is not a Mooncake descriptor");
+  }
+  const rma::RmaRegionInfo r = rma::RmaRegionInfo::decode(info.payload);
+  MooncakeKVTransferInfo out;
+  out.entity_id = r.entity_id;
+  out.session_id = r.session_id;
+  out.data_ptr = r.data_ptr;
+  out.layout = r.layout;
+  out.size = r.size;
+  out.generation = r.generation;
+  out.identity_ptr = engines::mooncake::decode_blob(r.backend_blob);
+  return out;
+}
+
+MooncakeKVTransferEngine::MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
+                                                   const TransferEngineInfo& info) {
+  if (!kv_cache) {
+    throw Error(StatusCode::kInvalidArgument, "MooncakeKVTransferEngine needs a KV cache");
+  }
+  if (kv_cache->memory_kind() == MemoryKind::kDevice) {
+    throw Error(StatusCode::kInvalidArgument,
+                "the Mooncake engine reads host memory; this cache is device memory "
+                "(use kHost or kSharedHost)");
+  }
+  const MooncakeOptions options = MooncakeOptions::from_extra(info.options.extra);
+  auto backend = std::make_unique<engines::mooncake::MooncakeBackend>(
+      kv_cache, options, info.my_entity_id, info.my_session_id);
+  session_id_ = backend->session_id();
+  impl_ = std::make_unique<rma::RmaKVTransferEngine>(std::move(kv_cache), std::move(backend),
+                                                     info.options);
+}
+
+MooncakeKVTransferEngine::~MooncakeKVTransferEngine() = default;
+
+KVTransferInfo MooncakeKVTransferEngine::get_kv_transfer_info() const {
+  return impl_->get_kv_transfer_info();
+}
+
+MooncakeKVTransferInfo MooncakeKVTransferEngine::mooncake_transfer_info() const {
+  return MooncakeKVTransferInfo::decode(impl_->get_kv_transfer_info());
+}
+
+std::optional<TransferFuture> MooncakeKVTransferEngine::read_batched_async(
+    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
+  return impl_->read_batched_async(remote_kv_info, read_info);
+}
+
+void MooncakeKVTransferEngine::shutdown() { impl_->shutdown(); }
+
+namespace engines {
+
+std::unique_ptr<KVTransferEngine> make_mooncake_engine(std::shared_ptr<KVCache> cache,
+                                                       const TransferEngineInfo& info) {
+  return std::make_unique<MooncakeKVTransferEngine>(std::move(cache), info);
+}
+
+}  // namespace engines
+}  // namespace mstar::kv
