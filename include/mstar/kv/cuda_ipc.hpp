@@ -1,0 +1,220 @@
+// Copyright mstar-kv authors.
+//
+// The CUDA IPC engine: the spec's CudaIpcKVTransferEngine. Prefill and decode
+// engines on the GPUs of one host; the decode side copies device-to-device
+// straight out of the prefill side's cache through a legacy CUDA IPC handle
+// (cudaIpcGetMemHandle / cudaIpcOpenMemHandle). Both processes may use the
+// same GPU (CUDA IPC supports it) or two GPUs with peer access.
+//
+// Device memory. make_kv_cache(layout, MemoryKind::kDevice, device) makes a
+// cache in ONE cudaMalloc allocation for the whole cache, not one per layer:
+// one IPC handle describes the whole cache, a reader opens it once per owner
+// (cudaIpcOpenMemHandle is costly: it maps the allocation into the reader's
+// address space), and every bounds check is a single comparison against one
+// allocation. Per-layer allocations would need num_layers handles, opens and
+// bounds. Memory owned by someone else (a PyTorch tensor) is wrapped with
+// wrap_device_memory below.
+//
+// Only memory that legacy CUDA IPC can share is accepted: cudaMalloc'd memory
+// (PyTorch's default caching allocator). Allocations made through the virtual
+// memory management API (cuMemCreate + cuMemMap, e.g. PyTorch with
+// PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) and stream-ordered pool
+// memory (cudaMallocAsync) are refused with Error(kInvalidArgument) saying so,
+// never silently served by a slower path.
+//
+// This header includes no CUDA header; the library builds and tests without
+// a GPU toolchain, and this engine is built only where the CUDA toolkit is.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "mstar/kv/cache.hpp"
+#include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/engine.hpp"
+#include "mstar/kv/layout.hpp"
+#include "mstar/kv/manager.hpp"
+
+namespace mstar::kv {
+
+// The spec's cuda_share: the legacy IPC handle of the allocation plus the
+// device it lives on. Value type.
+struct CudaIpcShare {
+  static constexpr std::size_t kHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)
+
+  std::array<std::uint8_t, kHandleBytes> handle{};  // cudaIpcMemHandle_t bytes
+  std::int32_t device = 0;                 // ordinal in the owner's process
+  std::array<std::uint8_t, 16> device_uuid{};  // cudaDeviceProp::uuid: names
+                                           // the GPU whatever the ordinals
+  std::uint64_t allocation_bytes = 0;      // size of the allocation the
+                                           // handle opens (from its base)
+
+  bool operator==(const CudaIpcShare&) const = default;
+};
+
+// The spec's CudaIpcKVTransferInfo: what a reader needs to open the owner's
+// cache. size / stride / offset describe the cache as a tensor view of the
+// allocation, with PyTorch's storage semantics: size and stride in elements,
+// offset in elements from the allocation's base. The view is the contiguous
+// tensor of the layout's axis order, always 6-dimensional (a K|V axis of 1
+// for MLA's single latent):
+//   layer-major: [num_layers, num_kv, num_pages, P0, P1, head_dim]
+//   page-major:  [num_pages, num_layers, num_kv, P0, P1, head_dim]
+// with (P0, P1) = (page_size, num_kv_heads) for NHD pages and
+// (num_kv_heads, page_size) for HND pages. Value type.
+struct CudaIpcKVTransferInfo {
+  static constexpr const char* kEngineName = "cuda_ipc";
+  static constexpr std::size_t kViewDims = 6;
+
+  CudaIpcShare cuda_share;
+  std::vector<std::int64_t> size;
+  std::vector<std::int64_t> stride;
+  std::int64_t offset = 0;
+  // The layout's dtype by name: "bf16" (also accepted when decoding:
+  // PyTorch's "torch.bfloat16" and the like).
+  std::string dtype;
+  // Carried for compatibility with PyTorch-produced descriptors; a KV cache
+  // never requires grad, so decode() refuses true.
+  bool requires_grad = false;
+  KVLayout layout;
+  // Random, non-zero, chosen when the memory was allocated or wrapped; with
+  // owner_pid it names one allocation of one process. A reader that sees a
+  // new generation for a pid closes the old handle and refuses the old one.
+  std::uint64_t generation = 0;
+  std::uint32_t owner_pid = 0;
+
+  // The contiguous view (size, stride) of `layout`, in elements.
+  static std::vector<std::int64_t> view_size(const KVLayout& layout);
+  static std::vector<std::int64_t> view_stride(const KVLayout& layout);
+
+  // KVTransferInfo{engine = "cuda_ipc", payload}. Throws Error(kInvalidArgument)
+  // when the info would not pass decode() (the same checks as validate()).
+  KVTransferInfo encode() const;
+  // Treats the bytes as untrusted: throws Error(kInvalidArgument) when
+  // info.engine is not "cuda_ipc", Error(kCorruptDescriptor) naming the field
+  // when the payload is truncated or oversized, the handle is not 64 bytes,
+  // size/stride are not the layout's contiguous view, offset + extent falls
+  // outside the allocation, requires_grad is true, dtype differs from the
+  // layout's, or generation / owner_pid are 0. Needs no GPU.
+  static CudaIpcKVTransferInfo decode(const KVTransferInfo& info);
+  // The consistency checks of decode() on a value; throws
+  // Error(kCorruptDescriptor) naming the field.
+  void validate() const;
+
+  // Byte offset of the cache from the allocation's base.
+  std::uint64_t offset_bytes() const noexcept {
+    return static_cast<std::uint64_t>(offset) * layout.element_size();
+  }
+
+  bool operator==(const CudaIpcKVTransferInfo&) const = default;
+};
+
+// Empty when at least one CUDA device is visible to this process; else why
+// not, with the CUDA error name ("cudaGetDeviceCount: cudaErrorNoDevice ...").
+// Safe from any thread.
+std::string cuda_unavailable_reason();
+
+// Wraps device memory owned by someone else, e.g. the storage of a PyTorch
+// tensor: `device_ptr` must point into a cudaMalloc allocation on `device`,
+// with `size_bytes` bytes from it inside that allocation. NOT owned: the
+// returned memory never frees it; the caller keeps the allocation alive
+// while the memory, any cache and engine over it, and any reader that opened
+// its handle use it (a reader holds the handle open until it shuts down or
+// sees a new generation of this process).
+// Throws Error(kInvalidArgument) for a null / host / other-device pointer, a
+// range outside its allocation, or memory legacy CUDA IPC cannot share (VMM
+// or pool allocations, see above); Error(kUnavailable) when no CUDA device
+// or driver is usable (with the CUDA error name).
+std::unique_ptr<KVMemory> wrap_device_memory(void* device_ptr,
+                                             std::size_t size_bytes,
+                                             int device);
+// A cache over wrapped memory (make_kv_cache for memory owned elsewhere).
+std::shared_ptr<KVCache> wrap_device_cache(const KVLayout& layout,
+                                           void* device_ptr,
+                                           std::size_t size_bytes, int device);
+
+// Reads pages of another process's device cache into this engine's device
+// cache.
+//
+// * Copies are cudaMemcpyAsync device-to-device (or cudaMemcpyBatchAsync,
+//   CUDA >= 13, one call per stream) spread round-robin, span by span, over
+//   max_workers non-blocking streams; one event is recorded per stream used.
+//   read_batched_async only enqueues: it never waits for the GPU.
+// * One completion thread (joined by shutdown) polls the events of every
+//   read in flight with a short backoff (20 us doubling to 1 ms) and
+//   resolves the futures; no thread blocks per copy.
+// * Ordering: the copies are not ordered against other streams. The owner
+//   must have finished writing the pages (synchronised its streams) before
+//   publishing them, and the reader must not touch the destination pages
+//   before the future resolves.
+// * Remote handles are opened once per (owner pid, generation), with
+//   cudaIpcMemLazyEnablePeerAccess, on this cache's device, and cached; the
+//   mapping is checked against the allocation size the descriptor claims.
+//   A new generation for a pid closes the old handle (after reads in flight
+//   on it drain) and makes the old descriptor kStaleDescriptor; a dead
+//   owner's descriptor is kNotFound. All handles close on shutdown.
+// * Errors: bad arguments throw Error before anything is enqueued (engine
+//   name, corrupt descriptor, incompatible layout, page / token bounds, a
+//   GPU that is not visible here or cannot reach the owner's GPU). CUDA
+//   runtime failures (opening the handle, enqueueing, or a copy) resolve the
+//   future with the CUDA error name, e.g. "cudaErrorMapBufferObjectFailed".
+// * Timeout (options.timeout) and cancel: a copy already enqueued cannot be
+//   withdrawn. A read past its deadline, or cancelled, resolves with
+//   kTimeout / kCancelled only once its queued copies have drained, so that
+//   no byte lands after the future resolved: the deadline is honoured as
+//   "resolves once the queued copies drain", normally within microseconds
+//   to milliseconds of it. (A GPU that never finishes a copy never resolves
+//   its read; shutdown then blocks in cudaStreamSynchronize.)
+// * shutdown(): synchronises every stream, resolves reads still in flight
+//   with kShutdown, closes every opened handle, destroys streams and events;
+//   later reads throw Error(kShutdown). Idempotent; run by the destructor.
+// Thread safety: every method is safe from any thread. The calling thread's
+// current CUDA device is left as it was.
+class CudaIpcKVTransferEngine final : public KVTransferEngine {
+ public:
+  // kv_cache must be device memory from make_kv_cache(..., kDevice) or
+  // wrap_device_memory; options.max_workers in [1, 64] streams;
+  // options.timeout > 0. options.extra["cuda_ipc_batch"] = "0" turns the
+  // cudaMemcpyBatchAsync path off (default "1": used where the runtime is
+  // CUDA >= 13 and the driver accepts it, else one cudaMemcpyAsync per span;
+  // a refused batch falls back for good, re-issuing its copies). The engine
+  // shares ownership of the cache. Throws Error(kInvalidArgument) for other
+  // memory or limits, Error(kUnavailable) (CUDA error named) when streams or
+  // the handle cannot be made.
+  explicit CudaIpcKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
+                                   const EngineOptions& options = {});
+  // The spec's CudaIpcKVTransferEngine(kv_cache, max_workers=3).
+  CudaIpcKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
+                          std::uint32_t max_workers);
+  ~CudaIpcKVTransferEngine() override;
+
+  CudaIpcKVTransferEngine(const CudaIpcKVTransferEngine&) = delete;
+  CudaIpcKVTransferEngine& operator=(const CudaIpcKVTransferEngine&) = delete;
+
+  // This cache's CudaIpcKVTransferInfo, encoded. Computed once.
+  KVTransferInfo get_kv_transfer_info() const override;
+  // The same, decoded.
+  const CudaIpcKVTransferInfo& info() const noexcept;
+
+  std::optional<TransferFuture> read_batched_async(
+      const KVTransferInfo& remote_kv_info,
+      std::span<const KVReadInfo> read_info) override;
+
+  void shutdown() override;
+
+  // Remote allocations currently open (for tests and tools).
+  std::size_t open_handles() const;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mstar::kv

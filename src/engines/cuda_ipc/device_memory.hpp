@@ -1,0 +1,54 @@
+// Copyright mstar-kv authors.
+//
+// DeviceMemory: the KVMemory behind every cache the cuda_ipc engine serves.
+// Either one cudaMalloc allocation owned by this object (freed by the
+// destructor), or a range of an allocation owned elsewhere (never freed).
+// Either way the legacy IPC handle of the allocation is taken once, at
+// construction, so memory IPC cannot share is refused up front.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "mstar/kv/cache.hpp"
+#include "mstar/kv/cuda_ipc.hpp"
+
+namespace mstar::kv::cuda {
+
+class DeviceMemory final : public KVMemory {
+ public:
+  // Zero-filled. Throws Error(kUnavailable) without a usable device,
+  // Error(kRetryLater) when the device is out of memory.
+  static std::unique_ptr<DeviceMemory> allocate(std::size_t size, int device);
+  // See wrap_device_memory in cuda_ipc.hpp.
+  static std::unique_ptr<DeviceMemory> wrap(void* ptr, std::size_t size, int device);
+
+  ~DeviceMemory() override;
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+
+  std::byte* data() const noexcept override { return data_; }
+  std::size_t size() const noexcept override { return size_; }
+  MemoryKind kind() const noexcept override { return MemoryKind::kDevice; }
+
+  int device() const noexcept { return share_.device; }
+  // Handle, device, UUID and allocation size.
+  const CudaIpcShare& share() const noexcept { return share_; }
+  // Byte offset of data() from the allocation's base.
+  std::uint64_t offset_bytes() const noexcept { return offset_bytes_; }
+  std::uint64_t generation() const noexcept { return generation_; }
+  bool owned() const noexcept { return owned_; }
+
+ private:
+  DeviceMemory() = default;
+
+  std::byte* data_ = nullptr;
+  std::size_t size_ = 0;
+  std::uint64_t offset_bytes_ = 0;
+  std::uint64_t generation_ = 0;
+  bool owned_ = false;
+  CudaIpcShare share_;
+};
+
+}  // namespace mstar::kv::cuda

@@ -1,0 +1,606 @@
+// Copyright mstar-kv authors.
+//
+// The cuda_ipc engine against a real owner process (cuda_ipc_owner) that
+// exports its device cache: both processes on device 0, one IPC handle
+// exported by one and opened by the other. The cases mirror the engine
+// conformance suite (tests/engines/conformance) with the bytes staged
+// through host memory to be checked. Without a visible CUDA device every
+// case skips with the reason (or fails under MSTAR_KV_REQUIRE_GPU=1).
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "cuda_ipc_test_util.hpp"
+#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/kv.hpp"
+
+namespace mstar::kv {
+namespace {
+
+using namespace std::chrono_literals;
+using cuda_test::OwnerProcess;
+using cuda_test::OwnerSpec;
+
+constexpr std::uint8_t kSentinel = 0xA5;
+constexpr std::uint64_t kSeed = 1234;
+
+KVLayout small_layout(CacheOrder co = CacheOrder::kLayerMajor, PageOrder po = PageOrder::kNHD) {
+  KVLayout l;
+  l.num_layers = 4;
+  l.num_pages = 64;
+  l.page_size = 16;
+  l.num_kv_heads = 2;
+  l.head_dim = 64;
+  l.dtype = DType::kBFloat16;
+  l.cache_order = co;
+  l.page_order = po;
+  return l;
+}
+
+std::vector<std::uint32_t> local_pages(std::size_t n, std::uint32_t first = 3,
+                                       std::uint32_t num_pages = 64) {
+  std::vector<std::uint32_t> v(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    v[i] = static_cast<std::uint32_t>((first + i * 5) % num_pages);
+  }
+  return v;
+}
+
+class CudaIpcEngine : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string why = cuda_test::no_device_reason();
+    if (!why.empty()) {
+      if (cuda_test::gpu_required()) FAIL() << "MSTAR_KV_REQUIRE_GPU=1 but " << why;
+      GTEST_SKIP() << "no CUDA device visible: " << why;
+    }
+  }
+
+  static OwnerSpec spec(const KVLayout& l, std::uint64_t tokens) {
+    OwnerSpec s;
+    s.layout = l;
+    s.tokens = tokens;
+    s.seed = kSeed;
+    return s;
+  }
+
+  static std::shared_ptr<KVCache> local_cache(const KVLayout& l) {
+    auto c = make_kv_cache(l, MemoryKind::kDevice, 0);
+    cuda_test::fill_device_bytes(*c, kSentinel);
+    return c;
+  }
+
+  static std::unique_ptr<KVTransferManager> manager(std::shared_ptr<KVCache> cache,
+                                                    std::chrono::milliseconds timeout = 10000ms,
+                                                    std::map<std::string, std::string> extra = {}) {
+    EngineOptions o;
+    o.timeout = timeout;
+    o.extra = std::move(extra);
+    return std::make_unique<KVTransferManager>(TransferEngineInfo{"decode", "", "cuda_ipc", o},
+                                               std::move(cache));
+  }
+
+  // Every byte outside the destination spans of `reads` still holds the
+  // sentinel.
+  static void expect_only_named_bytes_written(const KVCache& local, const KVLayout& remote,
+                                              const std::vector<KVReadInfo>& reads) {
+    auto host = cuda_test::download(local);
+    std::vector<std::uint8_t> named(local.layout().total_bytes(), 0);
+    if (!reads.empty()) {
+      for (const CopySpan& s : plan_copies(local.layout(), remote, reads).spans) {
+        std::fill_n(named.begin() + static_cast<std::ptrdiff_t>(s.local_offset), s.length, 1);
+      }
+    }
+    std::uint64_t touched = 0;
+    const auto* bytes = reinterpret_cast<const std::uint8_t*>(host->base());
+    for (std::size_t i = 0; i < named.size(); ++i) {
+      touched += (!named[i] && bytes[i] != kSentinel);
+    }
+    EXPECT_EQ(touched, 0u) << "bytes outside the read were written";
+  }
+
+  // Two snapshots 50 ms apart are equal: nothing lands any more.
+  static void expect_quiescent(const KVCache& local) {
+    auto a = cuda_test::download(local);
+    std::this_thread::sleep_for(50ms);
+    auto b = cuda_test::download(local);
+    EXPECT_EQ(std::memcmp(a->base(), b->base(), local.layout().total_bytes()), 0)
+        << "bytes landed after the future resolved";
+  }
+};
+
+TEST_F(CudaIpcEngine, DescriptorDescribesTheAllocation) {
+  const KVLayout l = small_layout();
+  auto cache = make_kv_cache(l, MemoryKind::kDevice, 0);
+  CudaIpcKVTransferEngine engine(cache, 3u);
+  const CudaIpcKVTransferInfo& info = engine.info();
+  EXPECT_EQ(info.owner_pid, static_cast<std::uint32_t>(::getpid()));
+  EXPECT_NE(info.generation, 0u);
+  EXPECT_EQ(info.cuda_share.device, 0);
+  EXPECT_GE(info.cuda_share.allocation_bytes, l.total_bytes());
+  EXPECT_EQ(info.offset, 0);
+  EXPECT_EQ(info.size, CudaIpcKVTransferInfo::view_size(l));
+  EXPECT_EQ(info.requires_grad, false);
+  EXPECT_NE(info.cuda_share.handle, (std::array<std::uint8_t, 64>{}));
+  EXPECT_EQ(CudaIpcKVTransferInfo::decode(engine.get_kv_transfer_info()), info);
+  // Zero-filled, as make_kv_cache promises.
+  auto host = cuda_test::download(*cache);
+  const auto* b = reinterpret_cast<const std::uint8_t*>(host->base());
+  EXPECT_TRUE(std::all_of(b, b + l.total_bytes(), [](std::uint8_t x) { return x == 0; }));
+}
+
+TEST_F(CudaIpcEngine, FullPullMovesEveryByte) {
+  const KVLayout l = small_layout();
+  OwnerProcess owner(spec(l, 300));  // last page partial (300 = 18*16 + 12)
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = owner.sequence();
+  ASSERT_EQ(seq.kv_transfer_info.engine, "cuda_ipc");
+  const auto lp = local_pages(seq.page_indices.size());
+  const std::uint64_t bytes =
+      m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
+  EXPECT_EQ(bytes, 300u * l.token_bytes() * 2 * l.num_layers);
+  auto v = cuda_test::verify_device_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+  expect_only_named_bytes_written(*cache, l,
+                                  plan_reads(l, 0, seq.num_tokens, lp, seq.page_indices));
+  // One handle, opened once, reused by a second read.
+  auto& engine = dynamic_cast<CudaIpcKVTransferEngine&>(m->engine());
+  EXPECT_EQ(engine.open_handles(), 1u);
+  m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
+  EXPECT_EQ(engine.open_handles(), 1u);
+  m->cleanup();
+  EXPECT_EQ(engine.open_handles(), 0u);
+}
+
+TEST_F(CudaIpcEngine, PrefixHitPullsOnlyTheTail) {
+  const KVLayout l = small_layout();
+  OwnerProcess owner(spec(l, 256));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = owner.sequence();
+  const auto lp = local_pages(seq.page_indices.size());
+  const std::uint64_t start = 197;  // inside page 12
+  auto f = m->start_async_retrieve(start, seq.num_tokens, lp, seq.page_indices,
+                                   seq.kv_transfer_info);
+  ASSERT_TRUE(f.has_value());
+  EXPECT_EQ(f->get(), (256u - start) * l.token_bytes() * 2 * l.num_layers);
+  auto v = cuda_test::verify_device_pattern(*cache, kSeed, lp, start, seq.num_tokens);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+  expect_only_named_bytes_written(*cache, l,
+                                  plan_reads(l, start, seq.num_tokens, lp, seq.page_indices));
+}
+
+TEST_F(CudaIpcEngine, PartialPagesAndOrdersThatDiffer) {
+  const KVLayout remote = small_layout(CacheOrder::kPageMajor, PageOrder::kHND);
+  OwnerProcess owner(spec(remote, 90));
+  const auto& seq = owner.sequence();
+  for (auto [co, po] : {std::pair{CacheOrder::kLayerMajor, PageOrder::kNHD},
+                        std::pair{CacheOrder::kPageMajor, PageOrder::kHND},
+                        std::pair{CacheOrder::kLayerMajor, PageOrder::kHND}}) {
+    const KVLayout l = small_layout(co, po);
+    auto cache = local_cache(l);
+    auto m = manager(cache);
+    const auto lp = local_pages(seq.page_indices.size());
+    m->sync_retrieve(5, 90, lp, seq.page_indices, seq.kv_transfer_info);  // both ends partial
+    auto v = cuda_test::verify_device_pattern(*cache, kSeed, lp, 5, 90);
+    EXPECT_TRUE(v.ok()) << l.to_string() << ": " << v.first_mismatch;
+    expect_only_named_bytes_written(*cache, remote, plan_reads(l, 5, 90, lp, seq.page_indices));
+  }
+  // A single partial page through the engine directly: tokens [3, 11) of
+  // one page, every layer.
+  const KVLayout l = small_layout();
+  auto cache = local_cache(l);
+  CudaIpcKVTransferEngine engine(cache, 2u);
+  std::vector<KVReadInfo> reads;
+  for (std::int64_t layer = 0; layer < 4; ++layer) {
+    reads.push_back({layer, 40, seq.page_indices[2], 3, 11});
+  }
+  auto f = engine.read_batched_async(seq.kv_transfer_info, reads);
+  ASSERT_TRUE(f.has_value());
+  EXPECT_EQ(f->get(), 8u * l.token_bytes() * 2 * 4);
+  // Local page 40 holds sequence page 2's tokens [3, 11) = tokens [35, 43).
+  const std::vector<std::uint32_t> table = {0, 0, 40};
+  auto v = cuda_test::verify_device_pattern(*cache, kSeed, table, 35, 43);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+  expect_only_named_bytes_written(*cache, remote, reads);
+}
+
+TEST_F(CudaIpcEngine, WrappedMemoryAtAnOffsetIsServed) {
+  const KVLayout l = small_layout();
+  OwnerSpec s = spec(l, 200);
+  s.wrap_offset = 4096 + 512;  // not at the allocation's base
+  OwnerProcess owner(s);
+  const auto& seq = owner.sequence();
+  const auto info = CudaIpcKVTransferInfo::decode(seq.kv_transfer_info);
+  EXPECT_EQ(info.offset_bytes(), 4096u + 512u);
+  EXPECT_GE(info.cuda_share.allocation_bytes, l.total_bytes() + 4096 + 512);
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto lp = local_pages(seq.page_indices.size());
+  m->sync_retrieve(0, 200, lp, seq.page_indices, seq.kv_transfer_info);
+  auto v = cuda_test::verify_device_pattern(*cache, kSeed, lp, 0, 200);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+}
+
+TEST_F(CudaIpcEngine, LocalWrapOfAPyTorchLikeTensor) {
+  // Memory owned by the caller: the cache never frees it.
+  const KVLayout l = small_layout();
+  void* raw = nullptr;
+  ASSERT_EQ(cudaMalloc(&raw, l.total_bytes() + 1024), cudaSuccess);
+  {
+    auto cache = wrap_device_cache(l, static_cast<std::byte*>(raw) + 1024, l.total_bytes(), 0);
+    CudaIpcKVTransferEngine engine(cache, 1u);
+    EXPECT_EQ(engine.info().offset, 512);
+    // Out of its allocation.
+    EXPECT_THROW(wrap_device_memory(static_cast<std::byte*>(raw) + 1024, l.total_bytes() + 1, 0),
+                 Error);
+  }
+  EXPECT_EQ(cudaFree(raw), cudaSuccess) << "the wrapped memory was freed by the cache";
+  int host_value = 0;
+  EXPECT_THROW(wrap_device_memory(&host_value, sizeof host_value, 0), Error);
+  EXPECT_THROW(wrap_device_memory(nullptr, 16, 0), Error);
+}
+
+TEST_F(CudaIpcEngine, NothingToReadReturnsNoFuture) {
+  const KVLayout l = small_layout();
+  OwnerProcess owner(spec(l, 32));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = owner.sequence();
+  EXPECT_FALSE(m->start_async_retrieve(32, 32, local_pages(2), seq.page_indices,
+                                       seq.kv_transfer_info)
+                   .has_value());
+}
+
+TEST_F(CudaIpcEngine, BadReadsAreRejectedBeforeAnyByteMoves) {
+  const KVLayout l = small_layout();
+  OwnerProcess owner(spec(l, 64));
+  const auto& seq = owner.sequence();
+  {
+    KVLayout other = l;
+    other.head_dim = 32;
+    auto cache = local_cache(other);
+    auto m = manager(cache);
+    try {
+      m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, seq.kv_transfer_info);
+      FAIL() << "expected IncompatibleLayout";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), StatusCode::kIncompatibleLayout) << e.what();
+    }
+    expect_only_named_bytes_written(*cache, other, {});
+  }
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  auto remote = seq.page_indices;
+  remote[2] = 64;
+  try {
+    m->start_async_retrieve(0, 64, local_pages(4), remote, seq.kv_transfer_info);
+    FAIL() << "expected InvalidArgument";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("remote page 64 out of range [0, 64)"),
+              std::string::npos)
+        << e.what();
+  }
+  const auto& good = seq.kv_transfer_info;
+  for (std::size_t n = 0; n < good.payload.size(); n += 7) {
+    KVTransferInfo bad = good;
+    bad.payload.resize(n);
+    EXPECT_THROW(m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, bad), Error)
+        << n;
+  }
+  KVTransferInfo other = good;
+  other.engine = "shm";
+  EXPECT_THROW(m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, other), Error);
+  // A forged allocation size larger than the real allocation is caught when
+  // the handle is opened (the mapping is smaller than claimed).
+  auto forged = CudaIpcKVTransferInfo::decode(good);
+  forged.cuda_share.allocation_bytes += std::uint64_t{1} << 40;
+  forged.offset = static_cast<std::int64_t>((std::uint64_t{1} << 40) / l.element_size());
+  forged.generation ^= 1;  // not the generation opened above
+  try {
+    m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, forged.encode());
+    FAIL() << "a view past the real allocation was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kCorruptDescriptor) << e.what();
+  }
+  expect_only_named_bytes_written(*cache, l, {});
+}
+
+TEST_F(CudaIpcEngine, StaleGenerationIsRefused) {
+  const KVLayout l = small_layout();
+  OwnerProcess owner(spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  auto& engine = dynamic_cast<CudaIpcKVTransferEngine&>(m->engine());
+  const SequenceInfo first = owner.sequence();
+  const auto lp = local_pages(4);
+  m->sync_retrieve(0, 64, lp, first.page_indices, first.kv_transfer_info);
+  EXPECT_TRUE(cuda_test::verify_device_pattern(*cache, kSeed, lp, 0, 64).ok());
+
+  const SequenceInfo second = owner.regenerate(kSeed + 1);
+  EXPECT_NE(CudaIpcKVTransferInfo::decode(second.kv_transfer_info).generation,
+            CudaIpcKVTransferInfo::decode(first.kv_transfer_info).generation);
+  m->sync_retrieve(0, 64, lp, second.page_indices, second.kv_transfer_info);
+  auto v = cuda_test::verify_device_pattern(*cache, kSeed + 1, lp, 0, 64);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+  EXPECT_EQ(engine.open_handles(), 1u) << "the replaced generation's handle stayed open";
+
+  cuda_test::fill_device_bytes(*cache, kSentinel);
+  try {
+    m->start_async_retrieve(0, 64, lp, first.page_indices, first.kv_transfer_info);
+    FAIL() << "a replaced generation was read";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kStaleDescriptor) << e.what();
+  }
+  expect_only_named_bytes_written(*cache, l, {});
+}
+
+TEST_F(CudaIpcEngine, DeadOwnerIsRefused) {
+  const KVLayout l = small_layout();
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  auto& engine = dynamic_cast<CudaIpcKVTransferEngine&>(m->engine());
+  KVTransferInfo stale;
+  std::vector<std::uint32_t> pages;
+  {
+    OwnerProcess owner(spec(l, 64));
+    stale = owner.sequence().kv_transfer_info;
+    pages = owner.sequence().page_indices;
+    m->sync_retrieve(0, 64, local_pages(4), pages, stale);
+    owner.kill_now();
+  }
+  cuda_test::fill_device_bytes(*cache, kSentinel);
+  try {
+    m->start_async_retrieve(0, 64, local_pages(4), pages, stale);
+    FAIL() << "a dead owner's descriptor was read";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kNotFound) << e.what();
+  }
+  EXPECT_EQ(engine.open_handles(), 0u);
+  expect_only_named_bytes_written(*cache, l, {});
+  // A new owner works.
+  OwnerProcess again(spec(l, 64));
+  m->sync_retrieve(0, 64, local_pages(4), again.sequence().page_indices,
+                   again.sequence().kv_transfer_info);
+  EXPECT_TRUE(cuda_test::verify_device_pattern(*cache, kSeed, local_pages(4), 0, 64).ok());
+}
+
+TEST_F(CudaIpcEngine, ShutdownResolvesEveryReadInFlight) {
+  KVLayout l = small_layout();
+  l.num_pages = 2048;  // 64 MiB
+  OwnerProcess owner(spec(l, 2048 * 16));
+  auto cache = local_cache(l);
+  auto m = manager(cache, 20000ms);
+  const auto& seq = owner.sequence();
+  std::vector<TransferFuture> futures;
+  for (std::uint32_t part = 0; part < 4; ++part) {
+    std::vector<std::uint32_t> lp(512);
+    std::vector<std::uint32_t> rp(512);
+    for (std::uint32_t i = 0; i < 512; ++i) {
+      lp[i] = part * 512 + i;
+      rp[i] = seq.page_indices[part * 512 + i];
+    }
+    auto f = m->start_async_retrieve(0, 512 * 16, lp, rp, seq.kv_transfer_info);
+    ASSERT_TRUE(f.has_value());
+    futures.push_back(*f);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  m->cleanup();
+  for (auto& f : futures) {
+    ASSERT_TRUE(f.wait_for(10s)) << "a read in flight did not resolve after shutdown";
+    const StatusCode c = f.status().code();
+    EXPECT_TRUE(c == StatusCode::kOk || c == StatusCode::kShutdown) << f.status().to_string();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  expect_quiescent(*cache);
+  EXPECT_EQ(dynamic_cast<CudaIpcKVTransferEngine&>(m->engine()).open_handles(), 0u);
+  try {
+    m->start_async_retrieve(0, 16, std::vector<std::uint32_t>{0}, std::vector<std::uint32_t>{0},
+                            seq.kv_transfer_info);
+    FAIL() << "a read after shutdown was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kShutdown) << e.what();
+  }
+}
+
+TEST_F(CudaIpcEngine, CancelAndTimeoutResolveOnlyAfterTheCopiesDrain) {
+  // Many small copies (layer-major, scattered: one span per block), so the
+  // read is still queued when cancel / the 1 ms deadline hits.
+  KVLayout l = small_layout();
+  l.num_layers = 32;
+  l.num_pages = 1024;
+  OwnerProcess owner(spec(l, 1024 * 16));
+  const auto& seq = owner.sequence();
+  std::vector<std::uint32_t> lp(seq.page_indices.size());
+  for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>((i * 7) % 1024);
+  for (const bool cancel : {true, false}) {
+    auto cache = local_cache(l);
+    auto m = manager(cache, cancel ? 20000ms : 1ms, {{"cuda_ipc_batch", "0"}});
+    auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices,
+                                     seq.kv_transfer_info);
+    ASSERT_TRUE(f.has_value());
+    if (cancel) f->cancel();
+    ASSERT_TRUE(f->wait_for(30s));
+    const StatusCode c = f->status().code();
+    std::cout << "[ INFO     ] " << (cancel ? "cancel" : "1 ms timeout") << ": "
+              << f->status().to_string() << std::endl;
+    if (c == StatusCode::kOk) {
+      auto v = cuda_test::verify_device_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+      EXPECT_TRUE(v.ok()) << v.first_mismatch;
+    } else {
+      EXPECT_EQ(c, cancel ? StatusCode::kCancelled : StatusCode::kTimeout)
+          << f->status().to_string();
+      expect_quiescent(*cache);
+    }
+  }
+}
+
+TEST_F(CudaIpcEngine, ConcurrentPullsFromManyThreads) {
+  KVLayout l = small_layout();
+  l.num_pages = 256;
+  OwnerProcess owner(spec(l, 256 * 16));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = owner.sequence();
+  constexpr int kThreads = 4;
+  constexpr std::uint32_t kPagesEach = 64;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        for (int rep = 0; rep < 3; ++rep) {
+          std::vector<std::uint32_t> lp(kPagesEach);
+          std::vector<std::uint32_t> rp(kPagesEach);
+          for (std::uint32_t i = 0; i < kPagesEach; ++i) {
+            lp[i] = static_cast<std::uint32_t>(t) * kPagesEach + (i * 7) % kPagesEach;
+            rp[i] = seq.page_indices[static_cast<std::uint32_t>(t) * kPagesEach + i];
+          }
+          m->sync_retrieve(0, kPagesEach * 16, lp, rp, seq.kv_transfer_info);
+        }
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "thread " << t << ": " << e.what();
+        failures.fetch_add(1, std::memory_order_relaxed);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  ASSERT_EQ(failures.load(), 0);
+  std::vector<std::uint32_t> table(kThreads * kPagesEach);
+  for (std::uint32_t t = 0; t < kThreads; ++t) {
+    for (std::uint32_t i = 0; i < kPagesEach; ++i) {
+      table[t * kPagesEach + i] = t * kPagesEach + (i * 7) % kPagesEach;
+    }
+  }
+  auto v = cuda_test::verify_device_pattern(*cache, kSeed, table, 0, kThreads * kPagesEach * 16);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+}
+
+TEST_F(CudaIpcEngine, BatchedAndPlainCopiesAgree) {
+  const KVLayout l = small_layout();
+  OwnerProcess owner(spec(l, 500));
+  const auto& seq = owner.sequence();
+  const auto lp = local_pages(seq.page_indices.size());
+  for (const char* batch : {"0", "1"}) {
+    auto cache = local_cache(l);
+    auto m = manager(cache, 10000ms, {{"cuda_ipc_batch", batch}});
+    m->sync_retrieve(3, 500, lp, seq.page_indices, seq.kv_transfer_info);
+    auto v = cuda_test::verify_device_pattern(*cache, kSeed, lp, 3, 500);
+    EXPECT_TRUE(v.ok()) << "cuda_ipc_batch=" << batch << ": " << v.first_mismatch;
+    expect_only_named_bytes_written(*cache, l, plan_reads(l, 3, 500, lp, seq.page_indices));
+  }
+}
+
+TEST_F(CudaIpcEngine, OwnCacheIsReadableInProcessOthersAreNot) {
+  const KVLayout l = small_layout();
+  auto a = local_cache(l);
+  auto b = local_cache(l);
+  const std::vector<std::uint32_t> src = {1, 2};
+  cuda_test::fill_device_pattern(*a, kSeed, src, 0, 32);
+  CudaIpcKVTransferEngine ea(a, 2u);
+  CudaIpcKVTransferEngine eb(b, 2u);
+  // Pages 1, 2 -> 10, 11 within cache a.
+  const std::vector<std::uint32_t> dst = {10, 11};
+  auto reads = plan_reads(l, 0, 32, dst, src);
+  auto f = ea.read_batched_async(ea.get_kv_transfer_info(), reads);
+  ASSERT_TRUE(f.has_value());
+  f->get();
+  EXPECT_TRUE(cuda_test::verify_device_pattern(*a, kSeed, dst, 0, 32).ok());
+  try {
+    ea.read_batched_async(eb.get_kv_transfer_info(), reads);
+    FAIL() << "another cache of this process was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+  }
+}
+
+// ---- memory legacy IPC cannot share is refused -----------------------------
+
+template <typename Fn>
+Fn driver_fn(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess) {
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(fn);
+}
+
+TEST_F(CudaIpcEngine, VmmAllocationsAreRefused) {
+  // cuMemCreate + cuMemAddressReserve + cuMemMap, as PyTorch's expandable
+  // segments allocate.
+  auto create = driver_fn<PFN_cuMemCreate_v10020>("cuMemCreate");
+  auto granularity = driver_fn<PFN_cuMemGetAllocationGranularity_v10020>(
+      "cuMemGetAllocationGranularity");
+  auto reserve = driver_fn<PFN_cuMemAddressReserve_v10020>("cuMemAddressReserve");
+  auto map = driver_fn<PFN_cuMemMap_v10020>("cuMemMap");
+  auto set_access = driver_fn<PFN_cuMemSetAccess_v10020>("cuMemSetAccess");
+  auto unmap = driver_fn<PFN_cuMemUnmap_v10020>("cuMemUnmap");
+  auto release = driver_fn<PFN_cuMemRelease_v10020>("cuMemRelease");
+  auto addr_free = driver_fn<PFN_cuMemAddressFree_v10020>("cuMemAddressFree");
+  ASSERT_TRUE(create && granularity && reserve && map && set_access && unmap && release &&
+              addr_free)
+      << "driver lacks the VMM API";
+  ASSERT_EQ(cudaFree(nullptr), cudaSuccess);  // a current context for the driver calls
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = 0;
+  std::size_t gran = 0;
+  ASSERT_EQ(granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM), CUDA_SUCCESS);
+  const std::size_t size = gran;
+  CUmemGenericAllocationHandle h{};
+  ASSERT_EQ(create(&h, size, &prop, 0), CUDA_SUCCESS);
+  CUdeviceptr ptr = 0;
+  ASSERT_EQ(reserve(&ptr, size, 0, 0, 0), CUDA_SUCCESS);
+  ASSERT_EQ(map(ptr, size, 0, h, 0), CUDA_SUCCESS);
+  CUmemAccessDesc access{};
+  access.location = prop.location;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  ASSERT_EQ(set_access(ptr, size, &access, 1), CUDA_SUCCESS);
+  try {
+    wrap_device_memory(reinterpret_cast<void*>(ptr), size, 0);
+    ADD_FAILURE() << "VMM memory was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cuMemCreate"), std::string::npos) << e.what();
+    std::cout << "[ INFO     ] refused: " << e.what() << std::endl;
+  }
+  EXPECT_EQ(unmap(ptr, size), CUDA_SUCCESS);
+  EXPECT_EQ(release(h), CUDA_SUCCESS);
+  EXPECT_EQ(addr_free(ptr, size), CUDA_SUCCESS);
+}
+
+TEST_F(CudaIpcEngine, MemoryPoolAllocationsAreRefused) {
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+  void* p = nullptr;
+  const cudaError_t err = cudaMallocAsync(&p, 1 << 20, s);
+  if (err != cudaSuccess) {
+    cudaStreamDestroy(s);
+    GTEST_SKIP() << "cudaMallocAsync unsupported here: " << cudaGetErrorName(err);
+  }
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  try {
+    wrap_device_memory(p, 1 << 20, 0);
+    ADD_FAILURE() << "pool memory was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+  }
+  EXPECT_EQ(cudaFreeAsync(p, s), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace mstar::kv
