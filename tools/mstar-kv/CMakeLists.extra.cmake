@@ -1,0 +1,12 @@
+# Extra sources of the mstar-kv CLI, added by the subcommands that need them.
+# Several subcommands edit this file: keep each block self-contained.
+
+# `mstar-kv bench` (tools/mstar-kv/cmd_bench.cpp and its bench_* helpers).
+if(EXISTS ${CMAKE_CURRENT_LIST_DIR}/cmd_bench.cpp)
+  target_sources(mstar-kv PRIVATE
+    ${CMAKE_CURRENT_LIST_DIR}/bench_external.cpp
+    ${CMAKE_CURRENT_LIST_DIR}/bench_proc.cpp
+    ${CMAKE_CURRENT_LIST_DIR}/bench_report.cpp
+    ${CMAKE_CURRENT_LIST_DIR}/bench_run.cpp
+    ${CMAKE_CURRENT_LIST_DIR}/bench_workload.cpp)
+endif()

@@ -1,0 +1,538 @@
+// Copyright mstar-kv authors.
+#include "bench_run.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "bench_proc.hpp"
+#include "mstar/kv/kv.hpp"
+
+namespace mstar::kv::cli::bench {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr std::uint64_t kFillSeed = 0xbe9c0ffee;
+constexpr int kServerIn = 3;
+constexpr int kServerOut = 4;
+
+// ---- memcpy on a fixed number of threads -----------------------------------
+
+// The spans cut into `threads` runs of (nearly) equal bytes.
+struct Partition {
+  std::vector<CopySpan> pieces;
+  std::vector<std::size_t> begin;  // thread t copies pieces [begin[t], begin[t+1])
+};
+
+Partition partition(std::span<const CopySpan> spans, unsigned threads) {
+  Partition p;
+  std::uint64_t total = 0;
+  for (const CopySpan& s : spans) total += s.length;
+  p.pieces.reserve(spans.size() + threads);
+  p.begin.push_back(0);
+  const std::uint64_t share = (total + threads - 1) / std::max(1u, threads);
+  std::uint64_t filled = 0;  // bytes given to the current thread
+  for (CopySpan s : spans) {
+    while (s.length > 0) {
+      const std::uint64_t take = std::min(s.length, share - filled);
+      p.pieces.push_back({s.local_offset, s.remote_offset, take});
+      s.local_offset += take;
+      s.remote_offset += take;
+      s.length -= take;
+      filled += take;
+      if (filled == share && p.begin.size() < threads) {
+        p.begin.push_back(p.pieces.size());
+        filled = 0;
+      }
+    }
+  }
+  while (p.begin.size() <= threads) p.begin.push_back(p.pieces.size());
+  return p;
+}
+
+// A fixed pool of copy threads; run() hands each its part and waits.
+class CopyPool {
+ public:
+  explicit CopyPool(unsigned threads) {
+    for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this, i] { work(i); });
+  }
+  ~CopyPool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    start_cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  CopyPool(const CopyPool&) = delete;
+  CopyPool& operator=(const CopyPool&) = delete;
+
+  unsigned size() const noexcept { return static_cast<unsigned>(threads_.size()); }
+
+  void run(const Partition& p, std::byte* dst, const std::byte* src) {
+    std::unique_lock<std::mutex> lock(mu_);
+    job_ = &p;
+    dst_ = dst;
+    src_ = src;
+    pending_ = size();
+    ++generation_;
+    start_cv_.notify_all();
+    done_cv_.wait(lock, [this] { return pending_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  void work(unsigned idx) {
+    std::uint64_t seen = 0;
+    for (;;) {
+      const Partition* job = nullptr;
+      std::byte* dst = nullptr;
+      const std::byte* src = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        job = job_;
+        dst = dst_;
+        src = src_;
+      }
+      for (std::size_t i = job->begin[idx]; i < job->begin[idx + 1]; ++i) {
+        const CopySpan& s = job->pieces[i];
+        std::memcpy(dst + s.local_offset, src + s.remote_offset, s.length);
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (--pending_ == 0) done_cv_.notify_one();
+      }
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable start_cv_;
+  std::condition_variable done_cv_;
+  std::uint64_t generation_ = 0;  // guarded by mu_
+  unsigned pending_ = 0;          // guarded by mu_
+  bool stop_ = false;             // guarded by mu_
+  const Partition* job_ = nullptr;
+  std::byte* dst_ = nullptr;
+  const std::byte* src_ = nullptr;
+};
+
+// ---- the server process ------------------------------------------------------
+
+std::string encode_layout(const KVLayout& l) {
+  std::ostringstream os;
+  os << l.num_layers << ':' << l.num_pages << ':' << l.page_size << ':' << l.num_kv_heads << ':'
+     << l.head_dim << ':' << static_cast<int>(l.dtype) << ':' << (l.has_v ? 1 : 0) << ':'
+     << static_cast<int>(l.cache_order) << ':' << static_cast<int>(l.page_order);
+  return os.str();
+}
+
+KVLayout decode_layout(const std::string& s) {
+  std::vector<std::uint64_t> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ':')) v.push_back(std::stoull(item));
+  if (v.size() != 9) throw Error(StatusCode::kInvalidArgument, "bad layout '" + s + "'");
+  KVLayout l;
+  l.num_layers = static_cast<std::uint32_t>(v[0]);
+  l.num_pages = static_cast<std::uint32_t>(v[1]);
+  l.page_size = static_cast<std::uint32_t>(v[2]);
+  l.num_kv_heads = static_cast<std::uint32_t>(v[3]);
+  l.head_dim = static_cast<std::uint32_t>(v[4]);
+  l.dtype = static_cast<DType>(v[5]);
+  l.has_v = v[6] != 0;
+  l.cache_order = static_cast<CacheOrder>(v[7]);
+  l.page_order = static_cast<PageOrder>(v[8]);
+  l.validate();
+  return l;
+}
+
+std::string encode_extra(const std::map<std::string, std::string>& m) {
+  std::string s;
+  for (const auto& [k, v] : m) s += (s.empty() ? "" : ";") + k + "=" + v;
+  return s.empty() ? "-" : s;
+}
+
+std::map<std::string, std::string> decode_extra(const std::string& s) {
+  std::map<std::string, std::string> m;
+  if (s == "-") return m;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ';')) {
+    const auto eq = item.find('=');
+    if (eq != std::string::npos) m[item.substr(0, eq)] = item.substr(eq + 1);
+  }
+  return m;
+}
+
+bool host_accessible(MemoryKind k) { return k != MemoryKind::kDevice; }
+
+void send_reply(int fd, char status, const void* data, std::uint32_t n) {
+  write_all(fd, &status, 1);
+  write_all(fd, &n, sizeof n);
+  if (n > 0) write_all(fd, data, n);
+}
+
+// One framed reply from the server: 'K' + bytes, or 'E' + message.
+std::vector<std::uint8_t> read_reply(Child& child, std::chrono::milliseconds timeout,
+                                     const std::string& what) {
+  char status = 0;
+  std::uint32_t n = 0;
+  if (!read_exact(child.from_child(), &status, 1, timeout) ||
+      !read_exact(child.from_child(), &n, sizeof n, timeout)) {
+    const auto rc = child.wait_for(std::chrono::milliseconds(200));
+    throw Error(StatusCode::kPeerFailure,
+                "bench server gave no " + what + " within " + std::to_string(timeout.count()) +
+                    " ms" + (rc ? " (it exited with status " + std::to_string(*rc) + ")" : ""));
+  }
+  std::vector<std::uint8_t> bytes(n);
+  if (n > 0 && !read_exact(child.from_child(), bytes.data(), n, timeout)) {
+    throw Error(StatusCode::kPeerFailure, "bench server's " + what + " was cut short");
+  }
+  if (status != 'K') {
+    throw Error(StatusCode::kUnavailable, std::string(bytes.begin(), bytes.end()));
+  }
+  return bytes;
+}
+
+// The remote side of a case, in its own process.
+class Server {
+ public:
+  Server(const EngineVariant& v, const Workload& w, const RunOptions& o)
+      : child_(spawn_options(v, w, o)) {
+    descriptor_ = KVTransferInfo::decode(read_reply(child_, std::chrono::milliseconds(60000),
+                                                    "ready message"));
+  }
+  ~Server() {
+    child_.close_to_child();  // EOF: the server shuts its engine down and exits
+    if (!child_.wait_for(std::chrono::milliseconds(10000))) child_.kill_and_reap();
+  }
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  SequenceInfo publish(std::uint64_t seq_id, std::uint64_t tokens,
+                       const std::vector<std::uint32_t>& pages) {
+    const std::uint64_t hdr[3] = {seq_id, tokens, kFillSeed};
+    const auto n = static_cast<std::uint32_t>(pages.size());
+    if (!write_all(child_.to_child(), hdr, sizeof hdr) ||
+        !write_all(child_.to_child(), &n, sizeof n) ||
+        !write_all(child_.to_child(), pages.data(), n * sizeof(std::uint32_t))) {
+      throw Error(StatusCode::kPeerFailure, "bench server closed its command pipe");
+    }
+    return SequenceInfo::decode(read_reply(child_, std::chrono::milliseconds(120000),
+                                           "sequence"));
+  }
+
+ private:
+  static SpawnOptions spawn_options(const EngineVariant& v, const Workload& w,
+                                    const RunOptions& o) {
+    std::map<std::string, std::string> extra = o.engine_extra;
+    extra.insert(v.extra.begin(), v.extra.end());
+    SpawnOptions s;
+    s.argv = {o.self_exe,
+              "bench",
+              "--internal-serve",
+              v.engine,
+              std::to_string(static_cast<int>(v.remote_kind)),
+              encode_layout(w.remote),
+              std::to_string(o.threads),
+              std::to_string(o.timeout.count()),
+              encode_extra(extra)};
+    s.env = v.env;
+    s.pipes = true;
+    s.child_in_fd = kServerIn;
+    s.child_out_fd = kServerOut;
+    return s;
+  }
+
+  Child child_;
+  KVTransferInfo descriptor_;
+};
+
+// Sets environment variables for the client side of a variant (UCX reads
+// UCX_TLS when its context is created) and restores them afterwards. Only
+// the main thread touches the environment, between engine lifetimes.
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(const std::map<std::string, std::string>& env) {
+    for (const auto& [k, v] : env) {
+      const char* old = std::getenv(k.c_str());
+      saved_.emplace_back(k, old != nullptr ? std::optional<std::string>(old) : std::nullopt);
+      ::setenv(k.c_str(), v.c_str(), 1);
+    }
+  }
+  ~ScopedEnv() {
+    for (const auto& [k, v] : saved_) {
+      if (v) {
+        ::setenv(k.c_str(), v->c_str(), 1);
+      } else {
+        ::unsetenv(k.c_str());
+      }
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+// ---- measuring ----------------------------------------------------------------
+
+struct Side {
+  std::vector<double> gbps;
+  std::vector<double> rps;
+  std::vector<double> latency_ns;
+  std::uint64_t requests = 0;
+};
+
+template <typename Request>
+void repetition(const RunOptions& o, std::uint64_t bytes, Side& side, Request&& request) {
+  const auto t0 = Clock::now();
+  std::uint64_t n = 0;
+  double elapsed = 0;
+  do {
+    const auto a = Clock::now();
+    request();
+    const auto b = Clock::now();
+    side.latency_ns.push_back(std::chrono::duration<double, std::nano>(b - a).count());
+    ++n;
+    elapsed = std::chrono::duration<double>(b - t0).count();
+  } while (n < o.min_requests || elapsed < o.min_time_s);
+  side.gbps.push_back(static_cast<double>(bytes) * static_cast<double>(n) / elapsed / 1e9);
+  side.rps.push_back(static_cast<double>(n) / elapsed);
+  side.requests += n;
+}
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  const auto k = static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5);
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
+  return v[k];
+}
+
+std::uint64_t median_span(const CopyPlan& plan) {
+  if (plan.spans.empty()) return 0;
+  std::vector<std::uint64_t> len;
+  len.reserve(plan.spans.size());
+  for (const CopySpan& s : plan.spans) len.push_back(s.length);
+  std::nth_element(len.begin(), len.begin() + static_cast<std::ptrdiff_t>(len.size() / 2),
+                   len.end());
+  return len[len.size() / 2];
+}
+
+std::shared_ptr<KVCache> make_local_cache(const EngineVariant& v, const KVLayout& l) {
+  return make_kv_cache(l, v.local_kind);
+}
+
+void wait_ok(const std::optional<TransferFuture>& f, std::chrono::milliseconds timeout,
+             std::uint64_t expect_bytes) {
+  if (!f) throw Error(StatusCode::kInternal, "engine returned no future for a non-empty read");
+  if (!f->wait_for(timeout + std::chrono::milliseconds(5000))) {
+    f->cancel();
+    throw Error(StatusCode::kTimeout, "read did not resolve within the engine timeout + 5 s");
+  }
+  const Status st = f->status();
+  if (!st.is_ok()) throw Error(st);
+  if (f->bytes() != expect_bytes) {
+    throw Error(StatusCode::kInternal, "engine reported " + std::to_string(f->bytes()) +
+                                           " bytes read, the request holds " +
+                                           std::to_string(expect_bytes));
+  }
+}
+
+void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions& o,
+                    CaseResult& r) {
+  const std::uint64_t bytes = w.bytes_per_request();
+  const std::vector<std::uint32_t> lp = local_page_table(w);
+  const std::vector<std::uint32_t> rp_planned = remote_page_table(w);
+  auto progress = [&](const std::string& what) {
+    if (o.progress) o.progress(what);
+  };
+
+  CopyPool pool(o.threads);
+  Side engine_side;
+  Side base_side;
+  std::shared_ptr<KVCache> local;
+  std::shared_ptr<KVCache> src;  // in-process copy of the remote cache: baseline source
+
+  // Both sides are declared before the engine so that the engine goes first.
+  std::unique_ptr<Server> server;
+  std::unique_ptr<KVTransferManager> manager;
+  std::function<void()> request;
+  std::vector<std::uint32_t> rp = rp_planned;
+  KVTransferInfo remote_info;
+
+  if (v.name == "local") {
+    // The in-process planner + memcpy path: what an engine costs at best.
+    local = make_local_cache(v, w.local);
+    src = KVCache::create_host(w.remote);
+    fill_pattern(*src, kFillSeed, rp, 0, w.tokens);
+    request = [&] {
+      const auto reads = plan_reads(w.local, w.start_len, w.tokens, lp, rp);
+      const CopyPlan plan = plan_copies(w.local, w.remote, reads);
+      pool.run(partition(plan.spans, pool.size()), local->base(), src->base());
+    };
+  } else {
+    progress("starting server");
+    server = std::make_unique<Server>(v, w, o);
+    const SequenceInfo seq = server->publish(1, w.tokens, rp_planned);
+    rp = seq.page_indices;
+    remote_info = seq.kv_transfer_info;
+    ScopedEnv env(v.env);
+    local = make_local_cache(v, w.local);
+    EngineOptions eo;
+    eo.max_workers = o.threads;
+    eo.timeout = o.timeout;
+    eo.extra = o.engine_extra;
+    eo.extra.insert(v.extra.begin(), v.extra.end());
+    // An empty session id lets each engine pick its own address (UCX: a free
+    // port on 127.0.0.1; Mooncake: 127.0.0.1 with the P2P handshake).
+    const std::string me = "bench-client-" + std::to_string(::getpid());
+    try {
+      manager = std::make_unique<KVTransferManager>(
+          TransferEngineInfo{me, "", v.engine, eo}, local);
+    } catch (const Error& e) {
+      // Some engines want their own cache in shared memory too.
+      if (e.code() != StatusCode::kInvalidArgument || v.local_kind != MemoryKind::kHost) throw;
+      local = make_kv_cache(w.local, MemoryKind::kSharedHost);
+      manager = std::make_unique<KVTransferManager>(
+          TransferEngineInfo{me, "", v.engine, eo}, local);
+    }
+    request = [&] {
+      wait_ok(manager->start_async_retrieve(w.start_len, w.tokens, lp, rp, remote_info),
+              o.timeout, bytes);
+    };
+    if (host_accessible(local->memory_kind())) {
+      src = KVCache::create_host(w.remote);
+    }
+  }
+
+  const auto reads = plan_reads(w.local, w.start_len, w.tokens, lp, rp);
+  const CopyPlan plan = plan_copies(w.local, w.remote, reads);
+  r.reads = reads.size();
+  r.copies = plan.spans.size();
+  r.uncoalesced = plan.uncoalesced_spans;
+  r.piece_bytes = median_span(plan);
+  const Partition part = partition(plan.spans, pool.size());
+  if (src && v.name != "local") {
+    // Touch the source so that the baseline does not read the zero page.
+    for (const CopySpan& s : plan.spans) std::memset(src->base() + s.remote_offset, 0x5a, s.length);
+  }
+
+  // Warm-up request, then check that every byte arrived.
+  progress("warm-up");
+  request();
+  if (o.verify && host_accessible(local->memory_kind())) {
+    const VerifyResult vr = verify_pattern(*local, kFillSeed, lp, w.start_len, w.tokens);
+    if (!vr.ok()) {
+      throw Error(StatusCode::kInternal,
+                  "verification failed: " + std::to_string(vr.mismatched_blocks) + " of " +
+                      std::to_string(vr.blocks_checked) + " blocks differ, first: " +
+                      vr.first_mismatch);
+    }
+    r.verified = true;
+  }
+  if (src) pool.run(part, local->base(), src->base());  // warm the baseline too
+
+  for (std::uint32_t i = 0; i < o.repeat; ++i) {
+    progress("rep " + std::to_string(i + 1) + "/" + std::to_string(o.repeat));
+    repetition(o, bytes, engine_side, request);
+    if (src) {
+      repetition(o, bytes, base_side, [&] { pool.run(part, local->base(), src->base()); });
+    }
+  }
+  manager.reset();
+  server.reset();
+
+  r.gbps = make_stat(engine_side.gbps);
+  r.requests_per_s = make_stat(engine_side.rps).median;
+  r.requests = engine_side.requests;
+  r.p50_us = percentile(engine_side.latency_ns, 0.50) / 1e3;
+  r.p99_us = percentile(engine_side.latency_ns, 0.99) / 1e3;
+  if (src) {
+    const Stat b = make_stat(base_side.gbps);
+    r.extra["memcpy"] = b.median;
+    r.baseline_name = "memcpy x" + std::to_string(o.threads);
+    r.baseline_gbps = b;
+    if (b.median > 0) r.ratio = r.gbps.median / b.median;
+  }
+  r.ok = true;
+}
+
+}  // namespace
+
+CaseResult run_case(const EngineVariant& variant, const Workload& workload,
+                    const RunOptions& options) {
+  CaseResult r;
+  r.engine = variant.name;
+  r.workload = workload;
+  try {
+    run_case_inner(variant, workload, options, r);
+  } catch (const Error& e) {
+    r.ok = false;
+    r.skipped = e.code() == StatusCode::kUnavailable;
+    r.error = e.what();
+  } catch (const std::exception& e) {
+    r.ok = false;
+    r.error = e.what();
+  }
+  return r;
+}
+
+int serve_main(int argc, char** argv) {
+  auto fail = [](const std::string& msg) {
+    send_reply(kServerOut, 'E', msg.data(), static_cast<std::uint32_t>(msg.size()));
+    return 3;
+  };
+  if (argc != 6) return fail("internal-serve: want ENGINE KIND LAYOUT THREADS TIMEOUT_MS EXTRA");
+  try {
+    const std::string engine = argv[0];
+    const auto kind = static_cast<MemoryKind>(std::stoi(argv[1]));
+    const KVLayout layout = decode_layout(argv[2]);
+    EngineOptions eo;
+    eo.max_workers = static_cast<std::uint32_t>(std::stoul(argv[3]));
+    eo.timeout = std::chrono::milliseconds(std::stoll(argv[4]));
+    eo.extra = decode_extra(argv[5]);
+    auto cache = make_kv_cache(layout, kind);
+    const std::string me = "bench-server-" + std::to_string(::getpid());
+    KVTransferManager manager(TransferEngineInfo{me, "", engine, eo}, cache);
+    const KVTransferInfo desc = manager.get_kv_transfer_info();
+    const auto d = desc.encode();
+    send_reply(kServerOut, 'K', d.data(), static_cast<std::uint32_t>(d.size()));
+    const auto forever = std::chrono::hours(24);
+    for (;;) {
+      std::uint64_t hdr[3];
+      std::uint32_t n = 0;
+      if (!read_exact(kServerIn, hdr, sizeof hdr, forever)) break;  // EOF: done
+      if (!read_exact(kServerIn, &n, sizeof n, forever)) break;
+      std::vector<std::uint32_t> pages(n);
+      if (n > 0 && !read_exact(kServerIn, pages.data(), n * sizeof(std::uint32_t), forever)) break;
+      if (host_accessible(cache->memory_kind())) {
+        fill_pattern(*cache, hdr[2], pages, 0, hdr[1]);
+      }
+      SequenceInfo si{hdr[0], hdr[1], pages, desc};
+      const auto bytes = si.encode();
+      send_reply(kServerOut, 'K', bytes.data(), static_cast<std::uint32_t>(bytes.size()));
+    }
+    manager.cleanup();
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  }
+}
+
+}  // namespace mstar::kv::cli::bench

@@ -1,0 +1,41 @@
+// Copyright mstar-kv authors.
+//
+// Running one benchmark case: the engine moving a workload's pages through
+// the public API (KVTransferManager, the remote cache in a server process),
+// interleaved with the memcpy baseline of the same copy spans on the same
+// number of threads. Not thread-safe: one case at a time.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+
+#include "bench_workload.hpp"
+
+namespace mstar::kv::cli::bench {
+
+struct RunOptions {
+  std::uint32_t threads = 2;           // engine max_workers and memcpy threads
+  std::uint32_t repeat = 3;            // repetitions (median, min, max)
+  double min_time_s = 0.15;            // per repetition, per side
+  std::uint32_t min_requests = 2;      // per repetition
+  std::chrono::milliseconds timeout{30000};  // engine timeout for one read
+  std::map<std::string, std::string> engine_extra;  // EngineOptions::extra
+  std::string self_exe;                // this binary, for server processes
+  bool verify = true;
+  // Called between repetitions with a short status, for the progress bar.
+  std::function<void(const std::string&)> progress;
+};
+
+// Runs `workload` on `variant` with its memcpy baseline. Never throws: a
+// failure or a skip comes back in CaseResult::error.
+CaseResult run_case(const EngineVariant& variant, const Workload& workload,
+                    const RunOptions& options);
+
+// The server process behind a remote engine variant (`mstar-kv bench
+// --internal-serve ...`, started by run_case): owns the remote cache.
+int serve_main(int argc, char** argv);
+
+}  // namespace mstar::kv::cli::bench

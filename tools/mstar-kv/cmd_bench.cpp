@@ -1,0 +1,440 @@
+// Copyright mstar-kv authors.
+//
+// `mstar-kv bench`: every built engine against the physical limit (memcpy of
+// the same pieces on the same threads), the transport's own best
+// (ucx_perftest, iperf3) and the peer (Mooncake's transfer_engine_bench), in
+// one run. See bench/README.md for the commands and the latest numbers.
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdio>
+#include <ctime>
+#include <map>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "args.hpp"
+#include "bench_external.hpp"
+#include "bench_report.hpp"
+#include "bench_run.hpp"
+#include "bench_workload.hpp"
+#include "commands.hpp"
+#include "layout_args.hpp"
+#include "mstar/kv/kv.hpp"
+
+namespace mstar::kv::cli {
+
+namespace {
+
+using namespace bench;
+
+const char* kHelp =
+    "usage: mstar-kv bench [options]\n"
+    "\n"
+    "Measures every built engine (local, shm, ucx over tcp and sm, mooncake, cuda_ipc)\n"
+    "on KV workloads from real models and on raw piece/batch sweeps, each beside its\n"
+    "baseline measured in the same run: memcpy of the same copy spans on the same\n"
+    "threads; for UCX over TCP ucx_perftest stream_bw at the same message size; plus\n"
+    "iperf3 (raw TCP) and Mooncake's transfer_engine_bench (64 KiB x 128 reads).\n"
+    "With no options: the default suite (under two minutes on 2 cores).\n"
+    "\n"
+    "selection:\n"
+    "  --suite NAME        default, full or tiny\n"
+    "  --engine LIST       comma-separated engines or variants (local, shm, ucx, ucx-tcp,\n"
+    "                      ucx-sm, mooncake, cuda_ipc, peers = external references only)\n"
+    "  --case SUBSTR       only cases whose name contains SUBSTR\n"
+    "  one model case instead of a suite:\n"
+    "  --model NAME --tokens N [--page-size N] [--table scattered|contiguous]\n"
+    "  [--prefix-hit F] [--cache-order O] [--page-order O]\n"
+    "  [--remote-cache-order O] [--remote-page-order O]\n"
+    "  raw cases instead of a suite:\n"
+    "  --piece LIST        piece sizes in bytes (multiples of 4096), e.g. 4096,65536\n"
+    "  --batch LIST        reads per request (default 128)\n"
+    "\n"
+    "measurement:\n"
+    "  --repeat N          repetitions; median [min, max] is reported (default 3)\n"
+    "  --threads N         engine workers and memcpy threads (default: cores)\n"
+    "  --min-time S        seconds per repetition and side (default 0.15)\n"
+    "  --timeout-ms N      engine timeout per read (default 30000)\n"
+    "  --engine-opt K=V,.. engine-specific options (EngineOptions::extra)\n"
+    "  --max-mem-gib N     skip cases needing more host memory (default 6)\n"
+    "  --no-external       skip ucx_perftest, iperf3 and transfer_engine_bench\n"
+    "  --mooncake-duration S  transfer_engine_bench seconds (default 5)\n"
+    "  --mooncake-sizes W  default (64 KiB x 128 only), all (every raw case) or none\n"
+    "  --mooncake-lib PATH libtransfer_engine.so for the mooncake engine (else\n"
+    "                      $MSTAR_KV_MOONCAKE_LIB or the loader's search path)\n"
+    "  --no-verify         do not check the bytes after the warm-up request\n"
+    "\n"
+    "output:\n"
+    "  --json FILE|-       every case with ratio_to_baseline\n"
+    "  --csv FILE|-\n"
+    "  --plot FILE.svg     bandwidth vs piece size per engine, baselines dashed\n"
+    "  --quiet             no progress bar (it is drawn only on a terminal anyway)\n";
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, sep)) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+std::uint64_t parse_u64(const std::string& s, const std::string& what) {
+  try {
+    std::size_t used = 0;
+    const unsigned long long v = std::stoull(s, &used, 0);
+    if (used == s.size() && s[0] != '-') return v;
+  } catch (const std::exception&) {
+  }
+  throw Error(StatusCode::kInvalidArgument, what + " wants a non-negative integer, got '" + s + "'");
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  ::gmtime_r(&t, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+std::string self_exe() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) throw Error(StatusCode::kUnavailable, "cannot read /proc/self/exe");
+  buf[n] = '\0';
+  return buf;
+}
+
+// Writes `fn`'s output to a file or, for "-", to stdout.
+template <typename Fn>
+void write_to(const std::string& path, Fn&& fn) {
+  if (path == "-") {
+    fn(stdout);
+    std::fflush(stdout);
+    return;
+  }
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) throw Error(StatusCode::kInvalidArgument, "cannot write " + path);
+  fn(f);
+  if (std::fclose(f) != 0) throw Error(StatusCode::kInternal, "cannot write " + path);
+}
+
+std::vector<Workload> select_workloads(const Args& args) {
+  std::vector<Workload> ws;
+  if (args.has("piece") || (args.has("batch") && !args.has("model"))) {
+    std::vector<std::uint64_t> pieces = {65536};
+    if (args.has("piece")) {
+      pieces.clear();
+      for (const auto& p : split(args.str("piece", ""), ',')) pieces.push_back(parse_u64(p, "--piece"));
+    }
+    std::vector<std::uint32_t> batches = {128};
+    if (args.has("batch")) {
+      batches.clear();
+      for (const auto& b : split(args.str("batch", ""), ',')) {
+        batches.push_back(static_cast<std::uint32_t>(parse_u64(b, "--batch")));
+      }
+    }
+    for (auto p : pieces) {
+      for (auto b : batches) ws.push_back(raw_workload(p, b, batches.size() > 1 ? "batch" : "piece"));
+    }
+  } else if (args.has("model") || args.has("tokens")) {
+    const std::string table = args.str("table", "scattered");
+    if (table != "scattered" && table != "contiguous") {
+      throw Error(StatusCode::kInvalidArgument,
+                  "--table wants scattered or contiguous, got '" + table + "'");
+    }
+    const CacheOrder co = parse_cache_order(args.str("cache-order", "layer"));
+    const PageOrder po = parse_page_order(args.str("page-order", "nhd"));
+    ws.push_back(model_workload(
+        args.str("model", "llama3-8b"), static_cast<std::uint32_t>(args.u64("page-size", 16)),
+        args.u64("tokens", 4096),
+        table == "scattered" ? PageTable::kScattered : PageTable::kContiguous,
+        args.f64("prefix-hit", 0.0), co,
+        args.has("remote-cache-order") ? parse_cache_order(args.str("remote-cache-order", "")) : co,
+        po,
+        args.has("remote-page-order") ? parse_page_order(args.str("remote-page-order", "")) : po));
+  } else {
+    ws = suite(args.str("suite", "default"));
+  }
+  if (args.has("case")) {
+    const std::string sub = args.str("case", "");
+    std::vector<Workload> kept;
+    for (auto& w : ws) {
+      if (w.name.find(sub) != std::string::npos) kept.push_back(std::move(w));
+    }
+    ws = std::move(kept);
+  }
+  return ws;
+}
+
+// Variants to run, and whether the external peers are wanted.
+std::vector<EngineVariant> select_variants(const Args& args, bool* peers, Report& report) {
+  const std::vector<EngineVariant> all = engine_variants(built_engines());
+  if (!args.has("engine")) {
+    *peers = true;
+    return all;
+  }
+  std::vector<EngineVariant> out;
+  *peers = false;
+  const std::set<std::string> known = {"local", "shm", "ucx", "ucx-tcp", "ucx-sm",
+                                       "mooncake", "cuda_ipc", "peers"};
+  for (const std::string& name : split(args.str("engine", ""), ',')) {
+    if (name == "peers") {
+      *peers = true;
+      continue;
+    }
+    bool found = false;
+    for (const auto& v : all) {
+      if (v.name == name || v.engine == name) {
+        out.push_back(v);
+        found = true;
+        if (v.engine == "ucx" || v.engine == "mooncake") *peers = true;
+      }
+    }
+    if (!found) {
+      if (known.count(name) == 0) {
+        std::string k;
+        for (const auto& n : known) k += (k.empty() ? "" : ", ") + n;
+        throw Error(StatusCode::kInvalidArgument,
+                    "--engine: unknown engine '" + name + "' (known: " + k + ")");
+      }
+      std::string b;
+      for (const auto& n : built_engines()) b += (b.empty() ? "" : ", ") + n;
+      report.notes.push_back("engine '" + name + "' is not built into this mstar-kv (built: " + b +
+                             "); not measured");
+    }
+  }
+  return out;
+}
+
+std::string size_name(std::uint64_t b) {
+  return b >= (1u << 20) ? std::to_string(b >> 20) + " MiB" : std::to_string(b >> 10) + " KiB";
+}
+
+}  // namespace
+
+int cmd_bench(int argc, char** argv) {
+  // A server that dies must show up as an error of its case, not kill us.
+  std::signal(SIGPIPE, SIG_IGN);
+  if (argc >= 1 && std::string(argv[0]) == "--internal-serve") {
+    return serve_main(argc - 1, argv + 1);
+  }
+  Args args(argc, argv, {"help", "quiet", "no-external", "no-verify"},
+            {"suite", "engine", "case", "model", "tokens", "page-size", "table", "prefix-hit",
+             "cache-order", "page-order", "remote-cache-order", "remote-page-order", "piece",
+             "batch", "repeat", "threads", "min-time", "timeout-ms", "engine-opt", "max-mem-gib",
+             "mooncake-duration", "mooncake-sizes", "mooncake-lib", "json", "csv", "plot"});
+  if (args.flag("help")) {
+    std::printf("%s", kHelp);
+    return 0;
+  }
+  if (!args.positional().empty()) {
+    throw Error(StatusCode::kInvalidArgument,
+                "bench takes no positional arguments, got '" + args.positional()[0] + "'");
+  }
+  Report report;
+  report.date = utc_now();
+  report.nproc = std::max(1u, std::thread::hardware_concurrency());
+  report.suite = args.has("piece") || args.has("model") || args.has("tokens") || args.has("batch")
+                     ? "custom"
+                     : args.str("suite", "default");
+  report.engines_built = built_engines();
+
+  RunOptions ro;
+  ro.threads = static_cast<std::uint32_t>(args.u64("threads", std::min(report.nproc, 8u)));
+  ro.repeat = static_cast<std::uint32_t>(args.u64("repeat", 3));
+  ro.min_time_s = args.f64("min-time", 0.15);
+  ro.timeout = std::chrono::milliseconds(args.u64("timeout-ms", 30000));
+  ro.verify = !args.flag("no-verify");
+  ro.self_exe = self_exe();
+  if (ro.threads == 0 || ro.threads > 256) {
+    throw Error(StatusCode::kInvalidArgument, "--threads " + std::to_string(ro.threads) + " outside [1, 256]");
+  }
+  if (ro.repeat == 0 || ro.repeat > 1000) {
+    throw Error(StatusCode::kInvalidArgument, "--repeat " + std::to_string(ro.repeat) + " outside [1, 1000]");
+  }
+  for (const auto& kv : split(args.str("engine-opt", ""), ',')) {
+    const auto eq = kv.find('=');
+    if (eq == std::string::npos) {
+      throw Error(StatusCode::kInvalidArgument, "--engine-opt wants KEY=VALUE, got '" + kv + "'");
+    }
+    ro.engine_extra[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  report.threads = ro.threads;
+  report.repeat = ro.repeat;
+  report.min_time_s = ro.min_time_s;
+  const double max_mem = args.f64("max-mem-gib", 6.0) * 1073741824.0;
+  const int mc_duration = static_cast<int>(args.u64("mooncake-duration", 5));
+  const std::string mc_sizes = args.str("mooncake-sizes", "default");
+  if (mc_sizes != "default" && mc_sizes != "all" && mc_sizes != "none") {
+    throw Error(StatusCode::kInvalidArgument,
+                "--mooncake-sizes wants default, all or none, got '" + mc_sizes + "'");
+  }
+  const bool external = !args.flag("no-external");
+
+  const std::vector<Workload> workloads = select_workloads(args);
+  bool peers = false;
+  std::vector<EngineVariant> variants = select_variants(args, &peers, report);
+  if (args.has("mooncake-lib")) {
+    for (auto& v : variants) {
+      if (v.engine == "mooncake") v.extra["mooncake_lib"] = args.str("mooncake-lib", "");
+    }
+  }
+  peers = peers && external;
+
+  Progress progress(variants.size() * workloads.size(),
+                    ::isatty(2) != 0 && !args.flag("quiet"));
+  ro.progress = [&](const std::string& s) { progress.status(s); };
+
+  // ---- engines -------------------------------------------------------------------
+  for (const EngineVariant& v : variants) {
+    for (const Workload& w : workloads) {
+      progress.set_label(v.name + "  " + w.name);
+      const double need = static_cast<double>(w.local.total_bytes()) +
+                          2.0 * static_cast<double>(w.remote.total_bytes());
+      if (need > max_mem) {
+        CaseResult r;
+        r.engine = v.name;
+        r.workload = w;
+        r.skipped = true;
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "needs %.1f GiB of host memory, over --max-mem-gib %.1f",
+                      need / 1073741824.0, max_mem / 1073741824.0);
+        r.error = buf;
+        report.cases.push_back(r);
+      } else {
+        report.cases.push_back(run_case(v, w, ro));
+      }
+      progress.step();
+    }
+  }
+
+  // ---- the transports' own best and the peers --------------------------------------
+  if (external) {
+    // ucx_perftest at each message size a UCX case used, cached per (tls, size).
+    std::map<std::pair<std::string, std::uint64_t>, std::optional<Stat>> perftest;
+    std::map<std::pair<std::string, std::uint64_t>, std::string> perftest_err;
+    const std::uint32_t ext_repeat = std::min<std::uint32_t>(ro.repeat, 3);
+    auto ucx_perf = [&](const std::string& tls, std::uint64_t size) -> std::optional<Stat> {
+      const auto key = std::make_pair(tls, size);
+      if (auto it = perftest.find(key); it != perftest.end()) return it->second;
+      progress.set_label("ucx_perftest stream_bw " + tls + " " + std::to_string(size) + " B");
+      std::vector<double> g;
+      for (std::uint32_t i = 0; i < ext_repeat; ++i) {
+        const ExternalResult er = run_ucx_perftest(tls, "stream_bw", size);
+        if (!er.ok) {
+          perftest_err[key] = er.error;
+          break;
+        }
+        g.push_back(er.gbps);
+      }
+      std::optional<Stat> s;
+      if (!g.empty()) s = make_stat(g);
+      perftest[key] = s;
+      return s;
+    };
+    for (CaseResult& c : report.cases) {
+      if (!c.ok || c.piece_bytes == 0) continue;
+      const bool tcp = c.engine == "ucx-tcp" || c.engine == "mooncake";
+      const bool sm = c.engine == "ucx-sm";
+      if (!tcp && !sm) continue;
+      const std::string tls = tcp ? "tcp" : "sm";
+      const auto s = ucx_perf(tls, c.piece_bytes);
+      const std::string name = "ucx_perftest stream_bw " + tls + " " + size_name(c.piece_bytes);
+      if (!s) {
+        report.notes.push_back(c.engine + " " + c.workload.name + ": no " + name + " baseline: " +
+                               perftest_err[{tls, c.piece_bytes}]);
+        continue;
+      }
+      c.extra["ucx_perftest_stream_bw_" + tls] = s->median;
+      if (tcp) {  // over TCP the transport's own best is the limit, not memcpy
+        c.baseline_name = name;
+        c.baseline_gbps = *s;
+        c.ratio = s->median > 0 ? std::optional<double>(c.gbps.median / s->median) : std::nullopt;
+      }
+    }
+    if (peers) {
+      progress.set_label("iperf3 tcp loopback");
+      const ExternalResult ip = run_iperf3(2.0);
+      report.references.push_back({"iperf3 tcp loopback (1 stream)", ip.ok, ip.gbps,
+                                   ip.ok ? ip.command : ip.error});
+      for (CaseResult& c : report.cases) {
+        if (ip.ok && c.ok && (c.engine == "ucx-tcp" || c.engine == "mooncake")) {
+          c.extra["iperf3_tcp"] = ip.gbps;
+        }
+      }
+      // Mooncake's transfer_engine_bench at the raw cases' block and batch sizes.
+      std::set<std::pair<std::uint64_t, std::uint32_t>> sizes;
+      if (mc_sizes != "none") sizes.insert({65536, 128});
+      if (mc_sizes == "all") {
+        for (const auto& w : workloads) {
+          if (w.model == "raw") sizes.insert({w.piece_bytes, w.batch});
+        }
+      }
+      std::string why_not;
+      const std::string te = sizes.empty() ? "" : find_mooncake_bench(&why_not);
+      if (!sizes.empty() && te.empty()) {
+        report.references.push_back({"Mooncake transfer_engine_bench", false, 0, why_not});
+      }
+      for (const auto& [block, batch] : sizes) {
+        if (te.empty()) break;
+        const Workload w = raw_workload(block, batch, "piece");
+        progress.set_label("Mooncake transfer_engine_bench " + w.name);
+        CaseResult r;
+        r.engine = "mooncake_te_bench";
+        r.workload = w;
+        const ExternalResult er = run_mooncake_bench(te, block, batch, 1, mc_duration);
+        if (!er.ok) {
+          r.error = er.error;
+          report.cases.push_back(r);
+          continue;
+        }
+        r.ok = true;
+        r.gbps = Stat{er.gbps, er.gbps, er.gbps};
+        r.piece_bytes = block;
+        r.reads = batch;
+        r.copies = batch;
+        r.extra["mooncake_te_bench"] = er.gbps;
+        if (const auto s = ucx_perf("tcp", block)) {
+          r.baseline_name = "ucx_perftest stream_bw tcp " + size_name(block);
+          r.baseline_gbps = *s;
+          r.ratio = r.gbps.median / s->median;
+        }
+        report.notes.push_back("transfer_engine_bench: " + er.command + " -> " +
+                               std::to_string(er.gbps) + " GB/s (1 run, " +
+                               std::to_string(mc_duration) + " s)");
+        for (CaseResult& c : report.cases) {
+          if (c.ok && c.engine != "mooncake_te_bench" && c.workload.model == "raw" &&
+              c.workload.piece_bytes == block && c.workload.batch == batch) {
+            c.extra["mooncake_te_bench"] = er.gbps;
+            if (c.engine == "ucx-tcp" || c.engine == "mooncake") {
+              char buf[160];
+              std::snprintf(buf, sizeof buf, "%s %s: %.2fx Mooncake transfer_engine_bench",
+                            c.engine.c_str(), c.workload.name.c_str(), c.gbps.median / er.gbps);
+              report.notes.push_back(buf);
+            }
+          }
+        }
+        report.cases.push_back(r);
+      }
+    }
+  }
+  progress.finish();
+
+  // ---- output --------------------------------------------------------------------
+  const bool stdout_taken = args.str("json", "") == "-" || args.str("csv", "") == "-";
+  print_table(stdout_taken ? stderr : stdout, report);
+  if (args.has("json")) write_to(args.str("json", ""), [&](std::FILE* f) { write_json(f, report); });
+  if (args.has("csv")) write_to(args.str("csv", ""), [&](std::FILE* f) { write_csv(f, report); });
+  if (args.has("plot")) write_to(args.str("plot", ""), [&](std::FILE* f) { write_svg(f, report); });
+  for (const auto& c : report.cases) {
+    if (!c.ok && !c.skipped) return 1;
+  }
+  return 0;
+}
+
+}  // namespace mstar::kv::cli
