@@ -84,7 +84,9 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
   if (start_len == end_len) return reads;
   const std::uint64_t ps = local.page_size;
   const std::uint64_t first = start_len / ps;
-  const std::uint64_t needed = (end_len + ps - 1) / ps;  // pages [0, needed)
+  // Pages [0, needed); not (end_len + ps - 1) / ps, which wraps for an
+  // end_len near 2^64 (found by fuzz_plan).
+  const std::uint64_t needed = end_len / ps + (end_len % ps != 0 ? 1 : 0);
   if (local_pages.size() < needed) {
     invalid("local page table has " + std::to_string(local_pages.size()) +
             " entries, tokens " + range(start_len, end_len) + " need " +

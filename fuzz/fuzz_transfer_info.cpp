@@ -1,0 +1,26 @@
+// Copyright mstar-kv authors.
+//
+// KVTransferInfo::decode on untrusted bytes: it either throws Error or
+// returns a value that encodes back to exactly the same bytes.
+#include <cstdint>
+
+#include "fuzz_util.hpp"
+#include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/status.hpp"
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  using namespace mstar::kv;
+  const std::vector<std::uint8_t> bytes = fuzz::frame_input(data, size);
+  KVTransferInfo info;
+  try {
+    info = KVTransferInfo::decode(bytes);
+  } catch (const Error& e) {
+    fuzz::require(e.code() == StatusCode::kCorruptDescriptor, "decode threw a non-corrupt code");
+    return 0;
+  }
+  fuzz::require(info.engine.size() <= DescriptorLimits::kMaxEngineName, "engine name limit");
+  fuzz::require(info.payload.size() <= DescriptorLimits::kMaxTransferPayload, "payload limit");
+  fuzz::require(info.encode() == bytes, "decode(bytes).encode() != bytes");
+  fuzz::require(KVTransferInfo::decode(info.encode()) == info, "round trip changed the value");
+  return 0;
+}

@@ -1,0 +1,101 @@
+// Copyright mstar-kv authors.
+//
+// Writes the seed corpus: valid encodings from the library's own encoders
+// (and a few bytes for the planner), one directory per fuzz target.
+//   fuzz_make_corpus OUT_DIR
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/layout.hpp"
+#if MSTAR_KV_FUZZ_SHM
+#include "mstar/kv/shm.hpp"
+#endif
+
+namespace {
+
+using namespace mstar::kv;
+namespace fs = std::filesystem;
+
+void write(const fs::path& dir, const std::string& name, const std::vector<std::uint8_t>& bytes,
+           bool frame_prefix) {
+  fs::create_directories(dir);
+  std::ofstream out(dir / name, std::ios::binary);
+  // Frame targets read their first byte as a flag (see fuzz_util.hpp); 0
+  // means "take the bytes as they are".
+  if (frame_prefix) out.put('\0');
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+KVLayout layout(std::uint32_t layers, std::uint32_t pages, bool has_v, CacheOrder co, PageOrder po) {
+  KVLayout l;
+  l.num_layers = layers;
+  l.num_pages = pages;
+  l.page_size = 16;
+  l.num_kv_heads = 8;
+  l.head_dim = 128;
+  l.has_v = has_v;
+  l.cache_order = co;
+  l.page_order = po;
+  return l;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: fuzz_make_corpus OUT_DIR\n");
+    return 2;
+  }
+  const fs::path out = argv[1];
+  std::vector<KVTransferInfo> infos = {
+      {},
+      {"shm", {1, 2, 3, 4}},
+      {"ucx", std::vector<std::uint8_t>(100, 7)},
+      {"mooncake", {}},
+  };
+#if MSTAR_KV_FUZZ_SHM
+  std::vector<ShmKVTransferInfo> shm;
+  for (int i = 0; i < 3; ++i) {
+    ShmKVTransferInfo s;
+    s.pid = 1234 + static_cast<std::uint32_t>(i);
+    s.fd = 5;
+    s.uid = 1000;
+    s.start_time = 987654;
+    s.nonce = 0x1122334455667788ULL + static_cast<std::uint64_t>(i);
+    s.layout = layout(4 + static_cast<std::uint32_t>(i), 64, i != 2,
+                      i == 1 ? CacheOrder::kPageMajor : CacheOrder::kLayerMajor,
+                      i == 0 ? PageOrder::kNHD : PageOrder::kHND);
+    s.size = s.layout.total_bytes();
+    shm.push_back(s);
+    infos.push_back(s.encode());
+    write(out / "fuzz_shm_info", "seed" + std::to_string(i), s.encode().payload, false);
+  }
+#endif
+  for (std::size_t i = 0; i < infos.size(); ++i) {
+    write(out / "fuzz_transfer_info", "seed" + std::to_string(i), infos[i].encode(), true);
+    SequenceInfo s;
+    s.seq_id = 42 + i;
+    s.num_tokens = 16 * i + 3;
+    for (std::uint32_t p = 0; p <= i; ++p) s.page_indices.push_back(p * 7 % 64);
+    s.kv_transfer_info = infos[i];
+    write(out / "fuzz_sequence_info", "seed" + std::to_string(i), s.encode(), true);
+  }
+  // The planner target draws everything from its bytes: a few fixed strings.
+  std::uint64_t x = 0x9E3779B97F4A7C15ULL;
+  for (int i = 0; i < 8; ++i) {
+    std::vector<std::uint8_t> bytes(static_cast<std::size_t>(48 + 40 * i));
+    for (auto& b : bytes) {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      b = static_cast<std::uint8_t>(x);
+    }
+    write(out / "fuzz_plan", "seed" + std::to_string(i), bytes, false);
+  }
+  return 0;
+}

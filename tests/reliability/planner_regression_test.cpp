@@ -1,0 +1,41 @@
+// Copyright mstar-kv authors.
+//
+// Inputs the fuzzers found, pinned as tests (the crash inputs themselves are
+// kept in fuzz/corpus/<target>/regress-*).
+#include <gtest/gtest.h>
+
+#include <limits>
+
+#include "mstar/kv/planner.hpp"
+#include "mstar/kv/status.hpp"
+
+namespace mstar::kv {
+namespace {
+
+// plan_reads computed the pages needed as (end_len + page_size - 1) /
+// page_size, which wraps near 2^64: a huge end_len then passed the page
+// table checks and reserve() threw std::length_error instead of Error.
+TEST(PlannerRegression, EndLenNear2To64IsRejectedWithError) {
+  KVLayout l;
+  l.num_layers = 2;
+  l.num_pages = 8;
+  l.page_size = 16;
+  l.num_kv_heads = 1;
+  l.head_dim = 8;
+  const std::vector<std::uint32_t> pages = {0, 1, 2};
+  constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+  for (std::uint64_t start : {std::uint64_t{0}, kMax - 20, kMax - 1}) {
+    try {
+      plan_reads(l, start, kMax, pages, pages);
+      FAIL() << "start " << start;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("local page table has 3 entries"), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_TRUE(plan_reads(l, kMax, kMax, pages, pages).empty());
+}
+
+}  // namespace
+}  // namespace mstar::kv
