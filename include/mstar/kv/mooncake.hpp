@@ -24,7 +24,11 @@
 // reads the identity page and compares it with the descriptor it was given:
 // a descriptor of a restarted owner (kStaleDescriptor), a forged address or
 // size (kPermissionDenied) or another layout (kIncompatibleLayout) is rejected
-// before any page read is submitted. Page reads are then submitted as one
+// before any page read is submitted; an owner that cannot be reached, or does
+// not serve the identity page the descriptor names, fails with kPeerFailure.
+// (The check runs once per connection: a descriptor of an owner that died
+// after the last check fails at Mooncake instead, kPeerFailure with no byte
+// written, and the next read reconnects.) Page reads are then submitted as one
 // Mooncake batch of READ requests (target_offset = the owner's data_ptr +
 // offset, i.e. the owner's absolute address) and completed by a progress
 // thread polling getTransferStatus.

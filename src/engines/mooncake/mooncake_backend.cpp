@@ -556,9 +556,10 @@ std::shared_ptr<rma::RmaPeer> MooncakeBackend::connect(const rma::RmaRegionInfo&
     st = *wait->status;
   }
   if (!st.is_ok()) {
-    throw Error(StatusCode::kPermissionDenied,
-                "the identity page " + hex(identity_ptr) + " named by the descriptor is not "
-                "readable from " + who + " (a forged descriptor, or the owner restarted): " +
+    // Mooncake cannot tell a dead owner from an address it does not serve.
+    throw Error(StatusCode::kPeerFailure,
+                who + " did not serve the descriptor's identity page " + hex(identity_ptr) +
+                    ": the owner is gone, or the descriptor is stale or forged: " +
                     st.message());
   }
   // Parse what the owner serves (untrusted bytes).
