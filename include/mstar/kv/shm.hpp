@@ -35,7 +35,6 @@
 #include "mstar/kv/engine.hpp"
 #include "mstar/kv/layout.hpp"
 #include "mstar/kv/manager.hpp"
-#include "mstar/kv/planner.hpp"
 #include "mstar/kv/status.hpp"
 
 namespace mstar::kv {
@@ -65,7 +64,7 @@ struct ShmKVTransferInfo {
 
 // A read-only mapping of another process's shared cache. RAII, move-only:
 // the destructor unmaps. The engine caches one per (pid, nonce); tools use it
-// directly for a memcpy baseline over the same memory.
+// directly, e.g. for a memcpy baseline over the same memory.
 // Thread safety: const methods are safe from any thread.
 class ShmMapping {
  public:
@@ -166,12 +165,5 @@ class ShmKVTransferEngine final : public KVTransferEngine {
  private:
   std::unique_ptr<Impl> impl_;
 };
-
-// The reading side's measurement helper: copies `spans` (as plan_copies
-// emits them, offsets from each cache base) from src to dst with `threads`
-// plain threads, each taking one contiguous share of the bytes: what the
-// engine's copy costs without the engine. Returns the seconds taken.
-double memcpy_spans(std::byte* dst, const std::byte* src,
-                    std::span<const CopySpan> spans, std::uint32_t threads);
 
 }  // namespace mstar::kv

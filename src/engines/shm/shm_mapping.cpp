@@ -23,6 +23,8 @@ namespace {
 
 using shm::errno_text;
 
+constexpr std::uint64_t kPopulateLimit = 8ull << 30;
+
 std::string fd_path(const ShmKVTransferInfo& info) {
   return "/proc/" + std::to_string(info.pid) + "/fd/" + std::to_string(info.fd);
 }
@@ -134,7 +136,11 @@ ShmMapping ShmMapping::open(const ShmKVTransferInfo& info) {
                     " bytes, the descriptor needs " + std::to_string(want) +
                     " (header + size): another cache now has this fd");
   }
-  void* p = ::mmap(nullptr, want, PROT_READ, MAP_SHARED, fd.get(), 0);
+  // MAP_POPULATE maps every page now, once per peer, instead of one fault
+  // per 4 KiB page inside the copies; above kPopulateLimit the first reads
+  // fault pages in instead, so that opening a huge cache stays quick.
+  const int populate = want <= kPopulateLimit ? MAP_POPULATE : 0;
+  void* p = ::mmap(nullptr, want, PROT_READ, MAP_SHARED | populate, fd.get(), 0);
   if (p == MAP_FAILED) {
     const int err = errno;
     throw Error(err == ENOMEM ? StatusCode::kRetryLater : StatusCode::kInternal,

@@ -1,0 +1,612 @@
+// Copyright mstar-kv authors.
+//
+// The shm engine between real processes: shm_peer owns a shared cache in its
+// own process and this test process reads it.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <dirent.h>
+#include <fstream>
+#include <set>
+#include <thread>
+
+#include "mstar/kv/kv.hpp"
+#include "mstar/kv/shm.hpp"
+#include "shm_test_util.hpp"
+
+namespace mstar::kv {
+namespace {
+
+using namespace std::chrono_literals;
+using shmtest::Child;
+
+constexpr std::byte kSentinel{0xA5};
+constexpr std::uint64_t kSeed = 4242;
+
+// 4 layers, 64 pages of 16 tokens, 2 heads x 64 bf16: 4 KiB blocks, 2 MiB.
+KVLayout small_layout(CacheOrder co = CacheOrder::kLayerMajor, PageOrder po = PageOrder::kNHD,
+                      std::uint32_t pages = 64) {
+  KVLayout l;
+  l.num_layers = 4;
+  l.num_pages = pages;
+  l.page_size = 16;
+  l.num_kv_heads = 2;
+  l.head_dim = 64;
+  l.dtype = DType::kBFloat16;
+  l.cache_order = co;
+  l.page_order = po;
+  return l;
+}
+
+// A shm_peer owning a cache with one sequence filled with the pattern.
+struct Owner {
+  Owner(const KVLayout& l, std::uint64_t tokens, std::uint64_t scatter = 5)
+      : child({SHM_PEER_PATH, "--layout", shmtest::layout_arg(l), "--tokens",
+                std::to_string(tokens), "--seed", std::to_string(kSeed), "--scatter",
+                std::to_string(scatter)}) {
+    seq = next_sequence();
+  }
+  SequenceInfo next_sequence() {
+    const std::string line = child.read_line();
+    if (line.rfind("SEQ ", 0) != 0) throw std::runtime_error("peer said: " + line);
+    return SequenceInfo::decode(shmtest::from_hex(line.substr(4)));
+  }
+  Child child;
+  SequenceInfo seq;
+};
+
+std::shared_ptr<KVCache> sentinel_cache(const KVLayout& l) {
+  auto c = make_kv_cache(l, MemoryKind::kHost);
+  std::memset(c->base(), static_cast<int>(kSentinel), l.total_bytes());
+  return c;
+}
+
+std::unique_ptr<KVTransferManager> shm_manager(std::shared_ptr<KVCache> cache,
+                                               std::chrono::milliseconds timeout = 5000ms,
+                                               std::uint32_t workers = 3) {
+  EngineOptions o;
+  o.max_workers = workers;
+  o.timeout = timeout;
+  return std::make_unique<KVTransferManager>(TransferEngineInfo{"test", "", "shm", o},
+                                             std::move(cache));
+}
+
+std::vector<std::uint32_t> spread_pages(std::size_t n, std::uint32_t num_pages,
+                                        std::uint32_t first = 3) {
+  std::vector<std::uint32_t> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::uint32_t>((first + i * 7) % num_pages);
+  return v;
+}
+
+bool all_sentinel(const KVCache& c) {
+  const std::byte* p = c.base();
+  return std::all_of(p, p + c.size_bytes(), [](std::byte b) { return b == kSentinel; });
+}
+
+// Every byte outside the destination spans still holds the sentinel.
+std::uint64_t bytes_written_outside(const KVCache& local, const KVLayout& remote,
+                                    const std::vector<KVReadInfo>& reads) {
+  std::vector<std::uint8_t> named(local.size_bytes(), 0);
+  for (const CopySpan& s : plan_copies(local.layout(), remote, reads).spans) {
+    std::fill_n(named.begin() + static_cast<std::ptrdiff_t>(s.local_offset), s.length, 1);
+  }
+  std::uint64_t n = 0;
+  for (std::size_t i = 0; i < named.size(); ++i) n += !named[i] && local.base()[i] != kSentinel;
+  return n;
+}
+
+StatusCode code_of_read(KVTransferManager& m, const SequenceInfo& seq, const KVTransferInfo& info,
+                        std::uint64_t tokens, std::string* what = nullptr) {
+  try {
+    auto f = m.start_async_retrieve(0, tokens, spread_pages(seq.page_indices.size(), 64),
+                                    seq.page_indices, info);
+    if (!f) return StatusCode::kOk;
+    f->wait_for(10s);
+    if (what) *what = f->status().message();
+    return f->status().code();
+  } catch (const Error& e) {
+    if (what) *what = e.what();
+    return e.code();
+  }
+}
+
+// ---- data -------------------------------------------------------------------
+
+TEST(ShmEngine, FullPullFromAnotherProcessMovesEveryByteAndNothingElse) {
+  const KVLayout l = small_layout();
+  Owner owner(l, 300);  // the last page holds 12 of 16 tokens
+  auto cache = sentinel_cache(l);
+  auto m = shm_manager(cache);
+  const auto lp = spread_pages(owner.seq.page_indices.size(), 64);
+  const auto bytes =
+      m->sync_retrieve(0, 300, lp, owner.seq.page_indices, owner.seq.kv_transfer_info);
+  EXPECT_EQ(bytes, 300u * l.token_bytes() * 2 * l.num_layers);
+  auto v = verify_pattern(*cache, kSeed, lp, 0, 300);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+  EXPECT_EQ(v.blocks_checked, 19u * 4 * 2);
+  EXPECT_EQ(bytes_written_outside(*cache, l, plan_reads(l, 0, 300, lp, owner.seq.page_indices)),
+            0u);
+}
+
+TEST(ShmEngine, PrefixHitPullsOnlyTheTail) {
+  const KVLayout l = small_layout();
+  Owner owner(l, 256);
+  auto cache = sentinel_cache(l);
+  auto m = shm_manager(cache);
+  const auto lp = spread_pages(16, 64);
+  const std::uint64_t prefix = 192 + 5;  // 75% and then some: starts mid-page
+  fill_pattern(*cache, kSeed, lp, 0, prefix);  // the locally cached prefix
+  const auto bytes =
+      m->sync_retrieve(prefix, 256, lp, owner.seq.page_indices, owner.seq.kv_transfer_info);
+  EXPECT_EQ(bytes, (256u - prefix) * l.token_bytes() * 2 * l.num_layers);
+  auto v = verify_pattern(*cache, kSeed, lp, 0, 256);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+}
+
+TEST(ShmEngine, PartialPagesInBothInPageOrders) {
+  for (auto lpo : {PageOrder::kNHD, PageOrder::kHND}) {
+    for (auto rpo : {PageOrder::kNHD, PageOrder::kHND}) {
+      const KVLayout remote = small_layout(CacheOrder::kLayerMajor, rpo);
+      const KVLayout local = small_layout(CacheOrder::kLayerMajor, lpo);
+      Owner owner(remote, 90);  // 5 full pages + 10 tokens
+      auto cache = sentinel_cache(local);
+      auto m = shm_manager(cache);
+      const auto lp = spread_pages(6, 64);
+      m->sync_retrieve(7, 90, lp, owner.seq.page_indices, owner.seq.kv_transfer_info);
+      auto v = verify_pattern(*cache, kSeed, lp, 7, 90);
+      EXPECT_TRUE(v.ok()) << to_string(lpo) << " <- " << to_string(rpo) << ": "
+                          << v.first_mismatch;
+      EXPECT_EQ(bytes_written_outside(*cache, remote,
+                                      plan_reads(local, 7, 90, lp, owner.seq.page_indices)),
+                0u)
+          << to_string(lpo) << " <- " << to_string(rpo);
+    }
+  }
+}
+
+TEST(ShmEngine, LocalAndRemoteCacheOrdersMayDiffer) {
+  for (auto [lco, rco] : {std::pair{CacheOrder::kLayerMajor, CacheOrder::kPageMajor},
+                          std::pair{CacheOrder::kPageMajor, CacheOrder::kLayerMajor},
+                          std::pair{CacheOrder::kPageMajor, CacheOrder::kPageMajor}}) {
+    const KVLayout remote = small_layout(rco, PageOrder::kHND);
+    const KVLayout local = small_layout(lco, PageOrder::kNHD, 40);  // fewer pages here
+    Owner owner(remote, 200);
+    auto cache = sentinel_cache(local);
+    auto m = shm_manager(cache);
+    const auto lp = spread_pages(13, 40);
+    m->sync_retrieve(0, 200, lp, owner.seq.page_indices, owner.seq.kv_transfer_info);
+    auto v = verify_pattern(*cache, kSeed, lp, 0, 200);
+    EXPECT_TRUE(v.ok()) << to_string(lco) << " <- " << to_string(rco) << ": " << v.first_mismatch;
+  }
+}
+
+TEST(ShmEngine, ConcurrentPullsFromManyThreadsIntoOneManager) {
+  const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 128);
+  Owner owner(l, 128 * 16);
+  auto cache = sentinel_cache(l);
+  auto m = shm_manager(cache, 10000ms);
+  constexpr std::uint32_t kThreads = 8;
+  constexpr std::uint32_t kPages = 16;
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (std::uint32_t t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        std::vector<std::uint32_t> lp(kPages);
+        std::vector<std::uint32_t> rp(kPages);
+        for (std::uint32_t i = 0; i < kPages; ++i) {
+          lp[i] = t * kPages + (i * 3) % kPages;
+          rp[i] = owner.seq.page_indices[t * kPages + i];
+        }
+        for (int rep = 0; rep < 10; ++rep) {
+          // Async, several in flight per thread over disjoint halves.
+          auto f1 = m->start_async_retrieve(0, kPages * 8, lp, rp, owner.seq.kv_transfer_info);
+          std::vector<std::uint32_t> lp2(lp.begin() + kPages / 2, lp.end());
+          std::vector<std::uint32_t> rp2(rp.begin() + kPages / 2, rp.end());
+          auto f2 = m->start_async_retrieve(0, kPages * 8, lp2, rp2, owner.seq.kv_transfer_info);
+          f1->get();
+          f2->get();
+        }
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "thread " << t << ": " << e.what();
+        ++failures;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  ASSERT_EQ(failures.load(), 0);
+  // Sequence page t*16+i went to local page t*16 + (i*3)%16.
+  std::vector<std::uint32_t> table(kThreads * kPages);
+  for (std::uint32_t t = 0; t < kThreads; ++t) {
+    for (std::uint32_t i = 0; i < kPages; ++i) table[t * kPages + i] = t * kPages + (i * 3) % kPages;
+  }
+  auto v = verify_pattern(*cache, kSeed, table, 0, kThreads * kPages * 16);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+  EXPECT_EQ(static_cast<ShmKVTransferEngine&>(m->engine()).cached_mappings(), 1u);
+}
+
+// ---- descriptors that must not be read --------------------------------------
+
+class ShmRejects : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    owner_ = std::make_unique<Owner>(l_, 64);
+    cache_ = sentinel_cache(l_);
+    m_ = shm_manager(cache_);
+    good_ = ShmKVTransferInfo::decode(owner_->seq.kv_transfer_info);
+  }
+  void TearDown() override {
+    EXPECT_TRUE(all_sentinel(*cache_)) << "a rejected read wrote local bytes";
+  }
+  StatusCode read_with(const ShmKVTransferInfo& info, std::string* what = nullptr) {
+    return code_of_read(*m_, owner_->seq, info.encode(), 64, what);
+  }
+
+  KVLayout l_ = small_layout();
+  std::unique_ptr<Owner> owner_;
+  std::shared_ptr<KVCache> cache_;
+  std::unique_ptr<KVTransferManager> m_;
+  ShmKVTransferInfo good_;
+};
+
+TEST_F(ShmRejects, CacheOfADeadOwner) {
+  owner_->child.write_line("quit");
+  ASSERT_EQ(owner_->child.wait(10s), 0);
+  std::string what;
+  EXPECT_EQ(read_with(good_, &what), StatusCode::kNotFound) << what;
+  EXPECT_NE(what.find("no longer exists"), std::string::npos) << what;
+}
+
+TEST_F(ShmRejects, CacheFreedAndReallocatedByALiveOwner) {
+  // A first read maps and caches the old generation.
+  auto scratch = sentinel_cache(l_);
+  auto m2 = shm_manager(scratch);
+  m2->sync_retrieve(0, 64, spread_pages(4, 64), owner_->seq.page_indices,
+                    owner_->seq.kv_transfer_info);
+  owner_->child.write_line("regen");
+  const SequenceInfo fresh = owner_->next_sequence();
+  std::string what;
+  const StatusCode c1 = read_with(good_, &what);
+  EXPECT_TRUE(c1 == StatusCode::kStaleDescriptor || c1 == StatusCode::kNotFound)
+      << to_string(c1) << ": " << what;
+  const StatusCode c2 = code_of_read(*m2, owner_->seq, good_.encode(), 64, &what);
+  EXPECT_TRUE(c2 == StatusCode::kStaleDescriptor || c2 == StatusCode::kNotFound)
+      << "cached mapping of a freed cache was used: " << to_string(c2) << ": " << what;
+  // The new generation reads fine (and replaces the cached one).
+  auto ok = sentinel_cache(l_);
+  auto m3 = shm_manager(ok);
+  const auto lp = spread_pages(4, 64);
+  m3->sync_retrieve(0, 64, lp, fresh.page_indices, fresh.kv_transfer_info);
+  EXPECT_TRUE(verify_pattern(*ok, kSeed, lp, 0, 64).ok());
+}
+
+TEST_F(ShmRejects, StaleGeneration) {
+  ShmKVTransferInfo bad = good_;
+  bad.nonce ^= 1;
+  std::string what;
+  EXPECT_EQ(read_with(bad, &what), StatusCode::kStaleDescriptor) << what;
+  EXPECT_NE(what.find("generation"), std::string::npos) << what;
+}
+
+TEST_F(ShmRejects, RestartedOwnerPid) {
+  ShmKVTransferInfo bad = good_;
+  bad.start_time += 1;
+  std::string what;
+  EXPECT_EQ(read_with(bad, &what), StatusCode::kStaleDescriptor) << what;
+  EXPECT_NE(what.find("restarted"), std::string::npos) << what;
+}
+
+TEST_F(ShmRejects, AnotherUsersCache) {
+  ShmKVTransferInfo bad = good_;
+  bad.uid += 1;
+  std::string what;
+  EXPECT_EQ(read_with(bad, &what), StatusCode::kPermissionDenied) << what;
+  EXPECT_NE(what.find("same user"), std::string::npos) << what;
+  // Also when a mapping of the genuine descriptor is already cached.
+  auto scratch = sentinel_cache(l_);
+  auto m2 = shm_manager(scratch);
+  m2->sync_retrieve(0, 64, spread_pages(4, 64), owner_->seq.page_indices,
+                    owner_->seq.kv_transfer_info);
+  EXPECT_EQ(code_of_read(*m2, owner_->seq, bad.encode(), 64), StatusCode::kPermissionDenied);
+}
+
+TEST_F(ShmRejects, FdThatIsNotASharedCache) {
+  for (std::uint32_t fd : {0u, 1u, 2u, 999u}) {
+    ShmKVTransferInfo bad = good_;
+    bad.fd = fd;
+    std::string what;
+    const StatusCode c = read_with(bad, &what);
+    EXPECT_TRUE(c == StatusCode::kStaleDescriptor || c == StatusCode::kNotFound)
+        << "fd " << fd << ": " << to_string(c) << ": " << what;
+  }
+}
+
+TEST_F(ShmRejects, SizeLargerThanTheMemory) {
+  ShmKVTransferInfo bad = good_;
+  bad.size += 4096;
+  std::string what;
+  EXPECT_EQ(read_with(bad, &what), StatusCode::kStaleDescriptor) << what;
+}
+
+TEST_F(ShmRejects, IncompatibleLayout) {
+  KVLayout other = l_;
+  other.head_dim = 32;
+  auto cache = sentinel_cache(other);
+  auto m = shm_manager(cache);
+  std::string what;
+  EXPECT_EQ(code_of_read(*m, owner_->seq, owner_->seq.kv_transfer_info, 64, &what),
+            StatusCode::kIncompatibleLayout)
+      << what;
+  EXPECT_NE(what.find("head_dim"), std::string::npos) << what;
+  EXPECT_TRUE(all_sentinel(*cache));
+}
+
+TEST_F(ShmRejects, CorruptOrForeignBytes) {
+  const KVTransferInfo info = owner_->seq.kv_transfer_info;
+  for (std::size_t n = 0; n < info.payload.size(); ++n) {
+    KVTransferInfo bad = info;
+    bad.payload.resize(n);
+    EXPECT_EQ(code_of_read(*m_, owner_->seq, bad, 64), StatusCode::kCorruptDescriptor)
+        << "payload truncated to " << n;
+  }
+  KVTransferInfo longer = info;
+  longer.payload.push_back(0);
+  EXPECT_EQ(code_of_read(*m_, owner_->seq, longer, 64), StatusCode::kCorruptDescriptor);
+  // Every single-bit flip either fails to decode or is rejected by a check;
+  // none may read another cache or crash.
+  for (std::size_t i = 0; i < info.payload.size(); ++i) {
+    KVTransferInfo bad = info;
+    bad.payload[i] ^= 0x10;
+    const StatusCode c = code_of_read(*m_, owner_->seq, bad, 64);
+    EXPECT_NE(c, StatusCode::kOk) << "flipped payload byte " << i << " was read";
+  }
+  // Flipped bytes of the SequenceInfo frame fail its checksum.
+  auto bytes = owner_->seq.encode();
+  for (std::size_t i = 0; i < bytes.size(); i += 7) {
+    auto bad = bytes;
+    bad[i] ^= 0x01;
+    EXPECT_THROW(SequenceInfo::decode(bad), Error) << "byte " << i;
+  }
+  KVTransferInfo foreign = info;
+  foreign.engine = "ucx";
+  EXPECT_EQ(code_of_read(*m_, owner_->seq, foreign, 64), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code_of_read(*m_, owner_->seq, KVTransferInfo{}, 64), StatusCode::kInvalidArgument);
+}
+
+// ---- faults -------------------------------------------------------------------
+
+TEST(ShmEngine, OwnerKilledDuringReadsNeverCrashesHangsOrLies) {
+  const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 2048);  // 64 MiB
+  Owner owner(l, 2048 * 16, 0);
+  auto cache = make_kv_cache(l, MemoryKind::kHost);
+  auto m = shm_manager(cache, 5000ms, 1);
+  std::vector<std::uint32_t> lp(2048);
+  for (std::uint32_t i = 0; i < 2048; ++i) lp[i] = i;
+  const auto& seq = owner.seq;
+  std::atomic<bool> killed{false};
+  std::thread killer([&] {
+    std::this_thread::sleep_for(30ms);  // a few reads in
+    owner.child.kill_now();
+    killed = true;
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  int ok_after_kill = 0;
+  int failed = 0;
+  while (std::chrono::steady_clock::now() - t0 < 20s) {
+    const bool was_killed = killed.load();
+    std::optional<TransferFuture> f;
+    try {
+      f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
+    } catch (const Error& e) {
+      EXPECT_TRUE(was_killed || killed) << "rejected before the kill: " << e.what();
+      EXPECT_EQ(e.code(), StatusCode::kNotFound) << e.what();
+      ++failed;
+      break;
+    }
+    ASSERT_TRUE(f->wait_for(10s)) << "a read did not resolve";
+    if (f->status().is_ok()) {
+      // Completed, maybe after the owner died: then every byte must be right.
+      auto v = verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+      ASSERT_TRUE(v.ok()) << "success reported with wrong bytes: " << v.first_mismatch;
+      ok_after_kill += was_killed;
+    } else {
+      ++failed;
+      break;
+    }
+  }
+  killer.join();
+  EXPECT_EQ(failed, 1) << "reads of a dead owner's descriptor must fail";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 20s);
+  (void)ok_after_kill;
+}
+
+TEST(ShmEngine, ShutdownResolvesEveryReadInFlight) {
+  const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 512);  // 16 MiB
+  Owner owner(l, 512 * 16);
+  auto cache = make_kv_cache(l, MemoryKind::kHost);
+  auto m = shm_manager(cache, 20000ms, 2);
+  std::vector<TransferFuture> futures;
+  for (std::uint32_t part = 0; part < 8; ++part) {
+    std::vector<std::uint32_t> lp(64);
+    std::vector<std::uint32_t> rp(64);
+    for (std::uint32_t i = 0; i < 64; ++i) {
+      lp[i] = part * 64 + i;
+      rp[i] = owner.seq.page_indices[part * 64 + i];
+    }
+    futures.push_back(*m->start_async_retrieve(0, 64 * 16, lp, rp, owner.seq.kv_transfer_info));
+  }
+  auto& engine = static_cast<ShmKVTransferEngine&>(m->engine());
+  EXPECT_EQ(engine.cached_mappings(), 1u);
+  m->cleanup();
+  int shut = 0;
+  for (auto& f : futures) {
+    // cleanup() returns only after every future resolved.
+    ASSERT_TRUE(f.ready()) << "a read in flight was left unresolved by shutdown";
+    const StatusCode c = f.status().code();
+    EXPECT_TRUE(c == StatusCode::kOk || c == StatusCode::kShutdown) << f.status().to_string();
+    shut += c == StatusCode::kShutdown;
+  }
+  EXPECT_EQ(engine.cached_mappings(), 0u);
+  try {
+    m->start_async_retrieve(0, 16, std::vector<std::uint32_t>{0},
+                            std::vector<std::uint32_t>{owner.seq.page_indices[0]},
+                            owner.seq.kv_transfer_info);
+    FAIL() << "a read after shutdown was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kShutdown) << e.what();
+  }
+  m->cleanup();  // idempotent
+}
+
+// After a future resolves as failed, no byte of its read may land.
+void expect_quiet_after(const KVCache& cache, const TransferFuture& f) {
+  ASSERT_TRUE(f.wait_for(10s));
+  std::vector<std::byte> snap(cache.base(), cache.base() + cache.size_bytes());
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(std::memcmp(snap.data(), cache.base(), snap.size()), 0)
+      << "bytes landed after the future resolved with " << f.status().to_string();
+}
+
+TEST(ShmEngine, TimeoutResolvesOnlyOnceNoWorkerWrites) {
+  const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 1024);  // 32 MiB
+  Owner owner(l, 1024 * 16);
+  auto cache = sentinel_cache(l);
+  auto m = shm_manager(cache, 1ms, 1);
+  std::vector<std::uint32_t> lp(1024);
+  for (std::uint32_t i = 0; i < 1024; ++i) lp[i] = i;
+  int timeouts = 0;
+  for (int i = 0; i < 20 && timeouts == 0; ++i) {
+    auto f = m->start_async_retrieve(0, 1024 * 16, lp, owner.seq.page_indices,
+                                     owner.seq.kv_transfer_info);
+    expect_quiet_after(*cache, *f);
+    if (f->status().code() == StatusCode::kTimeout) {
+      ++timeouts;
+      EXPECT_NE(f->status().message().find("did not finish in 1 ms"), std::string::npos)
+          << f->status().message();
+    } else {
+      EXPECT_TRUE(f->status().is_ok()) << f->status().to_string();
+    }
+  }
+  EXPECT_GT(timeouts, 0) << "32 MiB never took more than 1 ms";
+}
+
+TEST(ShmEngine, CancelStopsBetweenPieces) {
+  const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 1024);
+  Owner owner(l, 1024 * 16);
+  auto cache = sentinel_cache(l);
+  auto m = shm_manager(cache, 10000ms, 1);
+  std::vector<std::uint32_t> lp(1024);
+  for (std::uint32_t i = 0; i < 1024; ++i) lp[i] = i;
+  int cancelled = 0;
+  for (int i = 0; i < 10; ++i) {
+    auto f = m->start_async_retrieve(0, 1024 * 16, lp, owner.seq.page_indices,
+                                     owner.seq.kv_transfer_info);
+    f->cancel();
+    expect_quiet_after(*cache, *f);
+    const StatusCode c = f->status().code();
+    EXPECT_TRUE(c == StatusCode::kCancelled || c == StatusCode::kOk) << f->status().to_string();
+    cancelled += c == StatusCode::kCancelled;
+  }
+  EXPECT_GT(cancelled, 0);
+  // The engine is still fine.
+  m->sync_retrieve(0, 1024 * 16, lp, owner.seq.page_indices, owner.seq.kv_transfer_info);
+  EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 0, 1024 * 16).ok());
+}
+
+std::set<std::string> dir_entries(const char* path) {
+  std::set<std::string> out;
+  if (DIR* d = ::opendir(path)) {
+    while (dirent* e = ::readdir(d)) out.insert(e->d_name);
+    ::closedir(d);
+  }
+  return out;
+}
+
+TEST(ShmEngine, NoFileLeftAfterKill9OfEitherSide) {
+  const auto before = dir_entries("/dev/shm");
+  const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 256);
+  for (const bool kill_owner_first : {true, false}) {
+    Owner owner(l, 256 * 16);
+    // The memory is an anonymous memfd: it has no name in any file system.
+    {
+      std::ifstream maps("/proc/" + std::to_string(owner.child.pid()) + "/maps");
+      std::string all((std::istreambuf_iterator<char>(maps)), std::istreambuf_iterator<char>());
+      EXPECT_NE(all.find("/memfd:mstar-kv-cache (deleted)"), std::string::npos);
+    }
+    Child reader({SHM_PEER_PATH, "--reader", "--layout", shmtest::layout_arg(l), "--seed",
+                  std::to_string(kSeed)});
+    reader.write_line("pullloop " + shmtest::to_hex(owner.seq.encode()));
+    ASSERT_EQ(reader.read_line(), "LOOPING");
+    if (kill_owner_first) {
+      owner.child.kill_now();
+      reader.kill_now();
+    } else {
+      reader.kill_now();
+      owner.child.kill_now();
+    }
+    EXPECT_EQ(dir_entries("/dev/shm"), before);
+  }
+}
+
+// ---- the memory itself ------------------------------------------------------
+
+TEST(ShmMemory, SharedCacheIsSealedAndDescribed) {
+  const KVLayout l = small_layout();
+  auto cache = make_kv_cache(l, MemoryKind::kSharedHost);
+  EXPECT_EQ(cache->memory_kind(), MemoryKind::kSharedHost);
+  ShmKVTransferEngine engine(cache);
+  const auto info = engine.shm_info();
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->pid, static_cast<std::uint32_t>(::getpid()));
+  EXPECT_EQ(info->uid, static_cast<std::uint32_t>(::geteuid()));
+  EXPECT_EQ(info->layout, l);
+  EXPECT_EQ(info->size, l.total_bytes());
+  EXPECT_NE(info->nonce, 0u);
+  EXPECT_EQ(ShmKVTransferInfo::decode(engine.get_kv_transfer_info()), *info);
+  // The size can never shrink: a reader's mapping can never SIGBUS.
+  const int fd = static_cast<int>(info->fd);
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  EXPECT_NE(seals & F_SEAL_SHRINK, 0);
+  EXPECT_NE(seals & F_SEAL_SEAL, 0);
+  EXPECT_NE(::ftruncate(fd, 4096), 0);
+  // Two caches never share a nonce.
+  auto other = make_kv_cache(l, MemoryKind::kSharedHost);
+  ShmKVTransferEngine e2(other);
+  EXPECT_NE(e2.shm_info()->nonce, info->nonce);
+}
+
+TEST(ShmMemory, ReaderMappingIsReadOnly) {
+  const KVLayout l = small_layout();
+  Owner owner(l, 64);
+  ShmMapping mapping = ShmMapping::open(ShmKVTransferInfo::decode(owner.seq.kv_transfer_info));
+  EXPECT_TRUE(mapping.check_owner().is_ok());
+  // The file was opened O_RDONLY: the mapping cannot be made writable.
+  void* page = const_cast<std::byte*>(mapping.data()) - ShmMapping::kHeaderBytes;
+  EXPECT_NE(::mprotect(page, 4096, PROT_READ | PROT_WRITE), 0);
+  EXPECT_EQ(errno, EACCES);
+  EXPECT_TRUE(mapping.check_owner().is_ok());
+  owner.child.kill_now();
+  const Status s = mapping.check_owner();
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.to_string();
+}
+
+TEST(ShmMemory, PrivateCacheReadsButPublishesNothing) {
+  auto cache = make_kv_cache(small_layout(), MemoryKind::kHost);
+  ShmKVTransferEngine engine(cache);
+  EXPECT_TRUE(engine.get_kv_transfer_info().empty());
+  EXPECT_FALSE(engine.shm_info().has_value());
+  EXPECT_FALSE(engine.read_batched_async(KVTransferInfo{}, {}).has_value());
+  EXPECT_THROW(ShmKVTransferEngine(cache, ShmEngineOptions{0, 1000ms}), Error);
+  EXPECT_THROW(ShmKVTransferEngine(nullptr), Error);
+}
+
+}  // namespace
+}  // namespace mstar::kv

@@ -1,0 +1,474 @@
+// Copyright mstar-kv authors.
+//
+// `mstar-kv demo`: a prefill process hands a request's KV cache to a decode
+// process on the same host. The command starts both roles as child processes
+// of itself (`demo --role prefill|decode`), connected by a socketpair that
+// carries only SequenceInfo bytes, watches them, and stops the other when one
+// fails, so nothing is left behind.
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "args.hpp"
+#include "commands.hpp"
+#include "demo_baseline.hpp"
+#include "demo_proc.hpp"
+#include "layout_args.hpp"
+#include "mstar/kv/kv.hpp"
+#if MSTAR_KV_DEMO_SHM
+#include "mstar/kv/shm.hpp"
+#endif
+
+namespace mstar::kv::cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr std::uint64_t kSeedFull = 0x5eed0001;
+constexpr std::uint64_t kSeedPrefix = 0x5eed0002;
+constexpr std::byte kSentinel{0xA5};
+
+const char* kHelp =
+    "usage: mstar-kv demo [options]\n"
+    "\n"
+    "Starts a prefill process and a decode process. The prefill fills two requests'\n"
+    "KV with a deterministic pattern and publishes them; the decode process pulls\n"
+    "request 1 whole and request 2 with a prefix already cached locally (only the\n"
+    "tail moves), verifies every page, and compares the pull with a memcpy of the\n"
+    "same bytes in the same run.\n"
+    "\n"
+    "options:\n"
+    "  --tokens N          tokens per request (default 4096)\n"
+    "  --scatter           pages scattered in both pools (default)\n"
+    "  --contiguous        pages in ascending order in both pools\n"
+    "  --workers N         engine copy threads, also the baseline's (default 3)\n"
+    "  --engine NAME       transfer engine (default shm; see `mstar-kv info`)\n"
+    "  --repeat N          timed pulls of request 1 (default 3; the median is shown)\n"
+    "  --prefix-hit F      fraction of request 2 cached locally (default 0.75)\n"
+    "  --timeout-ms N      engine timeout per read and channel timeout (default 30000)\n"
+    "  --seed N            scatter seed (default 7)\n";
+
+struct DemoConfig {
+  KVLayout layout;
+  std::uint64_t tokens = 4096;
+  bool scatter = true;
+  std::uint32_t workers = 3;
+  std::string engine = "shm";
+  std::uint32_t repeat = 3;
+  double prefix_hit = 0.75;
+  std::chrono::milliseconds timeout{30000};
+  std::uint64_t scatter_seed = 7;
+  std::string role;    // "", "prefill", "decode"
+  int fd = -1;
+  std::string crash;   // test hook: this role kills itself mid-way
+};
+
+std::set<std::string> demo_flags() { return {"help", "scatter", "contiguous"}; }
+
+std::set<std::string> demo_options() {
+  auto o = layout_options();
+  for (const char* s : {"tokens", "workers", "engine", "repeat", "prefix-hit", "timeout-ms",
+                        "seed", "role", "fd", "crash"}) {
+    o.insert(s);
+  }
+  return o;
+}
+
+[[noreturn]] void bad(const std::string& msg) { throw Error(StatusCode::kInvalidArgument, msg); }
+
+DemoConfig parse(const Args& args) {
+  DemoConfig c;
+  if (!args.positional().empty()) bad("unexpected argument '" + args.positional()[0] + "'");
+  if (args.flag("scatter") && args.flag("contiguous")) {
+    bad("--scatter and --contiguous exclude each other");
+  }
+  c.scatter = !args.flag("contiguous");
+  c.tokens = args.u64("tokens", 4096);
+  if (c.tokens == 0 || c.tokens > (1u << 24)) {
+    bad("--tokens " + std::to_string(c.tokens) + " out of range [1, 16777216]");
+  }
+  const std::uint64_t w = args.u64("workers", 3);
+  if (w == 0 || w > 256) bad("--workers " + std::to_string(w) + " out of range [1, 256]");
+  c.workers = static_cast<std::uint32_t>(w);
+  c.engine = args.str("engine", "shm");
+  const std::uint64_t r = args.u64("repeat", 3);
+  if (r == 0 || r > 1000) bad("--repeat " + std::to_string(r) + " out of range [1, 1000]");
+  c.repeat = static_cast<std::uint32_t>(r);
+  c.prefix_hit = args.f64("prefix-hit", 0.75);
+  if (!(c.prefix_hit >= 0.0 && c.prefix_hit < 1.0)) {
+    bad("--prefix-hit " + args.str("prefix-hit", "") + " out of range [0, 1)");
+  }
+  const std::uint64_t t = args.u64("timeout-ms", 30000);
+  if (t == 0 || t > 3600000) bad("--timeout-ms " + std::to_string(t) + " out of range [1, 3600000]");
+  c.timeout = std::chrono::milliseconds(t);
+  c.scatter_seed = args.u64("seed", 7);
+  if (c.scatter_seed == 0) bad("--seed must be > 0");
+  c.role = args.str("role", "");
+  if (!c.role.empty() && c.role != "prefill" && c.role != "decode") {
+    bad("--role '" + c.role + "' must be prefill or decode");
+  }
+  c.fd = static_cast<int>(args.u64("fd", 3));
+  c.crash = args.str("crash", "");
+  // Each pool holds both requests, plus slack so that scattered pages spread.
+  KVLayout probe = layout_from_args(args, 1);
+  const std::uint64_t per_request = (c.tokens + probe.page_size - 1) / probe.page_size;
+  const std::uint64_t pages = 2 * per_request + per_request / 8 + 8;
+  if (pages > LayoutLimits::kMaxPages) {
+    bad("--tokens " + std::to_string(c.tokens) + " needs " + std::to_string(pages) +
+        " pages, limit " + std::to_string(LayoutLimits::kMaxPages));
+  }
+  c.layout = layout_from_args(args, static_cast<std::uint32_t>(pages));
+  if (c.layout.num_pages < 2 * per_request) {
+    bad("--pages " + std::to_string(c.layout.num_pages) + " cannot hold two requests of " +
+        std::to_string(per_request) + " pages");
+  }
+  return c;
+}
+
+MemoryKind memory_for(const std::string& engine) {
+  if (engine == "shm") return MemoryKind::kSharedHost;
+  if (engine == "cuda_ipc") {
+    bad("the demo fills and verifies caches on the host; engine 'cuda_ipc' keeps them on a "
+        "device (use `mstar-kv bench`)");
+  }
+  return MemoryKind::kHost;  // ucx, mooncake, ...: registered private memory
+}
+
+TransferEngineInfo engine_info(const DemoConfig& c, const char* entity) {
+  EngineOptions o;
+  o.max_workers = c.workers;
+  o.timeout = c.timeout;
+  return TransferEngineInfo{entity, "demo-" + std::to_string(::getppid()), c.engine, o};
+}
+
+std::string gib(std::uint64_t b) {
+  char s[32];
+  if (b >= (1ull << 30)) {
+    std::snprintf(s, sizeof s, "%.2f GiB", static_cast<double>(b) / (1ull << 30));
+  } else {
+    std::snprintf(s, sizeof s, "%.1f MiB", static_cast<double>(b) / (1ull << 20));
+  }
+  return s;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+double gbps(std::uint64_t bytes, double seconds) {
+  return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
+}
+
+void kill_self_now(const char* role) {
+  std::fprintf(stderr, "[%s] --crash %s: killing myself with SIGKILL\n", role, role);
+  std::fflush(stderr);
+  ::kill(::getpid(), SIGKILL);
+}
+
+// ---- prefill ---------------------------------------------------------------
+
+int run_prefill(const DemoConfig& c) {
+  auto cache = make_kv_cache(c.layout, memory_for(c.engine));
+  KVTransferManager manager(engine_info(c, "prefill"), cache);
+  KVCachePool pool(cache, manager.get_kv_transfer_info(), c.scatter ? c.scatter_seed : 0);
+  const auto p1 = pool.allocate(1, c.tokens);
+  const auto p2 = pool.allocate(2, c.tokens);
+  const auto t0 = Clock::now();
+  fill_pattern(*cache, kSeedFull, p1, 0, c.tokens);
+  fill_pattern(*cache, kSeedPrefix, p2, 0, c.tokens);
+  const double fill_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  demo::write_frame(c.fd, pool.publish(1).encode());
+  demo::write_frame(c.fd, pool.publish(2).encode());
+  std::printf("[prefill] pid %d: %s cache of %s (%s), 2 requests x %zu pages %s, "
+              "filled in %.2f s, published\n",
+              ::getpid(), c.engine.c_str(), gib(c.layout.total_bytes()).c_str(),
+              cache->memory_kind() == MemoryKind::kSharedHost ? "shared memfd" : "private",
+              p1.size(), c.scatter ? "scattered" : "contiguous", fill_s);
+  std::fflush(stdout);
+  if (c.crash == "prefill") kill_self_now("prefill");
+  // Keep the cache alive until the decode side says it is done.
+  const std::uint8_t done =
+      demo::read_byte(c.fd, c.timeout * (2 * c.repeat + 8), "decode");
+  if (done != 'D') bad("unexpected byte from the decode process");
+  pool.release(1);
+  pool.release(2);
+  manager.cleanup();
+  return 0;
+}
+
+// ---- decode ----------------------------------------------------------------
+
+SequenceInfo receive(const DemoConfig& c) {
+  // Untrusted bytes: decode validates the frame, checksum and every field.
+  return SequenceInfo::decode(demo::read_frame(c.fd, c.timeout, "prefill"));
+}
+
+void fill_sentinel(const KVCache& cache, std::span<const std::uint32_t> pages) {
+  const KVLayout& l = cache.layout();
+  for (std::uint32_t p : pages) {
+    for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
+      for (std::uint32_t kv = 0; kv < l.num_kv(); ++kv) {
+        auto b = cache.block(layer, static_cast<KV>(kv), p);
+        std::memset(b.data(), static_cast<int>(kSentinel), b.size());
+      }
+    }
+  }
+}
+
+void expect_verified(const KVCache& cache, std::uint64_t seed, std::span<const std::uint32_t> pages,
+                     std::uint64_t start, std::uint64_t end, const char* what) {
+  const VerifyResult v = verify_pattern(cache, seed, pages, start, end);
+  if (!v.ok()) {
+    throw Error(StatusCode::kInternal,
+                std::string(what) + ": " + std::to_string(v.mismatched_blocks) + " of " +
+                    std::to_string(v.blocks_checked) + " blocks differ, first: " +
+                    v.first_mismatch);
+  }
+}
+
+// The source of the memcpy baseline: the peer's real memory where it can be
+// mapped here (shm), else a private copy of the same layout.
+struct BaselineSource {
+  const std::byte* data = nullptr;
+  KVLayout layout;
+  std::string what;
+  bool peer_memory = false;  // true: data is the prefill's own cache
+#if MSTAR_KV_DEMO_SHM
+  std::optional<ShmMapping> mapping;
+#endif
+  std::shared_ptr<KVCache> private_copy;
+};
+
+BaselineSource baseline_source(const DemoConfig& c, const KVTransferInfo& info) {
+  BaselineSource b;
+#if MSTAR_KV_DEMO_SHM
+  if (info.engine == "shm") {
+    const ShmKVTransferInfo si = ShmKVTransferInfo::decode(info);
+    b.mapping.emplace(ShmMapping::open(si));
+    b.data = b.mapping->data();
+    b.layout = si.layout;
+    b.what = "from the prefill's mapped memory";
+    b.peer_memory = true;
+    return b;
+  }
+#else
+  (void)info;
+#endif
+  b.layout = c.layout;  // both roles were started with the same flags
+  b.private_copy = KVCache::create_host(b.layout);
+  std::memset(b.private_copy->base(), 1, b.layout.total_bytes());  // fault it in
+  b.data = b.private_copy->base();
+  b.what = "from a private buffer of the same layout";
+  return b;
+}
+
+int run_decode(const DemoConfig& c) {
+  const SequenceInfo s1 = receive(c);
+  const SequenceInfo s2 = receive(c);
+  if (c.crash == "decode") kill_self_now("decode");
+  auto cache = make_kv_cache(c.layout, memory_for(c.engine));
+  KVTransferManager manager(engine_info(c, "decode"), cache);
+  // A different scatter seed: the two sides' page tables differ.
+  KVCachePool pool(cache, manager.get_kv_transfer_info(),
+                   c.scatter ? c.scatter_seed * 31 + 1 : 0);
+
+  // Request 1: the whole sequence, `repeat` times.
+  const auto l1 = pool.allocate(1, s1.num_tokens);
+  std::vector<double> pull_s;
+  std::uint64_t bytes1 = 0;
+  for (std::uint32_t r = 0; r < c.repeat; ++r) {
+    fill_sentinel(*cache, l1);
+    const auto t0 = Clock::now();
+    auto f = manager.start_async_retrieve(0, s1.num_tokens, l1, s1.page_indices,
+                                          s1.kv_transfer_info);
+    bytes1 = f ? f->get() : 0;
+    pull_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    expect_verified(*cache, kSeedFull, l1, 0, s1.num_tokens, "request 1 after the pull");
+  }
+
+  // The baseline: the same spans, the same thread count, plain memcpy.
+  BaselineSource src = baseline_source(c, s1.kv_transfer_info);
+  const CopyPlan plan = plan_copies(
+      c.layout, src.layout, plan_reads(c.layout, 0, s1.num_tokens, l1, s1.page_indices));
+  std::vector<double> base_s;
+  for (std::uint32_t r = 0; r < c.repeat; ++r) {
+    fill_sentinel(*cache, l1);
+    base_s.push_back(demo::memcpy_spans(cache->base(), src.data, plan.spans, c.workers));
+  }
+  if (src.peer_memory) expect_verified(*cache, kSeedFull, l1, 0, s1.num_tokens, "memcpy baseline");
+
+  // Request 2: a prefix is already cached here; only the tail moves.
+  const auto l2 = pool.allocate(2, s2.num_tokens);
+  const auto prefix = static_cast<std::uint64_t>(
+      std::floor(static_cast<double>(s2.num_tokens) * c.prefix_hit));
+  fill_sentinel(*cache, l2);
+  fill_pattern(*cache, kSeedPrefix, l2, 0, prefix);  // the local prefix cache
+  const auto t2 = Clock::now();
+  auto f2 = manager.start_async_retrieve(prefix, s2.num_tokens, l2, s2.page_indices,
+                                         s2.kv_transfer_info);
+  const std::uint64_t bytes2 = f2 ? f2->get() : 0;
+  const double tail_s = std::chrono::duration<double>(Clock::now() - t2).count();
+  expect_verified(*cache, kSeedPrefix, l2, 0, s2.num_tokens, "request 2 (prefix + tail)");
+
+  const double pull_med = median(pull_s);
+  const double base_med = median(base_s);
+  const VerifyResult v1 = verify_pattern(*cache, kSeedFull, l1, 0, s1.num_tokens);
+  std::printf("[decode]  pid %d: pulled with engine '%s', %u workers\n", ::getpid(),
+              c.engine.c_str(), c.workers);
+  std::printf("request 1: %llu tokens, %zu pages %s, full pull\n",
+              static_cast<unsigned long long>(s1.num_tokens), l1.size(),
+              c.scatter ? "scattered" : "contiguous");
+  std::printf("  moved    %s in %.2f ms = %.2f GB/s  (median of %u; first pull %.2f ms, "
+              "opens the peer's memory)\n",
+              gib(bytes1).c_str(), pull_med * 1e3, gbps(bytes1, pull_med), c.repeat,
+              pull_s.front() * 1e3);
+  std::printf("  memcpy   %s in %.2f ms = %.2f GB/s  (same %zu spans, %u threads, %s)\n",
+              gib(plan.total_bytes).c_str(), base_med * 1e3, gbps(plan.total_bytes, base_med),
+              plan.spans.size(), c.workers, src.what.c_str());
+  std::printf("  ratio    %.3f of memcpy\n", base_med / pull_med);
+  std::printf("  verified %llu blocks, %s, checksum %016llx\n",
+              static_cast<unsigned long long>(v1.blocks_checked),
+              gib(v1.bytes_checked).c_str(), static_cast<unsigned long long>(v1.checksum));
+  std::printf("request 2: %llu tokens, prefix of %llu tokens (%.0f%%) cached locally, tail pulled\n",
+              static_cast<unsigned long long>(s2.num_tokens),
+              static_cast<unsigned long long>(prefix), c.prefix_hit * 100);
+  std::printf("  moved    %s in %.2f ms = %.2f GB/s\n", gib(bytes2).c_str(), tail_s * 1e3,
+              gbps(bytes2, tail_s));
+  std::printf("  verified all %llu tokens (local prefix + pulled tail)\n",
+              static_cast<unsigned long long>(s2.num_tokens));
+  std::printf("summary: %.2f GB/s, memcpy %.2f GB/s, ratio %.3f\n", gbps(bytes1, pull_med),
+              gbps(plan.total_bytes, base_med), base_med / pull_med);
+  std::fflush(stdout);
+  demo::write_byte(c.fd, 'D');
+  manager.cleanup();
+  return 0;
+}
+
+// ---- the parent: starts both roles and watches them ------------------------
+
+int run_parent(const DemoConfig& c, int argc, char** argv) {
+  // Refuse what cannot work before starting anything.
+  memory_for(c.engine);
+  const auto built = built_engines();
+  if (std::find(built.begin(), built.end(), c.engine) == built.end() || c.engine == "local") {
+    std::string list;
+    for (const auto& e : built) list += (list.empty() ? "" : ", ") + e;
+    throw Error(StatusCode::kUnavailable, "engine '" + c.engine +
+                                              "' cannot move pages between processes in this "
+                                              "build (built: " + list + ")");
+  }
+  std::printf("mstar-kv demo: prefill -> decode on one host, engine '%s', %u workers\n",
+              c.engine.c_str(), c.workers);
+  std::printf("layout: %s, %llu tokens per request (%s per request)\n",
+              c.layout.to_string().c_str(), static_cast<unsigned long long>(c.tokens),
+              gib(((c.tokens + c.layout.page_size - 1) / c.layout.page_size) *
+                  c.layout.page_bytes_all_layers())
+                  .c_str());
+  std::fflush(stdout);
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    throw Error(StatusCode::kInternal, std::string("socketpair: ") + std::strerror(errno));
+  }
+  const std::vector<std::string> args(argv, argv + argc);
+  struct Child {
+    const char* role;
+    pid_t pid;
+    bool done = false;
+    int status = 0;
+  };
+  Child kids[2] = {{"prefill", -1}, {"decode", -1}};
+  try {
+    kids[0].pid = demo::spawn_role("prefill", args, sv[0]);
+    kids[1].pid = demo::spawn_role("decode", args, sv[1]);
+  } catch (...) {
+    if (kids[0].pid > 0) {
+      ::kill(kids[0].pid, SIGKILL);
+      ::waitpid(kids[0].pid, nullptr, 0);
+    }
+    ::close(sv[0]);
+    ::close(sv[1]);
+    throw;
+  }
+  ::close(sv[0]);
+  ::close(sv[1]);
+  std::printf("started prefill pid %d, decode pid %d\n", kids[0].pid, kids[1].pid);
+  std::fflush(stdout);
+
+  // Both must finish; the first failure stops the other.
+  const auto deadline = Clock::now() + c.timeout * (2 * c.repeat + 10) + std::chrono::seconds(60);
+  std::string failure;
+  auto stop_all = [&](int sig) {
+    for (Child& k : kids) {
+      if (!k.done) ::kill(k.pid, sig);
+    }
+  };
+  Clock::time_point kill_at{};
+  while (!kids[0].done || !kids[1].done) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid > 0) {
+      for (Child& k : kids) {
+        if (k.pid != pid) continue;
+        k.done = true;
+        k.status = status;
+        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (!ok && failure.empty()) {
+          failure = std::string(k.role) + " process (pid " + std::to_string(pid) + ") " +
+                    demo::describe_wait_status(status);
+          stop_all(SIGTERM);
+          kill_at = Clock::now() + std::chrono::seconds(2);
+        }
+      }
+      continue;
+    }
+    if (pid < 0 && errno != EINTR) break;  // no children left
+    if (failure.empty() && Clock::now() > deadline) {
+      failure = "the demo did not finish in time; stopping both processes";
+      stop_all(SIGTERM);
+      kill_at = Clock::now() + std::chrono::seconds(2);
+    }
+    if (kill_at != Clock::time_point{} && Clock::now() > kill_at) stop_all(SIGKILL);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (!failure.empty()) {
+    std::fprintf(stderr, "mstar-kv demo: FAILED: %s; the other process was stopped\n",
+                 failure.c_str());
+    return 1;
+  }
+  std::printf("result: OK (every page verified)\n");
+  return 0;
+}
+
+}  // namespace
+
+int cmd_demo(int argc, char** argv) {
+  Args args(argc, argv, demo_flags(), demo_options());
+  if (args.flag("help")) {
+    std::printf("%s%s", kHelp, layout_help());
+    return 0;
+  }
+  const DemoConfig c = parse(args);
+  if (c.role.empty()) return run_parent(c, argc, argv);
+  // A role process: its errors are reported with its name.
+  try {
+    return c.role == "prefill" ? run_prefill(c) : run_decode(c);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mstar-kv demo [%s]: error: %s\n", c.role.c_str(), e.what());
+    return 1;
+  }
+}
+
+}  // namespace mstar::kv::cli

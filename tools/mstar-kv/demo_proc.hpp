@@ -1,0 +1,38 @@
+// Copyright mstar-kv authors.
+//
+// Processes and the descriptor channel of `mstar-kv demo`: the demo re-execs
+// itself once per role, connected by a Unix socketpair that carries
+// length-prefixed frames (the SequenceInfo bytes) and a one-byte "done".
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mstar::kv::cli::demo {
+
+// A child running `<this executable> demo --role ROLE --fd 3 <args>` with
+// `channel_fd` as its fd 3. The child gets SIGKILL if this process dies.
+// Throws Error(kInternal) naming the failing call.
+pid_t spawn_role(const std::string& role, const std::vector<std::string>& args,
+                 int channel_fd);
+
+// What became of a child: "exited with status 1", "was killed by signal 9".
+std::string describe_wait_status(int status);
+
+// Frames: u32 little-endian length, then the bytes (at most 64 MiB).
+// write_frame throws Error(kPeerFailure) when the other side is gone;
+// read_frame throws Error(kPeerFailure) on EOF and Error(kTimeout) when no
+// whole frame arrived within `timeout`.
+void write_frame(int fd, const std::vector<std::uint8_t>& bytes);
+std::vector<std::uint8_t> read_frame(int fd, std::chrono::milliseconds timeout,
+                                     const std::string& peer);
+
+// One byte each way for "done" / acknowledgements.
+void write_byte(int fd, std::uint8_t b);
+std::uint8_t read_byte(int fd, std::chrono::milliseconds timeout, const std::string& peer);
+
+}  // namespace mstar::kv::cli::demo
