@@ -186,7 +186,7 @@ void send_reply(int fd, char status, const void* data, std::uint32_t n) {
   if (n > 0) write_all(fd, data, n);
 }
 
-// One framed reply from the server: 'K' + bytes, or 'E' + message.
+// One framed reply from the server: 'K' + bytes, or 'E' + status code + message.
 std::vector<std::uint8_t> read_reply(Child& child, std::chrono::milliseconds timeout,
                                      const std::string& what) {
   char status = 0;
@@ -203,7 +203,9 @@ std::vector<std::uint8_t> read_reply(Child& child, std::chrono::milliseconds tim
     throw Error(StatusCode::kPeerFailure, "bench server's " + what + " was cut short");
   }
   if (status != 'K') {
-    throw Error(StatusCode::kUnavailable, std::string(bytes.begin(), bytes.end()));
+    if (bytes.empty()) throw Error(StatusCode::kInternal, "bench server: empty error reply");
+    throw Error(static_cast<StatusCode>(bytes[0]),
+                "bench server: " + std::string(bytes.begin() + 1, bytes.end()));
   }
   return bytes;
 }
@@ -494,11 +496,17 @@ CaseResult run_case(const EngineVariant& variant, const Workload& workload,
 }
 
 int serve_main(int argc, char** argv) {
-  auto fail = [](const std::string& msg) {
-    send_reply(kServerOut, 'E', msg.data(), static_cast<std::uint32_t>(msg.size()));
+  // An error reply carries the status code first, so that the client can
+  // tell "cannot run here" (skipped) from a failure.
+  auto fail = [](StatusCode code, const std::string& msg) {
+    const std::string body = std::string(1, static_cast<char>(code)) + msg;
+    send_reply(kServerOut, 'E', body.data(), static_cast<std::uint32_t>(body.size()));
     return 3;
   };
-  if (argc != 6) return fail("internal-serve: want ENGINE KIND LAYOUT THREADS TIMEOUT_MS EXTRA");
+  if (argc != 6) {
+    return fail(StatusCode::kInvalidArgument,
+                "internal-serve: want ENGINE KIND LAYOUT THREADS TIMEOUT_MS EXTRA");
+  }
   try {
     const std::string engine = argv[0];
     const auto kind = static_cast<MemoryKind>(std::stoi(argv[1]));
@@ -530,8 +538,10 @@ int serve_main(int argc, char** argv) {
     }
     manager.cleanup();
     return 0;
+  } catch (const Error& e) {
+    return fail(e.code(), e.what());
   } catch (const std::exception& e) {
-    return fail(e.what());
+    return fail(StatusCode::kInternal, e.what());
   }
 }
 

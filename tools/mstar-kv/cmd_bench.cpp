@@ -292,8 +292,19 @@ int cmd_bench(int argc, char** argv) {
 
   // ---- engines -------------------------------------------------------------------
   for (const EngineVariant& v : variants) {
+    std::string unavailable;  // once an engine cannot run here, skip the rest
     for (const Workload& w : workloads) {
       progress.set_label(v.name + "  " + w.name);
+      if (!unavailable.empty()) {
+        CaseResult r;
+        r.engine = v.name;
+        r.workload = w;
+        r.skipped = true;
+        r.error = unavailable;
+        report.cases.push_back(r);
+        progress.step();
+        continue;
+      }
       const double need = static_cast<double>(w.local.total_bytes()) +
                           2.0 * static_cast<double>(w.remote.total_bytes());
       if (need > max_mem) {
@@ -308,6 +319,7 @@ int cmd_bench(int argc, char** argv) {
         report.cases.push_back(r);
       } else {
         report.cases.push_back(run_case(v, w, ro));
+        if (report.cases.back().skipped) unavailable = report.cases.back().error;
       }
       progress.step();
     }
