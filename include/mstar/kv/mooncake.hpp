@@ -41,7 +41,9 @@
 //                        "http://..."), my_session_id names this process's
 //                        segment and is required.
 //   "mooncake_host"      P2P mode: the host/IP advertised to peers; default
-//                        the host part of my_session_id, else "127.0.0.1".
+//                        the host of my_session_id when it has the form
+//                        "HOST:PORT" (the port is Mooncake's choice), else
+//                        "127.0.0.1".
 //   "mooncake_protocol"  the transport to install; default "tcp" (the only
 //                        one tested here; "rdma" for RDMA deployments).
 //   "mooncake_location"  registerLocalMemory location; default "cpu:0".

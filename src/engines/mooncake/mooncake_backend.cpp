@@ -194,9 +194,12 @@ MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
 
   std::string server_name;
   if (p2p) {
-    server_name = !options_.host.empty()       ? options_.host
-                  : !my_session_id.empty()     ? host_of(my_session_id)
-                                               : std::string("127.0.0.1");
+    // my_session_id names the host only in its "HOST:PORT" form; anything
+    // else is a label (the port is Mooncake's choice in P2P mode).
+    const bool host_port = my_session_id.find(':') != std::string::npos;
+    server_name = !options_.host.empty() ? options_.host
+                  : host_port            ? host_of(my_session_id)
+                                         : std::string("127.0.0.1");
   } else {
     server_name = my_session_id;
   }
