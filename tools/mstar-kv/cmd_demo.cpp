@@ -57,7 +57,9 @@ const char* kHelp =
     "  --repeat N          timed pulls of request 1 (default 3; the median is shown)\n"
     "  --prefix-hit F      fraction of request 2 cached locally (default 0.75)\n"
     "  --timeout-ms N      engine timeout per read and channel timeout (default 30000)\n"
-    "  --seed N            scatter seed (default 7)\n";
+    "  --seed N            scatter seed (default 7)\n"
+    "  --mooncake-lib PATH Mooncake's libtransfer_engine.so for --engine mooncake\n"
+    "                      (default: $MSTAR_KV_MOONCAKE_LIB, else the loader's search path)\n";
 
 struct DemoConfig {
   KVLayout layout;
@@ -72,6 +74,7 @@ struct DemoConfig {
   std::string role;    // "", "prefill", "decode"
   int fd = -1;
   std::string crash;   // test hook: this role kills itself mid-way
+  std::string mooncake_lib;  // EngineOptions.extra["mooncake_lib"] when set
 };
 
 std::set<std::string> demo_flags() { return {"help", "scatter", "contiguous"}; }
@@ -79,7 +82,7 @@ std::set<std::string> demo_flags() { return {"help", "scatter", "contiguous"}; }
 std::set<std::string> demo_options() {
   auto o = layout_options();
   for (const char* s : {"tokens", "workers", "engine", "repeat", "prefix-hit", "timeout-ms",
-                        "seed", "role", "fd", "crash"}) {
+                        "seed", "role", "fd", "crash", "mooncake-lib"}) {
     o.insert(s);
   }
   return o;
@@ -120,6 +123,7 @@ DemoConfig parse(const Args& args) {
   }
   c.fd = static_cast<int>(args.u64("fd", 3));
   c.crash = args.str("crash", "");
+  c.mooncake_lib = args.str("mooncake-lib", "");
   // Each pool holds both requests, plus slack so that scattered pages spread.
   KVLayout probe = layout_from_args(args, 1);
   const std::uint64_t per_request = (c.tokens + probe.page_size - 1) / probe.page_size;
@@ -149,6 +153,7 @@ TransferEngineInfo engine_info(const DemoConfig& c, const char* entity) {
   EngineOptions o;
   o.max_workers = c.workers;
   o.timeout = c.timeout;
+  if (!c.mooncake_lib.empty()) o.extra["mooncake_lib"] = c.mooncake_lib;
   return TransferEngineInfo{entity, "demo-" + std::to_string(::getppid()), c.engine, o};
 }
 
