@@ -184,7 +184,10 @@ class CudaIpcKVTransferEngine final : public KVTransferEngine {
   // options.timeout > 0. options.extra["cuda_ipc_batch"] = "0" turns the
   // cudaMemcpyBatchAsync path off (default "1": used where the runtime is
   // CUDA >= 13 and the driver accepts it, else one cudaMemcpyAsync per span;
-  // a refused batch falls back for good, re-issuing its copies). The engine
+  // a refused batch falls back for good, re-issuing its copies).
+  // options.extra["cuda_ipc_check_owner_pid"] = "0" stops refusing
+  // descriptors whose owner pid does not exist here (for owners in another
+  // pid namespace, e.g. another container sharing the GPU). The engine
   // shares ownership of the cache. Throws Error(kInvalidArgument) for other
   // memory or limits, Error(kUnavailable) (CUDA error named) when streams or
   // the handle cannot be made.

@@ -125,6 +125,7 @@ class CudaIpcKVTransferEngine::Impl {
   int device_;
   EngineOptions options_;
   std::atomic<bool> batch_{true};
+  bool check_owner_pid_ = true;
   CudaIpcKVTransferInfo info_;
   KVTransferInfo encoded_;
   std::uint32_t self_pid_;
@@ -174,6 +175,7 @@ CudaIpcKVTransferEngine::Impl::Impl(std::shared_ptr<KVCache> cache,
                     " ms out of range [1, ...)");
   }
   batch_.store(flag(options_, "cuda_ipc_batch", true), std::memory_order_relaxed);
+  check_owner_pid_ = flag(options_, "cuda_ipc_check_owner_pid", true);
   device_ = memory_->device();
 
   const KVLayout& layout = cache_->layout();
@@ -223,7 +225,7 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
   // A dead owner: its memory may still be mapped here, but its pages mean
   // nothing any more. (A recycled pid passes this check; its generation
   // then differs.)
-  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+  if (check_owner_pid_ && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
     for (auto it = mappings_.begin(); it != mappings_.end();) {
       it = it->first.first == pid ? mappings_.erase(it) : std::next(it);
     }
