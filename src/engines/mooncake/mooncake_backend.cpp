@@ -321,9 +321,14 @@ std::shared_ptr<rma::RmaOperation> MooncakeBackend::post(
   b->peer_failed = std::move(peer_failed);
   b->keepalive = std::move(keepalive);
   b->peer_name = peer_name;
-  if (dead()) throw Error(StatusCode::kUnavailable, dead_message());
   {
     std::lock_guard<std::mutex> lk(mu_);
+    // Checked under mu_: tear_down() empties batches_ under it for the last
+    // time, and nothing polls a batch queued after that.
+    if (!dead_reason_.empty()) {
+      throw Error(StatusCode::kUnavailable,
+                  "the Mooncake engine was torn down (" + dead_reason_ + "); create a new engine");
+    }
     if (stopping_) throw Error(StatusCode::kShutdown, "the Mooncake backend is shut down");
     batches_.push_back(b);
     ++arrivals_;
@@ -417,7 +422,15 @@ void MooncakeBackend::progress_loop() {
       for (auto& b : work) {
         std::size_t& out = outstanding[b->segment];
         moved |= poll(*b, out);
-        if (b->abort_requested.load(std::memory_order_acquire)) b->stop_submitting = true;
+        if (b->abort_requested.load(std::memory_order_acquire) && !b->stop_submitting) {
+          b->stop_submitting = true;
+          if (b->submitted < b->req.size() && b->error.is_ok()) {
+            b->error = Status(StatusCode::kCancelled,
+                              "aborted with " + std::to_string(b->req.size() - b->submitted) +
+                                  " of " + std::to_string(b->req.size()) +
+                                  " requests not submitted");
+          }
+        }
         moved |= submit_more(*b, out);
         const bool all_in = b->stop_submitting || b->submitted == b->req.size();
         if (all_in && b->next == b->submitted) {
