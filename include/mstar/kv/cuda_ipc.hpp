@@ -86,7 +86,8 @@ struct CudaIpcKVTransferInfo {
   KVLayout layout;
   // Random, non-zero, chosen when the memory was allocated or wrapped; with
   // owner_pid it names one allocation of one process. A reader that sees a
-  // new generation for a pid closes the old handle and refuses the old one.
+  // new generation for the same (pid, GPU, layout) closes the old handle and
+  // refuses the old descriptor.
   std::uint64_t generation = 0;
   std::uint32_t owner_pid = 0;
 
@@ -157,9 +158,15 @@ std::shared_ptr<KVCache> wrap_device_cache(const KVLayout& layout,
 // * Remote handles are opened once per (owner pid, generation), with
 //   cudaIpcMemLazyEnablePeerAccess, on this cache's device, and cached; the
 //   mapping is checked against the allocation size the descriptor claims.
-//   A new generation for a pid closes the old handle (after reads in flight
-//   on it drain) and makes the old descriptor kStaleDescriptor; a dead
-//   owner's descriptor is kNotFound. All handles close on shutdown.
+//   A new generation for the same (owner pid, GPU, layout) replaces the old
+//   one: its handle closes (after reads in flight on it drain) and its
+//   descriptor is kStaleDescriptor from then on. So one owner process may
+//   export several caches (a draft and a target model's) as long as they
+//   differ in GPU or layout. A dead owner's descriptor (kill(pid, 0) gives
+//   ESRCH) is kNotFound. All handles close on shutdown. An owner must not
+//   free an exported cache while a reader may hold it open (CUDA leaves
+//   that undefined): readers close on shutdown or on seeing the new
+//   generation.
 // * Errors: bad arguments throw Error before anything is enqueued (engine
 //   name, corrupt descriptor, incompatible layout, page / token bounds, a
 //   GPU that is not visible here or cannot reach the owner's GPU). CUDA

@@ -140,7 +140,14 @@ class CudaIpcKVTransferEngine::Impl {
   mutable std::mutex map_mu_;
   std::map<std::pair<std::uint32_t, std::uint64_t>, std::shared_ptr<RemoteMapping>>
       mappings_;                                           // guarded by map_mu_
-  std::map<std::uint32_t, std::uint64_t> current_gen_;     // guarded by map_mu_
+  // The current generation per lineage: (owner pid, GPU, layout). A new
+  // generation in a lineage replaces the old one; caches of one process that
+  // differ in GPU or layout (a draft and a target model) live side by side.
+  struct Current {
+    std::uint32_t pid = 0;
+    std::uint64_t generation = 0;
+  };
+  std::map<std::string, Current> current_gen_;             // guarded by map_mu_
   std::set<std::pair<std::uint32_t, std::uint64_t>> retired_;  // guarded by map_mu_
   std::vector<std::pair<std::uint32_t, std::uint64_t>> retired_order_;  // guarded by map_mu_
 
@@ -214,13 +221,18 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
   const std::uint32_t pid = remote.owner_pid;
   const auto key = std::make_pair(pid, remote.generation);
   std::lock_guard lk(map_mu_);
+  const std::string lineage = std::to_string(pid) + " " +
+                              cuda::uuid_string(remote.cuda_share.device_uuid.data()) + " " +
+                              remote.layout.to_string();
   if (retired_.count(key) != 0) {
-    const auto cur = current_gen_.find(pid);
+    const auto cur = current_gen_.find(lineage);
     throw Error(StatusCode::kStaleDescriptor,
                 "cuda_ipc descriptor of " + gen_string(pid, remote.generation) +
-                    " was replaced by a newer allocation of that process" +
-                    (cur != current_gen_.end() ? " (generation " + std::to_string(cur->second) + ")"
-                                               : std::string()));
+                    " was replaced by a newer cache of that process on the same GPU with the "
+                    "same layout" +
+                    (cur != current_gen_.end()
+                         ? " (generation " + std::to_string(cur->second.generation) + ")"
+                         : std::string()));
   }
   // A dead owner: its memory may still be mapped here, but its pages mean
   // nothing any more. (A recycled pid passes this check; its generation
@@ -229,7 +241,9 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
     for (auto it = mappings_.begin(); it != mappings_.end();) {
       it = it->first.first == pid ? mappings_.erase(it) : std::next(it);
     }
-    current_gen_.erase(pid);
+    for (auto it = current_gen_.begin(); it != current_gen_.end();) {
+      it = it->second.pid == pid ? current_gen_.erase(it) : std::next(it);
+    }
     throw Error(StatusCode::kNotFound, "cuda_ipc owner process " + std::to_string(pid) +
                                            " of generation " + std::to_string(remote.generation) +
                                            " is gone");
@@ -293,10 +307,11 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
                     " bytes; the handle maps " + std::to_string(range.size) + " bytes at offset " +
                     std::to_string(reinterpret_cast<std::uintptr_t>(base) - range.base));
   }
-  // A new generation replaces the pid's previous one: forget it (its handle
-  // closes once reads in flight on it drain) and refuse it from now on.
-  if (auto cur = current_gen_.find(pid); cur != current_gen_.end() && cur->second != key.second) {
-    const auto old = std::make_pair(pid, cur->second);
+  // A new generation replaces its lineage's previous one: forget that (its
+  // handle closes once reads in flight on it drain) and refuse it from now on.
+  if (auto cur = current_gen_.find(lineage);
+      cur != current_gen_.end() && cur->second.generation != key.second) {
+    const auto old = std::make_pair(pid, cur->second.generation);
     mappings_.erase(old);
     retired_.insert(old);
     retired_order_.push_back(old);
@@ -305,7 +320,7 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
       retired_order_.erase(retired_order_.begin());
     }
   }
-  current_gen_[pid] = key.second;
+  current_gen_[lineage] = Current{pid, key.second};
   mappings_[key] = mapping;
   return mapping;
 }

@@ -344,6 +344,32 @@ TEST_F(CudaIpcEngine, StaleGenerationIsRefused) {
   expect_only_named_bytes_written(*cache, l, {});
 }
 
+TEST_F(CudaIpcEngine, AnOwnerMayExportCachesOfTwoLayouts) {
+  // Two caches in one owner process (say a draft and a target model's, or
+  // two pools): layouts that differ (here in page count and order) are
+  // separate lineages, so one engine reads both, alternately, without
+  // either replacing the other.
+  const KVLayout first = small_layout();
+  KVLayout second = small_layout(CacheOrder::kPageMajor, PageOrder::kHND);
+  second.num_pages = 128;
+  OwnerProcess owner(spec(first, 64));
+  const SequenceInfo a = owner.sequence();
+  const SequenceInfo b = owner.add_cache(kSeed + 5, second);
+  auto cache = local_cache(first);
+  auto m = manager(cache);
+  const auto la = local_pages(4, 3);
+  const auto lb = local_pages(4, 30);
+  for (int round = 0; round < 2; ++round) {
+    m->sync_retrieve(0, 64, la, a.page_indices, a.kv_transfer_info);
+    m->sync_retrieve(0, 64, lb, b.page_indices, b.kv_transfer_info);
+  }
+  auto va = cuda_test::verify_device_pattern(*cache, kSeed, la, 0, 64);
+  auto vb = cuda_test::verify_device_pattern(*cache, kSeed + 5, lb, 0, 64);
+  EXPECT_TRUE(va.ok()) << va.first_mismatch;
+  EXPECT_TRUE(vb.ok()) << vb.first_mismatch;
+  EXPECT_EQ(dynamic_cast<CudaIpcKVTransferEngine&>(m->engine()).open_handles(), 2u);
+}
+
 TEST_F(CudaIpcEngine, DeadOwnerIsRefused) {
   const KVLayout l = small_layout();
   auto cache = local_cache(l);

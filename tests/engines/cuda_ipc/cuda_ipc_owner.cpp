@@ -3,8 +3,9 @@
 // The exporting side of the cuda_ipc tests, as its own process: allocates a
 // device cache (or wraps a cudaMalloc at an offset), fills sequence 1 with
 // the pattern (staged through host memory), prints "SEQ <hex SequenceInfo>"
-// and then serves until stdin says "quit" or closes. "regen <seed>" makes a
-// new allocation (a new generation) filled with <seed> and prints its SEQ;
+// and then serves until stdin says "quit" or closes. "regen <seed> [layout]"
+// makes a new allocation (a new generation; of another layout if given)
+// filled with <seed> and prints its SEQ;
 // earlier allocations stay alive until exit, since a reader may still have
 // them open.
 #include <cuda_runtime_api.h>
@@ -90,8 +91,10 @@ int main(int argc, char** argv) {
       in >> cmd;
       if (cmd == "regen") {
         std::uint64_t s = 0;
-        in >> s;
-        generations.push_back(make_generation(layout, tokens, s, scatter, wrap_offset));
+        std::string other;
+        in >> s >> other;
+        const KVLayout l = other.empty() ? layout : cuda_test::parse_layout_arg(other);
+        generations.push_back(make_generation(l, tokens, s, scatter, wrap_offset));
         std::cout << "SEQ " << cuda_test::to_hex(generations.back()->pool->publish(1).encode())
                   << std::endl;
       }

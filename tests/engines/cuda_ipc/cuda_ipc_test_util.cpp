@@ -189,7 +189,14 @@ SequenceInfo OwnerProcess::wait_for_sequence(std::chrono::milliseconds timeout) 
 }
 
 const SequenceInfo& OwnerProcess::regenerate(std::uint64_t seed) {
-  const std::string cmd = "regen " + std::to_string(seed) + "\n";
+  return command("regen " + std::to_string(seed) + "\n");
+}
+
+const SequenceInfo& OwnerProcess::add_cache(std::uint64_t seed, const KVLayout& layout) {
+  return command("regen " + std::to_string(seed) + " " + layout_arg(layout) + "\n");
+}
+
+const SequenceInfo& OwnerProcess::command(const std::string& cmd) {
   if (::write(to_child_, cmd.data(), cmd.size()) != static_cast<ssize_t>(cmd.size())) {
     throw std::runtime_error("cannot talk to cuda_ipc_owner");
   }

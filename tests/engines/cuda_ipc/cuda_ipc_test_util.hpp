@@ -68,10 +68,13 @@ class OwnerProcess {
   // A new allocation (new generation) filled with `seed`; the old one stays
   // allocated (an owner must not free memory a reader may still map).
   const SequenceInfo& regenerate(std::uint64_t seed);
+  // A second cache of another layout in the same process.
+  const SequenceInfo& add_cache(std::uint64_t seed, const KVLayout& layout);
   void kill_now();
 
  private:
   SequenceInfo wait_for_sequence(std::chrono::milliseconds timeout);
+  const SequenceInfo& command(const std::string& line);
 
   pid_t pid_ = -1;
   int to_child_ = -1;
