@@ -290,9 +290,15 @@ int run_decode(const DemoConfig& c) {
   KVCachePool pool(cache, manager.get_kv_transfer_info(),
                    c.scatter ? c.scatter_seed * 31 + 1 : 0);
 
-  // Request 1: the whole sequence, `repeat` times.
+  // Request 1: the whole sequence, `repeat` times, each pull followed by the
+  // baseline: the same spans, the same thread count, plain memcpy. Taking
+  // turns keeps both under the same conditions on a busy machine.
   const auto l1 = pool.allocate(1, s1.num_tokens);
+  BaselineSource src = baseline_source(c, s1.kv_transfer_info);
+  const CopyPlan plan = plan_copies(
+      c.layout, src.layout, plan_reads(c.layout, 0, s1.num_tokens, l1, s1.page_indices));
   std::vector<double> pull_s;
+  std::vector<double> base_s;
   std::uint64_t bytes1 = 0;
   for (std::uint32_t r = 0; r < c.repeat; ++r) {
     fill_sentinel(*cache, l1);
@@ -302,18 +308,12 @@ int run_decode(const DemoConfig& c) {
     bytes1 = f ? f->get() : 0;
     pull_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
     expect_verified(*cache, kSeedFull, l1, 0, s1.num_tokens, "request 1 after the pull");
-  }
-
-  // The baseline: the same spans, the same thread count, plain memcpy.
-  BaselineSource src = baseline_source(c, s1.kv_transfer_info);
-  const CopyPlan plan = plan_copies(
-      c.layout, src.layout, plan_reads(c.layout, 0, s1.num_tokens, l1, s1.page_indices));
-  std::vector<double> base_s;
-  for (std::uint32_t r = 0; r < c.repeat; ++r) {
     fill_sentinel(*cache, l1);
     base_s.push_back(demo::memcpy_spans(cache->base(), src.data, plan.spans, c.workers));
+    if (src.peer_memory) {
+      expect_verified(*cache, kSeedFull, l1, 0, s1.num_tokens, "memcpy baseline");
+    }
   }
-  if (src.peer_memory) expect_verified(*cache, kSeedFull, l1, 0, s1.num_tokens, "memcpy baseline");
 
   // Request 2: a prefix is already cached here; only the tail moves.
   const auto l2 = pool.allocate(2, s2.num_tokens);
@@ -330,7 +330,11 @@ int run_decode(const DemoConfig& c) {
 
   const double pull_med = median(pull_s);
   const double base_med = median(base_s);
+  // The last pull's bytes were overwritten by the baseline: pull once more.
+  fill_sentinel(*cache, l1);
+  manager.sync_retrieve(0, s1.num_tokens, l1, s1.page_indices, s1.kv_transfer_info);
   const VerifyResult v1 = verify_pattern(*cache, kSeedFull, l1, 0, s1.num_tokens);
+  if (!v1.ok()) throw Error(StatusCode::kInternal, "request 1: " + v1.first_mismatch);
   std::printf("[decode]  pid %d: pulled with engine '%s', %u workers\n", ::getpid(),
               c.engine.c_str(), c.workers);
   std::printf("request 1: %llu tokens, %zu pages %s, full pull\n",
