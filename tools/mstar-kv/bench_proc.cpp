@@ -196,6 +196,21 @@ std::string temp_file(const std::string& stem) {
   return tmpl;
 }
 
+std::string last_lines(const std::string& text, int n) {
+  std::vector<std::string> lines;
+  std::stringstream ss(text);
+  std::string line;
+  while (std::getline(ss, line)) {
+    if (!line.empty()) lines.push_back(line);
+  }
+  std::string out;
+  for (std::size_t i = lines.size() > static_cast<std::size_t>(n) ? lines.size() - n : 0;
+       i < lines.size(); ++i) {
+    out += (out.empty() ? "" : " | ") + lines[i];
+  }
+  return out.size() > 400 ? out.substr(out.size() - 400) : out;
+}
+
 bool tcp_port_listening(int port) {
   for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
     std::ifstream in(file);

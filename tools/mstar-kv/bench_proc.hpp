@@ -69,6 +69,8 @@ std::string find_program(const std::string& name);
 std::string read_file(const std::string& path);
 // A fresh temporary file name under $TMPDIR (or /tmp); the file exists.
 std::string temp_file(const std::string& stem);
+// The last `n` non-empty lines of `text` joined by " | ", at most 400 chars.
+std::string last_lines(const std::string& text, int n);
 // True when some socket listens on TCP `port` (any address), per /proc/net/tcp.
 bool tcp_port_listening(int port);
 // A random TCP port in [20000, 30000) that nothing listens on (outside the

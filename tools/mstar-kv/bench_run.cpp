@@ -187,8 +187,8 @@ void send_reply(int fd, char status, const void* data, std::uint32_t n) {
 }
 
 // One framed reply from the server: 'K' + bytes, or 'E' + status code + message.
-std::vector<std::uint8_t> read_reply(Child& child, std::chrono::milliseconds timeout,
-                                     const std::string& what) {
+std::vector<std::uint8_t> read_reply(Child& child, const std::string& log,
+                                     std::chrono::milliseconds timeout, const std::string& what) {
   char status = 0;
   std::uint32_t n = 0;
   if (!read_exact(child.from_child(), &status, 1, timeout) ||
@@ -196,7 +196,8 @@ std::vector<std::uint8_t> read_reply(Child& child, std::chrono::milliseconds tim
     const auto rc = child.wait_for(std::chrono::milliseconds(200));
     throw Error(StatusCode::kPeerFailure,
                 "bench server gave no " + what + " within " + std::to_string(timeout.count()) +
-                    " ms" + (rc ? " (it exited with status " + std::to_string(*rc) + ")" : ""));
+                    " ms" + (rc ? " (it exited with status " + std::to_string(*rc) + ")" : "") +
+                    "; its log: " + last_lines(read_file(log), 3));
   }
   std::vector<std::uint8_t> bytes(n);
   if (n > 0 && !read_exact(child.from_child(), bytes.data(), n, timeout)) {
@@ -213,14 +214,17 @@ std::vector<std::uint8_t> read_reply(Child& child, std::chrono::milliseconds tim
 // The remote side of a case, in its own process.
 class Server {
  public:
+  // The server's stdout and stderr (engine logs) go to a temporary file,
+  // quoted in errors and removed afterwards.
   Server(const EngineVariant& v, const Workload& w, const RunOptions& o)
-      : child_(spawn_options(v, w, o)) {
-    descriptor_ = KVTransferInfo::decode(read_reply(child_, std::chrono::milliseconds(60000),
+      : log_(temp_file("server")), child_(spawn_options(v, w, o, log_)) {
+    descriptor_ = KVTransferInfo::decode(read_reply(child_, log_, std::chrono::milliseconds(60000),
                                                     "ready message"));
   }
   ~Server() {
     child_.close_to_child();  // EOF: the server shuts its engine down and exits
     if (!child_.wait_for(std::chrono::milliseconds(10000))) child_.kill_and_reap();
+    ::unlink(log_.c_str());
   }
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;
@@ -234,13 +238,13 @@ class Server {
         !write_all(child_.to_child(), pages.data(), n * sizeof(std::uint32_t))) {
       throw Error(StatusCode::kPeerFailure, "bench server closed its command pipe");
     }
-    return SequenceInfo::decode(read_reply(child_, std::chrono::milliseconds(120000),
+    return SequenceInfo::decode(read_reply(child_, log_, std::chrono::milliseconds(120000),
                                            "sequence"));
   }
 
  private:
   static SpawnOptions spawn_options(const EngineVariant& v, const Workload& w,
-                                    const RunOptions& o) {
+                                    const RunOptions& o, const std::string& log) {
     std::map<std::string, std::string> extra = o.engine_extra;
     extra.insert(v.extra.begin(), v.extra.end());
     SpawnOptions s;
@@ -254,12 +258,14 @@ class Server {
               std::to_string(o.timeout.count()),
               encode_extra(extra)};
     s.env = v.env;
+    s.output_file = log;
     s.pipes = true;
     s.child_in_fd = kServerIn;
     s.child_out_fd = kServerOut;
     return s;
   }
 
+  std::string log_;
   Child child_;
   KVTransferInfo descriptor_;
 };
@@ -418,7 +424,7 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
       wait_ok(manager->start_async_retrieve(w.start_len, w.tokens, lp, rp, remote_info),
               o.timeout, bytes);
     };
-    if (host_accessible(local->memory_kind())) {
+    if (v.memcpy_baseline && host_accessible(local->memory_kind())) {
       src = KVCache::create_host(w.remote);
     }
   }
@@ -448,12 +454,13 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
     }
     r.verified = true;
   }
-  if (src) pool.run(part, local->base(), src->base());  // warm the baseline too
+  const bool baseline = src != nullptr && v.memcpy_baseline;
+  if (baseline) pool.run(part, local->base(), src->base());  // warm the baseline too
 
   for (std::uint32_t i = 0; i < o.repeat; ++i) {
     progress("rep " + std::to_string(i + 1) + "/" + std::to_string(o.repeat));
     repetition(o, bytes, engine_side, request);
-    if (src) {
+    if (baseline) {
       repetition(o, bytes, base_side, [&] { pool.run(part, local->base(), src->base()); });
     }
   }
@@ -465,7 +472,7 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
   r.requests = engine_side.requests;
   r.p50_us = percentile(engine_side.latency_ns, 0.50) / 1e3;
   r.p99_us = percentile(engine_side.latency_ns, 0.99) / 1e3;
-  if (src) {
+  if (baseline) {
     const Stat b = make_stat(base_side.gbps);
     r.extra["memcpy"] = b.median;
     r.baseline_name = "memcpy x" + std::to_string(o.threads);

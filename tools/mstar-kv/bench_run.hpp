@@ -20,7 +20,7 @@ struct RunOptions {
   std::uint32_t threads = 2;           // engine max_workers and memcpy threads
   std::uint32_t repeat = 3;            // repetitions (median, min, max)
   double min_time_s = 0.15;            // per repetition, per side
-  std::uint32_t min_requests = 2;      // per repetition
+  std::uint32_t min_requests = 1;      // per repetition
   std::chrono::milliseconds timeout{30000};  // engine timeout for one read
   std::map<std::string, std::string> engine_extra;  // EngineOptions::extra
   std::string self_exe;                // this binary, for server processes

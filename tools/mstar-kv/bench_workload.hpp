@@ -67,7 +67,7 @@ struct EngineVariant {
   bool remote_in_child = true;                // the remote cache lives in another process
   std::map<std::string, std::string> env;     // set in the server and the client
   std::map<std::string, std::string> extra;   // EngineOptions::extra for this variant
-  std::string ucx_tls;                        // for the ucx_perftest baseline; "" otherwise
+  bool memcpy_baseline = true;                // also run the memcpy baseline
 };
 
 // Every variant of every built engine, with the reason for those that
