@@ -9,18 +9,21 @@
 // How it works
 // * At construction the engine registers the whole cache with ucp_mem_map
 //   (once), packs its remote key and opens a ucp_listener on
-//   my_session_id = "HOST:PORT" (empty: 127.0.0.1 and a free port in
-//   20000-29999, outside the ephemeral range). The session id is how peers
-//   reach it; the descriptor carries it.
+//   my_session_id = "HOST:PORT" (empty, or a bare label without ':':
+//   127.0.0.1 and a free port in 20000-29999, outside the ephemeral range).
+//   The listen address is how peers reach it; the descriptor carries it.
 // * Progress: one dedicated progress thread per engine owns the UCP worker;
 //   every UCP call other than registration runs on it. Callers never drive
 //   progress; read_batched_async posts and returns, futures resolve from the
 //   progress thread.
 // * Connecting: the first read from a peer connects to its listener (client
 //   / server endpoints with UCP_ERR_HANDLING_MODE_PEER, so both sides hold an
-//   endpoint) and asks the peer for the region it serves now; the descriptor
-//   must equal it (generation, region, remote key, layout), otherwise the
-//   read is rejected before anything is posted. Endpoints are cached per
+//   endpoint) and asks the peer for the region it serves now and its worker
+//   address; the descriptor must equal that region (generation, region,
+//   remote key, layout), otherwise the read is rejected before anything is
+//   posted. For gets a second endpoint is opened to the worker address (UCX
+//   1.13 gives client/server endpoints only the connection manager's
+//   transports, i.e. tcp, never shared memory). Endpoints are cached per
 //   peer; a failed peer is evicted and the next read connects afresh.
 // * Two ways to read, chosen per connection ("ucx_mode"):
 //     get  one-sided ucp_get_nbx with the peer's remote key; used where the
@@ -31,20 +34,31 @@
 //          straight from its registered pages; the reader lands them in its
 //          own (registered) pages. Used where RMA is only emulated (tcp),
 //          where UCX's software get is 3-5x slower than its sends.
-//   auto (default) asks the connected endpoint which transport carries its
-//   RMA lanes (ucp_ep_print_info) and uses get when one is a real RMA
-//   transport (not tcp), am otherwise. The public API is a read either way.
+//   auto (default) opens the worker-address endpoint, asks it which
+//   transport carries its RMA lanes (ucp_ep_print_info: UCX 1.13's
+//   ucp_ep_query does not tell) and uses get when an rma_bw lane is a real
+//   RMA transport (anything but tcp), am otherwise (closing that endpoint).
+//   The public API is a read either way.
 // * Faults: a dead peer fails every read on it with kPeerFailure as soon as
 //   UCX's peer error handling reports it, and in any case within the
 //   engine's timeout (kTimeout). A read that is timed out, cancelled or shut
-//   down is stopped without letting a byte land afterwards: data messages of
-//   a stopped read are dropped on arrival (eager data is copied only while
-//   the read is live; both happen on the progress thread), and when UCX
-//   requests that write into local pages are still outstanding (a
-//   rendezvous receive, a get) the endpoint is closed with
-//   UCP_EP_CLOSE_FLAG_FORCE and the read resolves only once UCX has
-//   completed those requests. Closing evicts the peer: other reads on the
-//   same connection fail with kPeerFailure and the next read reconnects.
+//   down is stopped without letting a byte land afterwards:
+//     am   data messages of a stopped read are dropped on arrival (eager data
+//          is copied only while the read is live, on the progress thread);
+//          rendezvous receives still outstanding are completed by closing
+//          the endpoint with UCP_EP_CLOSE_FLAG_FORCE (UCX completes them
+//          with UCS_ERR_CANCELED) before the read resolves. Closing evicts
+//          the peer: other reads on it fail with kPeerFailure, the next read
+//          reconnects.
+//     get  at most 16 gets per read are in flight; a stopped read posts no
+//          more and resolves when those have completed. If they have not
+//          after 250 ms (a hung owner), or the owner died, the endpoint is
+//          closed by force and they are written off: gets are executed by
+//          the progress thread inside UCX calls on that endpoint (shared
+//          memory copies, tcp's emulated replies), so once it is closed
+//          nothing of them can land. (On RDMA hardware, which this build was
+//          not tested on, a NIC writes; there UCX's forced close is relied
+//          on.)
 //
 // Options (EngineOptions.extra)
 //   ucx_mode        auto | get | am            (default auto)
@@ -53,6 +67,7 @@
 //                                               on tcp, see README)
 //   ucx_chunk_bytes bytes per get / am reply   (default 1 MiB, >= 4096)
 // UCX itself is configured by its environment (UCX_TLS, UCX_NET_DEVICES).
+// MSTAR_KV_UCX_DEBUG=1 prints each rma endpoint's lanes (what auto decides on).
 //
 // Thread safety, errors and shutdown are those of every engine (engine.hpp):
 // safe from any thread; shutdown() resolves every in-flight read with

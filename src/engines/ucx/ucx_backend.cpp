@@ -65,6 +65,12 @@ struct ErrHdr {
 };
 
 constexpr std::uint64_t kMaxSpansPerRequest = 1u << 22;
+// Gets in flight per read. Small enough that an aborted read drains in
+// microseconds on shared memory, large enough to keep a NIC busy.
+constexpr std::size_t kGetWindow = 16;
+// How long an aborted read's gets may take to drain before the connection
+// is closed by force.
+constexpr std::chrono::milliseconds kDrainGrace{250};
 
 std::string ucs_str(ucs_status_t st) { return ucs_status_string(st); }
 
@@ -132,8 +138,9 @@ struct Conn {
   UcxCore* core = nullptr;
   std::uint64_t id = 0;
   std::string session_id;
-  ucp_ep_h ep = nullptr;             // [progress]
-  ucp_rkey_h rkey = nullptr;         // [progress]
+  ucp_ep_h ep = nullptr;             // [progress] client/server: control, am reads
+  ucp_ep_h rma_ep = nullptr;         // [progress] to the worker address: gets
+  ucp_rkey_h rkey = nullptr;         // [progress] unpacked on rma_ep
   bool closing = false;              // [progress]
   bool hello_set = false;            // [progress]
   std::set<std::uint64_t> batches;   // [progress]
@@ -152,6 +159,9 @@ struct Batch {
   std::vector<rma::RmaRead> chunks;
   std::unordered_map<std::uint64_t, std::uint64_t> pending;  // am: local off -> len
   std::size_t outstanding = 0;  // UCX requests that may still write locally
+  std::size_t next_chunk = 0;   // get: chunks[next_chunk..] not posted yet
+  bool get = false;
+  std::chrono::steady_clock::time_point drain_deadline{};
   bool aborted = false;
   std::optional<Status> failure;
 };
@@ -188,7 +198,11 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // Progress thread.
   void start_batch(const std::shared_ptr<Batch>& b);
   void abort_batch(std::uint64_t id);
-  void close_conn(std::shared_ptr<Conn> c, const Status& why);
+  // Closes both endpoints and fails the connection's reads. Gets still in
+  // flight keep the rma endpoint open until they drain, unless `force`
+  // (the peer is dead, the engine stops, or a drain took too long): then it
+  // is closed at once and its gets are written off (see close_conn).
+  void close_conn(std::shared_ptr<Conn> c, const Status& why, bool force = false);
 
  private:
   void init_ucp(const std::string& session_id);
@@ -196,6 +210,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   void run();
   void open_listener(const std::string& session_id);
   void drain_deferred();
+  void check_drains();
   void reap_closing(bool force);
 
   static void on_conn_request(ucp_conn_request_h req, void* arg);
@@ -216,10 +231,16 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   void send_err(ucp_ep_h ep, std::uint64_t batch_id, const Status& st);
   void hello_reply(std::uint64_t token, const std::vector<std::uint8_t>& bytes);
   void request_finished(std::uint64_t batch_id, ucs_status_t st);
-  void maybe_finish(const std::shared_ptr<Batch>& b);
-  void fail_batch(const std::shared_ptr<Batch>& b, Status st);
-  Mode pick_mode(ucp_ep_h ep);
+  void post_gets(const std::shared_ptr<Batch>& b);
+  void maybe_finish(std::shared_ptr<Batch> b);
+  void fail_batch(std::shared_ptr<Batch> b, Status st);
+  struct EpInfo {
+    bool real_rma = false;  // an RMA lane that is not tcp's emulation
+  };
+  EpInfo inspect_ep(ucp_ep_h ep);
+  void rma_ep_ready(std::uint64_t conn_id, ucs_status_t st);
   void close_server_ep(ucp_ep_h ep);
+  void close_ep(ucp_ep_h ep, ucp_rkey_h rkey, std::shared_ptr<Conn> keep);
   // Sends a small message whose header and data are copied into a block
   // that lives until the send completes.
   void send_small(ucp_ep_h ep, unsigned id, const void* header, std::size_t header_len,
@@ -233,6 +254,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   ucp_listener_h listener_ = nullptr;
   int efd_ = -1;
   rma::RmaRegionInfo region_;
+  std::vector<std::uint8_t> worker_address_;  // sent in the hello reply
   AmTag am_tags_[6];
 
   std::mutex mu_;
@@ -247,6 +269,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> conns_;
   std::unordered_map<std::uint64_t, std::shared_ptr<Batch>> batches_;
   std::set<ucp_ep_h> server_eps_;
+  std::set<std::uint64_t> draining_;  // aborted get batches waiting to drain
   struct Closing {
     void* request;
     ucp_rkey_h rkey;
@@ -322,6 +345,14 @@ void UcxCore::init_ucp(const std::string& session_id) {
                               static_cast<std::uint8_t*>(rkey_buf) + rkey_len);
   ucp_rkey_buffer_release(rkey_buf);
 
+  ucp_address_t* addr = nullptr;
+  std::size_t addr_len = 0;
+  st = ucp_worker_get_address(worker_, &addr, &addr_len);
+  if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_worker_get_address: " + ucs_str(st));
+  worker_address_.assign(reinterpret_cast<std::uint8_t*>(addr),
+                         reinterpret_cast<std::uint8_t*>(addr) + addr_len);
+  ucp_worker_release_address(worker_, addr);
+
   ucp_am_handler_param_t hp{};
   hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                   UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
@@ -364,7 +395,9 @@ void UcxCore::open_listener(const std::string& session_id) {
     if (st != UCS_OK) listener_ = nullptr;
     return st;
   };
-  if (!session_id.empty()) {
+  // "HOST:PORT" listens there. Empty, or a bare name without ':' (a label
+  // such as the demo's "demo-<pid>"), listens on 127.0.0.1 at a free port.
+  if (session_id.find(':') != std::string::npos) {
     const HostPort hp = parse_host_port(session_id);
     const ucs_status_t st = try_open(hp);
     if (st != UCS_OK) {
@@ -410,6 +443,28 @@ void UcxCore::drain_deferred() {
   }
 }
 
+void UcxCore::check_drains() {
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = draining_.begin(); it != draining_.end();) {
+    auto b = batches_.find(*it);
+    if (b == batches_.end()) {
+      it = draining_.erase(it);
+      continue;
+    }
+    if (now < b->second->drain_deadline) {
+      ++it;
+      continue;
+    }
+    auto conn = b->second->conn;
+    it = draining_.erase(it);
+    close_conn(conn,
+               Status(StatusCode::kCancelled,
+                      "gets of a stopped read did not drain in " +
+                          std::to_string(kDrainGrace.count()) + " ms"),
+               true);
+  }
+}
+
 void UcxCore::reap_closing(bool force) {
   for (auto it = closing_.begin(); it != closing_.end();) {
     if (force || ucp_request_check_status(it->request) != UCS_INPROGRESS) {
@@ -441,6 +496,7 @@ void UcxCore::run() {
     }
     drain_deferred();
     reap_closing(false);
+    if (!draining_.empty()) check_drains();
     if (!closing_all && stop_requested_.load(std::memory_order_acquire)) {
       closing_all = true;
       deadline = Clock::now() + std::chrono::seconds(2);
@@ -453,7 +509,7 @@ void UcxCore::run() {
       for (auto& c : last) c();
       auto conns = conns_;
       for (auto& [id, c] : conns) {
-        close_conn(c, Status(StatusCode::kShutdown, "the ucx engine shut down"));
+        close_conn(c, Status(StatusCode::kShutdown, "the ucx engine shut down"), true);
       }
       auto seps = server_eps_;
       for (ucp_ep_h ep : seps) close_server_ep(ep);
@@ -482,7 +538,7 @@ void UcxCore::run() {
     idle = 0;
     if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
     pollfd pfd{efd_, POLLIN, 0};
-    (void)::poll(&pfd, 1, 100);
+    (void)::poll(&pfd, 1, draining_.empty() ? 100 : 10);
   }
   // What UCX did not complete in the grace period: the worker is destroyed
   // right after this returns, so nothing can land any more.
@@ -567,8 +623,20 @@ void UcxCore::send_small(ucp_ep_h ep, unsigned id, const void* header,
 
 void UcxCore::serve_hello(ucp_ep_h ep, std::uint64_t token) {
   if (server_eps_.count(ep) == 0) return;
+  // Reply: u32 region length | RmaRegionInfo bytes | worker address. The
+  // address lets a reader open a second endpoint on which UCX may pick
+  // shared-memory or RDMA transports for gets (client/server endpoints only
+  // use transports reachable through the connection manager).
   const HelloHdr hdr{token};
-  const std::vector<std::uint8_t> bytes = region_.encode();
+  const std::vector<std::uint8_t> region = region_.encode();
+  std::vector<std::uint8_t> bytes(4 + region.size() + worker_address_.size());
+  const std::uint32_t n = static_cast<std::uint32_t>(region.size());
+  std::memcpy(bytes.data(), &n, 4);
+  std::memcpy(bytes.data() + 4, region.data(), region.size());
+  if (!worker_address_.empty()) {
+    std::memcpy(bytes.data() + 4 + region.size(), worker_address_.data(),
+                worker_address_.size());
+  }
   send_small(ep, kAmHelloReply, &hdr, sizeof hdr, bytes.data(), bytes.size(), false);
 }
 
@@ -798,21 +866,77 @@ void UcxCore::hello_reply(std::uint64_t token, const std::vector<std::uint8_t>& 
   if (it == conns_.end()) return;
   auto conn = it->second;
   if (conn->hello_set || conn->closing) return;
+  std::vector<std::uint8_t> address;
   try {
-    conn->served = rma::RmaRegionInfo::decode(bytes);
+    std::uint32_t n = 0;
+    if (bytes.size() < 4) throw Error(StatusCode::kCorruptDescriptor, "hello reply truncated");
+    std::memcpy(&n, bytes.data(), 4);
+    if (n > bytes.size() - 4) {
+      throw Error(StatusCode::kCorruptDescriptor, "hello reply region length " +
+                                                      std::to_string(n) + " exceeds " +
+                                                      std::to_string(bytes.size() - 4));
+    }
+    conn->served = rma::RmaRegionInfo::decode(
+        std::span<const std::uint8_t>(bytes.data() + 4, n));
+    address.assign(bytes.begin() + 4 + n, bytes.end());
   } catch (const Error& e) {
     close_conn(conn, Status(StatusCode::kCorruptDescriptor,
                             std::string("the peer's region is malformed: ") + e.what()));
     return;
   }
-  conn->mode = options_.mode == Mode::kAuto ? pick_mode(conn->ep) : options_.mode;
-  if (conn->mode == Mode::kGet) {
-    const ucs_status_t st =
-        ucp_ep_rkey_unpack(conn->ep, conn->served.backend_blob.data(), &conn->rkey);
-    if (st != UCS_OK) {
-      conn->rkey = nullptr;
-      close_conn(conn, Status(StatusCode::kPermissionDenied,
-                              "the peer's remote key does not unpack: " + ucs_str(st)));
+  conn->mode = Mode::kAm;
+  if (options_.mode != Mode::kAm && !address.empty()) {
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
+    // No peer error handling on this endpoint: UCX 1.13's shared-memory
+    // transports other than cma cannot provide it, and asking for it makes
+    // UCX fall back to tcp. Peer failure is detected on the control
+    // endpoint (tcp, peer error handling), which closes this one too.
+    ep.field_mask &= ~static_cast<std::uint64_t>(UCP_EP_PARAM_FIELD_ERR_HANDLER);
+    ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->rma_ep);
+    if (st != UCS_OK) conn->rma_ep = nullptr;
+    EpInfo info;
+    if (conn->rma_ep != nullptr) info = inspect_ep(conn->rma_ep);
+    if (conn->rma_ep != nullptr && (options_.mode == Mode::kGet || info.real_rma)) {
+      st = ucp_ep_rkey_unpack(conn->rma_ep, conn->served.backend_blob.data(), &conn->rkey);
+      if (st != UCS_OK) {
+        conn->rkey = nullptr;
+        close_conn(conn, Status(StatusCode::kPermissionDenied,
+                                "the peer's remote key does not unpack: " + ucs_str(st)));
+        return;
+      }
+      conn->mode = Mode::kGet;
+      // Finish the endpoint's wireup before the first read, within the
+      // connect timeout: reads then never wait behind a wireup that a dying
+      // peer leaves hanging.
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      rp.cb.send = [](void* req, ucs_status_t s2, void* ud) {
+        auto* tag = static_cast<ReqCtx*>(ud);
+        tag->core->deferred_.push_back(
+            [core = tag->core, id = tag->batch_id, s2] { core->rma_ep_ready(id, s2); });
+        delete tag;
+        ucp_request_free(req);
+      };
+      rp.user_data = new ReqCtx{this, conn->id};
+      ucs_status_ptr_t sp = ucp_ep_flush_nbx(conn->rma_ep, &rp);
+      if (!UCS_PTR_IS_PTR(sp)) {
+        delete static_cast<ReqCtx*>(rp.user_data);
+        rma_ep_ready(conn->id, UCS_PTR_STATUS(sp));
+      }
+      return;
+    } else if (conn->rma_ep != nullptr) {
+      // No real RMA between us: reads are served by the owner over conn->ep.
+      close_ep(conn->rma_ep, nullptr, nullptr);
+      conn->rma_ep = nullptr;
+    }
+    if (options_.mode == Mode::kGet && conn->mode != Mode::kGet) {
+      close_conn(conn, Status(StatusCode::kUnavailable,
+                              "ucx_mode=get, but no endpoint to the peer's worker address: " +
+                                  ucs_str(st)));
       return;
     }
   }
@@ -820,33 +944,48 @@ void UcxCore::hello_reply(std::uint64_t token, const std::vector<std::uint8_t>& 
   conn->hello.set_value(Status::ok());
 }
 
-Mode UcxCore::pick_mode(ucp_ep_h ep) {
-  // UCX 1.13 has no query for "is RMA native on this endpoint"; its
-  // configuration dump names the transport of every lane and marks the RMA
-  // lanes ("rma_bw"). tcp's get is emulated on active messages (no rma_bw
-  // lane), so get is used only when an rma_bw lane runs on something else.
+UcxCore::EpInfo UcxCore::inspect_ep(ucp_ep_h ep) {
+  // UCX 1.13 has no query for "is RMA native on this endpoint"
+  // (ucp_ep_query reports names and addresses only); its configuration dump
+  // names the transport of every lane and marks the RMA lanes ("rma_bw").
+  // tcp's get is a software emulation over active messages, so get is used
+  // only when an rma_bw lane runs on something else.
+  EpInfo out;
   char* buf = nullptr;
   std::size_t size = 0;
   FILE* f = ::open_memstream(&buf, &size);
-  if (f == nullptr) return Mode::kAm;
+  if (f == nullptr) return out;
   ucp_ep_print_info(ep, f);
   std::fclose(f);
-  std::string info(buf, size);
+  const std::string info(buf, size);
   std::free(buf);
-  Mode mode = Mode::kAm;
-  std::size_t pos = 0;
-  while ((pos = info.find('\n', pos)) != std::string::npos || pos < info.size()) {
-    const std::size_t start = pos == 0 ? 0 : pos;
-    const std::size_t end = info.find('\n', start + 1);
-    const std::string line = info.substr(start, end == std::string::npos ? std::string::npos
-                                                                          : end - start);
+  if (std::getenv("MSTAR_KV_UCX_DEBUG")) std::fprintf(stderr, "%s\n", info.c_str());
+  std::size_t start = 0;
+  while (start < info.size()) {
+    std::size_t end = info.find('\n', start);
+    if (end == std::string::npos) end = info.size();
+    const std::string line = info.substr(start, end - start);
+    start = end + 1;
+    if (line.find("lane[") == std::string::npos) continue;
     if (line.find("rma_bw") != std::string::npos && line.find("tcp") == std::string::npos) {
-      mode = Mode::kGet;
+      out.real_rma = true;
     }
-    if (end == std::string::npos) break;
-    pos = end;
   }
-  return mode;
+  return out;
+}
+
+void UcxCore::rma_ep_ready(std::uint64_t conn_id, ucs_status_t st) {
+  auto it = conns_.find(conn_id);
+  if (it == conns_.end()) return;
+  auto conn = it->second;
+  if (conn->hello_set || conn->closing) return;
+  if (st != UCS_OK) {
+    close_conn(conn, Status(StatusCode::kPeerFailure,
+                            "wireup of the rma endpoint failed: " + ucs_str(st)));
+    return;
+  }
+  conn->hello_set = true;
+  conn->hello.set_value(Status::ok());
 }
 
 void UcxCore::on_client_ep_error(void* arg, ucp_ep_h, ucs_status_t st) {
@@ -858,28 +997,42 @@ void UcxCore::on_client_ep_error(void* arg, ucp_ep_h, ucs_status_t st) {
     auto it = self->conns_.find(id);
     if (it == self->conns_.end()) return;
     self->close_conn(it->second,
-                     Status(StatusCode::kPeerFailure, "peer failed: " + ucs_str(st)));
+                     Status(StatusCode::kPeerFailure, "peer failed: " + ucs_str(st)), true);
   });
 }
 
-void UcxCore::close_conn(std::shared_ptr<Conn> c, const Status& why) {
+void UcxCore::close_conn(std::shared_ptr<Conn> c, const Status& why, bool force) {
   if (c->closing) return;
   c->closing = true;
   c->failed.store(true, std::memory_order_release);
-  if (c->ep) {
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    // A forced close purges every request on the endpoint: their callbacks
-    // run (with an error) before the close completes.
-    ucs_status_ptr_t sp = ucp_ep_close_nbx(c->ep, &rp);
-    if (UCS_PTR_IS_PTR(sp)) {
-      closing_.push_back({sp, c->rkey, c});
-    } else if (c->rkey) {
-      ucp_rkey_destroy(c->rkey);
-    }
-    c->ep = nullptr;
+  // A forced close purges every request on the endpoint: their callbacks
+  // run (with an error) before the close completes.
+  if (c->ep) close_ep(c->ep, nullptr, c);
+  c->ep = nullptr;
+  // Gets still in flight keep the rma endpoint open until they complete
+  // (maybe_finish closes it): UCX 1.13 does not reliably purge gets queued
+  // on a shared-memory endpoint without peer error handling, and a purged
+  // get must not be mistaken for one that can no longer write.
+  bool gets_in_flight = false;
+  for (std::uint64_t id : c->batches) {
+    auto it = batches_.find(id);
+    if (it != batches_.end() && it->second->outstanding != 0) gets_in_flight = true;
+  }
+  if (c->rma_ep && (force || !gets_in_flight)) {
+    close_ep(c->rma_ep, c->rkey, c);
+    c->rma_ep = nullptr;
     c->rkey = nullptr;
+    if (gets_in_flight) {
+      // Written off: a get is executed by this thread inside UCX calls on
+      // that endpoint (shared memory copies, tcp's emulated replies), and
+      // the endpoint is gone, so what UCX left uncompleted can no longer
+      // write. UCX 1.13 leaves such gets on an endpoint without peer error
+      // handling uncompleted when the owner died.
+      for (std::uint64_t id : c->batches) {
+        auto it = batches_.find(id);
+        if (it != batches_.end() && it->second->get) it->second->outstanding = 0;
+      }
+    }
   }
   conns_.erase(c->id);
   if (!c->hello_set) {
@@ -890,24 +1043,45 @@ void UcxCore::close_conn(std::shared_ptr<Conn> c, const Status& why) {
   for (std::uint64_t id : ids) {
     auto it = batches_.find(id);
     if (it == batches_.end()) continue;
-    fail_batch(it->second,
+    auto b = it->second;  // a copy: finishing erases the map entry
+    fail_batch(b,
                Status(why.code() == StatusCode::kShutdown ? StatusCode::kShutdown
                                                           : StatusCode::kPeerFailure,
                       "connection to " + c->session_id + " closed: " + why.message()));
   }
 }
 
-void UcxCore::fail_batch(const std::shared_ptr<Batch>& b, Status st) {
+void UcxCore::close_ep(ucp_ep_h ep, ucp_rkey_h rkey, std::shared_ptr<Conn> keep) {
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t sp = ucp_ep_close_nbx(ep, &rp);
+  if (UCS_PTR_IS_PTR(sp)) {
+    closing_.push_back({sp, rkey, std::move(keep)});
+  } else if (rkey) {
+    ucp_rkey_destroy(rkey);
+  }
+}
+
+void UcxCore::fail_batch(std::shared_ptr<Batch> b, Status st) {
   if (!b->failure) b->failure = std::move(st);
   maybe_finish(b);
 }
 
-void UcxCore::maybe_finish(const std::shared_ptr<Batch>& b) {
+void UcxCore::maybe_finish(std::shared_ptr<Batch> b) {
   if (b->outstanding != 0) return;
   const bool stopped = b->aborted || b->failure.has_value();
   if (!stopped && !b->pending.empty()) return;
+  if (!stopped && b->get && b->next_chunk < b->chunks.size()) return;
   if (batches_.erase(b->id) == 0) return;  // finished already
-  b->conn->batches.erase(b->id);
+  const auto& c = b->conn;
+  c->batches.erase(b->id);
+  if (c->closing && c->batches.empty() && c->rma_ep != nullptr) {
+    // The last get on a closed connection drained: now its endpoint goes.
+    close_ep(c->rma_ep, c->rkey, c);
+    c->rma_ep = nullptr;
+    c->rkey = nullptr;
+  }
   Status st = b->failure  ? *b->failure
               : b->aborted ? Status(StatusCode::kCancelled, "aborted")
                            : Status::ok();
@@ -923,7 +1097,34 @@ void UcxCore::request_finished(std::uint64_t batch_id, ucs_status_t st) {
   if (st != UCS_OK && !b->failure && !b->aborted) {
     b->failure = Status(StatusCode::kPeerFailure, "ucx request failed: " + ucs_str(st));
   }
+  if (b->get) post_gets(b);
   maybe_finish(b);
+}
+
+void UcxCore::post_gets(const std::shared_ptr<Batch>& b) {
+  const auto& c = b->conn;
+  while (b->outstanding < kGetWindow && b->next_chunk < b->chunks.size() && !b->aborted &&
+         !b->failure && c->rma_ep != nullptr && !c->closing) {
+    const rma::RmaRead& r = b->chunks[b->next_chunk++];
+    auto* ctx = new ReqCtx{this, b->id};
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                      UCP_OP_ATTR_FIELD_MEMH;
+    rp.cb.send = &UcxCore::on_req_done;
+    rp.user_data = ctx;
+    rp.memh = memh_;
+    ucs_status_ptr_t sp = ucp_get_nbx(c->rma_ep, cache_->base() + r.local_offset, r.length,
+                                      c->served.data_ptr + r.remote_offset, c->rkey, &rp);
+    if (UCS_PTR_IS_PTR(sp)) {
+      ++b->outstanding;
+      continue;
+    }
+    delete ctx;
+    if (UCS_PTR_IS_ERR(sp)) {
+      b->failure = Status(StatusCode::kPeerFailure,
+                          "ucp_get_nbx: " + ucs_str(UCS_PTR_STATUS(sp)));
+    }
+  }
 }
 
 void UcxCore::on_req_done(void* request, ucs_status_t st, void* user_data) {
@@ -947,28 +1148,8 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
   }
   c->batches.insert(b->id);
   if (c->mode == Mode::kGet) {
-    for (const rma::RmaRead& r : b->chunks) {
-      auto* ctx = new ReqCtx{this, b->id};
-      ucp_request_param_t rp{};
-      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                        UCP_OP_ATTR_FIELD_MEMH;
-      rp.cb.send = &UcxCore::on_req_done;
-      rp.user_data = ctx;
-      rp.memh = memh_;
-      ucs_status_ptr_t sp =
-          ucp_get_nbx(c->ep, cache_->base() + r.local_offset, r.length,
-                      c->served.data_ptr + r.remote_offset, c->rkey, &rp);
-      if (UCS_PTR_IS_PTR(sp)) {
-        ++b->outstanding;
-        continue;
-      }
-      delete ctx;
-      if (UCS_PTR_IS_ERR(sp)) {
-        b->failure = Status(StatusCode::kPeerFailure,
-                            "ucp_get_nbx: " + ucs_str(UCS_PTR_STATUS(sp)));
-        break;
-      }
-    }
+    b->get = true;
+    post_gets(b);
     maybe_finish(b);
     return;
   }
@@ -988,12 +1169,20 @@ void UcxCore::abort_batch(std::uint64_t id) {
   if (it == batches_.end()) return;
   auto b = it->second;
   b->aborted = true;
-  if (b->outstanding == 0) {
+  if (b->outstanding == 0 || b->get) {
+    // Gets: stop posting; the few in flight (kGetWindow) complete by
+    // themselves and the read resolves when the last one has. If they have
+    // not after kDrainGrace (a hung owner over tcp's emulated get), the
+    // progress loop closes the connection by force.
+    if (b->outstanding != 0) {
+      b->drain_deadline = std::chrono::steady_clock::now() + kDrainGrace;
+      draining_.insert(b->id);
+    }
     maybe_finish(b);
     return;
   }
-  // Requests that write into local pages are in flight: only a forced close
-  // guarantees they are purged before the read resolves.
+  // Rendezvous receives that write into local pages are in flight: a forced
+  // close completes them with UCS_ERR_CANCELED before the read resolves.
   close_conn(b->conn, Status(StatusCode::kCancelled,
                              "a read on it was stopped with requests in flight"));
 }

@@ -1,0 +1,346 @@
+// Copyright mstar-kv authors.
+//
+// The ucx engine against real peer processes (kv_conformance_peer), over
+// UCX's tcp transport and its shared-memory transports on loopback, in both
+// read modes: big and partial pulls, forged descriptors, a peer killed in
+// the middle of a pull, shutdown with reads in flight.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "mstar/kv/kv.hpp"
+#include "mstar/kv/ucx.hpp"
+#include "peer_process.hpp"
+
+namespace mstar::kv {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::PeerProcess;
+using testing::PeerSpec;
+
+struct UcxCase {
+  std::string label;
+  std::string tls;   // UCX_TLS
+  std::string mode;  // ucx_mode
+  std::string proto; // ucx_am_proto ("" = default)
+};
+void PrintTo(const UcxCase& c, std::ostream* os) { *os << c.label; }
+
+constexpr std::byte kSentinel{0xA5};
+constexpr std::uint64_t kSeed = 99;
+
+KVLayout layout(std::uint32_t pages = 64, CacheOrder co = CacheOrder::kLayerMajor,
+                PageOrder po = PageOrder::kNHD) {
+  KVLayout l;
+  l.num_layers = 4;
+  l.num_pages = pages;
+  l.page_size = 16;
+  l.num_kv_heads = 2;
+  l.head_dim = 64;
+  l.dtype = DType::kBFloat16;
+  l.cache_order = co;
+  l.page_order = po;
+  return l;
+}
+
+std::vector<std::uint32_t> iota_pages(std::size_t n) {
+  std::vector<std::uint32_t> p(n);
+  for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<std::uint32_t>(i);
+  return p;
+}
+
+class UcxEngine : public ::testing::TestWithParam<UcxCase> {
+ protected:
+  void SetUp() override {
+    const auto b = built_engines();
+    if (std::find(b.begin(), b.end(), "ucx") == b.end()) GTEST_SKIP() << "ucx engine not built";
+    for (const auto& [k, v] : env()) ::setenv(k.c_str(), v.c_str(), 1);
+  }
+
+  std::map<std::string, std::string> env() const {
+    return {{"UCX_TLS", GetParam().tls}, {"UCX_NET_DEVICES", "lo"}};
+  }
+  std::map<std::string, std::string> extra() const {
+    std::map<std::string, std::string> e{{"ucx_mode", GetParam().mode}};
+    if (!GetParam().proto.empty()) e["ucx_am_proto"] = GetParam().proto;
+    return e;
+  }
+
+  PeerSpec spec(const KVLayout& l, std::uint64_t tokens, std::uint64_t scatter = 7) const {
+    PeerSpec s;
+    s.engine = "ucx";
+    s.layout = l;
+    s.tokens = tokens;
+    s.seed = kSeed;
+    s.scatter_seed = scatter;
+    s.env = env();
+    s.extra = extra();
+    return s;
+  }
+
+  std::unique_ptr<KVTransferManager> manager(std::shared_ptr<KVCache> cache,
+                                             std::chrono::milliseconds timeout = 5000ms) {
+    EngineOptions o;
+    o.timeout = timeout;
+    o.extra = extra();
+    return std::make_unique<KVTransferManager>(
+        TransferEngineInfo{"decode", "", "ucx", o}, std::move(cache));
+  }
+
+  static std::shared_ptr<KVCache> local_cache(const KVLayout& l) {
+    auto c = make_kv_cache(l, MemoryKind::kHost);
+    std::memset(c->base(), static_cast<int>(kSentinel), l.total_bytes());
+    return c;
+  }
+
+  static bool untouched(const KVCache& c) {
+    const auto* p = c.base();
+    return std::all_of(p, p + c.size_bytes(), [](std::byte b) { return b == kSentinel; });
+  }
+};
+
+TEST_P(UcxEngine, BigScatteredPullMovesEveryByte) {
+  const KVLayout l = layout(2048);  // 64 MiB, scattered pages on both sides
+  PeerProcess peer(spec(l, 2048 * 16));
+  auto cache = local_cache(l);
+  auto m = manager(cache, 20000ms);
+  const auto& seq = peer.sequence();
+  std::vector<std::uint32_t> lp = iota_pages(seq.page_indices.size());
+  std::reverse(lp.begin(), lp.end());
+  EXPECT_EQ(m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info),
+            l.total_bytes());
+  const auto v = verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+}
+
+TEST_P(UcxEngine, PartialPagesInBothOrdersTouchOnlyTheirTokens) {
+  for (auto co : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor}) {
+    for (auto po : {PageOrder::kNHD, PageOrder::kHND}) {
+      const KVLayout remote = layout(64);
+      const KVLayout local = layout(32, co, po);
+      PeerProcess peer(spec(remote, 100));  // 7 pages, the last one partial
+      auto cache = local_cache(local);
+      auto m = manager(cache);
+      const auto& seq = peer.sequence();
+      const std::vector<std::uint32_t> lp{31, 3, 17, 5, 9, 20, 11};
+      // A prefix of 21 tokens is "cached": pages 0 and 1 are clipped.
+      m->sync_retrieve(21, 100, lp, seq.page_indices, seq.kv_transfer_info);
+      const auto v = verify_pattern(*cache, kSeed, lp, 21, 100);
+      EXPECT_TRUE(v.ok()) << to_string(co) << "/" << to_string(po) << ": " << v.first_mismatch;
+      // Tokens [0, 21) and [100, 112) of those pages, and every other page,
+      // still hold the sentinel.
+      for (std::uint32_t layer = 0; layer < local.num_layers; ++layer) {
+        for (KV kv : {KV::kKey, KV::kValue}) {
+          const auto b0 = cache->block(layer, kv, lp[0]);
+          const auto row = local.token_bytes();
+          if (po == PageOrder::kNHD) {
+            EXPECT_TRUE(std::all_of(b0.begin(), b0.begin() + 16 * row,
+                                    [](std::byte x) { return x == kSentinel; }));
+            const auto b6 = cache->block(layer, kv, lp[6]);
+            EXPECT_TRUE(std::all_of(b6.begin() + 4 * row, b6.end(),
+                                    [](std::byte x) { return x == kSentinel; }));
+          }
+          const auto other = cache->block(layer, kv, 0);
+          EXPECT_TRUE(std::all_of(other.begin(), other.end(),
+                                  [](std::byte x) { return x == kSentinel; }));
+        }
+      }
+    }
+  }
+}
+
+TEST_P(UcxEngine, ForgedDescriptorsAreRejectedBeforeAnyRead) {
+  const KVLayout l = layout(64);
+  PeerProcess peer(spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = peer.sequence();
+  const auto good = UcxKVTransferInfo::from_transfer_info(seq.kv_transfer_info);
+  auto expect_rejected = [&](UcxKVTransferInfo forged, StatusCode code, const char* what) {
+    try {
+      auto f = m->start_async_retrieve(0, 64, iota_pages(4), seq.page_indices,
+                                       forged.to_transfer_info());
+      ADD_FAILURE() << what << ": accepted";
+      if (f) f->wait_for(5s);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << what << ": " << e.what();
+    }
+    EXPECT_TRUE(untouched(*cache)) << what << ": bytes moved";
+  };
+  {
+    auto f = good;
+    for (auto& b : f.rkey) b = static_cast<std::uint8_t>(b ^ 0x5a);
+    expect_rejected(f, StatusCode::kPermissionDenied, "forged rkey bytes");
+  }
+  {
+    auto f = good;
+    f.data_ptr += 4096;
+    expect_rejected(f, StatusCode::kPermissionDenied, "address outside the region");
+  }
+  {
+    auto f = good;
+    f.data_ptr = 0x1000;
+    expect_rejected(f, StatusCode::kPermissionDenied, "address of another region");
+  }
+  {
+    auto f = good;
+    f.generation += 1;
+    expect_rejected(f, StatusCode::kStaleDescriptor, "stale generation");
+  }
+  {
+    auto f = good;
+    f.layout.cache_order = CacheOrder::kPageMajor;  // the planner accepts it; the owner does not
+    expect_rejected(f, StatusCode::kIncompatibleLayout, "wrong layout (cache order)");
+  }
+  {
+    auto f = good;
+    f.layout.num_pages = 63;  // claims a slightly smaller cache
+    try {
+      const std::vector<std::uint32_t> rp{0, 1, 2, 3};
+      m->start_async_retrieve(0, 64, iota_pages(4), rp, f.to_transfer_info());
+      ADD_FAILURE() << "wrong layout (pages): accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), StatusCode::kIncompatibleLayout) << e.what();
+    }
+    EXPECT_TRUE(untouched(*cache));
+  }
+  {
+    auto f = good;
+    f.layout.page_order = PageOrder::kHND;
+    expect_rejected(f, StatusCode::kIncompatibleLayout, "wrong layout (order)");
+  }
+  {
+    auto f = good;
+    f.size = 1ull << 40;  // bigger than registered
+    expect_rejected(f, StatusCode::kPermissionDenied, "region size");
+  }
+  {
+    auto f = good;
+    f.session_id = "127.0.0.1:1";  // nobody listens there
+    try {
+      m->start_async_retrieve(0, 64, iota_pages(4), seq.page_indices, f.to_transfer_info());
+      ADD_FAILURE() << "unreachable peer accepted";
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.code() == StatusCode::kPeerFailure || e.code() == StatusCode::kTimeout)
+          << e.what();
+    }
+    EXPECT_TRUE(untouched(*cache));
+  }
+  // The genuine descriptor still works on the same engine.
+  m->sync_retrieve(0, 64, iota_pages(4), seq.page_indices, seq.kv_transfer_info);
+  EXPECT_TRUE(verify_pattern(*cache, kSeed, iota_pages(4), 0, 64).ok());
+}
+
+TEST_P(UcxEngine, KilledPeerFailsInTimeOthersKeepWorkingAndANewPeerServes) {
+  const KVLayout big = layout(4096);  // 128 MiB
+  PeerProcess doomed(spec(big, 4096 * 16));
+  PeerProcess other(spec(layout(64), 64));
+  auto cache = local_cache(big);
+  auto m = manager(cache, 3000ms);
+  const auto& seq = doomed.sequence();
+  const auto lp = iota_pages(seq.page_indices.size());
+  const auto t0 = std::chrono::steady_clock::now();
+  // Several pulls in flight so that the kill lands in the middle of one.
+  std::vector<TransferFuture> fs;
+  for (int i = 0; i < 4; ++i) {
+    fs.push_back(*m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices,
+                                          seq.kv_transfer_info));
+  }
+  std::this_thread::sleep_for(5ms);
+  doomed.kill_now();
+  bool any_failed = false;
+  for (auto& f : fs) {
+    ASSERT_TRUE(f.wait_for(10s)) << "no resolution after the peer died";
+    if (!f.status().is_ok()) {
+      any_failed = true;
+      EXPECT_TRUE(f.status().code() == StatusCode::kPeerFailure ||
+                  f.status().code() == StatusCode::kTimeout)
+          << f.status().to_string();
+    }
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3000ms + 2s);
+  if (!any_failed) {
+    // Finished before the kill: then the bytes must be right.
+    EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens).ok());
+  }
+  // Another peer keeps working on the same engine.
+  auto small = local_cache(layout(64));
+  auto m2 = manager(small);
+  m2->sync_retrieve(0, 64, iota_pages(4), other.sequence().page_indices,
+                    other.sequence().kv_transfer_info);
+  EXPECT_TRUE(verify_pattern(*small, kSeed, iota_pages(4), 0, 64).ok());
+  m->sync_retrieve(0, 64, {lp.data(), 4}, other.sequence().page_indices,
+                   other.sequence().kv_transfer_info);
+  EXPECT_TRUE(verify_pattern(*cache, kSeed, {lp.data(), 4}, 0, 64).ok());
+  // A new peer (new listener) serves the same engine.
+  PeerProcess again(spec(layout(64), 64));
+  std::memset(cache->base(), static_cast<int>(kSentinel), cache->size_bytes());
+  m->sync_retrieve(0, 64, {lp.data(), 4}, again.sequence().page_indices,
+                   again.sequence().kv_transfer_info);
+  EXPECT_TRUE(verify_pattern(*cache, kSeed, {lp.data(), 4}, 0, 64).ok());
+}
+
+TEST_P(UcxEngine, ShutdownWithReadsInFlightResolvesEveryFuture) {
+  const KVLayout l = layout(2048);
+  PeerProcess peer(spec(l, 2048 * 16));
+  auto cache = local_cache(l);
+  auto m = manager(cache, 20000ms);
+  const auto& seq = peer.sequence();
+  const auto lp = iota_pages(seq.page_indices.size());
+  std::vector<TransferFuture> fs;
+  for (int i = 0; i < 8; ++i) {
+    fs.push_back(*m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices,
+                                          seq.kv_transfer_info));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  m->cleanup();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  for (auto& f : fs) {
+    ASSERT_TRUE(f.ready()) << "cleanup returned with a future unresolved";
+    EXPECT_TRUE(f.status().is_ok() || f.status().code() == StatusCode::kShutdown)
+        << f.status().to_string();
+  }
+  EXPECT_THROW(m->start_async_retrieve(0, 16, lp, seq.page_indices, seq.kv_transfer_info),
+               Error);
+}
+
+TEST_P(UcxEngine, CancelAndTimeoutResolveWithoutLateBytes) {
+  const KVLayout l = layout(2048);
+  PeerProcess peer(spec(l, 2048 * 16));
+  auto cache = local_cache(l);
+  auto m = manager(cache, 20000ms);
+  const auto& seq = peer.sequence();
+  const auto lp = iota_pages(seq.page_indices.size());
+  auto f = *m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices,
+                                    seq.kv_transfer_info);
+  f.cancel();
+  ASSERT_TRUE(f.wait_for(5s));
+  if (!f.status().is_ok()) {
+    EXPECT_EQ(f.status().code(), StatusCode::kCancelled) << f.status().to_string();
+    // Nothing may land after the resolution: snapshot, wait, compare.
+    std::vector<std::byte> snap(cache->base(), cache->base() + cache->size_bytes());
+    std::this_thread::sleep_for(300ms);
+    EXPECT_EQ(std::memcmp(snap.data(), cache->base(), snap.size()), 0)
+        << "bytes landed after the cancelled read resolved";
+  }
+  // The engine still pulls afterwards (reconnecting if the cancel closed
+  // the endpoint).
+  m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
+  EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Transports, UcxEngine,
+    ::testing::Values(UcxCase{"tcp_auto", "tcp", "auto", ""},
+                      UcxCase{"tcp_am_rndv", "tcp", "am", "rndv"},
+                      UcxCase{"tcp_get", "tcp", "get", ""},
+                      UcxCase{"shm_auto", "sm,self,tcp", "auto", ""},
+                      UcxCase{"shm_am", "sm,self,tcp", "am", ""}),
+    [](const ::testing::TestParamInfo<UcxCase>& i) { return i.param.label; });
+
+}  // namespace
+}  // namespace mstar::kv
