@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "fuzz_util.hpp"
+#include "mstar/kv/status.hpp"
 #include "mstar/kv/shm.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

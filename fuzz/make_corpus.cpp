@@ -15,6 +15,15 @@
 #if MSTAR_KV_FUZZ_SHM
 #include "mstar/kv/shm.hpp"
 #endif
+#if MSTAR_KV_FUZZ_UCX
+#include "mstar/kv/ucx.hpp"
+#endif
+#if MSTAR_KV_FUZZ_MOONCAKE
+#include "mstar/kv/mooncake.hpp"
+#endif
+#if MSTAR_KV_FUZZ_CUDA_IPC
+#include "mstar/kv/cuda_ipc.hpp"
+#endif
 
 namespace {
 
@@ -76,6 +85,59 @@ int main(int argc, char** argv) {
     write(out / "fuzz_shm_info", "seed" + std::to_string(i), s.encode().payload, false);
   }
 #endif
+  for (int i = 0; i < 3; ++i) {
+    const KVLayout l = layout(2 + static_cast<std::uint32_t>(i), 32, i != 1,
+                              i == 2 ? CacheOrder::kPageMajor : CacheOrder::kLayerMajor,
+                              i == 1 ? PageOrder::kHND : PageOrder::kNHD);
+    const std::string name = "seed" + std::to_string(i);
+    (void)l;
+    (void)name;
+#if MSTAR_KV_FUZZ_UCX
+    UcxKVTransferInfo u;
+    u.entity_id = "prefill-" + std::to_string(i);
+    u.session_id = "127.0.0.1:2" + std::to_string(1000 + i);
+    u.data_ptr = 0x7f0000000000ULL + 0x1000ULL * static_cast<std::uint64_t>(i);
+    u.size = l.total_bytes() + 4096u * static_cast<std::uint64_t>(i);
+    u.layout = l;
+    u.generation = 0xabcdef + static_cast<std::uint64_t>(i);
+    u.rkey.assign(static_cast<std::size_t>(10 + 20 * i), static_cast<std::uint8_t>(i + 1));
+    infos.push_back(u.to_transfer_info());
+    write(out / "fuzz_ucx_info", name, u.to_transfer_info().payload, false);
+#endif
+#if MSTAR_KV_FUZZ_MOONCAKE
+    MooncakeKVTransferInfo m;
+    m.entity_id = "prefill-" + std::to_string(i);
+    m.session_id = "127.0.0.1:1" + std::to_string(7000 + i);
+    m.data_ptr = 0x7f1000000000ULL;
+    m.layout = l;
+    m.size = l.total_bytes();
+    m.generation = 77 + static_cast<std::uint64_t>(i);
+    m.identity_ptr = 0x7f2000000000ULL;
+    infos.push_back(m.encode());
+    write(out / "fuzz_mooncake_info", name, m.encode().payload, false);
+#endif
+#if MSTAR_KV_FUZZ_CUDA_IPC
+    CudaIpcKVTransferInfo c;
+    c.cuda_share.handle.fill(static_cast<std::uint8_t>(0x10 + i));
+    c.cuda_share.device = i;
+    c.cuda_share.device_uuid.fill(static_cast<std::uint8_t>(0x20 + i));
+    c.cuda_share.allocation_bytes = l.total_bytes() + 2u * 1024 * 1024;
+    c.layout = l;
+    c.size = CudaIpcKVTransferInfo::view_size(l);
+    c.stride = CudaIpcKVTransferInfo::view_stride(l);
+    c.offset = 0;
+    c.dtype = "bf16";
+    c.generation = 99 + static_cast<std::uint64_t>(i);
+    c.owner_pid = 4242;
+    try {
+      infos.push_back(c.encode());
+      write(out / "fuzz_cuda_ipc_info", name, c.encode().payload, false);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "cuda_ipc seed %d: %s\n", i, e.what());
+      return 1;
+    }
+#endif
+  }
   for (std::size_t i = 0; i < infos.size(); ++i) {
     write(out / "fuzz_transfer_info", "seed" + std::to_string(i), infos[i].encode(), true);
     SequenceInfo s;
