@@ -98,7 +98,16 @@ ShmMapping ShmMapping::open(const ShmKVTransferInfo& info) {
                     std::to_string(info.start_time) + " (owner restarted)");
   }
   const std::string path = fd_path(info);
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  // A forged fd may name a FIFO (open would block), a device (open may have
+  // side effects) or a socket: look before opening, and open non-blocking.
+  struct stat pre {};
+  if (::stat(path.c_str(), &pre) == 0 && !S_ISREG(pre.st_mode)) {
+    throw Error(StatusCode::kStaleDescriptor,
+                who + ": fd " + std::to_string(info.fd) +
+                    " is not a shared cache (not a regular file): the cache was freed and the "
+                    "fd reused");
+  }
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
   if (fd.get() < 0) {
     const int err = errno;
     if (err == EACCES || err == EPERM) {

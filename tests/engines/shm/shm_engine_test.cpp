@@ -527,21 +527,38 @@ std::set<std::string> dir_entries(const char* path) {
   return out;
 }
 
+// The mappings of a process that are backed by a named file under /dev/shm,
+// and whether it maps the anonymous cache memfd.
+struct MapsView {
+  bool has_memfd = false;
+  std::vector<std::string> dev_shm;
+};
+MapsView maps_of(pid_t pid) {
+  std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
+  MapsView v;
+  for (std::string line; std::getline(maps, line);) {
+    v.has_memfd |= line.find("/memfd:mstar-kv-cache (deleted)") != std::string::npos;
+    if (line.find("/dev/shm/") != std::string::npos) v.dev_shm.push_back(line);
+  }
+  return v;
+}
+
 TEST(ShmEngine, NoFileLeftAfterKill9OfEitherSide) {
   const auto before = dir_entries("/dev/shm");
   const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 256);
   for (const bool kill_owner_first : {true, false}) {
     Owner owner(l, 256 * 16);
-    // The memory is an anonymous memfd: it has no name in any file system.
-    {
-      std::ifstream maps("/proc/" + std::to_string(owner.child.pid()) + "/maps");
-      std::string all((std::istreambuf_iterator<char>(maps)), std::istreambuf_iterator<char>());
-      EXPECT_NE(all.find("/memfd:mstar-kv-cache (deleted)"), std::string::npos);
-    }
     Child reader({SHM_PEER_PATH, "--reader", "--layout", shmtest::layout_arg(l), "--seed",
                   std::to_string(kSeed)});
     reader.write_line("pullloop " + shmtest::to_hex(owner.seq.encode()));
     ASSERT_EQ(reader.read_line(), "LOOPING");
+    // Both sides hold the cache only as an anonymous memfd: no name in any
+    // file system, so there is nothing to clean up after kill -9.
+    for (pid_t pid : {owner.child.pid(), reader.pid()}) {
+      const MapsView v = maps_of(pid);
+      EXPECT_TRUE(v.has_memfd) << "pid " << pid << " does not map the cache memfd";
+      EXPECT_TRUE(v.dev_shm.empty()) << "pid " << pid << " maps " << v.dev_shm.front();
+    }
     if (kill_owner_first) {
       owner.child.kill_now();
       reader.kill_now();
@@ -549,7 +566,13 @@ TEST(ShmEngine, NoFileLeftAfterKill9OfEitherSide) {
       reader.kill_now();
       owner.child.kill_now();
     }
-    EXPECT_EQ(dir_entries("/dev/shm"), before);
+    // Other tests running at the same time may create their own files here;
+    // none may be ours.
+    for (const auto& name : dir_entries("/dev/shm")) {
+      if (before.count(name) == 0) {
+        EXPECT_EQ(name.find("mstar"), std::string::npos) << "left behind: /dev/shm/" << name;
+      }
+    }
   }
 }
 
