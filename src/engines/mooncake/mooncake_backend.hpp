@@ -10,8 +10,10 @@
 // submits its READ requests while the peer has fewer than window_ requests
 // in Mooncake's hands (Mooncake's TCP transport fails requests beyond its
 // per-peer queue, MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER, default 1024), polls
-// getTransferStatus (from the first unfinished task, backing off from 10 us
-// to 1 ms while nothing moves) and runs a batch's completion once every
+// getTransferStatus (from the first unfinished task; 20 us between rounds
+// while requests finish, backing off to 1 ms while nothing moves, so that a
+// busy poll never takes a core from Mooncake's own threads) and runs a
+// batch's completion once every
 // submitted task was seen COMPLETED or FAILED, right after freeBatchID.
 // After a failure or an abort no further request of that batch is submitted. A batch whose abort() was requested keeps being polled;
 // if it is still unfinished abort_grace later, the progress thread destroys
