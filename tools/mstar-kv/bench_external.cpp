@@ -198,9 +198,15 @@ ExternalResult run_mooncake_bench(const std::string& binary, std::uint64_t block
     r.error = "block x batch x threads exceeds the 256 MiB buffer";
     return r;
   }
+  // Mooncake's own defaults, whatever this process set for its engine (the
+  // mooncake engine sets MC_* variables in its process): INFO logs, which
+  // carry the port and the result, and the wheel's TCP settings.
+  const std::vector<std::string> unset = {"MC_TCP_ENABLE_CONNECTION_POOL", "MC_LOG_LEVEL",
+                                          "GLOG_minloglevel"};
   SpawnOptions to;
   to.argv = {binary, "--mode=target"};
   to.argv.insert(to.argv.end(), common.begin(), common.end());
+  to.unset_env = unset;
   to.output_file = tmp.make("mooncake-target");
   Child target(to);
   // The target logs "... P2P handshake, listening on 127.0.0.1:PORT" and then
@@ -234,6 +240,7 @@ ExternalResult run_mooncake_bench(const std::string& binary, std::uint64_t block
         "--threads=" + std::to_string(threads), "--duration=" + std::to_string(seconds)}) {
     io.argv.push_back(a);
   }
+  io.unset_env = unset;
   io.output_file = tmp.make("mooncake-initiator");
   r.command = join(io.argv);
   Child initiator(io);

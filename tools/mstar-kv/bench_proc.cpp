@@ -70,6 +70,7 @@ Child::Child(const SpawnOptions& options) {
     const auto eq = kv.find('=');
     if (eq != std::string::npos) env_map[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
+  for (const auto& k : options.unset_env) env_map.erase(k);
   for (const auto& [k, v] : options.env) env_map[k] = v;
   std::vector<std::string> env_strings;
   for (const auto& [k, v] : env_map) env_strings.push_back(k + "=" + v);

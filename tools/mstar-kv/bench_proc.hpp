@@ -24,6 +24,7 @@ namespace mstar::kv::cli::bench {
 struct SpawnOptions {
   std::vector<std::string> argv;               // argv[0] is resolved on PATH
   std::map<std::string, std::string> env;      // set on top of the parent's
+  std::vector<std::string> unset_env;          // removed from the parent's
   std::string output_file;                     // stdout+stderr go here ("" = inherit)
   // Pipes: when set, the child's fd `child_in_fd` reads what the parent writes
   // to Child::to_child(), and its fd `child_out_fd` writes what the parent

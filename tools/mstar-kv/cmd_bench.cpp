@@ -417,6 +417,7 @@ int cmd_bench(int argc, char** argv) {
         }
         r.ok = true;
         r.gbps = Stat{er.gbps, er.gbps, er.gbps};
+        r.requests_per_s = er.gbps * 1e9 / static_cast<double>(block * batch);  // batches/s
         r.piece_bytes = block;
         r.reads = batch;
         r.copies = batch;
