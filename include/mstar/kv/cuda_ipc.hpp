@@ -157,7 +157,8 @@ std::shared_ptr<KVCache> wrap_device_cache(const KVLayout& layout,
 //   before the future resolves.
 // * Remote handles are opened once per (owner pid, generation), with
 //   cudaIpcMemLazyEnablePeerAccess, on this cache's device, and cached; the
-//   mapping is checked against the allocation size the descriptor claims.
+//   cache's view (offset + layout bytes) is checked against what the handle
+//   really maps (cuMemGetAddressRange), not only the claimed allocation size.
 //   A new generation for the same (owner pid, GPU, layout) replaces the old
 //   one: its handle closes (after reads in flight on it drain) and its
 //   descriptor is kStaleDescriptor from then on. So one owner process may

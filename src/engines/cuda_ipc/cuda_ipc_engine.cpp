@@ -290,7 +290,7 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
     }
   }
   auto mapping = std::make_shared<RemoteMapping>(base, device_);
-  // The descriptor's allocation size is untrusted: check it against what the
+  // The descriptor's sizes are untrusted: check the view against what the
   // handle really maps, so that no copy can run past the mapping.
   cuda::AddressRange range;
   bool known = false;
@@ -299,13 +299,16 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
   } catch (const Error&) {
     known = false;  // the driver cannot say; the descriptor checks stand alone
   }
-  if (known && (range.base != reinterpret_cast<std::uintptr_t>(base) ||
-                range.size < remote.cuda_share.allocation_bytes)) {
+  const std::uint64_t view_end = remote.offset_bytes() + remote.layout.total_bytes();
+  const auto b = reinterpret_cast<std::uintptr_t>(base);
+  if (known && (b < range.base || b - range.base > range.size ||
+                view_end > range.size - (b - range.base))) {
     throw Error(StatusCode::kCorruptDescriptor,
-                "cuda_ipc descriptor of " + gen_string(pid, remote.generation) + " claims " +
+                "cuda_ipc descriptor of " + gen_string(pid, remote.generation) +
+                    " puts the cache at bytes [" + std::to_string(remote.offset_bytes()) + ", " +
+                    std::to_string(view_end) + ") of an allocation it says holds " +
                     std::to_string(remote.cuda_share.allocation_bytes) +
-                    " bytes; the handle maps " + std::to_string(range.size) + " bytes at offset " +
-                    std::to_string(reinterpret_cast<std::uintptr_t>(base) - range.base));
+                    " bytes; the handle maps " + std::to_string(range.size) + " bytes");
   }
   // A new generation replaces its lineage's previous one: forget that (its
   // handle closes once reads in flight on it drain) and refuse it from now on.

@@ -239,8 +239,9 @@ TEST_F(CudaIpcEngine, LocalWrapOfAPyTorchLikeTensor) {
     auto cache = wrap_device_cache(l, static_cast<std::byte*>(raw) + 1024, l.total_bytes(), 0);
     CudaIpcKVTransferEngine engine(cache, 1u);
     EXPECT_EQ(engine.info().offset, 512);
-    // Out of its allocation.
-    EXPECT_THROW(wrap_device_memory(static_cast<std::byte*>(raw) + 1024, l.total_bytes() + 1, 0),
+    // Out of its allocation (by more than any rounding of the allocation).
+    EXPECT_THROW(wrap_device_memory(static_cast<std::byte*>(raw) + 1024,
+                                    l.total_bytes() + (std::size_t{64} << 20), 0),
                  Error);
   }
   EXPECT_EQ(cudaFree(raw), cudaSuccess) << "the wrapped memory was freed by the cache";
