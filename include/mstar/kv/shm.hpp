@@ -28,7 +28,6 @@
 #include <optional>
 #include <span>
 #include <string>
-#include <sys/types.h>
 
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/descriptor.hpp"
@@ -164,9 +163,8 @@ class ShmKVTransferEngine final : public KVTransferEngine {
   // Number of remote mappings currently cached (for tests and tools).
   std::size_t cached_mappings() const;
 
-  struct Impl;
-
  private:
+  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 
