@@ -384,12 +384,12 @@ TEST_F(ShmRejects, CorruptOrForeignBytes) {
 // ---- faults -------------------------------------------------------------------
 
 TEST(ShmEngine, OwnerKilledDuringReadsNeverCrashesHangsOrLies) {
-  const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 2048);  // 64 MiB
-  Owner owner(l, 2048 * 16, 0);
+  const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 1024);  // 32 MiB
+  Owner owner(l, 1024 * 16, 0);
   auto cache = make_kv_cache(l, MemoryKind::kHost);
   auto m = shm_manager(cache, 5000ms, 1);
-  std::vector<std::uint32_t> lp(2048);
-  for (std::uint32_t i = 0; i < 2048; ++i) lp[i] = i;
+  std::vector<std::uint32_t> lp(1024);
+  for (std::uint32_t i = 0; i < 1024; ++i) lp[i] = i;
   const auto& seq = owner.seq;
   std::atomic<bool> killed{false};
   std::jthread killer([&] {  // joined on every way out of the test
