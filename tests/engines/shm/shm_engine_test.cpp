@@ -318,6 +318,18 @@ TEST_F(ShmRejects, AnotherUsersCache) {
   EXPECT_EQ(code_of_read(*m2, owner_->seq, bad.encode(), 64), StatusCode::kPermissionDenied);
 }
 
+TEST_F(ShmRejects, AnotherUserCannotOpenItEvenWithAForgedUid) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to start a reader as another user";
+  // A reader running as nobody rewrites the descriptor's uid to its own: the
+  // kernel's access check on /proc/<pid>/fd must still refuse it.
+  Child other({SHM_PEER_PATH, "--reader", "--as-uid", "65534", "--layout",
+               shmtest::layout_arg(l_), "--seed", std::to_string(kSeed)});
+  other.write_line("tryopen " + shmtest::to_hex(owner_->seq.encode()));
+  const std::string line = other.read_line();
+  EXPECT_EQ(line.rfind("CODE " + std::string(to_string(StatusCode::kPermissionDenied)), 0), 0u)
+      << line;
+}
+
 TEST_F(ShmRejects, FdThatIsNotASharedCache) {
   for (std::uint32_t fd : {0u, 1u, 2u, 999u}) {
     ShmKVTransferInfo bad = good_;
