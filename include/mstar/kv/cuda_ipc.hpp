@@ -184,7 +184,9 @@ std::shared_ptr<KVCache> wrap_device_cache(const KVLayout& layout,
 //   with kShutdown, closes every opened handle, destroys streams and events;
 //   later reads throw Error(kShutdown). Idempotent; run by the destructor.
 // Thread safety: every method is safe from any thread. The calling thread's
-// current CUDA device is left as it was.
+// current CUDA device is set to the cache's device for each call and then
+// restored (restoring initialises the previous device's primary context if
+// the thread had never used it, as cudaSetDevice does since CUDA 12).
 class CudaIpcKVTransferEngine final : public KVTransferEngine {
  public:
   // kv_cache must be device memory from make_kv_cache(..., kDevice) or
