@@ -26,19 +26,24 @@
 //   transports, i.e. tcp, never shared memory). Endpoints are cached per
 //   peer; a failed peer is evicted and the next read connects afresh.
 // * Two ways to read, chosen per connection ("ucx_mode"):
-//     get  one-sided ucp_get_nbx with the peer's remote key; used where the
-//          transport has real RMA (shared memory: posix/sysv/cma, RDMA).
 //     am   peer-served: the reader sends the planned byte ranges in one
 //          active message; the owner validates them against its registered
 //          region and generation and answers with active-message sends
-//          straight from its registered pages; the reader lands them in its
-//          own (registered) pages. Used where RMA is only emulated (tcp),
-//          where UCX's software get is 3-5x slower than its sends.
-//   auto (default) opens the worker-address endpoint, asks it which
-//   transport carries its RMA lanes (ucp_ep_print_info: UCX 1.13's
-//   ucp_ep_query does not tell) and uses get when an rma_bw lane is a real
-//   RMA transport (anything but tcp), am otherwise (closing that endpoint).
-//   The public API is a read either way.
+//          straight from its registered pages (rendezvous, i.e. zero-copy,
+//          for spans of 64 KiB and more; eager below); the reader lands them
+//          in its own registered pages. Over shared memory the messages go
+//          over the worker-address endpoint (sysv/posix fifo, cma for the
+//          rendezvous); otherwise over the client/server endpoint (tcp).
+//     get  one-sided ucp_get_nbx with the peer's remote key on the
+//          worker-address endpoint, at most 16 per read in flight.
+//   auto (default) asks the worker-address endpoint which transports carry
+//   its lanes (ucp_ep_print_info: UCX 1.13's ucp_ep_query does not tell)
+//   and uses get only when an RMA lane is an RDMA transport (rc/dc), am
+//   otherwise. Measured with UCX 1.13 here: ucp_get_nbx is emulated in
+//   software both over tcp and over shared memory (posix/sysv can map only
+//   memory UCX allocated; cma serves rendezvous, not gets), reaching 0.2-1
+//   GB/s, while am replies reach the transport's send bandwidth. The public
+//   API is a read either way.
 // * Faults: a dead peer fails every read on it with kPeerFailure as soon as
 //   UCX's peer error handling reports it, and in any case within the
 //   engine's timeout (kTimeout). A read that is timed out, cancelled or shut
@@ -61,11 +66,11 @@
 //          on.)
 //
 // Options (EngineOptions.extra)
-//   ucx_mode        auto | get | am            (default auto)
-//   ucx_am_proto    eager | rndv               how the owner sends am replies
-//                                               (default eager: lowest cost
-//                                               on tcp, see README)
-//   ucx_chunk_bytes bytes per get / am reply   (default 1 MiB, >= 4096)
+//   ucx_mode        auto | get | am        (default auto)
+//   ucx_am_proto    auto | eager | rndv    how this engine, as an owner,
+//                                           sends am replies (default auto:
+//                                           rendezvous from 64 KiB)
+//   ucx_chunk_bytes bytes per get / am reply, in [4096, 2^30] (default 4 MiB)
 // UCX itself is configured by its environment (UCX_TLS, UCX_NET_DEVICES).
 // MSTAR_KV_UCX_DEBUG=1 prints each rma endpoint's lanes (what auto decides on).
 //

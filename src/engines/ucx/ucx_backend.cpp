@@ -139,8 +139,11 @@ struct Conn {
   std::uint64_t id = 0;
   std::string session_id;
   ucp_ep_h ep = nullptr;             // [progress] client/server: control, am reads
-  ucp_ep_h rma_ep = nullptr;         // [progress] to the worker address: gets
-  ucp_rkey_h rkey = nullptr;         // [progress] unpacked on rma_ep
+  // [progress] to the owner's worker address, where UCX may use shared
+  // memory or RDMA: gets, or am reads when its am lane is shared memory.
+  ucp_ep_h data_ep = nullptr;
+  ucp_rkey_h rkey = nullptr;         // [progress] unpacked on data_ep (get)
+  bool am_on_data = false;           // am reads go over data_ep, not ep
   bool closing = false;              // [progress]
   bool hello_set = false;            // [progress]
   std::set<std::uint64_t> batches;   // [progress]
@@ -235,10 +238,11 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   void maybe_finish(std::shared_ptr<Batch> b);
   void fail_batch(std::shared_ptr<Batch> b, Status st);
   struct EpInfo {
-    bool real_rma = false;  // an RMA lane that is not tcp's emulation
+    bool nic_rma = false;  // an RMA lane on an RDMA transport
+    bool shm_am = false;   // an active-message lane on shared memory
   };
   EpInfo inspect_ep(ucp_ep_h ep);
-  void rma_ep_ready(std::uint64_t conn_id, ucs_status_t st);
+  void data_ep_ready(std::uint64_t conn_id, ucs_status_t st);
   void close_server_ep(ucp_ep_h ep);
   void close_ep(ucp_ep_h ep, ucp_rkey_h rkey, std::shared_ptr<Conn> keep);
   // Sends a small message whose header and data are copied into a block
@@ -269,6 +273,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> conns_;
   std::unordered_map<std::uint64_t, std::shared_ptr<Batch>> batches_;
   std::set<ucp_ep_h> server_eps_;
+  std::set<ucp_ep_h> dead_eps_;       // closed in this progress round
+  std::size_t sends_in_flight_ = 0;   // data replies not completed yet
   std::set<std::uint64_t> draining_;  // aborted get batches waiting to drain
   struct Closing {
     void* request;
@@ -441,6 +447,7 @@ void UcxCore::drain_deferred() {
     deferred_.clear();
     for (auto& w : work) w();
   }
+  dead_eps_.clear();
 }
 
 void UcxCore::check_drains() {
@@ -529,16 +536,20 @@ void UcxCore::run() {
       std::lock_guard<std::mutex> lk(mu_);
       if (!commands_.empty()) continue;
     }
-    // Spin briefly after activity (latency), then sleep on the worker's
-    // event fd (a shared 2-core machine must not burn a core per engine).
-    if (++idle < 256 || efd_ < 0) {
+    // Idle: spin a little (yielding: the machine may be shared), then sleep
+    // on the worker's event fd. While reads or data replies are in flight
+    // the sleep is 1 ms at most: shared-memory transports raise no event
+    // when the peer frees room in a fifo or a get completes.
+    const bool busy = !batches_.empty() || sends_in_flight_ != 0;
+    if (++idle < (busy ? 32 : 256) || efd_ < 0) {
       if (efd_ < 0 && idle >= 256) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      std::this_thread::yield();
       continue;
     }
     idle = 0;
     if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
     pollfd pfd{efd_, POLLIN, 0};
-    (void)::poll(&pfd, 1, draining_.empty() ? 100 : 10);
+    (void)::poll(&pfd, 1, busy ? 1 : (draining_.empty() ? 100 : 10));
   }
   // What UCX did not complete in the grace period: the worker is destroyed
   // right after this returns, so nothing can land any more.
@@ -594,6 +605,7 @@ void UcxCore::on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t) {
 
 void UcxCore::close_server_ep(ucp_ep_h ep) {
   if (server_eps_.erase(ep) == 0) return;
+  dead_eps_.insert(ep);
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -647,7 +659,10 @@ void UcxCore::send_err(ucp_ep_h ep, std::uint64_t batch_id, const Status& st) {
 
 void UcxCore::serve_read(ucp_ep_h ep, std::uint64_t batch_id, std::uint64_t generation,
                          const std::vector<WireSpan>& spans) {
-  if (server_eps_.count(ep) == 0) return;
+  // The reply endpoint is one of our listener's endpoints or one UCX made
+  // for a reader's data endpoint; only a listener endpoint closed since the
+  // request arrived (same progress round) is gone.
+  if (dead_eps_.count(ep) != 0) return;
   // Validate the whole request before sending a byte: the reader is not
   // trusted with anything outside the registered region.
   if (generation != region_.generation) {
@@ -671,21 +686,31 @@ void UcxCore::serve_read(ucp_ep_h ep, std::uint64_t batch_id, std::uint64_t gene
       return;
     }
   }
+  struct SendCtx {
+    UcxCore* core;
+    DataHdr hdr;
+  };
   for (const WireSpan& s : spans) {
-    auto* hdr = new DataHdr{batch_id, s.local_offset, s.length};
+    auto* ctx = new SendCtx{this, DataHdr{batch_id, s.local_offset, s.length}};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
                       UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
-    rp.flags = options_.am_rndv ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
+    rp.flags = s.length >= options_.rndv_bytes ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
     rp.memh = memh_;
     rp.cb.send = [](void* req, ucs_status_t, void* ud) {
-      delete static_cast<DataHdr*>(ud);
+      auto* c = static_cast<SendCtx*>(ud);
+      --c->core->sends_in_flight_;
+      delete c;
       ucp_request_free(req);
     };
-    rp.user_data = hdr;
-    ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReadData, hdr, sizeof *hdr,
+    rp.user_data = ctx;
+    ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReadData, &ctx->hdr, sizeof ctx->hdr,
                                           cache_->base() + s.remote_offset, s.length, &rp);
-    if (!UCS_PTR_IS_PTR(sp)) delete hdr;
+    if (UCS_PTR_IS_PTR(sp)) {
+      ++sends_in_flight_;
+    } else {
+      delete ctx;
+    }
     if (UCS_PTR_IS_ERR(sp)) return;  // the endpoint failed; its error handler closes it
   }
 }
@@ -885,23 +910,30 @@ void UcxCore::hello_reply(std::uint64_t token, const std::vector<std::uint8_t>& 
     return;
   }
   conn->mode = Mode::kAm;
-  if (options_.mode != Mode::kAm && !address.empty()) {
+  if (!address.empty()) {
     ucp_ep_params_t ep{};
-    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
     ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
     // No peer error handling on this endpoint: UCX 1.13's shared-memory
     // transports other than cma cannot provide it, and asking for it makes
     // UCX fall back to tcp. Peer failure is detected on the control
-    // endpoint (tcp, peer error handling), which closes this one too.
-    ep.field_mask &= ~static_cast<std::uint64_t>(UCP_EP_PARAM_FIELD_ERR_HANDLER);
+    // endpoint (tcp, peer error handling), which then closes this one.
     ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-    ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->rma_ep);
-    if (st != UCS_OK) conn->rma_ep = nullptr;
+    ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->data_ep);
+    if (st != UCS_OK) conn->data_ep = nullptr;
     EpInfo info;
-    if (conn->rma_ep != nullptr) info = inspect_ep(conn->rma_ep);
-    if (conn->rma_ep != nullptr && (options_.mode == Mode::kGet || info.real_rma)) {
-      st = ucp_ep_rkey_unpack(conn->rma_ep, conn->served.backend_blob.data(), &conn->rkey);
+    if (conn->data_ep != nullptr) info = inspect_ep(conn->data_ep);
+    const bool get = conn->data_ep != nullptr &&
+                     (options_.mode == Mode::kGet ||
+                      (options_.mode == Mode::kAuto && info.nic_rma));
+    if (options_.mode == Mode::kGet && !get) {
+      close_conn(conn, Status(StatusCode::kUnavailable,
+                              "ucx_mode=get, but no endpoint to the peer's worker address: " +
+                                  ucs_str(st)));
+      return;
+    }
+    if (get) {
+      st = ucp_ep_rkey_unpack(conn->data_ep, conn->served.backend_blob.data(), &conn->rkey);
       if (st != UCS_OK) {
         conn->rkey = nullptr;
         close_conn(conn, Status(StatusCode::kPermissionDenied,
@@ -909,47 +941,52 @@ void UcxCore::hello_reply(std::uint64_t token, const std::vector<std::uint8_t>& 
         return;
       }
       conn->mode = Mode::kGet;
+    } else if (conn->data_ep != nullptr && info.shm_am) {
+      conn->am_on_data = true;
+    } else if (conn->data_ep != nullptr) {
+      // Nothing better than the control endpoint: am reads go over it.
+      close_ep(conn->data_ep, nullptr, nullptr);
+      conn->data_ep = nullptr;
+    }
+    if (conn->data_ep != nullptr) {
       // Finish the endpoint's wireup before the first read, within the
-      // connect timeout: reads then never wait behind a wireup that a dying
-      // peer leaves hanging.
+      // connect timeout: reads never wait behind a wireup that a dying peer
+      // leaves hanging.
       ucp_request_param_t rp{};
       rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       rp.cb.send = [](void* req, ucs_status_t s2, void* ud) {
         auto* tag = static_cast<ReqCtx*>(ud);
         tag->core->deferred_.push_back(
-            [core = tag->core, id = tag->batch_id, s2] { core->rma_ep_ready(id, s2); });
+            [core = tag->core, id = tag->batch_id, s2] { core->data_ep_ready(id, s2); });
         delete tag;
         ucp_request_free(req);
       };
       rp.user_data = new ReqCtx{this, conn->id};
-      ucs_status_ptr_t sp = ucp_ep_flush_nbx(conn->rma_ep, &rp);
+      ucs_status_ptr_t sp = ucp_ep_flush_nbx(conn->data_ep, &rp);
       if (!UCS_PTR_IS_PTR(sp)) {
         delete static_cast<ReqCtx*>(rp.user_data);
-        rma_ep_ready(conn->id, UCS_PTR_STATUS(sp));
+        data_ep_ready(conn->id, UCS_PTR_STATUS(sp));
       }
       return;
-    } else if (conn->rma_ep != nullptr) {
-      // No real RMA between us: reads are served by the owner over conn->ep.
-      close_ep(conn->rma_ep, nullptr, nullptr);
-      conn->rma_ep = nullptr;
     }
-    if (options_.mode == Mode::kGet && conn->mode != Mode::kGet) {
-      close_conn(conn, Status(StatusCode::kUnavailable,
-                              "ucx_mode=get, but no endpoint to the peer's worker address: " +
-                                  ucs_str(st)));
-      return;
-    }
+  } else if (options_.mode == Mode::kGet) {
+    close_conn(conn, Status(StatusCode::kUnavailable,
+                            "ucx_mode=get, but the peer sent no worker address"));
+    return;
   }
   conn->hello_set = true;
   conn->hello.set_value(Status::ok());
 }
 
 UcxCore::EpInfo UcxCore::inspect_ep(ucp_ep_h ep) {
-  // UCX 1.13 has no query for "is RMA native on this endpoint"
-  // (ucp_ep_query reports names and addresses only); its configuration dump
-  // names the transport of every lane and marks the RMA lanes ("rma_bw").
-  // tcp's get is a software emulation over active messages, so get is used
-  // only when an rma_bw lane runs on something else.
+  // UCX 1.13 cannot be asked "is RMA native on this endpoint" (ucp_ep_query
+  // reports names and addresses only), but its configuration dump names the
+  // transport and the roles of every lane. Measured here (protocol v1, the
+  // default of 1.13): ucp_get_nbx is a software emulation over active
+  // messages on tcp and also on shared memory (posix/sysv can only map
+  // memory UCX allocated itself; cma serves rendezvous, not gets), so gets
+  // are only chosen for RDMA lanes; on shared memory the owner's
+  // active-message replies (rendezvous over cma) are the fast path.
   EpInfo out;
   char* buf = nullptr;
   std::size_t size = 0;
@@ -964,24 +1001,31 @@ UcxCore::EpInfo UcxCore::inspect_ep(ucp_ep_h ep) {
   while (start < info.size()) {
     std::size_t end = info.find('\n', start);
     if (end == std::string::npos) end = info.size();
-    const std::string line = info.substr(start, end - start);
+    const std::string line = info.substr(start, end - start) + " ";
     start = end + 1;
     if (line.find("lane[") == std::string::npos) continue;
-    if (line.find("rma_bw") != std::string::npos && line.find("tcp") == std::string::npos) {
-      out.real_rma = true;
-    }
+    const bool tcp = line.find("tcp") != std::string::npos;
+    const bool shm = line.find("sysv") != std::string::npos ||
+                     line.find("posix") != std::string::npos ||
+                     line.find("xpmem") != std::string::npos;
+    const bool rdma = line.find("rc_") != std::string::npos ||
+                      line.find("dc_") != std::string::npos ||
+                      line.find("rc/") != std::string::npos ||
+                      line.find("dc/") != std::string::npos;
+    if (rdma && line.find(" rma") != std::string::npos) out.nic_rma = true;
+    if (shm && !tcp && line.find(" am ") != std::string::npos) out.shm_am = true;
   }
   return out;
 }
 
-void UcxCore::rma_ep_ready(std::uint64_t conn_id, ucs_status_t st) {
+void UcxCore::data_ep_ready(std::uint64_t conn_id, ucs_status_t st) {
   auto it = conns_.find(conn_id);
   if (it == conns_.end()) return;
   auto conn = it->second;
   if (conn->hello_set || conn->closing) return;
   if (st != UCS_OK) {
     close_conn(conn, Status(StatusCode::kPeerFailure,
-                            "wireup of the rma endpoint failed: " + ucs_str(st)));
+                            "wireup of the data endpoint failed: " + ucs_str(st)));
     return;
   }
   conn->hello_set = true;
@@ -1009,28 +1053,27 @@ void UcxCore::close_conn(std::shared_ptr<Conn> c, const Status& why, bool force)
   // run (with an error) before the close completes.
   if (c->ep) close_ep(c->ep, nullptr, c);
   c->ep = nullptr;
-  // Gets still in flight keep the rma endpoint open until they complete
-  // (maybe_finish closes it): UCX 1.13 does not reliably purge gets queued
-  // on a shared-memory endpoint without peer error handling, and a purged
-  // get must not be mistaken for one that can no longer write.
+  // Requests still in flight keep the data endpoint open until they
+  // complete (maybe_finish closes it): UCX 1.13 does not reliably purge
+  // requests queued on an endpoint without peer error handling.
   bool gets_in_flight = false;
   for (std::uint64_t id : c->batches) {
     auto it = batches_.find(id);
     if (it != batches_.end() && it->second->outstanding != 0) gets_in_flight = true;
   }
-  if (c->rma_ep && (force || !gets_in_flight)) {
-    close_ep(c->rma_ep, c->rkey, c);
-    c->rma_ep = nullptr;
+  if (c->data_ep && (force || !gets_in_flight)) {
+    close_ep(c->data_ep, c->rkey, c);
+    c->data_ep = nullptr;
     c->rkey = nullptr;
     if (gets_in_flight) {
-      // Written off: a get is executed by this thread inside UCX calls on
-      // that endpoint (shared memory copies, tcp's emulated replies), and
-      // the endpoint is gone, so what UCX left uncompleted can no longer
-      // write. UCX 1.13 leaves such gets on an endpoint without peer error
-      // handling uncompleted when the owner died.
+      // Written off: gets and rendezvous receives over shared memory or tcp
+      // are executed by this thread inside UCX calls on that endpoint
+      // (process_vm_readv / memcpy / socket reads), and the endpoint is
+      // gone, so what UCX left uncompleted can no longer write. (UCX 1.13
+      // leaves such requests of a dead owner uncompleted.)
       for (std::uint64_t id : c->batches) {
         auto it = batches_.find(id);
-        if (it != batches_.end() && it->second->get) it->second->outstanding = 0;
+        if (it != batches_.end()) it->second->outstanding = 0;
       }
     }
   }
@@ -1076,10 +1119,10 @@ void UcxCore::maybe_finish(std::shared_ptr<Batch> b) {
   if (batches_.erase(b->id) == 0) return;  // finished already
   const auto& c = b->conn;
   c->batches.erase(b->id);
-  if (c->closing && c->batches.empty() && c->rma_ep != nullptr) {
+  if (c->closing && c->batches.empty() && c->data_ep != nullptr) {
     // The last get on a closed connection drained: now its endpoint goes.
-    close_ep(c->rma_ep, c->rkey, c);
-    c->rma_ep = nullptr;
+    close_ep(c->data_ep, c->rkey, c);
+    c->data_ep = nullptr;
     c->rkey = nullptr;
   }
   Status st = b->failure  ? *b->failure
@@ -1104,7 +1147,7 @@ void UcxCore::request_finished(std::uint64_t batch_id, ucs_status_t st) {
 void UcxCore::post_gets(const std::shared_ptr<Batch>& b) {
   const auto& c = b->conn;
   while (b->outstanding < kGetWindow && b->next_chunk < b->chunks.size() && !b->aborted &&
-         !b->failure && c->rma_ep != nullptr && !c->closing) {
+         !b->failure && c->data_ep != nullptr && !c->closing) {
     const rma::RmaRead& r = b->chunks[b->next_chunk++];
     auto* ctx = new ReqCtx{this, b->id};
     ucp_request_param_t rp{};
@@ -1113,7 +1156,7 @@ void UcxCore::post_gets(const std::shared_ptr<Batch>& b) {
     rp.cb.send = &UcxCore::on_req_done;
     rp.user_data = ctx;
     rp.memh = memh_;
-    ucs_status_ptr_t sp = ucp_get_nbx(c->rma_ep, cache_->base() + r.local_offset, r.length,
+    ucs_status_ptr_t sp = ucp_get_nbx(c->data_ep, cache_->base() + r.local_offset, r.length,
                                       c->served.data_ptr + r.remote_offset, c->rkey, &rp);
     if (UCS_PTR_IS_PTR(sp)) {
       ++b->outstanding;
@@ -1160,7 +1203,7 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
     b->pending.emplace(r.local_offset, r.length);
   }
   const ReadReqHdr hdr{b->id, c->served.generation, spans.size()};
-  send_small(c->ep, kAmReadReq, &hdr, sizeof hdr, spans.data(),
+  send_small(c->am_on_data ? c->data_ep : c->ep, kAmReadReq, &hdr, sizeof hdr, spans.data(),
              spans.size() * sizeof(WireSpan), true);
 }
 
@@ -1169,22 +1212,16 @@ void UcxCore::abort_batch(std::uint64_t id) {
   if (it == batches_.end()) return;
   auto b = it->second;
   b->aborted = true;
-  if (b->outstanding == 0 || b->get) {
-    // Gets: stop posting; the few in flight (kGetWindow) complete by
-    // themselves and the read resolves when the last one has. If they have
-    // not after kDrainGrace (a hung owner over tcp's emulated get), the
-    // progress loop closes the connection by force.
-    if (b->outstanding != 0) {
-      b->drain_deadline = std::chrono::steady_clock::now() + kDrainGrace;
-      draining_.insert(b->id);
-    }
-    maybe_finish(b);
-    return;
+  // Stop posting (gets) and drop data still to arrive (am). Requests that
+  // write into local pages (at most kGetWindow gets, or rendezvous
+  // receives already started) complete by themselves and the read resolves
+  // when the last one has; if they have not after kDrainGrace (a hung
+  // owner), the progress loop closes the connection by force.
+  if (b->outstanding != 0) {
+    b->drain_deadline = std::chrono::steady_clock::now() + kDrainGrace;
+    draining_.insert(b->id);
   }
-  // Rendezvous receives that write into local pages are in flight: a forced
-  // close completes them with UCS_ERR_CANCELED before the read resolves.
-  close_conn(b->conn, Status(StatusCode::kCancelled,
-                             "a read on it was stopped with requests in flight"));
+  maybe_finish(b);
 }
 
 // ---------------------------------------------------------------------------
@@ -1261,10 +1298,11 @@ UcxOptions UcxOptions::parse(const EngineOptions& options) {
       else throw Error(StatusCode::kInvalidArgument,
                        "ucx_mode '" + value + "' is not one of auto, get, am");
     } else if (key == "ucx_am_proto") {
-      if (value == "eager") o.am_rndv = false;
-      else if (value == "rndv") o.am_rndv = true;
+      if (value == "eager") o.rndv_bytes = ~std::uint64_t{0};
+      else if (value == "rndv") o.rndv_bytes = 0;
+      else if (value == "auto") o.rndv_bytes = 64u << 10;
       else throw Error(StatusCode::kInvalidArgument,
-                       "ucx_am_proto '" + value + "' is not one of eager, rndv");
+                       "ucx_am_proto '" + value + "' is not one of auto, eager, rndv");
     } else if (key == "ucx_chunk_bytes") {
       char* end = nullptr;
       const unsigned long long v = std::strtoull(value.c_str(), &end, 10);

@@ -17,8 +17,11 @@ enum class Mode : std::uint8_t { kAuto, kGet, kAm };
 
 struct UcxOptions {
   Mode mode = Mode::kAuto;
-  bool am_rndv = false;                 // am replies: rendezvous instead of eager
-  std::uint64_t chunk_bytes = 1u << 20;
+  // How the owner sends am replies: rendezvous (zero-copy: cma on shared
+  // memory, one socket copy on tcp) for replies of at least rndv_bytes,
+  // eager below (no handshake per small span).
+  std::uint64_t rndv_bytes = 64u << 10;
+  std::uint64_t chunk_bytes = 4u << 20;
   // Throws Error(kInvalidArgument) naming a bad key or value.
   static UcxOptions parse(const EngineOptions& options);
 };
