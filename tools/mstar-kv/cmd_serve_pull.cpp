@@ -1,0 +1,483 @@
+// Copyright mstar-kv authors.
+//
+// `mstar-kv serve` and `mstar-kv pull`: the two-host form of the demo.
+//
+// serve holds a cache, publishes demo requests (the pattern with a known
+// seed) and answers an HTTP control plane (cpp-httplib):
+//   GET    /v1/sequences               ids being served (JSON)
+//   GET    /v1/sequences/{id}          SequenceInfo::encode() bytes
+//                                      (application/octet-stream)
+//   GET    /v1/sequences/{id}/meta     seed, tokens and layout (JSON), what a
+//                                      puller needs to build a cache and verify
+//   POST   /v1/sequences/{id}/done     the puller is done: free the pages
+//   DELETE /v1/sequences/{id}/done     same
+// Unknown ids answer 404 with a message. The data plane is the engine's own
+// (for ucx: its listener on --data-port, by default the HTTP port + 1).
+//
+// pull fetches a sequence, pulls it with KVTransferManager (N times),
+// verifies every page against the pattern, prints GB/s, tells the server it
+// is done, and exits non-zero with a clear message on any failure.
+#include <httplib.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "args.hpp"
+#include "commands.hpp"
+#include "layout_args.hpp"
+#include "mstar/kv/kv.hpp"
+
+namespace mstar::kv::cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr std::uint16_t kDefaultHttpPort = 23480;  // outside 32768-60999
+constexpr std::uint64_t kDefaultSeed = 0x5e7e0001;
+
+struct HostPort {
+  std::string host;
+  std::uint16_t port = 0;
+};
+
+HostPort parse_host_port(const std::string& s, const char* flag) {
+  const auto colon = s.rfind(':');
+  HostPort hp;
+  if (colon == std::string::npos) {
+    hp.host = s;
+    hp.port = kDefaultHttpPort;
+  } else {
+    hp.host = s.substr(0, colon);
+    const std::string p = s.substr(colon + 1);
+    char* end = nullptr;
+    const unsigned long v = std::strtoul(p.c_str(), &end, 10);
+    if (p.empty() || *end != '\0' || v == 0 || v > 65535) {
+      throw Error(StatusCode::kInvalidArgument,
+                  std::string(flag) + " '" + s + "': port '" + p + "' is not in [1, 65535]");
+    }
+    hp.port = static_cast<std::uint16_t>(v);
+  }
+  if (hp.host.empty()) {
+    throw Error(StatusCode::kInvalidArgument, std::string(flag) + " '" + s + "' has no host");
+  }
+  return hp;
+}
+
+MemoryKind memory_for(const std::string& engine) {
+  return engine == "shm" ? MemoryKind::kSharedHost : MemoryKind::kHost;
+}
+
+std::string layout_json(const KVLayout& l) {
+  std::ostringstream o;
+  o << "{\"num_layers\":" << l.num_layers << ",\"num_pages\":" << l.num_pages
+    << ",\"page_size\":" << l.page_size << ",\"num_kv_heads\":" << l.num_kv_heads
+    << ",\"head_dim\":" << l.head_dim << ",\"dtype\":\"" << to_string(l.dtype)
+    << "\",\"has_v\":" << (l.has_v ? "true" : "false") << ",\"cache_order\":\""
+    << to_string(l.cache_order) << "\",\"page_order\":\"" << to_string(l.page_order) << "\"}";
+  return o.str();
+}
+
+// Minimal reader for the flat JSON this file writes: the value after "key":.
+std::string json_value(const std::string& json, const std::string& key) {
+  const std::string needle = "\"" + key + "\":";
+  const auto at = json.find(needle);
+  if (at == std::string::npos) {
+    throw Error(StatusCode::kCorruptDescriptor, "server metadata lacks '" + key + "'");
+  }
+  std::size_t i = at + needle.size();
+  if (i < json.size() && json[i] == '"') {
+    const auto end = json.find('"', i + 1);
+    if (end == std::string::npos) {
+      throw Error(StatusCode::kCorruptDescriptor, "server metadata: bad '" + key + "'");
+    }
+    return json.substr(i + 1, end - i - 1);
+  }
+  std::size_t end = i;
+  while (end < json.size() && json[end] != ',' && json[end] != '}') ++end;
+  return json.substr(i, end - i);
+}
+
+std::uint64_t json_u64(const std::string& json, const std::string& key) {
+  const std::string v = json_value(json, key);
+  char* end = nullptr;
+  const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0') {
+    throw Error(StatusCode::kCorruptDescriptor,
+                "server metadata: '" + key + "' = '" + v + "' is not a number");
+  }
+  return x;
+}
+
+// Blocks SIGINT/SIGTERM in every thread started after it; wait() returns
+// when one arrives or stop() is called.
+class SignalWaiter {
+ public:
+  SignalWaiter() {
+    sigemptyset(&set_);
+    sigaddset(&set_, SIGINT);
+    sigaddset(&set_, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set_, nullptr);
+  }
+  // Polls for a signal until `stop` becomes true; returns true on a signal.
+  bool wait(const std::atomic<bool>& stop) {
+    timespec ts{0, 50 * 1000 * 1000};
+    while (!stop.load(std::memory_order_acquire)) {
+      if (sigtimedwait(&set_, nullptr, &ts) > 0) return true;
+    }
+    return false;
+  }
+
+ private:
+  sigset_t set_;
+};
+
+const char* kServeHelp =
+    "usage: mstar-kv serve [options] [layout options]\n"
+    "\n"
+    "Holds a KV cache, publishes demo requests (sequence ids 0..N-1, filled with the\n"
+    "pattern of seed S+id) and serves them over HTTP until interrupted:\n"
+    "  GET /v1/sequences/{id}        SequenceInfo bytes (application/octet-stream)\n"
+    "  GET /v1/sequences/{id}/meta   seed, tokens and layout (JSON)\n"
+    "  POST|DELETE /v1/sequences/{id}/done   free the sequence's pages\n"
+    "\n"
+    "options:\n"
+    "  --engine NAME       transfer engine (default ucx)\n"
+    "  --listen HOST:PORT  HTTP address (default 127.0.0.1:23480; loopback unless told)\n"
+    "  --data-port N       the engine's data port (default HTTP port + 1)\n"
+    "  --data-host HOST    address peers use for data (default the --listen host)\n"
+    "  --sequences N       demo requests to publish (default 1)\n"
+    "  --tokens N          tokens per request (default 4096)\n"
+    "  --seed S            pattern seed of request 0 (default 0x5e7e0001)\n"
+    "  --scatter-seed N    shuffle the free pages (default 7; 0: contiguous)\n"
+    "  --timeout-ms N      engine timeout (default 30000)\n"
+    "  --extra K=V         engine option (repeatable as K=V,K=V)\n"
+    "  --exit-when-done    exit once every published sequence was marked done\n";
+
+const char* kPullHelp =
+    "usage: mstar-kv pull --from HOST:PORT [options]\n"
+    "\n"
+    "Fetches a sequence from `mstar-kv serve`, pulls its KV cache into a local cache\n"
+    "(N times), verifies every page against the pattern, prints GB/s and tells the\n"
+    "server it is done. Exits non-zero with a message when anything fails.\n"
+    "\n"
+    "options:\n"
+    "  --from HOST:PORT    the server's HTTP address (required)\n"
+    "  --seq ID            sequence id (default 0)\n"
+    "  --repeat N          pulls (default 1; the median is shown)\n"
+    "  --engine NAME       transfer engine (default: the descriptor's)\n"
+    "  --listen HOST:PORT  this process's data session (default: engine's choice)\n"
+    "  --cache-order O     local cache order (default: the server's)\n"
+    "  --page-order O      local in-page order (default: the server's)\n"
+    "  --timeout-ms N      engine timeout per pull (default 30000)\n"
+    "  --extra K=V         engine option (K=V,K=V)\n"
+    "  --keep              do not tell the server 'done'\n";
+
+void parse_extra(const Args& args, EngineOptions& o) {
+  if (!args.has("extra")) return;
+  std::stringstream ss(args.str("extra", ""));
+  for (std::string kv; std::getline(ss, kv, ',');) {
+    const auto eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      throw Error(StatusCode::kInvalidArgument, "--extra '" + kv + "' is not KEY=VALUE");
+    }
+    o.extra[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+}
+
+// "/v1/sequences/17/meta" -> 17; false when not a decimal id.
+bool parse_id(const std::string& s, std::uint64_t* id) {
+  if (s.empty() || s.size() > 19) return false;
+  std::uint64_t v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return false;
+    v = v * 10 + static_cast<std::uint64_t>(c - '0');
+  }
+  *id = v;
+  return true;
+}
+
+}  // namespace
+
+int cmd_serve(int argc, char** argv) {
+  std::set<std::string> options = layout_options();
+  for (const char* o : {"engine", "listen", "data-port", "data-host", "sequences", "tokens",
+                        "seed", "scatter-seed", "timeout-ms", "extra"}) {
+    options.insert(o);
+  }
+  Args args(argc, argv, {"help", "exit-when-done"}, options);
+  if (args.flag("help")) {
+    std::printf("%s\n%s", kServeHelp, layout_help());
+    return 0;
+  }
+  const std::string engine = args.str("engine", "ucx");
+  const HostPort http = parse_host_port(args.str("listen", "127.0.0.1"), "--listen");
+  const std::uint64_t data_port = args.u64("data-port", http.port + 1u);
+  if (data_port == 0 || data_port > 65535) {
+    throw Error(StatusCode::kInvalidArgument,
+                "--data-port " + std::to_string(data_port) + " is not in [1, 65535]");
+  }
+  const std::string data_host = args.str("data-host", http.host);
+  const std::uint64_t sequences = args.u64("sequences", 1);
+  const std::uint64_t tokens = args.u64("tokens", 4096);
+  const std::uint64_t seed = args.u64("seed", kDefaultSeed);
+  if (sequences == 0 || sequences > 4096) {
+    throw Error(StatusCode::kInvalidArgument,
+                "--sequences " + std::to_string(sequences) + " is not in [1, 4096]");
+  }
+  if (tokens == 0) throw Error(StatusCode::kInvalidArgument, "--tokens 0: nothing to serve");
+  // Enough pages for every request unless --pages says otherwise.
+  const std::uint64_t page_size = args.u64("page-size", 16);
+  const std::uint64_t pages_needed =
+      page_size == 0 ? 1 : ((tokens + page_size - 1) / page_size) * sequences;
+  if (pages_needed > LayoutLimits::kMaxPages) {
+    throw Error(StatusCode::kInvalidArgument,
+                std::to_string(sequences) + " requests of " + std::to_string(tokens) +
+                    " tokens need " + std::to_string(pages_needed) + " pages, limit " +
+                    std::to_string(LayoutLimits::kMaxPages));
+  }
+  const KVLayout layout = layout_from_args(args, static_cast<std::uint32_t>(pages_needed));
+
+  EngineOptions eo;
+  eo.timeout = std::chrono::milliseconds(args.u64("timeout-ms", 30000));
+  parse_extra(args, eo);
+  SignalWaiter signals;  // before any thread starts
+
+  auto cache = make_kv_cache(layout, memory_for(engine));
+  const std::string session = data_host + ":" + std::to_string(data_port);
+  KVTransferManager manager(TransferEngineInfo{"serve", session, engine, eo}, cache);
+  KVCachePool pool(cache, manager.get_kv_transfer_info(), args.u64("scatter-seed", 7));
+  for (std::uint64_t id = 0; id < sequences; ++id) {
+    const auto pages = pool.allocate(id, tokens);
+    fill_pattern(*cache, seed + id, pages, 0, tokens);
+  }
+
+  std::mutex mu;
+  std::set<std::uint64_t> live;  // guarded by mu
+  for (std::uint64_t id = 0; id < sequences; ++id) live.insert(id);
+  std::atomic<bool> all_done{false};
+  const bool exit_when_done = args.flag("exit-when-done");
+
+  httplib::Server svr;
+  auto not_found = [](httplib::Response& res, const std::string& what) {
+    res.status = 404;
+    res.set_content(what + "\n", "text/plain");
+  };
+  svr.Get("/v1/sequences", [&](const httplib::Request&, httplib::Response& res) {
+    std::lock_guard<std::mutex> lk(mu);
+    std::string body = "{\"sequences\":[";
+    bool first = true;
+    for (std::uint64_t id : live) {
+      body += (first ? "" : ",") + std::to_string(id);
+      first = false;
+    }
+    res.set_content(body + "]}\n", "application/json");
+  });
+  svr.Get(R"(/v1/sequences/([^/]+))", [&](const httplib::Request& req, httplib::Response& res) {
+    std::uint64_t id = 0;
+    if (!parse_id(req.matches[1], &id) || !pool.contains(id)) {
+      return not_found(res, "sequence '" + std::string(req.matches[1]) + "' is not served here");
+    }
+    const auto bytes = pool.publish(id).encode();
+    res.set_content(std::string(bytes.begin(), bytes.end()), "application/octet-stream");
+    res.set_header("X-Mstar-Kv-Seed", std::to_string(seed + id));
+  });
+  svr.Get(R"(/v1/sequences/([^/]+)/meta)",
+          [&](const httplib::Request& req, httplib::Response& res) {
+            std::uint64_t id = 0;
+            if (!parse_id(req.matches[1], &id) || !pool.contains(id)) {
+              return not_found(res, "sequence '" + std::string(req.matches[1]) +
+                                        "' is not served here");
+            }
+            res.set_content("{\"seq_id\":" + std::to_string(id) +
+                                ",\"num_tokens\":" + std::to_string(tokens) +
+                                ",\"seed\":" + std::to_string(seed + id) + ",\"engine\":\"" +
+                                engine + "\",\"layout\":" + layout_json(layout) + "}\n",
+                            "application/json");
+          });
+  auto done = [&](const httplib::Request& req, httplib::Response& res) {
+    std::uint64_t id = 0;
+    if (!parse_id(req.matches[1], &id) || !pool.contains(id)) {
+      return not_found(res, "sequence '" + std::string(req.matches[1]) + "' is not served here");
+    }
+    pool.release(id);
+    std::lock_guard<std::mutex> lk(mu);
+    live.erase(id);
+    std::printf("sequence %llu done: %zu pages free\n", static_cast<unsigned long long>(id),
+                pool.free_page_count());
+    std::fflush(stdout);
+    res.set_content("released sequence " + std::to_string(id) + "\n", "text/plain");
+    if (live.empty() && exit_when_done) {
+      all_done.store(true, std::memory_order_release);
+    }
+  };
+  svr.Post(R"(/v1/sequences/([^/]+)/done)", done);
+  svr.Delete(R"(/v1/sequences/([^/]+)/done)", done);
+
+  if (!svr.bind_to_port(http.host.c_str(), http.port)) {
+    throw Error(StatusCode::kUnavailable, "cannot listen for HTTP on " + http.host + ":" +
+                                              std::to_string(http.port) +
+                                              " (address in use or not local?)");
+  }
+  std::printf("mstar-kv serve: engine '%s', %llu request(s) of %llu tokens, layout %s\n",
+              engine.c_str(), static_cast<unsigned long long>(sequences),
+              static_cast<unsigned long long>(tokens), layout.to_string().c_str());
+  std::printf("http://%s:%u/v1/sequences/{0..%llu}  data %s  seed %llu+id\n", http.host.c_str(),
+              http.port, static_cast<unsigned long long>(sequences - 1), session.c_str(),
+              static_cast<unsigned long long>(seed));
+  std::fflush(stdout);
+
+  std::thread http_thread([&] { svr.listen_after_bind(); });
+  const bool signalled = signals.wait(all_done);
+  svr.stop();
+  http_thread.join();
+  manager.cleanup();
+  std::printf("mstar-kv serve: %s\n", signalled ? "interrupted, stopped" : "all sequences done");
+  return 0;
+}
+
+int cmd_pull(int argc, char** argv) {
+  Args args(argc, argv, {"help", "keep"},
+            {"from", "seq", "repeat", "engine", "listen", "cache-order", "page-order",
+             "timeout-ms", "extra"});
+  if (args.flag("help")) {
+    std::printf("%s", kPullHelp);
+    return 0;
+  }
+  if (!args.has("from")) {
+    throw Error(StatusCode::kInvalidArgument, "pull needs --from HOST:PORT (see --help)");
+  }
+  const HostPort from = parse_host_port(args.str("from", ""), "--from");
+  const std::uint64_t seq_id = args.u64("seq", 0);
+  const std::uint64_t repeat = args.u64("repeat", 1);
+  if (repeat == 0 || repeat > 10000) {
+    throw Error(StatusCode::kInvalidArgument,
+                "--repeat " + std::to_string(repeat) + " is not in [1, 10000]");
+  }
+  const std::string base = "/v1/sequences/" + std::to_string(seq_id);
+
+  httplib::Client http(from.host, from.port);
+  http.set_connection_timeout(5, 0);
+  http.set_read_timeout(30, 0);
+  http.set_write_timeout(30, 0);
+  auto fetch = [&](const std::string& path) {
+    auto res = http.Get(path.c_str());
+    if (!res) {
+      throw Error(StatusCode::kUnavailable,
+                  "cannot reach server http://" + from.host + ":" + std::to_string(from.port) +
+                      path + ": " + httplib::to_string(res.error()));
+    }
+    if (res->status == 404) {
+      throw Error(StatusCode::kNotFound, "server says: " + res->body);
+    }
+    if (res->status != 200) {
+      throw Error(StatusCode::kUnavailable,
+                  "GET " + path + " answered HTTP " + std::to_string(res->status) + ": " +
+                      res->body);
+    }
+    return res->body;
+  };
+  const std::string bytes = fetch(base);
+  const SequenceInfo seq = SequenceInfo::decode(std::span<const std::uint8_t>(
+      reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()));
+  const std::string meta = fetch(base + "/meta");
+  const std::uint64_t seed = json_u64(meta, "seed");
+  if (json_u64(meta, "num_tokens") != seq.num_tokens || json_u64(meta, "seq_id") != seq.seq_id) {
+    throw Error(StatusCode::kCorruptDescriptor,
+                "server metadata does not match sequence " + std::to_string(seq_id));
+  }
+  const auto lpos = meta.find("\"layout\":");
+  if (lpos == std::string::npos) {
+    throw Error(StatusCode::kCorruptDescriptor, "server metadata lacks the layout");
+  }
+  const std::string lj = meta.substr(lpos);
+  KVLayout layout;
+  layout.num_layers = static_cast<std::uint32_t>(json_u64(lj, "num_layers"));
+  layout.page_size = static_cast<std::uint32_t>(json_u64(lj, "page_size"));
+  layout.num_kv_heads = static_cast<std::uint32_t>(json_u64(lj, "num_kv_heads"));
+  layout.head_dim = static_cast<std::uint32_t>(json_u64(lj, "head_dim"));
+  layout.dtype = parse_dtype(json_value(lj, "dtype"));
+  layout.has_v = json_value(lj, "has_v") == "true";
+  layout.cache_order = parse_cache_order(
+      args.str("cache-order", std::string(json_value(lj, "cache_order"))));
+  layout.page_order =
+      parse_page_order(args.str("page-order", std::string(json_value(lj, "page_order"))));
+  layout.num_pages = static_cast<std::uint32_t>(std::max<std::size_t>(seq.page_indices.size(), 1));
+  layout.validate();
+
+  const std::string engine = args.str("engine", seq.kv_transfer_info.engine);
+  if (engine.empty()) {
+    throw Error(StatusCode::kInvalidArgument,
+                "sequence " + std::to_string(seq_id) + " carries no transfer engine");
+  }
+  EngineOptions eo;
+  eo.timeout = std::chrono::milliseconds(args.u64("timeout-ms", 30000));
+  parse_extra(args, eo);
+  auto cache = make_kv_cache(layout, memory_for(engine));
+  KVTransferManager manager(TransferEngineInfo{"pull", args.str("listen", ""), engine, eo},
+                            cache);
+  // Local pages in reverse order: the pull scatters on this side too.
+  std::vector<std::uint32_t> local(seq.page_indices.size());
+  for (std::size_t i = 0; i < local.size(); ++i) {
+    local[i] = static_cast<std::uint32_t>(local.size() - 1 - i);
+  }
+  std::printf("mstar-kv pull: sequence %llu from %s:%u, %llu tokens in %zu pages, engine '%s'\n",
+              static_cast<unsigned long long>(seq.seq_id), from.host.c_str(), from.port,
+              static_cast<unsigned long long>(seq.num_tokens), seq.page_indices.size(),
+              engine.c_str());
+  std::vector<double> gbps;
+  std::uint64_t moved = 0;
+  for (std::uint64_t r = 0; r < repeat; ++r) {
+    std::memset(cache->base(), 0, cache->size_bytes());
+    const auto t0 = Clock::now();
+    try {
+      moved = manager.sync_retrieve(0, seq.num_tokens, local, seq.page_indices,
+                                    seq.kv_transfer_info);
+    } catch (const Error& e) {
+      throw Error(e.code(), "pull " + std::to_string(r + 1) + " of " + std::to_string(repeat) +
+                                " failed: " + e.what());
+    }
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    const VerifyResult v = verify_pattern(*cache, seed, local, 0, seq.num_tokens);
+    if (!v.ok()) {
+      throw Error(StatusCode::kInternal,
+                  "pull " + std::to_string(r + 1) + ": " + std::to_string(v.mismatched_blocks) +
+                      " of " + std::to_string(v.blocks_checked) +
+                      " blocks differ from the pattern; first: " + v.first_mismatch);
+    }
+    gbps.push_back(static_cast<double>(moved) / s / 1e9);
+    std::printf("  pull %llu: %.1f MiB in %.2f ms = %.2f GB/s, verified %llu blocks\n",
+                static_cast<unsigned long long>(r + 1), moved / 1048576.0, s * 1e3, gbps.back(),
+                static_cast<unsigned long long>(v.blocks_checked));
+  }
+  std::vector<double> sorted = gbps;
+  std::sort(sorted.begin(), sorted.end());
+  std::printf("median %.2f GB/s over %llu pull(s) of %.1f MiB; every page verified\n",
+              sorted[sorted.size() / 2], static_cast<unsigned long long>(repeat),
+              moved / 1048576.0);
+  manager.cleanup();
+  if (!args.flag("keep")) {
+    auto res = http.Post((base + "/done").c_str(), "", "text/plain");
+    if (!res || res->status != 200) {
+      throw Error(StatusCode::kUnavailable,
+                  "pulled and verified, but telling the server 'done' failed: " +
+                      (res ? "HTTP " + std::to_string(res->status) + " " + res->body
+                           : httplib::to_string(res.error())));
+    }
+  }
+  std::printf("result: OK\n");
+  return 0;
+}
+
+}  // namespace mstar::kv::cli
