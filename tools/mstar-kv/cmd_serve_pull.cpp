@@ -436,6 +436,7 @@ int cmd_pull(int argc, char** argv) {
               static_cast<unsigned long long>(seq.seq_id), from.host.c_str(), from.port,
               static_cast<unsigned long long>(seq.num_tokens), seq.page_indices.size(),
               engine.c_str());
+  std::fflush(stdout);
   std::vector<double> gbps;
   std::uint64_t moved = 0;
   for (std::uint64_t r = 0; r < repeat; ++r) {
@@ -460,6 +461,7 @@ int cmd_pull(int argc, char** argv) {
     std::printf("  pull %llu: %.1f MiB in %.2f ms = %.2f GB/s, verified %llu blocks\n",
                 static_cast<unsigned long long>(r + 1), moved / 1048576.0, s * 1e3, gbps.back(),
                 static_cast<unsigned long long>(v.blocks_checked));
+    std::fflush(stdout);
   }
   std::vector<double> sorted = gbps;
   std::sort(sorted.begin(), sorted.end());

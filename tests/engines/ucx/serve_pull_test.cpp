@@ -1,0 +1,273 @@
+// Copyright mstar-kv authors.
+//
+// `mstar-kv serve` and `mstar-kv pull` as real processes over UCX's tcp
+// transport: on loopback, and across two network namespaces joined by a
+// veth pair (skipped, with the reason, where `ip netns add` is not allowed).
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#ifndef MSTAR_KV_CLI_PATH
+#error "MSTAR_KV_CLI_PATH must name the mstar-kv executable"
+#endif
+
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// A child process with its stdout+stderr on a pipe. The destructor kills
+// (SIGKILL) and reaps it if it still runs.
+class Child {
+ public:
+  Child(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
+    int fds[2];
+    if (::pipe(fds) != 0) throw std::runtime_error("pipe");
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::dup2(fds[1], 1);
+      ::dup2(fds[1], 2);
+      ::close(fds[0]);
+      ::close(fds[1]);
+      for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+      std::vector<char*> a;
+      for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
+      a.push_back(nullptr);
+      ::execvp(a[0], a.data());
+      std::perror("execvp");
+      ::_exit(127);
+    }
+    ::close(fds[1]);
+    out_fd_ = fds[0];
+  }
+  ~Child() {
+    if (pid_ > 0 && !reaped_) {
+      ::kill(pid_, SIGKILL);
+      int st = 0;
+      ::waitpid(pid_, &st, 0);
+    }
+    if (out_fd_ >= 0) ::close(out_fd_);
+  }
+  Child(const Child&) = delete;
+  Child& operator=(const Child&) = delete;
+
+  // Reads output until `needle` shows up, the stream ends or time runs out.
+  bool wait_for_output(const std::string& needle, std::chrono::milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (output_.find(needle) == std::string::npos) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0 || !read_some(static_cast<int>(left.count()))) return false;
+    }
+    return true;
+  }
+  // Waits for exit (SIGKILL after the timeout); returns the exit code, or
+  // 128 + signal.
+  int wait_exit(std::chrono::milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    for (;;) {
+      int st = 0;
+      const pid_t r = ::waitpid(pid_, &st, WNOHANG);
+      if (r == pid_) {
+        reaped_ = true;
+        while (read_some(0)) {
+        }
+        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      }
+      if (Clock::now() > deadline) {
+        ::kill(pid_, SIGKILL);
+      }
+      read_some(20);
+    }
+  }
+  void signal(int sig) { ::kill(pid_, sig); }
+  const std::string& output() const { return output_; }
+
+ private:
+  bool read_some(int timeout_ms) {
+    pollfd p{out_fd_, POLLIN, 0};
+    if (::poll(&p, 1, timeout_ms) <= 0) return false;
+    char buf[4096];
+    const ssize_t n = ::read(out_fd_, buf, sizeof buf);
+    if (n <= 0) return false;
+    output_.append(buf, static_cast<std::size_t>(n));
+    return true;
+  }
+
+  pid_t pid_ = -1;
+  int out_fd_ = -1;
+  bool reaped_ = false;
+  std::string output_;
+};
+
+int random_port() {
+  std::random_device rd;
+  return 20000 + static_cast<int>(rd() % 4000) * 2;  // even; +1 is the data port
+}
+
+std::map<std::string, std::string> tcp_env(const std::string& dev) {
+  return {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", dev}};
+}
+
+const std::vector<std::string> kSmall = {"--layers", "4", "--tokens", "1000"};
+
+std::vector<std::string> serve_args(const std::string& listen) {
+  std::vector<std::string> a = {MSTAR_KV_CLI_PATH, "serve", "--engine", "ucx", "--listen",
+                                listen, "--sequences", "2", "--exit-when-done"};
+  a.insert(a.end(), kSmall.begin(), kSmall.end());
+  return a;
+}
+
+TEST(ServePull, LoopbackPullVerifiesEveryPageAndFreesTheServer) {
+  const int port = random_port();
+  const std::string http = "127.0.0.1:" + std::to_string(port);
+  Child serve(serve_args(http), tcp_env("lo"));
+  ASSERT_TRUE(serve.wait_for_output("/v1/sequences/", 20s)) << serve.output();
+
+  Child pull0({MSTAR_KV_CLI_PATH, "pull", "--from", http, "--seq", "0", "--repeat", "2"},
+              tcp_env("lo"));
+  ASSERT_EQ(pull0.wait_exit(60s), 0) << pull0.output();
+  EXPECT_NE(pull0.output().find("every page verified"), std::string::npos) << pull0.output();
+  EXPECT_NE(pull0.output().find("result: OK"), std::string::npos);
+
+  // An unknown sequence: non-zero exit naming the problem.
+  Child bad({MSTAR_KV_CLI_PATH, "pull", "--from", http, "--seq", "9"}, tcp_env("lo"));
+  EXPECT_NE(bad.wait_exit(30s), 0);
+  EXPECT_NE(bad.output().find("not served here"), std::string::npos) << bad.output();
+
+  // Sequence 0 was freed by the first pull: pulling it again fails cleanly.
+  Child again({MSTAR_KV_CLI_PATH, "pull", "--from", http, "--seq", "0"}, tcp_env("lo"));
+  EXPECT_NE(again.wait_exit(30s), 0);
+
+  // Sequence 1 into a cache of other orders; then the server exits by itself.
+  Child pull1({MSTAR_KV_CLI_PATH, "pull", "--from", http, "--seq", "1", "--cache-order", "page"},
+              tcp_env("lo"));
+  ASSERT_EQ(pull1.wait_exit(60s), 0) << pull1.output();
+  EXPECT_EQ(serve.wait_exit(20s), 0) << serve.output();
+  EXPECT_NE(serve.output().find("all sequences done"), std::string::npos) << serve.output();
+}
+
+TEST(ServePull, PullFromNobodyFailsWithAMessage) {
+  Child pull({MSTAR_KV_CLI_PATH, "pull", "--from", "127.0.0.1:" + std::to_string(random_port())},
+             tcp_env("lo"));
+  EXPECT_NE(pull.wait_exit(30s), 0);
+  EXPECT_NE(pull.output().find("cannot reach server"), std::string::npos) << pull.output();
+}
+
+TEST(ServePull, ServerKilledMidPullFailsThePullInTime) {
+  const int port = random_port();
+  const std::string http = "127.0.0.1:" + std::to_string(port);
+  std::vector<std::string> a = {MSTAR_KV_CLI_PATH, "serve", "--listen", http,
+                                "--tokens", "2048"};  // 256 MiB
+  Child serve(a, tcp_env("lo"));
+  ASSERT_TRUE(serve.wait_for_output("/v1/sequences/", 30s)) << serve.output();
+  Child pull({MSTAR_KV_CLI_PATH, "pull", "--from", http, "--repeat", "50", "--timeout-ms", "3000"},
+             tcp_env("lo"));
+  ASSERT_TRUE(pull.wait_for_output("pull 1:", 30s)) << pull.output();
+  serve.signal(SIGKILL);
+  const auto t0 = Clock::now();
+  EXPECT_NE(pull.wait_exit(20s), 0) << pull.output();
+  EXPECT_LT(Clock::now() - t0, 3000ms + 5s);
+  EXPECT_NE(pull.output().find("failed"), std::string::npos) << pull.output();
+}
+
+// Runs a shell command, bounded in time; returns its exit status.
+int sh(const std::string& cmd) {
+  const int rc = std::system(("timeout 20 " + cmd + " >/dev/null 2>&1").c_str());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
+}
+
+// Two namespaces joined by a veth pair, deleted again however the test ends.
+class NetnsPair {
+ public:
+  NetnsPair() {
+    const std::string tag = std::to_string(::getpid() % 100000);
+    a_ = "mskvA" + tag;
+    b_ = "mskvB" + tag;
+    va_ = "mkva" + tag;
+    vb_ = "mkvb" + tag;
+    subnet_ = "10.231." + std::to_string(::getpid() % 250 + 1);
+    if (sh("ip netns add " + a_) != 0) {
+      reason_ = "cannot create a network namespace (`ip netns add` failed: not root, or no "
+                "CAP_SYS_ADMIN here)";
+      return;
+    }
+    created_a_ = true;
+    if (sh("ip netns add " + b_) != 0) {
+      reason_ = "cannot create a second network namespace";
+      return;
+    }
+    created_b_ = true;
+    const std::vector<std::string> steps = {
+        "ip link add " + va_ + " type veth peer name " + vb_,
+        "ip link set " + va_ + " netns " + a_,
+        "ip link set " + vb_ + " netns " + b_,
+        "ip -n " + a_ + " addr add " + addr_a() + "/24 dev " + va_,
+        "ip -n " + b_ + " addr add " + addr_b() + "/24 dev " + vb_,
+        "ip -n " + a_ + " link set " + va_ + " up",
+        "ip -n " + b_ + " link set " + vb_ + " up",
+        "ip -n " + a_ + " link set lo up",
+        "ip -n " + b_ + " link set lo up"};
+    for (const auto& s : steps) {
+      if (sh(s) != 0) {
+        reason_ = "cannot set up the veth pair: `" + s + "` failed";
+        return;
+      }
+    }
+  }
+  ~NetnsPair() {
+    if (created_a_) sh("ip netns del " + a_);  // deletes the veth pair too
+    if (created_b_) sh("ip netns del " + b_);
+  }
+  const std::string& skip_reason() const { return reason_; }
+  std::string addr_a() const { return subnet_ + ".1"; }
+  std::string addr_b() const { return subnet_ + ".2"; }
+  std::vector<std::string> in_a(std::vector<std::string> argv) const {
+    argv.insert(argv.begin(), {"ip", "netns", "exec", a_});
+    return argv;
+  }
+  std::vector<std::string> in_b(std::vector<std::string> argv) const {
+    argv.insert(argv.begin(), {"ip", "netns", "exec", b_});
+    return argv;
+  }
+  const std::string& veth_a() const { return va_; }
+  const std::string& veth_b() const { return vb_; }
+
+ private:
+  std::string a_, b_, va_, vb_, subnet_, reason_;
+  bool created_a_ = false;
+  bool created_b_ = false;
+};
+
+TEST(ServePull, AcrossTwoNetworkNamespacesOverTcp) {
+  NetnsPair ns;
+  if (!ns.skip_reason().empty()) GTEST_SKIP() << ns.skip_reason();
+  const int port = random_port();
+  const std::string http = ns.addr_a() + ":" + std::to_string(port);
+  Child serve(ns.in_a(serve_args(http)), tcp_env(ns.veth_a()));
+  ASSERT_TRUE(serve.wait_for_output("/v1/sequences/", 20s)) << serve.output();
+  for (const char* seq : {"0", "1"}) {
+    Child pull(ns.in_b({MSTAR_KV_CLI_PATH, "pull", "--from", http, "--seq", seq, "--repeat", "2",
+                        "--listen", ns.addr_b() + ":" + std::to_string(port + 1)}),
+               tcp_env(ns.veth_b()));
+    ASSERT_EQ(pull.wait_exit(60s), 0) << pull.output();
+    EXPECT_NE(pull.output().find("every page verified"), std::string::npos) << pull.output();
+  }
+  EXPECT_EQ(serve.wait_exit(20s), 0) << serve.output();
+  // The puller's namespace cannot reach the server's loopback: the data
+  // really crossed the veth pair.
+  Child lo(ns.in_b({MSTAR_KV_CLI_PATH, "pull", "--from", "127.0.0.1:" + std::to_string(port)}),
+           tcp_env("lo"));
+  EXPECT_NE(lo.wait_exit(30s), 0);
+}
+
+}  // namespace
