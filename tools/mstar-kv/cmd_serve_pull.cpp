@@ -163,6 +163,7 @@ const char* kServeHelp =
     "  --scatter-seed N    shuffle the free pages (default 7; 0: contiguous)\n"
     "  --timeout-ms N      engine timeout (default 30000)\n"
     "  --extra K=V         engine option (repeatable as K=V,K=V)\n"
+    "  --mooncake-lib PATH Mooncake's libtransfer_engine.so (--engine mooncake)\n"
     "  --exit-when-done    exit once every published sequence was marked done\n";
 
 const char* kPullHelp =
@@ -182,9 +183,11 @@ const char* kPullHelp =
     "  --page-order O      local in-page order (default: the server's)\n"
     "  --timeout-ms N      engine timeout per pull (default 30000)\n"
     "  --extra K=V         engine option (K=V,K=V)\n"
+    "  --mooncake-lib PATH Mooncake's libtransfer_engine.so (--engine mooncake)\n"
     "  --keep              do not tell the server 'done'\n";
 
 void parse_extra(const Args& args, EngineOptions& o) {
+  if (args.has("mooncake-lib")) o.extra["mooncake_lib"] = args.str("mooncake-lib", "");
   if (!args.has("extra")) return;
   std::stringstream ss(args.str("extra", ""));
   for (std::string kv; std::getline(ss, kv, ',');) {
@@ -213,7 +216,7 @@ bool parse_id(const std::string& s, std::uint64_t* id) {
 int cmd_serve(int argc, char** argv) {
   std::set<std::string> options = layout_options();
   for (const char* o : {"engine", "listen", "data-port", "data-host", "sequences", "tokens",
-                        "seed", "scatter-seed", "timeout-ms", "extra"}) {
+                        "seed", "scatter-seed", "timeout-ms", "extra", "mooncake-lib"}) {
     options.insert(o);
   }
   Args args(argc, argv, {"help", "exit-when-done"}, options);
@@ -350,7 +353,7 @@ int cmd_serve(int argc, char** argv) {
 int cmd_pull(int argc, char** argv) {
   Args args(argc, argv, {"help", "keep"},
             {"from", "seq", "repeat", "engine", "listen", "cache-order", "page-order",
-             "timeout-ms", "extra"});
+             "timeout-ms", "extra", "mooncake-lib"});
   if (args.flag("help")) {
     std::printf("%s", kPullHelp);
     return 0;
