@@ -204,7 +204,7 @@ void write_json(std::FILE* out, const Report& r) {
                    static_cast<unsigned long long>(c.uncoalesced),
                    static_cast<unsigned long long>(c.piece_bytes), c.verified ? "true" : "false");
     }
-    std::fprintf(out, ", \"baseline\": ");
+    std::fprintf(out, ", \"wall_s\": %s, \"baseline\": ", num(c.wall_s).c_str());
     if (c.baseline_gbps) {
       std::fprintf(out, "{\"name\": %s, \"gbps\": {\"median\": %s, \"min\": %s, \"max\": %s}}",
                    json_str(c.baseline_name).c_str(), num(c.baseline_gbps->median).c_str(),

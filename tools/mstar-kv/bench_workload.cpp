@@ -173,11 +173,15 @@ std::vector<Workload> suite(const std::string& name) {
     out.push_back(raw_workload(4096, 8, "piece"));
     out.push_back(raw_workload(65536, 4, "piece"));
   } else if (name == "default") {
-    // The shm target case at 4096 tokens (512 MiB); the rest at 32-160 MiB
-    // per request so that the TCP engines fit in the two-minute budget.
+    // The shm target cases at 4096 tokens (512 and 160 MiB) run on the
+    // same-host engines only; the rest are 32-128 MiB per request so that
+    // the TCP engines fit in the two-minute budget.
     out.push_back(model_workload("llama3-8b", 16, 4096, S, 0));
+    out.back().same_host_only = true;
+    out.push_back(model_workload("llama3-8b", 16, 1024, S, 0));
     out.push_back(model_workload("llama3-8b", 16, 1024, C, 0));
     out.push_back(model_workload("llama3-70b-tp8", 16, 4096, S, 0));
+    out.back().same_host_only = true;
     out.push_back(model_workload("llama3-8b", 1, 512, S, 0));
     out.push_back(model_workload("qwen2.5-7b", 64, 2048, S, 0.3));
     out.push_back(model_workload("deepseek-v3", 64, 1024, S, 0));

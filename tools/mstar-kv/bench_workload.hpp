@@ -34,6 +34,9 @@ struct Workload {
   PageTable table = PageTable::kScattered;
   std::uint64_t piece_bytes = 0;  // raw sweeps: bytes of one read
   std::uint32_t batch = 0;        // raw sweeps: reads per request
+  // Default suite only: a large request run on the same-host engines (local,
+  // shm, cuda_ipc) only, so that the suite stays within its time budget.
+  bool same_host_only = false;
 
   std::uint64_t bytes_per_request() const;  // what one retrieve moves
 };
@@ -98,6 +101,7 @@ struct CaseResult {
   std::optional<Stat> baseline_gbps;
   std::optional<double> ratio;  // gbps.median / baseline median
   std::map<std::string, double> extra;  // other references, GB/s
+  double wall_s = 0;  // time the case took, setup and baseline included
 };
 
 }  // namespace mstar::kv::cli::bench

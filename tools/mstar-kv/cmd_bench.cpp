@@ -8,6 +8,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <chrono>
 #include <ctime>
 #include <map>
 #include <set>
@@ -307,6 +308,19 @@ int cmd_bench(int argc, char** argv) {
     std::string unavailable;  // once an engine cannot run here, skip the rest
     for (const Workload& w : workloads) {
       progress.set_label(v.name + "  " + w.name);
+      if (w.same_host_only && v.name != "local" && v.name != "shm" && v.name != "cuda_ipc") {
+        CaseResult r;
+        r.engine = v.name;
+        r.workload = w;
+        r.skipped = true;
+        r.error = "the default suite runs this large request on same-host engines only (time "
+                  "budget); run it with --engine " + v.name + " --model " + w.model +
+                  " --tokens " + std::to_string(w.tokens) + " --page-size " +
+                  std::to_string(w.local.page_size);
+        report.cases.push_back(r);
+        progress.step();
+        continue;
+      }
       if (!unavailable.empty()) {
         CaseResult r;
         r.engine = v.name;
@@ -330,7 +344,10 @@ int cmd_bench(int argc, char** argv) {
         r.error = buf;
         report.cases.push_back(r);
       } else {
+        const auto t0 = std::chrono::steady_clock::now();
         report.cases.push_back(run_case(v, w, ro));
+        report.cases.back().wall_s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (report.cases.back().skipped) unavailable = report.cases.back().error;
       }
       progress.step();
