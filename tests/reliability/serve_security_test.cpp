@@ -1,0 +1,217 @@
+// Copyright mstar-kv authors.
+//
+// `mstar-kv serve` (a real process): with no --listen it binds its HTTP
+// control plane, and the ucx engine's data listener, to loopback only, and it
+// answers requests for sequences it does not serve (unknown, malformed,
+// oversized or path-like ids, "done" for a sequence not served) with 404
+// without touching the sequences it does serve.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/status.hpp"
+
+#ifndef MSTAR_KV_CLI_PATH
+#error "MSTAR_KV_CLI_PATH must name the mstar-kv executable"
+#endif
+
+namespace mstar::kv {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr int kDefaultHttpPort = 23480;  // `mstar-kv serve` without --listen
+
+// A `mstar-kv serve` process; killed and reaped by the destructor.
+class Server {
+ public:
+  explicit Server(const std::vector<std::string>& args) {
+    int out[2];
+    if (::pipe2(out, O_CLOEXEC) != 0) throw std::runtime_error("pipe2");
+    std::vector<std::string> full = {MSTAR_KV_CLI_PATH, "serve"};
+    full.insert(full.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& s : full) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::dup2(out[1], STDOUT_FILENO);
+      ::dup2(out[1], STDERR_FILENO);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+    ::close(out[1]);
+    from_ = out[0];
+  }
+  ~Server() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    if (from_ >= 0) ::close(from_);
+  }
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Reads output until a line contains `what` (true) or the process exits or
+  // `timeout` passes (false). Everything read is kept in output().
+  bool wait_for_line(const std::string& what, std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (output_.find(what) == std::string::npos) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return false;
+      pollfd p{from_, POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
+      char buf[4096];
+      const ssize_t n = ::read(from_, buf, sizeof buf);
+      if (n <= 0) return false;
+      output_.append(buf, static_cast<std::size_t>(n));
+    }
+    return true;
+  }
+  const std::string& output() const { return output_; }
+
+ private:
+  pid_t pid_ = -1;
+  int from_ = -1;
+  std::string output_;
+};
+
+// One HTTP/1.0 request to 127.0.0.1:port; the status code and body.
+std::pair<int, std::string> http(int port, const std::string& method, const std::string& path) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(fd);
+    return {-1, ""};
+  }
+  const std::string req = method + " " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n";
+  ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+  std::string resp;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) resp.append(buf, static_cast<std::size_t>(n));
+  ::close(fd);
+  int status = -1;
+  std::sscanf(resp.c_str(), "HTTP/%*s %d", &status);
+  const auto body = resp.find("\r\n\r\n");
+  return {status, body == std::string::npos ? "" : resp.substr(body + 4)};
+}
+
+// Local IPv4 addresses (hex, as /proc/net/tcp writes them) of sockets
+// listening on `port`, plus "v6" for each IPv6 listener.
+std::vector<std::string> listeners(int port) {
+  std::vector<std::string> out;
+  for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(file);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream ss(line);
+      std::string sl, local, remote, st;
+      ss >> sl >> local >> remote >> st;
+      const auto colon = local.rfind(':');
+      if (st != "0A" || colon == std::string::npos) continue;  // LISTEN only
+      if (std::stoi(local.substr(colon + 1), nullptr, 16) != port) continue;
+      out.push_back(std::string(file).find('6') != std::string::npos ? "v6:" + local
+                                                                       : local.substr(0, colon));
+    }
+  }
+  return out;
+}
+
+bool serve_built() {
+  Server s({"--help"});
+  s.wait_for_line("usage", 10s);
+  return s.output().find("usage: mstar-kv serve") != std::string::npos;
+}
+
+class ServeSecurity : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!serve_built()) GTEST_SKIP() << "mstar-kv serve is not built (cpp-httplib missing)";
+    if (!listeners(kDefaultHttpPort).empty() || !listeners(kDefaultHttpPort + 1).empty()) {
+      GTEST_SKIP() << "port " << kDefaultHttpPort << " or " << kDefaultHttpPort + 1
+                   << " is in use: cannot start serve on its defaults";
+    }
+  }
+};
+
+void expect_loopback_only(int port) {
+  const auto l = listeners(port);
+  EXPECT_FALSE(l.empty()) << "nothing listens on port " << port;
+  for (const std::string& addr : l) {
+    EXPECT_EQ(addr, "0100007F") << "port " << port << " listens on " << addr
+                                << " (expected 127.0.0.1 only)";
+  }
+}
+
+TEST_F(ServeSecurity, DefaultsBindToLoopbackAndUnknownSequencesAre404) {
+  std::string checked;
+  for (const std::string eng : {"shm", "ucx"}) {
+    SCOPED_TRACE(eng);
+    Server s({"--engine", eng, "--sequences", "2", "--tokens", "40", "--layers", "2",
+              "--kv-heads", "2", "--head-dim", "64"});
+    if (!s.wait_for_line("http://", 30s)) {
+      if (s.output().find("not built") != std::string::npos) continue;  // engine absent
+      FAIL() << "serve did not start: " << s.output();
+    }
+    expect_loopback_only(kDefaultHttpPort);
+    if (eng == "ucx") expect_loopback_only(kDefaultHttpPort + 1);  // the data listener
+
+    // Served: 0 and 1.
+    auto [st0, body0] = http(kDefaultHttpPort, "GET", "/v1/sequences/0");
+    ASSERT_EQ(st0, 200) << body0;
+    const SequenceInfo seq = SequenceInfo::decode(
+        std::vector<std::uint8_t>(body0.begin(), body0.end()));
+    EXPECT_EQ(seq.kv_transfer_info.engine, eng);
+
+    for (const char* path : {"/v1/sequences/2", "/v1/sequences/abc", "/v1/sequences/-1",
+                             "/v1/sequences/99999999999999999999999",
+                             "/v1/sequences/18446744073709551615", "/v1/sequences/2/meta",
+                             "/v1/sequences/0%2F..%2F..%2Fetc%2Fpasswd",
+                             "/v1/sequences/../../etc/passwd"}) {
+      const auto [code, body] = http(kDefaultHttpPort, "GET", path);
+      EXPECT_EQ(code, 404) << path << ": " << body;
+    }
+    // "done" for sequences not served changes nothing.
+    for (const char* path : {"/v1/sequences/7/done", "/v1/sequences/x/done"}) {
+      EXPECT_EQ(http(kDefaultHttpPort, "POST", path).first, 404) << path;
+      EXPECT_EQ(http(kDefaultHttpPort, "DELETE", path).first, 404) << path;
+    }
+    EXPECT_EQ(http(kDefaultHttpPort, "GET", "/v1/sequences/1").first, 200);
+    // Done twice: the second is for a sequence no longer served.
+    EXPECT_EQ(http(kDefaultHttpPort, "POST", "/v1/sequences/1/done").first, 200);
+    EXPECT_EQ(http(kDefaultHttpPort, "POST", "/v1/sequences/1/done").first, 404);
+    EXPECT_EQ(http(kDefaultHttpPort, "GET", "/v1/sequences/1").first, 404);
+    EXPECT_EQ(http(kDefaultHttpPort, "GET", "/v1/sequences/0").first, 200);
+    checked += " " + eng;
+  }
+  EXPECT_FALSE(checked.empty()) << "no engine could serve";
+  std::printf("engines checked:%s\n", checked.c_str());
+}
+
+}  // namespace
+}  // namespace mstar::kv
