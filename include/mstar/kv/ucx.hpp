@@ -29,11 +29,14 @@
 //     am   peer-served: the reader sends the planned byte ranges in one
 //          active message; the owner validates them against its registered
 //          region and generation and answers with active-message sends
-//          straight from its registered pages (rendezvous, i.e. zero-copy,
-//          for spans of 64 KiB and more; eager below); the reader lands them
-//          in its own registered pages. Over shared memory the messages go
-//          over the worker-address endpoint (sysv/posix fifo, cma for the
-//          rendezvous); otherwise over the client/server endpoint (tcp).
+//          straight from its registered pages; the reader lands them in its
+//          own registered pages. Over tcp the replies of 64 KiB and more are
+//          rendezvous (zero-copy on the owner), smaller ones eager. Over
+//          shared memory the messages go over the worker-address endpoint
+//          and are always eager (through the reader's sysv/posix fifo):
+//          that endpoint has no peer error handling (UCX 1.13's sysv/posix
+//          cannot provide it), and a cma rendezvous from an owner that dies
+//          mid-transfer makes UCX abort the reading process (measured).
 //     get  one-sided ucp_get_nbx with the peer's remote key on the
 //          worker-address endpoint, at most 16 per read in flight.
 //   auto (default) asks the worker-address endpoint which transports carry
@@ -68,8 +71,8 @@
 // Options (EngineOptions.extra)
 //   ucx_mode        auto | get | am        (default auto)
 //   ucx_am_proto    auto | eager | rndv    how this engine, as an owner,
-//                                           sends am replies (default auto:
-//                                           rendezvous from 64 KiB)
+//                                           sends am replies over tcp (default
+//                                           auto: rendezvous from 64 KiB)
 //   ucx_chunk_bytes bytes per get / am reply, in [4096, 2^30] (default 4 MiB)
 // UCX itself is configured by its environment (UCX_TLS, UCX_NET_DEVICES).
 // MSTAR_KV_UCX_DEBUG=1 prints each rma endpoint's lanes (what auto decides on).

@@ -47,7 +47,13 @@ struct ReadReqHdr {
   std::uint64_t batch_id;
   std::uint64_t generation;
   std::uint64_t nspans;
+  std::uint64_t flags;  // kReqEagerOnly
 };
+// Reply with eager messages only. Set by readers on a shared-memory data
+// endpoint: there a rendezvous runs over cma without peer error handling,
+// and UCX 1.13 aborts the reading process when the owner dies mid-transfer
+// (measured); eager data only ever sits in the reader's own fifo.
+constexpr std::uint64_t kReqEagerOnly = 1;
 struct WireSpan {
   std::uint64_t remote_offset;
   std::uint64_t length;
@@ -174,6 +180,11 @@ struct ReqCtx {  // user_data of a request that writes into local pages
   std::uint64_t batch_id;
 };
 
+struct SendCtx {  // user_data of a data reply (its header must outlive the send)
+  UcxCore* core;
+  DataHdr hdr;
+};
+
 struct AmTag {  // argument of the active-message handler for one id
   UcxCore* core = nullptr;
   unsigned id = 0;
@@ -230,11 +241,22 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
                            const ucp_am_recv_param_t* param);
   void serve_hello(ucp_ep_h ep, std::uint64_t token);
   void serve_read(ucp_ep_h ep, std::uint64_t batch_id, std::uint64_t generation,
-                  const std::vector<WireSpan>& spans);
+                  std::uint64_t flags, const std::vector<WireSpan>& spans);
   void send_err(ucp_ep_h ep, std::uint64_t batch_id, const Status& st);
   void hello_reply(std::uint64_t token, const std::vector<std::uint8_t>& bytes);
   void request_finished(std::uint64_t batch_id, ucs_status_t st);
   void post_gets(const std::shared_ptr<Batch>& b);
+  // Contexts of requests that write locally; those UCX never completes
+  // (written off, see close_conn) are freed by stop().
+  ReqCtx* new_ctx(std::uint64_t batch_id) {
+    auto* c = new ReqCtx{this, batch_id};
+    live_ctx_.insert(c);
+    return c;
+  }
+  void free_ctx(ReqCtx* c) {
+    live_ctx_.erase(c);
+    delete c;
+  }
   void maybe_finish(std::shared_ptr<Batch> b);
   void fail_batch(std::shared_ptr<Batch> b, Status st);
   struct EpInfo {
@@ -274,7 +296,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::unordered_map<std::uint64_t, std::shared_ptr<Batch>> batches_;
   std::set<ucp_ep_h> server_eps_;
   std::set<ucp_ep_h> dead_eps_;       // closed in this progress round
-  std::size_t sends_in_flight_ = 0;   // data replies not completed yet
+  std::set<ReqCtx*> live_ctx_;
+  std::set<SendCtx*> live_sends_;     // data replies not completed yet
   std::set<std::uint64_t> draining_;  // aborted get batches waiting to drain
   struct Closing {
     void* request;
@@ -540,7 +563,7 @@ void UcxCore::run() {
     // on the worker's event fd. While reads or data replies are in flight
     // the sleep is 1 ms at most: shared-memory transports raise no event
     // when the peer frees room in a fifo or a get completes.
-    const bool busy = !batches_.empty() || sends_in_flight_ != 0;
+    const bool busy = !batches_.empty() || !live_sends_.empty();
     if (++idle < (busy ? 32 : 256) || efd_ < 0) {
       if (efd_ < 0 && idle >= 256) std::this_thread::sleep_for(std::chrono::microseconds(50));
       std::this_thread::yield();
@@ -577,6 +600,10 @@ void UcxCore::stop() noexcept {
   conns_.clear();
   batches_.clear();
   release_ucp();
+  for (ReqCtx* c : live_ctx_) delete c;
+  live_ctx_.clear();
+  for (SendCtx* c : live_sends_) delete c;
+  live_sends_.clear();
 }
 
 // ---- server side -----------------------------------------------------------
@@ -658,7 +685,7 @@ void UcxCore::send_err(ucp_ep_h ep, std::uint64_t batch_id, const Status& st) {
 }
 
 void UcxCore::serve_read(ucp_ep_h ep, std::uint64_t batch_id, std::uint64_t generation,
-                         const std::vector<WireSpan>& spans) {
+                         std::uint64_t flags, const std::vector<WireSpan>& spans) {
   // The reply endpoint is one of our listener's endpoints or one UCX made
   // for a reader's data endpoint; only a listener endpoint closed since the
   // request arrived (same progress round) is gone.
@@ -686,29 +713,27 @@ void UcxCore::serve_read(ucp_ep_h ep, std::uint64_t batch_id, std::uint64_t gene
       return;
     }
   }
-  struct SendCtx {
-    UcxCore* core;
-    DataHdr hdr;
-  };
   for (const WireSpan& s : spans) {
     auto* ctx = new SendCtx{this, DataHdr{batch_id, s.local_offset, s.length}};
+    live_sends_.insert(ctx);
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
                       UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
-    rp.flags = s.length >= options_.rndv_bytes ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
+    rp.flags = (flags & kReqEagerOnly) == 0 && s.length >= options_.rndv_bytes
+                   ? UCP_AM_SEND_FLAG_RNDV
+                   : UCP_AM_SEND_FLAG_EAGER;
     rp.memh = memh_;
     rp.cb.send = [](void* req, ucs_status_t, void* ud) {
       auto* c = static_cast<SendCtx*>(ud);
-      --c->core->sends_in_flight_;
+      c->core->live_sends_.erase(c);
       delete c;
       ucp_request_free(req);
     };
     rp.user_data = ctx;
     ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReadData, &ctx->hdr, sizeof ctx->hdr,
                                           cache_->base() + s.remote_offset, s.length, &rp);
-    if (UCS_PTR_IS_PTR(sp)) {
-      ++sends_in_flight_;
-    } else {
+    if (!UCS_PTR_IS_PTR(sp)) {
+      live_sends_.erase(ctx);
       delete ctx;
     }
     if (UCS_PTR_IS_ERR(sp)) return;  // the endpoint failed; its error handler closes it
@@ -762,7 +787,7 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       std::vector<WireSpan> spans(h.nspans);
       std::memcpy(spans.data(), data, length);
       deferred_.push_back([this, ep, h, s = std::move(spans)] {
-        serve_read(ep, h.batch_id, h.generation, s);
+        serve_read(ep, h.batch_id, h.generation, h.flags, s);
       });
       return UCS_OK;
     }
@@ -814,7 +839,7 @@ ucs_status_t UcxCore::handle_data(const DataHdr& h, void* data, std::size_t leng
     maybe_finish(b);
     return UCS_OK;
   }
-  auto* ctx = new ReqCtx{this, b->id};
+  auto* ctx = new_ctx(b->id);
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                     UCP_OP_ATTR_FIELD_MEMH;
@@ -826,7 +851,7 @@ ucs_status_t UcxCore::handle_data(const DataHdr& h, void* data, std::size_t leng
     ++b->outstanding;
     return UCS_INPROGRESS;
   }
-  delete ctx;
+  free_ctx(ctx);
   if (UCS_PTR_IS_ERR(sp)) {
     fail_batch(b, Status(StatusCode::kPeerFailure,
                          "ucp_am_recv_data_nbx: " + ucs_str(UCS_PTR_STATUS(sp))));
@@ -1149,7 +1174,7 @@ void UcxCore::post_gets(const std::shared_ptr<Batch>& b) {
   while (b->outstanding < kGetWindow && b->next_chunk < b->chunks.size() && !b->aborted &&
          !b->failure && c->data_ep != nullptr && !c->closing) {
     const rma::RmaRead& r = b->chunks[b->next_chunk++];
-    auto* ctx = new ReqCtx{this, b->id};
+    auto* ctx = new_ctx(b->id);
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                       UCP_OP_ATTR_FIELD_MEMH;
@@ -1162,7 +1187,7 @@ void UcxCore::post_gets(const std::shared_ptr<Batch>& b) {
       ++b->outstanding;
       continue;
     }
-    delete ctx;
+    free_ctx(ctx);
     if (UCS_PTR_IS_ERR(sp)) {
       b->failure = Status(StatusCode::kPeerFailure,
                           "ucp_get_nbx: " + ucs_str(UCS_PTR_STATUS(sp)));
@@ -1172,8 +1197,10 @@ void UcxCore::post_gets(const std::shared_ptr<Batch>& b) {
 
 void UcxCore::on_req_done(void* request, ucs_status_t st, void* user_data) {
   auto* ctx = static_cast<ReqCtx*>(user_data);
-  ctx->core->request_finished(ctx->batch_id, st);
-  delete ctx;
+  UcxCore* core = ctx->core;
+  const std::uint64_t id = ctx->batch_id;
+  core->free_ctx(ctx);
+  core->request_finished(id, st);
   ucp_request_free(request);
 }
 
@@ -1202,7 +1229,8 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
     spans.push_back({r.remote_offset, r.length, r.local_offset});
     b->pending.emplace(r.local_offset, r.length);
   }
-  const ReadReqHdr hdr{b->id, c->served.generation, spans.size()};
+  const ReadReqHdr hdr{b->id, c->served.generation, spans.size(),
+                       c->am_on_data ? kReqEagerOnly : 0};
   send_small(c->am_on_data ? c->data_ep : c->ep, kAmReadReq, &hdr, sizeof hdr, spans.data(),
              spans.size() * sizeof(WireSpan), true);
 }

@@ -339,7 +339,7 @@ INSTANTIATE_TEST_SUITE_P(
                       UcxCase{"tcp_am_eager", "tcp", "am", "eager"},
                       UcxCase{"tcp_get", "tcp", "get", ""},
                       UcxCase{"shm_auto", "sm,self,tcp", "auto", ""},
-                      UcxCase{"shm_am_rndv", "sm,self,tcp", "am", "rndv"},
+                      UcxCase{"shm_am", "sm,self,tcp", "am", ""},
                       UcxCase{"shm_get", "sm,self,tcp", "get", ""}),
     [](const ::testing::TestParamInfo<UcxCase>& i) { return i.param.label; });
 
