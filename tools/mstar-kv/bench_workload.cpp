@@ -186,7 +186,7 @@ std::vector<Workload> suite(const std::string& name) {
     out.push_back(model_workload("qwen2.5-7b", 64, 2048, S, 0.3));
     out.push_back(model_workload("deepseek-v3", 64, 1024, S, 0));
     out.push_back(model_workload("llama3-8b", 16, 1024, S, 0, CO::kPageMajor, CO::kLayerMajor));
-    out.push_back(model_workload("llama3-8b", 16, 256, S, 0, CO::kLayerMajor, CO::kLayerMajor,
+    out.push_back(model_workload("llama3-8b", 16, 64, S, 0, CO::kLayerMajor, CO::kLayerMajor,
                                  PO::kNHD, PO::kHND));
     piece_sweep(128, {4096, 16384, 65536, 262144, 1u << 20, 4u << 20});
     batch_sweep(65536, {1, 8, 512});
