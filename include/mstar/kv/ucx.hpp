@@ -25,28 +25,35 @@
 //   1.13 gives client/server endpoints only the connection manager's
 //   transports, i.e. tcp, never shared memory). Endpoints are cached per
 //   peer; a failed peer is evicted and the next read connects afresh.
-// * Two ways to read, chosen per connection ("ucx_mode"):
-//     am   peer-served: the reader sends the planned byte ranges in one
-//          active message; the owner validates them against its registered
-//          region and generation and answers with active-message sends
-//          straight from its registered pages; the reader lands them in its
-//          own registered pages. Over tcp the replies of 64 KiB and more are
-//          rendezvous (zero-copy on the owner), smaller ones eager. Over
-//          shared memory the messages go over the worker-address endpoint
-//          and are always eager (through the reader's sysv/posix fifo):
-//          that endpoint has no peer error handling (UCX 1.13's sysv/posix
-//          cannot provide it), and a cma rendezvous from an owner that dies
-//          mid-transfer makes UCX abort the reading process (measured).
-//     get  one-sided ucp_get_nbx with the peer's remote key on the
-//          worker-address endpoint, at most 16 per read in flight.
-//   auto (default) asks the worker-address endpoint which transports carry
-//   its lanes (ucp_ep_print_info: UCX 1.13's ucp_ep_query does not tell)
-//   and uses get only when an RMA lane is an RDMA transport (rc/dc), am
-//   otherwise. Measured with UCX 1.13 here: ucp_get_nbx is emulated in
-//   software both over tcp and over shared memory (posix/sysv can map only
-//   memory UCX allocated; cma serves rendezvous, not gets), reaching 0.2-1
-//   GB/s, while am replies reach the transport's send bandwidth. The public
-//   API is a read either way.
+// * Ways to read, chosen per connection ("ucx_mode"):
+//     am     peer-served: the reader sends the planned byte ranges in one
+//            active message over the client/server endpoint; the owner
+//            validates them against its registered region and generation
+//            and answers with active-message sends straight from its
+//            registered pages (rendezvous, zero-copy on the owner, for
+//            replies of 64 KiB and more; eager below); the reader lands them
+//            in its own registered pages.
+//     get    one-sided ucp_get_nbx with the peer's remote key, on a second
+//            endpoint opened to the owner's worker address (UCX 1.13 gives
+//            client/server endpoints only the connection manager's
+//            transports, i.e. tcp); at most 16 gets per read in flight.
+//     am_shm like am, but over the worker-address endpoint when its am lane
+//            is shared memory (sysv/posix fifo), with eager replies only.
+//     auto (default) opens the worker-address endpoint, asks it which
+//            transports carry its lanes (ucp_ep_print_info: UCX 1.13's
+//            ucp_ep_query does not tell) and uses get when an RMA lane is an
+//            RDMA transport (rc/dc), am otherwise.
+//   Measured with UCX 1.13 on this machine: ucp_get_nbx is a software
+//   emulation over active messages on tcp and on shared memory as well
+//   (posix/sysv map only memory UCX allocated itself; cma serves rendezvous,
+//   not gets): 0.2-1.2 GB/s, where am replies reach the transport's send
+//   bandwidth. Shared-memory endpoints cannot have peer error handling in
+//   UCX 1.13 (only cma supports it; asking for it makes UCX pick tcp), and
+//   an owner killed mid-transfer was seen to abort the reader (cma
+//   rendezvous) or to stall the reader's receive fifo for every other peer.
+//   That is why auto does not use shared memory, and why am_shm and get over
+//   shared memory are opt-in: they pass every test here except kill -9 of an
+//   owner during a pull. The public API is a read either way.
 // * Faults: a dead peer fails every read on it with kPeerFailure as soon as
 //   UCX's peer error handling reports it, and in any case within the
 //   engine's timeout (kTimeout). A read that is timed out, cancelled or shut
@@ -69,10 +76,11 @@
 //          on.)
 //
 // Options (EngineOptions.extra)
-//   ucx_mode        auto | get | am        (default auto)
+//   ucx_mode        auto | get | am | am_shm   (default auto)
 //   ucx_am_proto    auto | eager | rndv    how this engine, as an owner,
-//                                           sends am replies over tcp (default
-//                                           auto: rendezvous from 64 KiB)
+//                                           sends am replies (default auto:
+//                                           rendezvous from 64 KiB; always
+//                                           eager for am_shm readers)
 //   ucx_chunk_bytes bytes per get / am reply, in [4096, 2^30] (default 4 MiB)
 // UCX itself is configured by its environment (UCX_TLS, UCX_NET_DEVICES).
 // MSTAR_KV_UCX_DEBUG=1 prints each rma endpoint's lanes (what auto decides on).

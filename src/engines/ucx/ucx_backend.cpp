@@ -935,7 +935,7 @@ void UcxCore::hello_reply(std::uint64_t token, const std::vector<std::uint8_t>& 
     return;
   }
   conn->mode = Mode::kAm;
-  if (!address.empty()) {
+  if (!address.empty() && options_.mode != Mode::kAm) {
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
     ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
@@ -966,7 +966,7 @@ void UcxCore::hello_reply(std::uint64_t token, const std::vector<std::uint8_t>& 
         return;
       }
       conn->mode = Mode::kGet;
-    } else if (conn->data_ep != nullptr && info.shm_am) {
+    } else if (conn->data_ep != nullptr && info.shm_am && options_.mode == Mode::kAmShm) {
       conn->am_on_data = true;
     } else if (conn->data_ep != nullptr) {
       // Nothing better than the control endpoint: am reads go over it.
@@ -994,7 +994,7 @@ void UcxCore::hello_reply(std::uint64_t token, const std::vector<std::uint8_t>& 
       }
       return;
     }
-  } else if (options_.mode == Mode::kGet) {
+  } else if (options_.mode == Mode::kGet && address.empty()) {
     close_conn(conn, Status(StatusCode::kUnavailable,
                             "ucx_mode=get, but the peer sent no worker address"));
     return;
@@ -1323,8 +1323,9 @@ UcxOptions UcxOptions::parse(const EngineOptions& options) {
       if (value == "auto") o.mode = Mode::kAuto;
       else if (value == "get") o.mode = Mode::kGet;
       else if (value == "am") o.mode = Mode::kAm;
+      else if (value == "am_shm") o.mode = Mode::kAmShm;
       else throw Error(StatusCode::kInvalidArgument,
-                       "ucx_mode '" + value + "' is not one of auto, get, am");
+                       "ucx_mode '" + value + "' is not one of auto, get, am, am_shm");
     } else if (key == "ucx_am_proto") {
       if (value == "eager") o.rndv_bytes = ~std::uint64_t{0};
       else if (value == "rndv") o.rndv_bytes = 0;

@@ -13,7 +13,8 @@
 
 namespace mstar::kv::ucx {
 
-enum class Mode : std::uint8_t { kAuto, kGet, kAm };
+// See include/mstar/kv/ucx.hpp ("ucx_mode").
+enum class Mode : std::uint8_t { kAuto, kGet, kAm, kAmShm };
 
 struct UcxOptions {
   Mode mode = Mode::kAuto;
