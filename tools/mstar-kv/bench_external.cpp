@@ -62,10 +62,10 @@ ExternalResult run_ucx_perftest(const std::string& tls, const std::string& test,
     r.error = "ucx_perftest not found (Debian package ucx-utils)";
     return r;
   }
-  // About 128 MiB of traffic: long enough to settle, short enough to repeat.
+  // About 64 MiB of traffic: long enough to settle, short enough to repeat.
   const std::uint64_t iters =
-      std::clamp<std::uint64_t>((128u << 20) / std::max<std::uint64_t>(1, message_bytes), 20,
-                                50000);
+      std::clamp<std::uint64_t>((64u << 20) / std::max<std::uint64_t>(1, message_bytes), 20,
+                                20000);
   const std::map<std::string, std::string> env = {{"UCX_TLS", tls}, {"UCX_NET_DEVICES", "lo"}};
   TempFiles tmp;
   for (int attempt = 0; attempt < 3; ++attempt) {

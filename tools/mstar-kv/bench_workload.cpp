@@ -189,7 +189,7 @@ std::vector<Workload> suite(const std::string& name) {
     out.push_back(model_workload("llama3-8b", 16, 64, S, 0, CO::kLayerMajor, CO::kLayerMajor,
                                  PO::kNHD, PO::kHND));
     piece_sweep(128, {4096, 16384, 65536, 262144, 1u << 20, 4u << 20});
-    batch_sweep(65536, {1, 8, 512});
+    batch_sweep(65536, {1, 512});
   } else if (name == "full") {
     for (const char* m : {"llama3-8b", "llama3-70b-tp8", "qwen2.5-7b", "deepseek-v3"}) {
       for (std::uint32_t ps : {1u, 16u, 64u}) {
