@@ -24,6 +24,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -256,6 +257,9 @@ int cmd_serve(int argc, char** argv) {
   eo.timeout = std::chrono::milliseconds(args.u64("timeout-ms", 30000));
   parse_extra(args, eo);
   SignalWaiter signals;  // before any thread starts
+  // A restarted server must listen on its port again while its previous
+  // connections sit in TIME_WAIT; the user's setting wins (no overwrite).
+  ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
 
   auto cache = make_kv_cache(layout, memory_for(engine));
   const std::string session = data_host + ":" + std::to_string(data_port);

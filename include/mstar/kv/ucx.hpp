@@ -84,6 +84,9 @@
 //   ucx_chunk_bytes bytes per get / am reply, in [4096, 2^30] (default 4 MiB)
 // UCX itself is configured by its environment (UCX_TLS, UCX_NET_DEVICES).
 // MSTAR_KV_UCX_DEBUG=1 prints each rma endpoint's lanes (what auto decides on).
+// An owner restarted on the same port while its old connections sit in
+// TIME_WAIT needs UCX_TCP_CM_REUSEADDR=y (SO_REUSEADDR; UCX's default is
+// off, and ucp_config_modify cannot set it); `mstar-kv serve` sets it.
 //
 // Thread safety, errors and shutdown are those of every engine (engine.hpp):
 // safe from any thread; shutdown() resolves every in-flight read with

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <thread>
+#include <unistd.h>
 
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/ucx.hpp"
@@ -64,7 +65,9 @@ class UcxEngine : public ::testing::TestWithParam<UcxCase> {
   }
 
   std::map<std::string, std::string> env() const {
-    return {{"UCX_TLS", GetParam().tls}, {"UCX_NET_DEVICES", "lo"}};
+    // REUSEADDR: a new owner listens where an old one did (see ucx.hpp).
+    return {{"UCX_TLS", GetParam().tls}, {"UCX_NET_DEVICES", "lo"},
+            {"UCX_TCP_CM_REUSEADDR", "y"}};
   }
   std::map<std::string, std::string> extra() const {
     std::map<std::string, std::string> e{{"ucx_mode", GetParam().mode}};
@@ -334,6 +337,59 @@ TEST_P(UcxEngine, CancelAndTimeoutResolveWithoutLateBytes) {
   // the endpoint).
   m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
   EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens).ok());
+}
+
+TEST_P(UcxEngine, NewOwnerAtTheSameAddressIsReachedAfresh) {
+  // Both owners live in this process (separate UCX contexts, real loopback
+  // traffic); the second listens where the first did.
+  const KVLayout l = layout(64);
+  auto reader_cache = local_cache(l);
+  auto reader = manager(reader_cache);
+  EngineOptions o;
+  o.extra = extra();
+  auto owner_cache = make_kv_cache(l, MemoryKind::kHost);
+  std::unique_ptr<KVTransferManager> owner;
+  std::string session;
+  for (int attempt = 0; attempt < 20 && !owner; ++attempt) {
+    session = "127.0.0.1:" + std::to_string(20000 + (::getpid() * 7 + attempt * 131) % 9000);
+    try {
+      owner = std::make_unique<KVTransferManager>(TransferEngineInfo{"owner", session, "ucx", o},
+                                                  owner_cache);
+    } catch (const Error&) {
+    }
+  }
+  ASSERT_TRUE(owner) << "no free port";
+  const std::vector<std::uint32_t> pages{5, 9, 2, 40};
+  fill_pattern(*owner_cache, kSeed, pages, 0, 64);
+  const KVTransferInfo first = owner->get_kv_transfer_info();
+  reader->sync_retrieve(0, 64, iota_pages(4), pages, first);
+  EXPECT_TRUE(verify_pattern(*reader_cache, kSeed, iota_pages(4), 0, 64).ok());
+
+  owner.reset();  // the owner goes away; its listener port is free again
+  auto owner2_cache = make_kv_cache(l, MemoryKind::kHost);
+  fill_pattern(*owner2_cache, kSeed + 1, pages, 0, 64);
+  std::unique_ptr<KVTransferManager> owner2;
+  for (int attempt = 0; attempt < 50 && !owner2; ++attempt) {
+    try {
+      owner2 = std::make_unique<KVTransferManager>(TransferEngineInfo{"owner", session, "ucx", o},
+                                                   owner2_cache);
+    } catch (const Error&) {
+      std::this_thread::sleep_for(100ms);
+    }
+  }
+  ASSERT_TRUE(owner2) << "could not listen on " << session << " again";
+  std::memset(reader_cache->base(), static_cast<int>(kSentinel), reader_cache->size_bytes());
+  // The first owner's descriptor names a generation nobody serves any more.
+  try {
+    auto f = reader->start_async_retrieve(0, 64, iota_pages(4), pages, first);
+    ASSERT_TRUE(f && f->wait_for(10s));
+    EXPECT_FALSE(f->status().is_ok()) << "a dead owner's descriptor was read";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kStaleDescriptor) << e.what();
+  }
+  EXPECT_TRUE(untouched(*reader_cache));
+  reader->sync_retrieve(0, 64, iota_pages(4), pages, owner2->get_kv_transfer_info());
+  EXPECT_TRUE(verify_pattern(*reader_cache, kSeed + 1, iota_pages(4), 0, 64).ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(
