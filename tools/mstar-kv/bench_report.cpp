@@ -289,11 +289,15 @@ void write_svg(std::FILE* out, const Report& r) {
     ymax = std::max(ymax, c.gbps.max);
     if (c.baseline_gbps) {
       baselines[c.engine].push_back({x, c.baseline_gbps->median});
-      baseline_names[c.engine] = c.baseline_name;
+      // One legend entry per engine: drop the per-case message size.
+      const std::string& n = c.baseline_name;
+      baseline_names[c.engine] =
+          n.rfind("ucx_perftest", 0) == 0 ? n.substr(0, n.rfind(' ', n.rfind(' ') - 1)) + ", same size"
+                                          : n;
       ymax = std::max(ymax, c.baseline_gbps->median);
     }
   }
-  const double W = 960, H = 560, L = 70, R = 260, T = 50, B = 60;
+  const double W = 1120, H = 560, L = 70, R = 420, T = 50, B = 60;
   std::fprintf(out,
                "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%g\" height=\"%g\" "
                "viewBox=\"0 0 %g %g\" font-family=\"sans-serif\" font-size=\"12\">\n",
