@@ -138,6 +138,7 @@ std::optional<TransferFuture> RmaKVTransferEngine::read_batched_async(
     }
     id = next_id_++;
     inflight_.emplace(id, entry);
+    cv_.notify_all();  // the watchdog sleeps while nothing is in flight
   }
   std::shared_ptr<RmaOperation> op;
   try {
@@ -215,7 +216,11 @@ void RmaKVTransferEngine::watchdog() {
       lk.lock();
       continue;
     }
-    cv_.wait_for(lk, kCancelPoll);
+    if (inflight_.empty()) {
+      cv_.wait(lk);
+    } else {
+      cv_.wait_for(lk, kCancelPoll);
+    }
   }
 }
 
