@@ -217,14 +217,13 @@ class Server {
   // The server's stdout and stderr (engine logs) go to a temporary file,
   // quoted in errors and removed afterwards.
   Server(const EngineVariant& v, const Workload& w, const RunOptions& o)
-      : log_(temp_file("server")), child_(spawn_options(v, w, o, log_)) {
-    descriptor_ = KVTransferInfo::decode(read_reply(child_, log_, std::chrono::milliseconds(60000),
-                                                    "ready message"));
+      : log_(temp_file("server")), child_(spawn_options(v, w, o, log_.path)) {
+    descriptor_ = KVTransferInfo::decode(
+        read_reply(child_, log_.path, std::chrono::milliseconds(60000), "ready message"));
   }
   ~Server() {
     child_.close_to_child();  // EOF: the server shuts its engine down and exits
     if (!child_.wait_for(std::chrono::milliseconds(10000))) child_.kill_and_reap();
-    ::unlink(log_.c_str());
   }
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;
@@ -238,7 +237,7 @@ class Server {
         !write_all(child_.to_child(), pages.data(), n * sizeof(std::uint32_t))) {
       throw Error(StatusCode::kPeerFailure, "bench server closed its command pipe");
     }
-    return SequenceInfo::decode(read_reply(child_, log_, std::chrono::milliseconds(120000),
+    return SequenceInfo::decode(read_reply(child_, log_.path, std::chrono::milliseconds(120000),
                                            "sequence"));
   }
 
@@ -265,7 +264,16 @@ class Server {
     return s;
   }
 
-  std::string log_;
+  // Removes the log file however the server ends, also when the
+  // constructor throws (then ~Server does not run, but members are destroyed).
+  struct LogFile {
+    std::string path;
+    explicit LogFile(std::string p) : path(std::move(p)) {}
+    ~LogFile() { ::unlink(path.c_str()); }
+    LogFile(const LogFile&) = delete;
+    LogFile& operator=(const LogFile&) = delete;
+  };
+  LogFile log_;  // declared before child_: the child is reaped first
   Child child_;
   KVTransferInfo descriptor_;
 };
