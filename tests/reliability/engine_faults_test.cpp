@@ -4,8 +4,8 @@
 // wrapped in the fault injector, pulling from a real peer process: after
 // each fault the future resolves within the timeout, a failed read lands no
 // byte after it resolved, bytes outside the read are untouched, a success
-// verifies, the engine still serves another peer, and nothing is left in
-// /dev/shm.
+// verifies, the engine still serves another peer, and no file descriptor
+// is left open.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -218,9 +218,12 @@ TEST_P(EngineFaults, InvariantsHoldAfterTheFaultAndOtherPeersAreStillServed) {
     e.shutdown();
     EXPECT_EQ(e.in_flight(), 0u);
   }
-  EXPECT_EQ(testing::ResourceSnapshot::take().leaks_since(before).find("/dev/shm"),
-            std::string::npos)
-      << testing::ResourceSnapshot::take().leaks_since(before);
+  // Open descriptors of this process (ctest runs each case in its own
+  // process, so they are ours). /dev/shm is not compared here: tests running
+  // in parallel (UCX's posix transport) create entries there meanwhile; the
+  // shm engine's memory is a memfd, which never appears there.
+  const auto after = testing::ResourceSnapshot::take();
+  EXPECT_LE(after.fds, before.fds) << after.leaks_since(before);
 }
 
 std::vector<EngineCase> engine_cases() {

@@ -1,0 +1,90 @@
+// Copyright mstar-kv authors.
+//
+// Nothing is left behind: real peer processes (shm; ucx over tcp and over
+// shared memory) are read from and SIGKILLed mid-read, the engines shut
+// down, and afterwards /dev/shm holds no new entry and this process no new
+// file descriptor. Runs alone (RUN_SERIAL), since other tests create
+// /dev/shm entries of their own.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <thread>
+
+#include "engines/conformance/peer_process.hpp"
+#include "mstar/kv/kv.hpp"
+#include "reliability/invariants.hpp"
+
+namespace mstar::kv {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::PeerProcess;
+using testing::PeerSpec;
+
+struct Case {
+  std::string label;
+  std::string engine;
+  std::map<std::string, std::string> env;
+};
+void PrintTo(const Case& c, std::ostream* os) { *os << c.label; }
+
+class NothingLeftBehind : public ::testing::TestWithParam<Case> {};
+
+TEST_P(NothingLeftBehind, AfterPullsAndKilledPeers) {
+  const Case& c = GetParam();
+  const auto b = built_engines();
+  if (std::find(b.begin(), b.end(), c.engine) == b.end()) {
+    GTEST_SKIP() << "engine '" << c.engine << "' is not built";
+  }
+  for (const auto& [k, v] : c.env) ::setenv(k.c_str(), v.c_str(), 1);
+  KVLayout l;
+  l.num_layers = 4;
+  l.num_pages = 512;
+  l.page_size = 16;
+  l.num_kv_heads = 2;
+  l.head_dim = 64;
+  const auto before = testing::ResourceSnapshot::take();
+  {
+    auto cache = make_kv_cache(l, MemoryKind::kHost);
+    EngineOptions o;
+    o.timeout = 3000ms;
+    auto engine = make_engine(TransferEngineInfo{"decode", "", c.engine, o}, cache);
+    for (int round = 0; round < 3; ++round) {
+      PeerSpec s;
+      s.engine = c.engine;
+      s.layout = l;
+      s.tokens = 512 * 16;
+      s.seed = 3 + static_cast<std::uint64_t>(round);
+      s.env = c.env;
+      PeerProcess peer(s);
+      const auto& seq = peer.sequence();
+      std::vector<std::uint32_t> lp(seq.page_indices.size());
+      for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>(i);
+      const auto reads = plan_reads(l, 0, seq.num_tokens, lp, seq.page_indices);
+      // One full pull, then one cut short by SIGKILL.
+      auto f = engine->read_batched_async(seq.kv_transfer_info, reads);
+      ASSERT_TRUE(f && f->wait_for(10s));
+      EXPECT_TRUE(f->status().is_ok()) << f->status().to_string();
+      auto g = engine->read_batched_async(seq.kv_transfer_info, reads);
+      std::this_thread::sleep_for(std::chrono::milliseconds(round));
+      peer.kill_now();
+      ASSERT_TRUE(g && g->wait_for(10s));
+    }
+    engine->shutdown();
+  }
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(testing::ResourceSnapshot::take().leaks_since(before), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Engines, NothingLeftBehind,
+    ::testing::Values(Case{"shm", "shm", {}},
+                      Case{"ucx_tcp", "ucx", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}},
+                      Case{"ucx_shm", "ucx",
+                           {{"UCX_TLS", "sm,self,tcp"}, {"UCX_NET_DEVICES", "lo"}}}),
+    [](const ::testing::TestParamInfo<Case>& p) { return p.param.label; });
+
+}  // namespace
+}  // namespace mstar::kv
