@@ -512,8 +512,11 @@ void UcxCore::run() {
   int idle = 0;
   bool closing_all = false;
   auto deadline = Clock::time_point::max();
+  // Reused across iterations: a libstdc++ deque allocates even when empty,
+  // and this loop spins while transfers are in flight.
+  std::deque<std::function<void()>> cmds;
   for (;;) {
-    std::deque<std::function<void()>> cmds;
+    cmds.clear();
     {
       std::lock_guard<std::mutex> lk(mu_);
       cmds.swap(commands_);
