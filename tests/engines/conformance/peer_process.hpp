@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/wire.hpp"
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/layout.hpp"
 
@@ -28,10 +29,6 @@ struct PeerSpec {
   std::map<std::string, std::string> extra;  // EngineOptions.extra
 };
 
-std::string layout_arg(const KVLayout& l);
-KVLayout parse_layout_arg(const std::string& s);
-std::string to_hex(const std::vector<std::uint8_t>& bytes);
-std::vector<std::uint8_t> from_hex(const std::string& hex);
 
 class PeerProcess {
  public:

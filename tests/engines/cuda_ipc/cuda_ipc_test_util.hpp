@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "common/wire.hpp"
 #include "mstar/kv/kv.hpp"
 
 namespace mstar::kv::cuda_test {
@@ -38,10 +39,10 @@ VerifyResult verify_device_pattern(const KVCache& device_cache, std::uint64_t se
 // Every byte of the device cache set to `value`.
 void fill_device_bytes(const KVCache& device_cache, std::uint8_t value);
 
-std::string layout_arg(const KVLayout& l);
-KVLayout parse_layout_arg(const std::string& s);
-std::string to_hex(const std::vector<std::uint8_t>& bytes);
-std::vector<std::uint8_t> from_hex(const std::string& hex);
+using testing::from_hex;
+using testing::layout_arg;
+using testing::parse_layout_arg;
+using testing::to_hex;
 
 struct OwnerSpec {
   KVLayout layout;

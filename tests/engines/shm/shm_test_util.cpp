@@ -17,54 +17,6 @@
 
 namespace mstar::kv::shmtest {
 
-std::string to_hex(const std::vector<std::uint8_t>& bytes) {
-  static const char* d = "0123456789abcdef";
-  std::string s;
-  for (auto b : bytes) {
-    s += d[b >> 4];
-    s += d[b & 15];
-  }
-  return s;
-}
-
-std::vector<std::uint8_t> from_hex(const std::string& hex) {
-  auto v = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    throw std::runtime_error("bad hex");
-  };
-  std::vector<std::uint8_t> out;
-  for (std::size_t i = 0; i + 1 < hex.size(); i += 2) {
-    out.push_back(static_cast<std::uint8_t>(v(hex[i]) << 4 | v(hex[i + 1])));
-  }
-  return out;
-}
-
-std::string layout_arg(const KVLayout& l) {
-  std::ostringstream s;
-  s << l.num_layers << ',' << l.num_pages << ',' << l.page_size << ',' << l.num_kv_heads << ','
-    << l.head_dim << ',' << to_string(l.cache_order) << ',' << to_string(l.page_order);
-  return s.str();
-}
-
-KVLayout parse_layout(const std::string& s) {
-  std::vector<std::string> f;
-  std::stringstream in(s);
-  for (std::string x; std::getline(in, x, ',');) f.push_back(x);
-  if (f.size() != 7) throw std::runtime_error("bad layout argument '" + s + "'");
-  KVLayout l;
-  l.num_layers = static_cast<std::uint32_t>(std::stoul(f[0]));
-  l.num_pages = static_cast<std::uint32_t>(std::stoul(f[1]));
-  l.page_size = static_cast<std::uint32_t>(std::stoul(f[2]));
-  l.num_kv_heads = static_cast<std::uint32_t>(std::stoul(f[3]));
-  l.head_dim = static_cast<std::uint32_t>(std::stoul(f[4]));
-  l.dtype = DType::kBFloat16;
-  l.cache_order = parse_cache_order(f[5]);
-  l.page_order = parse_page_order(f[6]);
-  l.validate();
-  return l;
-}
-
 Child::Child(const std::vector<std::string>& argv) {
   int to[2];
   int from[2];

@@ -12,15 +12,15 @@
 #include <string>
 #include <vector>
 
+#include "common/wire.hpp"
 #include "mstar/kv/layout.hpp"
 
 namespace mstar::kv::shmtest {
 
-std::string to_hex(const std::vector<std::uint8_t>& bytes);
-std::vector<std::uint8_t> from_hex(const std::string& hex);
-// "layers,pages,page_size,heads,head_dim,layer|page,nhd|hnd" (bf16, K and V).
-std::string layout_arg(const KVLayout& l);
-KVLayout parse_layout(const std::string& s);
+using testing::from_hex;
+using testing::to_hex;
+using testing::layout_arg;
+inline KVLayout parse_layout(const std::string& s) { return testing::parse_layout_arg(s); }
 
 class Child {
  public:

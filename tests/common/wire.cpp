@@ -1,0 +1,61 @@
+// Copyright mstar-kv authors.
+#include "common/wire.hpp"
+
+#include <sstream>
+#include <stdexcept>
+
+namespace mstar::kv::testing {
+
+std::string layout_arg(const KVLayout& l) {
+  std::ostringstream o;
+  o << l.num_layers << ',' << l.num_pages << ',' << l.page_size << ',' << l.num_kv_heads << ','
+    << l.head_dim << ',' << to_string(l.dtype) << ',' << (l.has_v ? 1 : 0) << ','
+    << to_string(l.cache_order) << ',' << to_string(l.page_order);
+  return o.str();
+}
+
+KVLayout parse_layout_arg(const std::string& s) {
+  std::vector<std::string> f;
+  std::stringstream in(s);
+  for (std::string part; std::getline(in, part, ',');) f.push_back(part);
+  if (f.size() != 9) throw std::runtime_error("bad layout argument '" + s + "'");
+  KVLayout l;
+  l.num_layers = static_cast<std::uint32_t>(std::stoul(f[0]));
+  l.num_pages = static_cast<std::uint32_t>(std::stoul(f[1]));
+  l.page_size = static_cast<std::uint32_t>(std::stoul(f[2]));
+  l.num_kv_heads = static_cast<std::uint32_t>(std::stoul(f[3]));
+  l.head_dim = static_cast<std::uint32_t>(std::stoul(f[4]));
+  l.dtype = parse_dtype(f[5]);
+  l.has_v = f[6] == "1";
+  l.cache_order = parse_cache_order(f[7]);
+  l.page_order = parse_page_order(f[8]);
+  l.validate();
+  return l;
+}
+
+std::string to_hex(const std::vector<std::uint8_t>& bytes) {
+  static const char* d = "0123456789abcdef";
+  std::string out;
+  out.reserve(bytes.size() * 2);
+  for (auto b : bytes) {
+    out.push_back(d[b >> 4]);
+    out.push_back(d[b & 15]);
+  }
+  return out;
+}
+
+std::vector<std::uint8_t> from_hex(const std::string& hex) {
+  auto nib = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    throw std::runtime_error("bad hex digit");
+  };
+  if (hex.size() % 2 != 0) throw std::runtime_error("odd hex length");
+  std::vector<std::uint8_t> out(hex.size() / 2);
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    out[i] = static_cast<std::uint8_t>(nib(hex[2 * i]) << 4 | nib(hex[2 * i + 1]));
+  }
+  return out;
+}
+
+}  // namespace mstar::kv::testing
