@@ -15,7 +15,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const KVTransferInfo info{"ucx", std::vector<std::uint8_t>(data, data + size)};
   UcxKVTransferInfo u;
   try {
-    u = UcxKVTransferInfo::from_transfer_info(info);
+    u = UcxKVTransferInfo::decode(info);
   } catch (const Error& e) {
     fuzz::require(e.code() == StatusCode::kCorruptDescriptor, "decode threw a non-corrupt code");
     return 0;
@@ -24,6 +24,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   fuzz::require(u.data_ptr + u.size >= u.data_ptr, "region wraps the address space");
   fuzz::require(u.layout.total_bytes() <= u.size, "layout larger than the region accepted");
   u.layout.validate();
-  fuzz::require(u.to_transfer_info() == info, "decode(payload) does not encode back to it");
+  fuzz::require(u.encode() == info, "decode(payload) does not encode back to it");
   return 0;
 }

@@ -101,8 +101,8 @@ int main(int argc, char** argv) {
     u.layout = l;
     u.generation = 0xabcdef + static_cast<std::uint64_t>(i);
     u.rkey.assign(static_cast<std::size_t>(10 + 20 * i), static_cast<std::uint8_t>(i + 1));
-    infos.push_back(u.to_transfer_info());
-    write(out / "fuzz_ucx_info", name, u.to_transfer_info().payload, false);
+    infos.push_back(u.encode());
+    write(out / "fuzz_ucx_info", name, u.encode().payload, false);
 #endif
 #if MSTAR_KV_FUZZ_MOONCAKE
     MooncakeKVTransferInfo m;

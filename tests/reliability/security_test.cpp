@@ -191,17 +191,17 @@ TEST_P(RegionChecks, DescriptorLargerThanTheRegisteredRegionIsRefused) {
 #endif
 #if MSTAR_KV_TEST_UCX
   if (engine_ == "ucx") {
-    auto info = UcxKVTransferInfo::from_transfer_info(real);
+    auto info = UcxKVTransferInfo::decode(real);
     auto grown = info;
     grown.layout = bigger;
     grown.size = bigger.total_bytes();
-    expect_refused(owner, grown.to_transfer_info(), "ucx descriptor claiming 4x the size", bigger);
+    expect_refused(owner, grown.encode(), "ucx descriptor claiming 4x the size", bigger);
     auto moved = info;
     moved.data_ptr += 4096;  // same size, shifted past the region's end
-    expect_refused(owner, moved.to_transfer_info(), "ucx descriptor shifted by 4 KiB", layout());
+    expect_refused(owner, moved.encode(), "ucx descriptor shifted by 4 KiB", layout());
     auto below = info;
     below.data_ptr -= 1u << 20;  // memory before the region
-    expect_refused(owner, below.to_transfer_info(), "ucx descriptor 1 MiB below the region",
+    expect_refused(owner, below.encode(), "ucx descriptor 1 MiB below the region",
                    layout());
   }
 #endif

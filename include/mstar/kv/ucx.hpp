@@ -115,8 +115,8 @@ struct UcxKVTransferInfo {
 
   // Throws Error(kInvalidArgument) when info is not a "ucx" descriptor and
   // Error(kCorruptDescriptor) naming the field when its payload is malformed.
-  static UcxKVTransferInfo from_transfer_info(const KVTransferInfo& info);
-  KVTransferInfo to_transfer_info() const;
+  static UcxKVTransferInfo decode(const KVTransferInfo& info);
+  KVTransferInfo encode() const;
 };
 
 }  // namespace mstar::kv

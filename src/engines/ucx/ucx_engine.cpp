@@ -23,7 +23,7 @@ std::unique_ptr<KVTransferEngine> make_ucx_engine(std::shared_ptr<KVCache> cache
 
 }  // namespace engines
 
-UcxKVTransferInfo UcxKVTransferInfo::from_transfer_info(const KVTransferInfo& info) {
+UcxKVTransferInfo UcxKVTransferInfo::decode(const KVTransferInfo& info) {
   if (info.engine != "ucx") {
     throw Error(StatusCode::kInvalidArgument,
                 "descriptor of engine '" + info.engine + "' is not a ucx descriptor");
@@ -40,7 +40,7 @@ UcxKVTransferInfo UcxKVTransferInfo::from_transfer_info(const KVTransferInfo& in
   return u;
 }
 
-KVTransferInfo UcxKVTransferInfo::to_transfer_info() const {
+KVTransferInfo UcxKVTransferInfo::encode() const {
   rma::RmaRegionInfo r;
   r.entity_id = entity_id;
   r.session_id = session_id;

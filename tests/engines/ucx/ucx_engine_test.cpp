@@ -164,11 +164,11 @@ TEST_P(UcxEngine, ForgedDescriptorsAreRejectedBeforeAnyRead) {
   auto cache = local_cache(l);
   auto m = manager(cache);
   const auto& seq = peer.sequence();
-  const auto good = UcxKVTransferInfo::from_transfer_info(seq.kv_transfer_info);
+  const auto good = UcxKVTransferInfo::decode(seq.kv_transfer_info);
   auto expect_rejected = [&](UcxKVTransferInfo forged, StatusCode code, const char* what) {
     try {
       auto f = m->start_async_retrieve(0, 64, iota_pages(4), seq.page_indices,
-                                       forged.to_transfer_info());
+                                       forged.encode());
       ADD_FAILURE() << what << ": accepted";
       if (f) f->wait_for(5s);
     } catch (const Error& e) {
@@ -206,7 +206,7 @@ TEST_P(UcxEngine, ForgedDescriptorsAreRejectedBeforeAnyRead) {
     f.layout.num_pages = 63;  // claims a slightly smaller cache
     try {
       const std::vector<std::uint32_t> rp{0, 1, 2, 3};
-      m->start_async_retrieve(0, 64, iota_pages(4), rp, f.to_transfer_info());
+      m->start_async_retrieve(0, 64, iota_pages(4), rp, f.encode());
       ADD_FAILURE() << "wrong layout (pages): accepted";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), StatusCode::kIncompatibleLayout) << e.what();
@@ -227,7 +227,7 @@ TEST_P(UcxEngine, ForgedDescriptorsAreRejectedBeforeAnyRead) {
     auto f = good;
     f.session_id = "127.0.0.1:1";  // nobody listens there
     try {
-      m->start_async_retrieve(0, 64, iota_pages(4), seq.page_indices, f.to_transfer_info());
+      m->start_async_retrieve(0, 64, iota_pages(4), seq.page_indices, f.encode());
       ADD_FAILURE() << "unreachable peer accepted";
     } catch (const Error& e) {
       EXPECT_TRUE(e.code() == StatusCode::kPeerFailure || e.code() == StatusCode::kTimeout)
