@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/child_process.hpp"
 #include "common/wire.hpp"
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/layout.hpp"
@@ -36,21 +37,18 @@ class PeerProcess {
   // Throws std::runtime_error with the peer's message on failure.
   explicit PeerProcess(const PeerSpec& spec,
                        std::chrono::milliseconds timeout = std::chrono::seconds(30));
-  ~PeerProcess();
   PeerProcess(const PeerProcess&) = delete;
   PeerProcess& operator=(const PeerProcess&) = delete;
 
   const SequenceInfo& sequence() const { return seq_; }
-  pid_t pid() const { return pid_; }
+  pid_t pid() const { return child_.pid(); }
   // SIGKILL and reap.
   void kill_now();
   // Asks it to quit and reaps it.
   void quit();
 
  private:
-  pid_t pid_ = -1;
-  int to_child_ = -1;
-  int from_child_ = -1;
+  Child child_;  // its destructor kills and reaps the peer
   SequenceInfo seq_;
 };
 

@@ -1,5 +1,5 @@
 // Copyright mstar-kv authors.
-#include "shm_test_util.hpp"
+#include "common/child_process.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -15,9 +15,10 @@
 #include <thread>
 #include <utility>
 
-namespace mstar::kv::shmtest {
+namespace mstar::kv::testing {
 
-Child::Child(const std::vector<std::string>& argv) {
+Child::Child(const std::vector<std::string>& argv,
+             const std::map<std::string, std::string>& env, bool merge_stderr) {
   int to[2];
   int from[2];
   if (::pipe2(to, O_CLOEXEC) != 0 || ::pipe2(from, O_CLOEXEC) != 0) {
@@ -35,7 +36,8 @@ Child::Child(const std::vector<std::string>& argv) {
     if (::getppid() != parent) ::_exit(127);
     ::dup2(to[0], 0);
     ::dup2(from[1], 1);
-    ::dup2(from[1], 2);
+    if (merge_stderr) ::dup2(from[1], 2);
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
     ::execv(args[0], args.data());
     ::_exit(127);
   }
@@ -119,4 +121,4 @@ int Child::wait(std::chrono::milliseconds timeout) {
   return -1;
 }
 
-}  // namespace mstar::kv::shmtest
+}  // namespace mstar::kv::testing
