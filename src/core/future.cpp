@@ -4,6 +4,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <vector>
 
 namespace mstar::kv {
 
@@ -18,17 +19,32 @@ struct TransferState {
   std::uint64_t bytes = 0;
   std::atomic<bool> resolved{false};
   std::atomic<bool> cancel{false};
+  // Guarded by mu; taken (emptied) by the resolving thread.
+  std::vector<TransferFuture::Callback> callbacks;
 
   bool resolve(Status s, std::uint64_t b) noexcept {
+    std::vector<TransferFuture::Callback> run;
     {
       std::lock_guard<std::mutex> lock(mu);
       if (resolved.load(std::memory_order_relaxed)) return false;
       status = std::move(s);
       bytes = b;
+      run.swap(callbacks);
       resolved.store(true, std::memory_order_release);
     }
     cv.notify_all();
+    // status and bytes never change after resolution, so reading them
+    // without the lock is safe here.
+    for (auto& cb : run) invoke(cb);
     return true;
+  }
+
+  void invoke(const TransferFuture::Callback& cb) const noexcept {
+    try {
+      cb(status, status.is_ok() ? bytes : 0);
+    } catch (...) {
+      // A callback must not throw (future.hpp); nothing to hand it to.
+    }
   }
 };
 
@@ -79,6 +95,18 @@ std::uint64_t TransferFuture::get() const {
 
 void TransferFuture::cancel() const noexcept {
   if (state_) state_->cancel.store(true, std::memory_order_release);
+}
+
+void TransferFuture::on_resolved(Callback callback) const {
+  if (!state_ || !callback) return;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (!state_->resolved.load(std::memory_order_relaxed)) {
+      state_->callbacks.push_back(std::move(callback));
+      return;
+    }
+  }
+  state_->invoke(callback);
 }
 
 TransferPromise::TransferPromise()

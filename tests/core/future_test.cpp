@@ -1,7 +1,10 @@
 // Copyright mstar-kv authors.
 #include <gtest/gtest.h>
 
+#include <stdexcept>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "mstar/kv/future.hpp"
 
@@ -68,6 +71,44 @@ TEST(TransferFuture, ReadyAndFailedHelpers) {
   EXPECT_EQ(make_ready_future(5).get(), 5u);
   EXPECT_EQ(make_failed_future({StatusCode::kCancelled, "c"}).status().code(),
             StatusCode::kCancelled);
+}
+
+TEST(TransferFuture, OnResolvedRunsOnceOnTheResolvingThread) {
+  TransferPromise p;
+  TransferFuture f = p.future();
+  std::vector<std::pair<StatusCode, std::uint64_t>> seen;
+  std::thread::id ran_on;
+  f.on_resolved([&](const Status& s, std::uint64_t bytes) {
+    seen.emplace_back(s.code(), bytes);
+    ran_on = std::this_thread::get_id();
+  });
+  f.on_resolved([&](const Status&, std::uint64_t) { throw std::runtime_error("dropped"); });
+  EXPECT_TRUE(seen.empty());  // not before resolution
+  std::thread t([&] {
+    p.complete(77);
+    p.fail(Status(StatusCode::kTimeout, "late"));  // ignored: no second call
+  });
+  const std::thread::id resolver = t.get_id();
+  t.join();
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].first, StatusCode::kOk);
+  EXPECT_EQ(seen[0].second, 77u);
+  EXPECT_EQ(ran_on, resolver);
+}
+
+TEST(TransferFuture, OnResolvedAfterResolutionRunsOnTheCaller) {
+  TransferFuture f = make_failed_future(Status(StatusCode::kPeerFailure, "peer 'a' died"));
+  int calls = 0;
+  f.on_resolved([&](const Status& s, std::uint64_t bytes) {
+    ++calls;
+    EXPECT_EQ(s.code(), StatusCode::kPeerFailure);
+    EXPECT_EQ(s.message(), "peer 'a' died");
+    EXPECT_EQ(bytes, 0u);
+  });
+  EXPECT_EQ(calls, 1);
+  TransferFuture invalid;
+  invalid.on_resolved([&](const Status&, std::uint64_t) { ++calls; });
+  EXPECT_EQ(calls, 1);
 }
 
 TEST(Status, ScopesGroupWhatMustBeTornDown) {

@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "mstar/kv/status.hpp"
@@ -45,6 +46,18 @@ class TransferFuture {
   // Asks the engine to stop. The future still resolves (kCancelled, or
   // success if the bytes were already there); returns immediately.
   void cancel() const noexcept;
+
+  // Runs `callback(status, bytes)` exactly once when the future resolves: on
+  // the thread that resolves it (an engine's worker or progress thread), or
+  // right here on the calling thread if it already resolved. Callbacks run
+  // in registration order after waiters are woken, with no library lock
+  // held; they must not block (hand work to another thread instead) and
+  // must not throw (an exception is caught and dropped). This is how
+  // bindings complete a foreign future (Python's concurrent.futures) without
+  // parking a thread per read. bytes is 0 unless status is OK. Does nothing
+  // on an invalid future.
+  using Callback = std::function<void(const Status& status, std::uint64_t bytes)>;
+  void on_resolved(Callback callback) const;
 
  private:
   friend class TransferPromise;
