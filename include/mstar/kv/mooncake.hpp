@@ -48,8 +48,13 @@
 //                        one tested here; "rdma" for RDMA deployments).
 //   "mooncake_location"  registerLocalMemory location; default "cpu:0".
 //   "mooncake_abort_grace_ms"  see "Timeouts" below; default 2000.
+//   "mooncake_session_id"  shared handle only: the session id to publish
+//                        (see "Sharing" below); default getLocalIpAndPort.
 // Unknown "mooncake_*" keys are rejected (kInvalidArgument) so that a typo is
-// not silently ignored. Before creating Mooncake's engine the constructor sets
+// not silently ignored, and so are keys of the other mode (mooncake_metadata,
+// mooncake_host and mooncake_protocol configure an engine this one creates:
+// they are rejected with a shared handle; mooncake_session_id is accepted
+// only with one). Before creating Mooncake's engine the constructor sets
 // MC_TCP_ENABLE_CONNECTION_POOL=1 and MC_LOG_LEVEL=WARNING in the process
 // environment unless the user already set them (without the connection pool,
 // Mooncake's TCP transport opens a connection per request and runs ~4x
@@ -66,7 +71,8 @@
 // with kTimeout as soon as all its requests reached a final state. If some
 // are still in flight `mooncake_abort_grace_ms` after the abort (the peer
 // hangs with its connections open), the only way to stop Mooncake writing
-// into our pages is to destroy Mooncake's engine: the engine does that, every
+// into our pages is to destroy Mooncake's engine: the engine does that (with
+// its own engine; with a shared handle it does not, see below), every
 // read still in flight then fails (kPeerFailure, naming the hung peer), and
 // the engine is unusable from then on (further reads throw kUnavailable, its
 // descriptor no longer works); create a new one. A hung peer thus costs the
@@ -74,10 +80,54 @@
 // openSegment's handshake is synchronous inside Mooncake and bounded by
 // Mooncake's own socket timeouts, not by EngineOptions::timeout.
 //
+// Sharing the application's Mooncake engine. An application that already
+// runs Mooncake passes its own engine handle (Mooncake's transfer_engine_t,
+// from createTransferEngine, installTransport done) to the second
+// constructor, and both use the one engine, its transport and its session.
+// The engine then
+//   * loads the C API library by the rules above; it must be the library that
+//     made the handle (the constructor throws kInvalidArgument, naming both
+//     files, when another copy of Mooncake's C API is already in the
+//     process's global symbol scope);
+//   * never calls createTransferEngine, installTransport or
+//     destroyTransferEngine on the handle, and sets no MC_* variable (they
+//     are read when the engine is created: set MC_TCP_ENABLE_CONNECTION_POOL=1
+//     before installTransport for the TCP speed noted above);
+//   * registers the cache and its identity page on the handle
+//     (registerLocalMemory, location mooncake_location) and unregisters them
+//     in shutdown(), as it does the 4 KiB scratch page of each descriptor
+//     check; segments it opened stay open (Mooncake's closeSegment is a no-op);
+//   * publishes as its session id extra["mooncake_session_id"] when set, else
+//     what getLocalIpAndPort reports ("HOST:PORT"), which is the segment name
+//     peers open on a P2PHANDSHAKE engine. A handle made with a metadata
+//     server ("etcd://...") must pass its local_server_name there.
+// The per-peer limit of requests in Mooncake's hands (above) counts this
+// engine's requests only: the application's own transfers to the same peer
+// share Mooncake's queue. The handle must stay valid until shutdown() has
+// returned (the destructor runs it); the application destroys it afterwards,
+// and may create further engines on it.
+//
+// A hung peer with a shared handle: the engine does NOT destroy Mooncake's
+// engine, which is the application's. Once a read is still in flight
+// `mooncake_abort_grace_ms` after its abort, the engine stops taking work:
+// read_batched_async (and connecting) throw kUnavailable naming the hung peer,
+// and it says so once on stderr. Reads of other peers already in flight
+// finish normally, and peers can still read this engine's cache until
+// shutdown(). The hung read's future stays UNRESOLVED until Mooncake
+// reports every request of it COMPLETED or FAILED (the peer resumes, or its
+// connection breaks: Mooncake's TCP transport has no deadline of its own on
+// a stalled payload), and then resolves (kTimeout, or kShutdown when
+// shutdown() aborted it); shutdown() and the
+// destructor wait for that too. So with a shared handle no byte lands in a
+// page after its future resolved, and the application's engine keeps working,
+// but a hung peer's read (and shutdown) is bounded by the peer and Mooncake's
+// transport, not by EngineOptions::timeout. To end the wait, end the peer's
+// connection (kill or restart it); never destroy the handle while it lasts.
+//
 // Thread safety: every method is safe from any thread. shutdown() resolves
 // every read in flight (kShutdown), deregisters the memory and destroys
-// Mooncake's engine; idempotent, run by the destructor. The library stays
-// loaded until the engine is destroyed.
+// Mooncake's engine (a shared handle: only deregisters); idempotent, run by
+// the destructor. The library stays loaded until the engine is destroyed.
 #pragma once
 
 #include <cstdint>
@@ -104,11 +154,17 @@ struct MooncakeOptions {
   std::string protocol = "tcp";
   std::string location = "cpu:0";
   std::uint32_t abort_grace_ms = 2000;
+  std::string session_id;    // shared handle only; empty: getLocalIpAndPort
 
-  // Throws Error(kInvalidArgument) naming an unknown "mooncake_*" key or a
-  // value outside its limit.
-  static MooncakeOptions from_extra(const std::map<std::string, std::string>& extra);
+  // Throws Error(kInvalidArgument) naming an unknown "mooncake_*" key, a key
+  // of the other mode (shared_handle: the engine borrows the application's
+  // Mooncake engine) or a value outside its limit.
+  static MooncakeOptions from_extra(const std::map<std::string, std::string>& extra,
+                                    bool shared_handle = false);
 };
+
+// Mooncake's C API engine handle, transfer_engine_t (a void* there).
+using MooncakeEngineHandle = void*;
 
 // The spec's MooncakeKVTransferInfo plus what makes it checkable. Value type.
 struct MooncakeKVTransferInfo {
@@ -143,6 +199,17 @@ class MooncakeKVTransferEngine final : public KVTransferEngine {
   // session id). Nothing is left registered or loaded on failure.
   MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
                            const TransferEngineInfo& info);
+  // The spec's shape, on the application's own Mooncake engine:
+  // `transfer_engine` is a live transfer_engine_t from createTransferEngine
+  // with its transport installed, borrowed, never destroyed (see "Sharing the
+  // application's Mooncake engine" above). Loads the library and registers
+  // the cache on the handle. Throws Error: kInvalidArgument (null handle, null
+  // or device cache, bad option, another copy of Mooncake loaded),
+  // kUnavailable (library absent or incomplete, a registration refused).
+  // Nothing is left registered on the handle on failure.
+  MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_cache, std::string entity_id,
+                           MooncakeEngineHandle transfer_engine,
+                           const EngineOptions& options = {});
   ~MooncakeKVTransferEngine() override;
 
   MooncakeKVTransferEngine(const MooncakeKVTransferEngine&) = delete;
@@ -152,7 +219,7 @@ class MooncakeKVTransferEngine final : public KVTransferEngine {
   // The same descriptor, decoded.
   MooncakeKVTransferInfo mooncake_transfer_info() const;
   // The spec's TransferEngineInfo.my_session_id as Mooncake reports it
-  // (P2P mode: getLocalIpAndPort, "HOST:PORT").
+  // (P2P mode: getLocalIpAndPort, "HOST:PORT"; a shared handle: see above).
   const std::string& session_id() const noexcept { return session_id_; }
 
   std::optional<TransferFuture> read_batched_async(

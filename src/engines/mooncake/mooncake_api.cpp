@@ -129,6 +129,18 @@ MooncakeLibrary::MooncakeLibrary(const std::string& path) : path_(path) {
   }
 }
 
+std::string MooncakeLibrary::other_global_copy() const {
+  dlerror();
+  void* global = dlsym(RTLD_DEFAULT, "createTransferEngine");
+  if (global == nullptr || api_.createTransferEngine == nullptr ||
+      global == reinterpret_cast<void*>(api_.createTransferEngine)) {
+    return "";
+  }
+  Dl_info info{};
+  if (dladdr(global, &info) != 0 && info.dli_fname != nullptr) return info.dli_fname;
+  return "(an unnamed object)";
+}
+
 MooncakeLibrary::~MooncakeLibrary() {
   if (handle_ != nullptr) dlclose(handle_);
 }

@@ -139,6 +139,12 @@ class MooncakeLibrary {
   const MooncakeApi& api() const noexcept { return api_; }
   const std::string& path() const noexcept { return path_; }
 
+  // The file of ANOTHER copy of Mooncake's C API that the process already has
+  // in its global symbol scope (e.g. an application linked against a
+  // different libtransfer_engine.so), or "" when there is none or it is this
+  // one. A handle made by one copy must not be driven by another.
+  std::string other_global_copy() const;
+
  private:
   void* handle_ = nullptr;
   std::string path_;

@@ -4,12 +4,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <map>
 #include <optional>
 #include <utility>
 
-#include "core/codec.hpp"
 #include "mstar/kv/planner.hpp"
 #include "engines/rma/rma_engine.hpp"
 
@@ -18,23 +16,6 @@ namespace mstar::kv::engines::mooncake {
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-constexpr std::uint16_t kBlobVersion = 1;
-
-std::string hex(std::uint64_t v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
-void free_page(void* p) { std::free(p); }
-
-std::unique_ptr<std::byte, void (*)(void*)> alloc_page() {
-  void* p = std::aligned_alloc(kIdentityBytes, kIdentityBytes);
-  if (p == nullptr) throw Error(StatusCode::kInternal, "out of memory for a 4 KiB page");
-  std::memset(p, 0, kIdentityBytes);
-  return {static_cast<std::byte*>(p), &free_page};
-}
 
 // Host part of "host:port", "[v6]:port" or "host".
 std::string host_of(const std::string& s) {
@@ -58,27 +39,6 @@ StatusCode map_code(int code) {
 
 }  // namespace
 
-std::vector<std::uint8_t> encode_blob(std::uint64_t identity_ptr) {
-  codec::ByteWriter w;
-  w.u16(kBlobVersion);
-  w.u64(identity_ptr);
-  return w.take();
-}
-
-std::uint64_t decode_blob(std::span<const std::uint8_t> blob) {
-  codec::ByteReader r(blob, "Mooncake backend_blob");
-  const std::uint16_t version = r.u16("version");
-  if (version != kBlobVersion) {
-    r.fail("version", "version " + std::to_string(version) + " is not the supported " +
-                          std::to_string(kBlobVersion));
-  }
-  const std::uint64_t ptr = r.u64("identity_ptr");
-  r.expect_end();
-  if (ptr == 0) r.fail("identity_ptr", "null identity page address");
-  if (ptr + kIdentityBytes < ptr) r.fail("identity_ptr", hex(ptr) + " + 4096 overflows");
-  return ptr;
-}
-
 // ---- a batch in flight -------------------------------------------------------
 
 struct MooncakeBackend::Batch final : rma::RmaOperation {
@@ -100,68 +60,13 @@ struct MooncakeBackend::Batch final : rma::RmaOperation {
   void abort() noexcept override { abort_requested.store(true, std::memory_order_release); }
 };
 
-// A registered scratch page for one identity read; unregistered when the
-// read's batch has completed and the connect that waited for it let go.
-class MooncakeBackend::Scratch {
- public:
-  Scratch(MooncakeBackend& backend, std::unique_ptr<std::byte, void (*)(void*)> page)
-      : backend_(backend), page_(std::move(page)) {}
-  ~Scratch() { backend_.unregister(page_.get()); }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  std::byte* data() const noexcept { return page_.get(); }
-
- private:
-  MooncakeBackend& backend_;
-  std::unique_ptr<std::byte, void (*)(void*)> page_;
-};
-
-// ---- a connected peer --------------------------------------------------------
-
-namespace {
-
-class MooncakePeer final : public rma::RmaPeer {
- public:
-  MooncakePeer(MooncakeBackend& backend, McSegmentId segment, rma::RmaRegionInfo served,
-               std::byte* local_base)
-      : backend_(backend),
-        segment_(segment),
-        served_(std::move(served)),
-        local_base_(local_base),
-        failed_(std::make_shared<std::atomic<bool>>(false)) {}
-
-  void verify(const rma::RmaRegionInfo& claimed) const override {
-    rma::verify_region(served_, claimed);
-  }
-
-  bool failed() const noexcept override {
-    return failed_->load(std::memory_order_acquire) || backend_.dead();
-  }
-
-  std::shared_ptr<rma::RmaOperation> post_reads(std::vector<rma::RmaRead> reads,
-                                                rma::RmaCompletion done) override {
-    return backend_.post(segment_, "'" + served_.entity_id + "' at " + served_.session_id,
-                         served_.data_ptr, local_base_, reads, std::move(done), failed_,
-                         nullptr);
-  }
-
- private:
-  MooncakeBackend& backend_;
-  const McSegmentId segment_;
-  const rma::RmaRegionInfo served_;
-  std::byte* const local_base_;
-  const std::shared_ptr<std::atomic<bool>> failed_;
-};
-
-}  // namespace
-
 // ---- construction and teardown ----------------------------------------------
 
 MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
                                  const MooncakeOptions& options,
                                  const std::string& entity_id,
-                                 const std::string& my_session_id)
-    : cache_(std::move(cache)), options_(options), identity_(nullptr, &free_page) {
+                                 const std::string& my_session_id, McEngine shared_engine)
+    : cache_(std::move(cache)), options_(options), identity_(nullptr, nullptr) {
   if (!cache_) throw Error(StatusCode::kInvalidArgument, "the Mooncake engine needs a cache");
   if (entity_id.size() > rma::RmaRegionInfo::kMaxIdBytes ||
       my_session_id.size() > rma::RmaRegionInfo::kMaxIdBytes) {
@@ -171,8 +76,9 @@ MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
                     " bytes exceeds the limit of " +
                     std::to_string(rma::RmaRegionInfo::kMaxIdBytes));
   }
+  shared_ = shared_engine != nullptr;
   const bool p2p = options_.metadata == "P2PHANDSHAKE";
-  if (!p2p && my_session_id.empty()) {
+  if (!shared_ && !p2p && my_session_id.empty()) {
     throw Error(StatusCode::kInvalidArgument,
                 "Mooncake metadata '" + options_.metadata +
                     "' needs my_session_id (this process's segment name); only "
@@ -180,11 +86,21 @@ MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
   }
   lib_ = std::make_unique<MooncakeLibrary>(options_.library_path);
   api_ = &lib_->api();
-
-  // Read by Mooncake when its engine / TCP transport is created; a user's
-  // own setting wins (overwrite = 0).
-  ::setenv("MC_TCP_ENABLE_CONNECTION_POOL", "1", 0);
-  ::setenv("MC_LOG_LEVEL", "WARNING", 0);
+  if (shared_) {
+    if (const std::string other = lib_->other_global_copy(); !other.empty()) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "the process already has Mooncake's C API loaded from '" + other +
+                      "', but the engine loaded '" + lib_->path() +
+                      "': a shared transfer_engine handle must be driven by the library "
+                      "that created it; set mooncake_lib / MSTAR_KV_MOONCAKE_LIB to '" +
+                      other + "'");
+    }
+  } else {
+    // Read by Mooncake when its engine / TCP transport is created; a user's
+    // own setting wins (overwrite = 0). A shared handle was created already.
+    ::setenv("MC_TCP_ENABLE_CONNECTION_POOL", "1", 0);
+    ::setenv("MC_LOG_LEVEL", "WARNING", 0);
+  }
   // Mooncake's TCP transport queues at most this many requests per peer and
   // fails the rest; stay within it.
   if (const char* q = std::getenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"); q != nullptr) {
@@ -192,31 +108,36 @@ MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
     if (v >= 1 && v <= 65535) window_ = static_cast<std::size_t>(v);
   }
 
-  std::string server_name;
-  if (p2p) {
-    // my_session_id names the host only in its "HOST:PORT" form; anything
-    // else is a label (the port is Mooncake's choice in P2P mode).
-    const bool host_port = my_session_id.find(':') != std::string::npos;
-    server_name = !options_.host.empty() ? options_.host
-                  : host_port            ? host_of(my_session_id)
-                                         : std::string("127.0.0.1");
+  if (shared_) {
+    engine_ = shared_engine;
   } else {
-    server_name = my_session_id;
-  }
-  engine_ = api_->createTransferEngine(options_.metadata.c_str(), server_name.c_str(),
-                                       server_name.c_str(), 0, 0);
-  if (engine_ == nullptr) {
-    throw Error(StatusCode::kUnavailable,
-                "Mooncake createTransferEngine(metadata '" + options_.metadata +
-                    "', server '" + server_name + "') failed (see Mooncake's log)");
+    std::string server_name;
+    if (p2p) {
+      // my_session_id names the host only in its "HOST:PORT" form; anything
+      // else is a label (the port is Mooncake's choice in P2P mode).
+      const bool host_port = my_session_id.find(':') != std::string::npos;
+      server_name = !options_.host.empty() ? options_.host
+                    : host_port            ? host_of(my_session_id)
+                                           : std::string("127.0.0.1");
+    } else {
+      server_name = my_session_id;
+    }
+    engine_ = api_->createTransferEngine(options_.metadata.c_str(), server_name.c_str(),
+                                         server_name.c_str(), 0, 0);
+    if (engine_ == nullptr) {
+      throw Error(StatusCode::kUnavailable,
+                  "Mooncake createTransferEngine(metadata '" + options_.metadata +
+                      "', server '" + server_name + "') failed (see Mooncake's log)");
+    }
   }
   try {
-    if (api_->installTransport(engine_, options_.protocol.c_str(), nullptr) == nullptr) {
+    if (!shared_ &&
+        api_->installTransport(engine_, options_.protocol.c_str(), nullptr) == nullptr) {
       throw Error(StatusCode::kUnavailable,
                   "Mooncake installTransport('" + options_.protocol + "') failed");
     }
     std::string session = my_session_id;
-    if (p2p) {
+    if (shared_ ? session.empty() : p2p) {
       char buf[256] = {};
       if (api_->getLocalIpAndPort(engine_, buf, sizeof buf) != 0 || buf[0] == '\0') {
         throw Error(StatusCode::kUnavailable, "Mooncake getLocalIpAndPort failed");
@@ -228,7 +149,9 @@ MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
                                   options_.location.c_str(), 1) != 0) {
       throw Error(StatusCode::kUnavailable,
                   "Mooncake registerLocalMemory of the " + std::to_string(layout.total_bytes()) +
-                      "-byte cache at location '" + options_.location + "' failed");
+                      "-byte cache at location '" + options_.location + "' failed" +
+                      (shared_ ? " (on the shared handle: is this memory registered there already?)"
+                               : ""));
     }
     cache_registered_ = true;
 
@@ -240,17 +163,7 @@ MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
     region_.layout = layout;
     region_.generation = rma::new_generation();
     region_.backend_blob = encode_blob(reinterpret_cast<std::uintptr_t>(identity_.get()));
-    const std::vector<std::uint8_t> payload = region_.encode();
-    codec::ByteWriter w;
-    w.u64(kIdentityMagic);
-    w.bytes(payload);
-    w.u32(codec::crc32c(w.data()));
-    if (w.data().size() > kIdentityBytes) {
-      throw Error(StatusCode::kInvalidArgument,
-                  "Mooncake descriptor of " + std::to_string(w.data().size()) +
-                      " bytes exceeds the identity page of " + std::to_string(kIdentityBytes));
-    }
-    std::memcpy(identity_.get(), w.data().data(), w.data().size());
+    write_identity(identity_.get(), region_);
     if (api_->registerLocalMemory(engine_, identity_.get(), kIdentityBytes,
                                   options_.location.c_str(), 1) != 0) {
       throw Error(StatusCode::kUnavailable, "Mooncake registerLocalMemory of the identity page failed");
@@ -258,9 +171,7 @@ MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
     identity_registered_ = true;
     progress_ = std::thread([this] { progress_loop(); });
   } catch (...) {
-    if (cache_registered_) api_->unregisterLocalMemory(engine_, cache_->base());
-    api_->destroyTransferEngine(engine_);
-    engine_ = nullptr;
+    release_engine();  // no other thread exists yet
     throw;
   }
 }
@@ -275,14 +186,30 @@ void MooncakeBackend::shutdown() noexcept {
   }
   cv_.notify_all();
   // The progress thread exits once every batch completed (or was failed by a
-  // tear-down after the abort grace).
+  // tear-down after the abort grace; with a shared handle only once Mooncake
+  // reported every task final).
   if (progress_.joinable()) progress_.join();
+  {
+    // A connect() still holding a scratch page lets go of it promptly: its
+    // batch completed above, or post() refuses it now.
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [this] { return live_scratch_ == 0; });
+  }
   std::unique_lock<std::shared_mutex> api(api_mu_);
+  release_engine();
+}
+
+void MooncakeBackend::release_engine() noexcept {
   if (engine_ == nullptr) return;
-  if (cache_registered_) api_->unregisterLocalMemory(engine_, cache_->base());
-  if (identity_registered_) api_->unregisterLocalMemory(engine_, identity_.get());
+  if (cache_registered_ && api_->unregisterLocalMemory(engine_, cache_->base()) != 0) {
+    std::fprintf(stderr, "mstar-kv mooncake: unregisterLocalMemory of the cache failed\n");
+  }
+  if (identity_registered_ && api_->unregisterLocalMemory(engine_, identity_.get()) != 0) {
+    std::fprintf(stderr, "mstar-kv mooncake: unregisterLocalMemory of the identity page failed\n");
+  }
   cache_registered_ = identity_registered_ = false;
-  api_->destroyTransferEngine(engine_);
+  // A shared handle is the application's: it stays alive and usable.
+  if (!shared_) api_->destroyTransferEngine(engine_);
   engine_ = nullptr;
 }
 
@@ -291,10 +218,23 @@ void MooncakeBackend::unregister(void* addr) noexcept {
   if (engine_ != nullptr) api_->unregisterLocalMemory(engine_, addr);
 }
 
-std::string MooncakeBackend::dead_message() const {
+Error MooncakeBackend::refusal() const {
   std::lock_guard<std::mutex> lk(mu_);
-  return "the Mooncake engine was torn down (" + dead_reason_ +
-         "); create a new engine";
+  return refusal_locked();
+}
+
+Error MooncakeBackend::refusal_locked() const {
+  if (dead_reason_.empty()) {
+    return Error(StatusCode::kShutdown, "the Mooncake backend is shut down");
+  }
+  if (shared_) {
+    return Error(StatusCode::kUnavailable,
+                 "the Mooncake engine stopped taking reads (" + dead_reason_ +
+                     "); the shared Mooncake engine handle was not destroyed: shut this "
+                     "engine down once the hung reads ended, and create a new one");
+  }
+  return Error(StatusCode::kUnavailable,
+               "the Mooncake engine was torn down (" + dead_reason_ + "); create a new engine");
 }
 
 // ---- posting -----------------------------------------------------------------
@@ -323,13 +263,10 @@ std::shared_ptr<rma::RmaOperation> MooncakeBackend::post(
   b->peer_name = peer_name;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    // Checked under mu_: tear_down() empties batches_ under it for the last
-    // time, and nothing polls a batch queued after that.
-    if (!dead_reason_.empty()) {
-      throw Error(StatusCode::kUnavailable,
-                  "the Mooncake engine was torn down (" + dead_reason_ + "); create a new engine");
-    }
-    if (stopping_) throw Error(StatusCode::kShutdown, "the Mooncake backend is shut down");
+    // Checked under mu_: go_dead() sets the reason (and, with its own
+    // engine, empties batches_ for the last time) under it, and nothing
+    // polls a batch queued after that.
+    if (!dead_reason_.empty() || stopping_) throw refusal_locked();
     batches_.push_back(b);
     ++arrivals_;
   }
@@ -447,7 +384,7 @@ void MooncakeBackend::progress_loop() {
         } else if (b->abort_requested.load(std::memory_order_acquire)) {
           if (!b->abort_seen) b->abort_seen = now;
           if (now - *b->abort_seen > std::chrono::milliseconds(options_.abort_grace_ms) &&
-              hung.empty()) {
+              hung.empty() && !dead()) {
             hung = "reads from " + b->peer_name + " still in flight " +
                    std::to_string(options_.abort_grace_ms) +
                    " ms after they were aborted: the peer hangs";
@@ -469,8 +406,8 @@ void MooncakeBackend::progress_loop() {
       }
     }
     if (!hung.empty()) {
-      tear_down(hung);
-      return;
+      go_dead(hung);
+      if (!shared_) return;  // Mooncake's engine is gone, every batch failed
     }
     // Pause between rounds so that polling does not take a core from
     // Mooncake's own threads: 20 us while requests finish, else backing off
@@ -483,7 +420,23 @@ void MooncakeBackend::progress_loop() {
   }
 }
 
-void MooncakeBackend::tear_down(const std::string& why) {
+void MooncakeBackend::go_dead(const std::string& why) {
+  if (shared_) {
+    // Mooncake's engine is the application's: keep polling the hung batches
+    // (their completions run once Mooncake reports every task final) and
+    // take no new work.
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      dead_reason_ = why;
+    }
+    dead_.store(true, std::memory_order_release);
+    std::fprintf(stderr,
+                 "mstar-kv mooncake: %s; the Mooncake engine handle is the application's and "
+                 "was not destroyed: this engine takes no new reads, and the hung reads "
+                 "resolve only once Mooncake reports them finished (shutdown waits for them)\n",
+                 why.c_str());
+    return;
+  }
   {
     std::unique_lock<std::shared_mutex> api(api_mu_);
     if (engine_ != nullptr) {
@@ -508,92 +461,6 @@ void MooncakeBackend::tear_down(const std::string& why) {
     done(Status(StatusCode::kPeerFailure, why + "; the Mooncake engine was torn down"));
     b->keepalive.reset();
   }
-}
-
-// ---- connecting ------------------------------------------------------------------
-
-std::shared_ptr<rma::RmaPeer> MooncakeBackend::connect(const rma::RmaRegionInfo& remote,
-                                                       std::chrono::milliseconds timeout) {
-  const std::uint64_t identity_ptr = decode_blob(remote.backend_blob);
-  const std::string who = "peer '" + remote.entity_id + "' at " + remote.session_id;
-  const auto deadline = Clock::now() + timeout;
-  McSegmentId segment = -1;
-  std::shared_ptr<Scratch> scratch;
-  {
-    std::shared_lock<std::shared_mutex> api(api_mu_);
-    if (engine_ == nullptr) throw Error(StatusCode::kUnavailable, dead_message());
-    // Mooncake caches a segment by name; refresh it, so that a new owner at
-    // an old session id is reached (openSegmentNoCache where available).
-    segment = api_->openSegmentNoCache != nullptr
-                  ? api_->openSegmentNoCache(engine_, remote.session_id.c_str())
-                  : api_->openSegment(engine_, remote.session_id.c_str());
-    if (segment < 0) {
-      throw Error(StatusCode::kPeerFailure,
-                  "Mooncake openSegment('" + remote.session_id + "') returned " +
-                      std::to_string(segment) + ": " + who +
-                      " is unreachable or not a Mooncake engine with this metadata ('" +
-                      options_.metadata + "')");
-    }
-    auto page = alloc_page();
-    std::byte* raw = page.get();
-    if (api_->registerLocalMemory(engine_, raw, kIdentityBytes, options_.location.c_str(), 0) !=
-        0) {
-      throw Error(StatusCode::kInternal, "Mooncake registerLocalMemory of a 4 KiB scratch page failed");
-    }
-    scratch = std::make_shared<Scratch>(*this, std::move(page));
-  }
-
-  // Read the owner's identity page into the scratch page.
-  struct Wait {
-    std::mutex mu;
-    std::condition_variable cv;
-    std::optional<Status> status;
-  };
-  auto wait = std::make_shared<Wait>();
-  const rma::RmaRead read{0, 0, kIdentityBytes};
-  auto op = post(segment, who, identity_ptr, scratch->data(), std::span(&read, 1),
-                 [wait](Status st) {
-                   std::lock_guard<std::mutex> lk(wait->mu);
-                   wait->status = std::move(st);
-                   wait->cv.notify_all();
-                 },
-                 std::make_shared<std::atomic<bool>>(false), scratch);
-  Status st;
-  {
-    std::unique_lock<std::mutex> lk(wait->mu);
-    if (!wait->cv.wait_until(lk, deadline, [&] { return wait->status.has_value(); })) {
-      lk.unlock();
-      op->abort();  // the scratch page lives until the batch completes
-      throw Error(StatusCode::kTimeout, who + " did not answer the descriptor check in " +
-                                            std::to_string(timeout.count()) + " ms");
-    }
-    st = *wait->status;
-  }
-  if (!st.is_ok()) {
-    // Mooncake cannot tell a dead owner from an address it does not serve.
-    throw Error(StatusCode::kPeerFailure,
-                who + " did not serve the descriptor's identity page " + hex(identity_ptr) +
-                    ": the owner is gone, or the descriptor is stale or forged: " +
-                    st.message());
-  }
-  // Parse what the owner serves (untrusted bytes).
-  const std::span<const std::uint8_t> bytes(
-      reinterpret_cast<const std::uint8_t*>(scratch->data()), kIdentityBytes);
-  rma::RmaRegionInfo served;
-  try {
-    codec::ByteReader r(bytes, "Mooncake identity page");
-    if (r.u64("magic") != kIdentityMagic) r.fail("magic", "not an mstar-kv identity page");
-    const auto payload = r.bytes("descriptor", kIdentityBytes - 16);
-    const std::size_t used = 8 + 4 + payload.size();
-    const std::uint32_t crc = r.u32("crc");
-    if (crc != codec::crc32c(bytes.first(used))) r.fail("crc", "checksum mismatch");
-    served = rma::RmaRegionInfo::decode(payload);
-  } catch (const Error& e) {
-    throw Error(StatusCode::kPermissionDenied,
-                "the descriptor's identity page " + hex(identity_ptr) + " at " + who +
-                    " does not hold an mstar-kv descriptor (forged or stale): " + e.what());
-  }
-  return std::make_shared<MooncakePeer>(*this, segment, std::move(served), cache_->base());
 }
 
 }  // namespace mstar::kv::engines::mooncake

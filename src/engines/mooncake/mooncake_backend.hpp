@@ -15,14 +15,21 @@
 // busy poll never takes a core from Mooncake's own threads) and runs a
 // batch's completion once every
 // submitted task was seen COMPLETED or FAILED, right after freeBatchID.
-// After a failure or an abort no further request of that batch is submitted. A batch whose abort() was requested keeps being polled;
-// if it is still unfinished abort_grace later, the progress thread destroys
-// Mooncake's engine (the only way to stop its sockets writing into our
-// pages), fails every batch in flight and leaves the backend dead.
+// After a failure or an abort no further request of that batch is submitted.
+// A batch whose abort() was requested keeps being polled; if it is still
+// unfinished abort_grace later, the backend goes dead: with its own engine
+// the progress thread destroys Mooncake's engine (the only way to stop its
+// sockets writing into our pages) and fails every batch in flight; with a
+// shared handle (the application's engine, never destroyed here) it only
+// refuses new work and keeps polling until Mooncake reports every task
+// final, so completions still run only once nothing can land.
+//
+// Files: mooncake_backend.cpp (construction, teardown, the progress thread),
+// mooncake_connect.cpp (the identity page, connecting, peers).
 //
 // Locks: api_mu_ (shared for every Mooncake call, exclusive to destroy
-// Mooncake's engine) is never taken while holding mu_; completions run with
-// no lock held.
+// Mooncake's engine or to drop a shared handle) is never taken while holding
+// mu_; completions run with no lock held.
 #pragma once
 
 #include <atomic>
@@ -60,13 +67,26 @@ std::vector<std::uint8_t> encode_blob(std::uint64_t identity_ptr);
 // Untrusted: throws Error(kCorruptDescriptor) naming the field.
 std::uint64_t decode_blob(std::span<const std::uint8_t> blob);
 
+// A zeroed, page-aligned kIdentityBytes page (throws kInternal when out of
+// memory).
+using PagePtr = std::unique_ptr<std::byte, void (*)(void*)>;
+PagePtr alloc_page();
+// The identity page content of `region` (throws kInvalidArgument when it does
+// not fit).
+void write_identity(std::byte* page, const rma::RmaRegionInfo& region);
+std::string hex(std::uint64_t v);
+
 class MooncakeBackend final : public rma::RmaBackend {
  public:
-  // Loads the library, creates and configures Mooncake's engine and
-  // registers the cache and the identity page. Throws Error (see
-  // MooncakeKVTransferEngine's constructor); nothing is left behind then.
+  // Loads the library, creates and configures Mooncake's engine (or, when
+  // `shared_engine` is not null, borrows that application's engine: see
+  // mooncake.hpp) and registers the cache and the identity page. With a
+  // shared handle my_session_id is the published session id, empty for
+  // getLocalIpAndPort. Throws Error (see MooncakeKVTransferEngine's
+  // constructors); nothing is left behind then.
   MooncakeBackend(std::shared_ptr<KVCache> cache, const MooncakeOptions& options,
-                  const std::string& entity_id, const std::string& my_session_id);
+                  const std::string& entity_id, const std::string& my_session_id,
+                  McEngine shared_engine = nullptr);
   ~MooncakeBackend() override;
 
   MooncakeBackend(const MooncakeBackend&) = delete;
@@ -93,7 +113,7 @@ class MooncakeBackend final : public rma::RmaBackend {
 
  private:
   struct Batch;
-  class Scratch;
+  class Scratch;  // counts itself in live_scratch_
 
   void progress_loop();
   // Both: caller holds api_mu_ shared and engine_ is live; progress thread
@@ -102,31 +122,40 @@ class MooncakeBackend final : public rma::RmaBackend {
   bool poll(Batch& b, std::size_t& outstanding);
   // Allocates b's Mooncake batch and submits what the peer's window allows.
   bool submit_more(Batch& b, std::size_t& outstanding);
-  // Destroys Mooncake's engine after `why`, failing every batch in flight.
-  void tear_down(const std::string& why);
-  std::string dead_message() const;
+  // Own engine: destroys Mooncake's engine after `why`, failing every batch
+  // in flight. Shared handle: only refuses new work (batches keep polling).
+  void go_dead(const std::string& why);
+  // Caller holds api_mu_ exclusively (or constructs): unregisters what is
+  // registered, destroys Mooncake's engine unless shared, nulls engine_.
+  void release_engine() noexcept;
+  // The error of work refused by a dead or stopped backend.
+  Error refusal() const;
+  Error refusal_locked() const;  // caller holds mu_
   void unregister(void* addr) noexcept;
 
-  // Declared first: unloaded last, after Mooncake's engine is destroyed.
+  // Declared first: unloaded last, after Mooncake's engine is destroyed (a
+  // shared handle's library stays loaded by the application's own reference).
   std::unique_ptr<MooncakeLibrary> lib_;
   const MooncakeApi* api_ = nullptr;
   std::shared_ptr<KVCache> cache_;
   MooncakeOptions options_;
   rma::RmaRegionInfo region_;
-  std::unique_ptr<std::byte, void (*)(void*)> identity_;
+  PagePtr identity_;
 
   mutable std::shared_mutex api_mu_;
-  McEngine engine_ = nullptr;  // guarded by api_mu_; null once destroyed
+  McEngine engine_ = nullptr;  // guarded by api_mu_; null once destroyed / dropped
+  bool shared_ = false;        // engine_ is the application's: never destroyed
   bool cache_registered_ = false;     // guarded by api_mu_
   bool identity_registered_ = false;  // guarded by api_mu_
 
   std::size_t window_ = 1024;  // requests per peer in Mooncake's hands
   std::atomic<bool> dead_{false};
   mutable std::mutex mu_;
-  std::condition_variable cv_;               // a batch arrived / stopping
+  std::condition_variable cv_;  // a batch arrived / stopping / a scratch page let go
   std::vector<std::shared_ptr<Batch>> batches_;  // guarded by mu_
   std::uint64_t arrivals_ = 0;               // guarded by mu_
   bool stopping_ = false;                    // guarded by mu_
+  std::size_t live_scratch_ = 0;             // guarded by mu_; shutdown waits for 0
   std::string dead_reason_;                  // guarded by mu_
   std::thread progress_;
 };

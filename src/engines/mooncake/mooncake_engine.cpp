@@ -13,12 +13,29 @@
 
 namespace mstar::kv {
 
-MooncakeOptions MooncakeOptions::from_extra(const std::map<std::string, std::string>& extra) {
+MooncakeOptions MooncakeOptions::from_extra(const std::map<std::string, std::string>& extra,
+                                            bool shared_handle) {
   MooncakeOptions o;
   o.library_path = engines::mooncake::resolve_library_path(extra);
   for (const auto& [key, value] : extra) {
     if (key.rfind("mooncake_", 0) != 0) continue;  // another engine's option
-    if (key == "mooncake_lib") {
+    if (shared_handle &&
+        (key == "mooncake_metadata" || key == "mooncake_host" || key == "mooncake_protocol")) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "Mooncake option '" + key + "' = '" + value +
+                      "' configures an engine this one creates; with a shared Mooncake "
+                      "engine handle the application chose it in createTransferEngine / "
+                      "installTransport");
+    }
+    if (key == "mooncake_session_id") {
+      if (!shared_handle) {
+        throw Error(StatusCode::kInvalidArgument,
+                    "Mooncake option 'mooncake_session_id' = '" + value +
+                        "' applies to a shared Mooncake engine handle only; set "
+                        "TransferEngineInfo::my_session_id instead");
+      }
+      o.session_id = value;
+    } else if (key == "mooncake_lib") {
       // resolved above
     } else if (key == "mooncake_metadata") {
       o.metadata = value;
@@ -47,7 +64,8 @@ MooncakeOptions MooncakeOptions::from_extra(const std::map<std::string, std::str
       throw Error(StatusCode::kInvalidArgument,
                   "unknown Mooncake option '" + key +
                       "' (known: mooncake_lib, mooncake_metadata, mooncake_host, "
-                      "mooncake_protocol, mooncake_location, mooncake_abort_grace_ms)");
+                      "mooncake_protocol, mooncake_location, mooncake_abort_grace_ms, "
+                      "mooncake_session_id)");
     }
   }
   if (o.metadata.empty() || o.protocol.empty() || o.location.empty()) {
@@ -86,8 +104,9 @@ MooncakeKVTransferInfo MooncakeKVTransferInfo::decode(const KVTransferInfo& info
   return out;
 }
 
-MooncakeKVTransferEngine::MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
-                                                   const TransferEngineInfo& info) {
+namespace {
+
+void check_cache(const std::shared_ptr<KVCache>& kv_cache) {
   if (!kv_cache) {
     throw Error(StatusCode::kInvalidArgument, "MooncakeKVTransferEngine needs a KV cache");
   }
@@ -96,12 +115,39 @@ MooncakeKVTransferEngine::MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_c
                 "the Mooncake engine reads host memory; this cache is device memory "
                 "(use kHost or kSharedHost)");
   }
+}
+
+}  // namespace
+
+MooncakeKVTransferEngine::MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
+                                                   const TransferEngineInfo& info) {
+  check_cache(kv_cache);
   const MooncakeOptions options = MooncakeOptions::from_extra(info.options.extra);
   auto backend = std::make_unique<engines::mooncake::MooncakeBackend>(
       kv_cache, options, info.my_entity_id, info.my_session_id);
   session_id_ = backend->session_id();
   impl_ = std::make_unique<rma::RmaKVTransferEngine>(std::move(kv_cache), std::move(backend),
                                                      info.options);
+}
+
+MooncakeKVTransferEngine::MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
+                                                   std::string entity_id,
+                                                   MooncakeEngineHandle transfer_engine,
+                                                   const EngineOptions& options) {
+  if (transfer_engine == nullptr) {
+    throw Error(StatusCode::kInvalidArgument,
+                "MooncakeKVTransferEngine: transfer_engine is null (0x0); pass the live "
+                "transfer_engine_t that Mooncake's createTransferEngine returned (with "
+                "installTransport done), or use the constructor taking a "
+                "TransferEngineInfo to let the engine create its own");
+  }
+  check_cache(kv_cache);
+  const MooncakeOptions mo = MooncakeOptions::from_extra(options.extra, /*shared_handle=*/true);
+  auto backend = std::make_unique<engines::mooncake::MooncakeBackend>(
+      kv_cache, mo, entity_id, mo.session_id, transfer_engine);
+  session_id_ = backend->session_id();
+  impl_ = std::make_unique<rma::RmaKVTransferEngine>(std::move(kv_cache), std::move(backend),
+                                                     options);
 }
 
 MooncakeKVTransferEngine::~MooncakeKVTransferEngine() = default;

@@ -10,11 +10,11 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <dlfcn.h>
 #include <thread>
 #include <vector>
 
 #include "engines/conformance/peer_process.hpp"
+#include "engines/mooncake/mooncake_test_util.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/mooncake.hpp"
 
@@ -25,59 +25,14 @@ using namespace std::chrono_literals;
 using testing::PeerProcess;
 using testing::PeerSpec;
 
-constexpr std::byte kSentinel{0x5A};
-constexpr std::uint64_t kSeed = 99;
+using testing::count_changed;
+using testing::iota_pages;
+using testing::kSeed;
+using testing::kSentinel;
+using testing::mooncake_skip_reason;
+using testing::written_outside;
 
-// Why Mooncake cannot run here, or "" when it can.
-std::string mooncake_skip_reason() {
-  const char* lib = std::getenv("MSTAR_KV_MOONCAKE_LIB");
-  if (lib == nullptr || *lib == '\0') {
-    return "MSTAR_KV_MOONCAKE_LIB is not set: no Mooncake library with the C API here (the "
-           "PyPI wheel mooncake-transfer-engine-non-cuda carries none; build "
-           "libtransfer_engine.so from Mooncake's source)";
-  }
-  void* h = ::dlopen(lib, RTLD_NOW | RTLD_LOCAL);
-  if (h == nullptr) return std::string("cannot load MSTAR_KV_MOONCAKE_LIB: ") + ::dlerror();
-  const bool has = ::dlsym(h, "createTransferEngine") != nullptr;
-  ::dlclose(h);
-  return has ? "" : std::string("MSTAR_KV_MOONCAKE_LIB has no Mooncake C API: ") + lib;
-}
-
-// 2 layers, 256 pages of 16 tokens, 2 heads x 64 bf16: 4 KiB blocks, 4 MiB.
-KVLayout layout(std::uint32_t pages = 256) {
-  KVLayout l;
-  l.num_layers = 2;
-  l.num_pages = pages;
-  l.page_size = 16;
-  l.num_kv_heads = 2;
-  l.head_dim = 64;
-  l.dtype = DType::kBFloat16;
-  return l;
-}
-
-std::vector<std::uint32_t> iota_pages(std::size_t n, std::uint32_t first = 0) {
-  std::vector<std::uint32_t> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = first + static_cast<std::uint32_t>(i);
-  return v;
-}
-
-std::uint64_t count_changed(const KVCache& c) {
-  std::uint64_t n = 0;
-  for (std::size_t i = 0; i < c.size_bytes(); ++i) n += c.base()[i] != kSentinel;
-  return n;
-}
-
-// Bytes outside the destinations of `reads` that no longer hold the sentinel.
-std::uint64_t written_outside(const KVCache& local, const KVLayout& remote,
-                              const std::vector<KVReadInfo>& reads) {
-  std::vector<std::uint8_t> named(local.size_bytes(), 0);
-  for (const CopySpan& s : plan_copies(local.layout(), remote, reads).spans) {
-    std::fill_n(named.begin() + static_cast<std::ptrdiff_t>(s.local_offset), s.length, 1);
-  }
-  std::uint64_t n = 0;
-  for (std::size_t i = 0; i < named.size(); ++i) n += !named[i] && local.base()[i] != kSentinel;
-  return n;
-}
+KVLayout layout(std::uint32_t pages = 256) { return testing::mooncake_test_layout(pages); }
 
 class MooncakeEngine : public ::testing::Test {
  protected:
@@ -96,11 +51,7 @@ class MooncakeEngine : public ::testing::Test {
     return s;
   }
 
-  static std::shared_ptr<KVCache> cache(const KVLayout& l) {
-    auto c = make_kv_cache(l, MemoryKind::kHost);
-    std::memset(c->base(), static_cast<int>(kSentinel), c->size_bytes());
-    return c;
-  }
+  static std::shared_ptr<KVCache> cache(const KVLayout& l) { return testing::sentinel_cache(l); }
 
   static std::unique_ptr<KVTransferManager> manager(std::shared_ptr<KVCache> c,
                                                     std::chrono::milliseconds timeout = 5000ms,

@@ -1,0 +1,227 @@
+// Copyright mstar-kv authors.
+//
+// The Mooncake backend's descriptor side: the backend_blob and identity page
+// codecs, and connect(), which opens a peer's segment and checks the
+// descriptor against the identity page the peer serves before any page read.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <utility>
+
+#include "core/codec.hpp"
+#include "mooncake_backend.hpp"
+
+namespace mstar::kv::engines::mooncake {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr std::uint16_t kBlobVersion = 1;
+
+void free_page(void* p) { std::free(p); }
+
+}  // namespace
+
+std::string hex(std::uint64_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+PagePtr alloc_page() {
+  void* p = std::aligned_alloc(kIdentityBytes, kIdentityBytes);
+  if (p == nullptr) throw Error(StatusCode::kInternal, "out of memory for a 4 KiB page");
+  std::memset(p, 0, kIdentityBytes);
+  return {static_cast<std::byte*>(p), &free_page};
+}
+
+std::vector<std::uint8_t> encode_blob(std::uint64_t identity_ptr) {
+  codec::ByteWriter w;
+  w.u16(kBlobVersion);
+  w.u64(identity_ptr);
+  return w.take();
+}
+
+std::uint64_t decode_blob(std::span<const std::uint8_t> blob) {
+  codec::ByteReader r(blob, "Mooncake backend_blob");
+  const std::uint16_t version = r.u16("version");
+  if (version != kBlobVersion) {
+    r.fail("version", "version " + std::to_string(version) + " is not the supported " +
+                          std::to_string(kBlobVersion));
+  }
+  const std::uint64_t ptr = r.u64("identity_ptr");
+  r.expect_end();
+  if (ptr == 0) r.fail("identity_ptr", "null identity page address");
+  if (ptr + kIdentityBytes < ptr) r.fail("identity_ptr", hex(ptr) + " + 4096 overflows");
+  return ptr;
+}
+
+void write_identity(std::byte* page, const rma::RmaRegionInfo& region) {
+  const std::vector<std::uint8_t> payload = region.encode();
+  codec::ByteWriter w;
+  w.u64(kIdentityMagic);
+  w.bytes(payload);
+  w.u32(codec::crc32c(w.data()));
+  if (w.data().size() > kIdentityBytes) {
+    throw Error(StatusCode::kInvalidArgument,
+                "Mooncake descriptor of " + std::to_string(w.data().size()) +
+                    " bytes exceeds the identity page of " + std::to_string(kIdentityBytes));
+  }
+  std::memcpy(page, w.data().data(), w.data().size());
+}
+
+// A registered scratch page for one identity read; unregistered when the
+// read's batch has completed and the connect that waited for it let go.
+// Counted in live_scratch_ (shutdown waits until none is left, so that no
+// registration outlives it on a shared handle). Created under api_mu_.
+class MooncakeBackend::Scratch {
+ public:
+  Scratch(MooncakeBackend& backend, PagePtr page) : backend_(backend), page_(std::move(page)) {
+    std::lock_guard<std::mutex> lk(backend_.mu_);
+    ++backend_.live_scratch_;
+  }
+  ~Scratch() {
+    backend_.unregister(page_.get());
+    std::lock_guard<std::mutex> lk(backend_.mu_);
+    --backend_.live_scratch_;
+    backend_.cv_.notify_all();
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  std::byte* data() const noexcept { return page_.get(); }
+
+ private:
+  MooncakeBackend& backend_;
+  PagePtr page_;
+};
+
+// ---- a connected peer --------------------------------------------------------
+
+namespace {
+
+class MooncakePeer final : public rma::RmaPeer {
+ public:
+  MooncakePeer(MooncakeBackend& backend, McSegmentId segment, rma::RmaRegionInfo served,
+               std::byte* local_base)
+      : backend_(backend),
+        segment_(segment),
+        served_(std::move(served)),
+        local_base_(local_base),
+        failed_(std::make_shared<std::atomic<bool>>(false)) {}
+
+  void verify(const rma::RmaRegionInfo& claimed) const override {
+    rma::verify_region(served_, claimed);
+  }
+
+  bool failed() const noexcept override {
+    return failed_->load(std::memory_order_acquire) || backend_.dead();
+  }
+
+  std::shared_ptr<rma::RmaOperation> post_reads(std::vector<rma::RmaRead> reads,
+                                                rma::RmaCompletion done) override {
+    return backend_.post(segment_, "'" + served_.entity_id + "' at " + served_.session_id,
+                         served_.data_ptr, local_base_, reads, std::move(done), failed_,
+                         nullptr);
+  }
+
+ private:
+  MooncakeBackend& backend_;
+  const McSegmentId segment_;
+  const rma::RmaRegionInfo served_;
+  std::byte* const local_base_;
+  const std::shared_ptr<std::atomic<bool>> failed_;
+};
+
+}  // namespace
+
+// ---- connecting ------------------------------------------------------------------
+
+std::shared_ptr<rma::RmaPeer> MooncakeBackend::connect(const rma::RmaRegionInfo& remote,
+                                                       std::chrono::milliseconds timeout) {
+  const std::uint64_t identity_ptr = decode_blob(remote.backend_blob);
+  const std::string who = "peer '" + remote.entity_id + "' at " + remote.session_id;
+  const auto deadline = Clock::now() + timeout;
+  McSegmentId segment = -1;
+  std::shared_ptr<Scratch> scratch;
+  {
+    std::shared_lock<std::shared_mutex> api(api_mu_);
+    if (engine_ == nullptr || dead()) throw refusal();
+    // Mooncake caches a segment by name; refresh it, so that a new owner at
+    // an old session id is reached (openSegmentNoCache where available).
+    segment = api_->openSegmentNoCache != nullptr
+                  ? api_->openSegmentNoCache(engine_, remote.session_id.c_str())
+                  : api_->openSegment(engine_, remote.session_id.c_str());
+    if (segment < 0) {
+      throw Error(StatusCode::kPeerFailure,
+                  "Mooncake openSegment('" + remote.session_id + "') returned " +
+                      std::to_string(segment) + ": " + who +
+                      " is unreachable or not a Mooncake engine with this metadata (" +
+                      (shared_ ? std::string("the application's engine's")
+                               : "'" + options_.metadata + "'") +
+                      ")");
+    }
+    auto page = alloc_page();
+    std::byte* raw = page.get();
+    if (api_->registerLocalMemory(engine_, raw, kIdentityBytes, options_.location.c_str(), 0) !=
+        0) {
+      throw Error(StatusCode::kInternal, "Mooncake registerLocalMemory of a 4 KiB scratch page failed");
+    }
+    scratch = std::make_shared<Scratch>(*this, std::move(page));
+  }
+
+  // Read the owner's identity page into the scratch page.
+  struct Wait {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::optional<Status> status;
+  };
+  auto wait = std::make_shared<Wait>();
+  const rma::RmaRead read{0, 0, kIdentityBytes};
+  auto op = post(segment, who, identity_ptr, scratch->data(), std::span(&read, 1),
+                 [wait](Status st) {
+                   std::lock_guard<std::mutex> lk(wait->mu);
+                   wait->status = std::move(st);
+                   wait->cv.notify_all();
+                 },
+                 std::make_shared<std::atomic<bool>>(false), scratch);
+  Status st;
+  {
+    std::unique_lock<std::mutex> lk(wait->mu);
+    if (!wait->cv.wait_until(lk, deadline, [&] { return wait->status.has_value(); })) {
+      lk.unlock();
+      op->abort();  // the scratch page lives until the batch completes
+      throw Error(StatusCode::kTimeout, who + " did not answer the descriptor check in " +
+                                            std::to_string(timeout.count()) + " ms");
+    }
+    st = *wait->status;
+  }
+  if (!st.is_ok()) {
+    // Mooncake cannot tell a dead owner from an address it does not serve.
+    throw Error(StatusCode::kPeerFailure,
+                who + " did not serve the descriptor's identity page " + hex(identity_ptr) +
+                    ": the owner is gone, or the descriptor is stale or forged: " +
+                    st.message());
+  }
+  // Parse what the owner serves (untrusted bytes).
+  const std::span<const std::uint8_t> bytes(
+      reinterpret_cast<const std::uint8_t*>(scratch->data()), kIdentityBytes);
+  rma::RmaRegionInfo served;
+  try {
+    codec::ByteReader r(bytes, "Mooncake identity page");
+    if (r.u64("magic") != kIdentityMagic) r.fail("magic", "not an mstar-kv identity page");
+    const auto payload = r.bytes("descriptor", kIdentityBytes - 16);
+    const std::size_t used = 8 + 4 + payload.size();
+    const std::uint32_t crc = r.u32("crc");
+    if (crc != codec::crc32c(bytes.first(used))) r.fail("crc", "checksum mismatch");
+    served = rma::RmaRegionInfo::decode(payload);
+  } catch (const Error& e) {
+    throw Error(StatusCode::kPermissionDenied,
+                "the descriptor's identity page " + hex(identity_ptr) + " at " + who +
+                    " does not hold an mstar-kv descriptor (forged or stale): " + e.what());
+  }
+  return std::make_shared<MooncakePeer>(*this, segment, std::move(served), cache_->base());
+}
+
+}  // namespace mstar::kv::engines::mooncake
