@@ -1,0 +1,231 @@
+"""TransferEngineInfo, KVTransferManager and KVCachePool: the spec's API."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Mapping, Optional, Sequence
+
+from . import _core
+from .engines import (KVTransferEngine, LocalOnlyKVTransferEngine, NativeKVTransferEngine,
+                      make_native_engine)
+from .errors import InvalidArgumentError, ShutdownError
+
+KVCache = _core.KVCache
+SequenceInfo = _core.SequenceInfo
+KVTransferInfo = _core.KVTransferInfo
+
+
+@dataclasses.dataclass
+class TransferEngineInfo:
+    """Who this process is to its peers and which transfer engine moves its pages.
+
+    ``transfer_engine`` is one of:
+      * a built engine's name: 'local', 'shm', 'ucx', 'mooncake' (Mooncake's C
+        library, see include/mstar/kv/mooncake.hpp), 'cuda_ipc';
+      * a ``mooncake.engine.TransferEngine`` of the PyPI wheel, initialised by
+        the application (MooncakeKVTransferEngine reads through it);
+      * a KVTransferEngine instance (a Python subclass, or one built already).
+    ``options`` holds the engine's settings: ``max_workers`` (int),
+    ``timeout`` (seconds) and engine-specific keys (e.g. 'ucx_mode',
+    'mooncake_lib'), as documented in each engine's C++ header.
+    """
+
+    my_entity_id: str
+    my_session_id: str
+    transfer_engine: Any
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _is_mooncake_wheel_engine(obj: Any) -> bool:
+    t = type(obj)
+    return t.__name__ == "TransferEngine" and t.__module__.startswith("mooncake")
+
+
+class KVTransferManager:
+    """Picks the engine, plans each pull and runs it (the spec's manager).
+
+    ``KVTransferManager(transfer_engine_info, kv_cache)``:
+    ``transfer_engine_info`` is a TransferEngineInfo, a KVTransferEngine, or
+    None (local-only). Every method is safe from any thread; concurrent
+    retrieves into disjoint local pages are supported. ``cleanup()`` shuts the
+    engine down (reads in flight resolve with ShutdownError), is idempotent,
+    and runs when the manager is garbage-collected; a manager used after it
+    raises ShutdownError. A future outliving its manager still resolves. A
+    manager drops an engine it built when it is garbage-collected; one the
+    caller passed in stays the caller's until cleanup().
+    """
+
+    def __init__(self, transfer_engine_info: Any, kv_cache: KVCache):
+        if not isinstance(kv_cache, KVCache):
+            raise InvalidArgumentError(
+                f"kv_cache of type {type(kv_cache).__name__} is not an mstar_kv.KVCache "
+                "(wrap a tensor with KVCache.from_dlpack(tensor, layout))")
+        self.kv_cache = kv_cache
+        self._lock = threading.Lock()
+        self._closed = False
+        self.engine = self._make_engine(transfer_engine_info, kv_cache)
+        # An engine the caller built is the caller's: garbage collection of the
+        # manager leaves it running (cleanup() still shuts it down).
+        self._owns_engine = not (isinstance(transfer_engine_info, KVTransferEngine) or (
+            isinstance(transfer_engine_info, TransferEngineInfo)
+            and isinstance(transfer_engine_info.transfer_engine, KVTransferEngine)))
+        own = getattr(self.engine, "kv_cache", None)
+        if own is not None and own.data_ptr != kv_cache.data_ptr:
+            raise InvalidArgumentError(
+                f"the engine reads into another cache ({own!r}) than this manager's "
+                f"({kv_cache!r})")
+
+    @staticmethod
+    def _make_engine(info: Any, kv_cache: KVCache) -> KVTransferEngine:
+        if info is None:
+            return LocalOnlyKVTransferEngine()
+        if isinstance(info, KVTransferEngine):
+            return info
+        if not isinstance(info, TransferEngineInfo):
+            raise InvalidArgumentError(
+                f"transfer_engine_info of type {type(info).__name__} is not a "
+                "TransferEngineInfo, a KVTransferEngine or None")
+        te = info.transfer_engine
+        if isinstance(te, KVTransferEngine):
+            return te
+        opts = dict(info.options)
+        max_workers = int(opts.pop("max_workers", 3))
+        timeout = float(opts.pop("timeout", 30.0))
+        if _is_mooncake_wheel_engine(te):
+            from .mooncake_wheel import MooncakeKVTransferEngine
+            return MooncakeKVTransferEngine(kv_cache, info.my_entity_id, te, timeout=timeout,
+                                            session_id=info.my_session_id or None)
+        if isinstance(te, str):
+            return make_native_engine(te, kv_cache, info.my_entity_id, info.my_session_id,
+                                      max_workers=max_workers, timeout=timeout, options=opts)
+        raise InvalidArgumentError(
+            f"TransferEngineInfo.transfer_engine of type {type(te).__name__} is neither an "
+            f"engine name ({', '.join(_core.built_engines())}), a mooncake.engine."
+            "TransferEngine nor a KVTransferEngine")
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ShutdownError(f"KVTransferManager.{what}() after cleanup()")
+
+    def get_kv_transfer_info(self):
+        """Descriptor another process needs to read this cache remotely;
+        KVCachePool.publish stamps it onto every SequenceInfo."""
+        self._check_open("get_kv_transfer_info")
+        return self.engine.get_kv_transfer_info()
+
+    def start_async_retrieve(self, start_len: int, end_len: int,
+                             local_page_indices: Sequence[int],
+                             remote_page_indices: Sequence[int], kv_transfer_info: Any):
+        """Pulls tokens [start_len, end_len) of a remote sequence (raise
+        start_len to skip a cached prefix) into the local pages.
+
+        Validates everything first and raises a KVTransferError before any
+        byte moves; returns a concurrent.futures.Future of the bytes read, or
+        None when start_len == end_len. ``kv_transfer_info`` is the remote's
+        descriptor (a KVTransferInfo, an engine's typed info, or its bytes).
+        """
+        self._check_open("start_async_retrieve")
+        if len(local_page_indices) != len(remote_page_indices):
+            raise InvalidArgumentError(
+                f"local_page_indices has {len(local_page_indices)} entries, "
+                f"remote_page_indices {len(remote_page_indices)}: both page tables must "
+                "cover the same tokens")
+        if isinstance(self.engine, NativeKVTransferEngine) and self.engine.kv_cache is not None:
+            return self.engine._retrieve(start_len, end_len, local_page_indices,
+                                         remote_page_indices, kv_transfer_info)
+        if isinstance(self.engine, LocalOnlyKVTransferEngine):
+            if start_len == end_len:
+                return None
+            raise InvalidArgumentError(
+                "a local-only manager cannot pull from another cache "
+                f"(tokens [{start_len}, {end_len}) requested)")
+        reads = _core.plan_reads(self.kv_cache.layout, start_len, end_len,
+                                 local_page_indices, remote_page_indices)
+        if not reads:
+            return None
+        return self.engine.read_batched_async(kv_transfer_info, reads)
+
+    def sync_retrieve(self, *args, **kwargs) -> int:
+        """start_async_retrieve, then waits: returns the bytes read (0 when
+        there was nothing to read) or raises. A KeyboardInterrupt while waiting
+        cancels the read, waits until no byte of it can land, and re-raises."""
+        future = self.start_async_retrieve(*args, **kwargs)
+        if future is None:
+            return 0
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            future.cancel()
+            raise
+
+    def cleanup(self) -> None:
+        """Shuts the engine down; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.engine.shutdown()
+
+    def __enter__(self) -> "KVTransferManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
+
+    def __del__(self):
+        try:
+            if getattr(self, "_owns_engine", False):
+                self.cleanup()
+        except Exception:
+            pass
+
+
+class KVCachePool:
+    """Page allocation per sequence over one KVCache, and publish().
+
+    ``KVCachePool(kv_cache, kv_transfer_info=None, scatter_seed=0)``:
+    ``kv_transfer_info`` (a KVTransferManager, whose descriptor is taken, a
+    KVTransferInfo or an engine's typed info) is stamped onto every published
+    SequenceInfo. scatter_seed != 0 shuffles the free list deterministically.
+    Safe from any thread. Exhaustion raises RetryLaterError; unknown
+    sequences, double allocation and double frees raise InvalidArgumentError.
+    """
+
+    def __init__(self, kv_cache: KVCache, kv_transfer_info: Any = None, scatter_seed: int = 0):
+        if isinstance(kv_transfer_info, KVTransferManager):
+            kv_transfer_info = kv_transfer_info.get_kv_transfer_info()
+        if kv_transfer_info is None:
+            descriptor = KVTransferInfo()
+        elif isinstance(kv_transfer_info, KVTransferInfo):
+            descriptor = kv_transfer_info
+        elif isinstance(kv_transfer_info, (bytes, bytearray)):
+            descriptor = KVTransferInfo.from_bytes(bytes(kv_transfer_info))
+        elif hasattr(kv_transfer_info, "encode"):
+            descriptor = kv_transfer_info.encode()
+        else:
+            raise InvalidArgumentError(
+                f"kv_transfer_info of type {type(kv_transfer_info).__name__} is not a "
+                "descriptor (a KVTransferManager, a KVTransferInfo or an engine's info)")
+        self.kv_cache = kv_cache
+        self._pool = _core._Pool(kv_cache, descriptor, scatter_seed)
+
+    def allocate(self, seq_id: int, num_tokens: int) -> list:
+        """Pages for a new sequence: ceil(num_tokens / page_size) of them."""
+        return self._pool.allocate(seq_id, num_tokens)
+
+    def free(self, seq_id: int) -> None:
+        """Frees every page of the sequence."""
+        self._pool.free(seq_id)
+
+    def pages(self, seq_id: int) -> list:
+        return self._pool.pages(seq_id)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return self._pool.contains(seq_id)
+
+    def free_page_count(self) -> int:
+        return self._pool.free_page_count()
+
+    def publish(self, seq_id: int) -> SequenceInfo:
+        """The SequenceInfo another process needs to pull this sequence."""
+        return self._pool.publish(seq_id)

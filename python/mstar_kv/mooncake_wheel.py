@@ -1,0 +1,278 @@
+"""MooncakeKVTransferEngine: the spec's Mooncake engine.
+
+``MooncakeKVTransferEngine(kv_cache, entity_id, transfer_engine)`` where
+``transfer_engine`` is the application's ``mooncake.engine.TransferEngine``
+(PyPI wheel ``mooncake-transfer-engine-non-cuda``, or Mooncake's own build),
+already initialised, e.g. ``te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp",
+"")``. The engine registers the cache and a 4 KiB identity page with it,
+describes the cache as a MooncakeKVTransferInfo, plans every read with the
+C++ planner and reads through that object. The identity page holds the same
+bytes the C++ Mooncake engine registers, so owners and readers of either kind
+interoperate. With ``transfer_engine=None`` the C++ engine is used instead,
+loading Mooncake's C library (options 'mooncake_lib' etc., see
+include/mstar/kv/mooncake.hpp).
+
+Progress: ``read_batched_async`` validates the descriptor and the reads,
+checks the descriptor against the owner's identity page (once per owner and
+generation: a stale generation, a forged region or another layout is refused
+before any page is read), and queues the read. One progress thread per
+engine submits each read as Mooncake batches of at most 1024 requests (the
+TCP transport's per-peer queue) of at most 1 MiB and waits for each batch in
+``get_batch_transfer_status`` (which releases the GIL); the future resolves
+from that thread. Timeout and cancel are checked between batches.
+
+Faults: a killed peer fails its requests at once (its sockets reset): the
+read fails with PeerFailureError. A peer that hangs with its connections open
+is bounded by Mooncake's own timeout in ``get_batch_transfer_status``
+(MC_TRANSFER_TIMEOUT, 30 s by default, at least 5 s) rather than this
+engine's; the wheel then frees the batch without a way to withdraw requests
+still queued, so a hung peer that later resumes could still write into that
+read's destination pages. The engine marks such a peer failed and refuses
+further reads from it. (The C++ engine avoids this by destroying its own
+Mooncake engine; the application's wheel object is not ours to destroy.)
+
+Thread safety: every method is safe from any thread. ``shutdown()`` fails
+reads not yet started (ShutdownError), waits for the batch in flight,
+joins the progress thread and unregisters the memory; idempotent. The
+application keeps owning ``transfer_engine``.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import ctypes
+import threading
+import time
+from typing import Any, Optional
+
+from . import _core
+from .engines import KVTransferEngine, make_native_engine
+from .errors import (InvalidArgumentError, PeerFailureError, ShutdownError,
+                     TransferTimeoutError, UnavailableError)
+
+MooncakeKVTransferInfo = _core.MooncakeKVTransferInfo
+_IDENTITY_BYTES = 4096
+_MAX_REQUEST_BYTES = 1 << 20
+_WINDOW = 1024
+
+
+def _as_transfer_info(obj: Any):
+    if isinstance(obj, MooncakeKVTransferInfo):
+        return obj
+    if isinstance(obj, (bytes, bytearray)):
+        obj = _core.KVTransferInfo.from_bytes(bytes(obj))
+    if isinstance(obj, _core.KVTransferInfo):
+        return MooncakeKVTransferInfo.decode(obj)
+    raise InvalidArgumentError(
+        f"remote_kv_info of type {type(obj).__name__} is not a Mooncake descriptor")
+
+
+class _Read:
+    __slots__ = ("future", "session", "local", "remote", "lengths", "deadline", "cancel",
+                 "nbytes")
+
+    def __init__(self, future, session, local, remote, lengths, deadline):
+        self.future = future
+        self.session = session
+        self.local, self.remote, self.lengths = local, remote, lengths
+        self.deadline = deadline
+        self.cancel = threading.Event()
+        self.nbytes = sum(lengths)
+
+
+class _MooncakeFuture(concurrent.futures.Future):
+    """Pending until the progress thread resolves it; cancel() asks the
+    progress thread to stop between batches and waits for the outcome."""
+
+    def __init__(self):
+        super().__init__()
+        self._read: Optional[_Read] = None
+
+    def cancel(self) -> bool:
+        if self.done():
+            return self.cancelled()
+        if self._read is not None:
+            self._read.cancel.set()
+        try:
+            self.exception()  # waits until the progress thread resolved it
+        except concurrent.futures.CancelledError:
+            pass
+        return self.cancelled()
+
+
+class MooncakeKVTransferEngine(KVTransferEngine):
+    """See the module docstring."""
+
+    def __init__(self, kv_cache, entity_id: str, transfer_engine: Any, *,
+                 timeout: float = 30.0, session_id: Optional[str] = None,
+                 hostname: str = "127.0.0.1", options: Optional[dict] = None):
+        self.kv_cache = kv_cache
+        self.entity_id = entity_id
+        self._native = None
+        if transfer_engine is None:  # the C++ engine over Mooncake's C library
+            self._native = make_native_engine("mooncake", kv_cache, entity_id, session_id or "",
+                                              timeout=timeout, options=options)
+            return
+        for name in ("register_memory", "batch_transfer_async_read",
+                     "get_batch_transfer_status", "transfer_sync_read", "get_rpc_port"):
+            if not hasattr(transfer_engine, name):
+                raise InvalidArgumentError(
+                    f"transfer_engine of type {type(transfer_engine).__name__} has no "
+                    f"'{name}': pass a mooncake.engine.TransferEngine (initialised) or None")
+        if kv_cache.memory == "device":
+            raise InvalidArgumentError("the Mooncake engine reads host memory; this cache is "
+                                       "device memory (use memory='host' or 'shared')")
+        if not timeout > 0:
+            raise InvalidArgumentError(f"timeout {timeout} s out of range (0, ...)")
+        self._te = transfer_engine
+        self._timeout = float(timeout)
+        port = transfer_engine.get_rpc_port()
+        self.session_id = session_id or f"{hostname}:{port}"
+        self._identity = ctypes.create_string_buffer(_IDENTITY_BYTES)
+        self._scratch = ctypes.create_string_buffer(_IDENTITY_BYTES)
+        self._regions = []
+        try:
+            for addr, size in ((kv_cache.data_ptr, kv_cache.size_bytes),
+                               (ctypes.addressof(self._identity), _IDENTITY_BYTES),
+                               (ctypes.addressof(self._scratch), _IDENTITY_BYTES)):
+                if transfer_engine.register_memory(addr, size, "cpu:0") != 0:
+                    raise UnavailableError(
+                        f"Mooncake register_memory of {size} bytes at {addr:#x} failed "
+                        "(is the TransferEngine initialised?)")
+                self._regions.append(addr)
+            self._info = MooncakeKVTransferInfo(
+                entity_id, self.session_id, kv_cache.data_ptr, kv_cache.layout,
+                kv_cache.size_bytes, _core._mooncake_new_generation(),
+                ctypes.addressof(self._identity))
+            page = _core._mooncake_identity_page(self._info)
+            ctypes.memmove(self._identity, page, len(page))
+        except BaseException:
+            self._unregister()
+            raise
+        self._lock = threading.Condition()
+        self._queue: "collections.deque[_Read]" = collections.deque()
+        self._verified = set()       # (session, generation) checked against the owner
+        self._failed_peers = {}      # session -> why
+        self._closed = False
+        self._thread = threading.Thread(target=self._progress, name="mstar-kv-mooncake",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- the spec's interface --------------------------------------------
+    def get_kv_transfer_info(self):
+        if self._native is not None:
+            return self._native.get_kv_transfer_info()
+        return self._info.encode()
+
+    def read_batched_async(self, remote_kv_info, read_info):
+        if self._native is not None:
+            return self._native.read_batched_async(remote_kv_info, read_info)
+        if self._closed:
+            raise ShutdownError("MooncakeKVTransferEngine.read_batched_async after shutdown()")
+        remote = _as_transfer_info(remote_kv_info)
+        local, remote_addrs, lengths = _core.plan_copy_addresses(
+            self.kv_cache.layout, self.kv_cache.data_ptr, remote.layout, remote.data_ptr,
+            list(read_info), _MAX_REQUEST_BYTES)
+        why = self._failed_peers.get(remote.session_id)
+        if why is not None:
+            raise PeerFailureError(f"peer '{remote.entity_id}' at {remote.session_id} failed "
+                                   f"earlier ({why}); reconnect with a new engine")
+        self._verify(remote)
+        if not lengths:
+            return None
+        future = _MooncakeFuture()
+        read = _Read(future, remote.session_id, local, remote_addrs, lengths,
+                     time.monotonic() + self._timeout)
+        future._read = read
+        with self._lock:
+            if self._closed:
+                raise ShutdownError("MooncakeKVTransferEngine.read_batched_async after shutdown()")
+            self._queue.append(read)
+            self._lock.notify()
+        return future
+
+    def shutdown(self) -> None:
+        if self._native is not None:
+            self._native.shutdown()
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._lock.notify_all()
+        for r in pending:
+            r.future.set_exception(ShutdownError("the Mooncake engine shut down before the "
+                                                 "read started"))
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        self._unregister()
+
+    # -- internals ----------------------------------------------------------
+    def _verify(self, remote) -> None:
+        key = (remote.session_id, remote.generation)
+        if key in self._verified:
+            return
+        with self._lock:  # one identity read at a time (one scratch page)
+            rc = self._te.transfer_sync_read(remote.session_id, ctypes.addressof(self._scratch),
+                                             remote.identity_ptr, _IDENTITY_BYTES)
+            if rc < 0:
+                raise PeerFailureError(
+                    f"peer '{remote.entity_id}' at {remote.session_id} did not serve the "
+                    f"descriptor's identity page {remote.identity_ptr:#x}: the owner is gone, "
+                    "or the descriptor is stale or forged")
+            _core._mooncake_verify_identity(self._scratch.raw, remote)
+            self._verified.add(key)
+
+    def _progress(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._lock.wait()
+                if not self._queue:
+                    return
+                read = self._queue.popleft()
+            self._run(read)
+
+    def _run(self, read: _Read) -> None:
+        n = len(read.lengths)
+        try:
+            for i in range(0, n, _WINDOW):
+                if read.cancel.is_set():
+                    concurrent.futures.Future.cancel(read.future)
+                    read.future.set_running_or_notify_cancel()
+                    return
+                if time.monotonic() > read.deadline:
+                    raise TransferTimeoutError(
+                        f"read of {n} requests from {read.session} did not finish in "
+                        f"{self._timeout:g} s")
+                if self._closed:
+                    raise ShutdownError("the Mooncake engine shut down with the read in flight")
+                j = min(n, i + _WINDOW)
+                bid = self._te.batch_transfer_async_read(read.session, read.local[i:j],
+                                                         read.remote[i:j], read.lengths[i:j])
+                if bid <= 0:
+                    raise self._peer_failed(read, "batch_transfer_async_read refused the batch")
+                if self._te.get_batch_transfer_status([bid]) != 0:
+                    raise self._peer_failed(read, f"requests {i}..{j - 1} failed")
+        except BaseException as e:  # resolve with what happened, never leave it pending
+            read.future.set_exception(e)
+            return
+        read.future.set_result(read.nbytes)
+
+    def _peer_failed(self, read: _Read, what: str) -> PeerFailureError:
+        self._failed_peers[read.session] = what
+        return PeerFailureError(f"Mooncake read from {read.session} failed: {what}")
+
+    def _unregister(self) -> None:
+        for addr in self._regions:
+            try:
+                self._te.unregister_memory(addr)
+            except Exception:
+                pass
+        self._regions = []
+
+    def __repr__(self) -> str:
+        kind = "C library" if self._native is not None else "wheel"
+        return f"MooncakeKVTransferEngine({self.entity_id!r}, {kind}, {self.kv_cache!r})"

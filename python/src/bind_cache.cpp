@@ -1,0 +1,351 @@
+// Copyright mstar-kv authors.
+//
+// KVCache: caches the library allocates (visible to numpy / torch through
+// DLPack and __array_interface__ without a copy) and caches over the
+// caller's memory (any __dlpack__ object: numpy, torch CPU and CUDA tensors).
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
+
+#include "mstar/kv/manager.hpp"
+#include "mstar/kv/pattern.hpp"
+#include "py_common.hpp"
+#if MSTAR_KV_PY_HAVE_CUDA_IPC
+#include "mstar/kv/cuda_ipc.hpp"
+#endif
+
+namespace mstar::kv::py {
+
+namespace {
+
+namespace dl = nb::dlpack;
+
+// Host memory owned by someone else (a numpy array, a torch CPU tensor).
+class ForeignHostMemory final : public KVMemory {
+ public:
+  ForeignHostMemory(std::byte* data, std::size_t size) : data_(data), size_(size) {}
+  std::byte* data() const noexcept override { return data_; }
+  std::size_t size() const noexcept override { return size_; }
+  MemoryKind kind() const noexcept override { return MemoryKind::kHost; }
+
+ private:
+  std::byte* data_;
+  std::size_t size_;
+};
+
+const char* memory_name(MemoryKind k) {
+  switch (k) {
+    case MemoryKind::kHost: return "host";
+    case MemoryKind::kSharedHost: return "shared";
+    case MemoryKind::kDevice: return "device";
+  }
+  return "?";
+}
+
+MemoryKind parse_memory(const std::string& s) {
+  if (s == "host") return MemoryKind::kHost;
+  if (s == "shared") return MemoryKind::kSharedHost;
+  if (s == "device") return MemoryKind::kDevice;
+  throw Error(StatusCode::kInvalidArgument,
+              "memory '" + s + "' is not one of 'host', 'shared', 'device'");
+}
+
+dl::dtype layout_dtype(DType d) {
+  switch (d) {
+    case DType::kFloat32: return {static_cast<std::uint8_t>(dl::dtype_code::Float), 32, 1};
+    case DType::kFloat16: return {static_cast<std::uint8_t>(dl::dtype_code::Float), 16, 1};
+    case DType::kBFloat16: return {static_cast<std::uint8_t>(dl::dtype_code::Bfloat), 16, 1};
+    case DType::kFloat8E4M3:
+      return {static_cast<std::uint8_t>(dl::dtype_code::Float8_E4M3FN), 8, 1};
+    case DType::kFloat8E5M2:
+      return {static_cast<std::uint8_t>(dl::dtype_code::Float8_E5M2), 8, 1};
+  }
+  return {static_cast<std::uint8_t>(dl::dtype_code::UInt), 8, 1};
+}
+
+dl::dtype uint_dtype(std::size_t bytes) {
+  return {static_cast<std::uint8_t>(dl::dtype_code::UInt), static_cast<std::uint8_t>(bytes * 8),
+          1};
+}
+
+std::string dtype_name(dl::dtype d) {
+  static const char* codes[] = {"int",          "uint",           "float",         "?",
+                                "bfloat",       "complex",        "bool",          "float8_e3m4",
+                                "float8_e4m3",  "float8_e4m3b11fnuz", "float8_e4m3fn",
+                                "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                                "float8_e8m0fnu"};
+  std::string c = d.code < sizeof(codes) / sizeof(codes[0]) ? codes[d.code] : "code" + std::to_string(d.code);
+  if (c.rfind("float8", 0) == 0) return c;
+  return c + std::to_string(d.bits);
+}
+
+// The tensor view of a cache, the one CudaIpcKVTransferInfo describes:
+// layer-major [num_layers, num_kv, num_pages, P0, P1, head_dim], page-major
+// [num_pages, num_layers, num_kv, P0, P1, head_dim], (P0, P1) = (page_size,
+// num_kv_heads) for NHD and (num_kv_heads, page_size) for HND.
+std::vector<std::size_t> view_shape(const KVLayout& l) {
+  const std::size_t p0 = l.page_order == PageOrder::kNHD ? l.page_size : l.num_kv_heads;
+  const std::size_t p1 = l.page_order == PageOrder::kNHD ? l.num_kv_heads : l.page_size;
+  if (l.cache_order == CacheOrder::kLayerMajor) {
+    return {l.num_layers, l.num_kv(), l.num_pages, p0, p1, l.head_dim};
+  }
+  return {l.num_pages, l.num_layers, l.num_kv(), p0, p1, l.head_dim};
+}
+
+std::string view_names(const KVLayout& l) {
+  const std::string p = l.page_order == PageOrder::kNHD ? "page_size, num_kv_heads"
+                                                        : "num_kv_heads, page_size";
+  return l.cache_order == CacheOrder::kLayerMajor
+             ? "[num_layers, num_kv, num_pages, " + p + ", head_dim]"
+             : "[num_pages, num_layers, num_kv, " + p + ", head_dim]";
+}
+
+std::string shape_str(const std::vector<std::size_t>& s) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+// Checks `a` against `layout` and returns its bytes, or throws naming the
+// mismatch. Accepted: the layout's dtype (or an unsigned/signed integer of
+// the same size, e.g. uint16 for bf16 in numpy) in the 6-D view shape or
+// flat; or uint8 bytes, flat or in the view with the last axis in bytes.
+// Always C-contiguous.
+std::size_t check_tensor(const nb::ndarray<>& a, const KVLayout& layout) {
+  const dl::dtype want = layout_dtype(layout.dtype);
+  const dl::dtype got = a.dtype();
+  const std::size_t es = layout.element_size();
+  const bool same = got == want;
+  const bool same_size_int = (got.code == static_cast<std::uint8_t>(dl::dtype_code::UInt) ||
+                              got.code == static_cast<std::uint8_t>(dl::dtype_code::Int)) &&
+                             got.bits == es * 8 && got.lanes == 1;
+  const bool bytes = got == uint_dtype(1);
+  if (!same && !same_size_int && !bytes) {
+    throw Error(StatusCode::kInvalidArgument,
+                "tensor dtype " + dtype_name(got) + " does not match the layout's dtype " +
+                    std::string(to_string(layout.dtype)) + " (accepted: " + dtype_name(want) +
+                    ", an integer type of " + std::to_string(es) + " bytes, or uint8)");
+  }
+  std::vector<std::size_t> shape(a.ndim());
+  for (std::size_t i = 0; i < a.ndim(); ++i) shape[i] = a.shape(i);
+  std::vector<std::size_t> want_shape = view_shape(layout);
+  const std::size_t item = got.bits / 8;
+  if (item != es) want_shape.back() *= es / item;  // uint8 view: last axis in bytes
+  const std::uint64_t total_items = layout.total_bytes() / item;
+  const bool flat = shape.size() == 1 && shape[0] == total_items;
+  if (!flat && shape != want_shape) {
+    throw Error(StatusCode::kInvalidArgument,
+                "tensor shape " + shape_str(shape) + " does not match the layout " +
+                    layout.to_string() + ": expected " + shape_str(want_shape) + " " +
+                    view_names(layout) + " or flat [" + std::to_string(total_items) + "]");
+  }
+  // C-contiguous, in elements; axes of extent 1 may carry any stride.
+  std::int64_t expect = 1;
+  for (std::size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != expect) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "tensor stride " + std::to_string(a.stride(i)) + " (elements) at dim " +
+                      std::to_string(i) + " is not C-contiguous (expected " +
+                      std::to_string(expect) + "): pass tensor.contiguous()");
+    }
+    expect *= static_cast<std::int64_t>(a.shape(i));
+  }
+  return layout.total_bytes();
+}
+
+void release_ndarray(nb::ndarray<>* keep) {
+  if (!python_alive()) return;  // finalising: never touch Python
+  nb::gil_scoped_acquire gil;
+  delete keep;
+}
+
+PyKVCache from_dlpack(nb::ndarray<> a, const KVLayout& layout) {
+  layout.validate();
+  const std::size_t size = check_tensor(a, layout);
+  auto* data = static_cast<std::byte*>(a.data());
+  std::unique_ptr<KVMemory> memory;
+  const int dev = a.device_type();
+  if (dev == nb::device::cpu::value || dev == nb::device::cuda_host::value) {
+    memory = std::make_unique<ForeignHostMemory>(data, size);
+  } else if (dev == nb::device::cuda::value) {
+#if MSTAR_KV_PY_HAVE_CUDA_IPC
+    memory = wrap_device_memory(data, size, a.device_id());
+#else
+    throw Error(StatusCode::kUnavailable,
+                "a CUDA tensor needs the cuda_ipc engine, which is not built into this mstar_kv");
+#endif
+  } else {
+    throw Error(StatusCode::kInvalidArgument,
+                "tensor on DLPack device type " + std::to_string(dev) +
+                    " is neither host (1, 3) nor CUDA (2) memory");
+  }
+  auto* keep = new nb::ndarray<>(a);
+  KVCache* raw = nullptr;
+  try {
+    raw = new KVCache(layout, std::move(memory));
+  } catch (...) {
+    delete keep;
+    throw;
+  }
+  return PyKVCache{std::shared_ptr<KVCache>(raw,
+                                            [keep](KVCache* c) {
+                                              delete c;
+                                              release_ndarray(keep);
+                                            }),
+                   dev == nb::device::cuda::value ? static_cast<int>(a.device_id()) : 0};
+}
+
+// A view of the cache for numpy / DLPack, owned by `self` (the Python
+// KVCache), so the memory lives as long as any view.
+nb::ndarray<nb::array_api> as_ndarray(nb::handle self, bool numpy_dtype) {
+  const PyKVCache& c = nb::cast<const PyKVCache&>(self);
+  const KVLayout& l = c.cache->layout();
+  std::vector<std::size_t> shape = view_shape(l);
+  dl::dtype dt = layout_dtype(l.dtype);
+  if (numpy_dtype && (l.dtype == DType::kBFloat16 || l.element_size() == 1)) {
+    dt = uint_dtype(l.element_size());  // numpy has no bf16 / fp8
+  }
+  int device_type = nb::device::cpu::value;
+  int device_id = 0;
+  if (c.cache->memory_kind() == MemoryKind::kDevice) {
+#if MSTAR_KV_PY_HAVE_CUDA_IPC
+    device_type = nb::device::cuda::value;
+    device_id = c.device;
+#endif
+  }
+  return nb::ndarray<nb::array_api>(c.cache->base(), shape.size(), shape.data(), self, nullptr,
+                                    dt, device_type, device_id);
+}
+
+std::vector<std::uint32_t> pages_arg(nb::handle pages) { return to_pages(pages, "pages"); }
+
+void require_host(const KVCache& c, const char* what) {
+  if (c.memory_kind() == MemoryKind::kDevice) {
+    throw Error(StatusCode::kInvalidArgument,
+                std::string(what) + " needs host memory; this cache is device memory");
+  }
+}
+
+}  // namespace
+
+void bind_cache(nb::module_& m) {
+  nb::class_<PyKVCache>(
+      m, "KVCache",
+      "A KVLayout bound to memory of exactly layout.total_bytes bytes.\n\n"
+      "KVCache(layout, memory='host'|'shared'|'device', device=0) allocates zero-filled "
+      "memory: 'host' private, 'shared' an anonymous memfd other processes of this user "
+      "can map (the shm engine), 'device' one cudaMalloc (the cuda_ipc engine). "
+      "KVCache.from_dlpack(tensor, layout) wraps the caller's memory without a copy and "
+      "keeps the tensor alive as long as the cache or any engine using it. The cache is "
+      "visible to numpy/torch through __dlpack__ and (host memory) __array_interface__, "
+      "as the 6-D view [L, kv, P, page_size, H, D] (layer-major NHD; see view_shape). "
+      "Immutable object; its bytes are not synchronised: write pages only while no "
+      "transfer reads or writes them.")
+      .def(
+          "__init__",
+          [](PyKVCache* self, const KVLayout& layout, const std::string& memory, int device) {
+            std::shared_ptr<KVCache> c;
+            {
+              nb::gil_scoped_release release;  // large caches take a while to fault in
+              c = make_kv_cache(layout, parse_memory(memory), device);
+            }
+            new (self) PyKVCache{std::move(c), device};
+          },
+          nb::arg("layout"), nb::arg("memory") = "host", nb::arg("device") = 0)
+      .def_static("from_dlpack", &from_dlpack, nb::arg("tensor"), nb::arg("layout"),
+                  "Wraps a C-contiguous tensor (numpy array, torch tensor, any __dlpack__ "
+                  "object) whose dtype and shape match the layout; raises "
+                  "InvalidArgumentError naming the mismatch. No copy.")
+      .def_prop_ro("layout", [](const PyKVCache& c) { return c.cache->layout(); })
+      .def_prop_ro("memory", [](const PyKVCache& c) { return memory_name(c.cache->memory_kind()); },
+                   "'host', 'shared' or 'device'.")
+      .def_prop_ro("data_ptr",
+                   [](const PyKVCache& c) { return reinterpret_cast<std::uintptr_t>(c.cache->base()); })
+      .def_prop_ro("size_bytes", [](const PyKVCache& c) { return c.cache->size_bytes(); })
+      .def_prop_ro("view_shape", [](const PyKVCache& c) { return view_shape(c.cache->layout()); },
+                   "Shape of the tensor view (__dlpack__, numpy()).")
+      .def(
+          "__dlpack__",
+          [](nb::handle self, nb::kwargs kwargs) {
+            return nb::cast(as_ndarray(self, false)).attr("__dlpack__")(**kwargs);
+          },
+          nb::arg("kwargs"), "DLPack export of the view (no copy; keeps the cache alive).")
+      .def("__dlpack_device__",
+           [](nb::handle self) { return nb::cast(as_ndarray(self, false)).attr("__dlpack_device__")(); })
+      .def(
+          "numpy",
+          [](nb::handle self) {
+            const PyKVCache& c = nb::cast<const PyKVCache&>(self);
+            require_host(*c.cache, "numpy()");
+            return nb::module_::import_("numpy").attr("asarray")(nb::cast(as_ndarray(self, true)));
+          },
+          "The view as a numpy array without a copy (bf16 as uint16, fp8 as uint8: numpy "
+          "has neither). Host memory only.")
+      .def_prop_ro(
+          "__array_interface__",
+          [](const PyKVCache& c) {
+            if (c.cache->memory_kind() == MemoryKind::kDevice) {
+              throw Error(StatusCode::kInvalidArgument,
+                          "a device cache has no __array_interface__ (use __dlpack__)");
+            }
+            const KVLayout& l = c.cache->layout();
+            const char* typestr = l.dtype == DType::kFloat32   ? "<f4"
+                                  : l.dtype == DType::kFloat16 ? "<f2"
+                                  : l.dtype == DType::kBFloat16 ? "<u2"
+                                                                : "|u1";
+            nb::list shape;
+            for (std::size_t d : view_shape(l)) shape.append(d);
+            nb::dict d;
+            d["shape"] = nb::tuple(shape);
+            d["typestr"] = typestr;
+            d["data"] = nb::make_tuple(reinterpret_cast<std::uintptr_t>(c.cache->base()), false);
+            d["version"] = 3;
+            return d;
+          },
+          "numpy's array interface over host memory (bf16 as uint16, fp8 as uint8); "
+          "np.asarray(cache) is a view that keeps the cache alive.")
+      .def(
+          "fill_pattern",
+          [](const PyKVCache& c, std::uint64_t seed, nb::handle pages, std::uint64_t start_len,
+             std::uint64_t end_len) {
+            require_host(*c.cache, "fill_pattern");
+            const auto p = pages_arg(pages);
+            nb::gil_scoped_release release;
+            fill_pattern(*c.cache, seed, p, start_len, end_len);
+          },
+          nb::arg("seed"), nb::arg("pages"), nb::arg("start_len"), nb::arg("end_len"),
+          "Writes the library's deterministic test pattern for tokens [start_len, end_len) "
+          "of a sequence whose page table is `pages` (host memory).")
+      .def(
+          "verify_pattern",
+          [](const PyKVCache& c, std::uint64_t seed, nb::handle pages, std::uint64_t start_len,
+             std::uint64_t end_len) {
+            require_host(*c.cache, "verify_pattern");
+            const auto p = pages_arg(pages);
+            VerifyResult r;
+            {
+              nb::gil_scoped_release release;
+              r = verify_pattern(*c.cache, seed, p, start_len, end_len);
+            }
+            nb::dict d;
+            d["ok"] = r.ok();
+            d["blocks_checked"] = r.blocks_checked;
+            d["bytes_checked"] = r.bytes_checked;
+            d["mismatched_blocks"] = r.mismatched_blocks;
+            d["first_mismatch"] = r.first_mismatch;
+            return d;
+          },
+          nb::arg("seed"), nb::arg("pages"), nb::arg("start_len"), nb::arg("end_len"),
+          "Checks every (layer, k|v, page) block of those tokens against the pattern; "
+          "returns {'ok', 'blocks_checked', 'bytes_checked', 'mismatched_blocks', "
+          "'first_mismatch'}.")
+      .def("__repr__", [](const PyKVCache& c) {
+        return std::string("KVCache(") + c.cache->layout().to_string() + ", memory='" +
+               memory_name(c.cache->memory_kind()) + "')";
+      });
+}
+
+}  // namespace mstar::kv::py

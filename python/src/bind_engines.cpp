@@ -1,0 +1,263 @@
+// Copyright mstar-kv authors.
+//
+// Native engines, their futures, the planner and the pool. mstar_kv wraps
+// these in the spec's Python classes; every call that can wait or copy
+// releases the GIL.
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mstar/kv/fault_injection.hpp"
+#include "mstar/kv/local_only.hpp"
+#include "mstar/kv/manager.hpp"
+#include "mstar/kv/planner.hpp"
+#include "mstar/kv/pool.hpp"
+#include "py_common.hpp"
+
+namespace mstar::kv::py {
+
+namespace {
+
+using std::chrono::milliseconds;
+
+// One native engine. The cache it reads into is shared with the Python
+// KVCache it was made from.
+struct PyEngine {
+  std::shared_ptr<KVCache> cache;  // null for the local-only engine
+  std::unique_ptr<KVTransferEngine> engine;
+
+  KVTransferEngine& get(const char* what) const {
+    if (!engine) {
+      throw Error(StatusCode::kShutdown,
+                  std::string(what) + " on an engine that was handed to a wrapper");
+    }
+    return *engine;
+  }
+};
+
+EngineOptions make_options(std::uint32_t max_workers, double timeout_s,
+                           const std::map<std::string, std::string>& extra) {
+  if (!(timeout_s > 0) || timeout_s > 86400) {
+    throw Error(StatusCode::kInvalidArgument,
+                "timeout " + std::to_string(timeout_s) + " s out of range (0, 86400]");
+  }
+  EngineOptions o;
+  o.max_workers = max_workers;
+  o.timeout = milliseconds(static_cast<std::int64_t>(timeout_s * 1000.0 + 0.5));
+  if (o.timeout.count() == 0) o.timeout = milliseconds(1);
+  o.extra = extra;
+  return o;
+}
+
+std::optional<TransferFuture> read_release_gil(KVTransferEngine& e, const KVTransferInfo& info,
+                                               const std::vector<KVReadInfo>& reads) {
+  nb::gil_scoped_release release;
+  return e.read_batched_async(info, reads);
+}
+
+std::vector<KVReadInfo> to_reads(nb::handle seq) {
+  std::vector<KVReadInfo> out;
+  const std::size_t n = nb::len(seq);
+  out.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    nb::handle item = seq[i];
+    if (!nb::isinstance<KVReadInfo>(item)) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "read_info[" + std::to_string(i) + "] is a " +
+                      nb::cast<std::string>(nb::str(item.type().attr("__name__"))) +
+                      ", not a KVReadInfo");
+    }
+    out.push_back(nb::cast<KVReadInfo>(item));
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_engines(nb::module_& m) {
+  nb::class_<TransferFuture>(m, "_Future",
+                             "Native TransferFuture (mstar_kv.TransferFuture wraps it).")
+      .def("ready", &TransferFuture::ready)
+      .def(
+          "wait",
+          [](const TransferFuture& f, std::optional<double> timeout_s) {
+            nb::gil_scoped_release release;
+            if (!timeout_s) {
+              f.wait();
+              return true;
+            }
+            return f.wait_for(std::chrono::nanoseconds(
+                static_cast<std::int64_t>(std::max(0.0, *timeout_s) * 1e9)));
+          },
+          nb::arg("timeout").none() = nb::none(),
+          "Waits (GIL released); True once resolved.")
+      .def("status",
+           [](const TransferFuture& f) {
+             const Status s = f.status();
+             return std::make_tuple(static_cast<int>(s.code()), s.message());
+           })
+      .def_prop_ro("bytes", &TransferFuture::bytes)
+      .def("cancel", &TransferFuture::cancel)
+      .def(
+          "on_resolved",
+          [](const TransferFuture& f, nb::handle fn) {
+            auto cb = std::make_shared<PyCallback>(fn);
+            f.on_resolved([cb](const Status& s, std::uint64_t bytes) { cb->call_resolved(s, bytes); });
+          },
+          nb::arg("fn"),
+          "fn(code: int, message: str, bytes: int) runs once on resolution, on the "
+          "resolving thread with the GIL taken (now, if already resolved).");
+
+  nb::class_<PyEngine>(m, "_Engine",
+                       "A native engine (mstar_kv's engine classes wrap it). Safe from any "
+                       "thread; shutdown() resolves reads in flight with SHUTDOWN.")
+      .def_static(
+          "make",
+          [](const std::string& name, const PyKVCache& cache, const std::string& entity_id,
+             const std::string& session_id, std::uint32_t max_workers, double timeout_s,
+             const std::map<std::string, std::string>& extra) {
+            TransferEngineInfo info{entity_id, session_id, name,
+                                    make_options(max_workers, timeout_s, extra)};
+            auto out = std::make_unique<PyEngine>();
+            out->cache = cache.cache;
+            nb::gil_scoped_release release;  // ucx opens a listener, mooncake starts
+            out->engine = make_engine(info, out->cache);
+            return out;
+          },
+          nb::arg("name"), nb::arg("kv_cache"), nb::arg("entity_id") = "",
+          nb::arg("session_id") = "", nb::arg("max_workers") = 3, nb::arg("timeout") = 30.0,
+          nb::arg("extra") = std::map<std::string, std::string>{},
+          "Builds engine `name` ('local', 'shm', 'ucx', 'mooncake', 'cuda_ipc') over the "
+          "cache through the library's factory.")
+      .def_static("local_only",
+                  [] {
+                    auto out = std::make_unique<PyEngine>();
+                    out->engine = std::make_unique<LocalOnlyKVTransferEngine>();
+                    return out;
+                  })
+      .def_static(
+          "fault_injecting",
+          [](PyEngine& inner, double delay_s, bool drop, double drop_timeout_s) {
+            if (!inner.cache) {
+              throw Error(StatusCode::kInvalidArgument,
+                          "the fault injector wraps an engine with a cache");
+            }
+            FaultConfig cfg;
+            cfg.delay = milliseconds(static_cast<std::int64_t>(delay_s * 1000));
+            cfg.drop = drop;
+            cfg.drop_timeout = milliseconds(static_cast<std::int64_t>(drop_timeout_s * 1000));
+            auto out = std::make_unique<PyEngine>();
+            out->cache = inner.cache;
+            out->engine = std::make_unique<FaultInjectingEngine>(std::move(inner.engine),
+                                                                 inner.cache->layout(), cfg);
+            return out;
+          },
+          nb::arg("inner"), nb::arg("delay") = 0.0, nb::arg("drop") = false,
+          nb::arg("drop_timeout") = 1.0,
+          "Wraps `inner` (which is consumed) in the library's FaultInjectingEngine.")
+      .def("get_kv_transfer_info",
+           [](const PyEngine& e) { return e.get("get_kv_transfer_info").get_kv_transfer_info(); })
+      .def(
+          "read_batched_async",
+          [](PyEngine& e, nb::handle remote, nb::handle reads) {
+            KVTransferInfo info = to_transfer_info(remote);
+            std::vector<KVReadInfo> r = to_reads(reads);
+            return read_release_gil(e.get("read_batched_async"), info, r);
+          },
+          nb::arg("remote_kv_info").none(), nb::arg("read_info"))
+      .def(
+          "retrieve",
+          [](PyEngine& e, std::uint64_t start_len, std::uint64_t end_len, nb::handle local_pages,
+             nb::handle remote_pages, nb::handle remote) -> std::optional<TransferFuture> {
+            const auto lp = to_pages(local_pages, "local_page_indices");
+            const auto rp = to_pages(remote_pages, "remote_page_indices");
+            KVTransferInfo info = to_transfer_info(remote);
+            KVTransferEngine& eng = e.get("start_async_retrieve");
+            if (!e.cache) {
+              throw Error(StatusCode::kInvalidArgument,
+                          "a local-only engine without a cache cannot retrieve");
+            }
+            nb::gil_scoped_release release;
+            const std::vector<KVReadInfo> reads =
+                plan_reads(e.cache->layout(), start_len, end_len, lp, rp);
+            return eng.read_batched_async(info, reads);
+          },
+          nb::arg("start_len"), nb::arg("end_len"), nb::arg("local_page_indices"),
+          nb::arg("remote_page_indices"), nb::arg("kv_transfer_info").none(),
+          "plan_reads + read_batched_async in one native call.")
+      .def("shutdown",
+           [](PyEngine& e) {
+             if (!e.engine) return;
+             nb::gil_scoped_release release;
+             e.engine->shutdown();
+           })
+      .def_prop_ro("wrapped", [](const PyEngine& e) { return !e.engine; });
+
+  m.def("built_engines", &built_engines, "Engines compiled into this build.");
+
+  m.def(
+      "plan_reads",
+      [](const KVLayout& local, std::uint64_t start_len, std::uint64_t end_len,
+         nb::handle local_pages, nb::handle remote_pages) {
+        return plan_reads(local, start_len, end_len, to_pages(local_pages, "local_page_indices"),
+                          to_pages(remote_pages, "remote_page_indices"));
+      },
+      nb::arg("local_layout"), nb::arg("start_len"), nb::arg("end_len"),
+      nb::arg("local_page_indices"), nb::arg("remote_page_indices"),
+      "KVReadInfo per (layer, page) for tokens [start_len, end_len), first and last page "
+      "clipped, in the local cache's order.");
+
+  m.def(
+      "plan_copy_addresses",
+      [](const KVLayout& local, std::uint64_t local_base, const KVLayout& remote,
+         std::uint64_t remote_base, nb::handle reads, std::uint64_t max_bytes) {
+        const std::vector<KVReadInfo> r = to_reads(reads);
+        std::vector<std::uint64_t> la, ra, len;
+        {
+          nb::gil_scoped_release release;
+          const CopyPlan plan = plan_copies(local, remote, r);
+          const std::vector<CopySpan> spans =
+              max_bytes ? split_spans(plan.spans, max_bytes) : plan.spans;
+          la.reserve(spans.size());
+          ra.reserve(spans.size());
+          len.reserve(spans.size());
+          for (const CopySpan& s : spans) {
+            la.push_back(local_base + s.local_offset);
+            ra.push_back(remote_base + s.remote_offset);
+            len.push_back(s.length);
+          }
+        }
+        return std::make_tuple(std::move(la), std::move(ra), std::move(len));
+      },
+      nb::arg("local_layout"), nb::arg("local_base"), nb::arg("remote_layout"),
+      nb::arg("remote_base"), nb::arg("read_info"), nb::arg("max_bytes") = 0,
+      "Validates the reads against both layouts (raising before anything is returned) and "
+      "returns the coalesced copies as (local addresses, remote addresses, lengths), spans "
+      "cut to at most max_bytes when it is not 0.");
+
+  nb::class_<KVCachePool>(m, "_Pool", "Native KVCachePool (mstar_kv.KVCachePool wraps it).")
+      .def(
+          "__init__",
+          [](KVCachePool* self, const PyKVCache& cache, const KVTransferInfo& descriptor,
+             std::uint64_t scatter_seed) {
+            new (self) KVCachePool(cache.cache, descriptor, scatter_seed);
+          },
+          nb::arg("kv_cache"), nb::arg("descriptor"), nb::arg("scatter_seed") = 0)
+      .def("allocate", &KVCachePool::allocate, nb::arg("seq_id"), nb::arg("num_tokens"))
+      .def("free", &KVCachePool::release, nb::arg("seq_id"))
+      .def("contains", &KVCachePool::contains, nb::arg("seq_id"))
+      .def("pages", &KVCachePool::pages, nb::arg("seq_id"))
+      .def("free_page_count", &KVCachePool::free_page_count)
+      .def("publish", &KVCachePool::publish, nb::arg("seq_id"));
+}
+
+}  // namespace mstar::kv::py

@@ -1,0 +1,108 @@
+"""Shared helpers: real peer processes (peer.py) and the test geometry."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import mstar_kv as kv
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SEED = 1234  # peer.py's
+
+# The geometry peer.py uses by default.
+LAYOUT_ARGS = dict(num_layers=4, num_pages=64, page_size=16, num_kv_heads=2, head_dim=64,
+                   dtype="bf16")
+TOKENS = 100
+
+
+def local_layout(**kw):
+    args = dict(LAYOUT_ARGS)
+    args.update(kw)
+    return kv.KVLayout(**args)
+
+
+class Peer:
+    """A prefill process (peer.py) publishing sequences 1 and 2."""
+
+    def __init__(self, engine, *args, env=None):
+        e = dict(os.environ)
+        e.update(env or {})
+        e["PYTHONPATH"] = os.pathsep.join(filter(None, [e.get("PYTHONPATH"), HERE]))
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "peer.py"), engine,
+                                      *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=e)
+        self.seqs = self._ready()
+
+    def _ready(self, timeout=60):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"peer exited with {self.proc.wait()} before READY")
+            if line.startswith("READY"):
+                return [kv.SequenceInfo.from_bytes(bytes.fromhex(h)) for h in line.split()[1:]]
+        raise RuntimeError("peer not ready in time")
+
+    def restart(self):
+        self.proc.stdin.write("restart\n")
+        self.proc.stdin.flush()
+        self.seqs = self._ready()
+        return self.seqs
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=20)
+            except Exception:
+                self.kill()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except Exception:
+                pass
+
+
+@pytest.fixture
+def peer_factory():
+    peers = []
+
+    def make(engine, *args, env=None):
+        p = Peer(engine, *args, env=env)
+        peers.append(p)
+        return p
+
+    yield make
+    for p in peers:
+        p.close()
+
+
+def sentinel_fill(cache, value=0x5A):
+    a = cache.numpy().view("uint8").reshape(-1)
+    a[:] = value
+    return a
+
+
+def assert_only_pages_written(before, after, layout, written_pages):
+    """Bytes outside the written local pages are unchanged."""
+    import numpy as np
+    b = before.reshape(-1)
+    a = after.reshape(-1)
+    mask = np.ones(b.size, dtype=bool)
+    bb = layout.block_bytes
+    for layer in range(layout.num_layers):
+        for kvi in range(layout.num_kv):
+            for page in written_pages:
+                # layer-major offsets
+                off = ((layer * layout.num_kv + kvi) * layout.num_pages + page) * bb
+                mask[off:off + bb] = False
+    assert np.array_equal(a[mask], b[mask]), "a page outside the read was written"

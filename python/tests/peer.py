@@ -1,0 +1,97 @@
+"""A prefill process for the tests: allocates a cache, fills two requests
+with the library's pattern, publishes them and serves until told to stop.
+
+    python peer.py ENGINE [--layers N --pages N ...]
+
+ENGINE: shm | ucx | mooncake (the PyPI wheel's TransferEngine).
+Prints one line "READY <hex of SequenceInfo 1> <hex of SequenceInfo 2>",
+then reads commands on stdin, one per line:
+    restart   shut the engine down and start a new one on the same cache
+              (and, for mooncake, the same TransferEngine): a new generation;
+              for shm, whose generation is the memory's, on a new cache
+    quit      exit (also on end of input)
+After each command it prints the new READY line.
+"""
+import argparse
+import sys
+
+import mstar_kv as kv
+
+SEED = 1234
+
+
+def make_engine(args, cache, te):
+    if args.engine == "shm":
+        return kv.ShmKVTransferEngine(cache)
+    if args.engine == "ucx":
+        return kv.UcxKVTransferEngine(cache, entity_id="prefill", session_id=args.session,
+                                      timeout=args.timeout)
+    if args.engine == "mooncake":
+        return kv.MooncakeKVTransferEngine(cache, "prefill", te, timeout=args.timeout)
+    raise SystemExit(f"unknown engine {args.engine}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("engine")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--pages", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--cache-order", default="layer")
+    p.add_argument("--page-order", default="nhd")
+    p.add_argument("--tokens", type=int, default=100)
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--session", default="", help="ucx: HOST:PORT to listen on")
+    args = p.parse_args()
+
+    layout = kv.KVLayout(args.layers, args.pages, args.page_size, args.heads, args.head_dim,
+                         dtype=args.dtype, cache_order=args.cache_order,
+                         page_order=args.page_order)
+    cache = kv.KVCache(layout, "shared" if args.engine == "shm" else "host")
+    te = None
+    if args.engine == "mooncake":
+        from mooncake.engine import TransferEngine
+        te = TransferEngine()
+        if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise SystemExit("mooncake initialize failed")
+    engine = make_engine(args, cache, te)
+    pool = kv.KVCachePool(cache, engine.get_kv_transfer_info(), scatter_seed=7)
+    for seq_id in (1, 2):
+        pool.allocate(seq_id, args.tokens)
+        cache.fill_pattern(SEED + seq_id, pool.pages(seq_id), 0, args.tokens)
+
+    def ready():
+        out = [pool.publish(s).to_bytes().hex() for s in (1, 2)]
+        print("READY", *out, flush=True)
+
+    ready()
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "restart":
+            engine.shutdown()
+            if args.engine == "shm":  # the shm generation is the memory's: reallocate
+                old_cache, cache = cache, kv.KVCache(layout, "shared")
+                del old_cache
+                for seq_id in (1, 2):
+                    cache.fill_pattern(SEED + seq_id, pool.pages(seq_id), 0, args.tokens)
+            engine = make_engine(args, cache, te)
+            pool = _republish(pool, cache, engine, args)
+            ready()
+        elif cmd == "quit":
+            break
+    engine.shutdown()
+
+
+def _republish(old, cache, engine, args):
+    pool = kv.KVCachePool(cache, engine.get_kv_transfer_info(), scatter_seed=7)
+    for seq_id in (1, 2):
+        pool.allocate(seq_id, args.tokens)  # same seed: the same pages as before
+        assert pool.pages(seq_id) == old.pages(seq_id)
+    return pool
+
+
+if __name__ == "__main__":
+    main()

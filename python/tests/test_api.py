@@ -1,0 +1,166 @@
+"""The spec's names and value types: construction, equality, repr, pickling,
+and bad input rejected with the value and its limit."""
+import concurrent.futures
+import inspect
+import pickle
+
+import pytest
+
+import mstar_kv as kv
+from conftest import local_layout
+
+
+def test_spec_names_exist():
+    for name in ("CudaIpcKVTransferEngine", "CudaIpcKVTransferInfo", "KVReadInfo",
+                 "KVTransferEngine", "KVTransferManager", "LocalOnlyKVTransferEngine",
+                 "MooncakeKVTransferEngine", "MooncakeKVTransferInfo", "TransferEngineInfo"):
+        assert hasattr(kv, name), name
+    assert inspect.isabstract(kv.KVTransferEngine)
+    assert set(kv.KVTransferEngine.__abstractmethods__) == {
+        "get_kv_transfer_info", "read_batched_async", "shutdown"}
+    sig = inspect.signature(kv.KVTransferManager.start_async_retrieve)
+    assert list(sig.parameters)[1:] == ["start_len", "end_len", "local_page_indices",
+                                        "remote_page_indices", "kv_transfer_info"]
+    assert list(inspect.signature(kv.CudaIpcKVTransferEngine).parameters)[:2] == [
+        "kv_cache", "max_workers"]
+    assert inspect.signature(kv.CudaIpcKVTransferEngine).parameters["max_workers"].default == 3
+    assert list(inspect.signature(kv.MooncakeKVTransferEngine).parameters)[:3] == [
+        "kv_cache", "entity_id", "transfer_engine"]
+    assert list(inspect.signature(kv.CudaIpcKVTransferInfo).parameters)[:7] == [
+        "cuda_share", "size", "stride", "offset", "dtype", "requires_grad", "layout"]
+    assert list(inspect.signature(kv.TransferEngineInfo).parameters)[:3] == [
+        "my_entity_id", "my_session_id", "transfer_engine"]
+
+
+def test_kv_read_info_keywords_equality_repr_pickle():
+    r = kv.KVReadInfo(layer_idx=3, local_page_idx=1, remote_page_idx=9, token_start=2,
+                      token_end=16)
+    assert (r.layer_idx, r.local_page_idx, r.remote_page_idx, r.token_start, r.token_end) == (
+        3, 1, 9, 2, 16)
+    assert r == kv.KVReadInfo(3, 1, 9, 2, 16)
+    assert r != kv.KVReadInfo(3, 1, 9, 2, 15)
+    assert r != "not a read"
+    assert repr(r) == ("KVReadInfo(layer_idx=3, local_page_idx=1, remote_page_idx=9, "
+                       "token_start=2, token_end=16)")
+    assert pickle.loads(pickle.dumps(r)) == r
+
+
+def test_layout_fields_and_errors():
+    l = kv.KVLayout(num_layers=32, num_pages=1024, page_size=16, num_kv_heads=8, head_dim=128,
+                    dtype="bf16", cache_order="page", page_order="hnd")
+    assert (l.dtype, l.cache_order, l.page_order) == ("bf16", "page", "hnd")
+    assert l.block_bytes == 16 * 8 * 128 * 2
+    assert l.total_bytes == 32 * 2 * 1024 * l.block_bytes
+    assert pickle.loads(pickle.dumps(l)) == l
+    assert "32L x 1024P x 16T x 8H x 128D bf16" in repr(l)
+    with pytest.raises(kv.InvalidArgumentError, match=r"num_layers 0 out of range \[1, 4096\]") as e:
+        kv.KVLayout(0, 8, 16, 8, 128)
+    assert e.value.code == kv.StatusCode.INVALID_ARGUMENT
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(kv.InvalidArgumentError, match="fp7"):
+        kv.KVLayout(1, 8, 16, 8, 128, dtype="fp7")
+    with pytest.raises(kv.IncompatibleLayoutError, match="head_dim: local 128, remote 64"):
+        l.check_compatible(kv.KVLayout(32, 1024, 16, 8, 64))
+
+
+def test_descriptors_round_trip_and_reject_garbage():
+    seq = kv.SequenceInfo(seq_id=5, num_tokens=40, page_indices=[3, 1, 2],
+                          kv_transfer_info=kv.KVTransferInfo("shm", b"\x01\x02"))
+    data = seq.to_bytes()
+    assert kv.SequenceInfo.from_bytes(data) == seq
+    assert pickle.loads(pickle.dumps(seq)) == seq
+    assert kv.SequenceInfo.from_bytes(data).page_indices == [3, 1, 2]
+    with pytest.raises(kv.CorruptDescriptorError):
+        kv.SequenceInfo.from_bytes(b"not a descriptor at all")
+    for i in range(len(data)):  # every truncation
+        with pytest.raises(kv.CorruptDescriptorError):
+            kv.SequenceInfo.from_bytes(data[:i])
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x40
+    with pytest.raises(kv.CorruptDescriptorError):
+        kv.SequenceInfo.from_bytes(bytes(flipped))
+    with pytest.raises(kv.InvalidArgumentError, match=r"page_indices\[1\] = -1 out of range"):
+        kv.SequenceInfo(seq_id=1, num_tokens=1, page_indices=[0, -1])
+
+
+def test_infos_pickle_through_bytes_and_refuse_other_engines():
+    layout = local_layout()
+    m = kv.MooncakeKVTransferInfo("prefill", "127.0.0.1:1234", 0x10000, layout,
+                                  layout.total_bytes, 77, 0x20000)
+    assert pickle.loads(pickle.dumps(m)) == m
+    assert kv.MooncakeKVTransferInfo.decode(m.encode()) == m
+    assert kv.MooncakeKVTransferInfo.from_bytes(m.to_bytes()) == m
+    with pytest.raises(kv.InvalidArgumentError, match="not a Mooncake descriptor"):
+        kv.MooncakeKVTransferInfo.decode(kv.KVTransferInfo("shm", b"x"))
+    with pytest.raises(kv.InvalidArgumentError, match="'mooncake'"):
+        kv.ShmKVTransferInfo.decode(m.encode())
+    g = kv.KVTransferInfo("ucx", b"payload")
+    assert pickle.loads(pickle.dumps(g)) == g
+    assert kv.KVTransferInfo.from_bytes(g.to_bytes()) == g
+
+
+def test_pool_allocate_free_publish():
+    cache = kv.KVCache(local_layout(num_pages=8))
+    pool = kv.KVCachePool(cache, kv.KVTransferInfo("shm", b"d"))
+    pages = pool.allocate(1, 33)  # 3 pages of 16 tokens
+    assert len(pages) == 3 and 1 in pool
+    seq = pool.publish(1)
+    assert seq.page_indices == pages and seq.num_tokens == 33
+    assert seq.kv_transfer_info == kv.KVTransferInfo("shm", b"d")
+    with pytest.raises(kv.RetryLaterError):
+        pool.allocate(2, 16 * 6)
+    pool.free(1)
+    assert pool.free_page_count() == 8
+    with pytest.raises(kv.InvalidArgumentError):
+        pool.free(1)
+
+
+def test_manager_bad_inputs_before_any_byte(peer_factory):
+    cache = kv.KVCache(local_layout())
+    m = kv.KVTransferManager(kv.TransferEngineInfo("decode", "", "shm"), cache)
+    with pytest.raises(kv.InvalidArgumentError, match="local_page_indices has 2 entries, "
+                                                       "remote_page_indices 3"):
+        m.start_async_retrieve(0, 32, [0, 1], [0, 1, 2], kv.KVTransferInfo("shm", b""))
+    with pytest.raises(kv.InvalidArgumentError, match=r"local page 99 .* out of range \[0, 64\)"):
+        m.start_async_retrieve(0, 32, [0, 99], [0, 1], kv.KVTransferInfo("shm", b""))
+    with pytest.raises(kv.InvalidArgumentError, match="not an int"):
+        m.start_async_retrieve(0, 32, [0, "x"], [0, 1], kv.KVTransferInfo("shm", b""))
+    with pytest.raises(kv.InvalidArgumentError, match="is not a descriptor"):
+        m.start_async_retrieve(0, 32, [0, 1], [0, 1], 12345)
+    with pytest.raises(kv.CorruptDescriptorError):
+        m.start_async_retrieve(0, 32, [0, 1], [0, 1], b"garbage bytes")
+    with pytest.raises(kv.InvalidArgumentError, match="'ucx'"):
+        m.start_async_retrieve(0, 32, [0, 1], [0, 1], kv.KVTransferInfo("ucx", b"x"))
+    assert m.start_async_retrieve(16, 16, [0, 1], [0, 1], kv.KVTransferInfo("shm", b"")) is None
+    m.cleanup()
+    m.cleanup()  # idempotent
+    with pytest.raises(kv.ShutdownError, match="after cleanup"):
+        m.start_async_retrieve(0, 32, [0, 1], [0, 1], kv.KVTransferInfo("shm", b""))
+    with pytest.raises(kv.InvalidArgumentError, match="not an mstar_kv.KVCache"):
+        kv.KVTransferManager(None, object())
+    with pytest.raises(kv.InvalidArgumentError, match="unknown transfer engine 'warp'"):
+        kv.KVTransferManager(kv.TransferEngineInfo("d", "", "warp"), cache)
+
+
+def test_local_only_manager():
+    cache = kv.KVCache(local_layout())
+    m = kv.KVTransferManager(None, cache)
+    assert isinstance(m.engine, kv.LocalOnlyKVTransferEngine)
+    assert m.get_kv_transfer_info() is None
+    assert m.start_async_retrieve(0, 0, [], [], None) is None
+    assert m.sync_retrieve(0, 0, [], [], None) == 0
+    with pytest.raises(kv.InvalidArgumentError, match="local-only"):
+        m.start_async_retrieve(0, 16, [0], [0], None)
+    e = kv.LocalOnlyKVTransferEngine()
+    with pytest.raises(kv.KVTransferError):
+        e.read_batched_async(kv.KVTransferInfo("shm", b""), [kv.KVReadInfo(0, 0, 0, 0, 16)])
+
+
+def test_errors_pickle_and_carry_the_code():
+    e = kv.errors.error_from_code(int(kv.StatusCode.PEER_FAILURE), "peer 'a' died")
+    assert isinstance(e, kv.PeerFailureError) and isinstance(e, ConnectionError)
+    e2 = pickle.loads(pickle.dumps(e))
+    assert type(e2) is kv.PeerFailureError and e2.message == "peer 'a' died"
+    assert e2.code == kv.StatusCode.PEER_FAILURE
+    assert issubclass(kv.TransferTimeoutError, TimeoutError)
+    assert issubclass(kv.StaleDescriptorError, kv.KVTransferError)

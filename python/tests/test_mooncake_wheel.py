@@ -1,0 +1,114 @@
+"""Mooncake through the PyPI wheel's TransferEngine: forged descriptors are
+refused before any page is read, and a peer killed mid-pull fails the read."""
+import time
+
+import numpy as np
+import pytest
+
+import mstar_kv as kv
+from conftest import SEED, local_layout, sentinel_fill
+
+mooncake_engine = pytest.importorskip(
+    "mooncake.engine", reason="the Mooncake wheel (mooncake-transfer-engine-non-cuda) is "
+                              "not installed")
+
+
+def reader(cache, timeout=10.0):
+    te = mooncake_engine.TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    return te, kv.MooncakeKVTransferEngine(cache, "decode", te, timeout=timeout)
+
+
+def raw(cache):
+    return cache.numpy().view(np.uint8).reshape(-1)
+
+
+def forge(info, **changes):
+    m = kv.MooncakeKVTransferInfo.decode(info)
+    for k, v in changes.items():
+        setattr(m, k, v)
+    return m
+
+
+def test_forged_descriptors_rejected_before_any_page(peer_factory):
+    peer = peer_factory("mooncake")
+    seq = peer.seqs[0]
+    good = kv.MooncakeKVTransferInfo.decode(seq.kv_transfer_info)
+    cache = kv.KVCache(local_layout())
+    te, engine = reader(cache)
+    mgr = kv.KVTransferManager(engine, cache)
+    local = list(range(len(seq.page_indices)))
+    before = sentinel_fill(cache).copy()
+    cases = [
+        (forge(seq.kv_transfer_info, generation=good.generation ^ 1), kv.StaleDescriptorError,
+         "stale"),
+        (forge(seq.kv_transfer_info, data_ptr=good.data_ptr + 4096), kv.PermissionDeniedError,
+         "not the registered region"),
+        (forge(seq.kv_transfer_info, size=good.size * 2), kv.PermissionDeniedError,
+         "not the registered region"),
+        (forge(seq.kv_transfer_info, entity_id="someone-else"), kv.InvalidArgumentError,
+         "names entity 'someone-else'"),
+        (forge(seq.kv_transfer_info, identity_ptr=good.identity_ptr + 8192),
+         kv.PeerFailureError, "identity page"),
+        (forge(seq.kv_transfer_info, session_id="127.0.0.1:1"), kv.PeerFailureError, None),
+        (kv.KVTransferInfo("shm", b"x"), kv.InvalidArgumentError, "not a Mooncake descriptor"),
+        (b"\x00" * 40, kv.CorruptDescriptorError, None),
+    ]
+    for info, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            f = mgr.start_async_retrieve(0, seq.num_tokens, local, seq.page_indices, info)
+            f.result(timeout=30)
+        assert np.array_equal(raw(cache), before), f"bytes landed for {info!r}"
+    # The real descriptor still works after all that.
+    assert mgr.sync_retrieve(0, seq.num_tokens, local, seq.page_indices, good) > 0
+    assert cache.verify_pattern(SEED + 1, local, 0, seq.num_tokens)["ok"]
+    mgr.cleanup()
+    engine.shutdown()  # idempotent
+
+
+def test_peer_killed_mid_pull(peer_factory):
+    # 64 MiB request: long enough over loopback TCP to kill the owner during it.
+    args = ["--pages", "4096", "--heads", "8", "--head-dim", "128", "--layers", "4",
+            "--tokens", str(16 * 1024)]
+    peer = peer_factory("mooncake", *args)
+    seq = peer.seqs[0]
+    layout = local_layout(num_pages=4096, num_kv_heads=8, head_dim=128)
+    cache = kv.KVCache(layout)
+    te, engine = reader(cache, timeout=20.0)
+    mgr = kv.KVTransferManager(engine, cache)
+    local = list(range(len(seq.page_indices)))
+    f = mgr.start_async_retrieve(0, seq.num_tokens, local, seq.page_indices,
+                                 seq.kv_transfer_info)
+    time.sleep(0.05)
+    peer.kill()
+    t0 = time.monotonic()
+    try:
+        f.result(timeout=60)
+        pytest.skip("the pull finished before the peer died (machine too fast)")
+    except kv.PeerFailureError as e:
+        assert "failed" in str(e)
+    assert time.monotonic() - t0 < 40
+    with pytest.raises(kv.PeerFailureError, match="failed earlier"):
+        mgr.start_async_retrieve(0, seq.num_tokens, local, seq.page_indices,
+                                 seq.kv_transfer_info)
+    mgr.cleanup()
+
+
+def test_shutdown_with_reads_queued(peer_factory):
+    peer = peer_factory("mooncake")
+    seq = peer.seqs[0]
+    cache = kv.KVCache(local_layout())
+    te, engine = reader(cache)
+    local = list(range(len(seq.page_indices)))
+    futs = [kv.KVTransferManager(engine, cache).start_async_retrieve(
+        0, seq.num_tokens, local, seq.page_indices, seq.kv_transfer_info) for _ in range(8)]
+    engine.shutdown()
+    outcomes = set()
+    for f in futs:
+        try:
+            outcomes.add(f.result(timeout=30))
+        except kv.ShutdownError:
+            outcomes.add("shutdown")
+    assert outcomes  # every future resolved: bytes or ShutdownError
+    with pytest.raises(kv.ShutdownError):
+        engine.read_batched_async(seq.kv_transfer_info, [kv.KVReadInfo(0, 0, 0, 0, 16)])
