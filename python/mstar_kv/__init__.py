@@ -42,6 +42,7 @@ UcxKVTransferInfo = getattr(_core, "UcxKVTransferInfo", None)
 plan_reads = _core.plan_reads
 plan_copy_addresses = _core.plan_copy_addresses
 built_engines = _core.built_engines
+cuda_unavailable_reason = _core.cuda_unavailable_reason
 
 __version__ = "0.1.0"
 
@@ -55,6 +56,6 @@ __all__ = [
     "RetryLaterError", "SequenceInfo", "ShmKVTransferEngine", "ShmKVTransferInfo",
     "ShutdownError", "StaleDescriptorError", "StatusCode", "TransferCancelledError",
     "TransferEngineInfo", "TransferFuture", "TransferTimeoutError", "UcxKVTransferEngine",
-    "UcxKVTransferInfo", "UnavailableError", "built_engines", "make_native_engine",
+    "UcxKVTransferInfo", "UnavailableError", "built_engines", "cuda_unavailable_reason", "make_native_engine",
     "parse_cuda_share", "plan_copy_addresses", "plan_reads",
 ]

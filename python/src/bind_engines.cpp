@@ -22,6 +22,9 @@
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/pool.hpp"
 #include "py_common.hpp"
+#if MSTAR_KV_PY_HAVE_CUDA_IPC
+#include "mstar/kv/cuda_ipc.hpp"
+#endif
 
 namespace mstar::kv::py {
 
@@ -203,6 +206,17 @@ void bind_engines(nb::module_& m) {
       .def_prop_ro("wrapped", [](const PyEngine& e) { return !e.engine; });
 
   m.def("built_engines", &built_engines, "Engines compiled into this build.");
+  m.def(
+      "cuda_unavailable_reason",
+      []() -> std::string {
+#if MSTAR_KV_PY_HAVE_CUDA_IPC
+        nb::gil_scoped_release release;
+        return cuda_unavailable_reason();
+#else
+        return "the cuda_ipc engine is not built into this mstar_kv";
+#endif
+      },
+      "Empty when a CUDA device is usable here, else why not (with the CUDA error name).");
 
   m.def(
       "plan_reads",

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs through glog
+
 import mstar_kv as kv
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -50,6 +50,14 @@ ensure_deps() {
   fi
 }
 
+# Builds and installs the Python package from python/ (scikit-build-core +
+# nanobind, installed by ensure_deps) into the current interpreter.
+build_python() {
+  local py=${PYTHON:-python3}
+  "$py" -m pip install -q --no-build-isolation "$MSTAR_ROOT/python" \
+    2> >(grep -v "Running pip as the 'root' user" >&2)
+}
+
 # build PRESET [extra cmake args...]
 build_preset() {
   local preset=$1
