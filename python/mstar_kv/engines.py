@@ -28,12 +28,14 @@ _live_engines: "weakref.WeakSet[NativeKVTransferEngine]" = weakref.WeakSet()
 
 @atexit.register
 def _shutdown_all() -> None:
-    # Engine threads must not call into Python once the interpreter exits.
+    # Nothing may call into Python once the interpreter exits: shut the
+    # engines down (their futures resolve), then stop the callback thread.
     for engine in list(_live_engines):
         try:
             engine.shutdown()
         except Exception:  # pragma: no cover - best effort at exit
             pass
+    _core._stop_callbacks()
 
 
 class KVTransferEngine(abc.ABC):

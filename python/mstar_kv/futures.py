@@ -1,7 +1,12 @@
 """TransferFuture: a concurrent.futures.Future completed by the engine.
 
 The engine's own completion (a worker, progress or completion thread of the
-C++ engine) resolves the future: no Python thread is parked per read. The
+C++ engine) resolves the future: no Python thread is parked per read.
+``result()`` / ``exception()`` wait on the engine's future itself with the GIL
+released (in 50 ms slices, so KeyboardInterrupt still arrives); once a done
+callback or ``concurrent.futures.wait`` needs the outcome pushed, the
+library's one callback thread (never an engine thread, which must not wait
+for the GIL) delivers it. The
 future is a real ``concurrent.futures.Future``, so ``result()``,
 ``add_done_callback``, ``concurrent.futures.wait`` / ``as_completed`` and
 ``asyncio.wrap_future`` work as usual; ``result()`` is the number of bytes
@@ -16,12 +21,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 from . import _core
 from .errors import StatusCode, error_from_code
 
 _OK = int(StatusCode.OK)
 _CANCELLED = int(StatusCode.CANCELLED)
+_SLICE = 0.05  # seconds per native wait while result() blocks
 
 
 class TransferFuture(concurrent.futures.Future):
@@ -40,7 +47,37 @@ class TransferFuture(concurrent.futures.Future):
         self._native = native
         self._settle_lock = threading.Lock()
         self._settled = False
-        native.on_resolved(self._on_resolved)
+        self._pushed = False
+        # concurrent.futures.wait / as_completed append to _waiters: that is
+        # when the engine must push the outcome (see _push).
+        self._waiters = _Waiters(self)
+        if native.ready():
+            self._settle_from_native()
+
+    def _push(self) -> None:
+        # Ask the engine to deliver the outcome (through the library's callback
+        # thread). Only done when something must be told without waiting in
+        # result(): a done callback (asyncio.wrap_future), or wait/as_completed.
+        # result() itself waits on the native future and settles on its own
+        # thread, which costs no thread hand-off.
+        with self._settle_lock:
+            if self._pushed or self._settled:
+                return
+            self._pushed = True
+        self._native.on_resolved(self._on_resolved)
+
+    def _settle_from_native(self) -> None:
+        code, message = self._native.status()
+        self._on_resolved(code, message, self._native.bytes)
+
+    def add_done_callback(self, fn) -> None:
+        self._push()
+        super().add_done_callback(fn)
+
+    def done(self) -> bool:
+        if not self._settled and self._native.ready():
+            self._settle_from_native()
+        return super().done()
 
     # Runs on the engine's thread with the GIL taken (or right away).
     def _on_resolved(self, code: int, message: str, nbytes: int) -> None:
@@ -56,19 +93,54 @@ class TransferFuture(concurrent.futures.Future):
         else:
             self.set_exception(error_from_code(code, message))
 
+    def _wait_native(self, timeout) -> None:
+        # Waiting on the native future (GIL released) and settling here saves
+        # the hand-off to the engine thread's callback, which must take the GIL
+        # first (tens of microseconds per read). Sliced, so that signals
+        # (KeyboardInterrupt) are still seen by the main thread.
+        if self.done():
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = _SLICE if deadline is None else min(_SLICE, deadline - time.monotonic())
+            if step <= 0:
+                return
+            if self._native.wait(step):
+                self._settle_from_native()
+                return
+
+    def result(self, timeout=None):
+        self._wait_native(timeout)
+        return super().result(timeout=timeout)
+
+    def exception(self, timeout=None):
+        self._wait_native(timeout)
+        return super().exception(timeout=timeout)
+
     def cancel(self) -> bool:
         if self.done():
             return self.cancelled()
         self._native.cancel()
         self._native.wait()
-        code, message = self._native.status()
-        self._on_resolved(code, message, self._native.bytes)
+        self._settle_from_native()
         return self.cancelled()
 
     @property
     def bytes_read(self) -> int:
         """Bytes read once resolved successfully, else 0."""
         return self._native.bytes
+
+
+class _Waiters(list):
+    """Future._waiters that asks the engine to push once a waiter arrives."""
+
+    def __init__(self, future: TransferFuture):
+        super().__init__()
+        self._future = future
+
+    def append(self, waiter) -> None:
+        super().append(waiter)
+        self._future._push()
 
 
 def wrap_native(native):

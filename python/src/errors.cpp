@@ -42,27 +42,6 @@ bool python_alive() noexcept {
 #endif
 }
 
-PyCallback::PyCallback(nb::handle fn) : fn_(fn.ptr()) { Py_XINCREF(fn_); }
-
-PyCallback::~PyCallback() {
-  if (fn_ == nullptr || !python_alive()) return;  // finalising: leak, never touch Python
-  nb::gil_scoped_acquire gil;
-  Py_DECREF(fn_);
-}
-
-void PyCallback::call_resolved(const Status& status, std::uint64_t bytes) {
-  if (fn_ == nullptr || !python_alive()) return;
-  nb::gil_scoped_acquire gil;
-  PyObject* r = PyObject_CallFunction(fn_, "isK", static_cast<int>(status.code()),
-                                      status.message().c_str(),
-                                      static_cast<unsigned long long>(bytes));
-  if (r == nullptr) {
-    PyErr_WriteUnraisable(fn_);
-  } else {
-    Py_DECREF(r);
-  }
-}
-
 void bind_errors(nb::module_& m) {
   nb::enum_<StatusCode>(m, "StatusCode", nb::is_arithmetic(),
                         "mstar::kv::StatusCode: the outcome of a call or a transfer.")

@@ -13,6 +13,7 @@ NB_MODULE(_core, m) {
   // traceback's) are not leaks of the bindings; stay quiet about them.
   nanobind::set_leak_warnings(false);
   mstar::kv::py::bind_errors(m);
+  mstar::kv::py::bind_callbacks(m);
   mstar::kv::py::bind_layout(m);
   mstar::kv::py::bind_cache(m);
   mstar::kv::py::bind_descriptors(m);

@@ -44,19 +44,29 @@ std::vector<std::uint32_t> to_pages(nb::handle seq, const char* what);
 // anything else, naming its type.
 KVTransferInfo to_transfer_info(nb::handle obj);
 
-// Runs a Python callable later from any thread: holds a strong reference and
-// drops it under the GIL. Calls are skipped once the interpreter finalises.
+// A Python callable that a future runs when it resolves. Resolution happens
+// on an engine thread, which must never wait for the GIL (it would stall the
+// engine's copies behind whatever Python runs): call_resolved() only queues
+// the call for one dispatcher thread per process, which takes the GIL, calls
+// fn(code, message, bytes) once and drops the reference. Nothing runs once
+// the interpreter finalises (mstar_kv stops the dispatcher at exit).
 class PyCallback {
  public:
   explicit PyCallback(nb::handle fn);
   ~PyCallback();
   PyCallback(const PyCallback&) = delete;
   PyCallback& operator=(const PyCallback&) = delete;
+  // Safe from any thread; never blocks on the GIL.
   void call_resolved(const Status& status, std::uint64_t bytes);
 
  private:
-  PyObject* fn_;
+  friend class Dispatcher;
+  PyObject* fn_;  // owned reference; released by the dispatcher
 };
+
+// Joins the dispatcher (pending calls are dropped). Called at Python exit.
+void stop_dispatcher();
+void bind_callbacks(nb::module_& m);
 
 // True while Python code may still run (not finalising).
 bool python_alive() noexcept;
