@@ -38,6 +38,8 @@ const char* kHelp =
     "baseline measured in the same run: memcpy of the same copy spans on the same\n"
     "threads; for UCX over TCP ucx_perftest stream_bw at the same message size; plus\n"
     "iperf3 (raw TCP) and Mooncake's transfer_engine_bench (64 KiB x 128 reads).\n"
+    "The Python package is measured by bench/python_bench.py (Python vs C++ pulls,\n"
+    "per-call overhead, Mooncake through its wheel; see bench/README.md).\n"
     "With no options: the default suite (under two minutes on 2 cores).\n"
     "\n"
     "selection:\n"
