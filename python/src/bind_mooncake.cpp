@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "core/codec.hpp"
+#include "engines/mooncake/mooncake_backend.hpp"
 #include "engines/rma/rma_backend.hpp"
 #include "engines/rma/rma_engine.hpp"
 #include "mstar/kv/mooncake.hpp"
@@ -19,32 +19,15 @@
 
 namespace mstar::kv::py {
 
-namespace {
-
-constexpr std::size_t kIdentityBytes = 4096;
-constexpr std::uint64_t kIdentityMagic = 0x4449434d564b534dull;  // "MSKVMCID"
-
-rma::RmaRegionInfo region_of(const MooncakeKVTransferInfo& info) {
-  return rma::RmaRegionInfo::decode(info.encode().payload);
-}
-
-}  // namespace
+namespace mc = engines::mooncake;
 
 void bind_mooncake(nb::module_& m) {
   m.def(
       "_mooncake_identity_page",
       [](const MooncakeKVTransferInfo& info) {
-        codec::ByteWriter w;
-        w.u64(kIdentityMagic);
-        w.bytes(info.encode().payload);
-        w.u32(codec::crc32c(w.data()));
-        if (w.data().size() > kIdentityBytes) {
-          throw Error(StatusCode::kInvalidArgument,
-                      "Mooncake descriptor of " + std::to_string(w.data().size()) +
-                          " bytes exceeds the identity page of " + std::to_string(kIdentityBytes));
-        }
-        std::string page(kIdentityBytes, '\0');
-        std::memcpy(page.data(), w.data().data(), w.data().size());
+        std::string page(mc::kIdentityBytes, '\0');
+        mc::write_identity(reinterpret_cast<std::byte*>(page.data()),
+                           rma::RmaRegionInfo::decode(info.encode().payload));
         return nb::bytes(page.data(), page.size());
       },
       nb::arg("info"), "The 4096-byte identity page an owner registers for `info`.");
@@ -56,23 +39,11 @@ void bind_mooncake(nb::module_& m) {
   m.def(
       "_mooncake_verify_identity",
       [](const nb::bytes& page, const MooncakeKVTransferInfo& claimed) {
-        const std::span<const std::uint8_t> bytes(static_cast<const std::uint8_t*>(page.data()),
-                                                  page.size());
-        rma::RmaRegionInfo served;
-        try {
-          codec::ByteReader r(bytes, "Mooncake identity page");
-          if (r.u64("magic") != kIdentityMagic) r.fail("magic", "not an mstar-kv identity page");
-          const auto payload = r.bytes("descriptor", kIdentityBytes - 16);
-          const std::size_t used = 8 + 4 + payload.size();
-          const std::uint32_t crc = r.u32("crc");
-          if (crc != codec::crc32c(bytes.first(used))) r.fail("crc", "checksum mismatch");
-          served = rma::RmaRegionInfo::decode(payload);
-        } catch (const Error& e) {
-          throw Error(StatusCode::kPermissionDenied,
-                      "the descriptor's identity page at " + claimed.session_id +
-                          " does not hold an mstar-kv descriptor (forged or stale): " + e.what());
-        }
-        rma::verify_region(served, region_of(claimed));
+        const rma::RmaRegionInfo served = mc::read_identity(
+            std::span<const std::uint8_t>(static_cast<const std::uint8_t*>(page.data()),
+                                          page.size()),
+            "at " + claimed.session_id);
+        rma::verify_region(served, rma::RmaRegionInfo::decode(claimed.encode().payload));
       },
       nb::arg("page"), nb::arg("claimed"),
       "Checks a descriptor against the identity page its owner serves: "

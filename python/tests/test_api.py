@@ -164,3 +164,20 @@ def test_errors_pickle_and_carry_the_code():
     assert e2.code == kv.StatusCode.PEER_FAILURE
     assert issubclass(kv.TransferTimeoutError, TimeoutError)
     assert issubclass(kv.StaleDescriptorError, kv.KVTransferError)
+
+
+def test_engine_infos_of_live_engines_pickle():
+    import os
+    os.environ.setdefault("UCX_TLS", "tcp")
+    cache = kv.KVCache(local_layout(num_pages=8))
+    ucx = kv.UcxKVTransferEngine(cache, entity_id="e1")
+    u = kv.UcxKVTransferInfo.decode(ucx.get_kv_transfer_info())
+    assert u.entity_id == "e1" and u.session_id == ucx.session_id
+    assert pickle.loads(pickle.dumps(u)) == u and len(u.rkey) > 0
+    ucx.shutdown()
+    shared = kv.KVCache(local_layout(num_pages=8), "shared")
+    s = kv.ShmKVTransferInfo.decode(kv.ShmKVTransferEngine(shared).get_kv_transfer_info())
+    assert s.pid == os.getpid() and s.layout == shared.layout
+    assert kv.ShmKVTransferInfo.from_bytes(pickle.loads(pickle.dumps(s.to_bytes()))) == s
+    private = kv.ShmKVTransferEngine(kv.KVCache(local_layout(num_pages=8)))
+    assert private.get_kv_transfer_info().empty()  # a private cache is local-only to others

@@ -1,5 +1,8 @@
 """Mooncake through the PyPI wheel's TransferEngine: forged descriptors are
 refused before any page is read, and a peer killed mid-pull fails the read."""
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -112,3 +115,31 @@ def test_shutdown_with_reads_queued(peer_factory):
     assert outcomes  # every future resolved: bytes or ShutdownError
     with pytest.raises(kv.ShutdownError):
         engine.read_batched_async(seq.kv_transfer_info, [kv.KVReadInfo(0, 0, 0, 0, 16)])
+
+
+@pytest.mark.skipif(not os.environ.get("MSTAR_KV_MOONCAKE_LIB"),
+                    reason="MSTAR_KV_MOONCAKE_LIB names no Mooncake C library (built from "
+                           "source; see README.md)")
+def test_cpp_engine_reads_a_wheel_owner(peer_factory):
+    """The C++ engine (Mooncake's C library) and the wheel engine share one
+    identity-page format: a C++ reader pulls from a wheel owner. The reader
+    runs in its own process (two Mooncake builds in one process would clash)."""
+    peer = peer_factory("mooncake")
+    code = (
+        "import sys, mstar_kv as kv\n"
+        "from conftest import local_layout, SEED\n"
+        "seq = kv.SequenceInfo.from_bytes(bytes.fromhex(sys.argv[1]))\n"
+        "cache = kv.KVCache(local_layout())\n"
+        "eng = kv.MooncakeKVTransferEngine(cache, 'decode', None)\n"
+        "mgr = kv.KVTransferManager(eng, cache)\n"
+        "local = list(range(len(seq.page_indices)))\n"
+        "n = mgr.sync_retrieve(0, seq.num_tokens, local, seq.page_indices, "
+        "seq.kv_transfer_info)\n"
+        "assert cache.verify_pattern(SEED + 1, local, 0, seq.num_tokens)['ok']\n"
+        "mgr.cleanup()\n"
+        "print('PULLED', n)\n")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code, peer.seqs[0].to_bytes().hex()],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    assert "PULLED" in r.stdout

@@ -74,6 +74,9 @@ PagePtr alloc_page();
 // The identity page content of `region` (throws kInvalidArgument when it does
 // not fit).
 void write_identity(std::byte* page, const rma::RmaRegionInfo& region);
+// The region an identity page holds (untrusted bytes); throws
+// Error(kPermissionDenied) naming `where` when it holds none.
+rma::RmaRegionInfo read_identity(std::span<const std::uint8_t> page, const std::string& where);
 std::string hex(std::uint64_t v);
 
 class MooncakeBackend final : public rma::RmaBackend {

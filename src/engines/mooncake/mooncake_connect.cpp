@@ -72,6 +72,22 @@ void write_identity(std::byte* page, const rma::RmaRegionInfo& region) {
   std::memcpy(page, w.data().data(), w.data().size());
 }
 
+rma::RmaRegionInfo read_identity(std::span<const std::uint8_t> bytes, const std::string& where) {
+  try {
+    codec::ByteReader r(bytes, "Mooncake identity page");
+    if (r.u64("magic") != kIdentityMagic) r.fail("magic", "not an mstar-kv identity page");
+    const auto payload = r.bytes("descriptor", kIdentityBytes - 16);
+    const std::size_t used = 8 + 4 + payload.size();
+    const std::uint32_t crc = r.u32("crc");
+    if (crc != codec::crc32c(bytes.first(used))) r.fail("crc", "checksum mismatch");
+    return rma::RmaRegionInfo::decode(payload);
+  } catch (const Error& e) {
+    throw Error(StatusCode::kPermissionDenied,
+                "the descriptor's identity page " + where +
+                    " does not hold an mstar-kv descriptor (forged or stale): " + e.what());
+  }
+}
+
 // A registered scratch page for one identity read; unregistered when the
 // read's batch has completed and the connect that waited for it let go.
 // Counted in live_scratch_ (shutdown waits until none is left, so that no
@@ -205,22 +221,10 @@ std::shared_ptr<rma::RmaPeer> MooncakeBackend::connect(const rma::RmaRegionInfo&
                     st.message());
   }
   // Parse what the owner serves (untrusted bytes).
-  const std::span<const std::uint8_t> bytes(
-      reinterpret_cast<const std::uint8_t*>(scratch->data()), kIdentityBytes);
-  rma::RmaRegionInfo served;
-  try {
-    codec::ByteReader r(bytes, "Mooncake identity page");
-    if (r.u64("magic") != kIdentityMagic) r.fail("magic", "not an mstar-kv identity page");
-    const auto payload = r.bytes("descriptor", kIdentityBytes - 16);
-    const std::size_t used = 8 + 4 + payload.size();
-    const std::uint32_t crc = r.u32("crc");
-    if (crc != codec::crc32c(bytes.first(used))) r.fail("crc", "checksum mismatch");
-    served = rma::RmaRegionInfo::decode(payload);
-  } catch (const Error& e) {
-    throw Error(StatusCode::kPermissionDenied,
-                "the descriptor's identity page " + hex(identity_ptr) + " at " + who +
-                    " does not hold an mstar-kv descriptor (forged or stale): " + e.what());
-  }
+  const rma::RmaRegionInfo served = read_identity(
+      std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(scratch->data()),
+                                    kIdentityBytes),
+      hex(identity_ptr) + " at " + who);
   return std::make_shared<MooncakePeer>(*this, segment, std::move(served), cache_->base());
 }
 
