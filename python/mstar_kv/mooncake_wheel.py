@@ -150,6 +150,7 @@ class MooncakeKVTransferEngine(KVTransferEngine):
             self._unregister()
             raise
         self._lock = threading.Condition()
+        self._verify_lock = threading.Lock()
         self._queue: "collections.deque[_Read]" = collections.deque()
         self._verified = set()       # (session, generation) checked against the owner
         self._failed_peers = {}      # session -> why
@@ -214,7 +215,9 @@ class MooncakeKVTransferEngine(KVTransferEngine):
         key = (remote.session_id, remote.generation)
         if key in self._verified:
             return
-        with self._lock:  # one identity read at a time (one scratch page)
+        with self._verify_lock:  # one identity read at a time (one scratch page)
+            if key in self._verified:
+                return
             rc = self._te.transfer_sync_read(remote.session_id, ctypes.addressof(self._scratch),
                                              remote.identity_ptr, _IDENTITY_BYTES)
             if rc < 0:

@@ -162,7 +162,19 @@ void release_ndarray(nb::ndarray<>* keep) {
   delete keep;
 }
 
-PyKVCache from_dlpack(nb::ndarray<> a, const KVLayout& layout) {
+PyKVCache from_dlpack(nb::handle obj, const KVLayout& layout) {
+  nb::ndarray<> a;
+  if (!nb::try_cast(obj, a)) {
+    const std::string type = nb::cast<std::string>(nb::str(obj.type().attr("__name__")));
+    nb::ndarray<nb::ro> ro;
+    if (nb::try_cast(obj, ro)) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "tensor of type " + type + " is read-only: pulls write into the cache");
+    }
+    throw Error(StatusCode::kInvalidArgument,
+                "object of type " + type +
+                    " is not a tensor (it supports neither __dlpack__ nor the buffer protocol)");
+  }
   layout.validate();
   const std::size_t size = check_tensor(a, layout);
   auto* data = static_cast<std::byte*>(a.data());

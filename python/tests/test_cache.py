@@ -101,3 +101,13 @@ def test_torch_cuda_tensor_wrapped():
     t = torch.zeros(4, 2, 8, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
     cache = kv.KVCache.from_dlpack(t, layout)
     assert cache.memory == "device" and cache.data_ptr == t.data_ptr()
+
+
+def test_non_tensors_and_read_only_arrays_refused():
+    layout = local_layout(num_pages=8)
+    ro = np.zeros(layout.total_bytes, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(kv.InvalidArgumentError, match="read-only"):
+        kv.KVCache.from_dlpack(ro, layout)
+    with pytest.raises(kv.InvalidArgumentError, match="type list is not a tensor"):
+        kv.KVCache.from_dlpack([1, 2, 3], layout)
