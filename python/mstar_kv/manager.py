@@ -145,6 +145,26 @@ class KVTransferManager:
             return None
         return self.engine.read_batched_async(kv_transfer_info, reads)
 
+    def stats(self) -> dict:
+        """Statistics of every read this manager started, per peer and in total:
+        ``{"engine", "total": {...}, "peers": {peer: {...}}}``, each with
+        ``reads_started``, ``reads_succeeded``, ``reads_failed`` (by status code
+        name), ``bytes``, ``copies`` (byte ranges after coalescing) and
+        ``latency`` per phase ("plan": validate and plan, "post": until the
+        last byte range was handed over, "transfer": until resolution) as
+        ``{"count", "sum_seconds", "buckets": [(upper bound s, cumulative)]}``.
+        Kept by the C++ library for its engines; a Python engine's manager
+        returns ``{"engine": <class name>, "total": None, "peers": {}}``."""
+        native = getattr(self.engine, "_native", None)
+        if native is not None and hasattr(native, "stats"):
+            return native.stats()
+        return {"engine": type(self.engine).__name__, "total": None, "peers": {}}
+
+    def prometheus_text(self) -> str:
+        """The same statistics in Prometheus text format (mstar_kv_* families)."""
+        native = getattr(self.engine, "_native", None)
+        return native.prometheus() if native is not None and hasattr(native, "prometheus") else ""
+
     def sync_retrieve(self, *args, **kwargs) -> int:
         """start_async_retrieve, then waits: returns the bytes read (0 when
         there was nothing to read) or raises. A KeyboardInterrupt while waiting

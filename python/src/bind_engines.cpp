@@ -11,6 +11,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -21,6 +22,7 @@
 #include "mstar/kv/manager.hpp"
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/pool.hpp"
+#include "mstar/kv/stats.hpp"
 #include "py_common.hpp"
 #if MSTAR_KV_PY_HAVE_CUDA_IPC
 #include "mstar/kv/cuda_ipc.hpp"
@@ -37,6 +39,8 @@ using std::chrono::milliseconds;
 struct PyEngine {
   std::shared_ptr<KVCache> cache;  // null for the local-only engine
   std::unique_ptr<KVTransferEngine> engine;
+  // Reads started through retrieve() (what KVTransferManager counts in C++).
+  std::shared_ptr<TransferStatsRecorder> stats = std::make_shared<TransferStatsRecorder>("local");
 
   KVTransferEngine& get(const char* what) const {
     if (!engine) {
@@ -82,6 +86,52 @@ std::vector<KVReadInfo> to_reads(nb::handle seq) {
     out.push_back(nb::cast<KVReadInfo>(item));
   }
   return out;
+}
+
+nb::dict peer_dict(const PeerStats& p) {
+  nb::dict d;
+  d["reads_started"] = p.reads_started;
+  d["reads_succeeded"] = p.reads_succeeded;
+  nb::dict failed;
+  for (std::size_t c = 0; c < p.reads_failed.size(); ++c) {
+    if (p.reads_failed[c] != 0) {
+      failed[nb::str(std::string(to_string(static_cast<StatusCode>(c))).c_str())] =
+          p.reads_failed[c];
+    }
+  }
+  d["reads_failed"] = failed;
+  d["bytes"] = p.bytes;
+  d["copies"] = p.copies;
+  nb::dict latency;
+  for (std::size_t ph = 0; ph < p.latency.size(); ++ph) {
+    const LatencyHistogram& h = p.latency[ph];
+    nb::list buckets;  // (upper bound in seconds, cumulative count); inf last
+    std::uint64_t cumulative = 0;
+    for (std::size_t b = 0; b < h.buckets.size(); ++b) {
+      cumulative += h.buckets[b];
+      const double le = b < LatencyHistogram::kBounds.size()
+                            ? LatencyHistogram::kBounds[b]
+                            : std::numeric_limits<double>::infinity();
+      buckets.append(nb::make_tuple(le, cumulative));
+    }
+    nb::dict hd;
+    hd["count"] = h.count;
+    hd["sum_seconds"] = h.sum_seconds;
+    hd["buckets"] = buckets;
+    latency[kPhaseNames[ph]] = hd;
+  }
+  d["latency"] = latency;
+  return d;
+}
+
+nb::dict stats_dict(const TransferStats& s) {
+  nb::dict d;
+  d["engine"] = s.engine;
+  d["total"] = peer_dict(s.total);
+  nb::dict peers;
+  for (const auto& [name, p] : s.peers) peers[nb::str(name.c_str())] = peer_dict(p);
+  d["peers"] = peers;
+  return d;
 }
 
 }  // namespace
@@ -132,6 +182,7 @@ void bind_engines(nb::module_& m) {
                                     make_options(max_workers, timeout_s, extra)};
             auto out = std::make_unique<PyEngine>();
             out->cache = cache.cache;
+            out->stats = std::make_shared<TransferStatsRecorder>(name);
             nb::gil_scoped_release release;  // ucx opens a listener, mooncake starts
             out->engine = make_engine(info, out->cache);
             return out;
@@ -160,6 +211,7 @@ void bind_engines(nb::module_& m) {
             cfg.drop_timeout = milliseconds(static_cast<std::int64_t>(drop_timeout_s * 1000));
             auto out = std::make_unique<PyEngine>();
             out->cache = inner.cache;
+            out->stats = inner.stats;
             out->engine = std::make_unique<FaultInjectingEngine>(std::move(inner.engine),
                                                                  inner.cache->layout(), cfg);
             return out;
@@ -190,9 +242,10 @@ void bind_engines(nb::module_& m) {
                           "a local-only engine without a cache cannot retrieve");
             }
             nb::gil_scoped_release release;
-            const std::vector<KVReadInfo> reads =
-                plan_reads(e.cache->layout(), start_len, end_len, lp, rp);
-            return eng.read_batched_async(info, reads);
+            const KVLayout& layout = e.cache->layout();
+            return TransferStatsRecorder::track(e.stats, [&]() -> std::optional<TransferFuture> {
+              return eng.read_batched_async(info, plan_reads(layout, start_len, end_len, lp, rp));
+            });
           },
           nb::arg("start_len"), nb::arg("end_len"), nb::arg("local_page_indices"),
           nb::arg("remote_page_indices"), nb::arg("kv_transfer_info").none(),
@@ -203,7 +256,12 @@ void bind_engines(nb::module_& m) {
              nb::gil_scoped_release release;
              e.engine->shutdown();
            })
-      .def_prop_ro("wrapped", [](const PyEngine& e) { return !e.engine; });
+      .def_prop_ro("wrapped", [](const PyEngine& e) { return !e.engine; })
+      .def("stats", [](const PyEngine& e) { return stats_dict(e.stats->snapshot()); },
+           "Statistics of the reads started through retrieve(), as a dict (see "
+           "mstar_kv.KVTransferManager.stats).")
+      .def("prometheus", [](const PyEngine& e) { return render_prometheus({e.stats->snapshot()}); },
+           "The same statistics in Prometheus text format.");
 
   m.def("built_engines", &built_engines, "Engines compiled into this build.");
   m.def(

@@ -21,6 +21,9 @@ struct TransferState {
   std::atomic<bool> cancel{false};
   // Guarded by mu; taken (emptied) by the resolving thread.
   std::vector<TransferFuture::Callback> callbacks;
+  TransferTiming timing;  // guarded by mu
+
+  TransferState() { timing.created = timing.planned = timing.posted = TransferTiming::Clock::now(); }
 
   bool resolve(Status s, std::uint64_t b) noexcept {
     std::vector<TransferFuture::Callback> run;
@@ -29,6 +32,7 @@ struct TransferState {
       if (resolved.load(std::memory_order_relaxed)) return false;
       status = std::move(s);
       bytes = b;
+      timing.resolved = TransferTiming::Clock::now();
       run.swap(callbacks);
       resolved.store(true, std::memory_order_release);
     }
@@ -107,6 +111,39 @@ void TransferFuture::on_resolved(Callback callback) const {
     }
   }
   state_->invoke(callback);
+}
+
+TransferTiming TransferFuture::timing() const {
+  if (!state_) return {};
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->timing;
+}
+
+void TransferPromise::mark_planned(std::uint64_t copies,
+                                   TransferTiming::Clock::time_point when) noexcept {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  TransferTiming& t = state_->timing;
+  if (t.planned_marked || state_->resolved.load(std::memory_order_relaxed)) return;
+  t.planned_marked = true;
+  t.planned = t.posted = when;
+  t.copies = copies;
+}
+
+void TransferPromise::mark_posted() noexcept {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  TransferTiming& t = state_->timing;
+  if (t.posted_marked || state_->resolved.load(std::memory_order_relaxed)) return;
+  t.posted_marked = true;
+  t.posted = TransferTiming::Clock::now();
+  if (!t.planned_marked) {
+    t.planned_marked = true;
+    t.planned = t.posted;
+  }
+}
+
+void TransferPromise::set_peer(std::string peer) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->timing.peer = std::move(peer);
 }
 
 TransferPromise::TransferPromise()

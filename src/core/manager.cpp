@@ -14,6 +14,10 @@ KVTransferManager::KVTransferManager(
     throw Error(StatusCode::kInvalidArgument, "KVTransferManager needs a KV cache");
   }
   engine_ = make_engine(transfer_engine_info, kv_cache_);
+  stats_ = std::make_shared<TransferStatsRecorder>(
+      transfer_engine_info && !transfer_engine_info->transfer_engine.empty()
+          ? transfer_engine_info->transfer_engine
+          : "local");
 }
 
 KVTransferManager::KVTransferManager(std::shared_ptr<KVCache> kv_cache,
@@ -23,6 +27,8 @@ KVTransferManager::KVTransferManager(std::shared_ptr<KVCache> kv_cache,
     throw Error(StatusCode::kInvalidArgument,
                 "KVTransferManager needs a KV cache and an engine");
   }
+  const std::string name = engine_->get_kv_transfer_info().engine;
+  stats_ = std::make_shared<TransferStatsRecorder>(name.empty() ? "local" : name);
 }
 
 KVTransferManager::~KVTransferManager() { cleanup(); }
@@ -36,10 +42,12 @@ std::optional<TransferFuture> KVTransferManager::start_async_retrieve(
     std::span<const std::uint32_t> local_page_indices,
     std::span<const std::uint32_t> remote_page_indices,
     const KVTransferInfo& kv_transfer_info) {
-  const std::vector<KVReadInfo> reads =
-      plan_reads(kv_cache_->layout(), start_len, end_len, local_page_indices,
-                 remote_page_indices);
-  return engine_->read_batched_async(kv_transfer_info, reads);
+  return TransferStatsRecorder::track(stats_, [&]() -> std::optional<TransferFuture> {
+    const std::vector<KVReadInfo> reads =
+        plan_reads(kv_cache_->layout(), start_len, end_len, local_page_indices,
+                   remote_page_indices);
+    return engine_->read_batched_async(kv_transfer_info, reads);
+  });
 }
 
 std::uint64_t KVTransferManager::sync_retrieve(

@@ -152,6 +152,8 @@ const char* kServeHelp =
     "  GET /v1/sequences/{id}        SequenceInfo bytes (application/octet-stream)\n"
     "  GET /v1/sequences/{id}/meta   seed, tokens and layout (JSON)\n"
     "  POST|DELETE /v1/sequences/{id}/done   free the sequence's pages\n"
+    "  GET /metrics                  Prometheus text: read statistics, served descriptors,\n"
+    "                                sequences done and live, free pages\n"
     "\n"
     "options:\n"
     "  --engine NAME       transfer engine (default ucx)\n"
@@ -275,6 +277,7 @@ int cmd_serve(int argc, char** argv) {
   for (std::uint64_t id = 0; id < sequences; ++id) live.insert(id);
   std::atomic<bool> all_done{false};
   const bool exit_when_done = args.flag("exit-when-done");
+  std::atomic<std::uint64_t> descriptors_served{0}, sequences_done{0};
 
   httplib::Server svr;
   auto not_found = [](httplib::Response& res, const std::string& what) {
@@ -297,6 +300,7 @@ int cmd_serve(int argc, char** argv) {
       return not_found(res, "sequence '" + std::string(req.matches[1]) + "' is not served here");
     }
     const auto bytes = pool.publish(id).encode();
+    descriptors_served.fetch_add(1, std::memory_order_relaxed);
     res.set_content(std::string(bytes.begin(), bytes.end()), "application/octet-stream");
     res.set_header("X-Mstar-Kv-Seed", std::to_string(seed + id));
   });
@@ -319,6 +323,7 @@ int cmd_serve(int argc, char** argv) {
       return not_found(res, "sequence '" + std::string(req.matches[1]) + "' is not served here");
     }
     pool.release(id);
+    sequences_done.fetch_add(1, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lk(mu);
     live.erase(id);
     std::printf("sequence %llu done: %zu pages free\n", static_cast<unsigned long long>(id),
@@ -329,6 +334,33 @@ int cmd_serve(int argc, char** argv) {
       all_done.store(true, std::memory_order_release);
     }
   };
+  // Prometheus: the manager's read statistics (reads this process pulled)
+  // and the owner's own families.
+  svr.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
+    std::size_t live_count = 0;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      live_count = live.size();
+    }
+    const std::string labels = "{engine=\"" + engine + "\"}";
+    std::string own =
+        "# HELP mstar_kv_serve_descriptors_served_total SequenceInfo descriptors handed out.\n"
+        "# TYPE mstar_kv_serve_descriptors_served_total counter\n"
+        "mstar_kv_serve_descriptors_served_total" + labels + " " +
+        std::to_string(descriptors_served.load()) +
+        "\n# HELP mstar_kv_serve_sequences_done_total Sequences a reader marked done.\n"
+        "# TYPE mstar_kv_serve_sequences_done_total counter\n"
+        "mstar_kv_serve_sequences_done_total" + labels + " " +
+        std::to_string(sequences_done.load()) +
+        "\n# HELP mstar_kv_serve_sequences_live Sequences published and not yet done.\n"
+        "# TYPE mstar_kv_serve_sequences_live gauge\n"
+        "mstar_kv_serve_sequences_live" + labels + " " + std::to_string(live_count) +
+        "\n# HELP mstar_kv_pool_free_pages Free pages in the served cache.\n"
+        "# TYPE mstar_kv_pool_free_pages gauge\n"
+        "mstar_kv_pool_free_pages" + labels + " " + std::to_string(pool.free_page_count()) + "\n";
+    res.set_content(render_prometheus({manager.stats()}, own),
+                    "text/plain; version=0.0.4; charset=utf-8");
+  });
   svr.Post(R"(/v1/sequences/([^/]+)/done)", done);
   svr.Delete(R"(/v1/sequences/([^/]+)/done)", done);
 

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "mstar/kv/status.hpp"
 
@@ -25,6 +26,27 @@ namespace mstar::kv {
 namespace detail {
 struct TransferState;
 }
+
+// Where one read's time went, stamped by the engine on its promise (steady
+// clock). created: the promise was made (the engine began validating);
+// planned: the descriptor and reads were validated and the copies planned;
+// posted: the last byte range was handed to the transport (or copy workers);
+// resolved: the future resolved. planned/posted equal created until the
+// engine stamps them (*_marked tell; KVTransferManager then uses the time its
+// call to the engine returned). `copies` is
+// the number of byte ranges after coalescing; `peer` names the remote cache's
+// owner for statistics ("entity@session", "pid 123"), empty if unknown.
+struct TransferTiming {
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point created;
+  Clock::time_point planned;
+  Clock::time_point posted;
+  Clock::time_point resolved;  // time_point{} while unresolved
+  bool planned_marked = false;
+  bool posted_marked = false;
+  std::uint64_t copies = 0;
+  std::string peer;
+};
 
 class TransferFuture {
  public:
@@ -59,6 +81,9 @@ class TransferFuture {
   using Callback = std::function<void(const Status& status, std::uint64_t bytes)>;
   void on_resolved(Callback callback) const;
 
+  // The phase stamps so far (see TransferTiming). Final once resolved.
+  TransferTiming timing() const;
+
  private:
   friend class TransferPromise;
   explicit TransferFuture(std::shared_ptr<detail::TransferState> s)
@@ -80,6 +105,16 @@ class TransferPromise {
   bool resolved() const noexcept;
   // True once cancel() was called on any copy of the future.
   bool cancel_requested() const noexcept;
+
+  // Phase stamps (TransferTiming): call mark_planned once the descriptor and
+  // reads are validated and the copies planned, mark_posted once the last
+  // byte range was handed over. set_peer names the remote owner. Cheap (a
+  // clock read and a store under the state's lock); only the first call of
+  // each counts.
+  void mark_planned(std::uint64_t copies,
+                    TransferTiming::Clock::time_point when = TransferTiming::Clock::now()) noexcept;
+  void mark_posted() noexcept;
+  void set_peer(std::string peer);
 
  private:
   std::shared_ptr<detail::TransferState> state_;

@@ -14,4 +14,5 @@
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/pool.hpp"
 #include "mstar/kv/read_info.hpp"
+#include "mstar/kv/stats.hpp"
 #include "mstar/kv/status.hpp"

@@ -14,6 +14,7 @@
 
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/engine.hpp"
+#include "mstar/kv/stats.hpp"
 
 namespace mstar::kv {
 
@@ -92,12 +93,20 @@ class KVTransferManager {
 
   void cleanup();
 
+  // Statistics of every read this manager started (stats.hpp): per peer and
+  // in total, counts by outcome, bytes, copies and per-phase latency. Always
+  // on (a lock and a few additions per read). Reads resolved after cleanup()
+  // are still counted.
+  TransferStats stats() const { return stats_->snapshot(); }
+
   KVTransferEngine& engine() noexcept { return *engine_; }
   const KVCache& kv_cache() const noexcept { return *kv_cache_; }
 
  private:
   std::shared_ptr<KVCache> kv_cache_;
   std::unique_ptr<KVTransferEngine> engine_;
+  // Shared with the callbacks of futures that may outlive the manager.
+  std::shared_ptr<TransferStatsRecorder> stats_;
 };
 
 }  // namespace mstar::kv

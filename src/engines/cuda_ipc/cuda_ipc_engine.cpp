@@ -477,10 +477,13 @@ std::optional<TransferFuture> CudaIpcKVTransferEngine::Impl::read(
     spans = split_spans(spans, share);
   }
   read->spans = spans.size();
+  read->promise.mark_planned(spans.size());
+  read->promise.set_peer("pid " + std::to_string(remote.owner_pid));
 
   cuda::DeviceGuard guard(device_);
   const Status status = enqueue(spans, src, cache_->base(), *read);
   if (!status.is_ok()) return make_failed_future(status);
+  read->promise.mark_posted();  // every copy is enqueued
   TransferFuture future = read->promise.future();
   {
     std::lock_guard lk(mu_);

@@ -129,6 +129,9 @@ std::optional<TransferFuture> RmaKVTransferEngine::read_batched_async(
   entry->what = "read of " + std::to_string(plan.total_bytes) + " bytes in " +
                 std::to_string(plan.spans.size()) + " spans from '" + remote.entity_id +
                 "' at " + remote.session_id;
+  // Validating and planning include connecting to (and verifying) the peer.
+  entry->promise.mark_planned(plan.spans.size());
+  entry->promise.set_peer(remote.entity_id + "@" + remote.session_id);
   TransferFuture future = entry->promise.future();
   std::uint64_t id = 0;
   {
@@ -163,6 +166,7 @@ std::optional<TransferFuture> RmaKVTransferEngine::read_batched_async(
     }
   }
   if (abort_now) op->abort();
+  entry->promise.mark_posted();  // ignored if it already completed
   return future;
 }
 

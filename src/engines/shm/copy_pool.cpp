@@ -113,6 +113,8 @@ TransferFuture CopyPool::submit(CopyJobSpec spec) {
   // pieces of about total / (4 x workers) bytes, within [kMinPiece, kMaxPiece].
   const std::uint64_t target = std::clamp<std::uint64_t>(
       spec.total_bytes / (std::uint64_t{workers_} * 4), kMinPiece, kMaxPiece);
+  job->promise.mark_planned(spec.spans.size(), spec.planned_at);
+  job->promise.set_peer(spec.peer);
   bool needs_split = false;
   for (const CopySpan& s : spec.spans) needs_split |= s.length > target;
   if (needs_split) spec.spans = split_spans(spec.spans, target);
@@ -141,6 +143,7 @@ TransferFuture CopyPool::submit(CopyJobSpec spec) {
   }
   work_cv_.notify_all();
   watch_cv_.notify_one();
+  job->promise.mark_posted();  // ignored if the workers already finished it
   return future;
 }
 

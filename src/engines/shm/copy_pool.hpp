@@ -33,6 +33,8 @@ struct CopyJobSpec {
   std::uint64_t total_bytes = 0;
   std::shared_ptr<const void> keep_alive;  // e.g. the source mapping
   std::string what;                 // "read of 12 MiB from pid 7" for messages
+  TransferTiming::Clock::time_point planned_at;  // when the copies were planned
+  std::string peer;                 // for statistics: "pid 7"
 };
 
 class CopyPool {

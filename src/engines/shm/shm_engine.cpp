@@ -141,15 +141,22 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
   const KVLayout& local = impl_->cache->layout();
   CopyPlan plan = plan_copies(local, info.layout, read_info);
   std::shared_ptr<const ShmMapping> mapping = impl_->mapping_for(info);
+  const auto planned_at = TransferTiming::Clock::now();
+  std::string peer = "pid " + std::to_string(info.pid);
   if (plan.total_bytes <= kInlineCopyBytes) {
     // Handing a small read to a worker (queue, wake, resolve, wake the
     // waiter) costs tens of microseconds, more than the copy itself.
+    TransferPromise promise;
+    promise.mark_planned(plan.spans.size(), planned_at);
+    promise.set_peer(std::move(peer));
     std::byte* dst = impl_->cache->base();
     const std::byte* src = mapping->data();
     for (const CopySpan& s : plan.spans) {
       std::memcpy(dst + s.local_offset, src + s.remote_offset, s.length);
     }
-    return make_ready_future(plan.total_bytes);
+    promise.mark_posted();  // the copy was the post
+    promise.complete(plan.total_bytes);
+    return promise.future();
   }
   shm::CopyJobSpec spec;
   spec.dst_base = impl_->cache->base();
@@ -160,6 +167,8 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
               std::to_string(read_info.size()) + " page reads) from pid " +
               std::to_string(info.pid);
   spec.keep_alive = std::move(mapping);
+  spec.planned_at = planned_at;
+  spec.peer = std::move(peer);
   return impl_->pool.submit(std::move(spec));
 }
 

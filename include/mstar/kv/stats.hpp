@@ -1,0 +1,115 @@
+// Copyright mstar-kv authors.
+//
+// Transfer statistics: what every read did, per peer and in total, and the
+// Prometheus text that exposes them.
+//
+// KVTransferManager keeps one TransferStatsRecorder for its engine and
+// records every read it starts (read = one start_async_retrieve, i.e. one
+// engine batch): started, succeeded or failed by StatusCode (a read refused
+// before any byte moved counts as failed too), bytes moved, byte ranges after
+// coalescing, and a latency histogram per phase:
+//   plan      validate + plan (from the call until the engine planned)
+//   post      until the last byte range was handed to the transport
+//   transfer  until the future resolved
+// Peers are named by the engine (TransferTiming::peer); "unknown" when it did
+// not say (e.g. a read refused before its descriptor was decoded).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mstar/kv/future.hpp"
+#include "mstar/kv/status.hpp"
+
+namespace mstar::kv {
+
+// Number of StatusCode values (kOk .. kInternal).
+inline constexpr std::size_t kNumStatusCodes = static_cast<std::size_t>(StatusCode::kInternal) + 1;
+
+// A fixed-bucket latency histogram (seconds), Prometheus style: bucket i
+// counts observations <= kBounds[i] (not cumulative here; the renderer
+// accumulates); the last bucket is +Inf. Value type.
+struct LatencyHistogram {
+  static constexpr std::array<double, 18> kBounds = {
+      1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
+      1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,   1.0,    10.0};
+  std::array<std::uint64_t, kBounds.size() + 1> buckets{};
+  std::uint64_t count = 0;
+  double sum_seconds = 0;
+
+  void add(double seconds) noexcept;
+  void merge(const LatencyHistogram& other) noexcept;
+};
+
+enum class Phase : std::uint8_t { kPlan = 0, kPost = 1, kTransfer = 2 };
+inline constexpr std::array<const char*, 3> kPhaseNames = {"plan", "post", "transfer"};
+
+struct PeerStats {
+  std::uint64_t reads_started = 0;
+  std::uint64_t reads_succeeded = 0;
+  std::array<std::uint64_t, kNumStatusCodes> reads_failed{};  // by StatusCode
+  std::uint64_t bytes = 0;   // moved by reads that succeeded
+  std::uint64_t copies = 0;  // byte ranges after coalescing, reads that were posted
+  std::array<LatencyHistogram, 3> latency;  // by Phase, reads that resolved
+
+  std::uint64_t failed() const noexcept;
+  void merge(const PeerStats& other) noexcept;
+};
+
+// A snapshot. Value type.
+struct TransferStats {
+  std::string engine;  // the engine's name ("shm", "ucx", ...; "local")
+  PeerStats total;
+  std::map<std::string, PeerStats> peers;
+};
+
+// Thread safety: every method is safe from any thread (one mutex, held for a
+// map lookup and a few additions per read).
+class TransferStatsRecorder {
+ public:
+  explicit TransferStatsRecorder(std::string engine) : engine_(std::move(engine)) {}
+
+  // A read the engine refused synchronously (plan_seconds until the refusal).
+  void refused(const std::string& peer, StatusCode code, double plan_seconds);
+  // A read the engine accepted; `returned` is when its call returned (the
+  // phase stamps the engine did not set default to it). Call finished() from
+  // the future's on_resolved.
+  void started(const std::string& peer);
+  void finished(const TransferTiming& timing, TransferTiming::Clock::time_point returned,
+                const Status& status, std::uint64_t bytes);
+
+  TransferStats snapshot() const;
+
+  // Runs `issue` (plan + the engine's read_batched_async) and records the
+  // read on `rec`: refused if it throws (rethrown), else started now and
+  // finished when its future resolves (rec is kept alive until then).
+  // Nothing is recorded when issue returns no future (nothing to read).
+  static std::optional<TransferFuture> track(
+      const std::shared_ptr<TransferStatsRecorder>& rec,
+      const std::function<std::optional<TransferFuture>()>& issue);
+
+ private:
+  PeerStats& peer_locked(const std::string& peer);
+
+  const std::string engine_;
+  mutable std::mutex mu_;
+  std::map<std::string, PeerStats> peers_;  // guarded by mu_
+};
+
+// Prometheus text exposition format (version 0.0.4) of the snapshots, one
+// family per metric with engine and peer labels:
+//   mstar_kv_reads_started_total, mstar_kv_reads_succeeded_total,
+//   mstar_kv_reads_failed_total{code}, mstar_kv_transferred_bytes_total,
+//   mstar_kv_copies_total, mstar_kv_read_phase_seconds{phase} (histogram).
+// `extra` is appended as is (an embedding program's own families).
+std::string render_prometheus(const std::vector<TransferStats>& stats,
+                              const std::string& extra = "");
+
+}  // namespace mstar::kv

@@ -1,0 +1,138 @@
+"""Statistics: counts and bytes equal what the test moved, across success,
+failure (forged descriptor, killed peer) and cancel; histogram counts match
+the reads; `mstar-kv serve`'s /metrics parses with prometheus_client."""
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+import mstar_kv as kv
+from conftest import HERE, SEED, TOKENS, local_layout
+
+CLI = os.path.join(HERE, "..", "..", "build", "release", "tools", "mstar-kv")
+
+
+def test_counts_bytes_and_phases_match_what_moved(peer_factory):
+    peer = peer_factory("shm")
+    seq = peer.seqs[0]
+    cache = kv.KVCache(local_layout())
+    inner = kv.ShmKVTransferEngine(cache)
+    mgr = kv.KVTransferManager(inner, cache)
+    layout = cache.layout
+    local = list(range(len(seq.page_indices)))
+    full = layout.num_layers * 2 * TOKENS * layout.token_bytes
+    tail = layout.num_layers * 2 * (TOKENS - 40) * layout.token_bytes
+    assert mgr.sync_retrieve(0, seq.num_tokens, local, seq.page_indices,
+                             seq.kv_transfer_info) == full
+    assert mgr.sync_retrieve(40, seq.num_tokens, local, seq.page_indices,
+                             seq.kv_transfer_info) == tail
+    with pytest.raises(kv.CorruptDescriptorError):  # refused: counted as failed
+        mgr.start_async_retrieve(0, 16, [0], [0], kv.KVTransferInfo("shm", b"forged"))
+    assert mgr.start_async_retrieve(5, 5, local, seq.page_indices, seq.kv_transfer_info) is None
+    peer.kill()
+    with pytest.raises(kv.NotFoundError):  # the dead owner's cache
+        mgr.sync_retrieve(0, seq.num_tokens, local, seq.page_indices, seq.kv_transfer_info)
+
+    s = mgr.stats()
+    t = s["total"]
+    assert s["engine"] == "shm"
+    assert t["reads_started"] == 4
+    assert t["reads_succeeded"] == 2
+    assert t["reads_failed"] == {"CorruptDescriptor": 1, "NotFound": 1}
+    assert t["bytes"] == full + tail
+    assert t["copies"] > 0
+    pid_peer = f"pid {peer.proc.pid}"
+    assert s["peers"][pid_peer]["reads_succeeded"] == 2
+    assert s["peers"]["unknown"]["reads_started"] == 2  # refused before a peer was named
+    lat = t["latency"]
+    assert lat["plan"]["count"] == 4 and lat["post"]["count"] == 2
+    assert lat["transfer"]["count"] == 2
+    assert lat["transfer"]["buckets"][-1] == (float("inf"), 2)
+    assert lat["transfer"]["sum_seconds"] > 0
+    mgr.cleanup()
+
+
+def test_cancel_and_timeout_are_counted():
+    layout = local_layout(num_pages=64)
+    src = kv.KVCache(layout, "shared")
+    info = kv.ShmKVTransferEngine(src).get_kv_transfer_info()
+    dst = kv.KVCache(layout)
+    slow = kv.FaultInjectingKVTransferEngine(kv.ShmKVTransferEngine(dst), delay=5.0)
+    mgr = kv.KVTransferManager(slow, dst)
+    f = mgr.start_async_retrieve(0, 64 * 16, list(range(64)), list(range(64)), info)
+    assert f.cancel()
+    dropped = kv.FaultInjectingKVTransferEngine(kv.ShmKVTransferEngine(dst), drop=True,
+                                                drop_timeout=0.1)
+    m2 = kv.KVTransferManager(dropped, dst)
+    with pytest.raises(kv.TransferTimeoutError):
+        m2.sync_retrieve(0, 16, [0], [0], info)
+    assert mgr.stats()["total"]["reads_failed"] == {"Cancelled": 1}
+    assert m2.stats()["total"]["reads_failed"] == {"Timeout": 1}
+    assert mgr.stats()["total"]["latency"]["transfer"]["count"] == 1
+
+
+def test_prometheus_text_of_a_manager_parses():
+    parser = pytest.importorskip("prometheus_client.parser")
+    layout = local_layout(num_pages=8)
+    src = kv.KVCache(layout, "shared")
+    src.fill_pattern(1, list(range(8)), 0, 128)
+    info = kv.ShmKVTransferEngine(src).get_kv_transfer_info()
+    dst = kv.KVCache(layout)
+    mgr = kv.KVTransferManager(kv.TransferEngineInfo("d", "", "shm"), dst)
+    for _ in range(3):
+        mgr.sync_retrieve(0, 128, list(range(8)), list(range(8)), info)
+    families = {f.name: f for f in parser.text_string_to_metric_families(mgr.prometheus_text())}
+    started = families["mstar_kv_reads_started"].samples
+    assert [s.value for s in started] == [3.0]
+    assert started[0].labels == {"engine": "shm", "peer": f"pid {os.getpid()}"}
+    hist = families["mstar_kv_read_phase_seconds"]
+    assert hist.type == "histogram"
+    counts = [s for s in hist.samples if s.name.endswith("_count")]
+    assert {s.labels["phase"]: s.value for s in counts} == {"plan": 3, "post": 3, "transfer": 3}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not os.access(CLI, os.X_OK), reason=f"{CLI} is not built")
+def test_serve_metrics_scrape_parses():
+    parser = pytest.importorskip("prometheus_client.parser")
+    port = _free_port()
+    serve = subprocess.Popen([CLI, "serve", "--engine", "shm", "--listen", f"127.0.0.1:{port}",
+                              "--model", "llama3-8b", "--layers", "2", "--tokens", "64",
+                              "--sequences", "2"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                seq = kv.SequenceInfo.from_bytes(
+                    urllib.request.urlopen(base + "/v1/sequences/0", timeout=5).read())
+                break
+            except Exception:
+                assert serve.poll() is None and time.monotonic() < deadline, "serve did not start"
+                time.sleep(0.1)
+        urllib.request.urlopen(urllib.request.Request(base + "/v1/sequences/1/done",
+                                                      method="POST"), timeout=5).read()
+        r = urllib.request.urlopen(base + "/metrics", timeout=5)
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        families = {f.name: f for f in parser.text_string_to_metric_families(r.read().decode())}
+        assert families["mstar_kv_serve_descriptors_served"].samples[0].value == 1
+        assert families["mstar_kv_serve_sequences_done"].samples[0].value == 1
+        assert families["mstar_kv_serve_sequences_live"].samples[0].value == 1
+        assert families["mstar_kv_pool_free_pages"].samples[0].value >= 4
+        assert "mstar_kv_read_phase_seconds" in families  # declared, no reads by an owner
+        assert families["mstar_kv_serve_descriptors_served"].samples[0].labels == {
+            "engine": "shm"}
+        assert seq.num_tokens == 64
+    finally:
+        serve.terminate()
+        serve.wait(timeout=30)
