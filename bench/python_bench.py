@@ -159,8 +159,9 @@ def cpp_one_page_us(rounds):
                        capture_output=True, text=True, timeout=600)
     out = {}
     for b in json.loads(r.stdout)["benchmarks"]:
-        if b.get("aggregate_name") == "median":
-            out[b["run_name"].split("/")[1]] = b["real_time"]
+        parts = b["run_name"].split("/")  # OnePage/<geometry>/<stats on>/real_time
+        if b.get("aggregate_name") == "median" and parts[0] == "OnePage" and parts[2] == "1":
+            out[parts[1]] = b["real_time"]
     return out
 
 

@@ -136,3 +136,48 @@ def test_serve_metrics_scrape_parses():
     finally:
         serve.terminate()
         serve.wait(timeout=30)
+
+
+def test_a_failed_peer_is_logged_once(peer_factory):
+    """MSTAR_KV_LOG=warn: several reads fail on a killed UCX peer; the engine
+    logs the peer's failure once, with its reason, on stderr."""
+    import sys
+    peer = peer_factory("ucx", "--pages", "1024", "--heads", "8", "--head-dim", "128",
+                        "--tokens", str(16 * 500), env={"UCX_TLS": "tcp",
+                                                          "UCX_NET_DEVICES": "lo"})
+    code = r'''
+import os, signal, sys, time
+import mstar_kv as kv
+from conftest import local_layout
+seq = kv.SequenceInfo.from_bytes(bytes.fromhex(sys.argv[1]))
+pid = int(sys.argv[2])
+cache = kv.KVCache(local_layout(num_pages=512, num_kv_heads=8, head_dim=128))
+mgr = kv.KVTransferManager(kv.TransferEngineInfo("d", "", "ucx", {"timeout": 10}), cache)
+local = list(range(len(seq.page_indices)))
+mgr.sync_retrieve(0, 16, local[:1], seq.page_indices[:1], seq.kv_transfer_info)  # connect
+futs = [mgr.start_async_retrieve(0, seq.num_tokens, local, seq.page_indices,
+                                 seq.kv_transfer_info) for _ in range(4)]
+os.kill(pid, signal.SIGKILL)
+failed = 0
+for f in futs:
+    try:
+        f.result(timeout=30)
+    except kv.KVTransferError:
+        failed += 1
+s = mgr.stats()["total"]
+print("FAILED", failed, "STATS", s["reads_started"], sum(s["reads_failed"].values()))
+'''
+    env = dict(os.environ, MSTAR_KV_LOG="warn", UCX_TLS="tcp", UCX_NET_DEVICES="lo",
+               PYTHONPATH=HERE)
+    r = subprocess.run([sys.executable, "-c", code, peer.seqs[0].to_bytes().hex(),
+                        str(peer.proc.pid)], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    failed = int(r.stdout.split("FAILED")[1].split()[0])
+    if failed == 0:
+        pytest.skip("every read finished before the peer died")
+    started, failures = map(int, r.stdout.split("STATS")[1].split()[:2])
+    assert started == 5 and failures == failed
+    lines = [l for l in r.stderr.splitlines() if l.startswith("mstar-kv [warn] ucx peer at")]
+    assert len(lines) == 1, r.stderr[-2000:]
+    assert "failed: " in lines[0]

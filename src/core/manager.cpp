@@ -42,12 +42,14 @@ std::optional<TransferFuture> KVTransferManager::start_async_retrieve(
     std::span<const std::uint32_t> local_page_indices,
     std::span<const std::uint32_t> remote_page_indices,
     const KVTransferInfo& kv_transfer_info) {
-  return TransferStatsRecorder::track(stats_, [&]() -> std::optional<TransferFuture> {
+  auto issue = [&]() -> std::optional<TransferFuture> {
     const std::vector<KVReadInfo> reads =
         plan_reads(kv_cache_->layout(), start_len, end_len, local_page_indices,
                    remote_page_indices);
     return engine_->read_batched_async(kv_transfer_info, reads);
-  });
+  };
+  if (!stats_enabled_.load(std::memory_order_relaxed)) return issue();
+  return TransferStatsRecorder::track(stats_, issue);
 }
 
 std::uint64_t KVTransferManager::sync_retrieve(

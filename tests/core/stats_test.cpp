@@ -5,7 +5,10 @@
 
 #include "mstar/kv/local_only.hpp"
 #include "mstar/kv/manager.hpp"
+#include "mstar/kv/log.hpp"
 #include "mstar/kv/stats.hpp"
+
+#include <cstdlib>
 
 namespace mstar::kv {
 namespace {
@@ -115,6 +118,38 @@ TEST(TransferStats, RendersPrometheusText) {
                       "phase=\"transfer\"} 2"),
             std::string::npos);
   EXPECT_EQ(text.substr(text.size() - 8), "# extra\n");
+}
+
+}  // namespace
+}  // namespace mstar::kv
+
+namespace mstar::kv {
+namespace {
+
+TEST(Logger, SilentByDefaultLevelsAndSinks) {
+  std::vector<std::pair<LogLevel, std::string>> lines;
+  Logger quiet;
+  EXPECT_FALSE(quiet.enabled(LogLevel::kError));
+  quiet.error("nothing");  // no sink: no output, no crash
+  Logger l(LogLevel::kWarn, [&](LogLevel lv, const std::string& m) { lines.emplace_back(lv, m); });
+  l.error("e");
+  l.warn("w");
+  l.info("i");  // below the threshold
+  l.debug("d");
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(lines[0], std::make_pair(LogLevel::kError, std::string("e")));
+  EXPECT_EQ(lines[1], std::make_pair(LogLevel::kWarn, std::string("w")));
+  Logger throwing(LogLevel::kDebug, [](LogLevel, const std::string&) { throw 1; });
+  throwing.error("dropped");  // a sink's exception never escapes
+  EXPECT_EQ(parse_log_level("debug"), LogLevel::kDebug);
+  EXPECT_THROW(parse_log_level("loud"), Error);
+  ::unsetenv("MSTAR_KV_LOG");
+  EXPECT_FALSE(Logger::from_env().enabled(LogLevel::kError));
+  ::setenv("MSTAR_KV_LOG", "info", 1);
+  EXPECT_TRUE(Logger::from_env().enabled(LogLevel::kInfo));
+  EXPECT_FALSE(Logger::from_env().enabled(LogLevel::kDebug));
+  ::unsetenv("MSTAR_KV_LOG");
+  EXPECT_FALSE(EngineOptions{}.log.enabled(LogLevel::kError));  // the library is silent
 }
 
 }  // namespace

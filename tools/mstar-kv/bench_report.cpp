@@ -121,9 +121,9 @@ void print_table(std::FILE* out, const Report& r) {
   std::fprintf(out, "\n\n");
   std::size_t cw = 4;
   for (const auto& c : r.cases) cw = std::max(cw, c.workload.name.size());
-  std::fprintf(out, "%-18s %-*s %21s %9s %9s %9s %8s %-26s %8s %6s\n", "engine",
+  std::fprintf(out, "%-18s %-*s %21s %9s %9s %9s %8s %8s %9s %8s %-26s %8s %6s\n", "engine",
                static_cast<int>(cw), "case", "GB/s med [min,max]", "req/s", "p50 us", "p99 us",
-               "copies", "baseline", "base GB/s", "ratio");
+               "prep us", "post us", "xfer us", "copies", "baseline", "base GB/s", "ratio");
   for (const auto& c : r.cases) {
     if (!c.ok) continue;
     char gb[64];
@@ -132,9 +132,16 @@ void print_table(std::FILE* out, const Report& r) {
     if (c.baseline_gbps) std::snprintf(base, sizeof base, "%.2f", c.baseline_gbps->median);
     char ratio[32] = "-";
     if (c.ratio) std::snprintf(ratio, sizeof ratio, "%.2f", *c.ratio);
-    std::fprintf(out, "%-18s %-*s %21s %9.0f %9.0f %9.0f %8llu %-26s %8s %6s\n", c.engine.c_str(),
-                 static_cast<int>(cw), c.workload.name.c_str(), gb, c.requests_per_s, c.p50_us,
-                 c.p99_us, static_cast<unsigned long long>(c.copies),
+    auto phase = [](const std::optional<double>& v) {
+      char b[32] = "-";
+      if (v) std::snprintf(b, sizeof b, "%.1f", *v);
+      return std::string(b);
+    };
+    std::fprintf(out, "%-18s %-*s %21s %9.0f %9.0f %9.0f %8s %8s %9s %8llu %-26s %8s %6s\n",
+                 c.engine.c_str(), static_cast<int>(cw), c.workload.name.c_str(), gb,
+                 c.requests_per_s, c.p50_us, c.p99_us, phase(c.prep_us).c_str(),
+                 phase(c.post_us).c_str(), phase(c.transfer_us).c_str(),
+                 static_cast<unsigned long long>(c.copies),
                  c.baseline_name.empty() ? "-" : c.baseline_name.c_str(), base, ratio);
   }
   bool header = false;
@@ -203,6 +210,11 @@ void write_json(std::FILE* out, const Report& r) {
                    static_cast<unsigned long long>(c.copies),
                    static_cast<unsigned long long>(c.uncoalesced),
                    static_cast<unsigned long long>(c.piece_bytes), c.verified ? "true" : "false");
+      if (c.prep_us) {
+        std::fprintf(out, ", \"phases_us\": {\"prep\": %s, \"post\": %s, \"transfer\": %s}",
+                     num(*c.prep_us).c_str(), num(*c.post_us).c_str(),
+                     num(*c.transfer_us).c_str());
+      }
     }
     std::fprintf(out, ", \"wall_s\": %s, \"baseline\": ", num(c.wall_s).c_str());
     if (c.baseline_gbps) {

@@ -315,6 +315,20 @@ struct Side {
   std::uint64_t requests = 0;
 };
 
+// Per-phase durations of the engine's requests (ns), from the futures' stamps.
+struct Phases {
+  std::vector<double> prep, post, transfer;
+
+  void add(Clock::time_point called, Clock::time_point returned, const TransferTiming& t) {
+    using ns = std::chrono::duration<double, std::nano>;
+    const auto planned = t.planned_marked ? t.planned : returned;
+    const auto posted = t.posted_marked ? t.posted : std::max(planned, returned);
+    prep.push_back(ns(planned - called).count());
+    post.push_back(ns(posted - planned).count());
+    transfer.push_back(ns(std::max(t.resolved, posted) - posted).count());
+  }
+};
+
 template <typename Request>
 void repetition(const RunOptions& o, std::uint64_t bytes, Side& side, Request&& request) {
   const auto t0 = Clock::now();
@@ -389,6 +403,7 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
   std::unique_ptr<Server> server;
   std::unique_ptr<KVTransferManager> manager;
   std::function<void()> request;
+  Phases phases;  // filled by the manager path's requests
   std::vector<std::uint32_t> rp = rp_planned;
   KVTransferInfo remote_info;
 
@@ -429,8 +444,11 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
           TransferEngineInfo{me, "", v.engine, eo}, local);
     }
     request = [&] {
-      wait_ok(manager->start_async_retrieve(w.start_len, w.tokens, lp, rp, remote_info),
-              o.timeout, bytes);
+      const auto called = Clock::now();
+      auto f = manager->start_async_retrieve(w.start_len, w.tokens, lp, rp, remote_info);
+      const auto returned = Clock::now();
+      wait_ok(f, o.timeout, bytes);
+      phases.add(called, returned, f->timing());
     };
     if (v.memcpy_baseline && host_accessible(local->memory_kind())) {
       src = KVCache::create_host(w.remote);
@@ -480,6 +498,11 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
   r.requests = engine_side.requests;
   r.p50_us = percentile(engine_side.latency_ns, 0.50) / 1e3;
   r.p99_us = percentile(engine_side.latency_ns, 0.99) / 1e3;
+  if (!phases.prep.empty()) {
+    r.prep_us = percentile(phases.prep, 0.5) / 1e3;
+    r.post_us = percentile(phases.post, 0.5) / 1e3;
+    r.transfer_us = percentile(phases.transfer, 0.5) / 1e3;
+  }
   if (baseline) {
     const Stat b = make_stat(base_side.gbps);
     r.extra["memcpy"] = b.median;

@@ -91,6 +91,11 @@ struct CaseResult {
   Stat gbps;                  // per repetition
   double requests_per_s = 0;  // median over repetitions
   double p50_us = 0, p99_us = 0;
+  // Medians per phase of the engine's requests (TransferTiming, the split
+  // nixlbench prints): prep = validate + plan, post = until the last byte
+  // range was handed over, transfer = until the future resolved. Absent for
+  // the local baseline-only variant.
+  std::optional<double> prep_us, post_us, transfer_us;
   std::uint64_t requests = 0;  // measured (not counting warm-up)
   std::uint64_t reads = 0;     // KVReadInfo per request
   std::uint64_t copies = 0;    // copy spans after coalescing

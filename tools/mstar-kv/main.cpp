@@ -1,5 +1,6 @@
 // Copyright mstar-kv authors.
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 
@@ -44,6 +45,10 @@ int main(int argc, char** argv) {
     usage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
+  // The CLI logs to stderr (the library's Logger::from_env, which every
+  // EngineOptions starts from): warn unless MSTAR_KV_LOG says otherwise.
+  // Set before any thread starts; child processes inherit it.
+  ::setenv("MSTAR_KV_LOG", "warn", /*overwrite=*/0);
   for (const Entry& e : kCommands) {
     if (std::strcmp(argv[1], e.name) == 0) {
       try {

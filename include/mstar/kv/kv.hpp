@@ -9,6 +9,7 @@
 #include "mstar/kv/future.hpp"
 #include "mstar/kv/layout.hpp"
 #include "mstar/kv/local_only.hpp"
+#include "mstar/kv/log.hpp"
 #include "mstar/kv/manager.hpp"
 #include "mstar/kv/pattern.hpp"
 #include "mstar/kv/planner.hpp"

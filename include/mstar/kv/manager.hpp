@@ -3,6 +3,7 @@
 // KVTransferManager: picks the engine, runs plan -> engine, cleans up.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -14,6 +15,7 @@
 
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/engine.hpp"
+#include "mstar/kv/log.hpp"
 #include "mstar/kv/stats.hpp"
 
 namespace mstar::kv {
@@ -26,6 +28,8 @@ struct EngineOptions {
   // Engine-specific settings, documented in each engine's header
   // (e.g. "mooncake_lib" for the Mooncake engine).
   std::map<std::string, std::string> extra;
+  // Where the engine logs (log.hpp): silent unless MSTAR_KV_LOG is set.
+  Logger log = Logger::from_env();
 };
 
 // The spec's TransferEngineInfo: who this process is to its peers and which
@@ -98,6 +102,10 @@ class KVTransferManager {
   // on (a lock and a few additions per read). Reads resolved after cleanup()
   // are still counted.
   TransferStats stats() const { return stats_->snapshot(); }
+  // Stops (or resumes) recording; for measuring what recording costs.
+  void set_stats_enabled(bool enabled) noexcept {
+    stats_enabled_.store(enabled, std::memory_order_relaxed);
+  }
 
   KVTransferEngine& engine() noexcept { return *engine_; }
   const KVCache& kv_cache() const noexcept { return *kv_cache_; }
@@ -107,6 +115,7 @@ class KVTransferManager {
   std::unique_ptr<KVTransferEngine> engine_;
   // Shared with the callbacks of futures that may outlive the manager.
   std::shared_ptr<TransferStatsRecorder> stats_;
+  std::atomic<bool> stats_enabled_{true};
 };
 
 }  // namespace mstar::kv

@@ -155,6 +155,7 @@ struct MooncakeOptions {
   std::string location = "cpu:0";
   std::uint32_t abort_grace_ms = 2000;
   std::string session_id;    // shared handle only; empty: getLocalIpAndPort
+  Logger log;                // EngineOptions::log (set by the engine's constructors)
 
   // Throws Error(kInvalidArgument) naming an unknown "mooncake_*" key, a key
   // of the other mode (shared_handle: the engine borrows the application's

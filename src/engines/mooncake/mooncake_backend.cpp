@@ -202,10 +202,10 @@ void MooncakeBackend::shutdown() noexcept {
 void MooncakeBackend::release_engine() noexcept {
   if (engine_ == nullptr) return;
   if (cache_registered_ && api_->unregisterLocalMemory(engine_, cache_->base()) != 0) {
-    std::fprintf(stderr, "mstar-kv mooncake: unregisterLocalMemory of the cache failed\n");
+    options_.log.error("mooncake: unregisterLocalMemory of the cache failed");
   }
   if (identity_registered_ && api_->unregisterLocalMemory(engine_, identity_.get()) != 0) {
-    std::fprintf(stderr, "mstar-kv mooncake: unregisterLocalMemory of the identity page failed\n");
+    options_.log.error("mooncake: unregisterLocalMemory of the identity page failed");
   }
   cache_registered_ = identity_registered_ = false;
   // A shared handle is the application's: it stays alive and usable.
@@ -430,11 +430,10 @@ void MooncakeBackend::go_dead(const std::string& why) {
       dead_reason_ = why;
     }
     dead_.store(true, std::memory_order_release);
-    std::fprintf(stderr,
-                 "mstar-kv mooncake: %s; the Mooncake engine handle is the application's and "
-                 "was not destroyed: this engine takes no new reads, and the hung reads "
-                 "resolve only once Mooncake reports them finished (shutdown waits for them)\n",
-                 why.c_str());
+    options_.log.error("mooncake: " + why +
+                       "; the Mooncake engine handle is the application's and was not "
+                       "destroyed: this engine takes no new reads, and the hung reads resolve "
+                       "only once Mooncake reports them finished (shutdown waits for them)");
     return;
   }
   {
@@ -454,7 +453,7 @@ void MooncakeBackend::go_dead(const std::string& why) {
     left.swap(batches_);
   }
   dead_.store(true, std::memory_order_release);
-  std::fprintf(stderr, "mstar-kv mooncake: %s; Mooncake's engine was destroyed\n", why.c_str());
+  options_.log.error("mooncake: " + why + "; Mooncake's engine was destroyed");
   for (auto& b : left) {
     b->peer_failed->store(true, std::memory_order_release);
     auto done = std::move(b->done);

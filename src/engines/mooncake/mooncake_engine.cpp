@@ -122,7 +122,8 @@ void check_cache(const std::shared_ptr<KVCache>& kv_cache) {
 MooncakeKVTransferEngine::MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
                                                    const TransferEngineInfo& info) {
   check_cache(kv_cache);
-  const MooncakeOptions options = MooncakeOptions::from_extra(info.options.extra);
+  MooncakeOptions options = MooncakeOptions::from_extra(info.options.extra);
+  options.log = info.options.log;
   auto backend = std::make_unique<engines::mooncake::MooncakeBackend>(
       kv_cache, options, info.my_entity_id, info.my_session_id);
   session_id_ = backend->session_id();
@@ -142,7 +143,8 @@ MooncakeKVTransferEngine::MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_c
                 "TransferEngineInfo to let the engine create its own");
   }
   check_cache(kv_cache);
-  const MooncakeOptions mo = MooncakeOptions::from_extra(options.extra, /*shared_handle=*/true);
+  MooncakeOptions mo = MooncakeOptions::from_extra(options.extra, /*shared_handle=*/true);
+  mo.log = options.log;
   auto backend = std::make_unique<engines::mooncake::MooncakeBackend>(
       kv_cache, mo, entity_id, mo.session_id, transfer_engine);
   session_id_ = backend->session_id();

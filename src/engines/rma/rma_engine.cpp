@@ -46,6 +46,7 @@ RmaKVTransferEngine::RmaKVTransferEngine(std::shared_ptr<KVCache> cache,
     : cache_(std::move(cache)),
       backend_(std::move(backend)),
       timeout_(options.timeout),
+      log_(options.log),
       engine_name_(backend_ ? std::string(backend_->engine_name()) : std::string()) {
   if (!cache_ || !backend_) {
     throw Error(StatusCode::kInvalidArgument, "RmaKVTransferEngine needs a cache and a backend");
@@ -90,17 +91,21 @@ std::shared_ptr<RmaPeer> RmaKVTransferEngine::peer_for(const RmaRegionInfo& remo
   return peer;
 }
 
-void RmaKVTransferEngine::evict_peer(const std::string& session_id, const RmaPeer* peer) {
+bool RmaKVTransferEngine::evict_peer(const std::string& session_id, const RmaPeer* peer) {
   std::shared_ptr<PeerSlot> slot;
   {
     std::lock_guard<std::mutex> lk(peers_mu_);
     auto it = peers_.find(session_id);
-    if (it == peers_.end()) return;
+    if (it == peers_.end()) return false;
     slot = it->second;
   }
   // try_lock: a connect in progress on this slot replaces the peer anyway.
   std::unique_lock<std::mutex> lk(slot->mu, std::try_to_lock);
-  if (lk.owns_lock() && slot->peer.get() == peer) slot->peer.reset();
+  if (lk.owns_lock() && slot->peer.get() == peer) {
+    slot->peer.reset();
+    return true;
+  }
+  return false;
 }
 
 std::optional<TransferFuture> RmaKVTransferEngine::read_batched_async(
@@ -184,7 +189,11 @@ void RmaKVTransferEngine::on_done(std::uint64_t id, Status status) {
   } else if (status.is_ok()) {
     entry->promise.complete(entry->bytes);
   } else {
-    if (status.scope() == FailureScope::kPeer) evict_peer(entry->session_id, entry->peer);
+    // Logged once per failed connection (the read that evicts it), not per read.
+    if (status.scope() == FailureScope::kPeer && evict_peer(entry->session_id, entry->peer)) {
+      log_.warn(engine_name_ + " peer at " + entry->session_id + " failed: " +
+                status.to_string() + " (reads on it fail; the next read reconnects)");
+    }
     entry->promise.fail(Status(status.code(), entry->what + " failed: " + status.message()));
   }
   // Notify after resolving, under the lock: shutdown() may be waiting for an

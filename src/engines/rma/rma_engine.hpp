@@ -83,13 +83,14 @@ class RmaKVTransferEngine final : public KVTransferEngine {
   struct PeerSlot;
 
   std::shared_ptr<RmaPeer> peer_for(const RmaRegionInfo& remote);
-  void evict_peer(const std::string& session_id, const RmaPeer* peer);
+  bool evict_peer(const std::string& session_id, const RmaPeer* peer);
   void on_done(std::uint64_t id, Status status);
   void watchdog();
 
   const std::shared_ptr<KVCache> cache_;
   const std::unique_ptr<RmaBackend> backend_;
   const std::chrono::milliseconds timeout_;
+  const Logger log_;
   const std::string engine_name_;
 
   std::mutex shutdown_mu_;  // one shutdown() at a time
