@@ -55,13 +55,22 @@ void TransferStatsRecorder::started(const std::string& peer) {
   ++peer_locked(peer).reads_started;
 }
 
-void TransferStatsRecorder::finished(const TransferTiming& t,
-                                     TransferTiming::Clock::time_point returned,
-                                     const Status& status, std::uint64_t bytes) {
+std::array<double, 3> phase_seconds(const TransferTiming& t,
+                                    TransferTiming::Clock::time_point called,
+                                    TransferTiming::Clock::time_point returned) {
   using secs = std::chrono::duration<double>;
   const auto planned = t.planned_marked ? t.planned : returned;
   const auto posted = t.posted_marked ? t.posted : std::max(planned, returned);
   const auto resolved = std::max(t.resolved, posted);
+  return {secs(planned - called).count(), secs(posted - planned).count(),
+          secs(resolved - posted).count()};
+}
+
+void TransferStatsRecorder::finished(const TransferTiming& t,
+                                     TransferTiming::Clock::time_point called,
+                                     TransferTiming::Clock::time_point returned,
+                                     const Status& status, std::uint64_t bytes) {
+  const std::array<double, 3> phases = phase_seconds(t, called, returned);
   std::lock_guard<std::mutex> lock(mu_);
   PeerStats& p = peer_locked(t.peer);
   if (status.is_ok()) {
@@ -71,9 +80,7 @@ void TransferStatsRecorder::finished(const TransferTiming& t,
     ++p.reads_failed[static_cast<std::size_t>(status.code())];
   }
   p.copies += t.copies;
-  p.latency[0].add(secs(planned - t.created).count());
-  p.latency[1].add(secs(posted - planned).count());
-  p.latency[2].add(secs(resolved - posted).count());
+  for (std::size_t i = 0; i < phases.size(); ++i) p.latency[i].add(phases[i]);
 }
 
 std::optional<TransferFuture> TransferStatsRecorder::track(
@@ -91,10 +98,9 @@ std::optional<TransferFuture> TransferStatsRecorder::track(
   if (!future) return future;
   const auto returned = Clock::now();
   rec->started(future->timing().peer);
+  // Planning before the engine's call (from t0) counts as the plan phase.
   future->on_resolved([rec, f = *future, t0, returned](const Status& s, std::uint64_t bytes) {
-    TransferTiming t = f.timing();
-    t.created = t0;  // planning before the engine's call counts as the plan phase
-    rec->finished(t, returned, s, bytes);
+    rec->finished(f.timing(), t0, returned, s, bytes);
   });
   return future;
 }

@@ -320,12 +320,10 @@ struct Phases {
   std::vector<double> prep, post, transfer;
 
   void add(Clock::time_point called, Clock::time_point returned, const TransferTiming& t) {
-    using ns = std::chrono::duration<double, std::nano>;
-    const auto planned = t.planned_marked ? t.planned : returned;
-    const auto posted = t.posted_marked ? t.posted : std::max(planned, returned);
-    prep.push_back(ns(planned - called).count());
-    post.push_back(ns(posted - planned).count());
-    transfer.push_back(ns(std::max(t.resolved, posted) - posted).count());
+    const std::array<double, 3> s = phase_seconds(t, called, returned);
+    prep.push_back(s[0] * 1e9);
+    post.push_back(s[1] * 1e9);
+    transfer.push_back(s[2] * 1e9);
   }
 };
 

@@ -51,6 +51,13 @@ struct LatencyHistogram {
 enum class Phase : std::uint8_t { kPlan = 0, kPost = 1, kTransfer = 2 };
 inline constexpr std::array<const char*, 3> kPhaseNames = {"plan", "post", "transfer"};
 
+// One read's phases in seconds, by Phase: from `called` (when the caller
+// began, planning included) through the engine's stamps; stamps the engine
+// did not set count from `returned` (when its read_batched_async returned).
+std::array<double, 3> phase_seconds(const TransferTiming& timing,
+                                    TransferTiming::Clock::time_point called,
+                                    TransferTiming::Clock::time_point returned);
+
 struct PeerStats {
   std::uint64_t reads_started = 0;
   std::uint64_t reads_succeeded = 0;
@@ -82,8 +89,9 @@ class TransferStatsRecorder {
   // phase stamps the engine did not set default to it). Call finished() from
   // the future's on_resolved.
   void started(const std::string& peer);
-  void finished(const TransferTiming& timing, TransferTiming::Clock::time_point returned,
-                const Status& status, std::uint64_t bytes);
+  void finished(const TransferTiming& timing, TransferTiming::Clock::time_point called,
+                TransferTiming::Clock::time_point returned, const Status& status,
+                std::uint64_t bytes);
 
   TransferStats snapshot() const;
 
