@@ -15,6 +15,7 @@
 
 #include "engines/conformance/peer_process.hpp"
 #include "engines/mooncake/mooncake_test_util.hpp"
+#include "engines/mooncake/read_error.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/mooncake.hpp"
 
@@ -23,6 +24,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using testing::PeerProcess;
+using testing::read_error;
 using testing::PeerSpec;
 
 using testing::count_changed;
@@ -63,19 +65,6 @@ class MooncakeEngine : public ::testing::Test {
         TransferEngineInfo{"decode", "", "mooncake", o}, std::move(c));
   }
 
-  // Throws the Error of an attempted read of `info`, or fails the test.
-  static Error read_error(KVTransferManager& m, const std::vector<std::uint32_t>& remote,
-                          const KVTransferInfo& info) {
-    try {
-      auto f = m.start_async_retrieve(0, 64, iota_pages(4), remote, info);
-      if (f) f->wait_for(10s);
-      ADD_FAILURE() << "the read was accepted; status "
-                    << (f ? f->status().to_string() : std::string("none"));
-    } catch (const Error& e) {
-      return e;
-    }
-    return Error(StatusCode::kOk, "");
-  }
 };
 
 TEST_F(MooncakeEngine, SessionIdIsMooncakesHostAndPort) {

@@ -20,6 +20,7 @@
 #include "common/child_process.hpp"
 #include "common/wire.hpp"
 #include "engines/mooncake/mooncake_test_util.hpp"
+#include "engines/mooncake/read_error.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/mooncake.hpp"
 
@@ -35,6 +36,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using testing::AppMooncake;
+using testing::read_error;
 using testing::count_changed;
 using testing::iota_pages;
 using testing::kSeed;
@@ -96,19 +98,6 @@ class MooncakeSharedHandle : public ::testing::Test {
     return std::make_unique<KVTransferManager>(std::move(c), std::move(e));
   }
 
-  // The Error of an attempted read of `info` into local pages 0..3.
-  static Error read_error(KVTransferManager& m, const std::vector<std::uint32_t>& remote,
-                          const KVTransferInfo& info) {
-    try {
-      auto f = m.start_async_retrieve(0, 64, iota_pages(4), remote, info);
-      if (f) f->wait_for(10s);
-      ADD_FAILURE() << "the read was accepted; status "
-                    << (f ? f->status().to_string() : std::string("none"));
-    } catch (const Error& e) {
-      return e;
-    }
-    return Error(StatusCode::kOk, "");
-  }
 
   std::string lib_;
 };
