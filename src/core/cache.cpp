@@ -65,6 +65,12 @@ KVCache::KVCache(const KVLayout& layout, std::unique_ptr<KVMemory> memory)
                     " bytes is smaller than the layout's " +
                     std::to_string(layout_.total_bytes()) + " bytes");
   }
+  std::uint64_t* words = memory_->epoch_words(layout_.num_pages);
+  if (words == nullptr) {
+    epoch_memory_ = allocate_host_memory(std::size_t{layout_.num_pages} * 8);
+    words = reinterpret_cast<std::uint64_t*>(epoch_memory_->data());
+  }
+  epochs_ = PageEpochs(words, layout_.num_pages);
 }
 
 std::shared_ptr<KVCache> KVCache::create_host(const KVLayout& layout) {

@@ -13,6 +13,7 @@ namespace {
 void write_transfer_info(codec::ByteWriter& w, const KVTransferInfo& info) {
   w.str(info.engine);
   w.bytes(info.payload);
+  w.u64(info.epoch);
 }
 
 KVTransferInfo read_transfer_info(codec::ByteReader& r) {
@@ -28,6 +29,11 @@ KVTransferInfo read_transfer_info(codec::ByteReader& r) {
     r.fail("payload", "a local-only (empty) transfer info carries " +
                           std::to_string(info.payload.size()) +
                           " payload bytes, expected 0");
+  }
+  info.epoch = r.u64("epoch");
+  if (info.engine.empty() && info.epoch != 0) {
+    r.fail("epoch", "a local-only (empty) transfer info carries epoch " +
+                        std::to_string(info.epoch) + ", expected 0");
   }
   return info;
 }
@@ -56,6 +62,7 @@ std::vector<std::uint8_t> SequenceInfo::encode() const {
   w.u32(static_cast<std::uint32_t>(page_indices.size()));
   for (std::uint32_t p : page_indices) w.u32(p);
   write_transfer_info(w, kv_transfer_info);
+  w.u64(lease_expiry_ms);
   return codec::encode_frame(codec::FrameKind::kSequenceInfo, w.data());
 }
 
@@ -87,6 +94,7 @@ SequenceInfo SequenceInfo::decode(std::span<const std::uint8_t> bytes) {
   s.page_indices.resize(n);
   for (auto& p : s.page_indices) p = r.u32("page_indices");
   s.kv_transfer_info = read_transfer_info(r);
+  s.lease_expiry_ms = r.u64("lease_expiry_ms");
   r.expect_end();
   return s;
 }

@@ -9,10 +9,38 @@
 
 namespace mstar::kv {
 
+namespace {
+
+constexpr std::size_t kMaxRememberedExpired = 4096;
+
+// A random start keeps epochs of two pools that ever served the same cache
+// (a restarted pool over a kept cache) apart; 2^62 leaves room to count.
+std::uint64_t random_first_epoch() {
+  std::random_device rd;
+  const std::uint64_t v = (std::uint64_t{rd()} << 32) ^ rd();
+  return (v & ((std::uint64_t{1} << 62) - 1)) | 1;
+}
+
+std::uint64_t unix_ms_now() {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                        std::chrono::system_clock::now().time_since_epoch())
+                                        .count());
+}
+
+}  // namespace
+
 KVCachePool::KVCachePool(std::shared_ptr<KVCache> cache,
-                         KVTransferInfo descriptor, std::uint64_t scatter_seed)
-    : cache_(std::move(cache)), descriptor_(std::move(descriptor)) {
+                         KVTransferInfo descriptor, std::uint64_t scatter_seed,
+                         std::chrono::milliseconds lease)
+    : cache_(std::move(cache)), descriptor_(std::move(descriptor)), lease_(lease),
+      next_epoch_(random_first_epoch()) {
   if (!cache_) throw Error(StatusCode::kInvalidArgument, "KVCachePool needs a cache");
+  if (lease_.count() < 0) {
+    throw Error(StatusCode::kInvalidArgument,
+                "KVCachePool lease " + std::to_string(lease_.count()) +
+                    " ms must be >= 0 (0 = never expire)");
+  }
+  descriptor_.epoch = 0;
   const std::uint32_t n = cache_->layout().num_pages;
   free_.resize(n);
   // back() is handed out first: store descending so pages go out ascending.
@@ -36,6 +64,7 @@ std::vector<std::uint32_t> KVCachePool::allocate_locked(std::size_t count) {
   std::reverse(pages.begin(), pages.end());
   free_.resize(free_.size() - count);
   for (std::uint32_t p : pages) in_use_[p] = 1;
+  cache_->epochs().stamp(pages, next_epoch_++);
   return pages;
 }
 
@@ -57,6 +86,8 @@ void KVCachePool::free_locked(std::span<const std::uint32_t> pages) {
     }
     in_use_[p] = 2;
   }
+  // Free pages carry epoch 0: a reader still holding them now fails.
+  cache_->epochs().stamp(pages, 0);
   for (auto it = pages.rbegin(); it != pages.rend(); ++it) {
     in_use_[*it] = 0;
     free_.push_back(*it);
@@ -66,14 +97,21 @@ void KVCachePool::free_locked(std::span<const std::uint32_t> pages) {
 std::vector<std::uint32_t> KVCachePool::allocate(std::uint64_t seq_id,
                                                  std::uint64_t num_tokens) {
   std::lock_guard<std::mutex> lock(mu_);
+  expire_locked(Clock::now());
   if (sequences_.count(seq_id) != 0) {
     throw Error(StatusCode::kInvalidArgument,
                 "sequence " + std::to_string(seq_id) + " is already allocated");
   }
   const std::uint64_t ps = cache_->layout().page_size;
   const std::uint64_t count = (num_tokens + ps - 1) / ps;
+  const std::uint64_t epoch = next_epoch_;  // allocate_locked stamps it
   auto pages = allocate_locked(static_cast<std::size_t>(count));
-  sequences_[seq_id] = Sequence{num_tokens, pages};
+  Sequence s;
+  s.num_tokens = num_tokens;
+  s.pages = pages;
+  s.epoch = epoch;
+  sequences_[seq_id] = std::move(s);
+  expired_ids_.erase(seq_id);
   return pages;
 }
 
@@ -81,12 +119,53 @@ void KVCachePool::release(std::uint64_t seq_id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sequences_.find(seq_id);
   if (it == sequences_.end()) {
+    if (expired_ids_.erase(seq_id) != 0) return;  // its lease expired: freed already
     throw Error(StatusCode::kInvalidArgument,
                 "release of unknown sequence " + std::to_string(seq_id) +
                     " (never allocated or already released)");
   }
   free_locked(it->second.pages);
   sequences_.erase(it);
+}
+
+bool KVCachePool::done(std::uint64_t seq_id, std::uint64_t epoch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sequences_.find(seq_id);
+  if (it == sequences_.end() || (epoch != 0 && it->second.epoch != epoch)) return false;
+  free_locked(it->second.pages);
+  sequences_.erase(it);
+  return true;
+}
+
+std::size_t KVCachePool::expire_locked(Clock::time_point now) {
+  if (now < next_expiry_) return 0;
+  std::size_t n = 0;
+  next_expiry_ = Clock::time_point::max();
+  for (auto it = sequences_.begin(); it != sequences_.end();) {
+    const Sequence& s = it->second;
+    if (s.leased && s.expiry <= now) {
+      free_locked(s.pages);
+      if (expired_ids_.size() >= kMaxRememberedExpired) expired_ids_.clear();
+      expired_ids_.insert(it->first);
+      it = sequences_.erase(it);
+      ++n;
+    } else {
+      if (s.leased) next_expiry_ = std::min(next_expiry_, s.expiry);
+      ++it;
+    }
+  }
+  expired_ += n;
+  return n;
+}
+
+std::size_t KVCachePool::expire_leases() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return expire_locked(Clock::now());
+}
+
+std::uint64_t KVCachePool::expired_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return expired_;
 }
 
 bool KVCachePool::contains(std::uint64_t seq_id) const {
@@ -105,6 +184,7 @@ std::vector<std::uint32_t> KVCachePool::pages(std::uint64_t seq_id) const {
 
 std::vector<std::uint32_t> KVCachePool::allocate_pages(std::size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
+  expire_locked(Clock::now());
   return allocate_locked(count);
 }
 
@@ -118,14 +198,26 @@ std::size_t KVCachePool::free_page_count() const {
   return free_.size();
 }
 
-SequenceInfo KVCachePool::publish(std::uint64_t seq_id) const {
+SequenceInfo KVCachePool::publish(std::uint64_t seq_id) {
   std::lock_guard<std::mutex> lock(mu_);
+  const auto now = Clock::now();
+  expire_locked(now);
   auto it = sequences_.find(seq_id);
   if (it == sequences_.end()) {
     throw Error(StatusCode::kNotFound,
-                "publish of unknown sequence " + std::to_string(seq_id));
+                "publish of unknown sequence " + std::to_string(seq_id) +
+                    (expired_ids_.count(seq_id) != 0 ? " (its lease expired)" : ""));
   }
-  return SequenceInfo{seq_id, it->second.num_tokens, it->second.pages, descriptor_};
+  Sequence& s = it->second;
+  if (!s.leased && lease_.count() > 0) {
+    s.leased = true;
+    s.expiry = now + lease_;
+    s.expiry_unix_ms = unix_ms_now() + static_cast<std::uint64_t>(lease_.count());
+    next_expiry_ = std::min(next_expiry_, s.expiry);
+  }
+  SequenceInfo info{seq_id, s.num_tokens, s.pages, descriptor_, s.expiry_unix_ms};
+  if (!info.kv_transfer_info.empty()) info.kv_transfer_info.epoch = s.epoch;
+  return info;
 }
 
 }  // namespace mstar::kv

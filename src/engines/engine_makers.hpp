@@ -22,7 +22,7 @@ std::unique_ptr<KVTransferEngine> make_cuda_ipc_engine(std::shared_ptr<KVCache> 
                                                        const TransferEngineInfo& info);
 
 // Memory providers, for make_kv_cache().
-std::unique_ptr<KVMemory> allocate_shared_memory(std::size_t size);
+std::unique_ptr<KVMemory> allocate_shared_memory(std::size_t size, std::uint32_t num_pages);
 std::unique_ptr<KVMemory> allocate_device_memory(std::size_t size, int device);
 
 }  // namespace mstar::kv::engines

@@ -84,7 +84,7 @@ std::shared_ptr<KVCache> make_kv_cache(const KVLayout& layout, MemoryKind kind,
     case MemoryKind::kSharedHost:
 #if MSTAR_KV_HAVE_SHM
       return std::make_shared<KVCache>(
-          layout, engines::allocate_shared_memory(layout.total_bytes()));
+          layout, engines::allocate_shared_memory(layout.total_bytes(), layout.num_pages));
 #else
       throw Error(StatusCode::kUnavailable,
                   "shared host memory needs the shm engine, which is not built");

@@ -135,6 +135,8 @@ TEST(Descriptor, InconsistentFieldsAreRejected) {
   w4.u32(0);
   w4.str("");
   w4.bytes({});
+  w4.u64(0);  // epoch
+  w4.u64(0);  // lease_expiry_ms
   w4.u8(0);
   expect_corrupt(frame(w4), "1 unexpected trailing bytes");
 }

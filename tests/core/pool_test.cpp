@@ -2,7 +2,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <set>
+#include <thread>
 
 #include "mstar/kv/pool.hpp"
 #include "mstar/kv/status.hpp"
@@ -74,7 +76,11 @@ TEST(KVCachePool, PublishStampsTheDescriptor) {
   EXPECT_EQ(s.seq_id, 5u);
   EXPECT_EQ(s.num_tokens, 40u);
   EXPECT_EQ(s.page_indices, pages);
-  EXPECT_EQ(s.kv_transfer_info, info);
+  EXPECT_EQ(s.kv_transfer_info.engine, info.engine);
+  EXPECT_EQ(s.kv_transfer_info.payload, info.payload);
+  // The sequence's epoch rides on its descriptor and sits on its pages.
+  EXPECT_NE(s.kv_transfer_info.epoch, 0u);
+  for (std::uint32_t p : pages) EXPECT_EQ(pool.cache().epochs().load(p), s.kv_transfer_info.epoch);
   EXPECT_THROW(pool.publish(6), Error);
 }
 
@@ -85,6 +91,80 @@ TEST(KVCachePool, ScatterSeedScattersDeterministically) {
   EXPECT_EQ(pa, b.allocate(1, 16 * 20));
   EXPECT_FALSE(std::is_sorted(pa.begin(), pa.end()));
   EXPECT_EQ(std::set<std::uint32_t>(pa.begin(), pa.end()).size(), pa.size());
+}
+
+TEST(KVCachePool, EveryAllocationGetsAFreshEpochAndFreedPagesCarryZero) {
+  KVCachePool pool(cache(4), KVTransferInfo{"shm", {1}});
+  const PageEpochs& ep = pool.cache().epochs();
+  auto a = pool.allocate(1, 32);
+  const std::uint64_t ea = pool.publish(1).kv_transfer_info.epoch;
+  pool.release(1);
+  for (std::uint32_t p : a) EXPECT_EQ(ep.load(p), 0u);
+  // LIFO free list: the same pages go to the next sequence, with a new epoch.
+  auto b = pool.allocate(2, 32);
+  EXPECT_EQ(b, a);
+  const std::uint64_t eb = pool.publish(2).kv_transfer_info.epoch;
+  EXPECT_NE(ea, eb);
+  for (std::uint32_t p : b) EXPECT_EQ(ep.load(p), eb);
+  // Reusing the seq id does not reuse the epoch either.
+  pool.release(2);
+  pool.allocate(1, 32);
+  EXPECT_NE(pool.publish(1).kv_transfer_info.epoch, ea);
+  auto raw = pool.allocate_pages(1);
+  EXPECT_NE(ep.load(raw[0]), 0u);
+  pool.free_pages(raw);
+  EXPECT_EQ(ep.load(raw[0]), 0u);
+}
+
+TEST(KVCachePool, DoneFreesOnlyTheSequenceOfThatEpoch) {
+  KVCachePool pool(cache(4), KVTransferInfo{"shm", {1}});
+  pool.allocate(1, 16);
+  const std::uint64_t e1 = pool.publish(1).kv_transfer_info.epoch;
+  pool.release(1);
+  pool.allocate(1, 16);  // the same id, a new request
+  EXPECT_FALSE(pool.done(1, e1));  // a late done for the old one
+  EXPECT_TRUE(pool.contains(1));
+  EXPECT_TRUE(pool.done(1, pool.publish(1).kv_transfer_info.epoch));
+  EXPECT_FALSE(pool.contains(1));
+  EXPECT_FALSE(pool.done(1));
+  EXPECT_EQ(pool.free_page_count(), 4u);
+}
+
+TEST(KVCachePool, PublishedSequencesExpireAfterTheLease) {
+  EXPECT_EQ(KVCachePool::kDefaultLease, std::chrono::milliseconds(60000));
+  EXPECT_THROW(KVCachePool(cache(4), {}, 0, std::chrono::milliseconds(-1)), Error);
+  KVCachePool pool(cache(4), KVTransferInfo{"shm", {1}}, 0, std::chrono::milliseconds(50));
+  auto pages = pool.allocate(1, 16);
+  pool.allocate(2, 16);  // never published: no lease
+  const auto before = std::chrono::system_clock::now();
+  SequenceInfo s = pool.publish(1);
+  const auto want_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                           (before + std::chrono::milliseconds(50)).time_since_epoch())
+                           .count();
+  EXPECT_NEAR(static_cast<double>(s.lease_expiry_ms), static_cast<double>(want_ms), 20.0);
+  EXPECT_EQ(pool.expire_leases(), 0u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(80));
+  EXPECT_EQ(pool.expire_leases(), 1u);
+  EXPECT_FALSE(pool.contains(1));
+  EXPECT_TRUE(pool.contains(2));
+  EXPECT_EQ(pool.cache().epochs().load(pages[0]), 0u);
+  EXPECT_EQ(pool.expired_count(), 1u);
+  pool.release(1);  // freed by expiry already: a no-op
+  EXPECT_THROW(pool.release(1), Error);
+  EXPECT_EQ(pool.free_page_count(), 3u);
+  // Expiry is also reaped lazily by allocate.
+  pool.publish(2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(80));
+  pool.allocate(3, 16);
+  EXPECT_FALSE(pool.contains(2));
+}
+
+TEST(KVCachePool, LeaseZeroNeverExpires) {
+  KVCachePool pool(cache(4), KVTransferInfo{"shm", {1}}, 0, std::chrono::milliseconds(0));
+  pool.allocate(1, 16);
+  EXPECT_EQ(pool.publish(1).lease_expiry_ms, 0u);
+  EXPECT_EQ(pool.expire_leases(), 0u);
+  EXPECT_TRUE(pool.contains(1));
 }
 
 }  // namespace

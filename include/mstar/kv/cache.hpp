@@ -8,6 +8,7 @@
 #include <memory>
 #include <span>
 
+#include "mstar/kv/epochs.hpp"
 #include "mstar/kv/layout.hpp"
 
 namespace mstar::kv {
@@ -27,6 +28,14 @@ class KVMemory {
   virtual std::byte* data() const noexcept = 0;
   virtual std::size_t size() const noexcept = 0;
   virtual MemoryKind kind() const noexcept = 0;
+  // Where this memory keeps the cache's page epochs (epochs.hpp), so that
+  // readers of its engine can check them: at least `num_pages` 8-byte words
+  // of host memory, or nullptr when it keeps none (the cache then allocates
+  // them in private, page-aligned host memory).
+  virtual std::uint64_t* epoch_words(std::uint32_t num_pages) const noexcept {
+    (void)num_pages;
+    return nullptr;
+  }
 };
 
 // Page-aligned, zero-filled private host memory.
@@ -57,9 +66,15 @@ class KVCache {
   std::span<std::byte> block(std::uint32_t layer, KV kv,
                              std::uint32_t page) const;
 
+  // The owner epoch of every page (epochs.hpp): written by the KVCachePool
+  // over this cache, read by engines serving it. All zero (free) at first.
+  const PageEpochs& epochs() const noexcept { return epochs_; }
+
  private:
   KVLayout layout_;
   std::unique_ptr<KVMemory> memory_;
+  std::unique_ptr<KVMemory> epoch_memory_;  // when memory_ keeps no epochs
+  PageEpochs epochs_;
 };
 
 }  // namespace mstar::kv

@@ -7,6 +7,7 @@
 // Error(kCorruptDescriptor) naming the field, never crash or over-read.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -26,9 +27,15 @@ struct DescriptorLimits {
 // engine's name ("shm", "ucx", "mooncake", "cuda_ipc") plus the payload that
 // engine encoded. An empty engine name stands for "no transfer engine"
 // (LocalOnlyKVTransferEngine, the spec's None).
+//
+// epoch: on the copy a SequenceInfo carries, the owner epoch of that
+// sequence's pages (epochs.hpp); engines fail a read of pages that no longer
+// carry it with kStaleDescriptor. 0 on the cache's own descriptor
+// (get_kv_transfer_info()): such reads are not checked.
 struct KVTransferInfo {
   std::string engine;
   std::vector<std::uint8_t> payload;
+  std::uint64_t epoch = 0;
 
   bool empty() const noexcept { return engine.empty(); }
   std::vector<std::uint8_t> encode() const;
@@ -39,11 +46,17 @@ struct KVTransferInfo {
 
 // One request as published by the prefill side: entry i of page_indices holds
 // tokens [i*page_size, (i+1)*page_size) of the sequence.
+//
+// lease_expiry_ms: when the prefill side frees the sequence unless a reader
+// marked it done first (milliseconds since the Unix epoch, the owner's
+// clock; 0 = no lease). Informative for the reader: a pull after expiry
+// fails with kStaleDescriptor through the epoch check.
 struct SequenceInfo {
   std::uint64_t seq_id = 0;
   std::uint64_t num_tokens = 0;
   std::vector<std::uint32_t> page_indices;
   KVTransferInfo kv_transfer_info;
+  std::uint64_t lease_expiry_ms = 0;
 
   std::vector<std::uint8_t> encode() const;
   static SequenceInfo decode(std::span<const std::uint8_t> bytes);

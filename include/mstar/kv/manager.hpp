@@ -28,6 +28,10 @@ struct EngineOptions {
   // Engine-specific settings, documented in each engine's header
   // (e.g. "mooncake_lib" for the Mooncake engine).
   std::map<std::string, std::string> extra;
+  // Page epoch checks (epochs.hpp): a read of pages that changed owner fails
+  // with kStaleDescriptor. Turning them off exists only to measure what they
+  // cost (mstar-kv bench --no-epoch-check); never in production.
+  bool check_epochs = true;
   // Where the engine logs (log.hpp): silent unless MSTAR_KV_LOG is set.
   Logger log = Logger::from_env();
 };

@@ -3,11 +3,13 @@
 // KVCachePool: page allocation per sequence over one KVCache, and publish().
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <span>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "mstar/kv/cache.hpp"
@@ -18,15 +20,30 @@ namespace mstar::kv {
 // Thread safety: every method is safe from any thread (one internal mutex).
 // Errors: exhaustion throws Error(kRetryLater); unknown sequences, double
 // allocation of a sequence and double frees throw Error(kInvalidArgument).
+//
+// Epochs and leases (epochs.hpp): every allocation stamps its pages with a
+// fresh epoch in the cache's epoch table (a freed page is stamped 0), and
+// publish() puts that epoch on the SequenceInfo, so a reader whose pages
+// were freed or reused fails with kStaleDescriptor instead of reading
+// another request's KV. A published sequence is leased: unless done() or
+// release() frees it first, it is freed once `lease` has passed since its
+// first publish(). Expired leases are reaped by expire_leases() and at the
+// start of allocate(), allocate_pages() and publish(); a
+// pull after that fails with kStaleDescriptor.
 class KVCachePool {
  public:
+  // How long a published sequence stays readable without a done notice.
+  static constexpr std::chrono::milliseconds kDefaultLease{60000};
+
   // `descriptor` (usually KVTransferManager::get_kv_transfer_info()) is
   // stamped onto every published SequenceInfo. With scatter_seed != 0 the
   // free list is shuffled deterministically, so sequences get scattered
   // pages as they do in a long-running engine; with 0 pages are handed out
-  // in ascending order.
+  // in ascending order. lease 0 = published sequences never expire; a
+  // negative lease throws Error(kInvalidArgument).
   KVCachePool(std::shared_ptr<KVCache> cache, KVTransferInfo descriptor,
-              std::uint64_t scatter_seed = 0);
+              std::uint64_t scatter_seed = 0,
+              std::chrono::milliseconds lease = kDefaultLease);
 
   const KVCache& cache() const noexcept { return *cache_; }
   std::shared_ptr<KVCache> shared_cache() const noexcept { return cache_; }
@@ -34,8 +51,19 @@ class KVCachePool {
   // Pages for a new sequence of num_tokens tokens: ceil(num_tokens/page_size).
   std::vector<std::uint32_t> allocate(std::uint64_t seq_id,
                                       std::uint64_t num_tokens);
-  // Frees every page of the sequence.
+  // Frees every page of the sequence. A sequence whose lease expired was
+  // freed already: releasing it again is a no-op.
   void release(std::uint64_t seq_id);
+  // A reader's done notice: frees the sequence if it is still the one
+  // published with `epoch` (0: whichever holds seq_id). False when it was
+  // freed already (released, expired) or seq_id now names a newer sequence.
+  bool done(std::uint64_t seq_id, std::uint64_t epoch = 0);
+  // Frees every published sequence whose lease has expired; returns how
+  // many.
+  std::size_t expire_leases();
+  std::chrono::milliseconds lease() const noexcept { return lease_; }
+  // Sequences freed by lease expiry since construction.
+  std::uint64_t expired_count() const;
   bool contains(std::uint64_t seq_id) const;
   std::vector<std::uint32_t> pages(std::uint64_t seq_id) const;
 
@@ -45,16 +73,24 @@ class KVCachePool {
 
   std::size_t free_page_count() const;
 
-  // The SequenceInfo another process needs to pull this sequence.
-  SequenceInfo publish(std::uint64_t seq_id) const;
+  // The SequenceInfo another process needs to pull this sequence: the
+  // pages, the descriptor with the sequence's epoch, the lease expiry. The
+  // first publish starts the lease.
+  SequenceInfo publish(std::uint64_t seq_id);
 
  private:
+  using Clock = std::chrono::steady_clock;
   struct Sequence {
     std::uint64_t num_tokens = 0;
     std::vector<std::uint32_t> pages;
+    std::uint64_t epoch = 0;
+    bool leased = false;
+    Clock::time_point expiry{};
+    std::uint64_t expiry_unix_ms = 0;
   };
   std::vector<std::uint32_t> allocate_locked(std::size_t count);
   void free_locked(std::span<const std::uint32_t> pages);
+  std::size_t expire_locked(Clock::time_point now);
 
   std::shared_ptr<KVCache> cache_;
   KVTransferInfo descriptor_;
@@ -62,6 +98,11 @@ class KVCachePool {
   std::vector<std::uint32_t> free_;     // guarded by mu_; back() is next
   std::vector<std::uint8_t> in_use_;    // guarded by mu_; one flag per page
   std::unordered_map<std::uint64_t, Sequence> sequences_;  // guarded by mu_
+  std::chrono::milliseconds lease_;
+  std::uint64_t next_epoch_ = 1;          // guarded by mu_
+  Clock::time_point next_expiry_ = Clock::time_point::max();  // guarded by mu_
+  std::uint64_t expired_ = 0;             // guarded by mu_
+  std::unordered_set<std::uint64_t> expired_ids_;  // guarded by mu_; bounded
 };
 
 }  // namespace mstar::kv

@@ -84,6 +84,12 @@ class ShmMapping {
 
   // The owner's cache bytes, read-only (PROT_READ).
   const std::byte* data() const noexcept { return base_ + kHeaderBytes; }
+  // The owner's page epoch table (epochs.hpp), read-only: layout.num_pages
+  // words after the cache.
+  const std::uint64_t* epochs() const noexcept {
+    return reinterpret_cast<const std::uint64_t*>(base_ + epoch_offset());
+  }
+  std::uint32_t epoch_pages() const noexcept { return info_.layout.num_pages; }
   std::size_t size() const noexcept { return info_.size; }
   const ShmKVTransferInfo& info() const noexcept { return info_; }
 
@@ -97,6 +103,9 @@ class ShmMapping {
  private:
   ShmMapping() = default;
   void reset() noexcept;
+  std::size_t epoch_offset() const noexcept {
+    return kHeaderBytes + ((info_.size + 4095) & ~std::size_t{4095});
+  }
 
   ShmKVTransferInfo info_;
   std::byte* base_ = nullptr;
@@ -111,6 +120,8 @@ struct ShmEngineOptions {
   // A read not finished after this long resolves with kTimeout (once no
   // worker is still writing its pages).
   std::chrono::milliseconds timeout{30000};
+  // Page epoch checks (epochs.hpp); off only to measure what they cost.
+  bool check_epochs = true;
 };
 
 // Reads pages of other processes' shared caches into the local cache.

@@ -81,7 +81,12 @@ struct CopyPool::Job {
                       s->length);
         }
         if (done_pieces.fetch_add(1, std::memory_order_acq_rel) + 1 == pieces) {
-          promise.complete(spec.total_bytes);
+          Status v = spec.verify ? spec.verify() : Status::ok();
+          if (v.is_ok()) {
+            promise.complete(spec.total_bytes);
+          } else {
+            promise.fail(std::move(v));
+          }
         }
         more = i + 1 < pieces;
       }

@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -35,6 +36,9 @@ struct CopyJobSpec {
   std::string what;                 // "read of 12 MiB from pid 7" for messages
   TransferTiming::Clock::time_point planned_at;  // when the copies were planned
   std::string peer;                 // for statistics: "pid 7"
+  // Run once every byte is copied, before the future resolves: a failure
+  // fails the read (the page epochs' after-copy check). May be empty.
+  std::function<Status()> verify;
 };
 
 class CopyPool {

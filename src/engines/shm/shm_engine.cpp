@@ -141,6 +141,16 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
   const KVLayout& local = impl_->cache->layout();
   CopyPlan plan = plan_copies(local, info.layout, read_info);
   std::shared_ptr<const ShmMapping> mapping = impl_->mapping_for(info);
+  // Seqlock over the owner's page epochs: every page must carry the
+  // sequence's epoch before the copy and still after it.
+  const std::uint64_t epoch = impl_->options.check_epochs ? remote_kv_info.epoch : 0;
+  std::vector<std::uint32_t> pages;
+  if (epoch != 0) {
+    pages = remote_pages_of(read_info);
+    Status s = check_page_epochs(mapping->epochs(), mapping->epoch_pages(), pages, epoch,
+                                 "before the copy", false);
+    if (!s.is_ok()) throw Error(std::move(s));
+  }
   const auto planned_at = TransferTiming::Clock::now();
   std::string peer = "pid " + std::to_string(info.pid);
   if (plan.total_bytes <= kInlineCopyBytes) {
@@ -155,6 +165,14 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
       std::memcpy(dst + s.local_offset, src + s.remote_offset, s.length);
     }
     promise.mark_posted();  // the copy was the post
+    if (epoch != 0) {
+      Status s = check_page_epochs(mapping->epochs(), mapping->epoch_pages(), pages, epoch,
+                                   "during the copy", true);
+      if (!s.is_ok()) {
+        promise.fail(std::move(s));
+        return promise.future();
+      }
+    }
     promise.complete(plan.total_bytes);
     return promise.future();
   }
@@ -166,6 +184,12 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
   spec.what = "shm read of " + human_bytes(spec.total_bytes) + " (" +
               std::to_string(read_info.size()) + " page reads) from pid " +
               std::to_string(info.pid);
+  if (epoch != 0) {
+    spec.verify = [m = mapping.get(), pages = std::move(pages), epoch] {
+      return check_page_epochs(m->epochs(), m->epoch_pages(), pages, epoch, "during the copy",
+                               true);
+    };
+  }
   spec.keep_alive = std::move(mapping);
   spec.planned_at = planned_at;
   spec.peer = std::move(peer);
@@ -196,6 +220,7 @@ std::unique_ptr<KVTransferEngine> make_shm_engine(std::shared_ptr<KVCache> cache
   ShmEngineOptions o;
   o.max_workers = info.options.max_workers;
   o.timeout = info.options.timeout;
+  o.check_epochs = info.options.check_epochs;
   return std::make_unique<ShmKVTransferEngine>(std::move(cache), o);
 }
 

@@ -132,7 +132,7 @@ ShmMapping ShmMapping::open(const ShmKVTransferInfo& info) {
   }
   // Only a size-sealed memfd is ours: the seal is what keeps SIGBUS away.
   const int seals = ::fcntl(fd.get(), F_GET_SEALS);
-  const std::uint64_t want = kHeaderBytes + info.size;
+  const std::uint64_t want = shm::shm_file_bytes(info.size, info.layout.num_pages);
   if (!S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
     throw Error(StatusCode::kStaleDescriptor,
                 who + ": fd " + std::to_string(info.fd) +
@@ -143,7 +143,7 @@ ShmMapping ShmMapping::open(const ShmKVTransferInfo& info) {
     throw Error(StatusCode::kStaleDescriptor,
                 who + ": the memory holds " + std::to_string(st.st_size) +
                     " bytes, the descriptor needs " + std::to_string(want) +
-                    " (header + size): another cache now has this fd");
+                    " (header + size + page epochs): another cache now has this fd");
   }
   // MAP_POPULATE maps every page now, once per peer, instead of one fault
   // per 4 KiB page inside the copies; above kPopulateLimit the first reads
@@ -163,7 +163,9 @@ ShmMapping ShmMapping::open(const ShmKVTransferInfo& info) {
   m.ino_ = st.st_ino;
   shm::Header h;
   std::memcpy(&h, m.base_, sizeof h);
-  if (h.magic != shm::Header::kMagic || h.nonce != info.nonce || h.size != info.size) {
+  if (h.magic != shm::Header::kMagic || h.nonce != info.nonce || h.size != info.size ||
+      h.epoch_offset != shm::epoch_table_offset(info.size) ||
+      h.epoch_pages != info.layout.num_pages) {
     throw Error(StatusCode::kStaleDescriptor,
                 who + ": generation mismatch (the cache's nonce is " + std::to_string(h.nonce) +
                     ", the descriptor's " + std::to_string(info.nonce) +

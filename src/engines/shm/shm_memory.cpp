@@ -76,12 +76,14 @@ std::uint64_t random_nonce() {
 
 }  // namespace
 
-std::unique_ptr<SharedMemory> SharedMemory::create(std::size_t size) {
+std::unique_ptr<SharedMemory> SharedMemory::create(std::size_t size,
+                                                   std::uint32_t num_pages) {
   std::unique_ptr<SharedMemory> m(new SharedMemory());
   m->size_ = size;
+  m->epoch_pages_ = num_pages;
   m->fd_ = ::memfd_create("mstar-kv-cache", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (m->fd_ < 0) fail_syscall("memfd_create", size, errno);
-  const std::size_t total = kHeaderBytes + size;
+  const std::size_t total = shm_file_bytes(size, num_pages);
   if (::ftruncate(m->fd_, static_cast<off_t>(total)) != 0) {
     fail_syscall("ftruncate", size, errno);
   }
@@ -107,12 +109,14 @@ std::unique_ptr<SharedMemory> SharedMemory::create(std::size_t size) {
   h.size = size;
   h.owner_pid = m->owner_pid_;
   h.owner_uid = m->owner_uid_;
+  h.epoch_offset = epoch_table_offset(size);
+  h.epoch_pages = num_pages;
   std::memcpy(m->base_, &h, sizeof h);
   return m;
 }
 
 SharedMemory::~SharedMemory() {
-  if (base_ != nullptr) ::munmap(base_, kHeaderBytes + size_);
+  if (base_ != nullptr) ::munmap(base_, shm_file_bytes(size_, epoch_pages_));
   if (fd_ >= 0) ::close(fd_);
 }
 
@@ -120,8 +124,8 @@ SharedMemory::~SharedMemory() {
 
 namespace mstar::kv::engines {
 
-std::unique_ptr<KVMemory> allocate_shared_memory(std::size_t size) {
-  return shm::SharedMemory::create(size);
+std::unique_ptr<KVMemory> allocate_shared_memory(std::size_t size, std::uint32_t num_pages) {
+  return shm::SharedMemory::create(size, num_pages);
 }
 
 }  // namespace mstar::kv::engines

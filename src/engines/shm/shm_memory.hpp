@@ -21,7 +21,18 @@ struct Header {
   std::uint64_t size = 0;  // cache bytes after the header page
   std::uint32_t owner_pid = 0;
   std::uint32_t owner_uid = 0;
+  std::uint64_t epoch_offset = 0;  // file offset of the page epoch table
+  std::uint64_t epoch_pages = 0;   // its length in 8-byte words
 };
+
+// The memfd holds the header page, the cache, then the page epoch table
+// (epochs.hpp), page-aligned, which readers map read-only with the cache.
+inline std::uint64_t epoch_table_offset(std::uint64_t size) noexcept {
+  return 4096 + ((size + 4095) & ~std::uint64_t{4095});
+}
+inline std::uint64_t shm_file_bytes(std::uint64_t size, std::uint32_t num_pages) noexcept {
+  return epoch_table_offset(size) + ((std::uint64_t{num_pages} * 8 + 4095) & ~std::uint64_t{4095});
+}
 
 // Owns the memfd and its read-write mapping (populated at allocation, so the
 // cache never pays first-touch page faults during a transfer).
@@ -29,7 +40,8 @@ class SharedMemory final : public KVMemory {
  public:
   // Throws Error(kRetryLater) when the memory cannot be allocated,
   // Error(kInternal) naming the failing system call otherwise.
-  static std::unique_ptr<SharedMemory> create(std::size_t size);
+  // `num_pages` epoch words follow the cache.
+  static std::unique_ptr<SharedMemory> create(std::size_t size, std::uint32_t num_pages);
   ~SharedMemory() override;
   SharedMemory(const SharedMemory&) = delete;
   SharedMemory& operator=(const SharedMemory&) = delete;
@@ -37,6 +49,10 @@ class SharedMemory final : public KVMemory {
   std::byte* data() const noexcept override { return base_ + kHeaderBytes; }
   std::size_t size() const noexcept override { return size_; }
   MemoryKind kind() const noexcept override { return MemoryKind::kSharedHost; }
+  std::uint64_t* epoch_words(std::uint32_t num_pages) const noexcept override {
+    if (num_pages > epoch_pages_) return nullptr;
+    return reinterpret_cast<std::uint64_t*>(base_ + epoch_table_offset(size_));
+  }
 
   int fd() const noexcept { return fd_; }
   std::uint64_t nonce() const noexcept { return nonce_; }
@@ -52,6 +68,7 @@ class SharedMemory final : public KVMemory {
   int fd_ = -1;
   std::byte* base_ = nullptr;
   std::size_t size_ = 0;
+  std::uint32_t epoch_pages_ = 0;
   std::uint64_t nonce_ = 0;
   std::uint32_t owner_pid_ = 0;
   std::uint32_t owner_uid_ = 0;

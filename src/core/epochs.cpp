@@ -1,0 +1,74 @@
+// Copyright mstar-kv authors.
+#include "mstar/kv/epochs.hpp"
+
+#include <algorithm>
+#include <string>
+
+namespace mstar::kv {
+
+namespace {
+
+// The words may be a PROT_READ mapping of another process's table: an
+// atomic_ref load of an aligned 8-byte word is a plain load on every target
+// we build for, and never writes.
+std::uint64_t load_word(const std::uint64_t* w) noexcept {
+  return std::atomic_ref<std::uint64_t>(*const_cast<std::uint64_t*>(w))
+      .load(std::memory_order_acquire);
+}
+
+}  // namespace
+
+void PageEpochs::stamp(std::span<const std::uint32_t> pages,
+                       std::uint64_t epoch) const noexcept {
+  if (words_ == nullptr) return;
+  for (std::uint32_t p : pages) {
+    if (p < num_pages_) {
+      std::atomic_ref<std::uint64_t>(words_[p]).store(epoch, std::memory_order_relaxed);
+    }
+  }
+  // Orders the stamps before every later store of this thread (the model
+  // writing K/V into the pages): a reader whose copy saw such a store sees
+  // the new epoch after its own acquire fence.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+std::uint64_t PageEpochs::load(std::uint32_t page) const noexcept {
+  if (words_ == nullptr || page >= num_pages_) return 0;
+  return load_word(words_ + page);
+}
+
+Status stale_page_status(std::uint32_t page, std::uint64_t found, std::uint64_t expect,
+                         std::string_view when) {
+  return {StatusCode::kStaleDescriptor,
+          "remote page " + std::to_string(page) + " changed owner " + std::string(when) +
+              " (epoch " + std::to_string(found) + ", the descriptor's " +
+              std::to_string(expect) + "): the sequence was freed or its pages reused"};
+}
+
+Status check_page_epochs(const std::uint64_t* table, std::uint32_t num_pages,
+                         std::span<const std::uint32_t> pages, std::uint64_t expect,
+                         std::string_view when, bool after_copy) {
+  if (after_copy) std::atomic_thread_fence(std::memory_order_acquire);
+  for (std::uint32_t p : pages) {
+    if (p >= num_pages || table == nullptr) return stale_page_status(p, 0, expect, when);
+    const std::uint64_t e = load_word(table + p);
+    if (e != expect) return stale_page_status(p, e, expect, when);
+  }
+  return Status::ok();
+}
+
+std::vector<std::uint32_t> remote_pages_of(std::span<const KVReadInfo> reads) {
+  std::vector<std::uint32_t> pages;
+  pages.reserve(reads.size());
+  std::int64_t last = -1;
+  for (const KVReadInfo& r : reads) {
+    if (r.remote_page_idx == last) continue;
+    last = r.remote_page_idx;
+    pages.push_back(static_cast<std::uint32_t>(r.remote_page_idx));
+  }
+  std::sort(pages.begin(), pages.end());
+  pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+  return pages;
+}
+
+}  // namespace mstar::kv
