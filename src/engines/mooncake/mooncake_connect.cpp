@@ -136,7 +136,9 @@ class MooncakePeer final : public rma::RmaPeer {
   }
 
   std::shared_ptr<rma::RmaOperation> post_reads(std::vector<rma::RmaRead> reads,
-                                                rma::RmaCompletion done) override {
+                                                rma::RmaCompletion done,
+                                                rma::RmaEpochCheck check) override {
+    (void)check;  // TODO(epochs): Mooncake's one-sided reads do not check page epochs yet
     return backend_.post(segment_, "'" + served_.entity_id + "' at " + served_.session_id,
                          served_.data_ptr, local_base_, reads, std::move(done), failed_,
                          nullptr);

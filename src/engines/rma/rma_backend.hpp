@@ -93,6 +93,15 @@ using RmaRead = CopySpan;
 // batch finishes synchronously, inside post_reads(). Must not block.
 using RmaCompletion = std::function<void(Status)>;
 
+// The page epochs a batch must see (epochs.hpp): every page in `pages` of
+// the owner's cache must carry `epoch` before any byte of the batch is read
+// and still after the last one, else the batch fails with kStaleDescriptor.
+// epoch 0: no check.
+struct RmaEpochCheck {
+  std::uint64_t epoch = 0;
+  std::vector<std::uint32_t> pages;
+};
+
 // A posted batch. Thread safety: abort() is safe from any thread, any time,
 // any number of times, also after completion (then it does nothing).
 class RmaOperation {
@@ -125,7 +134,8 @@ class RmaPeer {
   // never: the engine does not post empty batches. Throws Error only for a
   // synchronous failure before anything was posted (then `done` never runs).
   virtual std::shared_ptr<RmaOperation> post_reads(std::vector<RmaRead> reads,
-                                                   RmaCompletion done) = 0;
+                                                   RmaCompletion done,
+                                                   RmaEpochCheck check) = 0;
 };
 
 // One backend instance per engine, bound to one local cache. Thread safety:

@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "mstar/kv/epochs.hpp"
 #include "mstar/kv/planner.hpp"
 
 namespace mstar::kv::rma {
@@ -46,6 +47,7 @@ RmaKVTransferEngine::RmaKVTransferEngine(std::shared_ptr<KVCache> cache,
     : cache_(std::move(cache)),
       backend_(std::move(backend)),
       timeout_(options.timeout),
+      check_epochs_(options.check_epochs),
       log_(options.log),
       engine_name_(backend_ ? std::string(backend_->engine_name()) : std::string()) {
   if (!cache_ || !backend_) {
@@ -150,8 +152,14 @@ std::optional<TransferFuture> RmaKVTransferEngine::read_batched_async(
   }
   std::shared_ptr<RmaOperation> op;
   try {
+    RmaEpochCheck check;
+    if (check_epochs_ && remote_kv_info.epoch != 0) {
+      check.epoch = remote_kv_info.epoch;
+      check.pages = remote_pages_of(read_info);
+    }
     op = peer->post_reads(std::move(plan.spans),
-                          [this, id](Status st) { on_done(id, std::move(st)); });
+                          [this, id](Status st) { on_done(id, std::move(st)); },
+                          std::move(check));
   } catch (...) {
     std::lock_guard<std::mutex> lk(mu_);
     inflight_.erase(id);

@@ -90,6 +90,7 @@ class RmaKVTransferEngine final : public KVTransferEngine {
   const std::shared_ptr<KVCache> cache_;
   const std::unique_ptr<RmaBackend> backend_;
   const std::chrono::milliseconds timeout_;
+  bool check_epochs_ = true;  // EngineOptions::check_epochs
   const Logger log_;
   const std::string engine_name_;
 

@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "mstar/kv/epochs.hpp"
 #include "rma/rma_engine.hpp"
 
 namespace mstar::kv::ucx {
@@ -38,6 +39,7 @@ enum AmId : unsigned {
   kAmReadReq = 3,     // reader -> owner: spans to send back
   kAmReadData = 4,    // owner -> reader: one span's bytes
   kAmReadErr = 5,     // owner -> reader: request rejected
+  kAmReadFin = 6,     // owner -> reader: page epochs still held after the sends
 };
 
 struct HelloHdr {
@@ -47,8 +49,16 @@ struct ReadReqHdr {
   std::uint64_t batch_id;
   std::uint64_t generation;
   std::uint64_t nspans;
-  std::uint64_t flags;  // kReqEagerOnly
+  std::uint64_t flags;  // kReqEagerOnly, kReqCheckOnly
+  // Page epochs (epochs.hpp): with epoch != 0, the npages u32 page indices
+  // after the spans must carry it before the owner sends and still once its
+  // sends completed (then it answers kAmReadFin).
+  std::uint64_t epoch;
+  std::uint64_t npages;
 };
+// No spans: only check the pages' epochs and answer kAmReadFin (the
+// before/after checks around one-sided gets).
+constexpr std::uint64_t kReqCheckOnly = 2;
 // Reply with eager messages only. Set by readers on a shared-memory data
 // endpoint: there a rendezvous runs over cma without peer error handling,
 // and UCX 1.13 aborts the reading process when the owner dies mid-transfer
@@ -173,6 +183,11 @@ struct Batch {
   std::chrono::steady_clock::time_point drain_deadline{};
   bool aborted = false;
   std::optional<Status> failure;
+  // Page epochs: am reads wait for the owner's kAmReadFin; get reads ask
+  // the owner before (phase 0) and after (phase 2) the gets (phase 1).
+  rma::RmaEpochCheck check;
+  bool fin = false;
+  int get_phase = 1;
 };
 
 struct ReqCtx {  // user_data of a request that writes into local pages
@@ -180,9 +195,20 @@ struct ReqCtx {  // user_data of a request that writes into local pages
   std::uint64_t batch_id;
 };
 
+// One served read whose pages are checked once every send completed.
+struct ServeState {
+  ucp_ep_h ep = nullptr;
+  std::uint64_t batch_id = 0;
+  std::uint64_t epoch = 0;
+  std::vector<std::uint32_t> pages;
+  std::size_t left = 0;  // sends not completed, plus one while posting
+  bool failed = false;
+};
+
 struct SendCtx {  // user_data of a data reply (its header must outlive the send)
   UcxCore* core;
   DataHdr hdr;
+  std::shared_ptr<ServeState> serve;  // null when no epoch is checked
 };
 
 struct AmTag {  // argument of the active-message handler for one id
@@ -240,8 +266,13 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   ucs_status_t handle_data(const DataHdr& h, void* data, std::size_t length,
                            const ucp_am_recv_param_t* param);
   void serve_hello(ucp_ep_h ep, std::uint64_t token);
-  void serve_read(ucp_ep_h ep, std::uint64_t batch_id, std::uint64_t generation,
-                  std::uint64_t flags, const std::vector<WireSpan>& spans);
+  void serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<WireSpan>& spans,
+                  std::vector<std::uint32_t> pages);
+  void serve_done(const std::shared_ptr<ServeState>& st);
+  Status check_served_epochs(std::uint64_t epoch, const std::vector<std::uint32_t>& pages,
+                             const char* when) const;
+  void send_epoch_check(const std::shared_ptr<Batch>& b);
+  void on_fin(const std::shared_ptr<Batch>& b, const Status& st);
   void send_err(ucp_ep_h ep, std::uint64_t batch_id, const Status& st);
   void hello_reply(std::uint64_t token, const std::vector<std::uint8_t>& bytes);
   void request_finished(std::uint64_t batch_id, ucs_status_t st);
@@ -281,7 +312,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   int efd_ = -1;
   rma::RmaRegionInfo region_;
   std::vector<std::uint8_t> worker_address_;  // sent in the hello reply
-  AmTag am_tags_[6];
+  AmTag am_tags_[7];
 
   std::mutex mu_;
   std::deque<std::function<void()>> commands_;  // guarded by mu_
@@ -387,7 +418,7 @@ void UcxCore::init_ucp(const std::string& session_id) {
                   UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
   hp.flags = UCP_AM_FLAG_WHOLE_MSG;
   hp.cb = &UcxCore::on_am;
-  for (unsigned id : {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr}) {
+  for (unsigned id : {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr, kAmReadFin}) {
     am_tags_[id] = AmTag{this, id};
     hp.id = id;
     hp.arg = &am_tags_[id];
@@ -687,18 +718,28 @@ void UcxCore::send_err(ucp_ep_h ep, std::uint64_t batch_id, const Status& st) {
   send_small(ep, kAmReadErr, &hdr, sizeof hdr, st.message().data(), st.message().size(), false);
 }
 
-void UcxCore::serve_read(ucp_ep_h ep, std::uint64_t batch_id, std::uint64_t generation,
-                         std::uint64_t flags, const std::vector<WireSpan>& spans) {
+Status UcxCore::check_served_epochs(std::uint64_t epoch,
+                                   const std::vector<std::uint32_t>& pages,
+                                   const char* when) const {
+  const PageEpochs& ep = cache_->epochs();
+  return check_page_epochs(ep.words(), ep.num_pages(), pages, epoch, when,
+                           /*after_copy=*/true);
+}
+
+void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<WireSpan>& spans,
+                         std::vector<std::uint32_t> pages) {
+  const std::uint64_t batch_id = h.batch_id;
+  const std::uint64_t flags = h.flags;
   // The reply endpoint is one of our listener's endpoints or one UCX made
   // for a reader's data endpoint; only a listener endpoint closed since the
   // request arrived (same progress round) is gone.
   if (dead_eps_.count(ep) != 0) return;
   // Validate the whole request before sending a byte: the reader is not
   // trusted with anything outside the registered region.
-  if (generation != region_.generation) {
+  if (h.generation != region_.generation) {
     send_err(ep, batch_id,
              Status(StatusCode::kStaleDescriptor,
-                    "read names generation " + std::to_string(generation) +
+                    "read names generation " + std::to_string(h.generation) +
                         ", this owner serves generation " +
                         std::to_string(region_.generation)));
     return;
@@ -716,8 +757,24 @@ void UcxCore::serve_read(ucp_ep_h ep, std::uint64_t batch_id, std::uint64_t gene
       return;
     }
   }
+  // Owner-served: the pages must still belong to the reader's sequence
+  // before the first byte goes out (and after the last, in serve_done).
+  std::shared_ptr<ServeState> serve;
+  if (h.epoch != 0) {
+    if (Status st = check_served_epochs(h.epoch, pages, "before the owner sent it");
+        !st.is_ok()) {
+      send_err(ep, batch_id, st);
+      return;
+    }
+    serve = std::make_shared<ServeState>();
+    serve->ep = ep;
+    serve->batch_id = batch_id;
+    serve->epoch = h.epoch;
+    serve->pages = std::move(pages);
+    serve->left = spans.size() + 1;
+  }
   for (const WireSpan& s : spans) {
-    auto* ctx = new SendCtx{this, DataHdr{batch_id, s.local_offset, s.length}};
+    auto* ctx = new SendCtx{this, DataHdr{batch_id, s.local_offset, s.length}, serve};
     live_sends_.insert(ctx);
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
@@ -726,9 +783,16 @@ void UcxCore::serve_read(ucp_ep_h ep, std::uint64_t batch_id, std::uint64_t gene
                    ? UCP_AM_SEND_FLAG_RNDV
                    : UCP_AM_SEND_FLAG_EAGER;
     rp.memh = memh_;
-    rp.cb.send = [](void* req, ucs_status_t, void* ud) {
+    rp.cb.send = [](void* req, ucs_status_t st, void* ud) {
       auto* c = static_cast<SendCtx*>(ud);
       c->core->live_sends_.erase(c);
+      if (c->serve) {
+        if (st != UCS_OK) c->serve->failed = true;
+        if (--c->serve->left == 0) {
+          UcxCore* core = c->core;
+          core->deferred_.push_back([core, sv = c->serve] { core->serve_done(sv); });
+        }
+      }
       delete c;
       ucp_request_free(req);
     };
@@ -738,9 +802,19 @@ void UcxCore::serve_read(ucp_ep_h ep, std::uint64_t batch_id, std::uint64_t gene
     if (!UCS_PTR_IS_PTR(sp)) {
       live_sends_.erase(ctx);
       delete ctx;
+      if (serve) --serve->left;
     }
     if (UCS_PTR_IS_ERR(sp)) return;  // the endpoint failed; its error handler closes it
   }
+  if (serve && --serve->left == 0) serve_done(serve);
+}
+
+void UcxCore::serve_done(const std::shared_ptr<ServeState>& st) {
+  if (st->failed || dead_eps_.count(st->ep) != 0) return;  // the reader fails by itself
+  Status s = check_served_epochs(st->epoch, st->pages, "while the owner sent it");
+  const ErrHdr hdr{st->batch_id, static_cast<std::uint32_t>(s.code()), 0};
+  send_small(st->ep, kAmReadFin, &hdr, sizeof hdr, s.message().data(), s.message().size(),
+             false);
 }
 
 // ---- active messages -------------------------------------------------------
@@ -779,8 +853,12 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       ReadReqHdr h;
       std::memcpy(&h, header, sizeof h);
       ucp_ep_h ep = param->reply_ep;
-      if (h.nspans == 0 || h.nspans > kMaxSpansPerRequest ||
-          length != h.nspans * sizeof(WireSpan)) {
+      const bool check_only = (h.flags & kReqCheckOnly) != 0;
+      // Untrusted: the counts must match the length exactly, pages only
+      // come with an epoch, a check-only request has no spans.
+      if ((check_only ? h.nspans != 0 : (h.nspans == 0 || h.nspans > kMaxSpansPerRequest)) ||
+          h.npages > kMaxSpansPerRequest || (h.epoch == 0 && (h.npages != 0 || check_only)) ||
+          length != h.nspans * sizeof(WireSpan) + h.npages * sizeof(std::uint32_t)) {
         deferred_.push_back([this, ep, h] {
           send_err(ep, h.batch_id,
                    Status(StatusCode::kInvalidArgument, "malformed read request"));
@@ -788,9 +866,24 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
         return UCS_OK;
       }
       std::vector<WireSpan> spans(h.nspans);
-      std::memcpy(spans.data(), data, length);
-      deferred_.push_back([this, ep, h, s = std::move(spans)] {
-        serve_read(ep, h.batch_id, h.generation, h.flags, s);
+      std::vector<std::uint32_t> pages(h.npages);
+      if (h.nspans) std::memcpy(spans.data(), data, h.nspans * sizeof(WireSpan));
+      if (h.npages) {
+        std::memcpy(pages.data(), static_cast<const std::byte*>(data) + h.nspans * sizeof(WireSpan),
+                    h.npages * sizeof(std::uint32_t));
+      }
+      if (check_only) {
+        deferred_.push_back([this, ep, h, p = std::move(pages)] {
+          if (dead_eps_.count(ep) != 0) return;
+          Status st = check_served_epochs(h.epoch, p, "around the gets");
+          const ErrHdr fin{h.batch_id, static_cast<std::uint32_t>(st.code()), 0};
+          send_small(ep, kAmReadFin, &fin, sizeof fin, st.message().data(),
+                     st.message().size(), false);
+        });
+        return UCS_OK;
+      }
+      deferred_.push_back([this, ep, h, s = std::move(spans), p = std::move(pages)]() mutable {
+        serve_read(ep, h, s, std::move(p));
       });
       return UCS_OK;
     }
@@ -812,6 +905,24 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       }
       std::string msg(static_cast<const char*>(data), std::min<std::size_t>(length, 1024));
       fail_batch(it->second, Status(code, "owner rejected the read: " + msg));
+      return UCS_OK;
+    }
+    case kAmReadFin: {
+      if (header_length != sizeof(ErrHdr) || rndv) return UCS_OK;
+      ErrHdr h;
+      std::memcpy(&h, header, sizeof h);
+      auto it = batches_.find(h.batch_id);
+      if (it == batches_.end()) return UCS_OK;
+      // Only kOk or kStaleDescriptor are answers; anything else is a broken owner.
+      Status st;
+      if (h.code == static_cast<std::uint32_t>(StatusCode::kStaleDescriptor)) {
+        st = Status(StatusCode::kStaleDescriptor,
+                    std::string(static_cast<const char*>(data), std::min<std::size_t>(length, 1024)));
+      } else if (h.code != 0) {
+        st = Status(StatusCode::kInternal, "owner answered an epoch check with code " +
+                                               std::to_string(h.code));
+      }
+      on_fin(it->second, st);
       return UCS_OK;
     }
     default:
@@ -1139,11 +1250,47 @@ void UcxCore::fail_batch(std::shared_ptr<Batch> b, Status st) {
   maybe_finish(b);
 }
 
+void UcxCore::send_epoch_check(const std::shared_ptr<Batch>& b) {
+  const auto& c = b->conn;
+  const ReadReqHdr hdr{b->id, c->served.generation, 0, kReqCheckOnly, b->check.epoch,
+                       b->check.pages.size()};
+  send_small(c->ep, kAmReadReq, &hdr, sizeof hdr, b->check.pages.data(),
+             b->check.pages.size() * sizeof(std::uint32_t), true);
+}
+
+void UcxCore::on_fin(const std::shared_ptr<Batch>& b, const Status& st) {
+  if (b->aborted || b->failure) return;
+  if (!st.is_ok()) {
+    fail_batch(b, st);
+    return;
+  }
+  if (!b->get) {
+    b->fin = true;
+  } else if (b->get_phase == 0) {
+    b->get_phase = 1;
+    post_gets(b);
+  } else if (b->get_phase == 2) {
+    b->get_phase = 3;
+  }
+  maybe_finish(b);
+}
+
 void UcxCore::maybe_finish(std::shared_ptr<Batch> b) {
   if (b->outstanding != 0) return;
   const bool stopped = b->aborted || b->failure.has_value();
   if (!stopped && !b->pending.empty()) return;
   if (!stopped && b->get && b->next_chunk < b->chunks.size()) return;
+  if (!stopped && b->check.epoch != 0) {
+    if (!b->get && !b->fin) return;  // the owner's after-send check is to come
+    if (b->get && b->get_phase < 2) {
+      if (b->get_phase == 1) {  // every get landed: ask again
+        b->get_phase = 2;
+        send_epoch_check(b);
+      }
+      return;
+    }
+    if (b->get && b->get_phase == 2) return;
+  }
   if (batches_.erase(b->id) == 0) return;  // finished already
   const auto& c = b->conn;
   c->batches.erase(b->id);
@@ -1222,6 +1369,11 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
   c->batches.insert(b->id);
   if (c->mode == Mode::kGet) {
     b->get = true;
+    if (b->check.epoch != 0) {  // the gets wait for the owner's first check
+      b->get_phase = 0;
+      send_epoch_check(b);
+      return;
+    }
     post_gets(b);
     maybe_finish(b);
     return;
@@ -1233,9 +1385,17 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
     b->pending.emplace(r.local_offset, r.length);
   }
   const ReadReqHdr hdr{b->id, c->served.generation, spans.size(),
-                       c->am_on_data ? kReqEagerOnly : 0};
-  send_small(c->am_on_data ? c->data_ep : c->ep, kAmReadReq, &hdr, sizeof hdr, spans.data(),
-             spans.size() * sizeof(WireSpan), true);
+                       c->am_on_data ? kReqEagerOnly : 0, b->check.epoch,
+                       b->check.pages.size()};
+  std::vector<std::uint8_t> body(spans.size() * sizeof(WireSpan) +
+                                 b->check.pages.size() * sizeof(std::uint32_t));
+  std::memcpy(body.data(), spans.data(), spans.size() * sizeof(WireSpan));
+  if (!b->check.pages.empty()) {
+    std::memcpy(body.data() + spans.size() * sizeof(WireSpan), b->check.pages.data(),
+                b->check.pages.size() * sizeof(std::uint32_t));
+  }
+  send_small(c->am_on_data ? c->data_ep : c->ep, kAmReadReq, &hdr, sizeof hdr, body.data(),
+             body.size(), true);
 }
 
 void UcxCore::abort_batch(std::uint64_t id) {
@@ -1299,8 +1459,10 @@ class UcxPeer final : public rma::RmaPeer {
     return conn_->failed.load(std::memory_order_acquire);
   }
   std::shared_ptr<rma::RmaOperation> post_reads(std::vector<rma::RmaRead> reads,
-                                                rma::RmaCompletion done) override {
+                                                rma::RmaCompletion done,
+                                                rma::RmaEpochCheck check) override {
     auto b = std::make_shared<Batch>();
+    b->check = std::move(check);
     b->id = core_->next_batch.fetch_add(1, std::memory_order_relaxed);
     b->conn = conn_;
     b->done = std::move(done);

@@ -19,6 +19,10 @@ std::vector<std::string> peer_args(const PeerSpec& spec) {
                                    "--tokens", std::to_string(spec.tokens),
                                    "--seed", std::to_string(spec.seed),
                                    "--scatter", std::to_string(spec.scatter_seed)};
+  if (spec.lease_ms >= 0) {
+    args.push_back("--lease-ms");
+    args.push_back(std::to_string(spec.lease_ms));
+  }
   for (const auto& [k, v] : spec.extra) {
     args.push_back("--extra");
     args.push_back(k + "=" + v);
@@ -52,6 +56,13 @@ PeerProcess::PeerProcess(const PeerSpec& spec, std::chrono::milliseconds timeout
       throw std::runtime_error("peer failed: " + line.substr(4));
     }
   }
+}
+
+const SequenceInfo& PeerProcess::read_sequence(std::chrono::milliseconds timeout) {
+  const std::string line = child_.read_line(timeout);
+  if (line.rfind("SEQ ", 0) != 0) throw std::runtime_error("peer said: " + line);
+  seq_ = SequenceInfo::decode(from_hex(line.substr(4)));
+  return seq_;
 }
 
 void PeerProcess::kill_now() { child_.kill_now(); }

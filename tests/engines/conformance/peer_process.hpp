@@ -28,6 +28,7 @@ struct PeerSpec {
   std::uint64_t scatter_seed = 7;  // 0: contiguous pages
   std::map<std::string, std::string> env;    // extra environment for the child
   std::map<std::string, std::string> extra;  // EngineOptions.extra
+  long long lease_ms = -1;                   // >= 0: the pool's lease
 };
 
 
@@ -41,6 +42,13 @@ class PeerProcess {
   PeerProcess& operator=(const PeerProcess&) = delete;
 
   const SequenceInfo& sequence() const { return seq_; }
+  // A line to the peer (e.g. "next 20"), and the next "SEQ" it prints (the
+  // new current sequence) or another line it answers.
+  void send(const std::string& line) { child_.write_line(line); }
+  const SequenceInfo& read_sequence(std::chrono::milliseconds timeout = std::chrono::seconds(20));
+  std::string read_line(std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+    return child_.read_line(timeout);
+  }
   pid_t pid() const { return child_.pid(); }
   // SIGKILL and reap.
   void kill_now();
