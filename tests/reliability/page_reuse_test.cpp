@@ -182,6 +182,46 @@ TEST_P(PageReuse, ExpiredLeaseFreesTheSequenceAndALatePullFailsStale) {
   peer.quit();
 }
 
+TEST_P(PageReuse, DoneNoticeFreesTheSequenceOverTheEnginesChannel) {
+  PeerProcess peer(spec());
+  auto cache = make_kv_cache(reuse_layout(GetParam()), MemoryKind::kHost);
+  auto m = reader(cache);
+  std::vector<std::uint32_t> local(8);
+  std::iota(local.begin(), local.end(), 0u);
+  const SequenceInfo seq = peer.sequence();
+  ASSERT_TRUE(pull(*m, seq, local).is_ok());
+  if (GetParam().engine != "ucx") {
+    // No channel back to the owner: the caller is told to use its own.
+    try {
+      m->notify_done(seq);
+      FAIL() << "notify_done over " << GetParam().engine << " did not throw";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), StatusCode::kUnavailable);
+      EXPECT_NE(std::string(e.what()).find("side channel"), std::string::npos) << e.what();
+    }
+    return;
+  }
+  // A done notice with another epoch (a forged or late one) frees nothing.
+  SequenceInfo forged = seq;
+  forged.kv_transfer_info.epoch ^= 1;
+  m->notify_done(forged);
+  m->notify_done(seq);
+  // The notice is asynchronous: the owner frees the pages soon after.
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  Status late;
+  do {
+    std::this_thread::sleep_for(5ms);
+    late = pull(*m, seq, local);
+  } while (late.is_ok() && std::chrono::steady_clock::now() < deadline);
+  EXPECT_EQ(late.code(), StatusCode::kStaleDescriptor) << late.to_string();
+  peer.send("contains");
+  EXPECT_EQ(peer.read_line(), "CONTAINS 0");
+  // Done, not expired: nothing is left for the lease to reap.
+  peer.send("expire");
+  EXPECT_EQ(peer.read_line(), "EXPIRED 0");
+  peer.quit();
+}
+
 std::vector<ReuseCase> reuse_cases() {
   const std::map<std::string, std::string> tcp = {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}};
   return {

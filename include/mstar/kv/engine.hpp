@@ -3,6 +3,8 @@
 // KVTransferEngine: the one interface every engine implements.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 
@@ -39,6 +41,20 @@ class KVTransferEngine {
       std::span<const KVReadInfo> read_info) = 0;
 
   virtual void shutdown() = 0;
+
+  // Done notices (leases, pool.hpp). Reader side: tells the owner of
+  // `remote` (the descriptor of a SequenceInfo, which carries the epoch)
+  // that this reader is done with sequence seq_id, over the engine's own
+  // channel; returns once the notice is queued (it is not acknowledged). The
+  // default, for engines with no channel back to the owner (shm, cuda_ipc,
+  // mooncake), throws Error(kUnavailable): send "done" over the side channel
+  // that carried the SequenceInfo instead.
+  virtual void notify_done(const KVTransferInfo& remote, std::uint64_t seq_id);
+  // Owner side: `handler(seq_id, epoch)` runs on an engine thread for every
+  // done notice that arrives (e.g. KVCachePool::done). It must not block
+  // nor call back into this engine. The default never calls it.
+  using DoneHandler = std::function<void(std::uint64_t seq_id, std::uint64_t epoch)>;
+  virtual void set_done_handler(DoneHandler handler) { (void)handler; }
 };
 
 }  // namespace mstar::kv

@@ -14,11 +14,14 @@
 #include <vector>
 
 #include "mstar/kv/cache.hpp"
+#include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/engine.hpp"
 #include "mstar/kv/log.hpp"
 #include "mstar/kv/stats.hpp"
 
 namespace mstar::kv {
+
+class KVCachePool;
 
 // Options every engine understands, plus engine-specific ones by name.
 struct EngineOptions {
@@ -100,6 +103,19 @@ class KVTransferManager {
                               const KVTransferInfo& kv_transfer_info);
 
   void cleanup();
+
+  // Done notices (leases, pool.hpp). Reader side: tells the owner of `seq`
+  // that this reader is done with it, over the engine's own channel (UCX:
+  // an active message), so that the owner frees it before its lease
+  // expires. Throws Error(kUnavailable) for engines without such a channel
+  // (shm, cuda_ipc, mooncake): use the side channel (e.g. `mstar-kv serve`'s
+  // POST /v1/sequences/{id}/done). Asynchronous, not acknowledged.
+  void notify_done(const SequenceInfo& seq);
+  // Owner side: done notices that arrive at this manager's engine free the
+  // named sequence in `pool` if it still holds the epoch the notice names
+  // (KVCachePool::done). The manager keeps only a weak reference; null
+  // stops serving them.
+  void serve_done_notices(std::shared_ptr<KVCachePool> pool);
 
   // Statistics of every read this manager started (stats.hpp): per peer and
   // in total, counts by outcome, bytes, copies and per-phase latency. Always

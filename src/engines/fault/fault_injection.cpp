@@ -547,3 +547,15 @@ std::uint64_t FaultInjectingEngine::in_flight() const {
 KVTransferEngine& FaultInjectingEngine::inner() noexcept { return *impl_->inner; }
 
 }  // namespace mstar::kv
+
+namespace mstar::kv {
+
+void FaultInjectingEngine::notify_done(const KVTransferInfo& remote, std::uint64_t seq_id) {
+  inner().notify_done(remote, seq_id);
+}
+
+void FaultInjectingEngine::set_done_handler(DoneHandler handler) {
+  inner().set_done_handler(std::move(handler));
+}
+
+}  // namespace mstar::kv

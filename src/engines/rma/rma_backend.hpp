@@ -136,6 +136,16 @@ class RmaPeer {
   virtual std::shared_ptr<RmaOperation> post_reads(std::vector<RmaRead> reads,
                                                    RmaCompletion done,
                                                    RmaEpochCheck check) = 0;
+
+  // Queues a done notice for sequence seq_id published with `epoch` to the
+  // owner (leases, pool.hpp); never waits for it. Backends without a channel
+  // to the owner throw Error(kUnavailable) (the default).
+  virtual void send_done(std::uint64_t seq_id, std::uint64_t epoch) {
+    (void)epoch;
+    throw Error(StatusCode::kUnavailable,
+                "this engine has no channel to the owner for the done notice of sequence " +
+                    std::to_string(seq_id));
+  }
 };
 
 // One backend instance per engine, bound to one local cache. Thread safety:
@@ -162,6 +172,12 @@ class RmaBackend {
   // has run when this returns), connections close, memory is deregistered.
   // Idempotent. The engine calls it after aborting its own reads.
   virtual void shutdown() noexcept = 0;
+
+  // Owner side: runs `handler(seq_id, epoch)` for every done notice a reader
+  // sends (RmaPeer::send_done). Default: notices are not served.
+  virtual void set_done_handler(std::function<void(std::uint64_t, std::uint64_t)> handler) {
+    (void)handler;
+  }
 };
 
 }  // namespace mstar::kv::rma

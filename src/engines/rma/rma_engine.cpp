@@ -183,6 +183,26 @@ std::optional<TransferFuture> RmaKVTransferEngine::read_batched_async(
   return future;
 }
 
+void RmaKVTransferEngine::notify_done(const KVTransferInfo& remote_kv_info,
+                                      std::uint64_t seq_id) {
+  if (remote_kv_info.engine != engine_name_) {
+    throw Error(StatusCode::kInvalidArgument,
+                "descriptor of engine '" + remote_kv_info.engine + "' given to the '" +
+                    engine_name_ + "' engine");
+  }
+  if (remote_kv_info.epoch == 0) {
+    throw Error(StatusCode::kInvalidArgument,
+                "done notice for sequence " + std::to_string(seq_id) +
+                    " with a cache descriptor (epoch 0): pass the SequenceInfo's descriptor");
+  }
+  const RmaRegionInfo remote = RmaRegionInfo::decode(remote_kv_info.payload);
+  peer_for(remote)->send_done(seq_id, remote_kv_info.epoch);
+}
+
+void RmaKVTransferEngine::set_done_handler(DoneHandler handler) {
+  backend_->set_done_handler(std::move(handler));
+}
+
 void RmaKVTransferEngine::on_done(std::uint64_t id, Status status) {
   std::shared_ptr<InFlight> entry;
   {

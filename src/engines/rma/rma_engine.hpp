@@ -74,6 +74,8 @@ class RmaKVTransferEngine final : public KVTransferEngine {
       std::span<const KVReadInfo> read_info) override;
 
   void shutdown() override;
+  void notify_done(const KVTransferInfo& remote, std::uint64_t seq_id) override;
+  void set_done_handler(DoneHandler handler) override;
 
   // Backend access (tests, the CLI's diagnostics).
   RmaBackend& backend() noexcept { return *backend_; }

@@ -40,6 +40,12 @@ enum AmId : unsigned {
   kAmReadData = 4,    // owner -> reader: one span's bytes
   kAmReadErr = 5,     // owner -> reader: request rejected
   kAmReadFin = 6,     // owner -> reader: page epochs still held after the sends
+  kAmDone = 7,        // reader -> owner: done with a sequence (DoneHdr)
+};
+struct DoneHdr {
+  std::uint64_t seq_id;
+  std::uint64_t epoch;
+  std::uint64_t generation;
 };
 
 struct HelloHdr {
@@ -272,6 +278,21 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   Status check_served_epochs(std::uint64_t epoch, const std::vector<std::uint32_t>& pages,
                              const char* when) const;
   void send_epoch_check(const std::shared_ptr<Batch>& b);
+
+ public:
+  // Done notices (leases): reader and owner halves.
+  void send_done(const std::shared_ptr<Conn>& c, std::uint64_t seq_id, std::uint64_t epoch) {
+    const DoneHdr hdr{seq_id, epoch, c->served.generation};
+    send_small(c->ep, kAmDone, &hdr, sizeof hdr, nullptr, 0, true);
+  }
+  void set_done_handler(std::function<void(std::uint64_t, std::uint64_t)> h) {
+    std::lock_guard<std::mutex> lk(done_mu_);
+    done_handler_ = std::move(h);
+  }
+
+ private:
+  std::mutex done_mu_;
+  std::function<void(std::uint64_t, std::uint64_t)> done_handler_;  // guarded by done_mu_
   void on_fin(const std::shared_ptr<Batch>& b, const Status& st);
   void send_err(ucp_ep_h ep, std::uint64_t batch_id, const Status& st);
   void hello_reply(std::uint64_t token, const std::vector<std::uint8_t>& bytes);
@@ -312,7 +333,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   int efd_ = -1;
   rma::RmaRegionInfo region_;
   std::vector<std::uint8_t> worker_address_;  // sent in the hello reply
-  AmTag am_tags_[7];
+  AmTag am_tags_[8];
 
   std::mutex mu_;
   std::deque<std::function<void()>> commands_;  // guarded by mu_
@@ -418,7 +439,8 @@ void UcxCore::init_ucp(const std::string& session_id) {
                   UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
   hp.flags = UCP_AM_FLAG_WHOLE_MSG;
   hp.cb = &UcxCore::on_am;
-  for (unsigned id : {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr, kAmReadFin}) {
+  for (unsigned id :
+       {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr, kAmReadFin, kAmDone}) {
     am_tags_[id] = AmTag{this, id};
     hp.id = id;
     hp.arg = &am_tags_[id];
@@ -905,6 +927,22 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       }
       std::string msg(static_cast<const char*>(data), std::min<std::size_t>(length, 1024));
       fail_batch(it->second, Status(code, "owner rejected the read: " + msg));
+      return UCS_OK;
+    }
+    case kAmDone: {
+      if (header_length != sizeof(DoneHdr) || rndv) return UCS_OK;
+      DoneHdr h;
+      std::memcpy(&h, header, sizeof h);
+      // A notice for another registration of this cache is stale: ignore it.
+      if (h.generation != region_.generation || h.epoch == 0) return UCS_OK;
+      deferred_.push_back([this, h] {
+        std::function<void(std::uint64_t, std::uint64_t)> handler;
+        {
+          std::lock_guard<std::mutex> lk(done_mu_);
+          handler = done_handler_;
+        }
+        if (handler) handler(h.seq_id, h.epoch);
+      });
       return UCS_OK;
     }
     case kAmReadFin: {
@@ -1458,6 +1496,15 @@ class UcxPeer final : public rma::RmaPeer {
   bool failed() const noexcept override {
     return conn_->failed.load(std::memory_order_acquire);
   }
+  void send_done(std::uint64_t seq_id, std::uint64_t epoch) override {
+    UcxCore* c = core_.get();
+    auto conn = conn_;
+    if (!c->post([c, conn, seq_id, epoch] {
+          if (!conn->closing && conn->ep != nullptr) c->send_done(conn, seq_id, epoch);
+        })) {
+      throw Error(StatusCode::kShutdown, "the ucx engine is shut down");
+    }
+  }
   std::shared_ptr<rma::RmaOperation> post_reads(std::vector<rma::RmaRead> reads,
                                                 rma::RmaCompletion done,
                                                 rma::RmaEpochCheck check) override {
@@ -1526,5 +1573,9 @@ std::shared_ptr<rma::RmaPeer> UcxBackend::connect(const rma::RmaRegionInfo& remo
 }
 
 void UcxBackend::shutdown() noexcept { core_->stop(); }
+
+void UcxBackend::set_done_handler(std::function<void(std::uint64_t, std::uint64_t)> handler) {
+  core_->set_done_handler(std::move(handler));
+}
 
 }  // namespace mstar::kv::ucx

@@ -45,6 +45,7 @@ class UcxBackend final : public rma::RmaBackend {
   std::shared_ptr<rma::RmaPeer> connect(const rma::RmaRegionInfo& remote,
                                         std::chrono::milliseconds timeout) override;
   void shutdown() noexcept override;
+  void set_done_handler(std::function<void(std::uint64_t, std::uint64_t)> handler) override;
 
  private:
   std::shared_ptr<UcxCore> core_;

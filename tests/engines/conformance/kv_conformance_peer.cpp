@@ -45,7 +45,10 @@ int main(int argc, char** argv) {
     const MemoryKind kind = engine == "shm" ? MemoryKind::kSharedHost : MemoryKind::kHost;
     auto cache = make_kv_cache(layout, kind);
     KVTransferManager manager(TransferEngineInfo{"peer", "", engine, options}, cache);
-    KVCachePool pool(cache, manager.get_kv_transfer_info(), scatter, lease);
+    auto pool_ptr =
+        std::make_shared<KVCachePool>(cache, manager.get_kv_transfer_info(), scatter, lease);
+    KVCachePool& pool = *pool_ptr;
+    manager.serve_done_notices(pool_ptr);  // UCX readers may say "done"
     auto pages = pool.allocate(1, tokens);
     fill_pattern(*cache, seed, pages, 0, tokens);
     std::cout << "SEQ " << testing::to_hex(pool.publish(1).encode()) << std::endl;
@@ -62,6 +65,8 @@ int main(int argc, char** argv) {
         pages = pool.allocate(current, tokens);
         fill_pattern(*cache, seed + current, pages, 0, tokens);
         std::cout << "SEQ " << testing::to_hex(pool.publish(current).encode()) << std::endl;
+      } else if (line == "contains") {
+        std::cout << "CONTAINS " << pool.contains(current) << std::endl;
       } else if (line == "expire") {
         std::cout << "EXPIRED " << pool.expire_leases() << std::endl;
       }
