@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional, Sequence
 from . import _core
 from .engines import (KVTransferEngine, LocalOnlyKVTransferEngine, NativeKVTransferEngine,
                       make_native_engine)
-from .errors import InvalidArgumentError, ShutdownError
+from .errors import InvalidArgumentError, ShutdownError, UnavailableError
 
 KVCache = _core.KVCache
 SequenceInfo = _core.SequenceInfo
@@ -145,6 +145,31 @@ class KVTransferManager:
             return None
         return self.engine.read_batched_async(kv_transfer_info, reads)
 
+    def notify_done(self, seq: SequenceInfo) -> None:
+        """Tells the owner of ``seq`` that this reader is done with it, over the
+        engine's own channel (UCX: an active message), so that the owner frees
+        it before its lease expires. Asynchronous, not acknowledged. Engines
+        without a channel back to the owner (shm, cuda_ipc, mooncake) raise
+        UnavailableError: send "done" over the side channel that carried the
+        SequenceInfo (the owner calls KVCachePool.done)."""
+        self._check_open("notify_done")
+        native = getattr(self.engine, "_native", None)
+        if native is None:
+            raise UnavailableError(
+                f"the {type(self.engine).__name__} engine has no channel back to the owner for "
+                f"the done notice of sequence {seq.seq_id}: send it over the side channel "
+                "(the owner calls KVCachePool.done)")
+        native.notify_done(seq)
+
+    def serve_done_notices(self, pool: "KVCachePool | None") -> None:
+        """Owner side: done notices that arrive at this manager's engine free the
+        named sequence in ``pool`` if it still holds the notice's epoch. None
+        stops. Engines without a channel never deliver any."""
+        self._check_open("serve_done_notices")
+        native = getattr(self.engine, "_native", None)
+        if native is not None:
+            native.serve_done_notices(None if pool is None else pool._pool)
+
     def stats(self) -> dict:
         """Statistics of every read this manager started, per peer and in total:
         ``{"engine", "total": {...}, "peers": {peer: {...}}}``, each with
@@ -203,15 +228,23 @@ class KVTransferManager:
 class KVCachePool:
     """Page allocation per sequence over one KVCache, and publish().
 
-    ``KVCachePool(kv_cache, kv_transfer_info=None, scatter_seed=0)``:
+    ``KVCachePool(kv_cache, kv_transfer_info=None, scatter_seed=0, lease=60.0)``:
     ``kv_transfer_info`` (a KVTransferManager, whose descriptor is taken, a
     KVTransferInfo or an engine's typed info) is stamped onto every published
     SequenceInfo. scatter_seed != 0 shuffles the free list deterministically.
     Safe from any thread. Exhaustion raises RetryLaterError; unknown
     sequences, double allocation and double frees raise InvalidArgumentError.
+
+    Epochs and leases: every allocation stamps its pages with a fresh epoch
+    that the published SequenceInfo carries, so a reader whose pages were
+    freed or reused gets StaleDescriptorError, never another request's KV. A
+    published sequence is freed ``lease`` seconds (default 60; 0 = never)
+    after its first publish unless ``done()``/``free()`` freed it first;
+    expired leases are reaped by ``expire_leases()`` and by allocate/publish.
     """
 
-    def __init__(self, kv_cache: KVCache, kv_transfer_info: Any = None, scatter_seed: int = 0):
+    def __init__(self, kv_cache: KVCache, kv_transfer_info: Any = None, scatter_seed: int = 0,
+                 lease: float = 60.0):
         if isinstance(kv_transfer_info, KVTransferManager):
             kv_transfer_info = kv_transfer_info.get_kv_transfer_info()
         if kv_transfer_info is None:
@@ -227,7 +260,7 @@ class KVCachePool:
                 f"kv_transfer_info of type {type(kv_transfer_info).__name__} is not a "
                 "descriptor (a KVTransferManager, a KVTransferInfo or an engine's info)")
         self.kv_cache = kv_cache
-        self._pool = _core._Pool(kv_cache, descriptor, scatter_seed)
+        self._pool = _core._Pool(kv_cache, descriptor, scatter_seed, lease)
 
     def allocate(self, seq_id: int, num_tokens: int) -> list:
         """Pages for a new sequence: ceil(num_tokens / page_size) of them."""
@@ -236,6 +269,21 @@ class KVCachePool:
     def free(self, seq_id: int) -> None:
         """Frees every page of the sequence."""
         self._pool.free(seq_id)
+
+    def done(self, seq_id: int, epoch: int = 0) -> bool:
+        """A reader's done notice: frees the sequence if it is still the one
+        published with ``epoch`` (0: whichever holds seq_id). False when it was
+        freed already or seq_id names a newer request."""
+        return self._pool.done(seq_id, epoch)
+
+    def expire_leases(self) -> int:
+        """Frees every published sequence whose lease expired; returns how many."""
+        return self._pool.expire_leases()
+
+    @property
+    def lease(self) -> float:
+        """Seconds a published sequence stays readable without a done notice."""
+        return self._pool.lease
 
     def pages(self, seq_id: int) -> list:
         return self._pool.pages(seq_id)

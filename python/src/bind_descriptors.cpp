@@ -122,6 +122,10 @@ void bind_descriptors(nb::module_& m) {
           },
           nb::arg("engine"), nb::arg("payload"))
       .def_rw("engine", &KVTransferInfo::engine)
+      .def_rw("epoch", &KVTransferInfo::epoch,
+              "On a SequenceInfo's copy: the owner epoch of that sequence's pages (a read "
+              "of pages that changed owner raises StaleDescriptorError); 0 on a cache's own "
+              "descriptor (reads unchecked).")
       .def_prop_ro("payload", [](const KVTransferInfo& i) { return to_bytes(i.payload); })
       .def("empty", &KVTransferInfo::empty)
       .def("to_bytes", [](const KVTransferInfo& i) { return to_bytes(i.encode()); },
@@ -160,6 +164,9 @@ void bind_descriptors(nb::module_& m) {
       .def_rw("num_tokens", &SequenceInfo::num_tokens)
       .def_rw("page_indices", &SequenceInfo::page_indices)
       .def_rw("kv_transfer_info", &SequenceInfo::kv_transfer_info)
+      .def_rw("lease_expiry_ms", &SequenceInfo::lease_expiry_ms,
+              "When the prefill side frees the sequence unless marked done (ms since the Unix "
+              "epoch, the owner's clock; 0 = no lease).")
       .def("to_bytes", [](const SequenceInfo& s) { return to_bytes(s.encode()); })
       .def_static(
           "from_bytes", [](const nb::bytes& b) { return SequenceInfo::decode(from_bytes(b)); },

@@ -41,6 +41,9 @@ struct PyEngine {
   std::unique_ptr<KVTransferEngine> engine;
   // Reads started through retrieve() (what KVTransferManager counts in C++).
   std::shared_ptr<TransferStatsRecorder> stats = std::make_shared<TransferStatsRecorder>("local");
+  // The Python pool done notices free sequences in (kept alive here; the
+  // engine's handler uses its native pool without the GIL).
+  nb::object done_pool;
 
   KVTransferEngine& get(const char* what) const {
     if (!engine) {
@@ -256,6 +259,39 @@ void bind_engines(nb::module_& m) {
              nb::gil_scoped_release release;
              e.engine->shutdown();
            })
+      .def(
+          "notify_done",
+          [](PyEngine& e, const SequenceInfo& seq) {
+            KVTransferEngine& eng = e.get("notify_done");
+            if (seq.kv_transfer_info.empty()) {
+              throw Error(StatusCode::kInvalidArgument,
+                          "done notice for sequence " + std::to_string(seq.seq_id) +
+                              " with a local-only descriptor: there is no owner to tell");
+            }
+            nb::gil_scoped_release release;
+            eng.notify_done(seq.kv_transfer_info, seq.seq_id);
+          },
+          nb::arg("seq"),
+          "Tells the owner of `seq` this reader is done with it, over the engine's channel "
+          "(UCX); UnavailableError for engines without one.")
+      .def(
+          "serve_done_notices",
+          [](PyEngine& e, nb::handle pool) {
+            KVTransferEngine& eng = e.get("serve_done_notices");
+            if (pool.is_none()) {
+              eng.set_done_handler(nullptr);
+              e.done_pool = nb::object();
+              return;
+            }
+            KVCachePool* p = nb::cast<KVCachePool*>(pool);
+            e.done_pool = nb::borrow(pool);
+            eng.set_done_handler([p](std::uint64_t seq_id, std::uint64_t epoch) {
+              if (epoch != 0) p->done(seq_id, epoch);
+            });
+          },
+          nb::arg("pool").none(),
+          "Done notices arriving at this engine free the named sequence in `pool` (a native "
+          "_Pool) if it still holds the notice's epoch; None stops.")
       .def_prop_ro("wrapped", [](const PyEngine& e) { return !e.engine; })
       .def("stats", [](const PyEngine& e) { return stats_dict(e.stats->snapshot()); },
            "Statistics of the reads started through retrieve(), as a dict (see "
@@ -320,10 +356,22 @@ void bind_engines(nb::module_& m) {
       .def(
           "__init__",
           [](KVCachePool* self, const PyKVCache& cache, const KVTransferInfo& descriptor,
-             std::uint64_t scatter_seed) {
-            new (self) KVCachePool(cache.cache, descriptor, scatter_seed);
+             std::uint64_t scatter_seed, double lease_s) {
+            if (!(lease_s >= 0) || lease_s > 1e9) {
+              throw Error(StatusCode::kInvalidArgument,
+                          "lease " + std::to_string(lease_s) +
+                              " s out of range [0, 1e9] (0 = never expire)");
+            }
+            new (self) KVCachePool(cache.cache, descriptor, scatter_seed,
+                                   milliseconds(static_cast<std::int64_t>(lease_s * 1000 + 0.5)));
           },
-          nb::arg("kv_cache"), nb::arg("descriptor"), nb::arg("scatter_seed") = 0)
+          nb::arg("kv_cache"), nb::arg("descriptor"), nb::arg("scatter_seed") = 0,
+          nb::arg("lease") = 60.0)
+      .def("done", &KVCachePool::done, nb::arg("seq_id"), nb::arg("epoch") = 0,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("expire_leases", &KVCachePool::expire_leases)
+      .def_prop_ro("lease", [](const KVCachePool& p) { return p.lease().count() / 1000.0; })
+      .def("expired_count", &KVCachePool::expired_count)
       .def("allocate", &KVCachePool::allocate, nb::arg("seq_id"), nb::arg("num_tokens"))
       .def("free", &KVCachePool::release, nb::arg("seq_id"))
       .def("contains", &KVCachePool::contains, nb::arg("seq_id"))

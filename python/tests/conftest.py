@@ -54,6 +54,12 @@ class Peer:
         self.seqs = self._ready()
         return self.seqs
 
+    def command(self, cmd):
+        """Sends one command and returns its one-line answer."""
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
     def kill(self):
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)

@@ -10,7 +10,12 @@ then reads commands on stdin, one per line:
               (and, for mooncake, the same TransferEngine): a new generation;
               for shm, whose generation is the memory's, on a new cache
     quit      exit (also on end of input)
-After each command it prints the new READY line.
+After each command it prints the new READY line, but for these:
+    reuse     free sequence 1 and give its pages to a new sequence 3, filled
+              with its own pattern: prints "REUSED <hex of SequenceInfo 3>"
+    expire    reap expired leases: prints "EXPIRED <count>"
+    contains N  prints "CONTAINS 0|1"
+Done notices that reach the engine (UCX) free sequences in the pool.
 """
 import argparse
 import sys
@@ -45,6 +50,7 @@ def main():
     p.add_argument("--tokens", type=int, default=100)
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--session", default="", help="ucx: HOST:PORT to listen on")
+    p.add_argument("--lease", type=float, default=60.0, help="the pool's lease, seconds")
     args = p.parse_args()
 
     layout = kv.KVLayout(args.layers, args.pages, args.page_size, args.heads, args.head_dim,
@@ -58,7 +64,10 @@ def main():
         if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
             raise SystemExit("mooncake initialize failed")
     engine = make_engine(args, cache, te)
-    pool = kv.KVCachePool(cache, engine.get_kv_transfer_info(), scatter_seed=7)
+    pool = kv.KVCachePool(cache, engine.get_kv_transfer_info(), scatter_seed=7,
+                          lease=args.lease)
+    if getattr(engine, "_native", None) is not None:
+        engine._native.serve_done_notices(pool._pool)
     for seq_id in (1, 2):
         pool.allocate(seq_id, args.tokens)
         cache.fill_pattern(SEED + seq_id, pool.pages(seq_id), 0, args.tokens)
@@ -80,6 +89,16 @@ def main():
             engine = make_engine(args, cache, te)
             pool = _republish(pool, cache, engine, args)
             ready()
+        elif cmd == "reuse":
+            pages = pool.pages(1)
+            pool.free(1)
+            assert pool.allocate(3, args.tokens) == pages  # LIFO: the same pages
+            cache.fill_pattern(SEED + 3, pages, 0, args.tokens)
+            print("REUSED", pool.publish(3).to_bytes().hex(), flush=True)
+        elif cmd == "expire":
+            print("EXPIRED", pool.expire_leases(), flush=True)
+        elif cmd.startswith("contains "):
+            print("CONTAINS", int(int(cmd.split()[1]) in pool), flush=True)
         elif cmd == "quit":
             break
     engine.shutdown()

@@ -106,7 +106,9 @@ def test_pool_allocate_free_publish():
     assert len(pages) == 3 and 1 in pool
     seq = pool.publish(1)
     assert seq.page_indices == pages and seq.num_tokens == 33
-    assert seq.kv_transfer_info == kv.KVTransferInfo("shm", b"d")
+    # The descriptor on a SequenceInfo also carries that sequence's page epoch.
+    assert seq.kv_transfer_info.engine == "shm" and seq.kv_transfer_info.payload == b"d"
+    assert seq.kv_transfer_info.epoch != 0
     with pytest.raises(kv.RetryLaterError):
         pool.allocate(2, 16 * 6)
     pool.free(1)
