@@ -45,6 +45,11 @@ Status stale_page_status(std::uint32_t page, std::uint64_t found, std::uint64_t 
               std::to_string(expect) + "): the sequence was freed or its pages reused"};
 }
 
+bool is_page_epoch_failure(const Status& status) noexcept {
+  return status.code() == StatusCode::kStaleDescriptor &&
+         status.message().find(" changed owner ") != std::string::npos;
+}
+
 Status check_page_epochs(const std::uint64_t* table, std::uint32_t num_pages,
                          std::span<const std::uint32_t> pages, std::uint64_t expect,
                          std::string_view when, bool after_copy) {

@@ -11,6 +11,11 @@ if(EXISTS ${CMAKE_CURRENT_LIST_DIR}/cmd_bench.cpp)
     ${CMAKE_CURRENT_LIST_DIR}/bench_workload.cpp)
 endif()
 
+# `mstar-kv soak`: page reuse and lease expiry in its prefill processes.
+if(EXISTS ${CMAKE_CURRENT_LIST_DIR}/cmd_soak.cpp)
+  target_sources(mstar-kv PRIVATE ${CMAKE_CURRENT_LIST_DIR}/soak_prefill.cpp)
+endif()
+
 # `mstar-kv demo` (tools/mstar-kv/cmd_demo.cpp and its demo_* helpers).
 if(EXISTS ${CMAKE_CURRENT_LIST_DIR}/cmd_demo.cpp)
   target_sources(mstar-kv PRIVATE

@@ -42,6 +42,7 @@
 #include "layout_args.hpp"
 #include "mstar/kv/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
+#include "soak_prefill.hpp"
 
 namespace mstar::kv::cli {
 
@@ -124,20 +125,30 @@ int run_prefill(const Args& args) {
   o.timeout = std::chrono::milliseconds(args.u64("timeout-ms", 2000));
   KVTransferManager m(TransferEngineInfo{"soak-prefill-" + std::to_string(gen), "", engine, o},
                       cache);
-  KVCachePool pool(cache, m.get_kv_transfer_info(), gen);
+  KVCachePool pool(cache, m.get_kv_transfer_info(), gen,
+                   std::chrono::milliseconds(args.u64("lease-ms", 1000)));
   std::mt19937_64 rng(gen * 7919);
+  std::vector<std::uint64_t> live;
   for (std::uint64_t i = 0; i < sequences; ++i) {
     const std::uint64_t seq_id = gen * 1000 + i;
     const std::uint64_t tokens = std::uniform_int_distribution<std::uint64_t>(1, max_tokens)(rng);
     const auto pages = pool.allocate(seq_id, tokens);
     fill_pattern(*cache, pattern_seed(seq_id), pages, 0, tokens);
     std::printf("SEQ %s\n", to_hex(pool.publish(seq_id).encode()).c_str());
+    live.push_back(seq_id);
   }
   std::printf("READY\n");
   std::fflush(stdout);
-  char buf[64];
-  while (::read(STDIN_FILENO, buf, sizeof buf) > 0) {
-  }
+  PrefillChurn churn;
+  churn.reuse = std::chrono::milliseconds(args.u64("reuse-ms", 50));
+  churn.gen = gen;
+  churn.max_tokens = max_tokens;
+  churn.first_free_id = sequences;
+  serve_prefill_with_churn(pool, *cache, std::move(live), churn, pattern_seed,
+                           [](const SequenceInfo& s) {
+                             std::printf("SEQ %s\n", to_hex(s.encode()).c_str());
+                             std::fflush(stdout);
+                           });
   m.cleanup();
   return 0;
 }
@@ -149,6 +160,7 @@ struct Prefill {
   pid_t pid = -1;
   int to_child = -1;    // its stdin: closing it asks it to exit
   int from_child = -1;  // its stdout
+  std::string buf;      // what it printed after READY, not yet a whole line
 };
 
 void close_fd(int& fd) {
@@ -215,7 +227,10 @@ std::vector<SequenceInfo> start_prefill(Prefill& p, const std::vector<std::strin
     while ((nl = buf.find('\n')) != std::string::npos) {
       const std::string line = buf.substr(0, nl);
       buf.erase(0, nl + 1);
-      if (line == "READY") return seqs;
+      if (line == "READY") {
+        p.buf = std::move(buf);  // sequences it published since (page reuse)
+        return seqs;
+      }
       if (line.rfind("SEQ ", 0) == 0) seqs.push_back(SequenceInfo::decode(from_hex(line.substr(4))));
     }
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
@@ -242,7 +257,7 @@ struct Published {
 
 struct Stats {
   std::atomic<std::uint64_t> requests{0}, ok{0}, failed{0}, rejected{0}, bytes_verified{0},
-      corruptions{0}, hangs{0};
+      corruptions{0}, hangs{0}, wrong_sequence{0};
   std::mutex mu;
   std::map<std::string, std::uint64_t> failures_by_code;  // guarded by mu
   std::string first_corruption;                            // guarded by mu
@@ -276,6 +291,37 @@ struct Shared {
     if (pid > 0) ::kill(pid, SIGKILL);
   }
 };
+
+// Sequences a prefill published since READY (page reuse, expired leases):
+// appended to its slot, which keeps the newest `keep`, freed ones included,
+// so that readers also pull sequences whose pages went to others.
+std::size_t take_published(Prefill& p, std::size_t i, std::size_t keep, Shared& shared) {
+  for (;;) {
+    pollfd pfd{p.from_child, POLLIN, 0};
+    if (p.from_child < 0 || ::poll(&pfd, 1, 0) <= 0) break;
+    char tmp[8192];
+    const ssize_t n = ::read(p.from_child, tmp, sizeof tmp);
+    if (n <= 0) break;
+    p.buf.append(tmp, static_cast<std::size_t>(n));
+  }
+  std::vector<SequenceInfo> fresh;
+  for (std::size_t nl; (nl = p.buf.find('\n')) != std::string::npos;) {
+    const std::string line = p.buf.substr(0, nl);
+    p.buf.erase(0, nl + 1);
+    if (line.rfind("SEQ ", 0) == 0) fresh.push_back(SequenceInfo::decode(from_hex(line.substr(4))));
+  }
+  if (fresh.empty()) return 0;
+  std::lock_guard<std::mutex> lock(shared.mu);
+  if (!shared.slots[i]) return 0;
+  auto pub = std::make_shared<Published>(*shared.slots[i]);
+  pub->seqs.insert(pub->seqs.end(), fresh.begin(), fresh.end());
+  if (pub->seqs.size() > keep) {
+    pub->seqs.erase(pub->seqs.begin(),
+                    pub->seqs.begin() + static_cast<std::ptrdiff_t>(pub->seqs.size() - keep));
+  }
+  shared.slots[i] = std::move(pub);
+  return fresh.size();
+}
 
 // Byte ranges [begin, end) of the local cache, merged.
 using Ranges = std::vector<std::pair<std::uint64_t, std::uint64_t>>;
@@ -419,6 +465,9 @@ void decode_thread(std::size_t t, const DecodeConfig& cfg, const KVCache& cache,
         stats.ok.fetch_add(1, std::memory_order_relaxed);
         stats.bytes_verified.fetch_add(v.bytes_checked, std::memory_order_relaxed);
       } else {
+        // Another request's KV (or garbage) reported as this one's: the bug
+        // page epochs exist to prevent.
+        stats.wrong_sequence.fetch_add(1, std::memory_order_relaxed);
         stats.corruption(what + ": success reported but " + v.first_mismatch);
       }
     } else {
@@ -458,6 +507,9 @@ const char* kHelp =
     "  --timeout-ms N       engine timeout (default 2000)\n"
     "  --grace-ms N         wait after a failed read before re-checking (default 50)\n"
     "  --seed N             random seed (default 1)\n"
+    "  --reuse-ms N         mean time between page reuses in each prefill: a sequence\n"
+    "                       is freed and its pages go to a new one (default 50; 0: none)\n"
+    "  --lease-ms N         prefill pools' lease: unread sequences expire (default 1000)\n"
     "  --ucx-tls T          UCX_TLS unless set in the environment (default tcp)\n";
 
 }  // namespace
@@ -466,7 +518,7 @@ int cmd_soak(int argc, char** argv) {
   std::set<std::string> options = layout_options();
   for (const char* o : {"seconds", "engines", "prefill", "threads", "sequences", "max-tokens",
                         "kill-ms", "fault-rate", "timeout-ms", "grace-ms", "seed", "ucx-tls",
-                        "role", "engine", "gen"}) {
+                        "role", "engine", "gen", "reuse-ms", "lease-ms"}) {
     options.insert(o);
   }
   const Args args(argc, argv, {"help"}, options);
@@ -538,7 +590,9 @@ int cmd_soak(int argc, char** argv) {
   std::vector<std::string> child_args = layout_flags(remote_layout);
   for (const std::string& s : {std::string("--sequences"), std::to_string(sequences),
                                std::string("--max-tokens"), std::to_string(max_tokens),
-                               std::string("--timeout-ms"), std::to_string(dcfg.timeout.count())}) {
+                               std::string("--timeout-ms"), std::to_string(dcfg.timeout.count()),
+                               std::string("--reuse-ms"), std::to_string(args.u64("reuse-ms", 50)),
+                               std::string("--lease-ms"), std::to_string(args.u64("lease-ms", 1000))}) {
     child_args.push_back(s);
   }
 
@@ -556,7 +610,7 @@ int cmd_soak(int argc, char** argv) {
   shared.slots.resize(n_prefill);
   shared.pids.resize(n_prefill, -1);
   std::uint64_t gen = seed * 100000;
-  std::uint64_t kills = 0, restarts = 0, deaths = 0;
+  std::uint64_t kills = 0, restarts = 0, deaths = 0, republished = 0;
   std::mt19937_64 rng(seed);
 
   auto start = [&](std::size_t i) {
@@ -645,6 +699,7 @@ int cmd_soak(int argc, char** argv) {
     while (Clock::now() < deadline && !g_interrupted.load(std::memory_order_relaxed)) {
       std::this_thread::sleep_for(5ms);
       for (std::size_t i = 0; i < n_prefill; ++i) {
+        republished += take_published(prefills[i], i, 2 * sequences, shared);
         // Killed by a fault hook (or crashed)? Looked at without reaping, so
         // that the hook can never signal a recycled pid.
         siginfo_t si{};
@@ -734,16 +789,23 @@ int cmd_soak(int argc, char** argv) {
     for (const auto& [code, count] : stats.failures_by_code) {
       by += (by.empty() ? "" : ", ") + code + " " + std::to_string(count);
     }
-    std::printf("failures reported (expected): %llu (%s)\n",
+    std::printf("pages reused: %llu new sequences published on freed pages (page reuse every "
+              "~%llu ms per prefill, lease %llu ms)\n",
+              static_cast<unsigned long long>(republished),
+              static_cast<unsigned long long>(args.u64("reuse-ms", 50)),
+              static_cast<unsigned long long>(args.u64("lease-ms", 1000)));
+  std::printf("failures reported (expected): %llu (%s)\n",
                 static_cast<unsigned long long>(stats.failed.load() + stats.rejected.load()),
                 by.empty() ? "none" : by.c_str());
     std::printf("corruptions: %llu\n", static_cast<unsigned long long>(stats.corruptions.load()));
+    std::printf("wrong-sequence reads: %llu\n",
+                static_cast<unsigned long long>(stats.wrong_sequence.load()));
     if (!stats.first_corruption.empty()) {
       std::printf("first corruption: %s\n", stats.first_corruption.c_str());
     }
   }
   std::fflush(stdout);
-  if (stats.corruptions.load() != 0) rc = 1;
+  if (stats.corruptions.load() != 0 || stats.wrong_sequence.load() != 0) rc = 1;
   if (stats.ok.load() == 0) {
     std::fprintf(stderr, "mstar-kv soak: no request succeeded\n");
     rc = 1;

@@ -68,6 +68,11 @@ Status check_page_epochs(const std::uint64_t* table, std::uint32_t num_pages,
 Status stale_page_status(std::uint32_t page, std::uint64_t found, std::uint64_t expect,
                          std::string_view when);
 
+// True for a status made by stale_page_status (possibly with context added
+// in front): the read lost a race with the owner's reuse of its pages. Such
+// a failure is the transfer's, not the peer's: engines keep the connection.
+bool is_page_epoch_failure(const Status& status) noexcept;
+
 // Deduplicated remote pages of a batch of reads, ascending.
 std::vector<std::uint32_t> remote_pages_of(std::span<const KVReadInfo> reads);
 

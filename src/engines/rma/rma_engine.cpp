@@ -218,7 +218,8 @@ void RmaKVTransferEngine::on_done(std::uint64_t id, Status status) {
     entry->promise.complete(entry->bytes);
   } else {
     // Logged once per failed connection (the read that evicts it), not per read.
-    if (status.scope() == FailureScope::kPeer && evict_peer(entry->session_id, entry->peer)) {
+    if (status.scope() == FailureScope::kPeer && !is_page_epoch_failure(status) &&
+        evict_peer(entry->session_id, entry->peer)) {
       log_.warn(engine_name_ + " peer at " + entry->session_id + " failed: " +
                 status.to_string() + " (reads on it fail; the next read reconnects)");
     }
