@@ -144,6 +144,19 @@ void print_table(std::FILE* out, const Report& r) {
                  static_cast<unsigned long long>(c.copies),
                  c.baseline_name.empty() ? "-" : c.baseline_name.c_str(), base, ratio);
   }
+  bool epoch_header = false;
+  for (const auto& c : r.cases) {
+    const auto off = c.extra.find("gbps_no_epoch_check");
+    if (!c.ok || off == c.extra.end()) continue;
+    if (!epoch_header) {
+      std::fprintf(out, "\npage epoch checks (--epoch-ab; on and off alternate in each case):\n");
+      epoch_header = true;
+    }
+    const auto cost = c.extra.find("epoch_check_cost_pct");
+    std::fprintf(out, "  %-18s %-*s on %.2f GB/s, off %.2f GB/s: cost %+.2f%%\n",
+                 c.engine.c_str(), static_cast<int>(cw), c.workload.name.c_str(),
+                 c.gbps.median, off->second, cost == c.extra.end() ? 0.0 : cost->second);
+  }
   bool header = false;
   for (const auto& c : r.cases) {
     if (c.ok) continue;

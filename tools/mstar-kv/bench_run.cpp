@@ -400,7 +400,10 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
   // Both sides are declared before the engine so that the engine goes first.
   std::unique_ptr<Server> server;
   std::unique_ptr<KVTransferManager> manager;
+  std::unique_ptr<KVTransferManager> manager_off;  // epoch checks off (epoch_ab)
   std::function<void()> request;
+  std::function<void()> request_off;
+  Side off_side;
   Phases phases;  // filled by the manager path's requests
   std::vector<std::uint32_t> rp = rp_planned;
   KVTransferInfo remote_info;
@@ -448,6 +451,16 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
       wait_ok(f, o.timeout, bytes);
       phases.add(called, returned, f->timing());
     };
+    if (o.epoch_ab) {
+      EngineOptions off = eo;
+      off.check_epochs = false;
+      manager_off = std::make_unique<KVTransferManager>(
+          TransferEngineInfo{me + "-noepoch", "", v.engine, off}, local);
+      request_off = [&] {
+        auto f = manager_off->start_async_retrieve(w.start_len, w.tokens, lp, rp, remote_info);
+        wait_ok(f, o.timeout, bytes);
+      };
+    }
     if (v.memcpy_baseline && host_accessible(local->memory_kind())) {
       src = KVCache::create_host(w.remote);
     }
@@ -483,13 +496,23 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
 
   for (std::uint32_t i = 0; i < o.repeat; ++i) {
     progress("rep " + std::to_string(i + 1) + "/" + std::to_string(o.repeat));
+    // With epoch_ab, on and off alternate and swap order every repetition.
+    if (request_off && i % 2 == 1) repetition(o, bytes, off_side, request_off);
     repetition(o, bytes, engine_side, request);
+    if (request_off && i % 2 == 0) repetition(o, bytes, off_side, request_off);
     if (baseline) {
       repetition(o, bytes, base_side, [&] { pool.run(part, local->base(), src->base()); });
     }
   }
+  manager_off.reset();
   manager.reset();
   server.reset();
+  if (!off_side.gbps.empty()) {
+    const double off = make_stat(off_side.gbps).median;
+    const double on = make_stat(engine_side.gbps).median;
+    r.extra["gbps_no_epoch_check"] = off;
+    if (off > 0) r.extra["epoch_check_cost_pct"] = (1.0 - on / off) * 100.0;
+  }
 
   r.gbps = make_stat(engine_side.gbps);
   r.requests_per_s = make_stat(engine_side.rps).median;
@@ -558,6 +581,7 @@ int serve_main(int argc, char** argv) {
     const auto d = desc.encode();
     send_reply(kServerOut, 'K', d.data(), static_cast<std::uint32_t>(d.size()));
     const auto forever = std::chrono::hours(24);
+    std::uint64_t epoch = static_cast<std::uint64_t>(::getpid()) << 32;
     for (;;) {
       std::uint64_t hdr[3];
       std::uint32_t n = 0;
@@ -568,7 +592,11 @@ int serve_main(int argc, char** argv) {
       if (host_accessible(cache->memory_kind())) {
         fill_pattern(*cache, hdr[2], pages, 0, hdr[1]);
       }
+      // Stamped like a KVCachePool stamps an allocation, so that readers
+      // check page epochs as they do in production.
+      cache->epochs().stamp(pages, ++epoch);
       SequenceInfo si{hdr[0], hdr[1], pages, desc};
+      si.kv_transfer_info.epoch = epoch;
       const auto bytes = si.encode();
       send_reply(kServerOut, 'K', bytes.data(), static_cast<std::uint32_t>(bytes.size()));
     }

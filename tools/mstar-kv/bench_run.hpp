@@ -25,6 +25,10 @@ struct RunOptions {
   std::map<std::string, std::string> engine_extra;  // EngineOptions::extra
   std::string self_exe;                // this binary, for server processes
   bool verify = true;
+  // Page epoch checks on and off in the same case: each repetition also
+  // pulls through a second manager with EngineOptions::check_epochs = false
+  // (extra "gbps_no_epoch_check", "epoch_check_cost_pct"). Measurement only.
+  bool epoch_ab = false;
   // Called between repetitions with a short status, for the progress bar.
   std::function<void(const std::string&)> progress;
 };
