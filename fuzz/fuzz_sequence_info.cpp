@@ -21,6 +21,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   fuzz::require(s.page_indices.size() <= DescriptorLimits::kMaxPagesPerSequence, "page limit");
   fuzz::require(s.kv_transfer_info.payload.size() <= DescriptorLimits::kMaxTransferPayload,
                 "payload limit");
+  // The page epoch and the lease are untrusted too: a local-only descriptor
+  // never carries an epoch (nothing could check it).
+  fuzz::require(!s.kv_transfer_info.empty() || s.kv_transfer_info.epoch == 0,
+                "local-only descriptor with an epoch");
   fuzz::require(s.encode() == bytes, "decode(bytes).encode() != bytes");
   fuzz::require(SequenceInfo::decode(s.encode()) == s, "round trip changed the value");
   return 0;

@@ -20,6 +20,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   fuzz::require(info.engine.size() <= DescriptorLimits::kMaxEngineName, "engine name limit");
   fuzz::require(info.payload.size() <= DescriptorLimits::kMaxTransferPayload, "payload limit");
+  fuzz::require(!info.empty() || info.epoch == 0, "local-only descriptor with an epoch");
   fuzz::require(info.encode() == bytes, "decode(bytes).encode() != bytes");
   fuzz::require(KVTransferInfo::decode(info.encode()) == info, "round trip changed the value");
   return 0;

@@ -139,12 +139,16 @@ int main(int argc, char** argv) {
 #endif
   }
   for (std::size_t i = 0; i < infos.size(); ++i) {
+    // Half of the seeds carry a sequence's page epoch (as published), half
+    // the cache's own descriptor (epoch 0).
+    if (i % 2 == 1 && !infos[i].empty()) infos[i].epoch = 0x1234567800000000ULL + i;
     write(out / "fuzz_transfer_info", "seed" + std::to_string(i), infos[i].encode(), true);
     SequenceInfo s;
     s.seq_id = 42 + i;
     s.num_tokens = 16 * i + 3;
     for (std::uint32_t p = 0; p <= i; ++p) s.page_indices.push_back(p * 7 % 64);
     s.kv_transfer_info = infos[i];
+    s.lease_expiry_ms = i % 3 == 0 ? 0 : 1764700000000ULL + i;  // 0: no lease
     write(out / "fuzz_sequence_info", "seed" + std::to_string(i), s.encode(), true);
   }
   // The planner target draws everything from its bytes: a few fixed strings.

@@ -1,7 +1,6 @@
 // Copyright mstar-kv authors.
 #include "mstar/kv/epochs.hpp"
 
-#include <algorithm>
 #include <string>
 
 namespace mstar::kv {
@@ -62,17 +61,21 @@ Status check_page_epochs(const std::uint64_t* table, std::uint32_t num_pages,
   return Status::ok();
 }
 
-std::vector<std::uint32_t> remote_pages_of(std::span<const KVReadInfo> reads) {
+std::vector<std::uint32_t> remote_pages_of(std::span<const KVReadInfo> reads,
+                                           std::uint32_t num_pages) {
+  std::vector<std::uint8_t> seen(num_pages, 0);
   std::vector<std::uint32_t> pages;
-  pages.reserve(reads.size());
-  std::int64_t last = -1;
+  bool out_of_range = false;
   for (const KVReadInfo& r : reads) {
-    if (r.remote_page_idx == last) continue;
-    last = r.remote_page_idx;
-    pages.push_back(static_cast<std::uint32_t>(r.remote_page_idx));
+    if (r.remote_page_idx < 0 || r.remote_page_idx >= std::int64_t{num_pages}) {
+      if (!out_of_range) pages.push_back(static_cast<std::uint32_t>(r.remote_page_idx));
+      out_of_range = true;
+      continue;
+    }
+    auto& s = seen[static_cast<std::size_t>(r.remote_page_idx)];
+    if (s == 0) pages.push_back(static_cast<std::uint32_t>(r.remote_page_idx));
+    s = 1;
   }
-  std::sort(pages.begin(), pages.end());
-  pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
   return pages;
 }
 

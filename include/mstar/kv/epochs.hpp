@@ -73,7 +73,10 @@ Status stale_page_status(std::uint32_t page, std::uint64_t found, std::uint64_t 
 // a failure is the transfer's, not the peer's: engines keep the connection.
 bool is_page_epoch_failure(const Status& status) noexcept;
 
-// Deduplicated remote pages of a batch of reads, ascending.
-std::vector<std::uint32_t> remote_pages_of(std::span<const KVReadInfo> reads);
+// The remote pages of a batch of reads, each once, in order of first
+// appearance; `num_pages` is the remote cache's (pages at or beyond it, or
+// negative, are kept once each too, so that the check refuses them). O(reads).
+std::vector<std::uint32_t> remote_pages_of(std::span<const KVReadInfo> reads,
+                                           std::uint32_t num_pages);
 
 }  // namespace mstar::kv

@@ -155,7 +155,7 @@ std::optional<TransferFuture> RmaKVTransferEngine::read_batched_async(
     RmaEpochCheck check;
     if (check_epochs_ && remote_kv_info.epoch != 0) {
       check.epoch = remote_kv_info.epoch;
-      check.pages = remote_pages_of(read_info);
+      check.pages = remote_pages_of(read_info, remote.layout.num_pages);
     }
     op = peer->post_reads(std::move(plan.spans),
                           [this, id](Status st) { on_done(id, std::move(st)); },

@@ -146,7 +146,7 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
   const std::uint64_t epoch = impl_->options.check_epochs ? remote_kv_info.epoch : 0;
   std::vector<std::uint32_t> pages;
   if (epoch != 0) {
-    pages = remote_pages_of(read_info);
+    pages = remote_pages_of(read_info, info.layout.num_pages);
     Status s = check_page_epochs(mapping->epochs(), mapping->epoch_pages(), pages, epoch,
                                  "before the copy", false);
     if (!s.is_ok()) throw Error(std::move(s));
