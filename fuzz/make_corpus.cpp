@@ -113,6 +113,7 @@ int main(int argc, char** argv) {
     m.size = l.total_bytes();
     m.generation = 77 + static_cast<std::uint64_t>(i);
     m.identity_ptr = 0x7f2000000000ULL;
+    m.epochs_ptr = 0x7f2000100000ULL;
     infos.push_back(m.encode());
     write(out / "fuzz_mooncake_info", name, m.encode().payload, false);
 #endif

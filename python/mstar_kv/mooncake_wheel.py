@@ -31,6 +31,13 @@ read's destination pages. The engine marks such a peer failed and refuses
 further reads from it. (The C++ engine avoids this by destroying its own
 Mooncake engine; the application's wheel object is not ours to destroy.)
 
+Page epochs (never the wrong KV): the owner also registers its cache's page
+epoch table and names it in the descriptor (``epochs_ptr``). A read of a
+SequenceInfo's descriptor (epoch != 0) fetches the epochs of its pages from
+the owner before the first batch and again after the last one, and fails
+with StaleDescriptorError if any page no longer carries the sequence's epoch
+(freed, expired or reused), so a reader never reports another request's KV.
+
 Thread safety: every method is safe from any thread. ``shutdown()`` fails
 reads not yet started (ShutdownError), waits for the batch in flight,
 joins the progress thread and unregisters the memory; idempotent. The
@@ -48,12 +55,19 @@ from typing import Any, Optional
 from . import _core
 from .engines import KVTransferEngine, make_native_engine
 from .errors import (InvalidArgumentError, PeerFailureError, ShutdownError,
-                     TransferTimeoutError, UnavailableError)
+                     StaleDescriptorError, TransferTimeoutError, UnavailableError)
 
 MooncakeKVTransferInfo = _core.MooncakeKVTransferInfo
 _IDENTITY_BYTES = 4096
 _MAX_REQUEST_BYTES = 1 << 20
 _WINDOW = 1024
+
+
+def _epoch_of(obj: Any) -> int:
+    """The page epoch a descriptor carries (0: a cache's own, unchecked)."""
+    if isinstance(obj, (bytes, bytearray)):
+        obj = _core.KVTransferInfo.from_bytes(bytes(obj))
+    return obj.epoch if isinstance(obj, _core.KVTransferInfo) else 0
 
 
 def _as_transfer_info(obj: Any):
@@ -69,7 +83,7 @@ def _as_transfer_info(obj: Any):
 
 class _Read:
     __slots__ = ("future", "session", "local", "remote", "lengths", "deadline", "cancel",
-                 "nbytes")
+                 "nbytes", "epoch", "pages", "epochs_ptr")
 
     def __init__(self, future, session, local, remote, lengths, deadline):
         self.future = future
@@ -78,6 +92,9 @@ class _Read:
         self.deadline = deadline
         self.cancel = threading.Event()
         self.nbytes = sum(lengths)
+        self.epoch = 0          # != 0: check `pages` in the owner's table at epochs_ptr
+        self.pages = None
+        self.epochs_ptr = 0
 
 
 class _MooncakeFuture(concurrent.futures.Future):
@@ -131,10 +148,12 @@ class MooncakeKVTransferEngine(KVTransferEngine):
         self._identity = ctypes.create_string_buffer(_IDENTITY_BYTES)
         self._scratch = ctypes.create_string_buffer(_IDENTITY_BYTES)
         self._regions = []
+        self._epoch_scratch = None   # registered buffer the owner's epochs land in
         try:
             for addr, size in ((kv_cache.data_ptr, kv_cache.size_bytes),
                                (ctypes.addressof(self._identity), _IDENTITY_BYTES),
-                               (ctypes.addressof(self._scratch), _IDENTITY_BYTES)):
+                               (ctypes.addressof(self._scratch), _IDENTITY_BYTES),
+                               (kv_cache.epochs_ptr, kv_cache.epochs_bytes)):
                 if transfer_engine.register_memory(addr, size, "cpu:0") != 0:
                     raise UnavailableError(
                         f"Mooncake register_memory of {size} bytes at {addr:#x} failed "
@@ -143,7 +162,7 @@ class MooncakeKVTransferEngine(KVTransferEngine):
             self._info = MooncakeKVTransferInfo(
                 entity_id, self.session_id, kv_cache.data_ptr, kv_cache.layout,
                 kv_cache.size_bytes, _core._mooncake_new_generation(),
-                ctypes.addressof(self._identity))
+                ctypes.addressof(self._identity), kv_cache.epochs_ptr)
             page = _core._mooncake_identity_page(self._info)
             ctypes.memmove(self._identity, page, len(page))
         except BaseException:
@@ -170,6 +189,7 @@ class MooncakeKVTransferEngine(KVTransferEngine):
             return self._native.read_batched_async(remote_kv_info, read_info)
         if self._closed:
             raise ShutdownError("MooncakeKVTransferEngine.read_batched_async after shutdown()")
+        epoch = _epoch_of(remote_kv_info)
         remote = _as_transfer_info(remote_kv_info)
         local, remote_addrs, lengths = _core.plan_copy_addresses(
             self.kv_cache.layout, self.kv_cache.data_ptr, remote.layout, remote.data_ptr,
@@ -185,6 +205,10 @@ class MooncakeKVTransferEngine(KVTransferEngine):
         read = _Read(future, remote.session_id, local, remote_addrs, lengths,
                      time.monotonic() + self._timeout)
         future._read = read
+        if epoch:
+            read.epoch = epoch
+            read.pages = sorted({r.remote_page_idx for r in read_info})
+            read.epochs_ptr = remote.epochs_ptr
         with self._lock:
             if self._closed:
                 raise ShutdownError("MooncakeKVTransferEngine.read_batched_async after shutdown()")
@@ -238,9 +262,41 @@ class MooncakeKVTransferEngine(KVTransferEngine):
                 read = self._queue.popleft()
             self._run(read)
 
+    def _check_epochs(self, read: _Read, when: str) -> None:
+        """Fetches the owner's epochs of the read's pages; raises
+        StaleDescriptorError if one changed owner."""
+        import numpy as np
+        lo, hi = read.pages[0], read.pages[-1]
+        nbytes = (hi - lo + 1) * 8
+        scratch = self._epoch_scratch
+        if scratch is None or len(scratch) < nbytes:
+            if scratch is not None:
+                self._te.unregister_memory(ctypes.addressof(scratch))
+                self._regions.remove(ctypes.addressof(scratch))
+                self._epoch_scratch = None
+            scratch = ctypes.create_string_buffer(max(nbytes, 4096))
+            if self._te.register_memory(ctypes.addressof(scratch), len(scratch), "cpu:0") != 0:
+                raise UnavailableError("Mooncake register_memory of the epoch scratch failed")
+            self._regions.append(ctypes.addressof(scratch))
+            self._epoch_scratch = scratch
+        rc = self._te.transfer_sync_read(read.session, ctypes.addressof(scratch),
+                                         read.epochs_ptr + lo * 8, nbytes)
+        if rc < 0:
+            raise self._peer_failed(read, "reading the owner's page epochs failed")
+        table = np.frombuffer(scratch, dtype=np.uint64, count=hi - lo + 1)
+        found = table[np.asarray(read.pages, dtype=np.int64) - lo]
+        bad = np.nonzero(found != np.uint64(read.epoch))[0]
+        if bad.size:
+            p = read.pages[int(bad[0])]
+            raise StaleDescriptorError(
+                f"remote page {p} changed owner {when} (epoch {int(found[bad[0]])}, the "
+                f"descriptor's {read.epoch}): the sequence was freed or its pages reused")
+
     def _run(self, read: _Read) -> None:
         n = len(read.lengths)
         try:
+            if read.epoch:
+                self._check_epochs(read, "before the copy")
             for i in range(0, n, _WINDOW):
                 if read.cancel.is_set():
                     concurrent.futures.Future.cancel(read.future)
@@ -259,6 +315,8 @@ class MooncakeKVTransferEngine(KVTransferEngine):
                     raise self._peer_failed(read, "batch_transfer_async_read refused the batch")
                 if self._te.get_batch_transfer_status([bid]) != 0:
                     raise self._peer_failed(read, f"requests {i}..{j - 1} failed")
+            if read.epoch:
+                self._check_epochs(read, "during the copy")
         except BaseException as e:  # resolve with what happened, never leave it pending
             read.future.set_exception(e)
             return

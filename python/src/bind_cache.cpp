@@ -277,6 +277,15 @@ void bind_cache(nb::module_& m) {
       .def_prop_ro("data_ptr",
                    [](const PyKVCache& c) { return reinterpret_cast<std::uintptr_t>(c.cache->base()); })
       .def_prop_ro("size_bytes", [](const PyKVCache& c) { return c.cache->size_bytes(); })
+      .def_prop_ro(
+          "epochs_ptr",
+          [](const PyKVCache& c) {
+            return reinterpret_cast<std::uintptr_t>(c.cache->epochs().words());
+          },
+          "Address of the cache's page epoch table (layout.num_pages 8-byte words of host "
+          "memory, written by the KVCachePool over this cache), for engines that register it.")
+      .def_prop_ro("epochs_bytes",
+                   [](const PyKVCache& c) { return c.cache->epochs().size_bytes(); })
       .def_prop_ro("view_shape", [](const PyKVCache& c) { return view_shape(c.cache->layout()); },
                    "Shape of the tensor view (__dlpack__, numpy()).")
       .def(

@@ -11,14 +11,16 @@ then reads commands on stdin, one per line:
               for shm, whose generation is the memory's, on a new cache
     quit      exit (also on end of input)
 After each command it prints the new READY line, but for these:
-    reuse     free sequence 1 and give its pages to a new sequence 3, filled
-              with its own pattern: prints "REUSED <hex of SequenceInfo 3>"
+    reuse [S] after S seconds (default 0), free sequence 1 (then the one the last reuse made) and give its
+              pages to a new sequence 3, 4, ..., filled with its own pattern
+              (SEED + id): prints "REUSED <hex of the new SequenceInfo>"
     expire    reap expired leases: prints "EXPIRED <count>"
     contains N  prints "CONTAINS 0|1"
 Done notices that reach the engine (UCX) free sequences in the pool.
 """
 import argparse
 import sys
+import time
 
 import mstar_kv as kv
 
@@ -77,6 +79,7 @@ def main():
         print("READY", *out, flush=True)
 
     ready()
+    current = 1  # the sequence the next "reuse" frees
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "restart":
@@ -89,12 +92,15 @@ def main():
             engine = make_engine(args, cache, te)
             pool = _republish(pool, cache, engine, args)
             ready()
-        elif cmd == "reuse":
-            pages = pool.pages(1)
-            pool.free(1)
-            assert pool.allocate(3, args.tokens) == pages  # LIFO: the same pages
-            cache.fill_pattern(SEED + 3, pages, 0, args.tokens)
-            print("REUSED", pool.publish(3).to_bytes().hex(), flush=True)
+        elif cmd.split()[0:1] == ["reuse"]:
+            if len(cmd.split()) > 1:  # "reuse SECONDS": wait that long first
+                time.sleep(float(cmd.split()[1]))
+            pages = pool.pages(current)
+            pool.free(current)
+            current = max(current, 2) + 1
+            assert pool.allocate(current, args.tokens) == pages  # LIFO: the same pages
+            cache.fill_pattern(SEED + current, pages, 0, args.tokens)
+            print("REUSED", pool.publish(current).to_bytes().hex(), flush=True)
         elif cmd == "expire":
             print("EXPIRED", pool.expire_leases(), flush=True)
         elif cmd.startswith("contains "):

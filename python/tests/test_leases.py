@@ -1,5 +1,6 @@
 """Never the wrong KV: page epochs, leases and done notices against a real
-prefill process (peer.py) over shm and UCX (tcp)."""
+prefill process (peer.py) over shm, UCX (tcp) and Mooncake (the PyPI wheel,
+where installed)."""
 import os
 import time
 
@@ -11,10 +12,28 @@ from conftest import SEED, TOKENS, local_layout
 os.environ.setdefault("UCX_TLS", "tcp")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-ENGINES = [e for e in ("shm", "ucx") if e in kv.built_engines()]
+try:
+    import mooncake.engine as mooncake_engine
+except ImportError:
+    mooncake_engine = None
+
+ENGINES = [e for e in ("shm", "ucx") if e in kv.built_engines()] + ["mooncake"]
+
+
+@pytest.fixture(autouse=True)
+def _need_mooncake_wheel(request):
+    if "mooncake" in request.node.name and mooncake_engine is None:
+        pytest.skip("the Mooncake wheel (mooncake-transfer-engine-non-cuda) is not installed")
 
 
 def reader(engine, cache):
+    if engine == "mooncake":
+        te = mooncake_engine.TransferEngine()
+        assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        mgr = kv.KVTransferManager(kv.TransferEngineInfo("decode", "", te, {"timeout": 10.0}),
+                                   cache)
+        mgr._te = te  # the application's engine lives as long as the manager
+        return mgr
     return kv.KVTransferManager(kv.TransferEngineInfo("decode", "", engine, {"timeout": 10.0}),
                                 cache)
 
@@ -44,6 +63,43 @@ def test_reused_pages_raise_stale_never_the_other_requests_kv(engine, peer_facto
             pull(mgr, seq1, local)
         assert pull(mgr, seq3, local) > 0
         assert cache.verify_pattern(SEED + 3, local, 0, TOKENS)["ok"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_page_reuse_race_never_reports_another_requests_kv(engine, peer_factory):
+    """The owner frees and reuses the pages while the pull runs, many times:
+    every pull verifies as its own sequence or raises StaleDescriptorError."""
+    peer = peer_factory(engine)
+    seq = peer.seqs[0]
+    cache = kv.KVCache(local_layout())
+    local = list(range(len(seq.page_indices)))
+    ok = stale = wrong = 0
+    delay = 0.0005  # adapts so that about half the pulls lose the race
+    deadline = time.monotonic() + 3.0
+    with reader(engine, cache) as mgr:
+        while time.monotonic() < deadline and ok + stale < 3000:
+            # The owner reuses the pages after `delay`...
+            d = delay * (0.5 + (ok + stale) % 7 / 7)
+            peer.proc.stdin.write(f"reuse {d:.6f}\n" if d >= 2e-5 else "reuse\n")
+            peer.proc.stdin.flush()
+            try:  # ...while this pull runs
+                pull(mgr, seq, local)
+                if cache.verify_pattern(SEED + seq.seq_id, local, 0, TOKENS)["ok"]:
+                    ok += 1
+                else:
+                    wrong += 1
+                delay = max(1e-6, delay * 0.9)
+            except kv.StaleDescriptorError:
+                stale += 1
+                delay = min(0.05, delay * 1.1)
+            answer = peer.proc.stdout.readline().split()
+            assert answer[0] == "REUSED", answer
+            seq = kv.SequenceInfo.from_bytes(bytes.fromhex(answer[1]))
+    print(f"{engine}: {ok + stale + wrong} pulls, {ok} verified, {stale} stale, "
+          f"wrong-sequence reads: {wrong}")
+    assert wrong == 0
+    assert ok + stale >= 100
+    assert stale > 0 and ok > 0  # the race really ran both ways
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -453,7 +453,7 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
     };
     if (o.epoch_ab) {
       EngineOptions off = eo;
-      off.check_epochs = false;
+      off.check_epochs = o.epoch_ab_control;  // control: both sides check
       manager_off = std::make_unique<KVTransferManager>(
           TransferEngineInfo{me + "-noepoch", "", v.engine, off}, local);
       request_off = [&] {

@@ -29,6 +29,9 @@ struct RunOptions {
   // pulls through a second manager with EngineOptions::check_epochs = false
   // (extra "gbps_no_epoch_check", "epoch_check_cost_pct"). Measurement only.
   bool epoch_ab = false;
+  // Control run of the same method: the second manager checks too, so the
+  // "cost" printed is the A/B method's own bias.
+  bool epoch_ab_control = false;
   // Called between repetitions with a short status, for the progress bar.
   std::function<void(const std::string&)> progress;
 };

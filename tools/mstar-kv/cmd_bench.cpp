@@ -70,6 +70,7 @@ const char* kHelp =
     "  --no-verify         do not check the bytes after the warm-up request\n"
     "  --epoch-ab          also pull with page epoch checks off, alternating with the\n"
     "                      checked pulls in the same case (measures what they cost)\n"
+    "  --epoch-ab-control  the same with checks on for both sides: the method's bias\n"
     "\n"
     "output:\n"
     "  --json FILE|-       every case with ratio_to_baseline\n"
@@ -234,7 +235,8 @@ int cmd_bench(int argc, char** argv) {
   if (argc >= 1 && std::string(argv[0]) == "--internal-serve") {
     return serve_main(argc - 1, argv + 1);
   }
-  Args args(argc, argv, {"help", "quiet", "no-external", "no-verify", "epoch-ab"},
+  Args args(argc, argv,
+            {"help", "quiet", "no-external", "no-verify", "epoch-ab", "epoch-ab-control"},
             {"suite", "engine", "case", "model", "tokens", "page-size", "table", "prefix-hit",
              "cache-order", "page-order", "remote-cache-order", "remote-page-order", "piece",
              "batch", "repeat", "threads", "min-time", "timeout-ms", "engine-opt", "max-mem-gib",
@@ -261,7 +263,8 @@ int cmd_bench(int argc, char** argv) {
   ro.min_time_s = args.f64("min-time", 0.15);
   ro.timeout = std::chrono::milliseconds(args.u64("timeout-ms", 30000));
   ro.verify = !args.flag("no-verify");
-  ro.epoch_ab = args.flag("epoch-ab");
+  ro.epoch_ab_control = args.flag("epoch-ab-control");
+  ro.epoch_ab = args.flag("epoch-ab") || ro.epoch_ab_control;
   ro.self_exe = self_exe();
   if (ro.threads == 0 || ro.threads > 256) {
     throw Error(StatusCode::kInvalidArgument, "--threads " + std::to_string(ro.threads) + " outside [1, 256]");

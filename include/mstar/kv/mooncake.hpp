@@ -178,6 +178,9 @@ struct MooncakeKVTransferInfo {
   std::uint64_t size = 0;       // bytes registered from data_ptr
   std::uint64_t generation = 0; // random, nonzero, new for every engine
   std::uint64_t identity_ptr = 0;  // the owner's registered identity page
+  // The owner's registered page epoch table (epochs.hpp): layout.num_pages
+  // 8-byte words a reader fetches before and after its reads.
+  std::uint64_t epochs_ptr = 0;
 
   // KVTransferInfo{engine = "mooncake", payload}.
   KVTransferInfo encode() const;

@@ -162,7 +162,16 @@ MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
     region_.size = layout.total_bytes();
     region_.layout = layout;
     region_.generation = rma::new_generation();
-    region_.backend_blob = encode_blob(reinterpret_cast<std::uintptr_t>(identity_.get()));
+    // The page epoch table, beside the cache, for readers' epoch checks.
+    const PageEpochs& ep = cache_->epochs();
+    if (api_->registerLocalMemory(engine_, ep.words(), ep.size_bytes(),
+                                  options_.location.c_str(), 1) != 0) {
+      throw Error(StatusCode::kUnavailable,
+                  "Mooncake registerLocalMemory of the page epoch table failed");
+    }
+    epochs_registered_ = true;
+    region_.backend_blob = encode_blob({reinterpret_cast<std::uintptr_t>(identity_.get()),
+                                        reinterpret_cast<std::uintptr_t>(ep.words())});
     write_identity(identity_.get(), region_);
     if (api_->registerLocalMemory(engine_, identity_.get(), kIdentityBytes,
                                   options_.location.c_str(), 1) != 0) {
@@ -207,7 +216,11 @@ void MooncakeBackend::release_engine() noexcept {
   if (identity_registered_ && api_->unregisterLocalMemory(engine_, identity_.get()) != 0) {
     options_.log.error("mooncake: unregisterLocalMemory of the identity page failed");
   }
-  cache_registered_ = identity_registered_ = false;
+  if (epochs_registered_ &&
+      api_->unregisterLocalMemory(engine_, cache_->epochs().words()) != 0) {
+    options_.log.error("mooncake: unregisterLocalMemory of the page epoch table failed");
+  }
+  cache_registered_ = identity_registered_ = epochs_registered_ = false;
   // A shared handle is the application's: it stays alive and usable.
   if (!shared_) api_->destroyTransferEngine(engine_);
   engine_ = nullptr;
@@ -443,7 +456,7 @@ void MooncakeBackend::go_dead(const std::string& why) {
       // request of ours can write any more. Registrations go with it.
       api_->destroyTransferEngine(engine_);
       engine_ = nullptr;
-      cache_registered_ = identity_registered_ = false;
+      cache_registered_ = identity_registered_ = epochs_registered_ = false;
     }
   }
   std::vector<std::shared_ptr<Batch>> left;

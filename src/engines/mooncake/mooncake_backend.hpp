@@ -62,10 +62,16 @@ inline constexpr std::size_t kIdentityBytes = 4096;
 inline constexpr std::uint64_t kMaxRequestBytes = 1u << 20;
 inline constexpr std::uint64_t kIdentityMagic = 0x4449434d564b534dull;  // "MSKVMCID"
 
-// backend_blob of a Mooncake RmaRegionInfo: u16 version | u64 identity_ptr.
-std::vector<std::uint8_t> encode_blob(std::uint64_t identity_ptr);
+// backend_blob of a Mooncake RmaRegionInfo: u16 version (2) | u64
+// identity_ptr | u64 epochs_ptr (the owner's registered page epoch table,
+// epochs.hpp: layout.num_pages 8-byte words).
+struct MooncakeBlob {
+  std::uint64_t identity_ptr = 0;
+  std::uint64_t epochs_ptr = 0;
+};
+std::vector<std::uint8_t> encode_blob(const MooncakeBlob& blob);
 // Untrusted: throws Error(kCorruptDescriptor) naming the field.
-std::uint64_t decode_blob(std::span<const std::uint8_t> blob);
+MooncakeBlob decode_blob(std::span<const std::uint8_t> blob);
 
 // A zeroed, page-aligned kIdentityBytes page (throws kInternal when out of
 // memory).
@@ -150,6 +156,7 @@ class MooncakeBackend final : public rma::RmaBackend {
   bool shared_ = false;        // engine_ is the application's: never destroyed
   bool cache_registered_ = false;     // guarded by api_mu_
   bool identity_registered_ = false;  // guarded by api_mu_
+  bool epochs_registered_ = false;   // guarded by api_mu_
 
   std::size_t window_ = 1024;  // requests per peer in Mooncake's hands
   std::atomic<bool> dead_{false};

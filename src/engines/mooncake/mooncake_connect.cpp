@@ -18,7 +18,7 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-constexpr std::uint16_t kBlobVersion = 1;
+constexpr std::uint16_t kBlobVersion = 2;
 
 void free_page(void* p) { std::free(p); }
 
@@ -37,14 +37,15 @@ PagePtr alloc_page() {
   return {static_cast<std::byte*>(p), &free_page};
 }
 
-std::vector<std::uint8_t> encode_blob(std::uint64_t identity_ptr) {
+std::vector<std::uint8_t> encode_blob(const MooncakeBlob& blob) {
   codec::ByteWriter w;
   w.u16(kBlobVersion);
-  w.u64(identity_ptr);
+  w.u64(blob.identity_ptr);
+  w.u64(blob.epochs_ptr);
   return w.take();
 }
 
-std::uint64_t decode_blob(std::span<const std::uint8_t> blob) {
+MooncakeBlob decode_blob(std::span<const std::uint8_t> blob) {
   codec::ByteReader r(blob, "Mooncake backend_blob");
   const std::uint16_t version = r.u16("version");
   if (version != kBlobVersion) {
@@ -52,10 +53,16 @@ std::uint64_t decode_blob(std::span<const std::uint8_t> blob) {
                           std::to_string(kBlobVersion));
   }
   const std::uint64_t ptr = r.u64("identity_ptr");
+  const std::uint64_t epochs = r.u64("epochs_ptr");
   r.expect_end();
   if (ptr == 0) r.fail("identity_ptr", "null identity page address");
   if (ptr + kIdentityBytes < ptr) r.fail("identity_ptr", hex(ptr) + " + 4096 overflows");
-  return ptr;
+  if (epochs == 0 || epochs % 8 != 0) {
+    r.fail("epochs_ptr", "page epoch table address " + hex(epochs) + " is null or unaligned");
+  }
+  // Its end (epochs + 8 * num_pages) is checked against the layout by
+  // MooncakeKVTransferInfo::decode.
+  return MooncakeBlob{ptr, epochs};
 }
 
 void write_identity(std::byte* page, const rma::RmaRegionInfo& region) {
@@ -158,7 +165,7 @@ class MooncakePeer final : public rma::RmaPeer {
 
 std::shared_ptr<rma::RmaPeer> MooncakeBackend::connect(const rma::RmaRegionInfo& remote,
                                                        std::chrono::milliseconds timeout) {
-  const std::uint64_t identity_ptr = decode_blob(remote.backend_blob);
+  const std::uint64_t identity_ptr = decode_blob(remote.backend_blob).identity_ptr;
   const std::string who = "peer '" + remote.entity_id + "' at " + remote.session_id;
   const auto deadline = Clock::now() + timeout;
   McSegmentId segment = -1;

@@ -83,7 +83,7 @@ KVTransferInfo MooncakeKVTransferInfo::encode() const {
   r.size = size;
   r.layout = layout;
   r.generation = generation;
-  r.backend_blob = engines::mooncake::encode_blob(identity_ptr);
+  r.backend_blob = engines::mooncake::encode_blob({identity_ptr, epochs_ptr});
   return KVTransferInfo{kEngineName, r.encode()};
 }
 
@@ -100,7 +100,14 @@ MooncakeKVTransferInfo MooncakeKVTransferInfo::decode(const KVTransferInfo& info
   out.layout = r.layout;
   out.size = r.size;
   out.generation = r.generation;
-  out.identity_ptr = engines::mooncake::decode_blob(r.backend_blob);
+  const auto blob = engines::mooncake::decode_blob(r.backend_blob);
+  out.identity_ptr = blob.identity_ptr;
+  out.epochs_ptr = blob.epochs_ptr;
+  if (out.epochs_ptr + std::uint64_t{out.layout.num_pages} * 8 < out.epochs_ptr) {
+    throw Error(StatusCode::kCorruptDescriptor,
+                "Mooncake descriptor: epochs_ptr + 8 x " + std::to_string(out.layout.num_pages) +
+                    " pages overflows");
+  }
   return out;
 }
 

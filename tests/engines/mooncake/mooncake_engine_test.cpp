@@ -340,6 +340,7 @@ TEST(MooncakeEngineAnywhere, DescriptorRoundTripsAndRejectsUntrustedBytes) {
   d.size = d.layout.total_bytes();
   d.generation = 42;
   d.identity_ptr = 0x7f1000000000;
+  d.epochs_ptr = 0x7f1000100000;
   const KVTransferInfo info = d.encode();
   EXPECT_EQ(info.engine, "mooncake");
   EXPECT_EQ(MooncakeKVTransferInfo::decode(info), d);
@@ -371,6 +372,12 @@ TEST(MooncakeEngineAnywhere, DescriptorRoundTripsAndRejectsUntrustedBytes) {
   EXPECT_NE(bad([](auto& f) { f.data_ptr = ~0ull - 10; }).find("CorruptDescriptor"),
             std::string::npos);
   EXPECT_NE(bad([](auto& f) { f.identity_ptr = 0; }).find("identity_ptr"), std::string::npos);
+  // The page epoch table's address is untrusted too: null, unaligned, or
+  // running past the end of the address space.
+  EXPECT_NE(bad([](auto& f) { f.epochs_ptr = 0; }).find("epochs_ptr"), std::string::npos);
+  EXPECT_NE(bad([](auto& f) { f.epochs_ptr = 0x7f1000100004; }).find("epochs_ptr"),
+            std::string::npos);
+  EXPECT_NE(bad([](auto& f) { f.epochs_ptr = ~0ull - 7; }).find("epochs_ptr"), std::string::npos);
   EXPECT_NE(bad([](auto& f) { f.session_id.clear(); }).find("session_id"), std::string::npos);
   KVTransferInfo other = info;
   other.engine = "ucx";
