@@ -109,6 +109,11 @@ class MooncakeBackend final : public rma::RmaBackend {
 
   const std::string& session_id() const noexcept { return region_.session_id; }
 
+  // For MooncakePeer's page epoch checks: a registered, zeroed 4 KiB page
+  // (*data) that stays registered while the handle lives. Throws Error
+  // (kShutdown/kPeerFailure when the backend is stopped or dead, kInternal).
+  std::shared_ptr<void> scratch_page(std::byte** data);
+
   // For MooncakePeer: submits `reads` (offsets from the peer's `remote_base`
   // and from `local_base`) as one batch. `peer_failed` is set when a request
   // fails; `keepalive` lives until the completion has run.

@@ -6,10 +6,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <shared_mutex>
+#include <vector>
 #include <optional>
 #include <utility>
 
 #include "core/codec.hpp"
+#include "mstar/kv/epochs.hpp"
 #include "mooncake_backend.hpp"
 
 namespace mstar::kv::engines::mooncake {
@@ -120,9 +124,160 @@ class MooncakeBackend::Scratch {
   PagePtr page_;
 };
 
+std::shared_ptr<void> MooncakeBackend::scratch_page(std::byte** data) {
+  std::shared_lock<std::shared_mutex> api(api_mu_);
+  if (engine_ == nullptr || dead()) throw refusal();
+  auto page = alloc_page();
+  std::byte* raw = page.get();
+  if (api_->registerLocalMemory(engine_, raw, kIdentityBytes, options_.location.c_str(), 0) != 0) {
+    throw Error(StatusCode::kInternal, "Mooncake registerLocalMemory of a 4 KiB scratch page failed");
+  }
+  auto s = std::make_shared<Scratch>(*this, std::move(page));
+  *data = s->data();
+  return s;
+}
+
 // ---- a connected peer --------------------------------------------------------
 
 namespace {
+
+// Page epochs around one batch (epochs.hpp): the owner's epoch words of the
+// batch's pages are read into registered scratch pages (512 words each, one
+// page at a time) and compared, then the data reads run, then the words are
+// read and compared again. One request batch is outstanding at a time; the
+// completion runs once, after the last one finished, so nothing lands after
+// it. abort() stops the stage in flight and skips the rest.
+class EpochCheckedRead final : public rma::RmaOperation,
+                               public std::enable_shared_from_this<EpochCheckedRead> {
+ public:
+  static constexpr std::size_t kWordsPerScratch = kIdentityBytes / 8;
+
+  EpochCheckedRead(MooncakeBackend& backend, McSegmentId segment, std::string who,
+                   std::uint64_t data_ptr, std::uint64_t epochs_ptr, std::byte* local_base,
+                   std::vector<rma::RmaRead> reads, rma::RmaCompletion done,
+                   std::shared_ptr<std::atomic<bool>> failed, rma::RmaEpochCheck check)
+      : backend_(backend), segment_(segment), who_(std::move(who)), data_ptr_(data_ptr),
+        epochs_ptr_(epochs_ptr), local_base_(local_base), reads_(std::move(reads)),
+        done_(std::move(done)), failed_(std::move(failed)), check_(std::move(check)),
+        words_(check_.pages.size(), 0) {
+    std::byte* data = nullptr;
+    scratch_keep_ = backend_.scratch_page(&data);  // caller's thread: may register
+    scratch_ = data;
+  }
+
+  void start() { post_words(0, 0); }
+
+  void abort() noexcept override {
+    std::shared_ptr<rma::RmaOperation> cur;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      aborted_ = true;
+      cur = current_;
+    }
+    if (cur) cur->abort();
+  }
+
+ private:
+  // Phase 0 is before the data reads, 1 after; chunk k holds words
+  // [k * kWordsPerScratch, ...) of check_.pages.
+  void post_words(int phase, std::size_t k) {
+    std::vector<rma::RmaRead> words;
+    const std::size_t first = k * kWordsPerScratch;
+    const std::size_t end = std::min(check_.pages.size(), first + kWordsPerScratch);
+    for (std::size_t i = first; i < end; ++i) {
+      words.push_back({std::uint64_t{check_.pages[i]} * 8, (i - first) * 8, 8});
+    }
+    auto self = shared_from_this();
+    stage([&] {
+      return backend_.post(segment_, who_, epochs_ptr_, scratch_, words,
+                           [self, phase, k](Status st) { self->on_words(phase, k, std::move(st)); },
+                           failed_, scratch_keep_);
+    });
+  }
+
+  void on_words(int phase, std::size_t k, Status st) {
+    if (!st.is_ok()) return finish(std::move(st));
+    std::atomic_thread_fence(std::memory_order_acquire);
+    const std::size_t first = k * kWordsPerScratch;
+    const std::size_t end = std::min(check_.pages.size(), first + kWordsPerScratch);
+    std::memcpy(words_.data() + first, scratch_, (end - first) * 8);
+    if (is_aborted()) return finish(Status(StatusCode::kCancelled, "aborted"));
+    if (end < check_.pages.size()) return post_words(phase, k + 1);
+    for (std::size_t i = 0; i < check_.pages.size(); ++i) {
+      if (words_[i] != check_.epoch) {
+        return finish(stale_page_status(check_.pages[i], words_[i], check_.epoch,
+                                        phase == 0 ? "before the copy" : "during the copy"));
+      }
+    }
+    if (phase == 1) return finish(Status::ok());
+    auto self = shared_from_this();
+    stage([&] {
+      return backend_.post(segment_, who_, data_ptr_, local_base_, reads_,
+                           [self](Status s) {
+                             if (!s.is_ok()) return self->finish(std::move(s));
+                             if (self->is_aborted()) {
+                               return self->finish(Status(StatusCode::kCancelled, "aborted"));
+                             }
+                             self->post_words(1, 0);
+                           },
+                           failed_, nullptr);
+    });
+  }
+
+  // Posts the next stage (nothing else is outstanding); a refusal (the
+  // backend stopped or died) finishes the read.
+  template <typename Post>
+  void stage(Post&& post) {
+    std::shared_ptr<rma::RmaOperation> op;
+    try {
+      op = post();
+    } catch (const Error& e) {
+      return finish(e.status());
+    }
+    bool abort_now = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      current_ = op;
+      abort_now = aborted_;
+    }
+    if (abort_now) op->abort();
+  }
+
+  bool is_aborted() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return aborted_;
+  }
+
+  void finish(Status st) {
+    rma::RmaCompletion done;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (finished_) return;
+      finished_ = true;
+      done = std::move(done_);
+      current_.reset();
+    }
+    done(std::move(st));
+  }
+
+  MooncakeBackend& backend_;
+  const McSegmentId segment_;
+  const std::string who_;
+  const std::uint64_t data_ptr_;
+  const std::uint64_t epochs_ptr_;
+  std::byte* const local_base_;
+  const std::vector<rma::RmaRead> reads_;
+  rma::RmaCompletion done_;  // guarded by mu_
+  const std::shared_ptr<std::atomic<bool>> failed_;
+  const rma::RmaEpochCheck check_;
+  std::vector<std::uint64_t> words_;  // the owner's epochs of check_.pages
+  std::shared_ptr<void> scratch_keep_;
+  std::byte* scratch_ = nullptr;
+  std::mutex mu_;
+  bool aborted_ = false;   // guarded by mu_
+  bool finished_ = false;  // guarded by mu_
+  std::shared_ptr<rma::RmaOperation> current_;  // guarded by mu_
+};
 
 class MooncakePeer final : public rma::RmaPeer {
  public:
@@ -145,7 +300,14 @@ class MooncakePeer final : public rma::RmaPeer {
   std::shared_ptr<rma::RmaOperation> post_reads(std::vector<rma::RmaRead> reads,
                                                 rma::RmaCompletion done,
                                                 rma::RmaEpochCheck check) override {
-    (void)check;  // TODO(epochs): Mooncake's one-sided reads do not check page epochs yet
+    if (check.epoch != 0 && !check.pages.empty()) {
+      auto op = std::make_shared<EpochCheckedRead>(
+          backend_, segment_, "'" + served_.entity_id + "' at " + served_.session_id,
+          served_.data_ptr, decode_blob(served_.backend_blob).epochs_ptr, local_base_,
+          std::move(reads), std::move(done), failed_, std::move(check));
+      op->start();
+      return op;
+    }
     return backend_.post(segment_, "'" + served_.entity_id + "' at " + served_.session_id,
                          served_.data_ptr, local_base_, reads, std::move(done), failed_,
                          nullptr);
