@@ -167,6 +167,8 @@ const char* kServeHelp =
     "  --timeout-ms N      engine timeout (default 30000)\n"
     "  --extra K=V         engine option (repeatable as K=V,K=V)\n"
     "  --mooncake-lib PATH Mooncake's libtransfer_engine.so (--engine mooncake)\n"
+    "  --lease-ms N        free a published sequence not marked done after N ms\n"
+    "                      (default 60000; 0: never)\n"
     "  --exit-when-done    exit once every published sequence was marked done\n";
 
 const char* kPullHelp =
@@ -219,7 +221,8 @@ bool parse_id(const std::string& s, std::uint64_t* id) {
 int cmd_serve(int argc, char** argv) {
   std::set<std::string> options = layout_options();
   for (const char* o : {"engine", "listen", "data-port", "data-host", "sequences", "tokens",
-                        "seed", "scatter-seed", "timeout-ms", "extra", "mooncake-lib"}) {
+                        "seed", "scatter-seed", "timeout-ms", "extra", "mooncake-lib",
+                        "lease-ms"}) {
     options.insert(o);
   }
   Args args(argc, argv, {"help", "exit-when-done"}, options);
@@ -266,7 +269,12 @@ int cmd_serve(int argc, char** argv) {
   auto cache = make_kv_cache(layout, memory_for(engine));
   const std::string session = data_host + ":" + std::to_string(data_port);
   KVTransferManager manager(TransferEngineInfo{"serve", session, engine, eo}, cache);
-  KVCachePool pool(cache, manager.get_kv_transfer_info(), args.u64("scatter-seed", 7));
+  // A published sequence nobody marks done is freed after its lease (then
+  // GET answers 404 and a reader still holding it fails with StaleDescriptor).
+  KVCachePool pool(cache, manager.get_kv_transfer_info(), args.u64("scatter-seed", 7),
+                   std::chrono::milliseconds(
+                       args.u64("lease-ms", static_cast<std::uint64_t>(
+                                                KVCachePool::kDefaultLease.count()))));
   for (std::uint64_t id = 0; id < sequences; ++id) {
     const auto pages = pool.allocate(id, tokens);
     fill_pattern(*cache, seed + id, pages, 0, tokens);
