@@ -25,6 +25,15 @@
 //   1.13 gives client/server endpoints only the connection manager's
 //   transports, i.e. tcp, never shared memory). Endpoints are cached per
 //   peer; a failed peer is evicted and the next read connects afresh.
+// * Page epochs (epochs.hpp): a read of a SequenceInfo's descriptor names
+//   the sequence's epoch and its remote pages. In the am modes the owner
+//   checks them against its own table before sending the first byte and
+//   again once every send completed, and answers with its verdict; the read
+//   resolves only after it (a changed page fails it with kStaleDescriptor).
+//   With gets the reader asks the owner for the same check before posting
+//   and after the last get landed. A stale read keeps the connection.
+// * Done notices: notify_done() sends an active message naming the sequence
+//   and its epoch; the owner's handler (serve_done_notices) frees it.
 // * Ways to read, chosen per connection ("ucx_mode"):
 //     am     peer-served: the reader sends the planned byte ranges in one
 //            active message over the client/server endpoint; the owner
