@@ -39,7 +39,7 @@ class PageEpochs {
   std::uint64_t* words() const noexcept { return words_; }
   std::size_t size_bytes() const noexcept { return std::size_t{num_pages_} * 8; }
 
-  // Owner side: stamps `epoch` on every page, then a release fence, so that
+  // Owner side: stamps `epoch` on every page, then a full fence, so that
   // a reader that sees any byte written to those pages after this call also
   // sees the new epoch (the seqlock's writer half). Pages must be in range
   // (the pool checked them).
@@ -75,7 +75,7 @@ bool is_page_epoch_failure(const Status& status) noexcept;
 
 // The remote pages of a batch of reads, each once, in order of first
 // appearance; `num_pages` is the remote cache's (pages at or beyond it, or
-// negative, are kept once each too, so that the check refuses them). O(reads).
+// negative, are kept once, so that the check refuses them). O(reads).
 std::vector<std::uint32_t> remote_pages_of(std::span<const KVReadInfo> reads,
                                            std::uint32_t num_pages);
 
