@@ -1,6 +1,7 @@
 // Copyright mstar-kv authors.
 #include "mstar/kv/epochs.hpp"
 
+#include <algorithm>
 #include <string>
 
 namespace mstar::kv {
@@ -63,15 +64,29 @@ Status check_page_epochs(const std::uint64_t* table, std::uint32_t num_pages,
 
 std::vector<std::uint32_t> remote_pages_of(std::span<const KVReadInfo> reads,
                                            std::uint32_t num_pages) {
-  std::vector<std::uint8_t> seen(num_pages, 0);
   std::vector<std::uint32_t> pages;
   bool out_of_range = false;
-  for (const KVReadInfo& r : reads) {
+  auto keep = [&](const KVReadInfo& r) {
     if (r.remote_page_idx < 0 || r.remote_page_idx >= std::int64_t{num_pages}) {
       if (!out_of_range) pages.push_back(static_cast<std::uint32_t>(r.remote_page_idx));
       out_of_range = true;
-      continue;
+      return false;
     }
+    return true;
+  };
+  // Small reads (the common decode-step case) dedupe by scanning; large
+  // ones with a bitmap of the remote cache's pages.
+  if (reads.size() <= 64) {
+    for (const KVReadInfo& r : reads) {
+      if (!keep(r)) continue;
+      const auto p = static_cast<std::uint32_t>(r.remote_page_idx);
+      if (std::find(pages.begin(), pages.end(), p) == pages.end()) pages.push_back(p);
+    }
+    return pages;
+  }
+  std::vector<std::uint8_t> seen(num_pages, 0);
+  for (const KVReadInfo& r : reads) {
+    if (!keep(r)) continue;
     auto& s = seen[static_cast<std::size_t>(r.remote_page_idx)];
     if (s == 0) pages.push_back(static_cast<std::uint32_t>(r.remote_page_idx));
     s = 1;

@@ -6,6 +6,10 @@
 // (cudaIpcGetMemHandle / cudaIpcOpenMemHandle). Both processes may use the
 // same GPU (CUDA IPC supports it) or two GPUs with peer access.
 //
+// Page epochs (epochs.hpp) are NOT checked by this engine yet: a device
+// cache keeps its epoch table in private host memory that readers cannot
+// see, so a read of pages the owner freed and reused is not detected here.
+//
 // Device memory. make_kv_cache(layout, MemoryKind::kDevice, device) makes a
 // cache in ONE cudaMalloc allocation for the whole cache, not one per layer:
 // one IPC handle describes the whole cache, a reader opens it once per owner

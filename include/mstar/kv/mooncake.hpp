@@ -33,6 +33,14 @@
 // offset, i.e. the owner's absolute address) and completed by a progress
 // thread polling getTransferStatus.
 //
+// Page epochs (epochs.hpp): the owner also registers its cache's page epoch
+// table and names it in the descriptor (epochs_ptr). A read of a
+// SequenceInfo's descriptor (epoch != 0) reads the epoch words of its pages
+// into a registered scratch page before the page reads and again after them,
+// and fails with kStaleDescriptor if any page changed owner. (Tested here only
+// through the PyPI wheel's engine, python/mstar_kv/mooncake_wheel.py, which
+// does the same; the C library path runs where MSTAR_KV_MOONCAKE_LIB is set.)
+//
 // Options, all in EngineOptions::extra (all optional):
 //   "mooncake_lib"       library path (see above)
 //   "mooncake_metadata"  Mooncake's metadata connection string; default

@@ -1,0 +1,53 @@
+// Copyright mstar-kv authors.
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <vector>
+
+#include "mstar/kv/epochs.hpp"
+
+namespace mstar::kv {
+namespace {
+
+KVReadInfo read_of(std::int64_t remote_page) { return {0, 0, remote_page, 0, 1}; }
+
+TEST(PageEpochs, StampAndCheckBeforeAndAfter) {
+  std::vector<std::uint64_t> words(8, 0);
+  PageEpochs ep(words.data(), 8);
+  const std::vector<std::uint32_t> pages = {1, 3, 5};
+  ep.stamp(pages, 42);
+  EXPECT_EQ(ep.load(3), 42u);
+  EXPECT_EQ(ep.load(2), 0u);
+  EXPECT_EQ(ep.load(9), 0u);  // out of range reads as free
+  EXPECT_TRUE(check_page_epochs(words.data(), 8, pages, 42, "before the copy", false).is_ok());
+  ep.stamp(std::vector<std::uint32_t>{5}, 43);  // page 5 went to another request
+  const Status s = check_page_epochs(words.data(), 8, pages, 42, "during the copy", true);
+  EXPECT_EQ(s.code(), StatusCode::kStaleDescriptor);
+  EXPECT_NE(s.message().find("remote page 5 changed owner during the copy (epoch 43, the "
+                             "descriptor's 42)"),
+            std::string::npos)
+      << s.message();
+  EXPECT_TRUE(is_page_epoch_failure(s));
+  EXPECT_TRUE(is_page_epoch_failure(Status(s.code(), "read of 3 bytes failed: " + s.message())));
+  EXPECT_FALSE(is_page_epoch_failure(Status(StatusCode::kStaleDescriptor, "generation 7")));
+  // A page outside the table never passes.
+  EXPECT_EQ(check_page_epochs(words.data(), 8, std::vector<std::uint32_t>{8}, 0, "x", false)
+                .code(),
+            StatusCode::kStaleDescriptor);
+}
+
+TEST(PageEpochs, RemotePagesOfAReadEachOnceSmallAndLarge) {
+  const std::vector<KVReadInfo> small = {read_of(3), read_of(1), read_of(3), read_of(-1),
+                                         read_of(99), read_of(1)};
+  EXPECT_EQ(remote_pages_of(small, 8), (std::vector<std::uint32_t>{3, 1, 0xFFFFFFFFu}));
+  std::vector<KVReadInfo> large;
+  for (int layer = 0; layer < 32; ++layer) {
+    for (int p = 0; p < 16; ++p) large.push_back(read_of(15 - p));
+  }
+  std::vector<std::uint32_t> want(16);
+  std::iota(want.rbegin(), want.rend(), 0u);
+  EXPECT_EQ(remote_pages_of(large, 16), want);
+}
+
+}  // namespace
+}  // namespace mstar::kv
