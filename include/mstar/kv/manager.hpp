@@ -109,7 +109,9 @@ class KVTransferManager {
   // an active message), so that the owner frees it before its lease
   // expires. Throws Error(kUnavailable) for engines without such a channel
   // (shm, cuda_ipc, mooncake): use the side channel (e.g. `mstar-kv serve`'s
-  // POST /v1/sequences/{id}/done). Asynchronous, not acknowledged.
+  // POST /v1/sequences/{id}/done). Not acknowledged: returns once the notice
+  // is queued (connecting to the owner first if needed, bounded by the
+  // engine's timeout).
   void notify_done(const SequenceInfo& seq);
   // Owner side: done notices that arrive at this manager's engine free the
   // named sequence in `pool` if it still holds the epoch the notice names
