@@ -147,7 +147,12 @@ void TransferPromise::set_peer(std::string peer) {
 }
 
 TransferPromise::TransferPromise()
-    : state_(std::make_shared<detail::TransferState>()) {}
+    : state_(std::make_shared<detail::TransferState>()),
+      guard_(nullptr, [state = state_](void*) noexcept {
+        state->resolve(Status(StatusCode::kInternal,
+                              "engine dropped the read: its promise was destroyed unresolved"),
+                       0);
+      }) {}
 
 bool TransferPromise::complete(std::uint64_t bytes) noexcept {
   return state_->resolve(Status::ok(), bytes);

@@ -63,33 +63,49 @@ std::vector<std::uint32_t> KVCachePool::allocate_locked(std::size_t count) {
                                    free_.end());
   std::reverse(pages.begin(), pages.end());
   free_.resize(free_.size() - count);
-  for (std::uint32_t p : pages) in_use_[p] = 1;
+  for (std::uint32_t p : pages) in_use_[p] = kLoose;
   cache_->epochs().stamp(pages, next_epoch_++);
   return pages;
 }
 
-void KVCachePool::free_locked(std::span<const std::uint32_t> pages) {
+void KVCachePool::free_locked(std::span<const std::uint32_t> pages, std::uint8_t owner) {
   // Check everything first so that a bad call changes nothing. Pages being
-  // freed are marked 2, which also catches a page named twice in one call.
+  // freed are marked kFreeing, which also catches a page named twice in one
+  // call. `owner` is the mark the pages must carry: kLoose for free_pages
+  // (allocate_pages), kOwned for release (a sequence's pages), so that
+  // free_pages of a page a live sequence holds is refused instead of handing
+  // it to a second sequence.
   const std::uint32_t n = cache_->layout().num_pages;
   for (std::size_t i = 0; i < pages.size(); ++i) {
     const std::uint32_t p = pages[i];
-    if (p >= n || in_use_[p] != 1) {
-      for (std::size_t j = 0; j < i; ++j) in_use_[pages[j]] = 1;
+    if (p >= n || in_use_[p] != owner) {
+      for (std::size_t j = 0; j < i; ++j) in_use_[pages[j]] = owner;
       if (p >= n) {
         throw Error(StatusCode::kInvalidArgument,
                     "free of page " + std::to_string(p) + " out of range [0, " +
                         std::to_string(n) + ")");
       }
+      if (in_use_[p] == kOwned) {
+        std::string holder = "a live sequence";
+        for (const auto& [id, seq] : sequences_) {
+          if (std::find(seq.pages.begin(), seq.pages.end(), p) != seq.pages.end()) {
+            holder = "sequence " + std::to_string(id);
+            break;
+          }
+        }
+        throw Error(StatusCode::kInvalidArgument,
+                    "free_pages of page " + std::to_string(p) + ", which " + holder +
+                        " holds (release the sequence instead)");
+      }
       throw Error(StatusCode::kInvalidArgument,
                   "double free of page " + std::to_string(p));
     }
-    in_use_[p] = 2;
+    in_use_[p] = kFreeing;
   }
   // Free pages carry epoch 0: a reader still holding them now fails.
   cache_->epochs().stamp(pages, 0);
   for (auto it = pages.rbegin(); it != pages.rend(); ++it) {
-    in_use_[*it] = 0;
+    in_use_[*it] = kFree;
     free_.push_back(*it);
   }
 }
@@ -103,9 +119,20 @@ std::vector<std::uint32_t> KVCachePool::allocate(std::uint64_t seq_id,
                 "sequence " + std::to_string(seq_id) + " is already allocated");
   }
   const std::uint64_t ps = cache_->layout().page_size;
-  const std::uint64_t count = (num_tokens + ps - 1) / ps;
+  const std::uint64_t num_pages = cache_->layout().num_pages;
+  // Not (num_tokens + ps - 1) / ps: that wraps for a num_tokens near 2^64
+  // (a Python -1) and allocated 0 pages.
+  const std::uint64_t count = num_tokens / ps + (num_tokens % ps != 0 ? 1 : 0);
+  if (count > num_pages) {
+    throw Error(StatusCode::kInvalidArgument,
+                "sequence " + std::to_string(seq_id) + " of " + std::to_string(num_tokens) +
+                    " tokens needs " + std::to_string(count) + " pages, more than the " +
+                    std::to_string(num_pages) + " pages (" + std::to_string(num_pages * ps) +
+                    " tokens) of the whole cache");
+  }
   const std::uint64_t epoch = next_epoch_;  // allocate_locked stamps it
   auto pages = allocate_locked(static_cast<std::size_t>(count));
+  for (std::uint32_t p : pages) in_use_[p] = kOwned;
   Sequence s;
   s.num_tokens = num_tokens;
   s.pages = pages;
@@ -124,7 +151,7 @@ void KVCachePool::release(std::uint64_t seq_id) {
                 "release of unknown sequence " + std::to_string(seq_id) +
                     " (never allocated or already released)");
   }
-  free_locked(it->second.pages);
+  free_locked(it->second.pages, kOwned);
   sequences_.erase(it);
 }
 
@@ -132,7 +159,7 @@ bool KVCachePool::done(std::uint64_t seq_id, std::uint64_t epoch) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sequences_.find(seq_id);
   if (it == sequences_.end() || (epoch != 0 && it->second.epoch != epoch)) return false;
-  free_locked(it->second.pages);
+  free_locked(it->second.pages, kOwned);
   sequences_.erase(it);
   return true;
 }
@@ -144,7 +171,7 @@ std::size_t KVCachePool::expire_locked(Clock::time_point now) {
   for (auto it = sequences_.begin(); it != sequences_.end();) {
     const Sequence& s = it->second;
     if (s.leased && s.expiry <= now) {
-      free_locked(s.pages);
+      free_locked(s.pages, kOwned);
       if (expired_ids_.size() >= kMaxRememberedExpired) expired_ids_.clear();
       expired_ids_.insert(it->first);
       it = sequences_.erase(it);
@@ -190,7 +217,7 @@ std::vector<std::uint32_t> KVCachePool::allocate_pages(std::size_t count) {
 
 void KVCachePool::free_pages(std::span<const std::uint32_t> pages) {
   std::lock_guard<std::mutex> lock(mu_);
-  free_locked(pages);
+  free_locked(pages, kLoose);
 }
 
 std::size_t KVCachePool::free_page_count() const {

@@ -118,5 +118,29 @@ TEST(Status, ScopesGroupWhatMustBeTornDown) {
   EXPECT_EQ(Status(StatusCode::kRetryLater, "").scope(), FailureScope::kNone);
 }
 
+
+// Found by an adopter: a promise destroyed unresolved left its future
+// waiting forever.
+TEST(TransferFuture, PromiseDestroyedUnresolvedResolvesTheFuture) {
+  TransferFuture f;
+  {
+    TransferPromise p;
+    f = p.future();
+    TransferPromise copy = p;  // copies share the state: only the last one counts
+    { TransferPromise moved = std::move(copy); }
+    EXPECT_FALSE(f.ready());
+  }
+  ASSERT_TRUE(f.wait_for(std::chrono::seconds(5)));
+  EXPECT_EQ(f.status().code(), StatusCode::kInternal);
+  EXPECT_NE(f.status().message().find("engine dropped the read"), std::string::npos);
+  TransferFuture done;
+  {
+    TransferPromise p;
+    done = p.future();
+    p.complete(7);
+  }
+  EXPECT_EQ(done.get(), 7u);  // a resolved promise is left as it is
+}
+
 }  // namespace
 }  // namespace mstar::kv

@@ -167,5 +167,70 @@ TEST(KVCachePool, LeaseZeroNeverExpires) {
   EXPECT_TRUE(pool.contains(1));
 }
 
+// Found by an adopter: allocate(seq, UINT64_MAX) wrapped the page count to 0.
+TEST(KVCachePool, HugeTokenCountIsRejectedNotWrapped) {
+  KVCachePool pool(cache(4), {});
+  for (std::uint64_t n : {~std::uint64_t{0}, ~std::uint64_t{0} - 1, ~std::uint64_t{0} - 2,
+                          std::uint64_t{65}}) {
+    try {
+      pool.allocate(1, n);
+      FAIL() << n;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::to_string(n) + " tokens"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_FALSE(pool.contains(1));
+    EXPECT_EQ(pool.free_page_count(), 4u);
+  }
+  EXPECT_EQ(pool.allocate(1, 64).size(), 4u);  // the whole cache is fine
+}
+
+// Found by an adopter: free_pages() of a live sequence's page let a second
+// sequence get it, so two live requests shared KV memory.
+TEST(KVCachePool, FreePagesOfALiveSequencesPageIsRefused) {
+  KVCachePool pool(cache(4), {});
+  const auto owned = pool.allocate(7, 32);  // 2 pages
+  const std::vector<std::uint32_t> one = {owned[1]};
+  try {
+    pool.free_pages(one);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("sequence 7 holds"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(pool.free_page_count(), 2u);
+  const auto other = pool.allocate(8, 32);
+  for (std::uint32_t p : other) {
+    EXPECT_EQ(std::count(owned.begin(), owned.end(), p), 0) << "page " << p << " shared";
+  }
+  // A loose page mixed with an owned one: nothing is freed.
+  pool.release(8);
+  const auto loose = pool.allocate_pages(1);
+  const std::vector<std::uint32_t> mixed = {loose[0], owned[0]};
+  EXPECT_THROW(pool.free_pages(mixed), Error);
+  EXPECT_EQ(pool.free_page_count(), 1u);
+  pool.free_pages(loose);
+  pool.release(7);
+  EXPECT_EQ(pool.free_page_count(), 4u);
+}
+
+// pool.hpp: release of an unknown sequence is a double free
+// (kInvalidArgument); pages and publish of one are kNotFound.
+TEST(KVCachePool, UnknownSequenceErrorsMatchTheHeader) {
+  KVCachePool pool(cache(4), {});
+  for (int op = 0; op < 3; ++op) {
+    try {
+      if (op == 0) pool.release(9);
+      if (op == 1) (void)pool.pages(9);
+      if (op == 2) (void)pool.publish(9);
+      FAIL() << op;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), op == 0 ? StatusCode::kInvalidArgument : StatusCode::kNotFound)
+          << op << ": " << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace mstar::kv

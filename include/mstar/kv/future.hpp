@@ -18,6 +18,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "mstar/kv/status.hpp"
 
@@ -94,6 +95,9 @@ class TransferFuture {
 // The engine's side. complete()/fail() resolve the shared state; only the
 // first resolution counts (later ones return false and change nothing), so
 // an engine may race a timeout against a completion safely.
+// Copies of a promise share one state; when the last copy is destroyed with
+// the future still unresolved, the future resolves with kInternal ("engine
+// dropped the read") instead of waiting forever.
 // Safe from any thread.
 class TransferPromise {
  public:
@@ -118,6 +122,9 @@ class TransferPromise {
 
  private:
   std::shared_ptr<detail::TransferState> state_;
+  // Shared by the copies of this promise; its deleter resolves an
+  // unresolved state when the last copy goes away.
+  std::shared_ptr<void> guard_;
 };
 
 // A future that is already resolved (for engines that finish synchronously).

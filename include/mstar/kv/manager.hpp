@@ -51,8 +51,9 @@ struct TransferEngineInfo {
 
 // The one place engines are created. With no info (or "local") the engine is
 // LocalOnlyKVTransferEngine. Throws Error(kUnavailable) naming the engine
-// when it was not built or cannot run here, Error(kInvalidArgument) when the
-// cache's memory kind does not suit it.
+// when it is a known engine that was not built or cannot run here,
+// Error(kInvalidArgument) for a name that is no engine at all (listing the
+// known ones) and when the cache's memory kind does not suit it.
 std::unique_ptr<KVTransferEngine> make_engine(
     const std::optional<TransferEngineInfo>& info,
     std::shared_ptr<KVCache> kv_cache);

@@ -18,8 +18,12 @@
 namespace mstar::kv {
 
 // Thread safety: every method is safe from any thread (one internal mutex).
-// Errors: exhaustion throws Error(kRetryLater); unknown sequences, double
-// allocation of a sequence and double frees throw Error(kInvalidArgument).
+// Errors: exhaustion throws Error(kRetryLater); a sequence larger than the
+// whole cache, double allocation of a sequence, double frees and free_pages
+// of a page a live sequence holds throw Error(kInvalidArgument), and so does
+// release of an unknown sequence (never allocated or already released: a
+// double free); pages and publish of an unknown sequence throw
+// Error(kNotFound). A call that throws changes nothing.
 //
 // Epochs and leases (epochs.hpp): every allocation stamps its pages with a
 // fresh epoch in the cache's epoch table (a freed page is stamped 0), and
@@ -48,7 +52,8 @@ class KVCachePool {
   const KVCache& cache() const noexcept { return *cache_; }
   std::shared_ptr<KVCache> shared_cache() const noexcept { return cache_; }
 
-  // Pages for a new sequence of num_tokens tokens: ceil(num_tokens/page_size).
+  // Pages for a new sequence of num_tokens tokens: ceil(num_tokens/page_size)
+  // (any num_tokens, up to 2^64 - 1, is checked against the cache's size).
   std::vector<std::uint32_t> allocate(std::uint64_t seq_id,
                                       std::uint64_t num_tokens);
   // Frees every page of the sequence. A sequence whose lease expired was
@@ -67,7 +72,8 @@ class KVCachePool {
   bool contains(std::uint64_t seq_id) const;
   std::vector<std::uint32_t> pages(std::uint64_t seq_id) const;
 
-  // Low level: pages not tied to a sequence id.
+  // Low level: pages not tied to a sequence id. free_pages takes only pages
+  // that allocate_pages handed out; a sequence's pages go back by release().
   std::vector<std::uint32_t> allocate_pages(std::size_t count);
   void free_pages(std::span<const std::uint32_t> pages);
 
@@ -88,15 +94,17 @@ class KVCachePool {
     Clock::time_point expiry{};
     std::uint64_t expiry_unix_ms = 0;
   };
+  // in_use_ marks.
+  static constexpr std::uint8_t kFree = 0, kLoose = 1, kOwned = 2, kFreeing = 3;
   std::vector<std::uint32_t> allocate_locked(std::size_t count);
-  void free_locked(std::span<const std::uint32_t> pages);
+  void free_locked(std::span<const std::uint32_t> pages, std::uint8_t owner);
   std::size_t expire_locked(Clock::time_point now);
 
   std::shared_ptr<KVCache> cache_;
   KVTransferInfo descriptor_;
   mutable std::mutex mu_;
   std::vector<std::uint32_t> free_;     // guarded by mu_; back() is next
-  std::vector<std::uint8_t> in_use_;    // guarded by mu_; one flag per page
+  std::vector<std::uint8_t> in_use_;    // guarded by mu_; one mark per page
   std::unordered_map<std::uint64_t, Sequence> sequences_;  // guarded by mu_
   std::chrono::milliseconds lease_;
   std::uint64_t next_epoch_ = 1;          // guarded by mu_

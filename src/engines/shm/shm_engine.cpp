@@ -99,10 +99,12 @@ std::shared_ptr<KVCache> checked_cache(std::shared_ptr<KVCache> cache,
                 "shm engine max_workers " + std::to_string(options.max_workers) +
                     " out of range [1, " + std::to_string(kMaxWorkers) + "]");
   }
-  if (options.timeout.count() < 0) {
+  // One rule for every engine (the RMA engines and cuda_ipc too): a timeout
+  // of at least 1 ms; 0 failed every read over the inline size at once.
+  if (options.timeout.count() <= 0) {
     throw Error(StatusCode::kInvalidArgument,
                 "shm engine timeout " + std::to_string(options.timeout.count()) +
-                    " ms must be >= 0");
+                    " ms out of range [1, ...)");
   }
   return cache;
 }

@@ -1552,6 +1552,10 @@ UcxOptions UcxOptions::parse(const EngineOptions& options) {
                     "ucx_chunk_bytes '" + value + "' is not in [4096, 2^30]");
       }
       o.chunk_bytes = v;
+    } else if (key.rfind("ucx_", 0) == 0) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "unknown UCX option '" + key + "' (known: ucx_mode, ucx_am_proto, "
+                  "ucx_chunk_bytes)");
     }
     // Keys of other engines are ignored: one EngineOptions may serve several.
   }

@@ -640,5 +640,30 @@ TEST(ShmMemory, PrivateCacheReadsButPublishesNothing) {
   EXPECT_THROW(ShmKVTransferEngine(nullptr), Error);
 }
 
+
+// Found by an adopter: timeout = 0 ms was accepted by shm (large reads then
+// failed at once) and refused by cuda_ipc: one rule, >= 1 ms, for all.
+TEST(ShmEngine, ZeroTimeoutIsRefusedAsByEveryEngine) {
+  KVLayout l;
+  l.num_layers = 1;
+  l.num_pages = 4;
+  l.page_size = 16;
+  l.num_kv_heads = 1;
+  l.head_dim = 8;
+  auto c = make_kv_cache(l, MemoryKind::kSharedHost);
+  TransferEngineInfo info{"me", "", "shm", {}};
+  info.options.timeout = std::chrono::milliseconds(0);
+  try {
+    KVTransferManager m(info, c);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("timeout 0 ms out of range [1"), std::string::npos)
+        << e.what();
+  }
+  info.options.timeout = std::chrono::milliseconds(1);
+  EXPECT_NO_THROW(KVTransferManager(info, c));
+}
+
 }  // namespace
 }  // namespace mstar::kv

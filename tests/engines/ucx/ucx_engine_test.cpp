@@ -407,5 +407,28 @@ INSTANTIATE_TEST_SUITE_P(
                 "owner can stall the reader's fifo (documented in ucx.hpp)"}),
     [](const ::testing::TestParamInfo<UcxCase>& i) { return i.param.label; });
 
+
+// Found by an adopter: a misspelled UCX option was silently ignored.
+TEST(UcxOptions, UnknownUcxKeyIsRejectedListingTheKnownOnes) {
+  KVLayout l;
+  l.num_layers = 1;
+  l.num_pages = 4;
+  l.page_size = 16;
+  l.num_kv_heads = 1;
+  l.head_dim = 8;
+  auto c = make_kv_cache(l, MemoryKind::kHost);
+  TransferEngineInfo info{"me", "127.0.0.1:0", "ucx", {}};
+  info.options.extra = {{"ucx_mdoe", "am"}};
+  try {
+    KVTransferManager m(info, c);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("unknown UCX option 'ucx_mdoe' (known: ucx_mode"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace mstar::kv
