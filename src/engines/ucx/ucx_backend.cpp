@@ -23,68 +23,15 @@
 #include <utility>
 #include <vector>
 
+#include "core/auth.hpp"
 #include "mstar/kv/epochs.hpp"
 #include "rma/rma_engine.hpp"
+#include "ucx_auth.hpp"
+#include "ucx_wire.hpp"
 
 namespace mstar::kv::ucx {
 
 namespace {
-
-// Active-message ids and their headers. Both ends run this code on the same
-// architecture; every header and span list is still length-checked, and the
-// owner validates every requested range against its region.
-enum AmId : unsigned {
-  kAmHello = 1,       // reader -> owner: which region do you serve?
-  kAmHelloReply = 2,  // owner -> reader: RmaRegionInfo bytes
-  kAmReadReq = 3,     // reader -> owner: spans to send back
-  kAmReadData = 4,    // owner -> reader: one span's bytes
-  kAmReadErr = 5,     // owner -> reader: request rejected
-  kAmReadFin = 6,     // owner -> reader: page epochs still held after the sends
-  kAmDone = 7,        // reader -> owner: done with a sequence (DoneHdr)
-};
-struct DoneHdr {
-  std::uint64_t seq_id;
-  std::uint64_t epoch;
-  std::uint64_t generation;
-};
-
-struct HelloHdr {
-  std::uint64_t token;
-};
-struct ReadReqHdr {
-  std::uint64_t batch_id;
-  std::uint64_t generation;
-  std::uint64_t nspans;
-  std::uint64_t flags;  // kReqEagerOnly, kReqCheckOnly
-  // Page epochs (epochs.hpp): with epoch != 0, the npages u32 page indices
-  // after the spans must carry it before the owner sends and still once its
-  // sends completed (then it answers kAmReadFin).
-  std::uint64_t epoch;
-  std::uint64_t npages;
-};
-// No spans: only check the pages' epochs and answer kAmReadFin (the
-// before/after checks around one-sided gets).
-constexpr std::uint64_t kReqCheckOnly = 2;
-// Reply with eager messages only. Set by readers on a shared-memory data
-// endpoint: there a rendezvous runs over cma without peer error handling,
-// and UCX 1.13 aborts the reading process when the owner dies mid-transfer
-// (measured); eager data only ever sits in the reader's own fifo.
-constexpr std::uint64_t kReqEagerOnly = 1;
-struct WireSpan {
-  std::uint64_t remote_offset;
-  std::uint64_t length;
-  std::uint64_t local_offset;
-};
-struct DataHdr {
-  std::uint64_t batch_id;
-  std::uint64_t local_offset;
-  std::uint64_t length;
-};
-struct ErrHdr {
-  std::uint64_t batch_id;
-  std::uint32_t code;
-  std::uint32_t pad;
-};
 
 constexpr std::uint64_t kMaxSpansPerRequest = 1u << 22;
 // Gets in flight per read. Small enough that an aborted read drains in
@@ -170,6 +117,11 @@ struct Conn {
   bool hello_set = false;            // [progress]
   std::set<std::uint64_t> batches;   // [progress]
   std::atomic<bool> failed{false};
+  // [progress] The handshake (ucx_auth.hpp): this reader's nonce, whether
+  // the owner proved the secret, and the ticket its requests carry.
+  Nonce nonce_r{};
+  bool owner_proved = false;
+  std::uint64_t ticket = 0;
   // Written on the progress thread before `hello` is set; read by others
   // only after hello's future is ready (the promise orders them).
   Mode mode = Mode::kAm;
@@ -271,7 +223,17 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
                          void* data, std::size_t length, const ucp_am_recv_param_t* param);
   ucs_status_t handle_data(const DataHdr& h, void* data, std::size_t length,
                            const ucp_am_recv_param_t* param);
-  void serve_hello(ucp_ep_h ep, std::uint64_t token);
+  // The handshake (ucx_wire.hpp): owner and reader halves.
+  void on_hello(ucp_ep_h ep, const HelloHdr& h);
+  void on_auth(ucp_ep_h ep, const AuthHdr& h);
+  void on_challenge(const ChallengeHdr& h);
+  void serve_hello(ucp_ep_h ep, std::uint64_t conn_id, std::uint64_t ticket);
+  void refuse_hello(ucp_ep_h ep, std::uint64_t conn_id, const std::string& why);
+  // True when a request carrying `ticket` may be served (always without a
+  // token on this owner).
+  bool ticket_valid(std::uint64_t ticket) const {
+    return options_.auth_token.empty() || (ticket != 0 && tickets_.count(ticket) != 0);
+  }
   void serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<WireSpan>& spans,
                   std::vector<std::uint32_t> pages);
   void serve_done(const std::shared_ptr<ServeState>& st);
@@ -282,7 +244,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
  public:
   // Done notices (leases): reader and owner halves.
   void send_done(const std::shared_ptr<Conn>& c, std::uint64_t seq_id, std::uint64_t epoch) {
-    const DoneHdr hdr{seq_id, epoch, c->served.generation};
+    const DoneHdr hdr{seq_id, epoch, c->served.generation, c->ticket};
     send_small(c->ep, kAmDone, &hdr, sizeof hdr, nullptr, 0, true);
   }
   void set_done_handler(std::function<void(std::uint64_t, std::uint64_t)> h) {
@@ -295,7 +257,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::function<void(std::uint64_t, std::uint64_t)> done_handler_;  // guarded by done_mu_
   void on_fin(const std::shared_ptr<Batch>& b, const Status& st);
   void send_err(ucp_ep_h ep, std::uint64_t batch_id, const Status& st);
-  void hello_reply(std::uint64_t token, const std::vector<std::uint8_t>& bytes);
+  void hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& bytes);
   void request_finished(std::uint64_t batch_id, ucs_status_t st);
   void post_gets(const std::shared_ptr<Batch>& b);
   // Contexts of requests that write locally; those UCX never completes
@@ -333,7 +295,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   int efd_ = -1;
   rma::RmaRegionInfo region_;
   std::vector<std::uint8_t> worker_address_;  // sent in the hello reply
-  AmTag am_tags_[8];
+  AmTag am_tags_[kAmMaxId + 1];
 
   std::mutex mu_;
   std::deque<std::function<void()>> commands_;  // guarded by mu_
@@ -348,6 +310,13 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::unordered_map<std::uint64_t, std::shared_ptr<Batch>> batches_;
   std::set<ucp_ep_h> server_eps_;
   std::set<ucp_ep_h> dead_eps_;       // closed in this progress round
+  // The owner's half of the handshake, per listener endpoint: the nonces of
+  // a challenge sent, the ticket of an authenticated reader, endpoints that
+  // failed (ignored from then on), and the tickets issued.
+  std::unordered_map<ucp_ep_h, std::pair<Nonce, Nonce>> challenged_;
+  std::unordered_map<ucp_ep_h, std::uint64_t> ep_ticket_;
+  std::set<ucp_ep_h> refused_;
+  std::set<std::uint64_t> tickets_;
   std::set<ReqCtx*> live_ctx_;
   std::set<SendCtx*> live_sends_;     // data replies not completed yet
   std::set<std::uint64_t> draining_;  // aborted get batches waiting to drain
@@ -440,7 +409,8 @@ void UcxCore::init_ucp(const std::string& session_id) {
   hp.flags = UCP_AM_FLAG_WHOLE_MSG;
   hp.cb = &UcxCore::on_am;
   for (unsigned id :
-       {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr, kAmReadFin, kAmDone}) {
+       {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr, kAmReadFin, kAmDone,
+        kAmChallenge, kAmAuth}) {
     am_tags_[id] = AmTag{this, id};
     hp.id = id;
     hp.arg = &am_tags_[id];
@@ -688,6 +658,12 @@ void UcxCore::on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t) {
 
 void UcxCore::close_server_ep(ucp_ep_h ep) {
   if (server_eps_.erase(ep) == 0) return;
+  challenged_.erase(ep);
+  refused_.erase(ep);
+  if (auto t = ep_ticket_.find(ep); t != ep_ticket_.end()) {
+    tickets_.erase(t->second);  // the reader's requests are refused from now on
+    ep_ticket_.erase(t);
+  }
   dead_eps_.insert(ep);
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -716,13 +692,63 @@ void UcxCore::send_small(ucp_ep_h ep, unsigned id, const void* header,
   if (!UCS_PTR_IS_PTR(sp)) delete block;
 }
 
-void UcxCore::serve_hello(ucp_ep_h ep, std::uint64_t token) {
-  if (server_eps_.count(ep) == 0) return;
+void UcxCore::on_hello(ucp_ep_h ep, const HelloHdr& h) {
+  if (server_eps_.count(ep) == 0 || refused_.count(ep) != 0 || challenged_.count(ep) != 0 ||
+      ep_ticket_.count(ep) != 0) {
+    return;  // one handshake per endpoint
+  }
+  if (options_.auth_token.empty()) {
+    serve_hello(ep, h.conn_id, 0);
+    return;
+  }
+  // Prove the secret first (mutual authentication), over the reader's nonce
+  // and a fresh one of ours; the region goes out only after the reader's
+  // proof (on_auth). A reader without a token learns it needs one.
+  Nonce nonce_r;
+  std::memcpy(nonce_r.data(), h.nonce, kNonceBytes);
+  const Nonce nonce_o = new_nonce();
+  challenged_[ep] = {nonce_r, nonce_o};
+  ChallengeHdr c{};
+  c.conn_id = h.conn_id;
+  std::memcpy(c.nonce, nonce_o.data(), kNonceBytes);
+  const Mac mac = owner_proof(options_.auth_token, nonce_r, nonce_o);
+  std::memcpy(c.mac, mac.data(), kMacBytes);
+  send_small(ep, kAmChallenge, &c, sizeof c, nullptr, 0, false);
+}
+
+void UcxCore::on_auth(ucp_ep_h ep, const AuthHdr& h) {
+  auto it = challenged_.find(ep);
+  if (server_eps_.count(ep) == 0 || it == challenged_.end()) return;
+  const auto [nonce_r, nonce_o] = it->second;
+  challenged_.erase(it);
+  if (!proof_matches(reader_proof(options_.auth_token, nonce_r, nonce_o), h.mac)) {
+    refused_.insert(ep);  // one try per connection
+    refuse_hello(ep, h.conn_id,
+                 "the reader's proof of the auth_token is wrong (the tokens differ)");
+    return;
+  }
+  std::uint64_t ticket = new_ticket();
+  while (tickets_.count(ticket) != 0) ticket = new_ticket();
+  tickets_.insert(ticket);
+  ep_ticket_[ep] = ticket;
+  serve_hello(ep, h.conn_id, ticket);
+}
+
+void UcxCore::refuse_hello(ucp_ep_h ep, std::uint64_t conn_id, const std::string& why) {
+  HelloHdr hdr{};
+  hdr.conn_id = conn_id;
+  hdr.code = static_cast<std::uint32_t>(StatusCode::kPermissionDenied);
+  send_small(ep, kAmHelloReply, &hdr, sizeof hdr, why.data(), why.size(), false);
+}
+
+void UcxCore::serve_hello(ucp_ep_h ep, std::uint64_t conn_id, std::uint64_t ticket) {
   // Reply: u32 region length | RmaRegionInfo bytes | worker address. The
   // address lets a reader open a second endpoint on which UCX may pick
   // shared-memory or RDMA transports for gets (client/server endpoints only
   // use transports reachable through the connection manager).
-  const HelloHdr hdr{token};
+  HelloHdr hdr{};
+  hdr.conn_id = conn_id;
+  hdr.ticket = ticket;
   const std::vector<std::uint8_t> region = region_.encode();
   std::vector<std::uint8_t> bytes(4 + region.size() + worker_address_.size());
   const std::uint32_t n = static_cast<std::uint32_t>(region.size());
@@ -858,7 +884,22 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       HelloHdr h;
       std::memcpy(&h, header, sizeof h);
       ucp_ep_h ep = param->reply_ep;
-      deferred_.push_back([this, ep, h] { serve_hello(ep, h.token); });
+      deferred_.push_back([this, ep, h] { on_hello(ep, h); });
+      return UCS_OK;
+    }
+    case kAmAuth: {
+      if (header_length != sizeof(AuthHdr) || !has_reply_ep || rndv) return UCS_OK;
+      AuthHdr h;
+      std::memcpy(&h, header, sizeof h);
+      ucp_ep_h ep = param->reply_ep;
+      deferred_.push_back([this, ep, h] { on_auth(ep, h); });
+      return UCS_OK;
+    }
+    case kAmChallenge: {
+      if (header_length != sizeof(ChallengeHdr) || rndv) return UCS_OK;
+      ChallengeHdr h;
+      std::memcpy(&h, header, sizeof h);
+      deferred_.push_back([this, h] { on_challenge(h); });
       return UCS_OK;
     }
     case kAmHelloReply: {
@@ -867,7 +908,7 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       std::memcpy(&h, header, sizeof h);
       std::vector<std::uint8_t> bytes(static_cast<std::uint8_t*>(data),
                                       static_cast<std::uint8_t*>(data) + length);
-      deferred_.push_back([this, h, b = std::move(bytes)] { hello_reply(h.token, b); });
+      deferred_.push_back([this, h, b = std::move(bytes)] { hello_reply(h, b); });
       return UCS_OK;
     }
     case kAmReadReq: {
@@ -884,6 +925,14 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
         deferred_.push_back([this, ep, h] {
           send_err(ep, h.batch_id,
                    Status(StatusCode::kInvalidArgument, "malformed read request"));
+        });
+        return UCS_OK;
+      }
+      if (!ticket_valid(h.ticket)) {
+        deferred_.push_back([this, ep, h] {
+          send_err(ep, h.batch_id,
+                   Status(StatusCode::kPermissionDenied,
+                          "read request without the ticket of an authenticated connection"));
         });
         return UCS_OK;
       }
@@ -934,7 +983,9 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       DoneHdr h;
       std::memcpy(&h, header, sizeof h);
       // A notice for another registration of this cache is stale: ignore it.
-      if (h.generation != region_.generation || h.epoch == 0) return UCS_OK;
+      if (h.generation != region_.generation || h.epoch == 0 || !ticket_valid(h.ticket)) {
+        return UCS_OK;
+      }
       deferred_.push_back([this, h] {
         std::function<void(std::uint64_t, std::uint64_t)> handler;
         {
@@ -1042,7 +1093,11 @@ std::shared_ptr<Conn> UcxCore::connect(const rma::RmaRegionInfo& remote,
       return;
     }
     conns_[conn->id] = conn;
-    const HelloHdr hdr{conn->id};
+    HelloHdr hdr{};
+    hdr.conn_id = conn->id;
+    hdr.flags = options_.auth_token.empty() ? 0 : kHelloHasToken;
+    conn->nonce_r = new_nonce();
+    std::memcpy(hdr.nonce, conn->nonce_r.data(), kNonceBytes);
     send_small(conn->ep, kAmHello, &hdr, sizeof hdr, nullptr, 0, true);
   });
   if (!posted) throw Error(StatusCode::kShutdown, "the ucx engine is shut down");
@@ -1056,18 +1111,61 @@ std::shared_ptr<Conn> UcxCore::connect(const rma::RmaRegionInfo& remote,
   }
   const Status st = hello.get();
   if (!st.is_ok()) {
-    throw Error(st.code() == StatusCode::kShutdown ? StatusCode::kShutdown
-                                                   : StatusCode::kPeerFailure,
+    // Refused authentication stays kPermissionDenied: reconnecting will not help.
+    const bool keep = st.code() == StatusCode::kShutdown ||
+                      st.code() == StatusCode::kPermissionDenied;
+    throw Error(keep ? st.code() : StatusCode::kPeerFailure,
                 "cannot connect to ucx peer at " + remote.session_id + ": " + st.message());
   }
   return conn;
 }
 
-void UcxCore::hello_reply(std::uint64_t token, const std::vector<std::uint8_t>& bytes) {
-  auto it = conns_.find(token);
+void UcxCore::on_challenge(const ChallengeHdr& h) {
+  auto it = conns_.find(h.conn_id);
+  if (it == conns_.end()) return;
+  auto conn = it->second;
+  if (conn->hello_set || conn->closing || conn->owner_proved) return;
+  if (options_.auth_token.empty()) {
+    close_conn(conn, Status(StatusCode::kPermissionDenied,
+                            "the owner requires an auth_token and this engine has none "
+                            "(EngineOptions.extra[\"auth_token\"], --token-file)"));
+    return;
+  }
+  Nonce nonce_o;
+  std::memcpy(nonce_o.data(), h.nonce, kNonceBytes);
+  if (!proof_matches(owner_proof(options_.auth_token, conn->nonce_r, nonce_o), h.mac)) {
+    close_conn(conn, Status(StatusCode::kPermissionDenied,
+                            "the owner's proof of the auth_token is wrong (the tokens "
+                            "differ, or this is not the owner the descriptor names)"));
+    return;
+  }
+  conn->owner_proved = true;
+  AuthHdr a{};
+  a.conn_id = conn->id;
+  const Mac mac = reader_proof(options_.auth_token, conn->nonce_r, nonce_o);
+  std::memcpy(a.mac, mac.data(), kMacBytes);
+  send_small(conn->ep, kAmAuth, &a, sizeof a, nullptr, 0, true);
+}
+
+void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& bytes) {
+  auto it = conns_.find(h.conn_id);
   if (it == conns_.end()) return;
   auto conn = it->second;
   if (conn->hello_set || conn->closing) return;
+  if (h.code != 0) {
+    close_conn(conn, Status(StatusCode::kPermissionDenied,
+                            "the owner refused this reader: " +
+                                std::string(reinterpret_cast<const char*>(bytes.data()),
+                                            std::min<std::size_t>(bytes.size(), 256))));
+    return;
+  }
+  if (!options_.auth_token.empty() && !conn->owner_proved) {
+    close_conn(conn, Status(StatusCode::kPermissionDenied,
+                            "this engine has an auth_token but the owner did not prove it "
+                            "(the owner has no auth_token)"));
+    return;
+  }
+  conn->ticket = h.ticket;
   std::vector<std::uint8_t> address;
   try {
     std::uint32_t n = 0;
@@ -1291,7 +1389,7 @@ void UcxCore::fail_batch(std::shared_ptr<Batch> b, Status st) {
 void UcxCore::send_epoch_check(const std::shared_ptr<Batch>& b) {
   const auto& c = b->conn;
   const ReadReqHdr hdr{b->id, c->served.generation, 0, kReqCheckOnly, b->check.epoch,
-                       b->check.pages.size()};
+                       b->check.pages.size(), c->ticket};
   send_small(c->ep, kAmReadReq, &hdr, sizeof hdr, b->check.pages.data(),
              b->check.pages.size() * sizeof(std::uint32_t), true);
 }
@@ -1424,7 +1522,7 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
   }
   const ReadReqHdr hdr{b->id, c->served.generation, spans.size(),
                        c->am_on_data ? kReqEagerOnly : 0, b->check.epoch,
-                       b->check.pages.size()};
+                       b->check.pages.size(), c->ticket};
   std::vector<std::uint8_t> body(spans.size() * sizeof(WireSpan) +
                                  b->check.pages.size() * sizeof(std::uint32_t));
   std::memcpy(body.data(), spans.data(), spans.size() * sizeof(WireSpan));
@@ -1552,6 +1650,8 @@ UcxOptions UcxOptions::parse(const EngineOptions& options) {
                     "ucx_chunk_bytes '" + value + "' is not in [4096, 2^30]");
       }
       o.chunk_bytes = v;
+    } else if (key == auth::kTokenKey) {
+      o.auth_token = auth::token_from(options.extra);
     } else if (key.rfind("ucx_", 0) == 0) {
       throw Error(StatusCode::kInvalidArgument,
                   "unknown UCX option '" + key + "' (known: ucx_mode, ucx_am_proto, "

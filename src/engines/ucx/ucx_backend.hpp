@@ -23,6 +23,9 @@ struct UcxOptions {
   // eager below (no handshake per small span).
   std::uint64_t rndv_bytes = 64u << 10;
   std::uint64_t chunk_bytes = 4u << 20;
+  // extra["auth_token"]: the shared secret of the connect handshake
+  // (ucx_auth.hpp); empty: no authentication.
+  std::string auth_token;
   // Throws Error(kInvalidArgument) naming a bad key or value.
   static UcxOptions parse(const EngineOptions& options);
 };

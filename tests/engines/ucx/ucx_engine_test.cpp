@@ -240,6 +240,63 @@ TEST_P(UcxEngine, ForgedDescriptorsAreRejectedBeforeAnyRead) {
   EXPECT_TRUE(verify_pattern(*cache, kSeed, iota_pages(4), 0, 64).ok());
 }
 
+// extra["auth_token"] (ucx_auth.hpp): the owner and the reader prove the
+// shared secret to each other before the owner describes its region; a
+// reader without it, with another one, or an owner without one is refused
+// before any byte moves, and the right token pulls every byte.
+TEST_P(UcxEngine, AuthTokenIsProvedBothWaysBeforeAnyByteMoves) {
+  const KVLayout l = layout(64);
+  const std::string token = "0123456789abcdef-secret";
+  PeerSpec s = spec(l, 64);
+  s.extra["auth_token"] = token;
+  PeerProcess peer(s);
+  const auto& seq = peer.sequence();
+  auto refused = [&](const std::string& reader_token, const std::string& want,
+                     const KVTransferInfo& info, const std::vector<std::uint32_t>& rp) {
+    auto cache = local_cache(l);
+    EngineOptions o;
+    o.timeout = 5000ms;
+    o.extra = extra();
+    if (!reader_token.empty()) o.extra["auth_token"] = reader_token;
+    KVTransferManager m(TransferEngineInfo{"decode", "", "ucx", o}, cache);
+    try {
+      auto f = m.start_async_retrieve(0, 64, iota_pages(4), rp, info);
+      if (f) f->wait_for(5s);
+      ADD_FAILURE() << "reader token '" << reader_token << "': accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), StatusCode::kPermissionDenied) << e.what();
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find(token), std::string::npos)
+          << "an error must not show the secret: " << e.what();
+    }
+    EXPECT_TRUE(untouched(*cache)) << "reader token '" << reader_token << "': bytes moved";
+  };
+  refused("", "requires an auth_token", seq.kv_transfer_info, seq.page_indices);
+  refused("another-token-of-16-bytes", "proof of the auth_token is wrong", seq.kv_transfer_info,
+          seq.page_indices);
+  {
+    // The right token pulls every byte.
+    auto cache = local_cache(l);
+    EngineOptions o;
+    o.timeout = 5000ms;
+    o.extra = extra();
+    o.extra["auth_token"] = token;
+    KVTransferManager m(TransferEngineInfo{"decode", "", "ucx", o}, cache);
+    EXPECT_EQ(m.sync_retrieve(0, 64, iota_pages(4), seq.page_indices, seq.kv_transfer_info),
+              4 * l.page_bytes_all_layers());
+    EXPECT_TRUE(verify_pattern(*cache, kSeed, iota_pages(4), 0, 64).ok());
+  }
+  // A reader with a token never takes KV from an owner that cannot prove it.
+  PeerProcess open_peer(spec(l, 64));
+  refused(token, "the owner did not prove it", open_peer.sequence().kv_transfer_info,
+          open_peer.sequence().page_indices);
+  // A token too short to be a secret is refused when the engine is made.
+  EngineOptions o;
+  o.extra = {{"auth_token", "short"}};
+  EXPECT_THROW(KVTransferManager(TransferEngineInfo{"decode", "", "ucx", o}, local_cache(l)),
+               Error);
+}
+
 TEST_P(UcxEngine, KilledPeerFailsInTimeOthersKeepWorkingAndANewPeerServes) {
   if (!GetParam().no_kill.empty()) GTEST_SKIP() << GetParam().no_kill;
   const KVLayout big = layout(4096);  // 128 MiB

@@ -1,0 +1,108 @@
+// Copyright mstar-kv authors.
+//
+// The ucx engine's wire format: active-message ids and their headers.
+// Both ends run this code on the same architecture; every header and span
+// list is still length-checked, and the owner validates every requested
+// range against its region.
+//
+// Connecting (reader -> owner, on the client/server endpoint):
+//   kAmHello      {conn_id, flags, nonce_r}
+//   without an auth_token on the owner:
+//     kAmHelloReply {conn_id, ticket 0, code 0} + region | worker address
+//   with one (ucx_auth.hpp), the owner proves the secret first, then the reader:
+//     kAmChallenge  {conn_id, nonce_o, HMAC(k, owner label | nonce_r | nonce_o)}
+//     kAmAuth       {conn_id, HMAC(k, reader label | nonce_o | nonce_r)}
+//     kAmHelloReply {conn_id, ticket, code 0} + region | worker address
+//                   or {conn_id, 0, kPermissionDenied} + message
+// The region (address, remote key, worker address) is only sent after the
+// reader proved the secret. Every later request (ReadReq, Done) carries the
+// ticket, which the owner checks, because a reader's data endpoint reaches
+// the owner on an endpoint UCX made, not the one that authenticated.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace mstar::kv::ucx {
+
+enum AmId : unsigned {
+  kAmHello = 1,       // reader -> owner: which region do you serve?
+  kAmHelloReply = 2,  // owner -> reader: RmaRegionInfo bytes, or why not
+  kAmReadReq = 3,     // reader -> owner: spans to send back
+  kAmReadData = 4,    // owner -> reader: one span's bytes
+  kAmReadErr = 5,     // owner -> reader: request rejected
+  kAmReadFin = 6,     // owner -> reader: page epochs still held after the sends
+  kAmDone = 7,        // reader -> owner: done with a sequence (DoneHdr)
+  kAmChallenge = 8,   // owner -> reader: prove the shared secret (ChallengeHdr)
+  kAmAuth = 9,        // reader -> owner: the proof (AuthHdr)
+  kAmMaxId = 9,
+};
+
+inline constexpr std::size_t kNonceBytes = 16;
+inline constexpr std::size_t kMacBytes = 32;
+
+// Hello flags.
+inline constexpr std::uint32_t kHelloHasToken = 1;  // the reader holds an auth_token
+
+struct HelloHdr {
+  std::uint64_t conn_id;  // the reader's connection, echoed in every reply
+  std::uint64_t ticket;   // reply: the connection's ticket (0 without auth)
+  std::uint32_t code;     // reply: 0, or the StatusCode refusing the reader
+  std::uint32_t flags;    // hello: kHelloHasToken
+  std::uint8_t nonce[kNonceBytes];  // hello: the reader's nonce
+};
+struct ChallengeHdr {
+  std::uint64_t conn_id;
+  std::uint8_t nonce[kNonceBytes];  // the owner's nonce
+  std::uint8_t mac[kMacBytes];      // the owner's proof
+};
+struct AuthHdr {
+  std::uint64_t conn_id;
+  std::uint8_t mac[kMacBytes];  // the reader's proof
+};
+
+struct DoneHdr {
+  std::uint64_t seq_id;
+  std::uint64_t epoch;
+  std::uint64_t generation;
+  std::uint64_t ticket;
+};
+
+struct ReadReqHdr {
+  std::uint64_t batch_id;
+  std::uint64_t generation;
+  std::uint64_t nspans;
+  std::uint64_t flags;  // kReqEagerOnly, kReqCheckOnly
+  // Page epochs (epochs.hpp): with epoch != 0, the npages u32 page indices
+  // after the spans must carry it before the owner sends and still once its
+  // sends completed (then it answers kAmReadFin).
+  std::uint64_t epoch;
+  std::uint64_t npages;
+  std::uint64_t ticket;  // HelloHdr.ticket of the reader's connection
+};
+// No spans: only check the pages' epochs and answer kAmReadFin (the
+// before/after checks around one-sided gets).
+inline constexpr std::uint64_t kReqCheckOnly = 2;
+// Reply with eager messages only. Set by readers on a shared-memory data
+// endpoint: there a rendezvous runs over cma without peer error handling,
+// and UCX 1.13 aborts the reading process when the owner dies mid-transfer
+// (measured); eager data only ever sits in the reader's own fifo.
+inline constexpr std::uint64_t kReqEagerOnly = 1;
+
+struct WireSpan {
+  std::uint64_t remote_offset;
+  std::uint64_t length;
+  std::uint64_t local_offset;
+};
+struct DataHdr {
+  std::uint64_t batch_id;
+  std::uint64_t local_offset;
+  std::uint64_t length;
+};
+struct ErrHdr {
+  std::uint64_t batch_id;
+  std::uint32_t code;
+  std::uint32_t pad;
+};
+
+}  // namespace mstar::kv::ucx
