@@ -10,6 +10,10 @@
 // cache keeps its epoch table in private host memory that readers cannot
 // see, so a read of pages the owner freed and reused is not detected here.
 //
+// Authentication is the driver's: a CUDA IPC handle opens only on the same
+// host, in a process that can use the device, so extra["auth_token"] is
+// accepted and ignored here.
+//
 // Device memory. make_kv_cache(layout, MemoryKind::kDevice, device) makes a
 // cache in ONE cudaMalloc allocation for the whole cache, not one per layer:
 // one IPC handle describes the whole cache, a reader opens it once per owner

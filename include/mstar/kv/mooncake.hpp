@@ -71,6 +71,18 @@
 // peer in Mooncake's hands, because Mooncake's TCP transport fails requests
 // beyond that queue instead of waiting.
 //
+// Authentication: none on Mooncake's data path, and extra["auth_token"] does
+// not change that. Mooncake's transports (TCP, RDMA) serve reads of any
+// registered buffer to any peer that opened the segment, and its P2P
+// handshake and metadata services (etcd, HTTP) carry no credential: anyone
+// who can reach the owner's Mooncake port and knows (or guesses) a
+// registered address can read the cache, whatever the control plane
+// checks. The engine accepts auth_token (so that `mstar-kv serve
+// --token-file` protects its HTTP control plane with this engine too) and
+// logs a warning once that it authenticates nothing here. Run Mooncake
+// owners only on networks where every host that can reach them may read
+// their KV, or use the ucx engine, whose connect handshake proves the token.
+//
 // Timeouts and the "no byte after resolution" promise. Mooncake's C API has
 // no way to cancel a submitted request, so a read's future resolves only once
 // Mooncake reports every request of its batch COMPLETED or FAILED. A peer

@@ -19,6 +19,11 @@
 // the size and the layout; one from a dead owner (kNotFound), a restarted
 // owner or a freed and re-allocated cache (kStaleDescriptor), or another user
 // (kPermissionDenied) is rejected before any byte moves.
+//
+// Authentication is the kernel's: only processes of the owner's user (with
+// ptrace read access to it) can open the memfd, so extra["auth_token"] adds
+// nothing here and is accepted and ignored (one EngineOptions may serve
+// several engines).
 #pragma once
 
 #include <chrono>

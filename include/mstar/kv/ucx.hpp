@@ -91,6 +91,21 @@
 //                                           rendezvous from 64 KiB; always
 //                                           eager for am_shm readers)
 //   ucx_chunk_bytes bytes per get / am reply, in [4096, 2^30] (default 4 MiB)
+//   auth_token      a shared secret of at least 16 bytes (default none). With
+//                   it, connecting is a mutual challenge-response (HMAC-SHA-256
+//                   over fresh nonces from both sides; the secret never
+//                   crosses the wire): the owner proves the secret first, then
+//                   the reader, and only then does the owner describe its
+//                   region (address, remote key, worker address); every later
+//                   request carries a random per-connection ticket the owner
+//                   checks, revoked when the connection closes. Refusals are
+//                   kPermissionDenied before any byte moves: a reader without
+//                   the token, with another one, or (a reader with a token)
+//                   an owner without one. It authenticates peers; it does not
+//                   encrypt: KV bytes and tickets cross in clear, and a
+//                   descriptor carries the remote key, so descriptors travel
+//                   over an authenticated channel (mstar-kv serve with
+//                   --token-file). Wire format: src/engines/ucx/ucx_wire.hpp.
 // UCX itself is configured by its environment (UCX_TLS, UCX_NET_DEVICES).
 // MSTAR_KV_UCX_DEBUG=1 prints each rma endpoint's lanes (what auto decides on).
 // An owner restarted on the same port while its old connections sit in

@@ -124,11 +124,21 @@ void check_cache(const std::shared_ptr<KVCache>& kv_cache) {
   }
 }
 
+// mooncake.hpp ("Authentication"): Mooncake's transports cannot check a token.
+void warn_unauthenticated(const EngineOptions& options) {
+  if (options.extra.count("auth_token") == 0) return;
+  options.log.warn(
+      "mooncake: auth_token authenticates nothing on Mooncake's data path (its transports "
+      "serve registered memory to any peer that opens the segment); it protects only the "
+      "control plane. Use the ucx engine for authenticated reads");
+}
+
 }  // namespace
 
 MooncakeKVTransferEngine::MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
                                                    const TransferEngineInfo& info) {
   check_cache(kv_cache);
+  warn_unauthenticated(info.options);
   MooncakeOptions options = MooncakeOptions::from_extra(info.options.extra);
   options.log = info.options.log;
   auto backend = std::make_unique<engines::mooncake::MooncakeBackend>(
@@ -150,6 +160,7 @@ MooncakeKVTransferEngine::MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_c
                 "TransferEngineInfo to let the engine create its own");
   }
   check_cache(kv_cache);
+  warn_unauthenticated(options);
   MooncakeOptions mo = MooncakeOptions::from_extra(options.extra, /*shared_handle=*/true);
   mo.log = options.log;
   auto backend = std::make_unique<engines::mooncake::MooncakeBackend>(
