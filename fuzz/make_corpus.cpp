@@ -130,6 +130,11 @@ int main(int argc, char** argv) {
     c.dtype = "bf16";
     c.generation = 99 + static_cast<std::uint64_t>(i);
     c.owner_pid = 4242;
+    if (i % 2 == 0) {  // as a KVCachePool over a cuda_ipc cache publishes it
+      c.has_epoch_table = true;
+      c.epoch_handle.fill(static_cast<std::uint8_t>(0x30 + i));
+      c.epoch_pages = l.num_pages;
+    }
     try {
       infos.push_back(c.encode());
       write(out / "fuzz_cuda_ipc_info", name, c.encode().payload, false);

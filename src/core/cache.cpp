@@ -70,7 +70,7 @@ KVCache::KVCache(const KVLayout& layout, std::unique_ptr<KVMemory> memory)
     epoch_memory_ = allocate_host_memory(std::size_t{layout_.num_pages} * 8);
     words = reinterpret_cast<std::uint64_t*>(epoch_memory_->data());
   }
-  epochs_ = PageEpochs(words, layout_.num_pages);
+  epochs_ = PageEpochs(words, layout_.num_pages, memory_->epoch_mirror(layout_.num_pages));
 }
 
 std::shared_ptr<KVCache> KVCache::create_host(const KVLayout& layout) {

@@ -30,6 +30,7 @@ void PageEpochs::stamp(std::span<const std::uint32_t> pages,
   // writing K/V into the pages): a reader whose copy saw such a store sees
   // the new epoch after its own acquire fence.
   std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (mirror_ != nullptr) mirror_->push(words_, pages);
 }
 
 std::uint64_t PageEpochs::load(std::uint32_t page) const noexcept {

@@ -51,3 +51,40 @@ TEST(PageEpochs, RemotePagesOfAReadEachOnceSmallAndLarge) {
 
 }  // namespace
 }  // namespace mstar::kv
+
+namespace mstar::kv {
+namespace {
+
+// The hook device caches use (cuda_ipc's DeviceEpochTable): every stamp
+// reaches the mirror before stamp() returns, with the whole table and the
+// pages stamped.
+class CopyMirror final : public EpochMirror {
+ public:
+  explicit CopyMirror(std::size_t n) : copy(n, 0) {}
+  void push(const std::uint64_t* words, std::span<const std::uint32_t> pages) const noexcept override {
+    for (std::uint32_t p : pages) copy[p] = words[p];
+    ++pushes;
+  }
+  mutable std::vector<std::uint64_t> copy;
+  mutable int pushes = 0;
+};
+
+TEST(PageEpochs, StampsReachTheMirrorBeforeStampReturns) {
+  std::vector<std::uint64_t> words(8, 0);
+  CopyMirror mirror(8);
+  PageEpochs ep(words.data(), 8, &mirror);
+  const std::vector<std::uint32_t> pages = {6, 1};
+  ep.stamp(pages, 9);
+  EXPECT_EQ(mirror.pushes, 1);
+  EXPECT_EQ(mirror.copy[6], 9u);
+  EXPECT_EQ(mirror.copy[1], 9u);
+  EXPECT_EQ(mirror.copy[0], 0u);
+  ep.stamp(pages, 0);  // freed
+  EXPECT_EQ(mirror.copy[6], 0u);
+  // A reader of the mirror sees what a reader of the table sees.
+  EXPECT_EQ(check_page_epochs(mirror.copy.data(), 8, pages, 9, "before the copy", false).code(),
+            StatusCode::kStaleDescriptor);
+}
+
+}  // namespace
+}  // namespace mstar::kv

@@ -36,6 +36,13 @@ class KVMemory {
     (void)num_pages;
     return nullptr;
   }
+  // Where the epochs must also be written for readers that cannot see host
+  // memory (device memory: cuda_ipc), made for `num_pages` pages when the
+  // cache binds this memory; nullptr when none is needed. May throw.
+  virtual const EpochMirror* epoch_mirror(std::uint32_t num_pages) {
+    (void)num_pages;
+    return nullptr;
+  }
 };
 
 // Page-aligned, zero-filled private host memory.

@@ -6,9 +6,18 @@
 // (cudaIpcGetMemHandle / cudaIpcOpenMemHandle). Both processes may use the
 // same GPU (CUDA IPC supports it) or two GPUs with peer access.
 //
-// Page epochs (epochs.hpp) are NOT checked by this engine yet: a device
-// cache keeps its epoch table in private host memory that readers cannot
-// see, so a read of pages the owner freed and reused is not detected here.
+// Page epochs (epochs.hpp). A device cache keeps, besides its host table, a
+// device copy: one cudaMalloc of 8 bytes per page with its own IPC handle,
+// named in the descriptor. KVCachePool's stamps reach it before allocate /
+// release return (a cudaMemcpyAsync of the stamped range on a private
+// stream and a cudaStreamSynchronize: some 10-50 us per allocation, so the
+// model's kernels that write a new request's pages always come after its
+// epoch). A read of a SequenceInfo's descriptor (epoch != 0) copies the
+// epochs of its remote pages to the host before enqueuing its copies and
+// again once they completed, and fails with kStaleDescriptor if any page
+// changed owner; a descriptor without an epoch table (made from a bare
+// torch cuda_share) cannot be read with an epoch (kInvalidArgument). Not
+// run on a GPU in this project's CI (no device there): the tests skip.
 //
 // Authentication is the driver's: a CUDA IPC handle opens only on the same
 // host, in a process that can use the device, so extra["auth_token"] is
@@ -98,6 +107,13 @@ struct CudaIpcKVTransferInfo {
   // refuses the old descriptor.
   std::uint64_t generation = 0;
   std::uint32_t owner_pid = 0;
+  // The owner's device page epoch table ("Page epochs" above): the legacy
+  // IPC handle of its own allocation and its length in pages, which must be
+  // layout.num_pages. Absent (false, zeros) in a descriptor made from a bare
+  // torch cuda_share: a read naming an epoch is then refused.
+  bool has_epoch_table = false;
+  std::array<std::uint8_t, CudaIpcShare::kHandleBytes> epoch_handle{};
+  std::uint32_t epoch_pages = 0;
 
   // The contiguous view (size, stride) of `layout`, in elements.
   static std::vector<std::int64_t> view_size(const KVLayout& layout);

@@ -26,14 +26,29 @@
 
 namespace mstar::kv {
 
+// A copy of the epoch table where readers of another kind of memory can
+// see it (device memory for CUDA IPC readers): PageEpochs::stamp pushes the
+// stamped words to it before returning, so the seqlock's writer order holds
+// there too. Implementations are thread-safe; push never throws (a failure
+// is reported by the implementation: see cuda_ipc.hpp).
+class EpochMirror {
+ public:
+  virtual ~EpochMirror() = default;
+  // `words` is the whole host table; `pages` the pages just stamped.
+  virtual void push(const std::uint64_t* words,
+                    std::span<const std::uint32_t> pages) const noexcept = 0;
+};
+
 // A view of num_pages 8-byte epoch words in host memory (owned elsewhere:
-// by the KVCache or the memory behind it). Thread safety: every method is
-// safe from any thread and from other processes mapping the same words.
+// by the KVCache or the memory behind it), optionally mirrored. Thread
+// safety: every method is safe from any thread and from other processes
+// mapping the same words.
 class PageEpochs {
  public:
   PageEpochs() = default;
-  PageEpochs(std::uint64_t* words, std::uint32_t num_pages) noexcept
-      : words_(words), num_pages_(num_pages) {}
+  PageEpochs(std::uint64_t* words, std::uint32_t num_pages,
+             const EpochMirror* mirror = nullptr) noexcept
+      : words_(words), num_pages_(num_pages), mirror_(mirror) {}
 
   std::uint32_t num_pages() const noexcept { return num_pages_; }
   std::uint64_t* words() const noexcept { return words_; }
@@ -41,7 +56,8 @@ class PageEpochs {
 
   // Owner side: stamps `epoch` on every page, then a full fence, so that
   // a reader that sees any byte written to those pages after this call also
-  // sees the new epoch (the seqlock's writer half). Pages must be in range
+  // sees the new epoch (the seqlock's writer half); with a mirror, the
+  // stamped words reach it before this returns. Pages must be in range
   // (the pool checked them).
   void stamp(std::span<const std::uint32_t> pages, std::uint64_t epoch) const noexcept;
   std::uint64_t load(std::uint32_t page) const noexcept;
@@ -49,6 +65,7 @@ class PageEpochs {
  private:
   std::uint64_t* words_ = nullptr;
   std::uint32_t num_pages_ = 0;
+  const EpochMirror* mirror_ = nullptr;
 };
 
 // Reader side: OK when every page in `pages` carries `expect` in

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "cuda_epochs.hpp"
 #include "cuda_util.hpp"
 #include "device_memory.hpp"
 #include "engines/engine_makers.hpp"
@@ -53,6 +54,9 @@ class RemoteMapping {
     try {
       cuda::DeviceGuard guard(device_);
       if (cudaIpcCloseMemHandle(base_) != cudaSuccess) (void)cudaGetLastError();
+      if (epochs_ != nullptr && cudaIpcCloseMemHandle(epochs_) != cudaSuccess) {
+        (void)cudaGetLastError();
+      }
     } catch (const Error&) {
     }
   }
@@ -60,10 +64,15 @@ class RemoteMapping {
   RemoteMapping& operator=(const RemoteMapping&) = delete;
 
   std::byte* base() const noexcept { return base_; }
+  // The owner's device page epoch table, opened with the cache (null when
+  // its descriptor has none).
+  const std::uint64_t* epochs() const noexcept { return epochs_; }
+  void set_epochs(void* p) noexcept { epochs_ = static_cast<std::uint64_t*>(p); }
 
  private:
   std::byte* base_;
   int device_;
+  std::uint64_t* epochs_ = nullptr;
 };
 
 bool flag(const EngineOptions& o, const std::string& key, bool fallback) {
@@ -104,7 +113,14 @@ class CudaIpcKVTransferEngine::Impl {
     bool timed_out = false;  // seen unfinished past its deadline
     bool cancelled = false;  // seen unfinished with cancel requested
     cudaError_t error = cudaSuccess;
+    // Page epochs: with epoch != 0, `pages` must carry it in the owner's
+    // table after the copies as they did before (resolve checks).
+    std::uint64_t epoch = 0;
+    std::vector<std::uint32_t> pages;
+    std::uint32_t epoch_pages = 0;
   };
+  // The epoch check of `r`'s pages against the owner's table, `when`.
+  Status check_epochs(const Read& r, std::string_view when, bool after_copy);
 
   // The mapping for `remote`, opened now if needed. Throws Error for
   // stale / dead / unreachable owners; a CUDA failure to open comes back as
@@ -131,6 +147,11 @@ class CudaIpcKVTransferEngine::Impl {
   std::uint32_t self_pid_;
   std::vector<cudaStream_t> streams_;
   std::atomic<std::uint64_t> next_stream_{0};
+  // Epoch checks copy the owner's words to the host on this stream, one at
+  // a time.
+  std::mutex epoch_mu_;
+  cudaStream_t epoch_stream_ = nullptr;              // guarded by epoch_mu_
+  std::vector<std::uint64_t> epoch_scratch_;         // guarded by epoch_mu_
 
   // Shared while a read enqueues, exclusive in shutdown: shutdown never
   // synchronises streams while a read is still enqueuing on them.
@@ -201,6 +222,11 @@ CudaIpcKVTransferEngine::Impl::Impl(std::shared_ptr<KVCache> cache,
   info_.layout = layout;
   info_.generation = memory_->generation();
   info_.owner_pid = self_pid_;
+  if (const cuda::DeviceEpochTable* t = memory_->epoch_table(); t != nullptr) {
+    info_.has_epoch_table = true;
+    info_.epoch_handle = t->handle();
+    info_.epoch_pages = t->num_pages();
+  }
   encoded_ = info_.encode();
 
   cuda::DeviceGuard guard(device_);
@@ -212,6 +238,11 @@ CudaIpcKVTransferEngine::Impl::Impl(std::shared_ptr<KVCache> cache,
       cuda::fail(StatusCode::kUnavailable, "cudaStreamCreateWithFlags", err);
     }
     streams_.push_back(s);
+  }
+  const cudaError_t err = cudaStreamCreateWithFlags(&epoch_stream_, cudaStreamNonBlocking);
+  if (err != cudaSuccess) {
+    for (cudaStream_t t : streams_) (void)cudaStreamDestroy(t);
+    cuda::fail(StatusCode::kUnavailable, "cudaStreamCreateWithFlags", err);
   }
   completer_ = std::thread([this] { completion_loop(); });
 }
@@ -290,6 +321,36 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
     }
   }
   auto mapping = std::make_shared<RemoteMapping>(base, device_);
+  if (remote.has_epoch_table) {
+    cudaIpcMemHandle_t eh{};
+    std::memcpy(eh.reserved, remote.epoch_handle.data(), CudaIpcShare::kHandleBytes);
+    void* ep = nullptr;
+    cuda::DeviceGuard guard(device_);
+    const cudaError_t err = cudaIpcOpenMemHandle(&ep, eh, cudaIpcMemLazyEnablePeerAccess);
+    if (err != cudaSuccess) {
+      *status = Status(StatusCode::kPeerFailure,
+                       "cudaIpcOpenMemHandle of the page epoch table of " +
+                           gen_string(pid, remote.generation) + " failed: " +
+                           cuda::error_text(err));
+      return nullptr;
+    }
+    mapping->set_epochs(ep);
+    // Untrusted length: the table must hold epoch_pages words.
+    cuda::AddressRange er;
+    bool eknown = false;
+    try {
+      eknown = cuda::allocation_range(ep, &er);
+    } catch (const Error&) {
+      eknown = false;
+    }
+    const auto e = reinterpret_cast<std::uintptr_t>(ep);
+    if (eknown && (e < er.base || std::uint64_t{remote.epoch_pages} * 8 > er.size - (e - er.base))) {
+      throw Error(StatusCode::kCorruptDescriptor,
+                  "cuda_ipc descriptor of " + gen_string(pid, remote.generation) + " names " +
+                      std::to_string(remote.epoch_pages) +
+                      " page epochs; their handle maps " + std::to_string(er.size) + " bytes");
+    }
+  }
   // The descriptor's sizes are untrusted: check the view against what the
   // handle really maps, so that no copy can run past the mapping.
   cuda::AddressRange range;
@@ -476,6 +537,22 @@ std::optional<TransferFuture> CudaIpcKVTransferEngine::Impl::read(
                                 std::uint64_t{1} << 20);
     spans = split_spans(spans, share);
   }
+  // Seqlock over the owner's page epochs: every page must carry the
+  // sequence's epoch before the copies and still after them (resolve).
+  if (options_.check_epochs && remote_kv_info.epoch != 0) {
+    if (!remote.has_epoch_table) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "cuda_ipc descriptor names page epoch " + std::to_string(remote_kv_info.epoch) +
+                      " but carries no epoch table (made from a bare cuda_share, not published "
+                      "by a KVCachePool over a cuda_ipc cache): the read cannot be checked");
+    }
+    read->epoch = remote_kv_info.epoch;
+    read->epoch_pages = remote.epoch_pages;
+    read->pages = remote_pages_of(reads, remote.epoch_pages);
+    if (Status s = check_epochs(*read, "before the copy", false); !s.is_ok()) {
+      return make_failed_future(s);
+    }
+  }
   read->spans = spans.size();
   read->promise.mark_planned(spans.size());
   read->promise.set_peer("pid " + std::to_string(remote.owner_pid));
@@ -492,6 +569,22 @@ std::optional<TransferFuture> CudaIpcKVTransferEngine::Impl::read(
   }
   cv_.notify_one();
   return future;
+}
+
+Status CudaIpcKVTransferEngine::Impl::check_epochs(const Read& r, std::string_view when,
+                                                   bool after_copy) {
+  if (r.mapping == nullptr) {  // our own cache: its host table is the truth
+    const PageEpochs& ep = cache_->epochs();
+    return check_page_epochs(ep.words(), ep.num_pages(), r.pages, r.epoch, when, after_copy);
+  }
+  std::lock_guard lk(epoch_mu_);
+  try {
+    cuda::DeviceGuard guard(device_);
+    return cuda::check_device_epochs(r.mapping->epochs(), r.epoch_pages, r.pages, r.epoch, when,
+                                     after_copy, epoch_stream_, epoch_scratch_);
+  } catch (const Error& e) {
+    return e.status();
+  }
 }
 
 void CudaIpcKVTransferEngine::Impl::resolve(Read& r) {
@@ -512,6 +605,9 @@ void CudaIpcKVTransferEngine::Impl::resolve(Read& r) {
   } else if (r.cancelled) {
     r.promise.fail(Status(StatusCode::kCancelled,
                           what + " cancelled (resolved once its queued copies drained)"));
+  } else if (Status s = r.epoch != 0 ? check_epochs(r, "after the copy", true) : Status::ok();
+             !s.is_ok()) {
+    r.promise.fail(s);
   } else {
     r.promise.complete(r.bytes);
   }
@@ -622,6 +718,9 @@ void CudaIpcKVTransferEngine::Impl::shutdown() {
     free_events_.clear();
     for (cudaStream_t s : streams_) (void)cudaStreamDestroy(s);
     streams_.clear();
+    std::lock_guard elk(epoch_mu_);
+    if (epoch_stream_ != nullptr) (void)cudaStreamDestroy(epoch_stream_);
+    epoch_stream_ = nullptr;
   } catch (const Error&) {
   }
 }

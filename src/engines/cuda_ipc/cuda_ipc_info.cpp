@@ -14,7 +14,7 @@ namespace mstar::kv {
 
 namespace {
 
-constexpr std::uint16_t kPayloadVersion = 1;
+constexpr std::uint16_t kPayloadVersion = 2;  // 2: the page epoch table
 constexpr std::size_t kMaxDtypeName = 32;
 constexpr std::int32_t kMaxDevice = 1024;
 
@@ -111,6 +111,15 @@ void CudaIpcKVTransferInfo::validate() const {
   }
   if (generation == 0) corrupt("generation", "0");
   if (owner_pid == 0) corrupt("owner_pid", "0");
+  if (has_epoch_table && epoch_pages != layout.num_pages) {
+    corrupt("epoch_pages", std::to_string(epoch_pages) + " epoch words for a layout of " +
+                               std::to_string(layout.num_pages) + " pages");
+  }
+  if (!has_epoch_table &&
+      (epoch_pages != 0 ||
+       std::any_of(epoch_handle.begin(), epoch_handle.end(), [](std::uint8_t b) { return b; }))) {
+    corrupt("epoch_handle", "set without an epoch table");
+  }
 }
 
 KVTransferInfo CudaIpcKVTransferInfo::encode() const {
@@ -135,6 +144,11 @@ KVTransferInfo CudaIpcKVTransferInfo::encode() const {
   w.layout(layout);
   w.u64(generation);
   w.u32(owner_pid);
+  w.boolean(has_epoch_table);
+  if (has_epoch_table) {
+    w.bytes(epoch_handle);
+    w.u32(epoch_pages);
+  }
   return KVTransferInfo{kEngineName, w.take()};
 }
 
@@ -192,6 +206,16 @@ CudaIpcKVTransferInfo CudaIpcKVTransferInfo::decode(const KVTransferInfo& info) 
   out.layout = r.layout("layout");
   out.generation = r.u64("generation");
   out.owner_pid = r.u32("owner_pid");
+  out.has_epoch_table = r.boolean("has_epoch_table");
+  if (out.has_epoch_table) {
+    const auto eh = r.bytes("epoch_handle", 1024);
+    if (eh.size() != CudaIpcShare::kHandleBytes) {
+      r.fail("epoch_handle", "length " + std::to_string(eh.size()) + ", expected " +
+                                 std::to_string(CudaIpcShare::kHandleBytes));
+    }
+    std::copy(eh.begin(), eh.end(), out.epoch_handle.begin());
+    out.epoch_pages = r.u32("epoch_pages");
+  }
   r.expect_end();
   out.validate();
   return out;

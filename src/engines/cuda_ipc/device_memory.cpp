@@ -5,6 +5,7 @@
 #include <random>
 #include <string>
 
+#include "cuda_epochs.hpp"
 #include "cuda_util.hpp"
 #include "engines/engine_makers.hpp"
 #include "mstar/kv/status.hpp"
@@ -134,7 +135,19 @@ std::unique_ptr<DeviceMemory> DeviceMemory::wrap(void* ptr, std::size_t size, in
   return m;
 }
 
+const EpochMirror* DeviceMemory::epoch_mirror(std::uint32_t num_pages) {
+  if (epochs_ && epochs_->num_pages() != num_pages) {
+    throw Error(StatusCode::kInvalidArgument,
+                "this device memory already backs a cache of " +
+                    std::to_string(epochs_->num_pages()) + " pages, not " +
+                    std::to_string(num_pages) + ": one cache per memory");
+  }
+  if (!epochs_) epochs_ = std::make_unique<DeviceEpochTable>(num_pages, share_.device);
+  return epochs_.get();
+}
+
 DeviceMemory::~DeviceMemory() {
+  epochs_.reset();
   if (owned_ && data_ != nullptr) {
     try {
       DeviceGuard guard(share_.device);

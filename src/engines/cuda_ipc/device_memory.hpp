@@ -16,6 +16,8 @@
 
 namespace mstar::kv::cuda {
 
+class DeviceEpochTable;  // cuda_epochs.hpp
+
 class DeviceMemory final : public KVMemory {
  public:
   // Zero-filled. Throws Error(kUnavailable) without a usable device,
@@ -40,6 +42,11 @@ class DeviceMemory final : public KVMemory {
   std::uint64_t generation() const noexcept { return generation_; }
   bool owned() const noexcept { return owned_; }
 
+  // The device copy of the cache's page epochs, made when a cache binds
+  // this memory (KVCache's constructor); null before.
+  const EpochMirror* epoch_mirror(std::uint32_t num_pages) override;
+  const DeviceEpochTable* epoch_table() const noexcept { return epochs_.get(); }
+
  private:
   DeviceMemory() = default;
 
@@ -49,6 +56,7 @@ class DeviceMemory final : public KVMemory {
   std::uint64_t generation_ = 0;
   bool owned_ = false;
   CudaIpcShare share_;
+  std::unique_ptr<DeviceEpochTable> epochs_;
 };
 
 }  // namespace mstar::kv::cuda

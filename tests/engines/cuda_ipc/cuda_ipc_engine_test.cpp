@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <numeric>
 #include <atomic>
 #include <cstring>
 #include <thread>
@@ -341,6 +342,97 @@ TEST_F(CudaIpcEngine, StaleGenerationIsRefused) {
     FAIL() << "a replaced generation was read";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kStaleDescriptor) << e.what();
+  }
+  expect_only_named_bytes_written(*cache, l, {});
+}
+
+// Never the wrong KV (epochs.hpp): a sequence whose pages the owner freed
+// and gave to the next request fails with kStaleDescriptor, never reads as
+// success with the next request's bytes; and in a race (the owner reuses
+// while the reader pulls) every read verifies as its own sequence or fails
+// stale.
+TEST_F(CudaIpcEngine, ReusedPagesFailStaleNeverAsAnotherRequest) {
+  const KVLayout l = small_layout();
+  OwnerProcess owner(spec(l, 64 * 16));  // every page in the sequence
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const SequenceInfo first = owner.sequence();
+  std::vector<std::uint32_t> lp(first.page_indices.size());
+  std::iota(lp.begin(), lp.end(), 0u);
+  m->sync_retrieve(0, first.num_tokens, lp, first.page_indices, first.kv_transfer_info);
+  EXPECT_TRUE(cuda_test::verify_device_pattern(*cache, kSeed, lp, 0, first.num_tokens).ok());
+
+  const SequenceInfo second = owner.reuse(kSeed + 1);
+  std::vector<std::uint32_t> a = first.page_indices, b = second.page_indices;
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  ASSERT_EQ(a, b) << "the owner did not reuse the pages";
+  ASSERT_NE(second.kv_transfer_info.epoch, first.kv_transfer_info.epoch);
+  try {
+    auto f = m->start_async_retrieve(0, first.num_tokens, lp, first.page_indices,
+                                     first.kv_transfer_info);
+    ASSERT_TRUE(f.has_value());
+    f->get();
+    FAIL() << "a read of reused pages reported success";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kStaleDescriptor) << e.what();
+    EXPECT_NE(std::string(e.what()).find("changed owner"), std::string::npos) << e.what();
+  }
+  m->sync_retrieve(0, second.num_tokens, lp, second.page_indices, second.kv_transfer_info);
+  EXPECT_TRUE(cuda_test::verify_device_pattern(*cache, kSeed + 1, lp, 0, second.num_tokens).ok());
+
+  std::uint64_t ok = 0, stale = 0, wrong = 0;
+  SequenceInfo cur = second;
+  std::uint64_t seed = kSeed + 1;
+  for (int i = 0; i < 200; ++i) {
+    owner.send_reuse(seed + 1);  // the owner frees and rewrites while we read
+    Status st;
+    try {
+      auto f = m->start_async_retrieve(0, cur.num_tokens, lp, cur.page_indices,
+                                       cur.kv_transfer_info);
+      if (f) f->get();
+    } catch (const Error& e) {
+      st = e.status();
+    }
+    if (st.is_ok()) {
+      if (cuda_test::verify_device_pattern(*cache, seed, lp, 0, cur.num_tokens).ok()) {
+        ++ok;
+      } else {
+        ++wrong;
+      }
+    } else {
+      EXPECT_EQ(st.code(), StatusCode::kStaleDescriptor) << st.to_string();
+      ++stale;
+    }
+    cur = owner.await_sequence();
+    ++seed;
+  }
+  std::cout << "[ reuse    ] cuda_ipc: 200 pulls, " << ok << " verified, " << stale
+            << " stale, wrong-sequence reads: " << wrong << std::endl;
+  EXPECT_EQ(wrong, 0u);
+}
+
+// A descriptor without an epoch table (made from a bare torch cuda_share)
+// cannot be read with an epoch: refused before any byte moves.
+TEST_F(CudaIpcEngine, AnEpochWithoutATableIsRefused) {
+  const KVLayout l = small_layout();
+  OwnerProcess owner(spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  SequenceInfo seq = owner.sequence();
+  auto info = CudaIpcKVTransferInfo::decode(seq.kv_transfer_info);
+  ASSERT_TRUE(info.has_epoch_table);
+  info.has_epoch_table = false;
+  info.epoch_handle.fill(0);
+  info.epoch_pages = 0;
+  KVTransferInfo bare = info.encode();
+  bare.epoch = seq.kv_transfer_info.epoch;
+  try {
+    m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, bare);
+    FAIL() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("no epoch table"), std::string::npos) << e.what();
   }
   expect_only_named_bytes_written(*cache, l, {});
 }

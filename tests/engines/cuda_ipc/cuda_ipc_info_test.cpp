@@ -49,7 +49,7 @@ CudaIpcKVTransferInfo sample(const KVLayout& l = llama_like()) {
 // The payload format, field by field, so that each field can be made wrong
 // on its own (encode() refuses to write invalid infos).
 struct Raw {
-  std::uint16_t version = 1;
+  std::uint16_t version = 2;
   std::vector<std::uint8_t> handle = std::vector<std::uint8_t>(64, 9);
   std::uint32_t device = 0;
   std::vector<std::uint8_t> uuid = std::vector<std::uint8_t>(16, 1);
@@ -62,6 +62,9 @@ struct Raw {
   KVLayout layout = llama_like();
   std::uint64_t generation = 77;
   std::uint32_t owner_pid = 99;
+  std::uint8_t has_epoch_table = 0;
+  std::vector<std::uint8_t> epoch_handle = std::vector<std::uint8_t>(64, 5);
+  std::uint32_t epoch_pages = 0;
   std::vector<std::uint8_t> trailing;
 
   Raw() {
@@ -87,6 +90,11 @@ struct Raw {
     w.layout(layout);
     w.u64(generation);
     w.u32(owner_pid);
+    w.u8(has_epoch_table);
+    if (has_epoch_table) {
+      w.bytes(epoch_handle);
+      w.u32(epoch_pages);
+    }
     for (auto b : trailing) w.u8(b);
     return {"cuda_ipc", w.take()};
   }
@@ -161,9 +169,57 @@ TEST(CudaIpcInfo, TrailingBytesAndOtherVersionsAreRejected) {
   EXPECT_NO_THROW(CudaIpcKVTransferInfo::decode(r.encode()));
   r.trailing = {0};
   expect_corrupt(r.encode(), "trailing");
-  Raw v;
-  v.version = 2;
-  expect_corrupt(v.encode(), "unsupported version 2");
+  for (std::uint16_t version : {1, 3}) {
+    Raw v;
+    v.version = version;
+    expect_corrupt(v.encode(), "unsupported version " + std::to_string(version));
+  }
+}
+
+// The page epoch table (cuda_ipc.hpp "Page epochs"): round trip, and every
+// inconsistent form refused naming the field.
+TEST(CudaIpcInfo, EpochTableRoundTripsAndBadFormsAreRejected) {
+  auto info = sample(llama_like());
+  info.has_epoch_table = true;
+  info.epoch_handle.fill(0x3c);
+  info.epoch_pages = info.layout.num_pages;
+  EXPECT_EQ(CudaIpcKVTransferInfo::decode(info.encode()), info);
+  {
+    Raw r;
+    r.has_epoch_table = 1;
+    r.epoch_pages = r.layout.num_pages;
+    const auto d = CudaIpcKVTransferInfo::decode(r.encode());
+    EXPECT_TRUE(d.has_epoch_table);
+    EXPECT_EQ(d.epoch_pages, r.layout.num_pages);
+    EXPECT_EQ(d.epoch_handle[0], 5);
+  }
+  {
+    Raw r;
+    r.has_epoch_table = 1;
+    r.epoch_pages = r.layout.num_pages + 1;
+    expect_corrupt(r.encode(), "epoch_pages");
+  }
+  {
+    Raw r;
+    r.has_epoch_table = 1;
+    r.epoch_pages = 0;
+    expect_corrupt(r.encode(), "epoch_pages");
+  }
+  for (std::size_t n : {0u, 63u, 65u}) {
+    Raw r;
+    r.has_epoch_table = 1;
+    r.epoch_pages = r.layout.num_pages;
+    r.epoch_handle.assign(n, 1);
+    expect_corrupt(r.encode(), "epoch_handle");
+  }
+  {
+    Raw r;
+    r.has_epoch_table = 2;  // not a boolean
+    expect_corrupt(r.encode(), "has_epoch_table");
+  }
+  auto stray = sample(llama_like());
+  stray.epoch_pages = 7;  // without a table
+  EXPECT_THROW(stray.encode(), Error);
 }
 
 TEST(CudaIpcInfo, BadHandleLengthIsRejected) {

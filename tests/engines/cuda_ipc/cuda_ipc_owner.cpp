@@ -5,7 +5,9 @@
 // the pattern (staged through host memory), prints "SEQ <hex SequenceInfo>"
 // and then serves until stdin says "quit" or closes. "regen <seed> [layout]"
 // makes a new allocation (a new generation; of another layout if given)
-// filled with <seed> and prints its SEQ;
+// filled with <seed> and prints its SEQ; "reuse <seed>" releases the newest
+// cache's current sequence, allocates the next sequence id on the freed
+// pages (new page epochs), fills it with <seed> and prints its SEQ;
 // earlier allocations stay alive until exit, since a reader may still have
 // them open.
 #include <cuda_runtime_api.h>
@@ -29,6 +31,7 @@ struct Generation {
   std::shared_ptr<KVCache> cache;
   std::unique_ptr<KVTransferManager> manager;
   std::unique_ptr<KVCachePool> pool;
+  std::uint64_t seq_id = 1;
 
   ~Generation() {
     if (manager) manager->cleanup();
@@ -96,6 +99,16 @@ int main(int argc, char** argv) {
         const KVLayout l = other.empty() ? layout : cuda_test::parse_layout_arg(other);
         generations.push_back(make_generation(l, tokens, s, scatter, wrap_offset));
         std::cout << "SEQ " << cuda_test::to_hex(generations.back()->pool->publish(1).encode())
+                  << std::endl;
+      } else if (cmd == "reuse") {
+        std::uint64_t s = 0;
+        in >> s;
+        Generation& g = *generations.back();
+        g.pool->release(g.seq_id);
+        ++g.seq_id;
+        const auto pages = g.pool->allocate(g.seq_id, tokens);
+        cuda_test::fill_device_pattern(*g.cache, s, pages, 0, tokens);
+        std::cout << "SEQ " << cuda_test::to_hex(g.pool->publish(g.seq_id).encode())
                   << std::endl;
       }
     }

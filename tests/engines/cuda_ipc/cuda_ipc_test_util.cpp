@@ -144,6 +144,22 @@ const SequenceInfo& OwnerProcess::add_cache(std::uint64_t seed, const KVLayout& 
   return command("regen " + std::to_string(seed) + " " + layout_arg(layout) + "\n");
 }
 
+const SequenceInfo& OwnerProcess::reuse(std::uint64_t seed) {
+  return command("reuse " + std::to_string(seed) + "\n");
+}
+
+void OwnerProcess::send_reuse(std::uint64_t seed) {
+  const std::string cmd = "reuse " + std::to_string(seed) + "\n";
+  if (::write(to_child_, cmd.data(), cmd.size()) != static_cast<ssize_t>(cmd.size())) {
+    throw std::runtime_error("cannot talk to cuda_ipc_owner");
+  }
+}
+
+const SequenceInfo& OwnerProcess::await_sequence() {
+  seq_ = wait_for_sequence(std::chrono::seconds(60));
+  return seq_;
+}
+
 const SequenceInfo& OwnerProcess::command(const std::string& cmd) {
   if (::write(to_child_, cmd.data(), cmd.size()) != static_cast<ssize_t>(cmd.size())) {
     throw std::runtime_error("cannot talk to cuda_ipc_owner");

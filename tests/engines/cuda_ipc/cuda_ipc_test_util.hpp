@@ -71,6 +71,13 @@ class OwnerProcess {
   const SequenceInfo& regenerate(std::uint64_t seed);
   // A second cache of another layout in the same process.
   const SequenceInfo& add_cache(std::uint64_t seed, const KVLayout& layout);
+  // Page reuse: the owner releases the current sequence of its newest cache
+  // and allocates the next sequence id on the freed pages, filled with
+  // `seed`. send_reuse returns at once (the owner works while the caller
+  // reads); await_sequence then waits for the new SequenceInfo.
+  const SequenceInfo& reuse(std::uint64_t seed);
+  void send_reuse(std::uint64_t seed);
+  const SequenceInfo& await_sequence();
   void kill_now();
 
  private:
