@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "mstar/kv/epochs.hpp"
 #include "mstar/kv/planner.hpp"
 
 namespace {
@@ -131,6 +132,30 @@ void BM_SplitSpans(benchmark::State& state) {
   set_counters(state, reads.size(), &plan);
 }
 
+// The CPU work the page epoch checks add to one request (epochs.hpp), on
+// the Llama-3-8B request of range(0) tokens, scattered: the reader collects
+// the request's remote pages (remote_pages_of), the owner (UCX am) or the
+// reader (shm, gets) checks them before and after the copy. Besides this,
+// UCX sends the page list in the read request (4 bytes a page) and the
+// owner answers with one small eager message once its sends completed.
+void BM_EpochChecks(benchmark::State& state) {
+  const std::uint64_t tokens = static_cast<std::uint64_t>(state.range(0));
+  const KVLayout l = llama3_8b(tokens, CacheOrder::kLayerMajor, PageOrder::kNHD);
+  const auto local = page_table(l.num_pages, true, 1);
+  const auto remote = page_table(l.num_pages, true, 2);
+  const auto reads = plan_reads(l, 0, tokens, local, remote);
+  std::vector<std::uint64_t> table(l.num_pages, 77);
+  for (auto _ : state) {
+    const auto pages = remote_pages_of(reads, l.num_pages);
+    Status before = check_page_epochs(table.data(), l.num_pages, pages, 77, "before", false);
+    Status after = check_page_epochs(table.data(), l.num_pages, pages, 77, "after", true);
+    benchmark::DoNotOptimize(before);
+    benchmark::DoNotOptimize(after);
+  }
+  set_counters(state, reads.size(), nullptr);
+  state.counters["pages"] = static_cast<double>(l.num_pages);
+}
+
 void args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"scattered", "page_major", "in_page"});
   for (int scattered : {0, 1}) {
@@ -160,6 +185,7 @@ BENCHMARK(BM_PlanCopies)->Apply(args);
 BENCHMARK(BM_PlanCopies)->Apply(args_mismatch);
 BENCHMARK(BM_PlanRequest)->Apply(args);
 BENCHMARK(BM_SplitSpans)->Apply(args_split);
+BENCHMARK(BM_EpochChecks)->ArgName("tokens")->Arg(4096)->Arg(kTokens)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 
