@@ -31,8 +31,9 @@ def make_engine(args, cache, te):
     if args.engine == "shm":
         return kv.ShmKVTransferEngine(cache)
     if args.engine == "ucx":
+        options = {"auth_token": args.auth_token} if args.auth_token else None
         return kv.UcxKVTransferEngine(cache, entity_id="prefill", session_id=args.session,
-                                      timeout=args.timeout)
+                                      timeout=args.timeout, options=options)
     if args.engine == "mooncake":
         return kv.MooncakeKVTransferEngine(cache, "prefill", te, timeout=args.timeout)
     raise SystemExit(f"unknown engine {args.engine}")
@@ -53,6 +54,7 @@ def main():
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--session", default="", help="ucx: HOST:PORT to listen on")
     p.add_argument("--lease", type=float, default=60.0, help="the pool's lease, seconds")
+    p.add_argument("--auth-token", default="", help="ucx: the shared secret readers must prove")
     args = p.parse_args()
 
     layout = kv.KVLayout(args.layers, args.pages, args.page_size, args.heads, args.head_dim,
