@@ -5,6 +5,7 @@
 #include <string>
 
 #include "mstar/kv/status.hpp"
+#include "planner_detail.hpp"
 
 namespace mstar::kv {
 
@@ -46,27 +47,6 @@ class KeySet {
   }
   std::vector<std::uint64_t> slots_;
   std::size_t mask_;
-};
-
-class SpanSink {
- public:
-  explicit SpanSink(CopyPlan& plan) : plan_(plan) {}
-  void add(std::uint64_t local, std::uint64_t remote, std::uint64_t len) {
-    ++plan_.uncoalesced_spans;
-    plan_.total_bytes += len;
-    if (!plan_.spans.empty()) {
-      CopySpan& last = plan_.spans.back();
-      if (last.local_offset + last.length == local &&
-          last.remote_offset + last.length == remote) {
-        last.length += len;
-        return;
-      }
-    }
-    plan_.spans.push_back({local, remote, len});
-  }
-
- private:
-  CopyPlan& plan_;
 };
 
 }  // namespace
@@ -125,10 +105,15 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
 
 CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
                      std::span<const KVReadInfo> reads) {
+  // Caches of different geometry, or reads that name remote positions or
+  // heads, take the general path (planner_mixed.cpp).
+  bool plain = local.same_geometry(remote);
+  for (std::size_t i = 0; plain && i < reads.size(); ++i) plain = reads[i].plain();
+  if (!plain) return detail::plan_copies_mixed(local, remote, reads);
   local.check_compatible(remote);
   CopyPlan plan;
   plan.spans.reserve(reads.size() * local.num_kv());
-  SpanSink sink(plan);
+  detail::SpanSink sink(plan);
   KeySet seen(reads.size());
   const bool same_order = local.page_order == remote.page_order;
   const std::uint64_t hb = local.head_bytes();
@@ -140,7 +125,8 @@ CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
   for (std::size_t n = 0; n < reads.size(); ++n) {
     const KVReadInfo& r = reads[n];
     // Built only on the error path: planning allocates nothing per read.
-    auto where = [n] { return "read " + std::to_string(n) + ": "; };
+    (void)n;
+    auto where = [&r] { return detail::read_name(r) + ": "; };
     if (r.layer_idx < 0 || r.layer_idx >= std::int64_t{local.num_layers}) {
       invalid(where() + "layer " + std::to_string(r.layer_idx) + " out of range " +
               range(0, local.num_layers));
@@ -193,23 +179,9 @@ CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
       }
     }
   };
-  if (local.cache_order == CacheOrder::kPageMajor) {
-    for (const KVReadInfo& r : reads) {
-      for (std::uint32_t k = 0; k < local.num_kv(); ++k) emit(r, static_cast<KV>(k));
-    }
-  } else {
-    // Reads from plan_reads come layer by layer; emit K then V per run of
-    // reads of one layer so that both passes stay local in memory.
-    std::size_t begin = 0;
-    while (begin < reads.size()) {
-      std::size_t end = begin + 1;
-      while (end < reads.size() && reads[end].layer_idx == reads[begin].layer_idx) ++end;
-      for (std::uint32_t k = 0; k < local.num_kv(); ++k) {
-        for (std::size_t i = begin; i < end; ++i) emit(reads[i], static_cast<KV>(k));
-      }
-      begin = end;
-    }
-  }
+  detail::emit_in_cache_order(
+      local, reads.size(), [&](std::size_t i) { return reads[i].layer_idx; },
+      [&](std::size_t i, KV kv) { emit(reads[i], kv); });
   return plan;
 }
 

@@ -116,8 +116,16 @@ TEST(PlanCopies, RejectsEveryBadRead) {
   std::vector<KVReadInfo> dup{{1, 2, 0, 0, 2}, {1, 2, 1, 2, 4}};
   expect_error([&] { plan_copies(l, r, dup); }, StatusCode::kInvalidArgument,
                "duplicate destination: layer 1 local page 2");
-  r.page_size = 8;
-  expect_error([&] { one({0, 0, 0, 0, 4}); }, StatusCode::kIncompatibleLayout, "page_size");
+  // Page sizes may differ (issue 12: tokens map by position), but the
+  // remote tokens must fit in the remote page.
+  r.page_size = 2;
+  expect_error([&] { one({0, 0, 0, 0, 4}); }, StatusCode::kInvalidArgument,
+               "do not fit in a remote page of 2 tokens");
+  expect_error([&] { one({0, 0, 0, 0, 2, /*remote_token_start=*/1}); },
+               StatusCode::kInvalidArgument, "remote tokens [1, 3)");
+  r.page_size = l.page_size;
+  r.head_dim = l.head_dim * 2;
+  expect_error([&] { one({0, 0, 0, 0, 4}); }, StatusCode::kIncompatibleLayout, "head_dim");
 }
 
 TEST(PlanCopies, SameLayerTwoPagesIsNotADuplicate) {

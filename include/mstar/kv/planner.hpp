@@ -32,6 +32,20 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
                                    std::span<const std::uint32_t> local_pages,
                                    std::span<const std::uint32_t> remote_pages);
 
+// The same for caches of different geometry (layout.hpp): tokens map by
+// their position in the sequence, each side's page table in its own page
+// size (a read never crosses a page boundary on either side: 16 -> 24
+// splits where either side's pages end); only model heads [head_lo,
+// head_hi) are read (0, 0: every head of the local cache, which the remote
+// must then hold). Throws Error(kIncompatibleLayout) naming the field when
+// the layouts cannot be read into each other, and what plan_reads throws.
+// With one geometry on both sides and every head, the same as plan_reads.
+std::vector<KVReadInfo> plan_reads(const KVLayout& local, const KVLayout& remote,
+                                   std::uint64_t start_len, std::uint64_t end_len,
+                                   std::span<const std::uint32_t> local_pages,
+                                   std::span<const std::uint32_t> remote_pages,
+                                   std::uint32_t head_lo = 0, std::uint32_t head_hi = 0);
+
 // One contiguous copy: `length` bytes from remote_offset (from the remote
 // cache base) to local_offset (from the local cache base).
 struct CopySpan {
@@ -51,7 +65,11 @@ struct CopyPlan {
 // Validates every read against both layouts (layer, local and remote page,
 // token range, duplicate (layer, local page) destinations) and the layouts'
 // compatibility, then emits the byte copies, merging neighbours that are
-// contiguous on both sides. Throws Error before returning anything.
+// contiguous on both sides. Throws Error before returning anything. Reads
+// between caches of different geometry (or naming remote token positions or
+// heads) copy only the heads both hold, token by token or head by head as
+// the in-page orders allow; there two reads may fill different tokens or
+// heads of one (layer, local page), never the same bytes.
 CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
                      std::span<const KVReadInfo> reads);
 
