@@ -240,6 +240,7 @@ class CudaIpcKVTransferEngine final : public KVTransferEngine {
   // The same, decoded.
   const CudaIpcKVTransferInfo& info() const noexcept;
 
+  std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const override;
   std::optional<TransferFuture> read_batched_async(
       const KVTransferInfo& remote_kv_info,
       std::span<const KVReadInfo> read_info) override;

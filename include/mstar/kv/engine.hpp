@@ -10,6 +10,7 @@
 
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/future.hpp"
+#include "mstar/kv/layout.hpp"
 #include "mstar/kv/read_info.hpp"
 
 namespace mstar::kv {
@@ -41,6 +42,16 @@ class KVTransferEngine {
       std::span<const KVReadInfo> read_info) = 0;
 
   virtual void shutdown() = 0;
+
+  // The layout a descriptor of this engine describes, decoded as untrusted
+  // input (throws what read_batched_async throws for a malformed one), so
+  // that callers can plan between caches of different geometry (planner.hpp:
+  // page sizes, head shards). std::nullopt when the engine cannot tell; the
+  // manager then plans as for one geometry.
+  virtual std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const {
+    (void)remote;
+    return std::nullopt;
+  }
 
   // Done notices (leases, pool.hpp). Reader side: tells the owner of
   // `remote` (the descriptor of a SequenceInfo, which carries the epoch)

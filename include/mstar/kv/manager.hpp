@@ -91,11 +91,35 @@ class KVTransferManager {
   // Pulls tokens [start_len, end_len) of a remote sequence (skip a cached
   // prefix by raising start_len). Validates everything first and throws
   // Error before any byte moves; std::nullopt when start_len == end_len.
+  // The remote cache may differ in geometry (layout.hpp, planner.hpp): page
+  // size (remote_page_indices in its own page size), head shard (it must
+  // hold every head of the local cache; else use the shard form below),
+  // in-page and cache order.
   std::optional<TransferFuture> start_async_retrieve(
       std::uint64_t start_len, std::uint64_t end_len,
       std::span<const std::uint32_t> local_page_indices,
       std::span<const std::uint32_t> remote_page_indices,
       const KVTransferInfo& kv_transfer_info);
+
+  // One peer of a read assembled from several: a tensor-parallel merge,
+  // e.g. a TP=1 decode cache pulling heads 0-3 from prefill rank 0 and 4-7
+  // from rank 1.
+  struct RemoteShard {
+    std::vector<std::uint32_t> page_indices;  // in that peer's page size
+    KVTransferInfo kv_transfer_info;
+  };
+  // Pulls tokens [start_len, end_len) of every local head from the shards
+  // that hold them: each local head from the first shard (in the order
+  // given) that holds it, one read per shard that contributes, and one
+  // future for the whole (join_futures: the sum of the bytes, or the first
+  // failure once every part resolved; cancel() cancels every part). Throws
+  // Error(kIncompatibleLayout) naming the heads no shard holds, and what the
+  // form above throws, before any byte moves: every shard is planned first;
+  // if an engine then refuses its shard's read, the parts already issued are
+  // cancelled and waited for before the error is thrown.
+  std::optional<TransferFuture> start_async_retrieve(
+      std::uint64_t start_len, std::uint64_t end_len,
+      std::span<const std::uint32_t> local_page_indices, std::span<const RemoteShard> shards);
 
   // Same, then waits; returns the bytes read or throws Error.
   std::uint64_t sync_retrieve(std::uint64_t start_len, std::uint64_t end_len,

@@ -173,6 +173,7 @@ class ShmKVTransferEngine final : public KVTransferEngine {
   ShmKVTransferEngine& operator=(const ShmKVTransferEngine&) = delete;
 
   KVTransferInfo get_kv_transfer_info() const override;
+  std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const override;
   std::optional<TransferFuture> read_batched_async(
       const KVTransferInfo& remote_kv_info,
       std::span<const KVReadInfo> read_info) override;

@@ -745,6 +745,11 @@ const CudaIpcKVTransferInfo& CudaIpcKVTransferEngine::info() const noexcept {
   return impl_->info();
 }
 
+std::optional<KVLayout> CudaIpcKVTransferEngine::remote_layout(
+    const KVTransferInfo& remote) const {
+  return CudaIpcKVTransferInfo::decode(remote).layout;
+}
+
 std::optional<TransferFuture> CudaIpcKVTransferEngine::read_batched_async(
     const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
   return impl_->read(remote_kv_info, read_info);

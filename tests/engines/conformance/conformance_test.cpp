@@ -415,6 +415,106 @@ TEST_P(Conformance, ConcurrentPullsFromManyThreads) {
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
 }
 
+// Caches of different geometry (layout.hpp, planner.hpp): a decode cache of
+// another page size, in-page order, cache order and head shard than the
+// owner's, byte-exact by the pattern (keyed by model head and token
+// position); bytes the read does not name keep the sentinel.
+KVLayout geometry(std::uint32_t page_size, std::uint32_t heads, std::uint32_t first,
+                  std::uint32_t total, PageOrder po, CacheOrder co, std::uint32_t pages) {
+  KVLayout l = small_layout(co, po);
+  l.num_pages = pages;
+  l.page_size = page_size;
+  l.num_kv_heads = heads;
+  l.first_kv_head = first;
+  l.total_kv_heads = total;
+  l.head_dim = 32;
+  return l;
+}
+
+TEST_P(Conformance, MixedGeometriesPullByteExact) {
+  // The owner: all 8 heads, 16-token HND pages, page-major.
+  const KVLayout owner = geometry(16, 8, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
+  PeerProcess peer(peer_spec(owner, 300));
+  const auto& seq = peer.sequence();
+  struct Case {
+    const char* what;
+    KVLayout local;
+    std::uint64_t start;
+  };
+  const Case cases[] = {
+      {"TP 1 -> 2, rank 1, 64-token NHD pages",
+       geometry(64, 4, 4, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 16), 0},
+      {"TP 1 -> 8, rank 5, 24-token pages, prefix hit mid-page",
+       geometry(24, 1, 5, 8, PageOrder::kNHD, CacheOrder::kPageMajor, 20), 37},
+      {"all heads, 128-token HND pages",
+       geometry(128, 8, 0, 8, PageOrder::kHND, CacheOrder::kLayerMajor, 4), 0},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    auto cache = local_cache(c.local);
+    auto m = manager(cache);
+    const std::size_t n = (300 + c.local.page_size - 1) / c.local.page_size;
+    std::vector<std::uint32_t> lp(n);
+    for (std::size_t i = 0; i < n; ++i) lp[i] = static_cast<std::uint32_t>((i * 3 + 1) % c.local.num_pages);
+    m->sync_retrieve(c.start, 300, lp, seq.page_indices, seq.kv_transfer_info);
+    auto v = verify_pattern(*cache, kSeed, lp, c.start, 300);
+    EXPECT_TRUE(v.ok()) << v.first_mismatch;
+    expect_only_named_bytes_written(
+        *cache, owner, plan_reads(c.local, owner, c.start, 300, lp, seq.page_indices));
+  }
+  // A shard that does not hold the local heads is refused before any byte moves.
+  {
+    const KVLayout l = geometry(16, 4, 4, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 32);
+    const KVLayout half = geometry(16, 4, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
+    PeerProcess low(peer_spec(half, 100));
+    auto cache = local_cache(l);
+    auto m = manager(cache);
+    try {
+      m->start_async_retrieve(0, 100, local_pages(7), low.sequence().page_indices,
+                              low.sequence().kv_transfer_info);
+      ADD_FAILURE() << "heads 4-7 read from a cache holding 0-3";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), StatusCode::kIncompatibleLayout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("holds KV heads [0, 4) of 8"), std::string::npos)
+          << e.what();
+    }
+    expect_only_named_bytes_written(*cache, half, {});
+  }
+}
+
+// TP 2 -> 1: one decode cache from two prefill ranks, each holding half the
+// heads in its own page size; one future for the whole.
+TEST_P(Conformance, TensorParallelMergeFromTwoPeers) {
+  const KVLayout r0 = geometry(16, 4, 0, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 64);
+  const KVLayout r1 = geometry(32, 4, 4, 8, PageOrder::kHND, CacheOrder::kPageMajor, 32);
+  PeerProcess p0(peer_spec(r0, 200));
+  PeerProcess p1(peer_spec(r1, 200));
+  const KVLayout l = geometry(64, 8, 0, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 16);
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const std::vector<std::uint32_t> lp{9, 2, 14, 5};
+  const std::vector<KVTransferManager::RemoteShard> shards{
+      {p0.sequence().page_indices, p0.sequence().kv_transfer_info},
+      {p1.sequence().page_indices, p1.sequence().kv_transfer_info}};
+  auto f = m->start_async_retrieve(0, 200, lp, shards);
+  ASSERT_TRUE(f.has_value());
+  EXPECT_EQ(f->get(), 200u * l.token_bytes() * 2 * l.num_layers);
+  auto v = verify_pattern(*cache, kSeed, lp, 0, 200);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+  // Without the second rank, heads 4-7 are held by nobody: refused.
+  std::memset(cache->base(), static_cast<int>(kSentinel), l.total_bytes());
+  try {
+    m->start_async_retrieve(0, 200, lp, std::span(shards).first(1));
+    ADD_FAILURE() << "half the heads accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kIncompatibleLayout) << e.what();
+    EXPECT_NE(std::string(e.what()).find("local KV heads [4, 8) of 8 are held by none"),
+              std::string::npos)
+        << e.what();
+  }
+  expect_only_named_bytes_written(*cache, r0, {});
+}
+
 INSTANTIATE_TEST_SUITE_P(Engines, Conformance, ::testing::ValuesIn(engine_cases()),
                          [](const ::testing::TestParamInfo<EngineCase>& p) {
                            return p.param.label;
