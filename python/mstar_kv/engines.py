@@ -92,6 +92,9 @@ class NativeKVTransferEngine(KVTransferEngine):
         return wrap_native(self._native.retrieve(start_len, end_len, local_pages,
                                                  remote_pages, info))
 
+    def _retrieve_shards(self, start_len, end_len, local_pages, shards):
+        return wrap_native(self._native.retrieve_shards(start_len, end_len, local_pages, shards))
+
     def shutdown(self) -> None:
         self._native.shutdown()
 

@@ -123,13 +123,12 @@ class KVTransferManager:
         byte moves; returns a concurrent.futures.Future of the bytes read, or
         None when start_len == end_len. ``kv_transfer_info`` is the remote's
         descriptor (a KVTransferInfo, an engine's typed info, or its bytes).
+        The remote cache may differ in geometry (KVLayout: page size, with
+        remote_page_indices in its own page size; head shard, holding every
+        local head; in-page and cache order); for heads spread over several
+        peers use start_async_retrieve_shards.
         """
         self._check_open("start_async_retrieve")
-        if len(local_page_indices) != len(remote_page_indices):
-            raise InvalidArgumentError(
-                f"local_page_indices has {len(local_page_indices)} entries, "
-                f"remote_page_indices {len(remote_page_indices)}: both page tables must "
-                "cover the same tokens")
         if isinstance(self.engine, NativeKVTransferEngine) and self.engine.kv_cache is not None:
             return self.engine._retrieve(start_len, end_len, local_page_indices,
                                          remote_page_indices, kv_transfer_info)
@@ -189,6 +188,30 @@ class KVTransferManager:
         """The same statistics in Prometheus text format (mstar_kv_* families)."""
         native = getattr(self.engine, "_native", None)
         return native.prometheus() if native is not None and hasattr(native, "prometheus") else ""
+
+    def start_async_retrieve_shards(self, start_len: int, end_len: int,
+                                    local_page_indices: Sequence[int], shards: Sequence[Any]):
+        """A tensor-parallel merge: pulls tokens [start_len, end_len) of every
+        local head from the peers that hold them, each head from the first
+        shard (in the order given) that holds it; ``shards`` are SequenceInfo
+        objects or (remote_page_indices, kv_transfer_info) pairs, each page
+        table in its peer's page size. One concurrent.futures.Future for the
+        whole (the sum of the bytes, or the first error once every part
+        resolved); cancel() cancels every part. Raises
+        IncompatibleLayoutError naming the heads no shard holds, before any
+        byte moves. Native engines only."""
+        self._check_open("start_async_retrieve_shards")
+        if not (isinstance(self.engine, NativeKVTransferEngine) and
+                self.engine.kv_cache is not None):
+            raise UnavailableError("start_async_retrieve_shards needs a native engine")
+        pairs = []
+        for s in shards:
+            if hasattr(s, "page_indices") and hasattr(s, "kv_transfer_info"):
+                pairs.append((list(s.page_indices), s.kv_transfer_info))
+            else:
+                pages, info = s
+                pairs.append((list(pages), info))
+        return self.engine._retrieve_shards(start_len, end_len, local_page_indices, pairs)
 
     def sync_retrieve(self, *args, **kwargs) -> int:
         """start_async_retrieve, then waits: returns the bytes read (0 when

@@ -43,25 +43,33 @@ std::optional<TransferFuture> KVTransferManager::start_async_retrieve(
     std::span<const std::uint32_t> remote_page_indices,
     const KVTransferInfo& kv_transfer_info) {
   auto issue = [&]() -> std::optional<TransferFuture> {
-    // The remote layout, when the engine can tell, lets caches of different
-    // geometry meet (page sizes, head shards).
-    const std::optional<KVLayout> remote =
-        kv_transfer_info.empty() ? std::nullopt : engine_->remote_layout(kv_transfer_info);
-    const std::vector<KVReadInfo> reads =
-        remote ? plan_reads(kv_cache_->layout(), *remote, start_len, end_len, local_page_indices,
-                            remote_page_indices)
-               : plan_reads(kv_cache_->layout(), start_len, end_len, local_page_indices,
-                            remote_page_indices);
-    return engine_->read_batched_async(kv_transfer_info, reads);
+    return engine_->read_batched_async(
+        kv_transfer_info, plan_retrieve(*engine_, kv_cache_->layout(), start_len, end_len,
+                                        local_page_indices, remote_page_indices,
+                                        kv_transfer_info));
   };
   if (!stats_enabled_.load(std::memory_order_relaxed)) return issue();
   return TransferStatsRecorder::track(stats_, issue);
 }
 
-std::optional<TransferFuture> KVTransferManager::start_async_retrieve(
-    std::uint64_t start_len, std::uint64_t end_len,
-    std::span<const std::uint32_t> local_page_indices, std::span<const RemoteShard> shards) {
-  const KVLayout& local = kv_cache_->layout();
+std::vector<KVReadInfo> plan_retrieve(const KVTransferEngine& engine, const KVLayout& local,
+                                      std::uint64_t start_len, std::uint64_t end_len,
+                                      std::span<const std::uint32_t> local_page_indices,
+                                      std::span<const std::uint32_t> remote_page_indices,
+                                      const KVTransferInfo& remote) {
+  // The caller's own table first (errors name its entries), then the remote
+  // layout, when the engine can tell, lets caches of different geometry
+  // meet (page sizes, head shards).
+  if (start_len != end_len) check_local_pages(local, start_len, end_len, local_page_indices);
+  const std::optional<KVLayout> rl = remote.empty() ? std::nullopt : engine.remote_layout(remote);
+  return rl ? plan_reads(local, *rl, start_len, end_len, local_page_indices, remote_page_indices)
+            : plan_reads(local, start_len, end_len, local_page_indices, remote_page_indices);
+}
+
+std::optional<TransferFuture> retrieve_shards(KVTransferEngine& engine, const KVLayout& local,
+                                              std::uint64_t start_len, std::uint64_t end_len,
+                                              std::span<const std::uint32_t> local_page_indices,
+                                              std::span<const RemoteShard> shards) {
   if (shards.empty()) {
     throw Error(StatusCode::kInvalidArgument, "start_async_retrieve: no remote shard given");
   }
@@ -74,7 +82,7 @@ std::optional<TransferFuture> KVTransferManager::start_async_retrieve(
   std::vector<Part> parts;
   std::vector<KVLayout> layouts;
   for (std::size_t i = 0; i < shards.size(); ++i) {
-    std::optional<KVLayout> l = engine_->remote_layout(shards[i].kv_transfer_info);
+    std::optional<KVLayout> l = engine.remote_layout(shards[i].kv_transfer_info);
     if (!l) {
       throw Error(StatusCode::kUnavailable,
                   "the " + shards[i].kv_transfer_info.engine +
@@ -118,11 +126,10 @@ std::optional<TransferFuture> KVTransferManager::start_async_retrieve(
                          shards[p.shard].page_indices, p.lo, p.hi);
   }
   if (start_len == end_len) return std::nullopt;
-  auto issue = [&]() -> std::optional<TransferFuture> {
-    std::vector<TransferFuture> issued;
+  std::vector<TransferFuture> issued;
     try {
       for (const Part& p : parts) {
-        auto f = engine_->read_batched_async(shards[p.shard].kv_transfer_info, p.reads);
+        auto f = engine.read_batched_async(shards[p.shard].kv_transfer_info, p.reads);
         if (f) issued.push_back(std::move(*f));
       }
     } catch (...) {
@@ -130,8 +137,16 @@ std::optional<TransferFuture> KVTransferManager::start_async_retrieve(
       for (const TransferFuture& f : issued) f.wait();
       throw;
     }
-    if (issued.empty()) return std::nullopt;
-    return join_futures(std::move(issued));
+  if (issued.empty()) return std::nullopt;
+  return join_futures(std::move(issued));
+}
+
+std::optional<TransferFuture> KVTransferManager::start_async_retrieve(
+    std::uint64_t start_len, std::uint64_t end_len,
+    std::span<const std::uint32_t> local_page_indices, std::span<const RemoteShard> shards) {
+  auto issue = [&]() -> std::optional<TransferFuture> {
+    return retrieve_shards(*engine_, kv_cache_->layout(), start_len, end_len, local_page_indices,
+                           shards);
   };
   if (!stats_enabled_.load(std::memory_order_relaxed)) return issue();
   return TransferStatsRecorder::track(stats_, issue);

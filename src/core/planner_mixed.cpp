@@ -36,6 +36,27 @@ struct Resolved {
 
 }  // namespace
 
+void check_local_pages(const KVLayout& local, std::uint64_t start_len, std::uint64_t end_len,
+                       std::span<const std::uint32_t> local_pages) {
+  if (start_len > end_len) {
+    invalid("start_len " + std::to_string(start_len) + " is greater than end_len " +
+            std::to_string(end_len));
+  }
+  const std::uint64_t lps = local.page_size;
+  const std::uint64_t lneed = pages_for(end_len, lps);
+  if (local_pages.size() < lneed) {
+    invalid("local page table has " + std::to_string(local_pages.size()) + " entries of " +
+            std::to_string(lps) + " tokens, tokens " + range(start_len, end_len) + " need " +
+            std::to_string(lneed));
+  }
+  for (std::uint64_t i = start_len / lps; i < lneed; ++i) {
+    if (local_pages[i] >= local.num_pages) {
+      invalid("local page " + std::to_string(local_pages[i]) + " (table entry " +
+              std::to_string(i) + ") out of range " + range(0, local.num_pages));
+    }
+  }
+}
+
 std::vector<KVReadInfo> plan_reads(const KVLayout& local, const KVLayout& remote,
                                    std::uint64_t start_len, std::uint64_t end_len,
                                    std::span<const std::uint32_t> local_pages,

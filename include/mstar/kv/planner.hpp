@@ -32,6 +32,12 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
                                    std::span<const std::uint32_t> local_pages,
                                    std::span<const std::uint32_t> remote_pages);
 
+// The local half of plan_reads' checks: `local_pages` covers tokens
+// [start_len, end_len) at the local page size and names pages of the cache.
+// Throws what plan_reads throws for them.
+void check_local_pages(const KVLayout& local, std::uint64_t start_len, std::uint64_t end_len,
+                       std::span<const std::uint32_t> local_pages);
+
 // The same for caches of different geometry (layout.hpp): tokens map by
 // their position in the sequence, each side's page table in its own page
 // size (a read never crosses a page boundary on either side: 16 -> 24
