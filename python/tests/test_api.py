@@ -133,7 +133,17 @@ def test_manager_bad_inputs_before_any_byte(peer_factory):
         m.start_async_retrieve(0, 32, [0, 1], [0, 1], b"garbage bytes")
     with pytest.raises(kv.InvalidArgumentError, match="'ucx'"):
         m.start_async_retrieve(0, 32, [0, 1], [0, 1], kv.KVTransferInfo("ucx", b"x"))
-    assert m.start_async_retrieve(16, 16, [0, 1], [0, 1], kv.KVTransferInfo("shm", b"")) is None
+    # An empty range is validated first too (issue 14): this descriptor is
+    # no shm descriptor, and the tables must cover end_len.
+    with pytest.raises(kv.CorruptDescriptorError):
+        m.start_async_retrieve(16, 16, [0, 1], [0, 1], kv.KVTransferInfo("shm", b""))
+    with pytest.raises(kv.InvalidArgumentError, match="'ucx'"):
+        m.start_async_retrieve(0, 0, [], [], kv.KVTransferInfo("ucx", b"x"))
+    with pytest.raises(kv.InvalidArgumentError, match=r"local page 99 .* out of range \[0, 64\)"):
+        m.start_async_retrieve(20, 20, [0, 99], [0, 1], m.get_kv_transfer_info())
+    with pytest.raises(kv.InvalidArgumentError, match="local page table has 1 entries"):
+        m.start_async_retrieve(20, 20, [0], [0], m.get_kv_transfer_info())
+    assert m.start_async_retrieve(16, 16, [0, 1], [0, 1], m.get_kv_transfer_info()) is None
     m.cleanup()
     m.cleanup()  # idempotent
     with pytest.raises(kv.ShutdownError, match="after cleanup"):
@@ -151,6 +161,11 @@ def test_local_only_manager():
     assert m.get_kv_transfer_info() is None
     assert m.start_async_retrieve(0, 0, [], [], None) is None
     assert m.sync_retrieve(0, 0, [], [], None) == 0
+    # An empty range is validated first (issue 14).
+    with pytest.raises(kv.InvalidArgumentError, match=r"local page 99 .* out of range"):
+        m.start_async_retrieve(20, 20, [0, 99], [0, 1], None)
+    with pytest.raises(kv.InvalidArgumentError, match="cannot read a 'shm' descriptor"):
+        m.start_async_retrieve(0, 0, [], [], kv.KVTransferInfo("shm", b"x"))
     with pytest.raises(kv.InvalidArgumentError, match="local-only"):
         m.start_async_retrieve(0, 16, [0], [0], None)
     e = kv.LocalOnlyKVTransferEngine()

@@ -81,7 +81,6 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
             std::to_string(end_len));
   }
   std::vector<KVReadInfo> reads;
-  if (start_len == end_len) return reads;
   const std::uint64_t ps = local.page_size;
   const std::uint64_t first = start_len / ps;
   // Pages [0, needed); not (end_len + ps - 1) / ps, which wraps for an
@@ -103,6 +102,8 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
               std::to_string(i) + ") out of range " + range(0, local.num_pages));
     }
   }
+  // An empty range is validated as any other, then reads nothing.
+  if (start_len == end_len) return reads;
   reads.reserve((needed - first) * local.num_layers);
   auto emit = [&](std::uint32_t layer, std::uint64_t i) {
     const std::uint64_t page_start = i * ps;

@@ -51,6 +51,33 @@ TEST(KVTransferManager, WithoutInfoIsLocalOnly) {
   m.cleanup();  // idempotent
 }
 
+// start_len == end_len validates first (manager.hpp), then returns nothing.
+TEST(KVTransferManager, EmptyRangeIsValidatedFirst) {
+  KVTransferManager m(std::nullopt, cache());
+  const std::vector<std::uint32_t> good = {0, 1};
+  const std::vector<std::uint32_t> bad = {0, 99};
+  auto message = [&](std::uint64_t at, std::span<const std::uint32_t> pages,
+                     const KVTransferInfo& info) {
+    try {
+      m.start_async_retrieve(at, at, pages, pages, info);
+    } catch (const Error& err) {
+      EXPECT_EQ(err.code(), StatusCode::kInvalidArgument) << err.what();
+      return std::string(err.what());
+    }
+    return std::string("no error");
+  };
+  // Page size 4: token 6 lies in table entry 1.
+  EXPECT_NE(message(6, bad, {}).find("local page 99 (table entry 1) out of range [0, 8)"),
+            std::string::npos);
+  EXPECT_NE(message(9, good, {}).find("local page table has 2 entries"), std::string::npos);
+  // A descriptor the local-only engine cannot read, as for a non-empty pull.
+  KVTransferInfo shm{"shm", {1, 2, 3}, 0};
+  EXPECT_NE(message(4, good, shm).find("cannot read a 'shm' descriptor"), std::string::npos);
+  EXPECT_NE(message(0, {}, shm).find("cannot read a 'shm' descriptor"), std::string::npos);
+  EXPECT_FALSE(m.start_async_retrieve(8, 8, good, good, {}).has_value());
+  EXPECT_FALSE(m.start_async_retrieve(0, 0, {}, {}, {}).has_value());
+}
+
 TEST(KVTransferManager, FactoryNamesUnknownAndUnbuiltEngines) {
   TransferEngineInfo info{"me", "127.0.0.1:1", "carrier-pigeon", {}};
   try {

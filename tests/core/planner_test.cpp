@@ -77,9 +77,20 @@ TEST(PlanReads, PrefixHitPullsOnlyTheTail) {
   EXPECT_EQ(reads[0], (KVReadInfo{0, 4, 4, 0, 4}));
 }
 
-TEST(PlanReads, EmptyRangeIsNoWork) {
+TEST(PlanReads, EmptyRangeIsNoWorkButIsValidated) {
   const KVLayout l = layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
-  EXPECT_TRUE(plan_reads(l, 7, 7, {}, {}).empty());
+  EXPECT_TRUE(plan_reads(l, 0, 0, {}, {}).empty());
+  EXPECT_TRUE(plan_reads(l, 7, 7, iota(2), iota(2)).empty());
+  // The same checks as a non-empty range (issue 14): the tables must cover
+  // end_len, and the entry holding a mid-page start_len must be in range.
+  expect_error([&] { plan_reads(l, 7, 7, {}, {}); }, StatusCode::kInvalidArgument,
+               "local page table has 0 entries, tokens [7, 7) need 2");
+  expect_error([&] { plan_reads(l, 7, 7, iota(2), iota(1)); }, StatusCode::kInvalidArgument,
+               "remote page table has 1 entries");
+  std::vector<std::uint32_t> bad = iota(2);
+  bad[1] = 1000;
+  expect_error([&] { plan_reads(l, 7, 7, bad, iota(2)); }, StatusCode::kInvalidArgument,
+               "local page 1000 (table entry 1) out of range");
 }
 
 TEST(PlanReads, RejectsBadArguments) {

@@ -20,8 +20,10 @@ namespace mstar::kv {
 // * read_batched_async validates the descriptor (engine, generation, layout
 //   compatibility, bounds) and every read before any byte moves, throwing
 //   Error on a bad argument. It never blocks on the transfer itself.
-// * It returns std::nullopt when there is nothing to read, else a future that
-//   resolves with the bytes read or an error, within the engine's timeout.
+// * It returns std::nullopt when there is nothing to read (after validating
+//   the descriptor all the same: engine, format, layout compatibility), else
+//   a future that resolves with the bytes read or an error, within the
+//   engine's timeout.
 // * Pages not named in a read are never touched; the remote cache is never
 //   written.
 // * shutdown() resolves every in-flight future (kShutdown unless it already

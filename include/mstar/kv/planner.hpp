@@ -24,8 +24,11 @@ namespace mstar::kv {
 // page, then layer; layer-major: layer, then page) so that contiguous page
 // tables coalesce into the fewest copies.
 // Throws Error(kInvalidArgument) when start_len > end_len, a page table is
-// shorter than end_len needs, or a local page is out of range. Returns an
-// empty vector when start_len == end_len.
+// shorter than end_len needs (ceil(end_len / page_size) entries), or a local
+// page of the entries the range touches is out of range. An empty range
+// (start_len == end_len) passes the same checks (the entry it touches is
+// that of the page holding start_len when start_len is mid-page; none when
+// it is page-aligned), then returns an empty vector.
 std::vector<KVReadInfo> plan_reads(const KVLayout& local,
                                    std::uint64_t start_len,
                                    std::uint64_t end_len,

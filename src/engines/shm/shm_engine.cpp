@@ -138,9 +138,11 @@ KVTransferInfo ShmKVTransferEngine::get_kv_transfer_info() const {
 
 std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
     const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
-  if (read_info.empty()) return std::nullopt;
   const ShmKVTransferInfo info = ShmKVTransferInfo::decode(remote_kv_info);
   const KVLayout& local = impl_->cache->layout();
+  // Nothing to read: the descriptor is still validated (engine.hpp).
+  local.check_compatible(info.layout);
+  if (read_info.empty()) return std::nullopt;
   CopyPlan plan = plan_copies(local, info.layout, read_info);
   std::shared_ptr<const ShmMapping> mapping = impl_->mapping_for(info);
   // Seqlock over the owner's page epochs: every page must carry the

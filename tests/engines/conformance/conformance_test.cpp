@@ -13,6 +13,7 @@
 #include <cstring>
 #include <dlfcn.h>
 #include <thread>
+#include <tuple>
 
 #include "mstar/kv/kv.hpp"
 #include "peer_process.hpp"
@@ -203,6 +204,60 @@ TEST_P(Conformance, NothingToReadReturnsNoFuture) {
   EXPECT_FALSE(m->start_async_retrieve(32, 32, local_pages(2), seq.page_indices,
                                        seq.kv_transfer_info)
                    .has_value());
+}
+
+// An empty range is validated as a non-empty one is (manager.hpp): the
+// descriptor, the layouts and the page tables, with the same errors.
+TEST_P(Conformance, EmptyRangeIsValidatedFirst) {
+  const KVLayout l = small_layout();
+  PeerProcess peer(peer_spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = peer.sequence();
+  const auto& good = seq.kv_transfer_info;
+  auto code_of = [&](std::uint64_t at, std::span<const std::uint32_t> lp,
+                     const KVTransferInfo& info, KVTransferManager& mgr) {
+    try {
+      EXPECT_FALSE(mgr.start_async_retrieve(at, at, lp, seq.page_indices, info).has_value());
+      return std::make_pair(StatusCode::kOk, std::string());
+    } catch (const Error& e) {
+      return std::make_pair(e.code(), std::string(e.what()));
+    }
+  };
+  for (std::uint64_t at : {0u, 32u, 40u}) {
+    SCOPED_TRACE("start_len == end_len == " + std::to_string(at));
+    EXPECT_EQ(code_of(at, local_pages(4), good, *m).first, StatusCode::kOk);
+    KVTransferInfo truncated = good;
+    truncated.payload.resize(good.payload.size() / 2);
+    EXPECT_NE(code_of(at, local_pages(4), truncated, *m).first, StatusCode::kOk);
+    KVTransferInfo other = good;
+    other.engine = good.engine == "shm" ? "ucx" : "shm";
+    EXPECT_NE(code_of(at, local_pages(4), other, *m).first, StatusCode::kOk);
+    EXPECT_NE(code_of(at, local_pages(4), KVTransferInfo{}, *m).first, StatusCode::kOk);
+  }
+  // Mismatched layout: the same code and message as a non-empty pull.
+  KVLayout narrow = small_layout();
+  narrow.head_dim = 32;
+  auto narrow_cache = local_cache(narrow);
+  auto narrow_m = manager(narrow_cache);
+  StatusCode code;
+  std::string msg;
+  std::tie(code, msg) = code_of(32, local_pages(4), good, *narrow_m);
+  EXPECT_EQ(code, StatusCode::kIncompatibleLayout) << msg;
+  EXPECT_NE(msg.find("head_dim"), std::string::npos) << msg;
+  // Page tables: too short for end_len 40 (3 entries needed), and a local
+  // page out of range in the entry holding token 40.
+  const std::vector<std::uint32_t> two = local_pages(2);
+  std::tie(code, msg) = code_of(40, two, good, *m);
+  EXPECT_EQ(code, StatusCode::kInvalidArgument) << msg;
+  EXPECT_NE(msg.find("local page table has 2 entries"), std::string::npos) << msg;
+  std::vector<std::uint32_t> bad = local_pages(4);
+  bad[2] = 64;
+  std::tie(code, msg) = code_of(40, bad, good, *m);
+  EXPECT_EQ(code, StatusCode::kInvalidArgument) << msg;
+  EXPECT_NE(msg.find("local page 64 (table entry 2) out of range [0, 64)"), std::string::npos)
+      << msg;
+  expect_only_named_bytes_written(*cache, l, {});
 }
 
 TEST_P(Conformance, IncompatibleLayoutIsRejectedBeforeAnyByteMoves) {
