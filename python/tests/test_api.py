@@ -65,7 +65,7 @@ def test_layout_fields_and_errors():
 
 def test_descriptors_round_trip_and_reject_garbage():
     seq = kv.SequenceInfo(seq_id=5, num_tokens=40, page_indices=[3, 1, 2],
-                          kv_transfer_info=kv.KVTransferInfo("shm", b"\x01\x02"))
+                          kv_transfer_info=kv.KVTransferInfo("shm", b"\x01\x02"), page_size=16)
     data = seq.to_bytes()
     assert kv.SequenceInfo.from_bytes(data) == seq
     assert pickle.loads(pickle.dumps(seq)) == seq
@@ -80,7 +80,13 @@ def test_descriptors_round_trip_and_reject_garbage():
     with pytest.raises(kv.CorruptDescriptorError):
         kv.SequenceInfo.from_bytes(bytes(flipped))
     with pytest.raises(kv.InvalidArgumentError, match=r"page_indices\[1\] = -1 out of range"):
-        kv.SequenceInfo(seq_id=1, num_tokens=1, page_indices=[0, -1])
+        kv.SequenceInfo(seq_id=1, num_tokens=1, page_indices=[0, -1], page_size=16)
+    # The page count must match the tokens at the page size (issue 14).
+    for tokens, pages in ((100, [0]), (1, [0, 1, 2, 3, 4])):
+        bad = kv.SequenceInfo(seq_id=1, num_tokens=tokens, page_indices=pages, page_size=16)
+        with pytest.raises(kv.CorruptDescriptorError,
+                           match=rf"{len(pages)} pages for {tokens} tokens of page size 16"):
+            kv.SequenceInfo.from_bytes(bad.to_bytes())
 
 
 def test_infos_pickle_through_bytes_and_refuse_other_engines():
