@@ -160,6 +160,25 @@ def test_manager_bad_inputs_before_any_byte(peer_factory):
         kv.KVTransferManager(kv.TransferEngineInfo("d", "", "warp"), cache)
 
 
+def test_engines_reject_unknown_keys_of_their_prefix():
+    """A typo in an engine's own option is refused, naming the known ones;
+    other engines' keys and the shared auth_token are not its business."""
+    cache = kv.KVCache(local_layout())
+    with pytest.raises(kv.InvalidArgumentError,
+                       match=r"unknown shm option 'shm_max_wokers' .*known shm_\* options: none"):
+        kv.KVTransferManager(kv.TransferEngineInfo("d", "", "shm", {"shm_max_wokers": "2"}),
+                             cache)
+    m = kv.KVTransferManager(kv.TransferEngineInfo(
+        "d", "", "shm", {"auth_token": "x", "ucx_mode": "am", "cuda_ipc_batch": "0"}), cache)
+    m.cleanup()
+    if "cuda_ipc" in kv.built_engines():
+        with pytest.raises(kv.InvalidArgumentError,
+                           match=r"unknown cuda_ipc option 'cuda_ipc_bach'.*cuda_ipc_batch, "
+                                 r"cuda_ipc_check_owner_pid"):
+            kv.KVTransferManager(kv.TransferEngineInfo("d", "", "cuda_ipc",
+                                                       {"cuda_ipc_bach": "0"}), cache)
+
+
 def test_local_only_manager():
     cache = kv.KVCache(local_layout())
     m = kv.KVTransferManager(None, cache)

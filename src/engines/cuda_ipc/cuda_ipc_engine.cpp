@@ -19,6 +19,7 @@
 #include "cuda_util.hpp"
 #include "device_memory.hpp"
 #include "engines/engine_makers.hpp"
+#include "engines/option_keys.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/status.hpp"
@@ -164,6 +165,9 @@ CudaIpcKVTransferEngine::Impl::Impl(std::shared_ptr<KVCache> cache,
                                     const EngineOptions& options)
     : cache_(std::move(cache)), options_(options), self_pid_(static_cast<std::uint32_t>(::getpid())) {
   if (!cache_) throw Error(StatusCode::kInvalidArgument, "cuda_ipc engine needs a KV cache");
+  // Options first: a typo is named before anything touches the device.
+  engines::reject_unknown_keys(options_.extra, "cuda_ipc", "cuda_ipc_",
+                               {"cuda_ipc_batch", "cuda_ipc_check_owner_pid"});
   memory_ = dynamic_cast<const cuda::DeviceMemory*>(&cache_->memory());
   if (cache_->memory_kind() != MemoryKind::kDevice || memory_ == nullptr) {
     throw Error(StatusCode::kInvalidArgument,

@@ -13,6 +13,7 @@
 
 #include "copy_pool.hpp"
 #include "engines/engine_makers.hpp"
+#include "engines/option_keys.hpp"
 #include "mstar/kv/shm.hpp"
 #include "shm_memory.hpp"
 
@@ -221,6 +222,8 @@ namespace mstar::kv::engines {
 
 std::unique_ptr<KVTransferEngine> make_shm_engine(std::shared_ptr<KVCache> cache,
                                                   const TransferEngineInfo& info) {
+  // The shm engine has no options of its own: any shm_* key is a typo.
+  reject_unknown_keys(info.options.extra, "shm", "shm_", {});
   ShmEngineOptions o;
   o.max_workers = info.options.max_workers;
   o.timeout = info.options.timeout;
