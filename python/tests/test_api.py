@@ -145,11 +145,20 @@ def test_manager_bad_inputs_before_any_byte(peer_factory):
         m.start_async_retrieve(16, 16, [0, 1], [0, 1], kv.KVTransferInfo("shm", b""))
     with pytest.raises(kv.InvalidArgumentError, match="'ucx'"):
         m.start_async_retrieve(0, 0, [], [], kv.KVTransferInfo("ucx", b"x"))
+    owner = kv.KVTransferManager(kv.TransferEngineInfo("prefill", "", "shm"),
+                                 kv.KVCache(local_layout(), memory="shared"))
+    desc = owner.get_kv_transfer_info()
     with pytest.raises(kv.InvalidArgumentError, match=r"local page 99 .* out of range \[0, 64\)"):
-        m.start_async_retrieve(20, 20, [0, 99], [0, 1], m.get_kv_transfer_info())
+        m.start_async_retrieve(20, 20, [0, 99], [0, 1], desc)
     with pytest.raises(kv.InvalidArgumentError, match="local page table has 1 entries"):
-        m.start_async_retrieve(20, 20, [0], [0], m.get_kv_transfer_info())
-    assert m.start_async_retrieve(16, 16, [0, 1], [0, 1], m.get_kv_transfer_info()) is None
+        m.start_async_retrieve(20, 20, [0], [0], desc)
+    assert m.start_async_retrieve(16, 16, [0, 1], [0, 1], desc) is None
+    narrow = kv.KVTransferManager(kv.TransferEngineInfo("decode", "", "shm"),
+                                  kv.KVCache(local_layout(head_dim=32)))
+    with pytest.raises(kv.IncompatibleLayoutError, match="head_dim"):
+        narrow.start_async_retrieve(16, 16, [0, 1], [0, 1], desc)
+    narrow.cleanup()
+    owner.cleanup()
     m.cleanup()
     m.cleanup()  # idempotent
     with pytest.raises(kv.ShutdownError, match="after cleanup"):

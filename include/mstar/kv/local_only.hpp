@@ -1,6 +1,9 @@
 // Copyright mstar-kv authors.
 #pragma once
 
+#include <optional>
+#include <span>
+
 #include "mstar/kv/engine.hpp"
 
 namespace mstar::kv {
