@@ -148,9 +148,15 @@ class KVTransferManager:
                 f"(tokens [{start_len}, {end_len}) requested)")
         reads = _core.plan_reads(self.kv_cache.layout, start_len, end_len,
                                  local_page_indices, remote_page_indices)
+        remote_layout = getattr(self.engine, "remote_layout", None)
+        remote_layout = remote_layout(kv_transfer_info) if remote_layout else None
+        if remote_layout is not None:
+            _core.check_remote_pages(self.kv_cache.layout, remote_layout, start_len, end_len,
+                                     remote_page_indices)
         # No reads still goes to the engine, which validates the descriptor
-        # and returns None (engines.py).
-        return self.engine.read_batched_async(kv_transfer_info, reads)
+        # (engines.py); the manager then returns None whatever it returned.
+        future = self.engine.read_batched_async(kv_transfer_info, reads)
+        return future if reads else None
 
     def notify_done(self, seq: SequenceInfo) -> None:
         """Tells the owner of ``seq`` that this reader is done with it, over the

@@ -43,9 +43,14 @@ std::optional<TransferFuture> KVTransferManager::start_async_retrieve(
     std::span<const std::uint32_t> remote_page_indices,
     const KVTransferInfo& kv_transfer_info) {
   auto issue = [&]() -> std::optional<TransferFuture> {
+    const KVLayout& local = kv_cache_->layout();
     const std::vector<KVReadInfo> reads =
-        plan_reads(kv_cache_->layout(), start_len, end_len, local_page_indices,
-                   remote_page_indices);
+        plan_reads(local, start_len, end_len, local_page_indices, remote_page_indices);
+    // The remote table too, before the engine plans: errors then name the
+    // caller's table entries, not an index into `reads`.
+    if (const auto remote = engine_->remote_layout(kv_transfer_info)) {
+      check_remote_pages(local, *remote, start_len, end_len, remote_page_indices);
+    }
     return engine_->read_batched_async(kv_transfer_info, reads);
   };
   if (!stats_enabled_.load(std::memory_order_relaxed)) return issue();

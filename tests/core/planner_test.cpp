@@ -104,6 +104,30 @@ TEST(PlanReads, RejectsBadArguments) {
   std::vector<std::uint32_t> bad = {0, 16, 2};
   expect_error([&] { plan_reads(l, 0, 9, bad, iota(3)); },
                StatusCode::kInvalidArgument, "local page 16 (table entry 1) out of range [0, 16)");
+  // A local page named twice: the table entries, not "read N" (issue 14).
+  std::vector<std::uint32_t> twice = {5, 7, 5};
+  expect_error([&] { plan_reads(l, 0, 9, twice, iota(3)); }, StatusCode::kInvalidArgument,
+               "local page 5 appears twice in the local page table (entries 0 and 2)");
+  // Entries outside the range are not read, so not checked.
+  EXPECT_NO_THROW(plan_reads(l, 4, 9, twice, iota(3)));
+}
+
+// The remote side of a pull, checked by the caller's table entries.
+TEST(CheckRemotePages, NamesTheTableEntryAndPage) {
+  const KVLayout l = layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
+  KVLayout r = l;
+  r.num_pages = 8;
+  std::vector<std::uint32_t> remote = {0, 1, 8, 3};
+  expect_error([&] { check_remote_pages(l, r, 0, 16, remote); }, StatusCode::kInvalidArgument,
+               "remote page 8 (table entry 2) out of range [0, 8) in remote cache");
+  // Page size 4: tokens [12, 16) touch entry 3 only; [8, 8) (aligned) none.
+  EXPECT_NO_THROW(check_remote_pages(l, r, 12, 16, remote));
+  EXPECT_NO_THROW(check_remote_pages(l, r, 8, 8, remote));
+  expect_error([&] { check_remote_pages(l, r, 9, 9, remote); }, StatusCode::kInvalidArgument,
+               "(table entry 2)");
+  r.head_dim = 16;
+  expect_error([&] { check_remote_pages(l, r, 0, 4, remote); }, StatusCode::kIncompatibleLayout,
+               "head_dim");
 }
 
 TEST(PlanCopies, RejectsEveryBadRead) {
@@ -120,13 +144,13 @@ TEST(PlanCopies, RejectsEveryBadRead) {
   expect_error([&] { one({0, 16, 0, 0, 4}); }, StatusCode::kInvalidArgument,
                "local page 16 out of range [0, 16)");
   expect_error([&] { one({0, 0, 8, 0, 4}); }, StatusCode::kInvalidArgument,
-               "remote page 8 out of range [0, 8) in remote cache");
+               "read_info[0]: remote page 8 out of range [0, 8) in remote cache");
   expect_error([&] { one({0, 0, 0, 2, 2}); }, StatusCode::kInvalidArgument, "token range [2, 2)");
   expect_error([&] { one({0, 0, 0, 0, 5}); }, StatusCode::kInvalidArgument, "<= 4");
   expect_error([&] { one({0, 0, 0, -1, 3}); }, StatusCode::kInvalidArgument, "token range [-1, 3)");
   std::vector<KVReadInfo> dup{{1, 2, 0, 0, 2}, {1, 2, 1, 2, 4}};
   expect_error([&] { plan_copies(l, r, dup); }, StatusCode::kInvalidArgument,
-               "duplicate destination: layer 1 local page 2");
+               "read_info[1]: duplicate destination: layer 1 local page 2");
   r.page_size = 8;
   expect_error([&] { one({0, 0, 0, 0, 4}); }, StatusCode::kIncompatibleLayout, "page_size");
 }

@@ -225,6 +225,7 @@ class CudaIpcKVTransferEngine final : public KVTransferEngine {
   std::optional<TransferFuture> read_batched_async(
       const KVTransferInfo& remote_kv_info,
       std::span<const KVReadInfo> read_info) override;
+  std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const override;
 
   void shutdown() override;
 

@@ -10,6 +10,7 @@
 
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/future.hpp"
+#include "mstar/kv/layout.hpp"
 #include "mstar/kv/read_info.hpp"
 
 namespace mstar::kv {
@@ -43,6 +44,14 @@ class KVTransferEngine {
       std::span<const KVReadInfo> read_info) = 0;
 
   virtual void shutdown() = 0;
+
+  // The layout of the cache `remote` describes, decoded and validated as
+  // read_batched_async decodes it (throws the same Error for a descriptor it
+  // would refuse), without contacting the owner. KVTransferManager uses it
+  // to check the remote page table before planning, so that errors name the
+  // caller's table entries. The default, std::nullopt, is for engines that
+  // cannot tell (the remote pages are then checked by read_batched_async).
+  virtual std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const;
 
   // Done notices (leases, pool.hpp). Reader side: tells the owner of
   // `remote` (the descriptor of a SequenceInfo, which carries the epoch)

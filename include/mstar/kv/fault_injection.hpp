@@ -136,6 +136,7 @@ class FaultInjectingEngine final : public KVTransferEngine {
   std::optional<TransferFuture> read_batched_async(
       const KVTransferInfo& remote_kv_info,
       std::span<const KVReadInfo> read_info) override;
+  std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const override;
   void shutdown() override;
   void notify_done(const KVTransferInfo& remote, std::uint64_t seq_id) override;
   void set_done_handler(DoneHandler handler) override;

@@ -173,6 +173,7 @@ class ShmKVTransferEngine final : public KVTransferEngine {
   std::optional<TransferFuture> read_batched_async(
       const KVTransferInfo& remote_kv_info,
       std::span<const KVReadInfo> read_info) override;
+  std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const override;
   void shutdown() override;
 
   // The descriptor as a struct; std::nullopt for a private (kHost) cache.

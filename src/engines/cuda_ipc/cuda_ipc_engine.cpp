@@ -655,6 +655,11 @@ std::optional<TransferFuture> CudaIpcKVTransferEngine::read_batched_async(
   return impl_->read(remote_kv_info, read_info);
 }
 
+std::optional<KVLayout> CudaIpcKVTransferEngine::remote_layout(
+    const KVTransferInfo& remote) const {
+  return CudaIpcKVTransferInfo::decode(remote).layout;
+}
+
 void CudaIpcKVTransferEngine::shutdown() { impl_->shutdown(); }
 
 std::size_t CudaIpcKVTransferEngine::open_handles() const { return impl_->open_handles(); }

@@ -550,6 +550,10 @@ KVTransferEngine& FaultInjectingEngine::inner() noexcept { return *impl_->inner;
 
 namespace mstar::kv {
 
+std::optional<KVLayout> FaultInjectingEngine::remote_layout(const KVTransferInfo& remote) const {
+  return impl_->inner->remote_layout(remote);
+}
+
 void FaultInjectingEngine::notify_done(const KVTransferInfo& remote, std::uint64_t seq_id) {
   inner().notify_done(remote, seq_id);
 }

@@ -174,6 +174,11 @@ std::optional<TransferFuture> MooncakeKVTransferEngine::read_batched_async(
   return impl_->read_batched_async(remote_kv_info, read_info);
 }
 
+std::optional<KVLayout> MooncakeKVTransferEngine::remote_layout(
+    const KVTransferInfo& remote) const {
+  return impl_->remote_layout(remote);
+}
+
 void MooncakeKVTransferEngine::shutdown() { impl_->shutdown(); }
 
 namespace engines {

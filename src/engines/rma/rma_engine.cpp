@@ -110,6 +110,15 @@ bool RmaKVTransferEngine::evict_peer(const std::string& session_id, const RmaPee
   return false;
 }
 
+std::optional<KVLayout> RmaKVTransferEngine::remote_layout(const KVTransferInfo& remote) const {
+  if (remote.engine != engine_name_) {
+    throw Error(StatusCode::kInvalidArgument,
+                "descriptor of engine '" + remote.engine + "' given to the '" + engine_name_ +
+                    "' engine");
+  }
+  return RmaRegionInfo::decode(remote.payload).layout;
+}
+
 std::optional<TransferFuture> RmaKVTransferEngine::read_batched_async(
     const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
   {

@@ -72,6 +72,7 @@ class RmaKVTransferEngine final : public KVTransferEngine {
   std::optional<TransferFuture> read_batched_async(
       const KVTransferInfo& remote_kv_info,
       std::span<const KVReadInfo> read_info) override;
+  std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const override;
 
   void shutdown() override;
   void notify_done(const KVTransferInfo& remote, std::uint64_t seq_id) override;

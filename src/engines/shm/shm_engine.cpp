@@ -137,6 +137,10 @@ KVTransferInfo ShmKVTransferEngine::get_kv_transfer_info() const {
   return info ? info->encode() : KVTransferInfo{};
 }
 
+std::optional<KVLayout> ShmKVTransferEngine::remote_layout(const KVTransferInfo& remote) const {
+  return ShmKVTransferInfo::decode(remote).layout;
+}
+
 std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
     const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
   const ShmKVTransferInfo info = ShmKVTransferInfo::decode(remote_kv_info);

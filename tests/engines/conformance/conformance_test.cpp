@@ -257,6 +257,18 @@ TEST_P(Conformance, EmptyRangeIsValidatedFirst) {
   EXPECT_EQ(code, StatusCode::kInvalidArgument) << msg;
   EXPECT_NE(msg.find("local page 64 (table entry 2) out of range [0, 64)"), std::string::npos)
       << msg;
+  // The remote table too, where the engine can tell the remote layout.
+  std::vector<std::uint32_t> remote = seq.page_indices;
+  remote[2] = 64;
+  try {
+    m->start_async_retrieve(40, 40, local_pages(4), remote, good);
+    ADD_FAILURE() << "remote page 64 accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("remote page 64 (table entry 2) out of range [0, 64)"),
+              std::string::npos)
+        << e.what();
+  }
   expect_only_named_bytes_written(*cache, l, {});
 }
 
@@ -289,9 +301,12 @@ TEST_P(Conformance, OutOfRangeRemotePageIsRejectedBeforeAnyByteMoves) {
     FAIL() << "expected InvalidArgument";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find("remote page 64 out of range [0, 64)"),
+    // Named by the caller's table entry, not an index into the plan.
+    EXPECT_NE(std::string(e.what()).find(
+                  "remote page 64 (table entry 2) out of range [0, 64) in remote cache"),
               std::string::npos)
         << e.what();
+    EXPECT_EQ(std::string(e.what()).find("read"), std::string::npos) << e.what();
   }
   expect_only_named_bytes_written(*cache, l, {});
 }
