@@ -90,11 +90,12 @@ class KVTransferManager {
 
   // Pulls tokens [start_len, end_len) of a remote sequence (skip a cached
   // prefix by raising start_len). Validates everything first and throws
-  // Error before any byte moves: the range, the page tables (plan_reads),
-  // the descriptor (the engine: engine name, format, layout compatibility)
-  // and the pages read (plan_copies). An empty range (start_len == end_len)
-  // is validated the same way, the descriptor included, then returns
-  // std::nullopt.
+  // Error before any byte moves: the range and the page tables (plan_reads;
+  // the remote table against the descriptor's layout, check_remote_pages,
+  // where the engine can tell it), errors naming the table entry and page,
+  // then the descriptor (the engine: engine name, format, layout
+  // compatibility). An empty range (start_len == end_len) is validated the
+  // same way, the descriptor included, then returns std::nullopt.
   std::optional<TransferFuture> start_async_retrieve(
       std::uint64_t start_len, std::uint64_t end_len,
       std::span<const std::uint32_t> local_page_indices,
