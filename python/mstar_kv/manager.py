@@ -119,9 +119,10 @@ class KVTransferManager:
         """Pulls tokens [start_len, end_len) of a remote sequence (raise
         start_len to skip a cached prefix) into the local pages.
 
-        Validates everything first and raises a KVTransferError before any
-        byte moves; returns a concurrent.futures.Future of the bytes read, or
-        None when start_len == end_len. ``kv_transfer_info`` is the remote's
+        Validates everything first (page tables, descriptor, layouts) and
+        raises a KVTransferError before any byte moves; returns a
+        concurrent.futures.Future of the bytes read, or None when start_len ==
+        end_len (validated all the same). ``kv_transfer_info`` is the remote's
         descriptor (a KVTransferInfo, an engine's typed info, or its bytes).
         The remote cache may differ in geometry (KVLayout: page size, with
         remote_page_indices in its own page size; head shard, holding every
@@ -134,15 +135,27 @@ class KVTransferManager:
                                          remote_page_indices, kv_transfer_info)
         if isinstance(self.engine, LocalOnlyKVTransferEngine):
             if start_len == end_len:
-                return None
+                # Validated as a non-empty pull is: the page tables, then the
+                # descriptor (only the empty one suits a local-only engine).
+                _core.plan_reads(self.kv_cache.layout, start_len, end_len,
+                                 local_page_indices, remote_page_indices)
+                if kv_transfer_info is None:
+                    return None
+                return self.engine.read_batched_async(kv_transfer_info, [])
             raise InvalidArgumentError(
                 "a local-only manager cannot pull from another cache "
                 f"(tokens [{start_len}, {end_len}) requested)")
         reads = _core.plan_reads(self.kv_cache.layout, start_len, end_len,
                                  local_page_indices, remote_page_indices)
-        if not reads:
-            return None
-        return self.engine.read_batched_async(kv_transfer_info, reads)
+        remote_layout = getattr(self.engine, "remote_layout", None)
+        remote_layout = remote_layout(kv_transfer_info) if remote_layout else None
+        if remote_layout is not None:
+            _core.check_remote_pages(self.kv_cache.layout, remote_layout, start_len, end_len,
+                                     remote_page_indices)
+        # No reads still goes to the engine, which validates the descriptor
+        # (engines.py); the manager then returns None whatever it returned.
+        future = self.engine.read_batched_async(kv_transfer_info, reads)
+        return future if reads else None
 
     def notify_done(self, seq: SequenceInfo) -> None:
         """Tells the owner of ``seq`` that this reader is done with it, over the

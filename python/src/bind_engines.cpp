@@ -233,6 +233,14 @@ void bind_engines(nb::module_& m) {
           },
           nb::arg("remote_kv_info").none(), nb::arg("read_info"))
       .def(
+          "remote_layout",
+          [](PyEngine& e, nb::handle remote) -> std::optional<KVLayout> {
+            return e.get("remote_layout").remote_layout(to_transfer_info(remote));
+          },
+          nb::arg("remote_kv_info").none(),
+          "The layout the descriptor describes (validated), or None where the engine cannot "
+          "tell.")
+      .def(
           "retrieve",
           [](PyEngine& e, std::uint64_t start_len, std::uint64_t end_len, nb::handle local_pages,
              nb::handle remote_pages, nb::handle remote) -> std::optional<TransferFuture> {
@@ -361,6 +369,18 @@ void bind_engines(nb::module_& m) {
       "KVReadInfo per (layer, page) for tokens [start_len, end_len), first and last page "
       "clipped, in the local cache's order. With remote_layout, between caches of different "
       "geometry (page sizes, head shards; only model heads [head_lo, head_hi) when given).");
+
+  m.def(
+      "check_remote_pages",
+      [](const KVLayout& local, const KVLayout& remote, std::uint64_t start_len,
+         std::uint64_t end_len, nb::handle remote_pages) {
+        check_remote_pages(local, remote, start_len, end_len,
+                           to_pages(remote_pages, "remote_page_indices"));
+      },
+      nb::arg("local_layout"), nb::arg("remote_layout"), nb::arg("start_len"),
+      nb::arg("end_len"), nb::arg("remote_page_indices"),
+      "Layout compatibility and the remote page table entries tokens [start_len, end_len) "
+      "touch, errors naming the table entry (planner.hpp).");
 
   m.def(
       "plan_copy_addresses",

@@ -1,6 +1,7 @@
 // Copyright mstar-kv authors.
 #include "mstar/kv/layout.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "mstar/kv/status.hpp"
@@ -156,6 +157,20 @@ void compare(const char* field, const T& local, const T& remote) {
 
 void KVLayout::check_compatible(const KVLayout& remote) const {
   check_shard(remote, first_kv_head, end_kv_head());
+}
+
+void KVLayout::check_same_model(const KVLayout& remote) const {
+  const std::uint32_t lo = std::max(first_kv_head, remote.first_kv_head);
+  const std::uint32_t hi = std::min(end_kv_head(), remote.end_kv_head());
+  if (lo >= hi) {
+    compare("total_kv_heads (the model's KV heads)", model_kv_heads(), remote.model_kv_heads());
+    throw Error(StatusCode::kIncompatibleLayout,
+                "layouts differ in heads: the remote cache holds KV heads [" +
+                    std::to_string(remote.first_kv_head) + ", " +
+                    std::to_string(remote.end_kv_head()) + "), none of the local [" +
+                    std::to_string(first_kv_head) + ", " + std::to_string(end_kv_head()) + ")");
+  }
+  check_shard(remote, lo, hi);
 }
 
 void KVLayout::check_shard(const KVLayout& remote, std::uint32_t lo, std::uint32_t hi) const {

@@ -57,13 +57,15 @@ std::vector<KVReadInfo> plan_retrieve(const KVTransferEngine& engine, const KVLa
                                       std::span<const std::uint32_t> local_page_indices,
                                       std::span<const std::uint32_t> remote_page_indices,
                                       const KVTransferInfo& remote) {
-  // The caller's own table first (errors name its entries), then the remote
-  // layout, when the engine can tell, lets caches of different geometry
-  // meet (page sizes, head shards).
-  if (start_len != end_len) check_local_pages(local, start_len, end_len, local_page_indices);
-  const std::optional<KVLayout> rl = remote.empty() ? std::nullopt : engine.remote_layout(remote);
-  return rl ? plan_reads(local, *rl, start_len, end_len, local_page_indices, remote_page_indices)
-            : plan_reads(local, start_len, end_len, local_page_indices, remote_page_indices);
+  // The caller's own table first (errors name its entries), then the
+  // descriptor: its layout, when the engine can tell, lets the remote table
+  // be checked entry by entry and caches of different geometry meet (page
+  // sizes, head shards). An empty range is validated the same way.
+  check_local_pages(local, start_len, end_len, local_page_indices);
+  const std::optional<KVLayout> rl = engine.remote_layout(remote);
+  if (!rl) return plan_reads(local, start_len, end_len, local_page_indices, remote_page_indices);
+  check_remote_pages(local, *rl, start_len, end_len, remote_page_indices);
+  return plan_reads(local, *rl, start_len, end_len, local_page_indices, remote_page_indices);
 }
 
 std::optional<TransferFuture> retrieve_shards(KVTransferEngine& engine, const KVLayout& local,

@@ -1,6 +1,7 @@
 // Copyright mstar-kv authors.
 #include "mstar/kv/planner.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <string>
 
@@ -61,7 +62,6 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
             std::to_string(end_len));
   }
   std::vector<KVReadInfo> reads;
-  if (start_len == end_len) return reads;
   const std::uint64_t ps = local.page_size;
   const std::uint64_t first = start_len / ps;
   // Pages [0, needed); not (end_len + ps - 1) / ps, which wraps for an
@@ -83,6 +83,22 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
               std::to_string(i) + ") out of range " + range(0, local.num_pages));
     }
   }
+  // A local page named twice would be one destination of two reads, which
+  // plan_copies refuses too; named here by the caller's table entries.
+  if (needed - first > 1) {
+    KeySet seen(needed - first);
+    for (std::uint64_t i = first; i < needed; ++i) {
+      if (!seen.insert(local_pages[i])) {
+        std::uint64_t j = first;
+        while (local_pages[j] != local_pages[i]) ++j;
+        invalid("local page " + std::to_string(local_pages[i]) + " appears twice in the local "
+                "page table (entries " + std::to_string(j) + " and " + std::to_string(i) +
+                "): one destination for two pages");
+      }
+    }
+  }
+  // An empty range is validated as any other, then reads nothing.
+  if (start_len == end_len) return reads;
   reads.reserve((needed - first) * local.num_layers);
   auto emit = [&](std::uint32_t layer, std::uint64_t i) {
     const std::uint64_t page_start = i * ps;
@@ -101,6 +117,24 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
     }
   }
   return reads;
+}
+
+void check_remote_pages(const KVLayout& local, const KVLayout& remote,
+                        std::uint64_t start_len, std::uint64_t end_len,
+                        std::span<const std::uint32_t> remote_pages) {
+  local.check_compatible(remote);
+  if (start_len > end_len) return;  // plan_reads names it
+  const std::uint64_t ps = remote.page_size;  // the remote table is in its own page size
+  const std::uint64_t first = start_len / ps;
+  const std::uint64_t needed = end_len / ps + (end_len % ps != 0 ? 1 : 0);
+  const std::uint64_t last = std::min<std::uint64_t>(needed, remote_pages.size());
+  for (std::uint64_t i = first; i < last; ++i) {
+    if (remote_pages[i] >= remote.num_pages) {
+      invalid("remote page " + std::to_string(remote_pages[i]) + " (table entry " +
+              std::to_string(i) + ") out of range " + range(0, remote.num_pages) +
+              " in remote cache");
+    }
+  }
 }
 
 CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
@@ -125,8 +159,9 @@ CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
   for (std::size_t n = 0; n < reads.size(); ++n) {
     const KVReadInfo& r = reads[n];
     // Built only on the error path: planning allocates nothing per read.
-    (void)n;
-    auto where = [&r] { return detail::read_name(r) + ": "; };
+    // An index into the caller's read_info (KVTransferManager checks the
+    // page tables first, naming table entries, so its reads never get here).
+    auto where = [n] { return "read_info[" + std::to_string(n) + "]: "; };
     if (r.layer_idx < 0 || r.layer_idx >= std::int64_t{local.num_layers}) {
       invalid(where() + "layer " + std::to_string(r.layer_idx) + " out of range " +
               range(0, local.num_layers));

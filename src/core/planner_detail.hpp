@@ -36,13 +36,10 @@ class SpanSink {
   CopyPlan& plan_;
 };
 
-// How errors name a read: by what the caller gave, not by an index into
-// the plan ("read of layer 3, local page 7, remote page 12").
-inline std::string read_name(const KVReadInfo& r) {
-  return "read of layer " + std::to_string(r.layer_idx) + ", local page " +
-         std::to_string(r.local_page_idx) + ", remote page " +
-         std::to_string(r.remote_page_idx);
-}
+// How errors name a read: its index in the caller's read_info
+// ("read_info[3]"); KVTransferManager checks the page tables first, naming
+// table entries, so its own reads never get here.
+inline std::string read_name(std::size_t n) { return "read_info[" + std::to_string(n) + "]"; }
 
 // Calls emit(i, kv) for reads 0..n-1 and each of K|V in the order that
 // keeps neighbours of the local cache together: per read in a page-major

@@ -74,7 +74,6 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local, const KVLayout& remote
             std::to_string(end_len));
   }
   std::vector<KVReadInfo> reads;
-  if (start_len == end_len) return reads;
   const std::uint64_t lps = local.page_size, rps = remote.page_size;
   const std::uint64_t lneed = pages_for(end_len, lps), rneed = pages_for(end_len, rps);
   if (local_pages.size() < lneed) {
@@ -93,6 +92,14 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local, const KVLayout& remote
               std::to_string(i) + ") out of range " + range(0, local.num_pages));
     }
   }
+  for (std::uint64_t i = start_len / rps; i < rneed; ++i) {
+    if (remote_pages[i] >= remote.num_pages) {
+      invalid("remote page " + std::to_string(remote_pages[i]) + " (table entry " +
+              std::to_string(i) + ") out of range " + range(0, remote.num_pages) +
+              " in remote cache");
+    }
+  }
+  if (start_len == end_len) return reads;  // validated all the same
   // Segments: token runs that stay inside one page on both sides.
   struct Segment {
     std::uint64_t li, ri, ts, te, rts;
@@ -133,7 +140,7 @@ CopyPlan plan_copies_mixed(const KVLayout& local, const KVLayout& remote,
   // Pass 1: validate every read before emitting anything.
   for (std::size_t n = 0; n < reads.size(); ++n) {
     const KVReadInfo& r = reads[n];
-    auto where = [&] { return detail::read_name(r) + ": "; };
+    auto where = [&] { return detail::read_name(n) + ": "; };
     if (r.layer_idx < 0 || r.layer_idx >= std::int64_t{local.num_layers}) {
       invalid(where() + "layer " + std::to_string(r.layer_idx) + " out of range " +
               range(0, local.num_layers));
@@ -201,7 +208,7 @@ CopyPlan plan_copies_mixed(const KVLayout& local, const KVLayout& remote,
           const Resolved &x = rs[order[a]], &y = rs[order[b]];
           if (y.ts >= x.te) break;  // sorted by ts: no later one overlaps x's tokens
           if (x.hs < y.he && y.hs < x.he) {
-            invalid(detail::read_name(reads[order[b]]) + ": duplicate destination: layer " +
+            invalid(detail::read_name(order[b]) + ": duplicate destination: layer " +
                     std::to_string(y.layer) + " local page " + std::to_string(y.lpage) +
                     " tokens " + range(y.ts, y.te) + " overlap another read's " +
                     range(x.ts, x.te) + " in one batch");

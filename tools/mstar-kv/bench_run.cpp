@@ -595,7 +595,7 @@ int serve_main(int argc, char** argv) {
       // Stamped like a KVCachePool stamps an allocation, so that readers
       // check page epochs as they do in production.
       cache->epochs().stamp(pages, ++epoch);
-      SequenceInfo si{hdr[0], hdr[1], pages, desc};
+      SequenceInfo si{hdr[0], hdr[1], pages, desc, 0, layout.page_size};
       si.kv_transfer_info.epoch = epoch;
       const auto bytes = si.encode();
       send_reply(kServerOut, 'K', bytes.data(), static_cast<std::uint32_t>(bytes.size()));

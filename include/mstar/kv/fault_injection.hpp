@@ -52,6 +52,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 
 #include "mstar/kv/engine.hpp"
 #include "mstar/kv/layout.hpp"

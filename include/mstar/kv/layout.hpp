@@ -122,6 +122,10 @@ struct KVLayout {
   // split may differ (the planner handles them).
   void check_compatible(const KVLayout& remote) const;
   bool is_compatible(const KVLayout& remote) const noexcept;
+  // What engines check on a descriptor before looking at the reads: the
+  // fields above that must match, and that the remote shard holds at least
+  // one of this cache's heads (the reads say which; plan_copies checks them).
+  void check_same_model(const KVLayout& remote) const;
   // The same, but the remote shard need only hold model heads [lo, hi)
   // (a part of this cache's heads read from one of several peers).
   void check_shard(const KVLayout& remote, std::uint32_t lo, std::uint32_t hi) const;

@@ -113,7 +113,12 @@ class KVTransferManager {
 
   // Pulls tokens [start_len, end_len) of a remote sequence (skip a cached
   // prefix by raising start_len). Validates everything first and throws
-  // Error before any byte moves; std::nullopt when start_len == end_len.
+  // Error before any byte moves: the range and the page tables (plan_reads;
+  // the remote table against the descriptor's layout, check_remote_pages,
+  // where the engine can tell it), errors naming the table entry and page,
+  // then the descriptor (the engine: engine name, format, layout
+  // compatibility). An empty range (start_len == end_len) is validated the
+  // same way, the descriptor included, then returns std::nullopt.
   // The remote cache may differ in geometry (layout.hpp, planner.hpp): page
   // size (remote_page_indices in its own page size), head shard (it must
   // hold every head of the local cache; else use the shard form below),

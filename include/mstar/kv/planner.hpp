@@ -24,8 +24,12 @@ namespace mstar::kv {
 // page, then layer; layer-major: layer, then page) so that contiguous page
 // tables coalesce into the fewest copies.
 // Throws Error(kInvalidArgument) when start_len > end_len, a page table is
-// shorter than end_len needs, or a local page is out of range. Returns an
-// empty vector when start_len == end_len.
+// shorter than end_len needs (ceil(end_len / page_size) entries), or a local
+// page of the entries the range touches is out of range or named twice; the
+// message names the table entry and the page. An empty range
+// (start_len == end_len) passes the same checks (the entry it touches is
+// that of the page holding start_len when start_len is mid-page; none when
+// it is page-aligned), then returns an empty vector.
 std::vector<KVReadInfo> plan_reads(const KVLayout& local,
                                    std::uint64_t start_len,
                                    std::uint64_t end_len,
@@ -52,6 +56,16 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local, const KVLayout& remote
                                    std::span<const std::uint32_t> remote_pages,
                                    std::uint32_t head_lo = 0, std::uint32_t head_hi = 0);
 
+// What plan_copies would refuse about the remote side of the same pull,
+// named by the caller's table entries: throws Error(kIncompatibleLayout)
+// unless local.check_compatible(remote), Error(kInvalidArgument) naming the
+// entry and the page when a remote page the range touches is out of range
+// ("remote page 64 (table entry 2) out of range [0, 64) in remote cache").
+// Entries past the table's end are plan_reads' to name.
+void check_remote_pages(const KVLayout& local, const KVLayout& remote,
+                        std::uint64_t start_len, std::uint64_t end_len,
+                        std::span<const std::uint32_t> remote_pages);
+
 // One contiguous copy: `length` bytes from remote_offset (from the remote
 // cache base) to local_offset (from the local cache base).
 struct CopySpan {
@@ -71,7 +85,8 @@ struct CopyPlan {
 // Validates every read against both layouts (layer, local and remote page,
 // token range, duplicate (layer, local page) destinations) and the layouts'
 // compatibility, then emits the byte copies, merging neighbours that are
-// contiguous on both sides. Throws Error before returning anything. Reads
+// contiguous on both sides. Throws Error before returning anything; a bad
+// read is named by its index ("read_info[3]: remote page 70 out of range"). Reads
 // between caches of different geometry (or naming remote token positions or
 // heads) copy only the heads both hold, token by token or head by head as
 // the in-page orders allow; there two reads may fill different tokens or

@@ -13,6 +13,7 @@
 
 #include "copy_pool.hpp"
 #include "engines/engine_makers.hpp"
+#include "engines/option_keys.hpp"
 #include "mstar/kv/shm.hpp"
 #include "shm_memory.hpp"
 
@@ -142,9 +143,11 @@ std::optional<KVLayout> ShmKVTransferEngine::remote_layout(const KVTransferInfo&
 
 std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
     const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
-  if (read_info.empty()) return std::nullopt;
   const ShmKVTransferInfo info = ShmKVTransferInfo::decode(remote_kv_info);
   const KVLayout& local = impl_->cache->layout();
+  // Nothing to read: the descriptor is still validated (engine.hpp).
+  local.check_same_model(info.layout);
+  if (read_info.empty()) return std::nullopt;
   CopyPlan plan = plan_copies(local, info.layout, read_info);
   std::shared_ptr<const ShmMapping> mapping = impl_->mapping_for(info);
   // Seqlock over the owner's page epochs: every page must carry the
@@ -223,6 +226,8 @@ namespace mstar::kv::engines {
 
 std::unique_ptr<KVTransferEngine> make_shm_engine(std::shared_ptr<KVCache> cache,
                                                   const TransferEngineInfo& info) {
+  // The shm engine has no options of its own: any shm_* key is a typo.
+  reject_unknown_keys(info.options.extra, "shm", "shm_", {});
   ShmEngineOptions o;
   o.max_workers = info.options.max_workers;
   o.timeout = info.options.timeout;

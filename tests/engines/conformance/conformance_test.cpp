@@ -13,6 +13,7 @@
 #include <cstring>
 #include <dlfcn.h>
 #include <thread>
+#include <tuple>
 
 #include "mstar/kv/kv.hpp"
 #include "peer_process.hpp"
@@ -205,6 +206,72 @@ TEST_P(Conformance, NothingToReadReturnsNoFuture) {
                    .has_value());
 }
 
+// An empty range is validated as a non-empty one is (manager.hpp): the
+// descriptor, the layouts and the page tables, with the same errors.
+TEST_P(Conformance, EmptyRangeIsValidatedFirst) {
+  const KVLayout l = small_layout();
+  PeerProcess peer(peer_spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = peer.sequence();
+  const auto& good = seq.kv_transfer_info;
+  auto code_of = [&](std::uint64_t at, std::span<const std::uint32_t> lp,
+                     const KVTransferInfo& info, KVTransferManager& mgr) {
+    try {
+      EXPECT_FALSE(mgr.start_async_retrieve(at, at, lp, seq.page_indices, info).has_value());
+      return std::make_pair(StatusCode::kOk, std::string());
+    } catch (const Error& e) {
+      return std::make_pair(e.code(), std::string(e.what()));
+    }
+  };
+  for (std::uint64_t at : {0u, 32u, 40u}) {
+    SCOPED_TRACE("start_len == end_len == " + std::to_string(at));
+    EXPECT_EQ(code_of(at, local_pages(4), good, *m).first, StatusCode::kOk);
+    KVTransferInfo truncated = good;
+    truncated.payload.resize(good.payload.size() / 2);
+    EXPECT_NE(code_of(at, local_pages(4), truncated, *m).first, StatusCode::kOk);
+    KVTransferInfo other = good;
+    other.engine = good.engine == "shm" ? "ucx" : "shm";
+    EXPECT_NE(code_of(at, local_pages(4), other, *m).first, StatusCode::kOk);
+    EXPECT_NE(code_of(at, local_pages(4), KVTransferInfo{}, *m).first, StatusCode::kOk);
+  }
+  // Mismatched layout: the same code and message as a non-empty pull.
+  KVLayout narrow = small_layout();
+  narrow.head_dim = 32;
+  auto narrow_cache = local_cache(narrow);
+  auto narrow_m = manager(narrow_cache);
+  StatusCode code;
+  std::string msg;
+  std::tie(code, msg) = code_of(32, local_pages(4), good, *narrow_m);
+  EXPECT_EQ(code, StatusCode::kIncompatibleLayout) << msg;
+  EXPECT_NE(msg.find("head_dim"), std::string::npos) << msg;
+  // Page tables: too short for end_len 40 (3 entries needed), and a local
+  // page out of range in the entry holding token 40.
+  const std::vector<std::uint32_t> two = local_pages(2);
+  std::tie(code, msg) = code_of(40, two, good, *m);
+  EXPECT_EQ(code, StatusCode::kInvalidArgument) << msg;
+  EXPECT_NE(msg.find("local page table has 2 entries"), std::string::npos) << msg;
+  std::vector<std::uint32_t> bad = local_pages(4);
+  bad[2] = 64;
+  std::tie(code, msg) = code_of(40, bad, good, *m);
+  EXPECT_EQ(code, StatusCode::kInvalidArgument) << msg;
+  EXPECT_NE(msg.find("local page 64 (table entry 2) out of range [0, 64)"), std::string::npos)
+      << msg;
+  // The remote table too, where the engine can tell the remote layout.
+  std::vector<std::uint32_t> remote = seq.page_indices;
+  remote[2] = 64;
+  try {
+    m->start_async_retrieve(40, 40, local_pages(4), remote, good);
+    ADD_FAILURE() << "remote page 64 accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("remote page 64 (table entry 2) out of range [0, 64)"),
+              std::string::npos)
+        << e.what();
+  }
+  expect_only_named_bytes_written(*cache, l, {});
+}
+
 TEST_P(Conformance, IncompatibleLayoutIsRejectedBeforeAnyByteMoves) {
   PeerProcess peer(peer_spec(small_layout(), 64));
   KVLayout l = small_layout();
@@ -234,9 +301,12 @@ TEST_P(Conformance, OutOfRangeRemotePageIsRejectedBeforeAnyByteMoves) {
     FAIL() << "expected InvalidArgument";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find("remote page 64 out of range [0, 64)"),
+    // Named by the caller's table entry, not an index into the plan.
+    EXPECT_NE(std::string(e.what()).find(
+                  "remote page 64 (table entry 2) out of range [0, 64) in remote cache"),
               std::string::npos)
         << e.what();
+    EXPECT_EQ(std::string(e.what()).find("read"), std::string::npos) << e.what();
   }
   expect_only_named_bytes_written(*cache, l, {});
 }
@@ -470,7 +540,8 @@ TEST_P(Conformance, MixedGeometriesPullByteExact) {
     auto cache = local_cache(l);
     auto m = manager(cache);
     try {
-      m->start_async_retrieve(0, 100, local_pages(7), low.sequence().page_indices,
+      const std::vector<std::uint32_t> lp{0, 1, 2, 3, 4, 5, 6};
+      m->start_async_retrieve(0, 100, lp, low.sequence().page_indices,
                               low.sequence().kv_transfer_info);
       ADD_FAILURE() << "heads 4-7 read from a cache holding 0-3";
     } catch (const Error& e) {
