@@ -39,7 +39,7 @@ struct RequestState {
 // the client can be told 413; past it the connection is closed.
 constexpr std::size_t kDiscardBytes = 64 * 1024;
 
-MHD_Result send(MHD_Connection* c, const HttpResponse& r) {
+MHD_Result respond(MHD_Connection* c, const HttpResponse& r) {
   // One buffer, copied: libmicrohttpd writes headers and body together.
   MHD_Response* resp = MHD_create_response_from_buffer(
       r.body.size(), const_cast<char*>(r.body.data()), MHD_RESPMEM_MUST_COPY);
@@ -91,7 +91,7 @@ MHD_Result on_request(void* cls, MHD_Connection* c, const char* url, const char*
                                             ? "this server needs Authorization: Bearer <token>\n"
                                             : "wrong bearer token\n");
         if (refused == 401) r.headers.emplace_back("WWW-Authenticate", "Bearer realm=\"mstar-kv\"");
-        return send(c, r);
+        return respond(c, r);
       }
     }
     if (const char* cl =
@@ -100,10 +100,10 @@ MHD_Result on_request(void* cls, MHD_Connection* c, const char* url, const char*
       errno = 0;
       const unsigned long long n = std::strtoull(cl, &end, 10);
       if (errno != 0 || end == cl || *end != '\0') {
-        return send(c, plain(400, "Content-Length '" + std::string(cl) + "' is not a number\n"));
+        return respond(c, plain(400, "Content-Length '" + std::string(cl) + "' is not a number\n"));
       }
       if (n > o.max_body_bytes) {
-        return send(c, plain(413, "request body of " + std::to_string(n) +
+        return respond(c, plain(413, "request body of " + std::to_string(n) +
                                       " bytes, limit " + std::to_string(o.max_body_bytes) + "\n"));
       }
     }
@@ -123,7 +123,7 @@ MHD_Result on_request(void* cls, MHD_Connection* c, const char* url, const char*
     HttpResponse r = plain(413, "request body of " + std::to_string(st->body_bytes) +
                                     " bytes, limit " + std::to_string(o.max_body_bytes) + "\n");
     r.headers.emplace_back(MHD_HTTP_HEADER_CONNECTION, "close");
-    return send(c, r);
+    return respond(c, r);
   }
   HttpRequest req;
   req.method = std::strcmp(method, "HEAD") == 0 ? "GET" : method;
@@ -134,7 +134,7 @@ MHD_Result on_request(void* cls, MHD_Connection* c, const char* url, const char*
   } catch (const std::exception& e) {
     r = plain(500, std::string("internal error: ") + e.what() + "\n");
   }
-  return send(c, r);
+  return respond(c, r);
 }
 
 void on_completed(void* /*cls*/, MHD_Connection* /*c*/, void** con_cls,
