@@ -367,6 +367,22 @@ TEST_F(ServeHttp, MalformedOversizedAndUnknownRequestsGetTheir4xx) {
   EXPECT_FALSE(ok.body.empty());
 }
 
+// The lease runs out between requests: every endpoint says 404 (no 500).
+TEST_F(ServeHttp, ASequenceWhoseLeaseRanOutIs404) {
+  const int port = random_port();
+  Proc s(small_serve(port, {"--lease-ms", "200"}));
+  ASSERT_TRUE(s.wait_for("http://", 30s)) << s.output();
+  EXPECT_EQ(raw(port, get("/v1/sequences/0")).status, 200);  // the first publish: lease starts
+  std::this_thread::sleep_for(600ms);
+  for (const char* path : {"/v1/sequences/0", "/v1/sequences/0/meta"}) {
+    EXPECT_EQ(raw(port, get(path)).status, 404) << path;
+  }
+  EXPECT_EQ(raw(port, "POST /v1/sequences/0/done HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+                .status,
+            404);
+  EXPECT_EQ(raw(port, get("/v1/sequences")).body, "{\"sequences\":[]}\n");
+}
+
 std::string write_token(const std::string& name, const std::string& token) {
   const std::string path = ::testing::TempDir() + "/" + name + std::to_string(::getpid());
   std::ofstream(path) << token;

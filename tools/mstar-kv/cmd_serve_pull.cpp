@@ -217,6 +217,7 @@ int cmd_serve(int argc, char** argv) {
     std::string body = "{\"sequences\":[";
     bool first = true;
     for (std::uint64_t id : live) {
+      if (!pool.contains(id)) continue;  // its lease ran out
       body += (first ? "" : ",") + std::to_string(id);
       first = false;
     }
@@ -296,12 +297,21 @@ int cmd_serve(int argc, char** argv) {
       return text(404, "no such path: " + req.path + "\n");
     }
     if (!parse_id(rest, &id) || !pool.contains(id)) return not_served(rest);
-    if (tail == "/done") {
-      return req.method == "POST" || req.method == "DELETE" ? done(id)
-                                                             : not_allowed("POST, DELETE");
+    try {
+      if (tail == "/done") {
+        return req.method == "POST" || req.method == "DELETE" ? done(id)
+                                                               : not_allowed("POST, DELETE");
+      }
+      if (!get) return not_allowed("GET");
+      return tail.empty() ? descriptor(id) : meta(id);
+    } catch (const Error& e) {
+      // Its lease ran out, or another "done" won, since contains(): gone.
+      if (e.code() == StatusCode::kNotFound || e.code() == StatusCode::kInvalidArgument ||
+          e.code() == StatusCode::kStaleDescriptor) {
+        return not_served(rest);
+      }
+      throw;
     }
-    if (!get) return not_allowed("GET");
-    return tail.empty() ? descriptor(id) : meta(id);
   };
 
   HttpServerOptions ho;
