@@ -236,7 +236,7 @@ TEST_F(ServeHttp, ThousandIdleConnectionsDoNotStarveLegitimateRequests) {
   }
   ASSERT_GE(rl.rlim_cur, 1200u) << "RLIMIT_NOFILE hard limit " << rl.rlim_max << " < 1200";
   const int port = random_port();
-  Proc s(small_serve(port, {"--http-idle-timeout-s", "120"}));
+  Proc s(small_serve(port, {"--http-idle-timeout-s", "120", "--http-header-timeout-s", "120"}));
   ASSERT_TRUE(s.wait_for("http://", 30s)) << s.output();
 
   std::vector<int> idle;
@@ -281,7 +281,7 @@ TEST_F(ServeHttp, ThousandIdleConnectionsDoNotStarveLegitimateRequests) {
 TEST_F(ServeHttp, IdleAndStalledConnectionsAreClosedAfterTheTimeout) {
   const int port = random_port();
   Proc s(small_serve(port, {"--http-idle-timeout-s", "1"}));
-  ASSERT_TRUE(s.wait_for("idle timeout 1 s", 30s)) << s.output();
+  ASSERT_TRUE(s.wait_for("idle timeout 1 s,", 30s)) << s.output();
   const int idle = connect_to(port);
   const int stalled = connect_to(port);
   ASSERT_GE(idle, 0);
@@ -295,6 +295,42 @@ TEST_F(ServeHttp, IdleAndStalledConnectionsAreClosedAfterTheTimeout) {
   }
   const double s_taken = std::chrono::duration<double>(Clock::now() - t0).count();
   EXPECT_LT(s_taken, 4.0) << "closed after " << s_taken << " s, timeout 1 s";
+}
+
+// A client that trickles its request a byte at a time (never silent for
+// long enough for the idle timeout) is closed at the header deadline, and
+// one that goes on with requests on time is not.
+TEST_F(ServeHttp, TricklingClientIsClosedAtTheHeaderDeadline) {
+  const int port = random_port();
+  Proc s(small_serve(port, {"--http-header-timeout-s", "1", "--http-idle-timeout-s", "30"}));
+  ASSERT_TRUE(s.wait_for("header timeout 1 s, idle timeout 30 s", 30s)) << s.output();
+  const int slow = connect_to(port);
+  const int brisk = connect_to(port);
+  ASSERT_GE(slow, 0);
+  ASSERT_GE(brisk, 0);
+  const std::string req = get("/v1/sequences/0");
+  const auto t0 = Clock::now();
+  bool closed = false;
+  std::size_t sent = 0;
+  while (!closed && Clock::now() - t0 < 5s) {
+    if (sent < req.size()) {  // one byte every 100 ms: the request never completes in time
+      if (::send(slow, req.data() + sent, 1, MSG_NOSIGNAL) != 1) closed = true;
+      ++sent;
+    }
+    ::send(brisk, req.data(), req.size(), MSG_NOSIGNAL);  // a request every 100 ms
+    EXPECT_EQ(read_reply(brisk).status, 200) << "the brisk client lost its connection";
+    pollfd p{slow, POLLIN, 0};
+    if (::poll(&p, 1, 100) > 0) {
+      char c;
+      closed = ::recv(slow, &c, 1, MSG_DONTWAIT) <= 0;
+    }
+  }
+  const double s_taken = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_TRUE(closed) << "a trickling client was still connected after " << s_taken << " s";
+  EXPECT_LT(s_taken, 2.5) << "header deadline 1 s";
+  EXPECT_LT(sent, req.size()) << "the whole request went out before the deadline";
+  ::close(slow);
+  ::close(brisk);
 }
 
 TEST_F(ServeHttp, ConnectionLimitHoldsAndRecovers) {

@@ -81,6 +81,9 @@ const char* kServeHelp =
     "  --http-threads N    HTTP event-loop threads (default 2)\n"
     "  --http-max-connections N  open HTTP connections at most (default 4096, within\n"
     "                      RLIMIT_NOFILE, which serve raises to its hard limit)\n"
+    "  --http-header-timeout-s N close a connection whose next request line and headers\n"
+    "                      are not all in N s after it opened or after its previous\n"
+    "                      response, however slowly they trickle (default 10)\n"
     "  --http-idle-timeout-s N   close a connection silent for N s (default 10)\n"
     "  --data-port N       the engine's data port (default HTTP port + 1)\n"
     "  --data-host HOST    address peers use for data (default the --listen host)\n"
@@ -124,7 +127,7 @@ int cmd_serve(int argc, char** argv) {
   for (const char* o : {"engine", "listen", "data-port", "data-host", "sequences", "tokens",
                         "seed", "scatter-seed", "timeout-ms", "extra", "mooncake-lib",
                         "lease-ms", "token-file", "http-threads", "http-max-connections",
-                        "http-idle-timeout-s"}) {
+                        "http-idle-timeout-s", "http-header-timeout-s"}) {
     options.insert(o);
   }
   Args args(argc, argv, {"help", "exit-when-done", "insecure"}, options);
@@ -320,6 +323,8 @@ int cmd_serve(int argc, char** argv) {
   ho.threads = static_cast<unsigned>(args.u64("http-threads", ho.threads));
   ho.max_connections = static_cast<unsigned>(
       std::min<std::uint64_t>(args.u64("http-max-connections", ho.max_connections), 1u << 20));
+  ho.header_timeout_s = static_cast<unsigned>(
+      std::min<std::uint64_t>(args.u64("http-header-timeout-s", ho.header_timeout_s), 86400));
   ho.idle_timeout_s = static_cast<unsigned>(
       std::min<std::uint64_t>(args.u64("http-idle-timeout-s", ho.idle_timeout_s), 86400));
   ho.token = token;
@@ -327,8 +332,9 @@ int cmd_serve(int argc, char** argv) {
   std::printf("mstar-kv serve: engine '%s', %llu request(s) of %llu tokens, layout %s\n",
               engine.c_str(), static_cast<unsigned long long>(sequences),
               static_cast<unsigned long long>(tokens), layout.to_string().c_str());
-  std::printf("http control plane: %u thread(s), at most %u connections, idle timeout %u s, %s\n",
-              ho.threads, server->max_connections(), ho.idle_timeout_s,
+  std::printf("http control plane: %u thread(s), at most %u connections, header timeout %u s, "
+              "idle timeout %u s, %s\n",
+              ho.threads, server->max_connections(), ho.header_timeout_s, ho.idle_timeout_s,
               token.empty() ? "no token" : "bearer token required");
   std::printf("http://%s:%u/v1/sequences/{0..%llu}  data %s  seed %llu+id\n", http.host.c_str(),
               http.port, static_cast<unsigned long long>(sequences - 1), session.c_str(),

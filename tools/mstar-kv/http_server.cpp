@@ -12,23 +12,108 @@
 #include <cerrno>
 #include <cstdlib>
 #include <algorithm>
+#include <atomic>
 #include <cctype>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <limits>
+#include <mutex>
 #include <string_view>
+#include <thread>
+#include <unordered_set>
 
 #include "http_auth.hpp"
 #include "mstar/kv/status.hpp"
 
 namespace mstar::kv::cli {
 
+namespace {
+
+constexpr std::int64_t kNoDeadline = std::numeric_limits<std::int64_t>::max();
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// One TCP connection, from libmicrohttpd's STARTED notice to its CLOSED one.
+struct Tracked {
+  int fd = -1;
+  // By when the next request's line and headers must be in (steady clock,
+  // ns); kNoDeadline while a request is being served.
+  std::atomic<std::int64_t> deadline_ns{kNoDeadline};
+};
+
+}  // namespace
+
 struct HttpServer::Impl {
   HttpServerOptions options;
   Handler handler;
   MHD_Daemon* daemon = nullptr;
   int listen_fd = -1;
+
+  // The header deadline: libmicrohttpd's own timeout counts silence only,
+  // so a client trickling a byte now and then would hold its connection
+  // for ever. The reaper shuts down (never closes: the descriptor stays
+  // libmicrohttpd's) a connection past its deadline; libmicrohttpd then
+  // reads EOF and closes it, notifying CLOSED before it closes the socket,
+  // and CLOSED takes `mu`, so a shut-down descriptor is never a reused one.
+  std::mutex mu;
+  std::unordered_set<Tracked*> tracked;  // guarded by mu
+  bool stopping = false;                 // guarded by mu
+  std::condition_variable wake;
+  std::thread reaper;
+
+  std::int64_t header_deadline() const {
+    return now_ns() + static_cast<std::int64_t>(options.header_timeout_s) * 1000000000;
+  }
+  void reap() {
+    std::unique_lock<std::mutex> lk(mu);
+    while (!stopping) {
+      wake.wait_for(lk, std::chrono::milliseconds(100));
+      const std::int64_t now = now_ns();
+      for (Tracked* t : tracked) {
+        if (t->deadline_ns.load(std::memory_order_relaxed) <= now) {
+          ::shutdown(t->fd, SHUT_RDWR);
+          t->deadline_ns.store(kNoDeadline, std::memory_order_relaxed);
+        }
+      }
+    }
+  }
 };
 
 namespace {
+
+Tracked* tracked_of(MHD_Connection* c) {
+  const MHD_ConnectionInfo* ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+  return ci == nullptr ? nullptr : static_cast<Tracked*>(ci->socket_context);
+}
+
+void on_connection(void* cls, MHD_Connection* c, void** socket_context,
+                   MHD_ConnectionNotificationCode toe) {
+  auto* impl = static_cast<HttpServer::Impl*>(cls);
+  if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
+    const MHD_ConnectionInfo* ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (ci == nullptr) return;
+    auto* t = new Tracked;
+    t->fd = ci->connect_fd;
+    t->deadline_ns.store(impl->header_deadline(), std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lk(impl->mu);
+    impl->tracked.insert(t);
+    *socket_context = t;
+  } else if (toe == MHD_CONNECTION_NOTIFY_CLOSED) {
+    auto* t = static_cast<Tracked*>(*socket_context);
+    if (t == nullptr) return;
+    {
+      std::lock_guard<std::mutex> lk(impl->mu);
+      impl->tracked.erase(t);
+    }
+    delete t;
+    *socket_context = nullptr;
+  }
+}
 
 // Per-request state between libmicrohttpd's calls of the access handler.
 struct RequestState {
@@ -85,6 +170,7 @@ MHD_Result on_request(void* cls, MHD_Connection* c, const char* url, const char*
   if (*con_cls == nullptr) {
     // First call: the headers are in, no body byte is read yet. Refuse here
     // what must not go further.
+    if (Tracked* t = tracked_of(c)) t->deadline_ns.store(kNoDeadline, std::memory_order_relaxed);
     if (!o.token.empty()) {
       if (const int refused = check_bearer(c, o.token); refused != 0) {
         HttpResponse r = plain(refused, refused == 401
@@ -137,10 +223,15 @@ MHD_Result on_request(void* cls, MHD_Connection* c, const char* url, const char*
   return respond(c, r);
 }
 
-void on_completed(void* /*cls*/, MHD_Connection* /*c*/, void** con_cls,
+void on_completed(void* cls, MHD_Connection* c, void** con_cls,
                   MHD_RequestTerminationCode /*why*/) {
   delete static_cast<RequestState*>(*con_cls);
   *con_cls = nullptr;
+  // The next request's headers are due within the header timeout.
+  if (Tracked* t = tracked_of(c)) {
+    t->deadline_ns.store(static_cast<HttpServer::Impl*>(cls)->header_deadline(),
+                         std::memory_order_relaxed);
+  }
 }
 
 [[noreturn]] void cannot_listen(const HttpServerOptions& o, const std::string& why) {
@@ -207,6 +298,10 @@ HttpServer::HttpServer(HttpServerOptions options, Handler handler) {
                 "HTTP connection limit " + std::to_string(options.max_connections) +
                     " is below the thread count " + std::to_string(options.threads));
   }
+  if (options.header_timeout_s == 0) {
+    throw Error(StatusCode::kInvalidArgument, "HTTP header timeout 0 s: no request could "
+                                              "arrive; give at least 1 s");
+  }
   if (options.idle_timeout_s == 0) {
     throw Error(StatusCode::kInvalidArgument, "HTTP idle timeout 0 s: connections would never "
                                               "be closed; give at least 1 s");
@@ -217,7 +312,9 @@ HttpServer::HttpServer(HttpServerOptions options, Handler handler) {
   max_connections_ = static_cast<unsigned>(
       std::min<rlim_t>(options.max_connections, std::max<rlim_t>(room, options.threads)));
 
-  impl_ = new Impl{std::move(options), std::move(handler)};
+  impl_ = new Impl;
+  impl_->options = std::move(options);
+  impl_->handler = std::move(handler);
   const HttpServerOptions& o = impl_->options;
   try {
     impl_->listen_fd = listen_socket(o);
@@ -236,7 +333,8 @@ HttpServer::HttpServer(HttpServerOptions options, Handler handler) {
       MHD_OPTION_CONNECTION_LIMIT, max_connections_,
       MHD_OPTION_CONNECTION_TIMEOUT, static_cast<unsigned>(o.idle_timeout_s),
       MHD_OPTION_CONNECTION_MEMORY_LIMIT, pool_bytes,
-      MHD_OPTION_NOTIFY_COMPLETED, &on_completed, nullptr,
+      MHD_OPTION_NOTIFY_COMPLETED, &on_completed, impl_,
+      MHD_OPTION_NOTIFY_CONNECTION, &on_connection, impl_,
       MHD_OPTION_STRICT_FOR_CLIENT, 1,
       MHD_OPTION_END);
   if (impl_->daemon == nullptr) {
@@ -246,10 +344,17 @@ HttpServer::HttpServer(HttpServerOptions options, Handler handler) {
     impl_ = nullptr;
     cannot_listen(copy, "libmicrohttpd could not start its threads");
   }
+  impl_->reaper = std::thread([impl = impl_] { impl->reap(); });
 }
 
 HttpServer::~HttpServer() {
   if (impl_ == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    impl_->stopping = true;
+  }
+  impl_->wake.notify_all();
+  impl_->reaper.join();
   MHD_stop_daemon(impl_->daemon);  // closes the listening socket too
   delete impl_;
 }

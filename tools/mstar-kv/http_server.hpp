@@ -13,8 +13,11 @@
 //
 // What the server enforces before a handler runs:
 //   - at most `max_connections` connections (more wait in the kernel's listen
-//     backlog, unanswered, until one closes); idle or stalled ones are closed
-//     after `idle_timeout_s` seconds without a byte;
+//     backlog, unanswered, until one closes); a connection is closed when a
+//     request's line and headers are not all in `header_timeout_s` seconds
+//     after it opened or after its previous response (idle or trickling,
+//     however slowly bytes come), or after `idle_timeout_s` seconds without a
+//     byte at any point (a stalled body, a client that does not read);
 //   - a request line and headers that fit `max_header_bytes` (else 414 or
 //     431), a body of at most `max_body_bytes` (else 413), well-formed
 //     HTTP/1.x (else 400);
@@ -51,6 +54,7 @@ struct HttpServerOptions {
   std::uint16_t port = 0;
   unsigned threads = 2;                  // event loops (each its own epoll)
   unsigned max_connections = 4096;       // lowered to fit RLIMIT_NOFILE
+  unsigned header_timeout_s = 10;        // request line + headers due within
   unsigned idle_timeout_s = 10;          // no byte for this long: closed
   std::size_t max_header_bytes = 16384;  // request line + headers
   std::size_t max_body_bytes = 4096;     // request body
