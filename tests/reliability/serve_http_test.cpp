@@ -419,6 +419,42 @@ TEST_F(ServeHttp, ASequenceWhoseLeaseRanOutIs404) {
   EXPECT_EQ(raw(port, get("/v1/sequences")).body, "{\"sequences\":[]}\n");
 }
 
+// Connections of a server that set SO_REUSEPORT only (cpp-httplib's did) sit
+// in TIME_WAIT for a minute after it stops; a new serve on that port starts
+// anyway, and a second serve while it listens fails naming the address.
+TEST_F(ServeHttp, BindsOverLeftoverTimeWaitButNotOverALiveServer) {
+  const int port = random_port();
+  {
+    const int l = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const int one = 1;
+    ::setsockopt(l, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<std::uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    ASSERT_EQ(::listen(l, 4), 0);
+    const int c = connect_to(port);
+    const int s = ::accept(l, nullptr, nullptr);
+    ASSERT_GE(s, 0);
+    ::close(s);  // the server side closes first: its socket goes to TIME_WAIT
+    std::this_thread::sleep_for(50ms);
+    ::close(c);
+    ::close(l);
+    std::this_thread::sleep_for(50ms);
+  }
+  Proc first(small_serve(port));
+  ASSERT_TRUE(first.wait_for("http://", 30s)) << first.output();
+  EXPECT_EQ(raw(port, get("/v1/sequences/0")).status, 200);
+  Proc second(small_serve(port));
+  EXPECT_NE(second.wait_exit(30s), 0);
+  EXPECT_NE(second.output().find("cannot listen for HTTP on 127.0.0.1:" + std::to_string(port) +
+                                 ": Address already in use"),
+            std::string::npos)
+      << second.output();
+  EXPECT_EQ(raw(port, get("/v1/sequences/0")).status, 200) << "the first server lost its port";
+}
+
 std::string write_token(const std::string& name, const std::string& token) {
   const std::string path = ::testing::TempDir() + "/" + name + std::to_string(::getpid());
   std::ofstream(path) << token;

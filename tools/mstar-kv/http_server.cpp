@@ -255,19 +255,39 @@ int listen_socket(const HttpServerOptions& o) {
   }
   std::string why = "no address";
   int fd = -1;
-  for (addrinfo* a = res; a != nullptr && fd < 0; a = a->ai_next) {
-    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) {
+  auto bind_one = [&](const addrinfo* a, bool reuseport) {
+    const int s = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (s < 0) {
       why = std::string("socket: ") + std::strerror(errno);
-      continue;
+      return -1;
     }
     const int one = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, 4096) != 0) {
-      why = std::strerror(errno);
-      ::close(fd);
-      fd = -1;
+    ::setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (reuseport) ::setsockopt(s, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one);
+    if (::bind(s, a->ai_addr, a->ai_addrlen) != 0 || ::listen(s, 4096) != 0) {
+      const int e = errno;
+      why = std::strerror(e);
+      ::close(s);
+      errno = e;
+      return -1;
     }
+    return s;
+  };
+  // True when a server accepts connections at `a`.
+  auto someone_listens = [](const addrinfo* a) {
+    const int s = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (s < 0) return false;
+    const bool yes = ::connect(s, a->ai_addr, a->ai_addrlen) == 0;
+    ::close(s);
+    return yes;
+  };
+  for (addrinfo* a = res; a != nullptr && fd < 0; a = a->ai_next) {
+    fd = bind_one(a, false);
+    // TIME_WAIT connections of a server that set SO_REUSEPORT but not
+    // SO_REUSEADDR (cpp-httplib's did) block a SO_REUSEADDR bind for a
+    // minute; with no server listening there, bind as they did. A server
+    // that does listen there still makes this fail.
+    if (fd < 0 && errno == EADDRINUSE && !someone_listens(a)) fd = bind_one(a, true);
   }
   ::freeaddrinfo(res);
   if (fd < 0) cannot_listen(o, why + " (address in use or not local?)");
