@@ -75,9 +75,12 @@ struct HttpServer::Impl {
       wake.wait_for(lk, std::chrono::milliseconds(100));
       const std::int64_t now = now_ns();
       for (Tracked* t : tracked) {
-        if (t->deadline_ns.load(std::memory_order_relaxed) <= now) {
+        // Only the deadline read here: one that a request just cleared or
+        // a response just set anew stands.
+        std::int64_t d = t->deadline_ns.load(std::memory_order_relaxed);
+        if (d <= now &&
+            t->deadline_ns.compare_exchange_strong(d, kNoDeadline, std::memory_order_relaxed)) {
           ::shutdown(t->fd, SHUT_RDWR);
-          t->deadline_ns.store(kNoDeadline, std::memory_order_relaxed);
         }
       }
     }
