@@ -46,17 +46,9 @@ std::string read_token_file(const std::string& path) {
 }
 
 bool constant_time_equal(std::string_view a, std::string_view b) {
-  // Walk the longer of the two in full; a shorter one reads as zeros.
-  const std::size_t n = a.size() > b.size() ? a.size() : b.size();
-  unsigned diff = a.size() == b.size() ? 0u : 1u;
-  for (std::size_t i = 0; i < n; ++i) {
-    const unsigned x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0u;
-    const unsigned y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0u;
-    diff |= x ^ y;
-  }
-  // Every byte is OR-ed in and the verdict taken once at the end: no branch
-  // depends on where the strings differ.
-  return diff == 0;
+  return auth::constant_time_equal(
+      std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(a.data()), a.size()),
+      std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(b.data()), b.size()));
 }
 
 bool is_loopback_host(const std::string& host_in) {
