@@ -133,8 +133,12 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local, const KVLayout& remote
 
 namespace detail {
 
-CopyPlan plan_copies_mixed(const KVLayout& local, const KVLayout& remote,
-                           std::span<const KVReadInfo> reads) {
+namespace {
+
+// Validates every read (pass 1 of both plans): throws before anything is
+// emitted.
+std::vector<Resolved> resolve_reads(const KVLayout& local, const KVLayout& remote,
+                                    std::span<const KVReadInfo> reads) {
   std::vector<Resolved> rs(reads.size());
   std::uint32_t checked_lo = 0, checked_hi = 0;
   // Pass 1: validate every read before emitting anything.
@@ -219,39 +223,107 @@ CopyPlan plan_copies_mixed(const KVLayout& local, const KVLayout& remote,
     }
   }
 
-  CopyPlan plan;
-  SpanSink sink(plan);
+  return rs;
+}
+
+// Emits the copies of resolved reads into `sink` (add(local, remote, len)
+// for one contiguous run; add_rows(local, remote, len, rows, local_stride,
+// remote_stride) for `rows` runs of `len` bytes at constant strides, which a
+// flat sink takes run by run).
+template <typename Sink>
+void emit_reads(const KVLayout& local, const KVLayout& remote, const std::vector<Resolved>& rs,
+                Sink& sink) {
   const std::uint64_t hb = local.head_bytes();
   const bool lnhd = local.page_order == PageOrder::kNHD;
   const bool rnhd = remote.page_order == PageOrder::kNHD;
+  // One token's row of every head read is contiguous in NHD, one head's
+  // tokens in HND.
+  const std::uint64_t lrow = lnhd ? std::uint64_t{local.num_kv_heads} * hb : hb;   // next token
+  const std::uint64_t rrow = rnhd ? std::uint64_t{remote.num_kv_heads} * hb : hb;
+  const std::uint64_t lhead = lnhd ? hb : std::uint64_t{local.page_size} * hb;     // next head
+  const std::uint64_t rhead = rnhd ? hb : std::uint64_t{remote.page_size} * hb;
   auto emit = [&](const Resolved& r, KV kv) {
-    const std::uint64_t lb = local.block_offset(r.layer, kv, r.lpage);
-    const std::uint64_t rb = remote.block_offset(r.layer, kv, r.rpage);
     const std::uint32_t lh = r.hs - local.first_kv_head, rh = r.hs - remote.first_kv_head;
     const std::uint32_t nh = r.he - r.hs, nt = r.te - r.ts;
+    const std::uint64_t l0 = local.block_offset(r.layer, kv, r.lpage) + local.in_block_offset(r.ts, lh);
+    const std::uint64_t r0 = remote.block_offset(r.layer, kv, r.rpage) + remote.in_block_offset(r.rts, rh);
     if (lnhd && rnhd) {  // per token: its run of heads
-      for (std::uint32_t t = 0; t < nt; ++t) {
-        sink.add(lb + local.in_block_offset(r.ts + t, lh),
-                 rb + remote.in_block_offset(r.rts + t, rh), std::uint64_t{nh} * hb);
-      }
+      sink.add_rows(l0, r0, std::uint64_t{nh} * hb, nt, lrow, rrow);
     } else if (!lnhd && !rnhd) {  // per head: its run of tokens
+      sink.add_rows(l0, r0, std::uint64_t{nt} * hb, nh, lhead, rhead);
+    } else {  // NHD <-> HND: per head, every token's row on its own
       for (std::uint32_t h = 0; h < nh; ++h) {
-        sink.add(lb + local.in_block_offset(r.ts, lh + h),
-                 rb + remote.in_block_offset(r.rts, rh + h), std::uint64_t{nt} * hb);
-      }
-    } else {  // NHD <-> HND: every (token, head) row on its own
-      for (std::uint32_t t = 0; t < nt; ++t) {
-        for (std::uint32_t h = 0; h < nh; ++h) {
-          sink.add(lb + local.in_block_offset(r.ts + t, lh + h),
-                   rb + remote.in_block_offset(r.rts + t, rh + h), hb);
-        }
+        sink.add_rows(l0 + h * lhead, r0 + h * rhead, hb, nt, lrow, rrow);
       }
     }
   };
   detail::emit_in_cache_order(local, rs.size(), [&](std::size_t i) { return rs[i].layer; },
                               [&](std::size_t i, KV kv) { emit(rs[i], kv); });
+}
+
+// Takes strided runs one by one (a CopyPlan has no strides).
+struct FlatSink {
+  SpanSink& sink;
+  void add_rows(std::uint64_t l, std::uint64_t r, std::uint64_t len, std::uint64_t rows,
+                std::uint64_t ls, std::uint64_t rs) {
+    for (std::uint64_t i = 0; i < rows; ++i) sink.add(l + i * ls, r + i * rs, len);
+  }
+};
+
+// Keeps strided runs whole; contiguous ones coalesce as in SpanSink.
+struct StridedSink {
+  StridedPlan& plan;
+  void add_rows(std::uint64_t l, std::uint64_t r, std::uint64_t len, std::uint64_t rows,
+                std::uint64_t ls, std::uint64_t rs) {
+    plan.uncoalesced_spans += rows;
+    plan.total_bytes += len * rows;
+    if (rows > 1 && ls == len && rs == len) {  // the rows touch: one run
+      len *= rows;
+      rows = 1;
+    }
+    if (rows == 1 && !plan.spans.empty()) {
+      StridedSpan& last = plan.spans.back();
+      if (last.rows == 1 && last.local_offset + last.length == l &&
+          last.remote_offset + last.length == r) {
+        last.length += len;
+        return;
+      }
+    }
+    plan.spans.push_back({l, r, len, rows, rows > 1 ? ls : 0, rows > 1 ? rs : 0});
+  }
+};
+
+}  // namespace
+
+CopyPlan plan_copies_mixed(const KVLayout& local, const KVLayout& remote,
+                           std::span<const KVReadInfo> reads) {
+  const std::vector<Resolved> rs = resolve_reads(local, remote, reads);
+  CopyPlan plan;
+  SpanSink sink(plan);
+  FlatSink flat{sink};
+  emit_reads(local, remote, rs, flat);
   return plan;
 }
 
 }  // namespace detail
+
+StridedPlan plan_strided_copies(const KVLayout& local, const KVLayout& remote,
+                                std::span<const KVReadInfo> reads) {
+  StridedPlan out;
+  bool plain = local.same_geometry(remote) && local.page_order == remote.page_order;
+  for (std::size_t i = 0; plain && i < reads.size(); ++i) plain = reads[i].plain();
+  if (plain) {  // nothing strided to gain: the coalescing planner as it is
+    CopyPlan p = plan_copies(local, remote, reads);
+    out.total_bytes = p.total_bytes;
+    out.uncoalesced_spans = p.uncoalesced_spans;
+    out.spans.reserve(p.spans.size());
+    for (const CopySpan& c : p.spans) out.spans.push_back({c.local_offset, c.remote_offset, c.length});
+    return out;
+  }
+  const std::vector<Resolved> rs = detail::resolve_reads(local, remote, reads);
+  detail::StridedSink sink{out};
+  detail::emit_reads(local, remote, rs, sink);
+  return out;
+}
+
 }  // namespace mstar::kv

@@ -84,6 +84,22 @@ Side remote_side(const KVLayout& l, std::uint64_t tokens, std::uint64_t seed) {
   return s;
 }
 
+void apply(const StridedPlan& plan, const Side& remote, Side& local) {
+  for (const StridedSpan& c : plan.spans) {
+    for (std::uint64_t i = 0; i < c.rows; ++i) {
+      const std::uint64_t lo = c.local_offset + i * c.local_stride;
+      const std::uint64_t ro = c.remote_offset + i * c.remote_stride;
+      ASSERT_LE(ro + c.length, remote.bytes.size());
+      ASSERT_LE(lo + c.length, local.bytes.size());
+      std::memcpy(local.bytes.data() + lo, remote.bytes.data() + ro, c.length);
+    }
+  }
+}
+
+// Which planner a check uses: plan_copies (flat spans) or
+// plan_strided_copies; every check runs with both.
+bool g_strided = false;
+
 void apply(const CopyPlan& plan, const Side& remote, Side& local) {
   for (const CopySpan& c : plan.spans) {
     ASSERT_LE(c.remote_offset + c.length, remote.bytes.size());
@@ -107,9 +123,18 @@ void check_pull(const KVLayout& local_layout, std::uint64_t start, std::uint64_t
     const Side remote = remote_side(rs[i].first, end, 7 + i);
     const auto reads = plan_reads(local.layout, remote.layout, start, end, local.pages,
                                   remote.pages, rs[i].second.first, rs[i].second.second);
-    const CopyPlan plan = plan_copies(local.layout, remote.layout, reads);
-    spans += plan.spans.size();
-    apply(plan, remote, local);
+    if (g_strided) {
+      const StridedPlan plan = plan_strided_copies(local.layout, remote.layout, reads);
+      const CopyPlan flat = plan_copies(local.layout, remote.layout, reads);
+      EXPECT_EQ(plan.total_bytes, flat.total_bytes);
+      EXPECT_LE(plan.spans.size(), flat.spans.size());
+      spans += plan.spans.size();
+      apply(plan, remote, local);
+    } else {
+      const CopyPlan plan = plan_copies(local.layout, remote.layout, reads);
+      spans += plan.spans.size();
+      apply(plan, remote, local);
+    }
   }
   if (spans_out) *spans_out = spans;
   // Expected: sentinel everywhere but the named tokens of every local head.
@@ -197,6 +222,36 @@ TEST(Geometry, InPageAndCacheOrdersInEveryCombination) {
       }
     }
   }
+}
+
+// Every case above again, planned with plan_strided_copies.
+TEST(Geometry, StridedPlansMoveTheSameBytes) {
+  g_strided = true;
+  for (std::uint32_t rank : {0u, 1u}) {
+    check_pull(geo(16, 4, rank * 4, 8), 0, 100, {{geo(16, 8, 0, 8), kAll}});
+  }
+  check_pull(geo(16, 8, 0, 8), 0, 100, {{geo(16, 4, 0, 8), {0, 4}}, {geo(16, 4, 4, 8), {4, 8}}});
+  check_pull(geo(64, 2, 2, 8, PageOrder::kHND), 37, 300,
+             {{geo(16, 4, 0, 8, PageOrder::kNHD, CacheOrder::kPageMajor, 40), kAll}});
+  for (auto lpo : {PageOrder::kNHD, PageOrder::kHND}) {
+    for (auto rpo : {PageOrder::kNHD, PageOrder::kHND}) {
+      for (auto lco : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor}) {
+        check_pull(geo(16, 4, 4, 8, lpo, lco), 20, 90, {{geo(16, 8, 0, 8, rpo), kAll}});
+        check_pull(geo(16, 8, 0, 8, lpo, lco), 20, 90, {{geo(24, 8, 0, 8, rpo), kAll}});
+        check_pull(geo(16, 8, 0, 8, lpo, lco), 0, 96, {{geo(16, 8, 0, 8, rpo), kAll}});
+      }
+    }
+  }
+  // NHD <- HND, one geometry: one strided span per (page, layer, k|v, head)
+  // instead of one per (token, head) row.
+  std::uint64_t spans = 0;
+  check_pull(geo(16, 8, 0, 8, PageOrder::kNHD), 0, 160, {{geo(16, 8, 0, 8, PageOrder::kHND), kAll}},
+             &spans);
+  EXPECT_EQ(spans, 10u * 3 * 2 * 8);
+  // TP 1 -> 2 over NHD: one per (page, layer, k|v).
+  check_pull(geo(16, 4, 4, 8), 0, 160, {{geo(16, 8, 0, 8), kAll}}, &spans);
+  EXPECT_EQ(spans, 10u * 3 * 2);
+  g_strided = false;
 }
 
 TEST(Geometry, HeadSplitInTheSameOrderIsOneSpanPerTokenRunNotPerRow) {

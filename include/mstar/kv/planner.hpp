@@ -94,6 +94,36 @@ struct CopyPlan {
 CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
                      std::span<const KVReadInfo> reads);
 
+// `rows` runs of `length` bytes, the i-th from remote_offset + i *
+// remote_stride to local_offset + i * local_stride (strides 0 when rows is
+// 1): "N rows of L bytes, stride A on one side and B on the other" as one
+// span, what a change of in-page order or head shard produces.
+struct StridedSpan {
+  std::uint64_t local_offset = 0;
+  std::uint64_t remote_offset = 0;
+  std::uint64_t length = 0;  // of one row
+  std::uint64_t rows = 1;
+  std::uint64_t local_stride = 0;
+  std::uint64_t remote_stride = 0;
+
+  std::uint64_t bytes() const noexcept { return length * rows; }
+  bool operator==(const StridedSpan&) const = default;
+};
+
+struct StridedPlan {
+  std::vector<StridedSpan> spans;  // in read order; contiguous ones coalesced
+  std::uint64_t total_bytes = 0;
+  std::uint64_t uncoalesced_spans = 0;  // rows before coalescing
+};
+
+// plan_copies for engines that copy strided spans natively (shm): the same
+// validation and bytes, but a layout change costs one span per (read, k|v)
+// (NHD <-> NHD head split, HND <-> HND), or per (read, k|v, head) (NHD <->
+// HND), never one per (token, head) row. Caches of one geometry and order
+// get plan_copies' coalesced spans (rows 1).
+StridedPlan plan_strided_copies(const KVLayout& local, const KVLayout& remote,
+                                std::span<const KVReadInfo> reads);
+
 // Splits spans longer than max_bytes (> 0) into pieces of at most max_bytes,
 // e.g. to spread one large copy over several workers.
 std::vector<CopySpan> split_spans(std::span<const CopySpan> spans,

@@ -148,7 +148,9 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
   // Nothing to read: the descriptor is still validated (engine.hpp).
   local.check_same_model(info.layout);
   if (read_info.empty()) return std::nullopt;
-  CopyPlan plan = plan_copies(local, info.layout, read_info);
+  // Strided spans: a change of in-page order or head shard costs one span
+  // per (read, k|v[, head]), copied by a tight row loop (copy_pool.hpp).
+  StridedPlan plan = plan_strided_copies(local, info.layout, read_info);
   std::shared_ptr<const ShmMapping> mapping = impl_->mapping_for(info);
   // Seqlock over the owner's page epochs: every page must carry the
   // sequence's epoch before the copy and still after it.
@@ -170,9 +172,7 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
     promise.set_peer(std::move(peer));
     std::byte* dst = impl_->cache->base();
     const std::byte* src = mapping->data();
-    for (const CopySpan& s : plan.spans) {
-      std::memcpy(dst + s.local_offset, src + s.remote_offset, s.length);
-    }
+    for (const StridedSpan& s : plan.spans) shm::copy_span(dst, src, s);
     promise.mark_posted();  // the copy was the post
     if (epoch != 0) {
       Status s = check_page_epochs(mapping->epochs(), mapping->epoch_pages(), pages, epoch,
