@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "mstar/kv/cache.hpp"
+#include "layout_args.hpp"
 #include "mstar/kv/layout.hpp"
 
 namespace mstar::kv::cli::bench {
@@ -44,16 +45,7 @@ struct Workload {
   bool mixed_geometry() const;
 };
 
-// A remote geometry other than the local one (caches of different
-// geometry): the prefill side's page size and tensor-parallel split, and
-// the decode rank's. The model preset's KV heads are the model's.
-struct Geometry {
-  std::uint32_t remote_page_size = 0;  // 0: the local one
-  std::uint32_t local_tp = 1, local_rank = 0, remote_tp = 1;
-};
-// Applies `g` to a model workload (name suffixed "/tp1->2r1", "/p64<-p16").
-// Throws Error(kInvalidArgument) naming the flag for splits that do not
-// line up, and for merges (a decode rank wider than one prefill rank).
+// Applies a remote geometry (layout_args.hpp) to a model workload.
 void set_geometry(Workload& w, const Geometry& g);
 
 // The remote layout's page table for a workload (entry i = sequence page i).

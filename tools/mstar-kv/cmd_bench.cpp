@@ -168,12 +168,7 @@ std::vector<Workload> select_workloads(const Args& args) {
         args.has("remote-cache-order") ? parse_cache_order(args.str("remote-cache-order", "")) : co,
         po,
         args.has("remote-page-order") ? parse_page_order(args.str("remote-page-order", "")) : po));
-    Geometry g;
-    g.remote_page_size = static_cast<std::uint32_t>(args.u64("remote-page-size", 0));
-    g.local_tp = static_cast<std::uint32_t>(args.u64("local-tp", 1));
-    g.local_rank = static_cast<std::uint32_t>(args.u64("local-rank", 0));
-    g.remote_tp = static_cast<std::uint32_t>(args.u64("remote-tp", 1));
-    set_geometry(ws.back(), g);
+    set_geometry(ws.back(), geometry_from_args(args));
   } else {
     ws = suite(args.str("suite", "default"));
   }

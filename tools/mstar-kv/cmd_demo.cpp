@@ -59,11 +59,18 @@ const char* kHelp =
     "  --prefix-hit F      fraction of request 2 cached locally (default 0.75)\n"
     "  --timeout-ms N      engine timeout per read and channel timeout (default 30000)\n"
     "  --seed N            scatter seed (default 7)\n"
+    "  a prefill cache of another geometry than the decode one (the layout flags\n"
+    "  below describe the decode side; the baseline then copies the same bytes\n"
+    "  contiguously):\n"
+    "  --remote-page-size N --remote-page-order O --remote-cache-order O\n"
+    "  --remote-tp M --local-tp N --local-rank R   decode rank R of TP=N reads its\n"
+    "                      KV heads from the TP=M prefill rank that holds them (M <= N)\n"
     "  --mooncake-lib PATH Mooncake's libtransfer_engine.so for --engine mooncake\n"
     "                      (default: $MSTAR_KV_MOONCAKE_LIB, else the loader's search path)\n";
 
 struct DemoConfig {
-  KVLayout layout;
+  KVLayout layout;          // the decode cache's
+  KVLayout prefill_layout;  // the prefill cache's (another geometry with --remote-*)
   std::uint64_t tokens = 4096;
   bool scatter = true;
   std::uint32_t workers = 3;
@@ -83,7 +90,9 @@ std::set<std::string> demo_flags() { return {"help", "scatter", "contiguous"}; }
 std::set<std::string> demo_options() {
   auto o = layout_options();
   for (const char* s : {"tokens", "workers", "engine", "repeat", "prefix-hit", "timeout-ms",
-                        "seed", "role", "fd", "crash", "mooncake-lib"}) {
+                        "seed", "role", "fd", "crash", "mooncake-lib", "remote-page-size",
+                        "remote-page-order", "remote-cache-order", "remote-tp", "local-tp",
+                        "local-rank"}) {
     o.insert(s);
   }
   return o;
@@ -138,6 +147,21 @@ DemoConfig parse(const Args& args) {
     bad("--pages " + std::to_string(c.layout.num_pages) + " cannot hold two requests of " +
         std::to_string(per_request) + " pages");
   }
+  // The prefill side in another geometry (caches of different geometry).
+  c.prefill_layout = c.layout;
+  if (args.has("remote-page-order")) {
+    c.prefill_layout.page_order = parse_page_order(args.str("remote-page-order", ""));
+  }
+  if (args.has("remote-cache-order")) {
+    c.prefill_layout.cache_order = parse_cache_order(args.str("remote-cache-order", ""));
+  }
+  const Geometry g = geometry_from_args(args);
+  apply_geometry(c.layout, c.prefill_layout, g, c.tokens);
+  if (g.remote_page_size != 0) {
+    const std::uint64_t rp = (c.tokens + g.remote_page_size - 1) / g.remote_page_size;
+    c.prefill_layout.num_pages = static_cast<std::uint32_t>(2 * rp + rp / 8 + 8);
+    c.prefill_layout.validate();
+  }
   return c;
 }
 
@@ -187,7 +211,7 @@ void kill_self_now(const char* role) {
 // ---- prefill ---------------------------------------------------------------
 
 int run_prefill(const DemoConfig& c) {
-  auto cache = make_kv_cache(c.layout, memory_for(c.engine));
+  auto cache = make_kv_cache(c.prefill_layout, memory_for(c.engine));
   KVTransferManager manager(engine_info(c, "prefill"), cache);
   KVCachePool pool(cache, manager.get_kv_transfer_info(), c.scatter ? c.scatter_seed : 0);
   const auto p1 = pool.allocate(1, c.tokens);
@@ -200,7 +224,7 @@ int run_prefill(const DemoConfig& c) {
   demo::write_frame(c.fd, pool.publish(2).encode());
   std::printf("[prefill] pid %d: %s cache of %s (%s), 2 requests x %zu pages %s, "
               "filled in %.2f s, published\n",
-              ::getpid(), c.engine.c_str(), gib(c.layout.total_bytes()).c_str(),
+              ::getpid(), c.engine.c_str(), gib(c.prefill_layout.total_bytes()).c_str(),
               cache->memory_kind() == MemoryKind::kSharedHost ? "shared memfd" : "private",
               p1.size(), c.scatter ? "scattered" : "contiguous", fill_s);
   std::fflush(stdout);
@@ -273,7 +297,7 @@ BaselineSource baseline_source(const DemoConfig& c, const KVTransferInfo& info) 
 #else
   (void)info;
 #endif
-  b.layout = c.layout;  // both roles were started with the same flags
+  b.layout = c.prefill_layout;  // both roles were started with the same flags
   b.private_copy = KVCache::create_host(b.layout);
   std::memset(b.private_copy->base(), 1, b.layout.total_bytes());  // fault it in
   b.data = b.private_copy->base();
@@ -296,8 +320,15 @@ int run_decode(const DemoConfig& c) {
   // turns keeps both under the same conditions on a busy machine.
   const auto l1 = pool.allocate(1, s1.num_tokens);
   BaselineSource src = baseline_source(c, s1.kv_transfer_info);
-  const CopyPlan plan = plan_copies(
-      c.layout, src.layout, plan_reads(c.layout, 0, s1.num_tokens, l1, s1.page_indices));
+  const CopyPlan planned = plan_copies(
+      c.layout, src.layout,
+      plan_reads(c.layout, src.layout, 0, s1.num_tokens, l1, s1.page_indices));
+  // Between caches of different geometry the baseline copies the same bytes
+  // laid out contiguously: what the conversion costs against moving them.
+  const bool mixed = !c.layout.same_geometry(src.layout) ||
+                     c.layout.page_order != src.layout.page_order;
+  CopyPlan plan = planned;
+  if (mixed) plan.spans = {{0, 0, planned.total_bytes}};
   std::vector<double> pull_s;
   std::vector<double> base_s;
   std::uint64_t bytes1 = 0;
@@ -311,7 +342,7 @@ int run_decode(const DemoConfig& c) {
     expect_verified(*cache, kSeedFull, l1, 0, s1.num_tokens, "request 1 after the pull");
     fill_sentinel(*cache, l1);
     base_s.push_back(demo::memcpy_spans(cache->base(), src.data, plan.spans, c.workers));
-    if (src.peer_memory) {
+    if (src.peer_memory && !mixed) {
       expect_verified(*cache, kSeedFull, l1, 0, s1.num_tokens, "memcpy baseline");
     }
   }
@@ -348,10 +379,11 @@ int run_decode(const DemoConfig& c) {
               "opens the peer's memory, took %.2f ms)\n",
               gib(bytes1).c_str(), pull_med * 1e3, gbps(bytes1, pull_med), pull_s.size() - skip,
               pull_s.front() * 1e3);
-  std::printf("  memcpy   %s in %.2f ms = %.2f GB/s  (median of %zu; same %zu spans, %u threads, "
+  std::printf("  memcpy   %s in %.2f ms = %.2f GB/s  (median of %zu; %s%zu spans, %u threads, "
               "%s)\n",
               gib(plan.total_bytes).c_str(), base_med * 1e3, gbps(plan.total_bytes, base_med),
-              base_s.size() - skip, plan.spans.size(), c.workers, src.what.c_str());
+              base_s.size() - skip, mixed ? "the same bytes contiguous, not the pull's " : "same ",
+              mixed ? planned.spans.size() : plan.spans.size(), c.workers, src.what.c_str());
   std::printf("  ratio    %.3f of memcpy\n", base_med / pull_med);
   std::printf("  verified %llu blocks, %s, checksum %016llx\n",
               static_cast<unsigned long long>(v1.blocks_checked),
@@ -386,6 +418,10 @@ int run_parent(const DemoConfig& c, int argc, char** argv) {
   }
   std::printf("mstar-kv demo: prefill -> decode on one host, engine '%s', %u workers\n",
               c.engine.c_str(), c.workers);
+  if (!(c.prefill_layout == c.layout)) {
+    std::printf("prefill layout: %s (decode pulls into the layout below)\n",
+                c.prefill_layout.to_string().c_str());
+  }
   std::printf("layout: %s, %llu tokens per request (%s per request)\n",
               c.layout.to_string().c_str(), static_cast<unsigned long long>(c.tokens),
               gib(((c.tokens + c.layout.page_size - 1) / c.layout.page_size) *

@@ -59,4 +59,64 @@ KVLayout layout_from_args(const Args& args, std::uint32_t default_pages) {
   return l;
 }
 
+std::string apply_geometry(KVLayout& local, KVLayout& remote, const Geometry& g,
+                           std::uint64_t tokens) {
+  std::string suffix;
+  const std::uint32_t model_heads = local.num_kv_heads;  // the preset's, all of them
+  auto shard = [&](std::uint32_t tp, std::uint32_t rank, const char* what) {
+    if (tp == 0 || model_heads % tp != 0) {
+      throw Error(StatusCode::kInvalidArgument,
+                  std::string("--") + what + "-tp " + std::to_string(tp) +
+                      " does not divide the model's " + std::to_string(model_heads) +
+                      " KV heads");
+    }
+    if (rank >= tp) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "--local-rank " + std::to_string(rank) + " out of range [0, " +
+                      std::to_string(tp) + ")");
+    }
+    return std::pair<std::uint32_t, std::uint32_t>{model_heads / tp * rank, model_heads / tp};
+  };
+  const auto [lfirst, ln] = shard(g.local_tp, g.local_rank, "local");
+  // The prefill rank holding the local shard's first head; it must hold all.
+  const std::uint32_t rn = shard(g.remote_tp, 0, "remote").second;
+  const std::uint32_t rfirst = lfirst / rn * rn;
+  if (lfirst + ln > rfirst + rn) {
+    throw Error(StatusCode::kInvalidArgument,
+                "a TP=" + std::to_string(g.local_tp) + " decode rank holds KV heads [" +
+                    std::to_string(lfirst) + ", " + std::to_string(lfirst + ln) +
+                    "), more than one TP=" + std::to_string(g.remote_tp) +
+                    " prefill rank holds (" + std::to_string(rn) +
+                    "): a merge reads several peers (KVTransferManager's RemoteShard form, "
+                    "tested in the conformance suite), which this command does not do");
+  }
+  if (g.local_tp > 1 || g.remote_tp > 1) {
+    local.total_kv_heads = remote.total_kv_heads = model_heads;
+    local.first_kv_head = lfirst;
+    local.num_kv_heads = ln;
+    remote.first_kv_head = rfirst;
+    remote.num_kv_heads = rn;
+    suffix += "/tp" + std::to_string(g.remote_tp) + "->" + std::to_string(g.local_tp) + "r" +
+              std::to_string(g.local_rank);
+  }
+  if (g.remote_page_size != 0 && g.remote_page_size != remote.page_size) {
+    remote.page_size = g.remote_page_size;
+    remote.num_pages =
+        static_cast<std::uint32_t>((tokens + g.remote_page_size - 1) / g.remote_page_size);
+    suffix += "/p" + std::to_string(local.page_size) + "<-p" + std::to_string(g.remote_page_size);
+  }
+  local.validate();
+  remote.validate();
+  return suffix;
+}
+
+Geometry geometry_from_args(const Args& args) {
+  Geometry g;
+  g.remote_page_size = static_cast<std::uint32_t>(args.u64("remote-page-size", 0));
+  g.local_tp = static_cast<std::uint32_t>(args.u64("local-tp", 1));
+  g.local_rank = static_cast<std::uint32_t>(args.u64("local-rank", 0));
+  g.remote_tp = static_cast<std::uint32_t>(args.u64("remote-tp", 1));
+  return g;
+}
+
 }  // namespace mstar::kv::cli
