@@ -34,6 +34,10 @@ namespace mstar::kv::ucx {
 namespace {
 
 constexpr std::uint64_t kMaxSpansPerRequest = 1u << 22;
+// A read gathers (kReqGather) when it has at least this many spans of on
+// average fewer bytes than this.
+constexpr std::size_t kGatherMinSpans = 64;
+constexpr std::uint64_t kGatherBelowBytes = 16u << 10;
 // Gets in flight per read. Small enough that an aborted read drains in
 // microseconds on shared memory, large enough to keep a NIC busy.
 constexpr std::size_t kGetWindow = 16;
@@ -146,11 +150,17 @@ struct Batch {
   rma::RmaEpochCheck check;
   bool fin = false;
   int get_phase = 1;
+  // kReqGather: the owner sends groups of chunks; got[i] marks chunk i
+  // landed (each exactly once), got_count how many did.
+  bool gather = false;
+  std::vector<std::uint8_t> got;
+  std::size_t got_count = 0;
 };
 
 struct ReqCtx {  // user_data of a request that writes into local pages
   UcxCore* core;
   std::uint64_t batch_id;
+  std::vector<ucp_dt_iov_t> iov;  // a gathered rendezvous: the local rows
 };
 
 // One served read whose pages are checked once every send completed.
@@ -167,6 +177,8 @@ struct SendCtx {  // user_data of a data reply (its header must outlive the send
   UcxCore* core;
   DataHdr hdr;
   std::shared_ptr<ServeState> serve;  // null when no epoch is checked
+  GatherHdr gather{};                 // gathered replies (kReqGather)
+  std::vector<ucp_dt_iov_t> iov;      // their rows in the registered pages
 };
 
 struct AmTag {  // argument of the active-message handler for one id
@@ -223,6 +235,11 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
                          void* data, std::size_t length, const ucp_am_recv_param_t* param);
   ucs_status_t handle_data(const DataHdr& h, void* data, std::size_t length,
                            const ucp_am_recv_param_t* param);
+  ucs_status_t handle_gather(const GatherHdr& h, void* data, std::size_t length, bool rndv);
+  // Owner: sends spans [first, first + count) as one gathered eager message.
+  bool send_gathered(ucp_ep_h ep, std::uint64_t batch_id, const std::vector<WireSpan>& spans,
+                     std::size_t first, std::size_t count, std::uint64_t flags,
+                     const std::shared_ptr<ServeState>& serve);
   // The handshake (ucx_wire.hpp): owner and reader halves.
   void on_hello(ucp_ep_h ep, const HelloHdr& h);
   void on_auth(ucp_ep_h ep, const AuthHdr& h);
@@ -263,7 +280,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // Contexts of requests that write locally; those UCX never completes
   // (written off, see close_conn) are freed by stop().
   ReqCtx* new_ctx(std::uint64_t batch_id) {
-    auto* c = new ReqCtx{this, batch_id};
+    auto* c = new ReqCtx{this, batch_id, {}};
     live_ctx_.insert(c);
     return c;
   }
@@ -410,7 +427,7 @@ void UcxCore::init_ucp(const std::string& session_id) {
   hp.cb = &UcxCore::on_am;
   for (unsigned id :
        {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr, kAmReadFin, kAmDone,
-        kAmChallenge, kAmAuth}) {
+        kAmChallenge, kAmAuth, kAmGatherData}) {
     am_tags_[id] = AmTag{this, id};
     hp.id = id;
     hp.arg = &am_tags_[id];
@@ -821,8 +838,29 @@ void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<Wir
     serve->pages = std::move(pages);
     serve->left = spans.size() + 1;
   }
+  if ((flags & kReqGather) != 0) {
+    // Groups of consecutive spans, each one eager message (kAmGatherData).
+    std::vector<std::pair<std::size_t, std::size_t>> groups;
+    for (std::size_t i = 0; i < spans.size();) {
+      std::size_t j = i;
+      std::uint64_t bytes = 0;
+      while (j < spans.size() && j - i < kGatherMaxSpans &&
+             (j == i || bytes + spans[j].length <= kGatherBytes)) {
+        bytes += spans[j].length;
+        ++j;
+      }
+      groups.emplace_back(i, j - i);
+      i = j;
+    }
+    if (serve) serve->left = groups.size() + 1;
+    for (const auto& [first, count] : groups) {
+      if (!send_gathered(ep, batch_id, spans, first, count, flags, serve)) return;
+    }
+    if (serve && --serve->left == 0) serve_done(serve);
+    return;
+  }
   for (const WireSpan& s : spans) {
-    auto* ctx = new SendCtx{this, DataHdr{batch_id, s.local_offset, s.length}, serve};
+    auto* ctx = new SendCtx{this, DataHdr{batch_id, s.local_offset, s.length}, serve, {}, {}};
     live_sends_.insert(ctx);
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
@@ -855,6 +893,117 @@ void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<Wir
     if (UCS_PTR_IS_ERR(sp)) return;  // the endpoint failed; its error handler closes it
   }
   if (serve && --serve->left == 0) serve_done(serve);
+}
+
+bool UcxCore::send_gathered(ucp_ep_h ep, std::uint64_t batch_id,
+                            const std::vector<WireSpan>& spans, std::size_t first,
+                            std::size_t count, std::uint64_t flags,
+                            const std::shared_ptr<ServeState>& serve) {
+  auto* ctx = new SendCtx{this, DataHdr{}, serve, {}, {}};
+  ctx->iov.resize(count);
+  std::uint64_t bytes = 0;
+  for (std::size_t k = 0; k < count; ++k) {
+    const WireSpan& s = spans[first + k];
+    ctx->iov[k].buffer = cache_->base() + s.remote_offset;
+    ctx->iov[k].length = s.length;
+    bytes += s.length;
+  }
+  ctx->gather = GatherHdr{batch_id, first, count, bytes};
+  live_sends_.insert(ctx);
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                    UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  // Rendezvous for big groups (UCX moves the rows from our pages into the
+  // reader's, an iov on both sides), eager otherwise (the reader scatters
+  // from its receive buffer); eager only for readers that ask for it.
+  rp.flags = (flags & kReqEagerOnly) == 0 && bytes >= options_.rndv_bytes ? UCP_AM_SEND_FLAG_RNDV
+                                                                        : UCP_AM_SEND_FLAG_EAGER;
+  rp.datatype = ucp_dt_make_iov();
+  rp.cb.send = [](void* req, ucs_status_t st, void* ud) {
+    auto* c = static_cast<SendCtx*>(ud);
+    c->core->live_sends_.erase(c);
+    if (c->serve) {
+      if (st != UCS_OK) c->serve->failed = true;
+      if (--c->serve->left == 0) {
+        UcxCore* core = c->core;
+        core->deferred_.push_back([core, sv = c->serve] { core->serve_done(sv); });
+      }
+    }
+    delete c;
+    ucp_request_free(req);
+  };
+  rp.user_data = ctx;
+  ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmGatherData, &ctx->gather, sizeof ctx->gather,
+                                        ctx->iov.data(), ctx->iov.size(), &rp);
+  if (!UCS_PTR_IS_PTR(sp)) {
+    live_sends_.erase(ctx);
+    delete ctx;
+    if (serve) --serve->left;
+  }
+  return !UCS_PTR_IS_ERR(sp);  // the endpoint failed: its error handler closes it
+}
+
+ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t length,
+                                    bool rndv) {
+  auto it = batches_.find(h.batch_id);
+  if (it == batches_.end()) return UCS_OK;  // a stopped or unknown read: dropped
+  auto b = it->second;
+  if (b->aborted || b->failure) return UCS_OK;
+  // Untrusted: a group of this read's spans, each once, with their bytes.
+  bool ok = b->gather && h.count > 0 && h.first < b->chunks.size() &&
+            h.count <= b->chunks.size() - h.first && h.length == length && data != nullptr;
+  std::uint64_t bytes = 0;
+  for (std::size_t k = 0; ok && k < h.count; ++k) {
+    ok = b->got[h.first + k] == 0;
+    bytes += b->chunks[h.first + k].length;
+  }
+  if (!ok || bytes != length) {
+    fail_batch(b, Status(StatusCode::kInternal,
+                         "owner sent a gathered reply (spans " + std::to_string(h.first) + "+" +
+                             std::to_string(h.count) + ", " + std::to_string(length) +
+                             " bytes) that the read did not ask for"));
+    return UCS_OK;
+  }
+  if (rndv) {  // UCX lands the bytes straight in the local rows (an iov)
+    auto* ctx = new_ctx(b->id);
+    ctx->iov.resize(h.count);
+    for (std::size_t k = 0; k < h.count; ++k) {
+      const rma::RmaRead& r = b->chunks[h.first + k];
+      ctx->iov[k].buffer = cache_->base() + r.local_offset;
+      ctx->iov[k].length = r.length;
+      b->got[h.first + k] = 1;
+    }
+    b->got_count += h.count;
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                      UCP_OP_ATTR_FIELD_DATATYPE;
+    rp.cb.recv_am = &UcxCore::on_recv_done;
+    rp.user_data = ctx;
+    rp.datatype = ucp_dt_make_iov();
+    ucs_status_ptr_t sp = ucp_am_recv_data_nbx(worker_, data, ctx->iov.data(), ctx->iov.size(), &rp);
+    if (UCS_PTR_IS_PTR(sp)) {
+      ++b->outstanding;
+      return UCS_INPROGRESS;
+    }
+    free_ctx(ctx);
+    if (UCS_PTR_IS_ERR(sp)) {
+      fail_batch(b, Status(StatusCode::kPeerFailure,
+                           "ucp_am_recv_data_nbx: " + ucs_str(UCS_PTR_STATUS(sp))));
+    } else {
+      maybe_finish(b);
+    }
+    return UCS_INPROGRESS;
+  }
+  const auto* src = static_cast<const std::byte*>(data);
+  for (std::size_t k = 0; k < h.count; ++k) {
+    const rma::RmaRead& r = b->chunks[h.first + k];
+    std::memcpy(cache_->base() + r.local_offset, src, r.length);
+    src += r.length;
+    b->got[h.first + k] = 1;
+  }
+  b->got_count += h.count;
+  maybe_finish(b);
+  return UCS_OK;
 }
 
 void UcxCore::serve_done(const std::shared_ptr<ServeState>& st) {
@@ -963,6 +1112,12 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       DataHdr h;
       std::memcpy(&h, header, sizeof h);
       return handle_data(h, data, length, param);
+    }
+    case kAmGatherData: {
+      if (header_length != sizeof(GatherHdr)) return UCS_OK;
+      GatherHdr h;
+      std::memcpy(&h, header, sizeof h);
+      return handle_gather(h, data, length, rndv);
     }
     case kAmReadErr: {
       if (header_length != sizeof(ErrHdr) || rndv) return UCS_OK;
@@ -1236,7 +1391,7 @@ void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& by
         delete tag;
         ucp_request_free(req);
       };
-      rp.user_data = new ReqCtx{this, conn->id};
+      rp.user_data = new ReqCtx{this, conn->id, {}};
       ucs_status_ptr_t sp = ucp_ep_flush_nbx(conn->data_ep, &rp);
       if (!UCS_PTR_IS_PTR(sp)) {
         delete static_cast<ReqCtx*>(rp.user_data);
@@ -1415,6 +1570,7 @@ void UcxCore::maybe_finish(std::shared_ptr<Batch> b) {
   if (b->outstanding != 0) return;
   const bool stopped = b->aborted || b->failure.has_value();
   if (!stopped && !b->pending.empty()) return;
+  if (!stopped && b->gather && b->got_count < b->chunks.size()) return;
   if (!stopped && b->get && b->next_chunk < b->chunks.size()) return;
   if (!stopped && b->check.epoch != 0) {
     if (!b->get && !b->fin) return;  // the owner's after-send check is to come
@@ -1516,12 +1672,21 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
   }
   std::vector<WireSpan> spans;
   spans.reserve(b->chunks.size());
+  std::uint64_t total = 0;
   for (const rma::RmaRead& r : b->chunks) {
     spans.push_back({r.remote_offset, r.length, r.local_offset});
-    b->pending.emplace(r.local_offset, r.length);
+    total += r.length;
   }
-  const ReadReqHdr hdr{b->id, c->served.generation, spans.size(),
-                       c->am_on_data ? kReqEagerOnly : 0, b->check.epoch,
+  // Many small spans (rows of a layout change): gathered replies.
+  b->gather = spans.size() >= kGatherMinSpans && total / spans.size() < kGatherBelowBytes;
+  if (b->gather) {
+    b->got.assign(spans.size(), 0);
+  } else {
+    for (const rma::RmaRead& r : b->chunks) b->pending.emplace(r.local_offset, r.length);
+  }
+  const std::uint64_t flags =
+      (c->am_on_data ? kReqEagerOnly : 0) | (b->gather ? kReqGather : 0);
+  const ReadReqHdr hdr{b->id, c->served.generation, spans.size(), flags, b->check.epoch,
                        b->check.pages.size(), c->ticket};
   std::vector<std::uint8_t> body(spans.size() * sizeof(WireSpan) +
                                  b->check.pages.size() * sizeof(std::uint32_t));

@@ -35,7 +35,8 @@ enum AmId : unsigned {
   kAmDone = 7,        // reader -> owner: done with a sequence (DoneHdr)
   kAmChallenge = 8,   // owner -> reader: prove the shared secret (ChallengeHdr)
   kAmAuth = 9,        // reader -> owner: the proof (AuthHdr)
-  kAmMaxId = 9,
+  kAmGatherData = 10, // owner -> reader: many spans' bytes in one message (GatherHdr)
+  kAmMaxId = 10,
 };
 
 inline constexpr std::size_t kNonceBytes = 16;
@@ -88,6 +89,21 @@ inline constexpr std::uint64_t kReqCheckOnly = 2;
 // and UCX 1.13 aborts the reading process when the owner dies mid-transfer
 // (measured); eager data only ever sits in the reader's own fifo.
 inline constexpr std::uint64_t kReqEagerOnly = 1;
+// Many small spans (a change of in-page order or head shard makes rows of a
+// few hundred bytes): the owner gathers consecutive spans from its
+// registered pages into one eager message (an iov datatype, no copy on its
+// side) of at most kGatherBytes, and the reader scatters it into its pages
+// (one copy), instead of one message per span.
+inline constexpr std::uint64_t kReqGather = 4;
+inline constexpr std::uint64_t kGatherBytes = 1024u << 10;
+inline constexpr std::uint64_t kGatherMaxSpans = 4096;
+// Spans [first, first + count) of the request, `length` bytes in order.
+struct GatherHdr {
+  std::uint64_t batch_id;
+  std::uint64_t first;
+  std::uint64_t count;
+  std::uint64_t length;
+};
 
 struct WireSpan {
   std::uint64_t remote_offset;

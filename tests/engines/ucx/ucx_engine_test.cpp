@@ -240,6 +240,54 @@ TEST_P(UcxEngine, ForgedDescriptorsAreRejectedBeforeAnyRead) {
   EXPECT_TRUE(verify_pattern(*cache, kSeed, iota_pages(4), 0, 64).ok());
 }
 
+// A layout change (NHD <- HND) and a head split make rows of 128 bytes: the
+// owner gathers many of them into one message (kReqGather: eager for small
+// groups, rendezvous with an iov on both sides for big ones; eager only
+// for am_shm readers) and the reader scatters them. Every byte lands where
+// the per-row plan says, nothing else is touched.
+TEST_P(UcxEngine, LayoutChangesGatherManySmallRows) {
+  const KVLayout owner = layout(256, CacheOrder::kPageMajor, PageOrder::kHND);
+  PeerProcess peer(spec(owner, 256 * 16));
+  const auto& seq = peer.sequence();
+  for (int split = 0; split < 2; ++split) {
+    KVLayout l = layout(256, CacheOrder::kLayerMajor, PageOrder::kNHD);
+    if (split) {  // TP 1 -> 2, rank 1: head 1 of 2
+      l.total_kv_heads = 2;
+      l.first_kv_head = 1;
+      l.num_kv_heads = 1;
+    }
+    auto cache = local_cache(l);
+    auto m = manager(cache, 20000ms);
+    std::vector<std::uint32_t> lp = iota_pages(seq.page_indices.size());
+    std::reverse(lp.begin(), lp.end());
+    EXPECT_EQ(m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info),
+              l.total_bytes());
+    const auto v = verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+    EXPECT_TRUE(v.ok()) << (split ? "head split: " : "nhd <- hnd: ") << v.first_mismatch;
+  }
+  // A prefix hit mid-page: only the tail's rows, the rest keeps the sentinel.
+  const KVLayout l = layout(256, CacheOrder::kLayerMajor, PageOrder::kNHD);
+  auto cache = local_cache(l);
+  auto m = manager(cache, 20000ms);
+  const std::vector<std::uint32_t> lp = iota_pages(seq.page_indices.size());
+  m->sync_retrieve(1000, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
+  EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 1000, seq.num_tokens).ok());
+  const KVLayout probe = layout(256);
+  std::size_t touched = 0;
+  for (std::uint32_t layer = 0; layer < probe.num_layers; ++layer) {
+    for (std::uint32_t kv = 0; kv < 2; ++kv) {
+      for (std::uint64_t t = 0; t < 1000; ++t) {  // the cached prefix's rows
+        const auto off = l.block_offset(layer, static_cast<KV>(kv), lp[t / 16]) +
+                         l.in_block_offset(static_cast<std::uint32_t>(t % 16), 0);
+        for (std::uint64_t b = 0; b < l.token_bytes(); ++b) {
+          touched += cache->base()[off + b] != kSentinel;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(touched, 0u) << "bytes of the cached prefix were written";
+}
+
 // extra["auth_token"] (ucx_auth.hpp): the owner and the reader prove the
 // shared secret to each other before the owner describes its region; a
 // reader without it, with another one, or an owner without one is refused
