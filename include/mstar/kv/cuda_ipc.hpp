@@ -172,6 +172,10 @@ std::shared_ptr<KVCache> wrap_device_cache(const KVLayout& layout,
 //   CUDA >= 13, one call per stream) spread round-robin, span by span, over
 //   max_workers non-blocking streams; one event is recorded per stream used.
 //   read_batched_async only enqueues: it never waits for the GPU.
+//   Caches of different geometry (layout.hpp: page sizes, head shards,
+//   NHD <-> HND) plan strided spans (planner.hpp): each is one
+//   cudaMemcpy2DAsync (rows at the two sides' pitches), never one copy per
+//   (token, head) row. (Compiled here; run only where a GPU is.)
 // * One completion thread (joined by shutdown) polls the events of every
 //   read in flight with a short backoff (20 us doubling to 1 ms) and
 //   resolves the futures; no thread blocks per copy.

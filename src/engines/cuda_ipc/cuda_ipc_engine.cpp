@@ -129,9 +129,11 @@ class CudaIpcKVTransferEngine::Impl {
   std::shared_ptr<RemoteMapping> acquire(const CudaIpcKVTransferInfo& remote, Status* status);
   // Enqueues every span and records the events into `read`. On a CUDA
   // failure, waits for what was enqueued and returns the error.
-  Status enqueue(const std::vector<CopySpan>& spans, const std::byte* src, std::byte* dst,
+  Status enqueue(const std::vector<CopySpan>& spans, const std::vector<StridedSpan>& strided,
+                 const std::byte* src, std::byte* dst,
                  Read& read);
   Status enqueue_stream(cudaStream_t stream, const std::vector<const CopySpan*>& spans,
+                        const std::vector<const StridedSpan*>& strided,
                         const std::byte* src, std::byte* dst);
   cudaEvent_t take_event(Status* status);
   void resolve(Read& r);
@@ -411,9 +413,22 @@ cudaEvent_t CudaIpcKVTransferEngine::Impl::take_event(Status* status) {
   return e;
 }
 
-Status CudaIpcKVTransferEngine::Impl::enqueue_stream(cudaStream_t stream,
-                                                     const std::vector<const CopySpan*>& spans,
-                                                     const std::byte* src, std::byte* dst) {
+Status CudaIpcKVTransferEngine::Impl::enqueue_stream(
+    cudaStream_t stream, const std::vector<const CopySpan*>& spans,
+    const std::vector<const StridedSpan*>& strided, const std::byte* src, std::byte* dst) {
+  // Strided spans (a change of in-page order or head shard): one 2D copy
+  // each, rows of `length` bytes at the two sides' pitches.
+  for (const StridedSpan* s : strided) {
+    const cudaError_t err = cudaMemcpy2DAsync(
+        dst + s->local_offset, static_cast<std::size_t>(s->local_stride), src + s->remote_offset,
+        static_cast<std::size_t>(s->remote_stride), static_cast<std::size_t>(s->length),
+        static_cast<std::size_t>(s->rows), cudaMemcpyDeviceToDevice, stream);
+    if (err != cudaSuccess) {
+      return Status(StatusCode::kInternal, "cudaMemcpy2DAsync of " + std::to_string(s->rows) +
+                                               " rows of " + std::to_string(s->length) +
+                                               " bytes: " + cuda::error_text(err));
+    }
+  }
 #if CUDART_VERSION >= 13000
   if (batch_.load(std::memory_order_relaxed)) {
     std::vector<void*> dsts;
@@ -463,19 +478,22 @@ Status CudaIpcKVTransferEngine::Impl::enqueue_stream(cudaStream_t stream,
 }
 
 Status CudaIpcKVTransferEngine::Impl::enqueue(const std::vector<CopySpan>& spans,
+                                              const std::vector<StridedSpan>& strided,
                                               const std::byte* src, std::byte* dst, Read& read) {
-  const std::size_t n = std::min(streams_.size(), spans.size());
+  const std::size_t n = std::min(streams_.size(), std::max(spans.size(), strided.size()));
   const std::size_t first = static_cast<std::size_t>(
       next_stream_.fetch_add(1, std::memory_order_relaxed) % streams_.size());
   std::vector<std::vector<const CopySpan*>> buckets(n);
+  std::vector<std::vector<const StridedSpan*>> strided_buckets(n);
   for (std::size_t i = 0; i < spans.size(); ++i) buckets[i % n].push_back(&spans[i]);
+  for (std::size_t i = 0; i < strided.size(); ++i) strided_buckets[i % n].push_back(&strided[i]);
 
   Status status;
   std::size_t touched = 0;
   for (std::size_t b = 0; b < n && status.is_ok(); ++b) {
     cudaStream_t stream = streams_[(first + b) % streams_.size()];
     ++touched;
-    status = enqueue_stream(stream, buckets[b], src, dst);
+    status = enqueue_stream(stream, buckets[b], strided_buckets[b], src, dst);
     if (!status.is_ok()) break;
     cudaEvent_t ev = take_event(&status);
     if (ev == nullptr) break;
@@ -507,8 +525,16 @@ std::optional<TransferFuture> CudaIpcKVTransferEngine::Impl::read(
   const CudaIpcKVTransferInfo remote = CudaIpcKVTransferInfo::decode(remote_kv_info);
   cache_->layout().check_same_model(remote.layout);
   if (reads.empty()) return std::nullopt;
-  CopyPlan plan = plan_copies(cache_->layout(), remote.layout, reads);
-  if (plan.spans.empty()) return std::nullopt;
+  // Strided spans go to cudaMemcpy2DAsync, contiguous ones as before.
+  StridedPlan splan = plan_strided_copies(cache_->layout(), remote.layout, reads);
+  CopyPlan plan;
+  plan.total_bytes = splan.total_bytes;
+  std::vector<StridedSpan> strided;
+  for (const StridedSpan& s : splan.spans) {
+    if (s.rows == 1) plan.spans.push_back({s.local_offset, s.remote_offset, s.length});
+    else strided.push_back(s);
+  }
+  if (plan.spans.empty() && strided.empty()) return std::nullopt;
 
   auto read = std::make_unique<Read>();
   read->start = Clock::now();
@@ -535,7 +561,7 @@ std::optional<TransferFuture> CudaIpcKVTransferEngine::Impl::read(
   // Few large spans (a page-major cache, contiguous pages) are split so
   // that every stream gets a share.
   std::vector<CopySpan> spans = std::move(plan.spans);
-  if (spans.size() < streams_.size()) {
+  if (!spans.empty() && spans.size() < streams_.size()) {
     const std::uint64_t share =
         std::max<std::uint64_t>((plan.total_bytes + streams_.size() - 1) / streams_.size(),
                                 std::uint64_t{1} << 20);
@@ -557,12 +583,12 @@ std::optional<TransferFuture> CudaIpcKVTransferEngine::Impl::read(
       return make_failed_future(s);
     }
   }
-  read->spans = spans.size();
-  read->promise.mark_planned(spans.size());
+  read->spans = spans.size() + strided.size();
+  read->promise.mark_planned(read->spans);
   read->promise.set_peer("pid " + std::to_string(remote.owner_pid));
 
   cuda::DeviceGuard guard(device_);
-  const Status status = enqueue(spans, src, cache_->base(), *read);
+  const Status status = enqueue(spans, strided, src, cache_->base(), *read);
   if (!status.is_ok()) return make_failed_future(status);
   read->promise.mark_posted();  // every copy is enqueued
   TransferFuture future = read->promise.future();

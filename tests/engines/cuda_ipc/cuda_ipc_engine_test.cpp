@@ -412,6 +412,28 @@ TEST_F(CudaIpcEngine, ReusedPagesFailStaleNeverAsAnotherRequest) {
   EXPECT_EQ(wrong, 0u);
 }
 
+// Caches of different geometry: strided spans become cudaMemcpy2DAsync
+// copies. A TP=2 decode rank with 64-token NHD pages pulls its head from a
+// TP=1 owner with 16-token HND pages; byte-exact by the pattern.
+TEST_F(CudaIpcEngine, MixedGeometriesUse2DCopies) {
+  const KVLayout owner = small_layout(CacheOrder::kPageMajor, PageOrder::kHND);
+  OwnerProcess p(spec(owner, 256));
+  KVLayout l = small_layout();
+  l.page_size = 64;
+  l.num_pages = 16;
+  l.total_kv_heads = 2;
+  l.first_kv_head = 1;
+  l.num_kv_heads = 1;
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const std::vector<std::uint32_t> lp{3, 9, 0, 12};
+  const auto& seq = p.sequence();
+  EXPECT_EQ(m->sync_retrieve(20, 256, lp, seq.page_indices, seq.kv_transfer_info),
+            (256u - 20) * l.token_bytes() * 2 * l.num_layers);
+  auto v = cuda_test::verify_device_pattern(*cache, kSeed, lp, 20, 256);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+}
+
 // A descriptor without an epoch table (made from a bare torch cuda_share)
 // cannot be read with an epoch: refused before any byte moves.
 TEST_F(CudaIpcEngine, AnEpochWithoutATableIsRefused) {
