@@ -145,13 +145,16 @@ class KVTransferManager:
             raise InvalidArgumentError(
                 "a local-only manager cannot pull from another cache "
                 f"(tokens [{start_len}, {end_len}) requested)")
-        reads = _core.plan_reads(self.kv_cache.layout, start_len, end_len,
-                                 local_page_indices, remote_page_indices)
         remote_layout = getattr(self.engine, "remote_layout", None)
         remote_layout = remote_layout(kv_transfer_info) if remote_layout else None
         if remote_layout is not None:
             _core.check_remote_pages(self.kv_cache.layout, remote_layout, start_len, end_len,
                                      remote_page_indices)
+        # With the remote layout, caches of different geometry meet (page
+        # sizes: each table in its own; head shards; orders).
+        reads = _core.plan_reads(self.kv_cache.layout, start_len, end_len,
+                                 local_page_indices, remote_page_indices,
+                                 remote_layout=remote_layout)
         # No reads still goes to the engine, which validates the descriptor
         # (engines.py); the manager then returns None whatever it returned.
         future = self.engine.read_batched_async(kv_transfer_info, reads)

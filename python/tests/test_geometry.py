@@ -13,12 +13,24 @@ from conftest import SEED
 os.environ.setdefault("UCX_TLS", "tcp")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
+try:
+    import mooncake.engine as mooncake_engine
+except ImportError:
+    mooncake_engine = None
+
 ENGINES = [e for e in ("shm", "ucx") if e in kv.built_engines()]
 TOKENS = 100
 
 
 def manager(engine, layout):
     cache = kv.KVCache(layout)
+    if engine == "mooncake":  # the PyPI wheel's TransferEngine, as the spec takes it
+        te = mooncake_engine.TransferEngine()
+        assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        mgr = kv.KVTransferManager(kv.TransferEngineInfo("decode", "", te, {"timeout": 10.0}),
+                                   cache)
+        mgr._te = te
+        return cache, mgr
     return cache, kv.KVTransferManager(kv.TransferEngineInfo("decode", "", engine,
                                                              {"timeout": 10.0}), cache)
 
@@ -38,8 +50,10 @@ def test_layout_and_read_info_carry_the_new_fields():
     assert [(x.local_page_idx, x.remote_token_start) for x in reads[:3]] == [(0, 0), (1, 16), (2, 32)]
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINES + ["mooncake"])
 def test_tp1_to_tp2_with_other_pages_and_order(engine, peer_factory):
+    if engine == "mooncake" and mooncake_engine is None:
+        pytest.skip("the Mooncake wheel (mooncake-transfer-engine-non-cuda) is not installed")
     # The prefill cache: all 4 heads, 16-token NHD pages.
     peer = peer_factory(engine, "--heads", "4", "--tokens", str(TOKENS))
     seq = peer.seqs[0]

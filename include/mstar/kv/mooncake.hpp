@@ -71,6 +71,13 @@
 // peer in Mooncake's hands, because Mooncake's TCP transport fails requests
 // beyond that queue instead of waiting.
 //
+// Caches of different geometry (layout.hpp: page sizes, head shards, NHD <->
+// HND) work as for every engine, but Mooncake's batch API has no strided
+// form: the engine submits the planner's coalesced spans (planner.hpp
+// plan_copies), one READ request each, so a layout change that leaves rows
+// of a few hundred bytes costs one request per row; prefer matching in-page
+// orders with this engine (the ucx engine gathers such rows instead).
+//
 // Authentication: none on Mooncake's data path, and extra["auth_token"] does
 // not change that. Mooncake's transports (TCP, RDMA) serve reads of any
 // registered buffer to any peer that opened the segment, and its P2P
