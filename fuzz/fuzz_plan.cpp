@@ -225,5 +225,26 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   check_plan(local, remote, plan);
   fuzz::require(plan.total_bytes == bytes_of(local, reads), "plan total != bytes the reads ask for");
+  // The strided plan of the same reads: the same bytes, every row inside
+  // both caches, and row for row the same destinations as the flat plan.
+  const StridedPlan sp = plan_strided_copies(local, remote, reads);
+  fuzz::require(sp.total_bytes == plan.total_bytes, "strided plan total != flat plan total");
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> rows;
+  for (const StridedSpan& s : sp.spans) {
+    fuzz::require(s.rows >= 1 && s.length > 0, "empty strided span");
+    for (std::uint64_t i = 0; i < s.rows; ++i) {
+      const std::uint64_t lo = s.local_offset + i * s.local_stride;
+      const std::uint64_t ro = s.remote_offset + i * s.remote_stride;
+      fuzz::require(lo <= local.total_bytes() && s.length <= local.total_bytes() - lo,
+                    "strided row outside the local cache");
+      fuzz::require(ro <= remote.total_bytes() && s.length <= remote.total_bytes() - ro,
+                    "strided row outside the remote cache");
+      rows.emplace_back(lo, lo + s.length);
+    }
+  }
+  std::sort(rows.begin(), rows.end());
+  for (std::size_t i = 1; i < rows.size(); ++i) {
+    fuzz::require(rows[i - 1].second <= rows[i].first, "two strided rows write the same byte");
+  }
   return 0;
 }
