@@ -1,0 +1,213 @@
+// Copyright mstar-kv authors.
+//
+// UcxCore: active-message dispatch and the reader's data arrival.
+#include "ucx_core.hpp"
+
+namespace mstar::kv::ucx {
+
+// ---- active messages -------------------------------------------------------
+
+ucs_status_t UcxCore::on_am(void* arg, const void* header, std::size_t header_length,
+                            void* data, std::size_t length, const ucp_am_recv_param_t* param) {
+  auto* tag = static_cast<AmTag*>(arg);
+  return tag->core->handle_am(tag->id, header, header_length, data, length, param);
+}
+
+ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t header_length,
+                                void* data, std::size_t length,
+                                const ucp_am_recv_param_t* param) {
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  const bool has_reply_ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0;
+  switch (id) {
+    case kAmHello: {
+      if (header_length != sizeof(HelloHdr) || !has_reply_ep || rndv) return UCS_OK;
+      HelloHdr h;
+      std::memcpy(&h, header, sizeof h);
+      ucp_ep_h ep = param->reply_ep;
+      deferred_.push_back([this, ep, h] { on_hello(ep, h); });
+      return UCS_OK;
+    }
+    case kAmAuth: {
+      if (header_length != sizeof(AuthHdr) || !has_reply_ep || rndv) return UCS_OK;
+      AuthHdr h;
+      std::memcpy(&h, header, sizeof h);
+      ucp_ep_h ep = param->reply_ep;
+      deferred_.push_back([this, ep, h] { on_auth(ep, h); });
+      return UCS_OK;
+    }
+    case kAmChallenge: {
+      if (header_length != sizeof(ChallengeHdr) || rndv) return UCS_OK;
+      ChallengeHdr h;
+      std::memcpy(&h, header, sizeof h);
+      deferred_.push_back([this, h] { on_challenge(h); });
+      return UCS_OK;
+    }
+    case kAmHelloReply: {
+      if (header_length != sizeof(HelloHdr) || rndv) return UCS_OK;
+      HelloHdr h;
+      std::memcpy(&h, header, sizeof h);
+      std::vector<std::uint8_t> bytes(static_cast<std::uint8_t*>(data),
+                                      static_cast<std::uint8_t*>(data) + length);
+      deferred_.push_back([this, h, b = std::move(bytes)] { hello_reply(h, b); });
+      return UCS_OK;
+    }
+    case kAmReadReq: {
+      if (header_length != sizeof(ReadReqHdr) || !has_reply_ep || rndv) return UCS_OK;
+      ReadReqHdr h;
+      std::memcpy(&h, header, sizeof h);
+      ucp_ep_h ep = param->reply_ep;
+      const bool check_only = (h.flags & kReqCheckOnly) != 0;
+      // Untrusted: the counts must match the length exactly, pages only
+      // come with an epoch, a check-only request has no spans.
+      if ((check_only ? h.nspans != 0 : (h.nspans == 0 || h.nspans > kMaxSpansPerRequest)) ||
+          h.npages > kMaxSpansPerRequest || (h.epoch == 0 && (h.npages != 0 || check_only)) ||
+          length != h.nspans * sizeof(WireSpan) + h.npages * sizeof(std::uint32_t)) {
+        deferred_.push_back([this, ep, h] {
+          send_err(ep, h.batch_id,
+                   Status(StatusCode::kInvalidArgument, "malformed read request"));
+        });
+        return UCS_OK;
+      }
+      if (!ticket_valid(h.ticket)) {
+        deferred_.push_back([this, ep, h] {
+          send_err(ep, h.batch_id,
+                   Status(StatusCode::kPermissionDenied,
+                          "read request without the ticket of an authenticated connection"));
+        });
+        return UCS_OK;
+      }
+      std::vector<WireSpan> spans(h.nspans);
+      std::vector<std::uint32_t> pages(h.npages);
+      if (h.nspans) std::memcpy(spans.data(), data, h.nspans * sizeof(WireSpan));
+      if (h.npages) {
+        std::memcpy(pages.data(), static_cast<const std::byte*>(data) + h.nspans * sizeof(WireSpan),
+                    h.npages * sizeof(std::uint32_t));
+      }
+      if (check_only) {
+        deferred_.push_back([this, ep, h, p = std::move(pages)] {
+          if (dead_eps_.count(ep) != 0) return;
+          Status st = check_served_epochs(h.epoch, p, "around the gets");
+          const ErrHdr fin{h.batch_id, static_cast<std::uint32_t>(st.code()), 0};
+          send_small(ep, kAmReadFin, &fin, sizeof fin, st.message().data(),
+                     st.message().size(), false);
+        });
+        return UCS_OK;
+      }
+      deferred_.push_back([this, ep, h, s = std::move(spans), p = std::move(pages)]() mutable {
+        serve_read(ep, h, s, std::move(p));
+      });
+      return UCS_OK;
+    }
+    case kAmReadData: {
+      if (header_length != sizeof(DataHdr)) return UCS_OK;
+      DataHdr h;
+      std::memcpy(&h, header, sizeof h);
+      return handle_data(h, data, length, param);
+    }
+    case kAmGatherData: {
+      if (header_length != sizeof(GatherHdr)) return UCS_OK;
+      GatherHdr h;
+      std::memcpy(&h, header, sizeof h);
+      return handle_gather(h, data, length, rndv);
+    }
+    case kAmReadErr: {
+      if (header_length != sizeof(ErrHdr) || rndv) return UCS_OK;
+      ErrHdr h;
+      std::memcpy(&h, header, sizeof h);
+      auto it = batches_.find(h.batch_id);
+      if (it == batches_.end()) return UCS_OK;
+      StatusCode code = static_cast<StatusCode>(h.code);
+      if (h.code > static_cast<std::uint32_t>(StatusCode::kInternal) || h.code == 0) {
+        code = StatusCode::kInternal;
+      }
+      std::string msg(static_cast<const char*>(data), std::min<std::size_t>(length, 1024));
+      fail_batch(it->second, Status(code, "owner rejected the read: " + msg));
+      return UCS_OK;
+    }
+    case kAmDone: {
+      if (header_length != sizeof(DoneHdr) || rndv) return UCS_OK;
+      DoneHdr h;
+      std::memcpy(&h, header, sizeof h);
+      // A notice for another registration of this cache is stale: ignore it.
+      if (h.generation != region_.generation || h.epoch == 0 || !ticket_valid(h.ticket)) {
+        return UCS_OK;
+      }
+      deferred_.push_back([this, h] {
+        std::function<void(std::uint64_t, std::uint64_t)> handler;
+        {
+          std::lock_guard<std::mutex> lk(done_mu_);
+          handler = done_handler_;
+        }
+        if (handler) handler(h.seq_id, h.epoch);
+      });
+      return UCS_OK;
+    }
+    case kAmReadFin: {
+      if (header_length != sizeof(ErrHdr) || rndv) return UCS_OK;
+      ErrHdr h;
+      std::memcpy(&h, header, sizeof h);
+      auto it = batches_.find(h.batch_id);
+      if (it == batches_.end()) return UCS_OK;
+      // Only kOk or kStaleDescriptor are answers; anything else is a broken owner.
+      Status st;
+      if (h.code == static_cast<std::uint32_t>(StatusCode::kStaleDescriptor)) {
+        st = Status(StatusCode::kStaleDescriptor,
+                    std::string(static_cast<const char*>(data), std::min<std::size_t>(length, 1024)));
+      } else if (h.code != 0) {
+        st = Status(StatusCode::kInternal, "owner answered an epoch check with code " +
+                                               std::to_string(h.code));
+      }
+      on_fin(it->second, st);
+      return UCS_OK;
+    }
+    default:
+      return UCS_OK;
+  }
+}
+
+ucs_status_t UcxCore::handle_data(const DataHdr& h, void* data, std::size_t length,
+                                  const ucp_am_recv_param_t* param) {
+  auto it = batches_.find(h.batch_id);
+  // A stopped or unknown read: drop the data (a rendezvous is dropped too,
+  // and the owner's send completes).
+  if (it == batches_.end()) return UCS_OK;
+  auto b = it->second;
+  if (b->aborted || b->failure) return UCS_OK;
+  auto p = b->pending.find(h.local_offset);
+  if (p == b->pending.end() || p->second != h.length || h.length != length) {
+    // The owner sent something this read did not ask for: never write it.
+    fail_batch(b, Status(StatusCode::kInternal,
+                         "owner sent " + std::to_string(length) + " bytes for local offset " +
+                             std::to_string(h.local_offset) + " that the read did not ask for"));
+    return UCS_OK;
+  }
+  b->pending.erase(p);
+  std::byte* dest = cache_->base() + h.local_offset;
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
+    std::memcpy(dest, data, length);
+    maybe_finish(b);
+    return UCS_OK;
+  }
+  auto* ctx = new_ctx(b->id);
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                    UCP_OP_ATTR_FIELD_MEMH;
+  rp.cb.recv_am = &UcxCore::on_recv_done;
+  rp.user_data = ctx;
+  rp.memh = memh_;
+  ucs_status_ptr_t sp = ucp_am_recv_data_nbx(worker_, data, dest, length, &rp);
+  if (UCS_PTR_IS_PTR(sp)) {
+    ++b->outstanding;
+    return UCS_INPROGRESS;
+  }
+  free_ctx(ctx);
+  if (UCS_PTR_IS_ERR(sp)) {
+    fail_batch(b, Status(StatusCode::kPeerFailure,
+                         "ucp_am_recv_data_nbx: " + ucs_str(UCS_PTR_STATUS(sp))));
+  } else {
+    maybe_finish(b);
+  }
+  return UCS_INPROGRESS;
+}
+
+}  // namespace mstar::kv::ucx

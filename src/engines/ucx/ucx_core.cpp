@@ -1,0 +1,308 @@
+// Copyright mstar-kv authors.
+//
+// UcxCore: UCP set-up and release, the listener, the progress thread (ucx_core.hpp).
+#include "ucx_core.hpp"
+
+namespace mstar::kv::ucx {
+
+UcxCore::UcxCore(std::shared_ptr<KVCache> cache, const std::string& entity_id,
+                 const std::string& session_id, const UcxOptions& options)
+    : cache_(std::move(cache)), options_(options) {
+  if (cache_->memory_kind() == MemoryKind::kDevice) {
+    throw Error(StatusCode::kInvalidArgument,
+                "the ucx engine needs a host-memory cache (make_kv_cache(layout, "
+                "MemoryKind::kHost)), got device memory");
+  }
+  region_.entity_id = entity_id;
+  region_.data_ptr = reinterpret_cast<std::uintptr_t>(cache_->base());
+  region_.size = cache_->size_bytes();
+  region_.layout = cache_->layout();
+  region_.generation = rma::new_generation();
+  try {
+    init_ucp(session_id);
+  } catch (...) {
+    release_ucp();
+    throw;
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+void UcxCore::init_ucp(const std::string& session_id) {
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_config_read: " + ucs_str(st));
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  st = ucp_init(&params, config, &context_);
+  ucp_config_release(config);
+  if (st != UCS_OK) {
+    context_ = nullptr;
+    throw Error(StatusCode::kUnavailable, "ucp_init: " + ucs_str(st));
+  }
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  st = ucp_worker_create(context_, &wp, &worker_);
+  if (st != UCS_OK) {
+    worker_ = nullptr;
+    throw Error(StatusCode::kUnavailable, "ucp_worker_create: " + ucs_str(st));
+  }
+  if (ucp_worker_get_efd(worker_, &efd_) != UCS_OK) efd_ = -1;  // then poll busily
+
+  ucp_mem_map_params_t mp{};
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  mp.address = cache_->base();
+  mp.length = cache_->size_bytes();
+  st = ucp_mem_map(context_, &mp, &memh_);
+  if (st != UCS_OK) {
+    memh_ = nullptr;
+    throw Error(StatusCode::kUnavailable,
+                "ucp_mem_map of " + std::to_string(mp.length) + " bytes: " + ucs_str(st));
+  }
+  void* rkey_buf = nullptr;
+  std::size_t rkey_len = 0;
+  st = ucp_rkey_pack(context_, memh_, &rkey_buf, &rkey_len);
+  if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_rkey_pack: " + ucs_str(st));
+  region_.backend_blob.assign(static_cast<std::uint8_t*>(rkey_buf),
+                              static_cast<std::uint8_t*>(rkey_buf) + rkey_len);
+  ucp_rkey_buffer_release(rkey_buf);
+
+  ucp_address_t* addr = nullptr;
+  std::size_t addr_len = 0;
+  st = ucp_worker_get_address(worker_, &addr, &addr_len);
+  if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_worker_get_address: " + ucs_str(st));
+  worker_address_.assign(reinterpret_cast<std::uint8_t*>(addr),
+                         reinterpret_cast<std::uint8_t*>(addr) + addr_len);
+  ucp_worker_release_address(worker_, addr);
+
+  ucp_am_handler_param_t hp{};
+  hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+  hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+  hp.cb = &UcxCore::on_am;
+  for (unsigned id :
+       {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr, kAmReadFin, kAmDone,
+        kAmChallenge, kAmAuth, kAmGatherData}) {
+    am_tags_[id] = AmTag{this, id};
+    hp.id = id;
+    hp.arg = &am_tags_[id];
+    st = ucp_worker_set_am_recv_handler(worker_, &hp);
+    if (st != UCS_OK) {
+      throw Error(StatusCode::kUnavailable, "ucp_worker_set_am_recv_handler: " + ucs_str(st));
+    }
+  }
+  open_listener(session_id);
+}
+
+void UcxCore::release_ucp() noexcept {
+  if (listener_) ucp_listener_destroy(listener_);
+  listener_ = nullptr;
+  if (memh_) ucp_mem_unmap(context_, memh_);
+  memh_ = nullptr;
+  if (worker_) ucp_worker_destroy(worker_);
+  worker_ = nullptr;
+  if (context_) ucp_cleanup(context_);
+  context_ = nullptr;
+}
+
+void UcxCore::open_listener(const std::string& session_id) {
+  ucp_listener_params_t lp{};
+  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  lp.conn_handler.cb = &UcxCore::on_conn_request;
+  lp.conn_handler.arg = this;
+  auto try_open = [&](const HostPort& hp) {
+    socklen_t len = 0;
+    sockaddr_storage ss = resolve(hp, &len);
+    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+    lp.sockaddr.addrlen = len;
+    const ucs_status_t st = ucp_listener_create(worker_, &lp, &listener_);
+    if (st != UCS_OK) listener_ = nullptr;
+    return st;
+  };
+  // "HOST:PORT" listens there. Empty, or a bare name without ':' (a label
+  // such as the demo's "demo-<pid>"), listens on 127.0.0.1 at a free port.
+  if (session_id.find(':') != std::string::npos) {
+    const HostPort hp = parse_host_port(session_id);
+    const ucs_status_t st = try_open(hp);
+    if (st != UCS_OK) {
+      throw Error(st == UCS_ERR_BUSY ? StatusCode::kRetryLater : StatusCode::kUnavailable,
+                  "cannot listen on ucx session '" + session_id + "': " + ucs_str(st));
+    }
+    region_.session_id = session_id;
+    return;
+  }
+  std::random_device rd;
+  std::mt19937 rng(rd());
+  std::uniform_int_distribution<int> port(20000, 29999);
+  ucs_status_t st = UCS_OK;
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    const HostPort hp{"127.0.0.1", static_cast<std::uint16_t>(port(rng))};
+    st = try_open(hp);
+    if (st == UCS_OK) {
+      region_.session_id = hp.host + ":" + std::to_string(hp.port);
+      return;
+    }
+  }
+  throw Error(StatusCode::kUnavailable,
+              "no free port in 20000-29999 for the ucx listener: " + ucs_str(st));
+}
+
+UcxCore::~UcxCore() { stop(); }
+
+bool UcxCore::post(std::function<void()> cmd) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopped_) return false;
+    commands_.push_back(std::move(cmd));
+  }
+  ucp_worker_signal(worker_);  // safe from any thread
+  return true;
+}
+
+void UcxCore::drain_deferred() {
+  while (!deferred_.empty()) {
+    auto work = std::move(deferred_);
+    deferred_.clear();
+    for (auto& w : work) w();
+  }
+  dead_eps_.clear();
+}
+
+void UcxCore::check_drains() {
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = draining_.begin(); it != draining_.end();) {
+    auto b = batches_.find(*it);
+    if (b == batches_.end()) {
+      it = draining_.erase(it);
+      continue;
+    }
+    if (now < b->second->drain_deadline) {
+      ++it;
+      continue;
+    }
+    auto conn = b->second->conn;
+    it = draining_.erase(it);
+    close_conn(conn,
+               Status(StatusCode::kCancelled,
+                      "gets of a stopped read did not drain in " +
+                          std::to_string(kDrainGrace.count()) + " ms"),
+               true);
+  }
+}
+
+void UcxCore::reap_closing(bool force) {
+  for (auto it = closing_.begin(); it != closing_.end();) {
+    if (force || ucp_request_check_status(it->request) != UCS_INPROGRESS) {
+      ucp_request_free(it->request);
+      if (it->rkey) ucp_rkey_destroy(it->rkey);
+      it = closing_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void UcxCore::run() {
+  using Clock = std::chrono::steady_clock;
+  int idle = 0;
+  bool closing_all = false;
+  auto deadline = Clock::time_point::max();
+  // Reused across iterations: a libstdc++ deque allocates even when empty,
+  // and this loop spins while transfers are in flight.
+  std::deque<std::function<void()>> cmds;
+  for (;;) {
+    cmds.clear();
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      cmds.swap(commands_);
+    }
+    for (auto& c : cmds) c();
+    unsigned progressed = 0;
+    while (unsigned n = ucp_worker_progress(worker_)) {
+      progressed += n;
+      drain_deferred();
+    }
+    drain_deferred();
+    reap_closing(false);
+    if (!draining_.empty()) check_drains();
+    if (!closing_all && stop_requested_.load(std::memory_order_acquire)) {
+      closing_all = true;
+      deadline = Clock::now() + std::chrono::seconds(2);
+      std::deque<std::function<void()>> last;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        stopped_ = true;  // post() refuses from now on
+        last.swap(commands_);
+      }
+      for (auto& c : last) c();
+      auto conns = conns_;
+      for (auto& [id, c] : conns) {
+        close_conn(c, Status(StatusCode::kShutdown, "the ucx engine shut down"), true);
+      }
+      auto seps = server_eps_;
+      for (ucp_ep_h ep : seps) close_server_ep(ep);
+      if (listener_) ucp_listener_destroy(listener_);
+      listener_ = nullptr;
+      continue;
+    }
+    if (closing_all) {
+      if ((closing_.empty() && batches_.empty()) || Clock::now() > deadline) break;
+      continue;
+    }
+    if (progressed != 0 || !cmds.empty()) {
+      idle = 0;
+      continue;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!commands_.empty()) continue;
+    }
+    // Idle: spin a little (yielding: the machine may be shared), then sleep
+    // on the worker's event fd. While reads or data replies are in flight
+    // the sleep is 1 ms at most: shared-memory transports raise no event
+    // when the peer frees room in a fifo or a get completes.
+    const bool busy = !batches_.empty() || !live_sends_.empty();
+    if (++idle < (busy ? 32 : 256) || efd_ < 0) {
+      if (efd_ < 0 && idle >= 256) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      std::this_thread::yield();
+      continue;
+    }
+    idle = 0;
+    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    pollfd pfd{efd_, POLLIN, 0};
+    (void)::poll(&pfd, 1, busy ? 1 : (draining_.empty() ? 100 : 10));
+  }
+  // What UCX did not complete in the grace period: the worker is destroyed
+  // right after this returns, so nothing can land any more.
+  auto left = batches_;
+  for (auto& [id, b] : left) {
+    b->outstanding = 0;
+    fail_batch(b, Status(StatusCode::kShutdown, "the ucx engine shut down"));
+  }
+}
+
+void UcxCore::stop() noexcept {
+  std::lock_guard<std::mutex> lk(stop_mu_);
+  if (!worker_) return;
+  if (thread_.joinable()) {
+    stop_requested_.store(true, std::memory_order_release);
+    ucp_worker_signal(worker_);
+    thread_.join();
+  }
+  {
+    std::lock_guard<std::mutex> lk2(mu_);
+    stopped_ = true;
+    commands_.clear();
+  }
+  reap_closing(true);
+  conns_.clear();
+  batches_.clear();
+  release_ucp();
+  for (ReqCtx* c : live_ctx_) delete c;
+  live_ctx_.clear();
+  for (SendCtx* c : live_sends_) delete c;
+  live_sends_.clear();
+}
+
+}  // namespace mstar::kv::ucx

@@ -1,0 +1,361 @@
+// Copyright mstar-kv authors.
+//
+// UcxCore, the ucx engine's one owner of UCP objects (internal to the
+// engine): its connections, reads and served requests, and the class.
+// Members marked [progress] are used only on the progress thread. Its
+// methods are defined by responsibility:
+//   ucx_core.cpp     UCP set-up and release, the listener, the progress thread
+//   ucx_owner.cpp    the owner's side: connections, the handshake, served reads
+//   ucx_am.cpp       active-message dispatch and the reader's data arrival
+//   ucx_reader.cpp   the reader's side: connecting, reads (am and gets), closing
+//   ucx_backend.cpp  the RmaBackend / RmaPeer / RmaOperation over it, options
+// The wire format is ucx_wire.hpp, the handshake's cryptography ucx_auth.hpp.
+#pragma once
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "core/auth.hpp"
+#include "mstar/kv/epochs.hpp"
+#include "rma/rma_engine.hpp"
+#include "ucx_auth.hpp"
+#include "ucx_wire.hpp"
+
+#include "ucx_backend.hpp"
+
+namespace mstar::kv::ucx {
+
+constexpr std::uint64_t kMaxSpansPerRequest = 1u << 22;
+// A read gathers (kReqGather) when it has at least this many spans of on
+// average fewer bytes than this.
+constexpr std::size_t kGatherMinSpans = 64;
+constexpr std::uint64_t kGatherBelowBytes = 16u << 10;
+// Gets in flight per read. Small enough that an aborted read drains in
+// microseconds on shared memory, large enough to keep a NIC busy.
+constexpr std::size_t kGetWindow = 16;
+// How long an aborted read's gets may take to drain before the connection
+// is closed by force.
+constexpr std::chrono::milliseconds kDrainGrace{250};
+
+inline std::string ucs_str(ucs_status_t st) { return ucs_status_string(st); }
+
+struct HostPort {
+  std::string host;
+  std::uint16_t port = 0;
+};
+
+inline HostPort parse_host_port(const std::string& s) {
+  const auto colon = s.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == s.size()) {
+    throw Error(StatusCode::kInvalidArgument,
+                "ucx session id '" + s + "' is not HOST:PORT");
+  }
+  HostPort hp;
+  hp.host = s.substr(0, colon);
+  if (hp.host.size() > 2 && hp.host.front() == '[' && hp.host.back() == ']') {
+    hp.host = hp.host.substr(1, hp.host.size() - 2);
+  }
+  const std::string port = s.substr(colon + 1);
+  unsigned long v = 0;
+  for (char c : port) {
+    if (c < '0' || c > '9' || v > 65535) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "ucx session id '" + s + "': port '" + port + "' is not in [1, 65535]");
+    }
+    v = v * 10 + static_cast<unsigned>(c - '0');
+  }
+  if (v == 0 || v > 65535) {
+    throw Error(StatusCode::kInvalidArgument,
+                "ucx session id '" + s + "': port " + port + " is not in [1, 65535]");
+  }
+  hp.port = static_cast<std::uint16_t>(v);
+  return hp;
+}
+
+inline sockaddr_storage resolve(const HostPort& hp, socklen_t* len) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const std::string port = std::to_string(hp.port);
+  const int rc = ::getaddrinfo(hp.host.c_str(), port.c_str(), &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    throw Error(StatusCode::kInvalidArgument,
+                "cannot resolve ucx host '" + hp.host + "': " + ::gai_strerror(rc));
+  }
+  sockaddr_storage ss{};
+  std::memcpy(&ss, res->ai_addr, res->ai_addrlen);
+  *len = res->ai_addrlen;
+  ::freeaddrinfo(res);
+  return ss;
+}
+
+// ---------------------------------------------------------------------------
+// UcxCore: everything that touches UCP. Members marked [progress] are used
+// only on the progress thread.
+// ---------------------------------------------------------------------------
+
+class UcxCore;
+
+struct Conn {
+  UcxCore* core = nullptr;
+  std::uint64_t id = 0;
+  std::string session_id;
+  ucp_ep_h ep = nullptr;             // [progress] client/server: control, am reads
+  // [progress] to the owner's worker address, where UCX may use shared
+  // memory or RDMA: gets, or am reads when its am lane is shared memory.
+  ucp_ep_h data_ep = nullptr;
+  ucp_rkey_h rkey = nullptr;         // [progress] unpacked on data_ep (get)
+  bool am_on_data = false;           // am reads go over data_ep, not ep
+  bool closing = false;              // [progress]
+  bool hello_set = false;            // [progress]
+  std::set<std::uint64_t> batches;   // [progress]
+  std::atomic<bool> failed{false};
+  // [progress] The handshake (ucx_auth.hpp): this reader's nonce, whether
+  // the owner proved the secret, and the ticket its requests carry.
+  Nonce nonce_r{};
+  bool owner_proved = false;
+  std::uint64_t ticket = 0;
+  // Written on the progress thread before `hello` is set; read by others
+  // only after hello's future is ready (the promise orders them).
+  Mode mode = Mode::kAm;
+  rma::RmaRegionInfo served;
+  std::promise<Status> hello;
+};
+
+struct Batch {
+  std::uint64_t id = 0;
+  std::shared_ptr<Conn> conn;
+  rma::RmaCompletion done;
+  std::vector<rma::RmaRead> chunks;
+  std::unordered_map<std::uint64_t, std::uint64_t> pending;  // am: local off -> len
+  std::size_t outstanding = 0;  // UCX requests that may still write locally
+  std::size_t next_chunk = 0;   // get: chunks[next_chunk..] not posted yet
+  bool get = false;
+  std::chrono::steady_clock::time_point drain_deadline{};
+  bool aborted = false;
+  std::optional<Status> failure;
+  // Page epochs: am reads wait for the owner's kAmReadFin; get reads ask
+  // the owner before (phase 0) and after (phase 2) the gets (phase 1).
+  rma::RmaEpochCheck check;
+  bool fin = false;
+  int get_phase = 1;
+  // kReqGather: the owner sends groups of chunks; got[i] marks chunk i
+  // landed (each exactly once), got_count how many did.
+  bool gather = false;
+  std::vector<std::uint8_t> got;
+  std::size_t got_count = 0;
+};
+
+struct ReqCtx {  // user_data of a request that writes into local pages
+  UcxCore* core;
+  std::uint64_t batch_id;
+  std::vector<ucp_dt_iov_t> iov;  // a gathered rendezvous: the local rows
+};
+
+// One served read whose pages are checked once every send completed.
+struct ServeState {
+  ucp_ep_h ep = nullptr;
+  std::uint64_t batch_id = 0;
+  std::uint64_t epoch = 0;
+  std::vector<std::uint32_t> pages;
+  std::size_t left = 0;  // sends not completed, plus one while posting
+  bool failed = false;
+};
+
+struct SendCtx {  // user_data of a data reply (its header must outlive the send)
+  UcxCore* core;
+  DataHdr hdr;
+  std::shared_ptr<ServeState> serve;  // null when no epoch is checked
+  GatherHdr gather{};                 // gathered replies (kReqGather)
+  std::vector<ucp_dt_iov_t> iov;      // their rows in the registered pages
+};
+
+struct AmTag {  // argument of the active-message handler for one id
+  UcxCore* core = nullptr;
+  unsigned id = 0;
+};
+
+class UcxCore : public std::enable_shared_from_this<UcxCore> {
+ public:
+  UcxCore(std::shared_ptr<KVCache> cache, const std::string& entity_id,
+          const std::string& session_id, const UcxOptions& options);
+  ~UcxCore();
+  UcxCore(const UcxCore&) = delete;
+  UcxCore& operator=(const UcxCore&) = delete;
+
+  const rma::RmaRegionInfo& region() const noexcept { return region_; }
+  const UcxOptions& options() const noexcept { return options_; }
+
+  // Runs `cmd` on the progress thread; false when the core is stopped.
+  bool post(std::function<void()> cmd);
+  // Closes everything, joins the progress thread, releases UCX. Idempotent.
+  void stop() noexcept;
+
+  // Caller threads.
+  std::shared_ptr<Conn> connect(const rma::RmaRegionInfo& remote,
+                                std::chrono::milliseconds timeout);
+  // Progress thread.
+  void start_batch(const std::shared_ptr<Batch>& b);
+  void abort_batch(std::uint64_t id);
+  // Closes both endpoints and fails the connection's reads. Gets still in
+  // flight keep the rma endpoint open until they drain, unless `force`
+  // (the peer is dead, the engine stops, or a drain took too long): then it
+  // is closed at once and its gets are written off (see close_conn).
+  void close_conn(std::shared_ptr<Conn> c, const Status& why, bool force = false);
+
+ private:
+  void init_ucp(const std::string& session_id);
+  void release_ucp() noexcept;
+  void run();
+  void open_listener(const std::string& session_id);
+  void drain_deferred();
+  void check_drains();
+  void reap_closing(bool force);
+
+  static void on_conn_request(ucp_conn_request_h req, void* arg);
+  static void on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t st);
+  static void on_client_ep_error(void* arg, ucp_ep_h ep, ucs_status_t st);
+  static ucs_status_t on_am(void* arg, const void* header, std::size_t header_length,
+                            void* data, std::size_t length, const ucp_am_recv_param_t* param);
+  static void on_req_done(void* request, ucs_status_t st, void* user_data);
+  static void on_recv_done(void* request, ucs_status_t st, std::size_t length, void* user_data);
+
+  ucs_status_t handle_am(unsigned id, const void* header, std::size_t header_length,
+                         void* data, std::size_t length, const ucp_am_recv_param_t* param);
+  ucs_status_t handle_data(const DataHdr& h, void* data, std::size_t length,
+                           const ucp_am_recv_param_t* param);
+  ucs_status_t handle_gather(const GatherHdr& h, void* data, std::size_t length, bool rndv);
+  // Owner: sends spans [first, first + count) as one gathered eager message.
+  bool send_gathered(ucp_ep_h ep, std::uint64_t batch_id, const std::vector<WireSpan>& spans,
+                     std::size_t first, std::size_t count, std::uint64_t flags,
+                     const std::shared_ptr<ServeState>& serve);
+  // The handshake (ucx_wire.hpp): owner and reader halves.
+  void on_hello(ucp_ep_h ep, const HelloHdr& h);
+  void on_auth(ucp_ep_h ep, const AuthHdr& h);
+  void on_challenge(const ChallengeHdr& h);
+  void serve_hello(ucp_ep_h ep, std::uint64_t conn_id, std::uint64_t ticket);
+  void refuse_hello(ucp_ep_h ep, std::uint64_t conn_id, const std::string& why);
+  // True when a request carrying `ticket` may be served (always without a
+  // token on this owner).
+  bool ticket_valid(std::uint64_t ticket) const {
+    return options_.auth_token.empty() || (ticket != 0 && tickets_.count(ticket) != 0);
+  }
+  void serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<WireSpan>& spans,
+                  std::vector<std::uint32_t> pages);
+  void serve_done(const std::shared_ptr<ServeState>& st);
+  Status check_served_epochs(std::uint64_t epoch, const std::vector<std::uint32_t>& pages,
+                             const char* when) const;
+  void send_epoch_check(const std::shared_ptr<Batch>& b);
+
+ public:
+  // Done notices (leases): reader and owner halves.
+  void send_done(const std::shared_ptr<Conn>& c, std::uint64_t seq_id, std::uint64_t epoch) {
+    const DoneHdr hdr{seq_id, epoch, c->served.generation, c->ticket};
+    send_small(c->ep, kAmDone, &hdr, sizeof hdr, nullptr, 0, true);
+  }
+  void set_done_handler(std::function<void(std::uint64_t, std::uint64_t)> h) {
+    std::lock_guard<std::mutex> lk(done_mu_);
+    done_handler_ = std::move(h);
+  }
+
+ private:
+  std::mutex done_mu_;
+  std::function<void(std::uint64_t, std::uint64_t)> done_handler_;  // guarded by done_mu_
+  void on_fin(const std::shared_ptr<Batch>& b, const Status& st);
+  void send_err(ucp_ep_h ep, std::uint64_t batch_id, const Status& st);
+  void hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& bytes);
+  void request_finished(std::uint64_t batch_id, ucs_status_t st);
+  void post_gets(const std::shared_ptr<Batch>& b);
+  // Contexts of requests that write locally; those UCX never completes
+  // (written off, see close_conn) are freed by stop().
+  ReqCtx* new_ctx(std::uint64_t batch_id) {
+    auto* c = new ReqCtx{this, batch_id, {}};
+    live_ctx_.insert(c);
+    return c;
+  }
+  void free_ctx(ReqCtx* c) {
+    live_ctx_.erase(c);
+    delete c;
+  }
+  void maybe_finish(std::shared_ptr<Batch> b);
+  void fail_batch(std::shared_ptr<Batch> b, Status st);
+  struct EpInfo {
+    bool nic_rma = false;  // an RMA lane on an RDMA transport
+    bool shm_am = false;   // an active-message lane on shared memory
+  };
+  EpInfo inspect_ep(ucp_ep_h ep);
+  void data_ep_ready(std::uint64_t conn_id, ucs_status_t st);
+  void close_server_ep(ucp_ep_h ep);
+  void close_ep(ucp_ep_h ep, ucp_rkey_h rkey, std::shared_ptr<Conn> keep);
+  // Sends a small message whose header and data are copied into a block
+  // that lives until the send completes.
+  void send_small(ucp_ep_h ep, unsigned id, const void* header, std::size_t header_len,
+                  const void* data, std::size_t data_len, bool reply);
+
+  const std::shared_ptr<KVCache> cache_;
+  const UcxOptions options_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  ucp_mem_h memh_ = nullptr;
+  ucp_listener_h listener_ = nullptr;
+  int efd_ = -1;
+  rma::RmaRegionInfo region_;
+  std::vector<std::uint8_t> worker_address_;  // sent in the hello reply
+  AmTag am_tags_[kAmMaxId + 1];
+
+  std::mutex mu_;
+  std::deque<std::function<void()>> commands_;  // guarded by mu_
+  bool stopped_ = false;                        // guarded by mu_
+  std::atomic<bool> stop_requested_{false};
+  std::mutex stop_mu_;
+  std::thread thread_;
+
+  // [progress]
+  std::vector<std::function<void()>> deferred_;
+  std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> conns_;
+  std::unordered_map<std::uint64_t, std::shared_ptr<Batch>> batches_;
+  std::set<ucp_ep_h> server_eps_;
+  std::set<ucp_ep_h> dead_eps_;       // closed in this progress round
+  // The owner's half of the handshake, per listener endpoint: the nonces of
+  // a challenge sent, the ticket of an authenticated reader, endpoints that
+  // failed (ignored from then on), and the tickets issued.
+  std::unordered_map<ucp_ep_h, std::pair<Nonce, Nonce>> challenged_;
+  std::unordered_map<ucp_ep_h, std::uint64_t> ep_ticket_;
+  std::set<ucp_ep_h> refused_;
+  std::set<std::uint64_t> tickets_;
+  std::set<ReqCtx*> live_ctx_;
+  std::set<SendCtx*> live_sends_;     // data replies not completed yet
+  std::set<std::uint64_t> draining_;  // aborted get batches waiting to drain
+  struct Closing {
+    void* request;
+    ucp_rkey_h rkey;
+    std::shared_ptr<Conn> conn;  // keeps the error-handler argument alive
+  };
+  std::vector<Closing> closing_;
+  std::uint64_t next_conn_ = 1;
+
+ public:
+  std::atomic<std::uint64_t> next_batch{1};  // batch ids, unique per core
+};
+
+}  // namespace mstar::kv::ucx

@@ -1,0 +1,373 @@
+// Copyright mstar-kv authors.
+//
+// UcxCore, the owner's side: listener connections, the handshake, served reads.
+#include "ucx_core.hpp"
+
+namespace mstar::kv::ucx {
+
+// ---- server side -----------------------------------------------------------
+
+void UcxCore::on_conn_request(ucp_conn_request_h req, void* arg) {
+  auto* self = static_cast<UcxCore*>(arg);
+  if (self->stop_requested_.load(std::memory_order_acquire)) {
+    ucp_listener_reject(self->listener_, req);
+    return;
+  }
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.conn_request = req;
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = &UcxCore::on_server_ep_error;
+  ep.err_handler.arg = self;
+  ucp_ep_h h = nullptr;
+  if (ucp_ep_create(self->worker_, &ep, &h) == UCS_OK) self->server_eps_.insert(h);
+}
+
+void UcxCore::on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t) {
+  auto* self = static_cast<UcxCore*>(arg);
+  self->deferred_.push_back([self, ep] { self->close_server_ep(ep); });
+}
+
+void UcxCore::close_server_ep(ucp_ep_h ep) {
+  if (server_eps_.erase(ep) == 0) return;
+  challenged_.erase(ep);
+  refused_.erase(ep);
+  if (auto t = ep_ticket_.find(ep); t != ep_ticket_.end()) {
+    tickets_.erase(t->second);  // the reader's requests are refused from now on
+    ep_ticket_.erase(t);
+  }
+  dead_eps_.insert(ep);
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t sp = ucp_ep_close_nbx(ep, &rp);
+  if (UCS_PTR_IS_PTR(sp)) closing_.push_back({sp, nullptr, nullptr});
+}
+
+void UcxCore::send_small(ucp_ep_h ep, unsigned id, const void* header,
+                         std::size_t header_len, const void* data, std::size_t data_len,
+                         bool reply) {
+  auto* block = new std::vector<std::uint8_t>(header_len + data_len);
+  if (header_len) std::memcpy(block->data(), header, header_len);
+  if (data_len) std::memcpy(block->data() + header_len, data, data_len);
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                    UCP_OP_ATTR_FIELD_USER_DATA;
+  rp.flags = UCP_AM_SEND_FLAG_EAGER | (reply ? UCP_AM_SEND_FLAG_REPLY : 0);
+  rp.cb.send = [](void* req, ucs_status_t, void* ud) {
+    delete static_cast<std::vector<std::uint8_t>*>(ud);
+    ucp_request_free(req);
+  };
+  rp.user_data = block;
+  ucs_status_ptr_t sp = ucp_am_send_nbx(ep, id, block->data(), header_len,
+                                        block->data() + header_len, data_len, &rp);
+  if (!UCS_PTR_IS_PTR(sp)) delete block;
+}
+
+void UcxCore::on_hello(ucp_ep_h ep, const HelloHdr& h) {
+  if (server_eps_.count(ep) == 0 || refused_.count(ep) != 0 || challenged_.count(ep) != 0 ||
+      ep_ticket_.count(ep) != 0) {
+    return;  // one handshake per endpoint
+  }
+  if (options_.auth_token.empty()) {
+    serve_hello(ep, h.conn_id, 0);
+    return;
+  }
+  // Prove the secret first (mutual authentication), over the reader's nonce
+  // and a fresh one of ours; the region goes out only after the reader's
+  // proof (on_auth). A reader without a token learns it needs one.
+  Nonce nonce_r;
+  std::memcpy(nonce_r.data(), h.nonce, kNonceBytes);
+  const Nonce nonce_o = new_nonce();
+  challenged_[ep] = {nonce_r, nonce_o};
+  ChallengeHdr c{};
+  c.conn_id = h.conn_id;
+  std::memcpy(c.nonce, nonce_o.data(), kNonceBytes);
+  const Mac mac = owner_proof(options_.auth_token, nonce_r, nonce_o);
+  std::memcpy(c.mac, mac.data(), kMacBytes);
+  send_small(ep, kAmChallenge, &c, sizeof c, nullptr, 0, false);
+}
+
+void UcxCore::on_auth(ucp_ep_h ep, const AuthHdr& h) {
+  auto it = challenged_.find(ep);
+  if (server_eps_.count(ep) == 0 || it == challenged_.end()) return;
+  const auto [nonce_r, nonce_o] = it->second;
+  challenged_.erase(it);
+  if (!proof_matches(reader_proof(options_.auth_token, nonce_r, nonce_o), h.mac)) {
+    refused_.insert(ep);  // one try per connection
+    refuse_hello(ep, h.conn_id,
+                 "the reader's proof of the auth_token is wrong (the tokens differ)");
+    return;
+  }
+  std::uint64_t ticket = new_ticket();
+  while (tickets_.count(ticket) != 0) ticket = new_ticket();
+  tickets_.insert(ticket);
+  ep_ticket_[ep] = ticket;
+  serve_hello(ep, h.conn_id, ticket);
+}
+
+void UcxCore::refuse_hello(ucp_ep_h ep, std::uint64_t conn_id, const std::string& why) {
+  HelloHdr hdr{};
+  hdr.conn_id = conn_id;
+  hdr.code = static_cast<std::uint32_t>(StatusCode::kPermissionDenied);
+  send_small(ep, kAmHelloReply, &hdr, sizeof hdr, why.data(), why.size(), false);
+}
+
+void UcxCore::serve_hello(ucp_ep_h ep, std::uint64_t conn_id, std::uint64_t ticket) {
+  // Reply: u32 region length | RmaRegionInfo bytes | worker address. The
+  // address lets a reader open a second endpoint on which UCX may pick
+  // shared-memory or RDMA transports for gets (client/server endpoints only
+  // use transports reachable through the connection manager).
+  HelloHdr hdr{};
+  hdr.conn_id = conn_id;
+  hdr.ticket = ticket;
+  const std::vector<std::uint8_t> region = region_.encode();
+  std::vector<std::uint8_t> bytes(4 + region.size() + worker_address_.size());
+  const std::uint32_t n = static_cast<std::uint32_t>(region.size());
+  std::memcpy(bytes.data(), &n, 4);
+  std::memcpy(bytes.data() + 4, region.data(), region.size());
+  if (!worker_address_.empty()) {
+    std::memcpy(bytes.data() + 4 + region.size(), worker_address_.data(),
+                worker_address_.size());
+  }
+  send_small(ep, kAmHelloReply, &hdr, sizeof hdr, bytes.data(), bytes.size(), false);
+}
+
+void UcxCore::send_err(ucp_ep_h ep, std::uint64_t batch_id, const Status& st) {
+  const ErrHdr hdr{batch_id, static_cast<std::uint32_t>(st.code()), 0};
+  send_small(ep, kAmReadErr, &hdr, sizeof hdr, st.message().data(), st.message().size(), false);
+}
+
+Status UcxCore::check_served_epochs(std::uint64_t epoch,
+                                   const std::vector<std::uint32_t>& pages,
+                                   const char* when) const {
+  const PageEpochs& ep = cache_->epochs();
+  return check_page_epochs(ep.words(), ep.num_pages(), pages, epoch, when,
+                           /*after_copy=*/true);
+}
+
+void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<WireSpan>& spans,
+                         std::vector<std::uint32_t> pages) {
+  const std::uint64_t batch_id = h.batch_id;
+  const std::uint64_t flags = h.flags;
+  // The reply endpoint is one of our listener's endpoints or one UCX made
+  // for a reader's data endpoint; only a listener endpoint closed since the
+  // request arrived (same progress round) is gone.
+  if (dead_eps_.count(ep) != 0) return;
+  // Validate the whole request before sending a byte: the reader is not
+  // trusted with anything outside the registered region.
+  if (h.generation != region_.generation) {
+    send_err(ep, batch_id,
+             Status(StatusCode::kStaleDescriptor,
+                    "read names generation " + std::to_string(h.generation) +
+                        ", this owner serves generation " +
+                        std::to_string(region_.generation)));
+    return;
+  }
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const WireSpan& s = spans[i];
+    if (s.length == 0 || s.remote_offset > region_.size ||
+        s.length > region_.size - s.remote_offset) {
+      send_err(ep, batch_id,
+               Status(StatusCode::kPermissionDenied,
+                      "span " + std::to_string(i) + " [" + std::to_string(s.remote_offset) +
+                          ", +" + std::to_string(s.length) +
+                          ") is outside the registered region of " +
+                          std::to_string(region_.size) + " bytes"));
+      return;
+    }
+  }
+  // Owner-served: the pages must still belong to the reader's sequence
+  // before the first byte goes out (and after the last, in serve_done).
+  std::shared_ptr<ServeState> serve;
+  if (h.epoch != 0) {
+    if (Status st = check_served_epochs(h.epoch, pages, "before the owner sent it");
+        !st.is_ok()) {
+      send_err(ep, batch_id, st);
+      return;
+    }
+    serve = std::make_shared<ServeState>();
+    serve->ep = ep;
+    serve->batch_id = batch_id;
+    serve->epoch = h.epoch;
+    serve->pages = std::move(pages);
+    serve->left = spans.size() + 1;
+  }
+  if ((flags & kReqGather) != 0) {
+    // Groups of consecutive spans, each one eager message (kAmGatherData).
+    std::vector<std::pair<std::size_t, std::size_t>> groups;
+    for (std::size_t i = 0; i < spans.size();) {
+      std::size_t j = i;
+      std::uint64_t bytes = 0;
+      while (j < spans.size() && j - i < kGatherMaxSpans &&
+             (j == i || bytes + spans[j].length <= kGatherBytes)) {
+        bytes += spans[j].length;
+        ++j;
+      }
+      groups.emplace_back(i, j - i);
+      i = j;
+    }
+    if (serve) serve->left = groups.size() + 1;
+    for (const auto& [first, count] : groups) {
+      if (!send_gathered(ep, batch_id, spans, first, count, flags, serve)) return;
+    }
+    if (serve && --serve->left == 0) serve_done(serve);
+    return;
+  }
+  for (const WireSpan& s : spans) {
+    auto* ctx = new SendCtx{this, DataHdr{batch_id, s.local_offset, s.length}, serve, {}, {}};
+    live_sends_.insert(ctx);
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                      UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+    rp.flags = (flags & kReqEagerOnly) == 0 && s.length >= options_.rndv_bytes
+                   ? UCP_AM_SEND_FLAG_RNDV
+                   : UCP_AM_SEND_FLAG_EAGER;
+    rp.memh = memh_;
+    rp.cb.send = [](void* req, ucs_status_t st, void* ud) {
+      auto* c = static_cast<SendCtx*>(ud);
+      c->core->live_sends_.erase(c);
+      if (c->serve) {
+        if (st != UCS_OK) c->serve->failed = true;
+        if (--c->serve->left == 0) {
+          UcxCore* core = c->core;
+          core->deferred_.push_back([core, sv = c->serve] { core->serve_done(sv); });
+        }
+      }
+      delete c;
+      ucp_request_free(req);
+    };
+    rp.user_data = ctx;
+    ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReadData, &ctx->hdr, sizeof ctx->hdr,
+                                          cache_->base() + s.remote_offset, s.length, &rp);
+    if (!UCS_PTR_IS_PTR(sp)) {
+      live_sends_.erase(ctx);
+      delete ctx;
+      if (serve) --serve->left;
+    }
+    if (UCS_PTR_IS_ERR(sp)) return;  // the endpoint failed; its error handler closes it
+  }
+  if (serve && --serve->left == 0) serve_done(serve);
+}
+
+bool UcxCore::send_gathered(ucp_ep_h ep, std::uint64_t batch_id,
+                            const std::vector<WireSpan>& spans, std::size_t first,
+                            std::size_t count, std::uint64_t flags,
+                            const std::shared_ptr<ServeState>& serve) {
+  auto* ctx = new SendCtx{this, DataHdr{}, serve, {}, {}};
+  ctx->iov.resize(count);
+  std::uint64_t bytes = 0;
+  for (std::size_t k = 0; k < count; ++k) {
+    const WireSpan& s = spans[first + k];
+    ctx->iov[k].buffer = cache_->base() + s.remote_offset;
+    ctx->iov[k].length = s.length;
+    bytes += s.length;
+  }
+  ctx->gather = GatherHdr{batch_id, first, count, bytes};
+  live_sends_.insert(ctx);
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                    UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  // Rendezvous for big groups (UCX moves the rows from our pages into the
+  // reader's, an iov on both sides), eager otherwise (the reader scatters
+  // from its receive buffer); eager only for readers that ask for it.
+  rp.flags = (flags & kReqEagerOnly) == 0 && bytes >= options_.rndv_bytes ? UCP_AM_SEND_FLAG_RNDV
+                                                                        : UCP_AM_SEND_FLAG_EAGER;
+  rp.datatype = ucp_dt_make_iov();
+  rp.cb.send = [](void* req, ucs_status_t st, void* ud) {
+    auto* c = static_cast<SendCtx*>(ud);
+    c->core->live_sends_.erase(c);
+    if (c->serve) {
+      if (st != UCS_OK) c->serve->failed = true;
+      if (--c->serve->left == 0) {
+        UcxCore* core = c->core;
+        core->deferred_.push_back([core, sv = c->serve] { core->serve_done(sv); });
+      }
+    }
+    delete c;
+    ucp_request_free(req);
+  };
+  rp.user_data = ctx;
+  ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmGatherData, &ctx->gather, sizeof ctx->gather,
+                                        ctx->iov.data(), ctx->iov.size(), &rp);
+  if (!UCS_PTR_IS_PTR(sp)) {
+    live_sends_.erase(ctx);
+    delete ctx;
+    if (serve) --serve->left;
+  }
+  return !UCS_PTR_IS_ERR(sp);  // the endpoint failed: its error handler closes it
+}
+
+ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t length,
+                                    bool rndv) {
+  auto it = batches_.find(h.batch_id);
+  if (it == batches_.end()) return UCS_OK;  // a stopped or unknown read: dropped
+  auto b = it->second;
+  if (b->aborted || b->failure) return UCS_OK;
+  // Untrusted: a group of this read's spans, each once, with their bytes.
+  bool ok = b->gather && h.count > 0 && h.first < b->chunks.size() &&
+            h.count <= b->chunks.size() - h.first && h.length == length && data != nullptr;
+  std::uint64_t bytes = 0;
+  for (std::size_t k = 0; ok && k < h.count; ++k) {
+    ok = b->got[h.first + k] == 0;
+    bytes += b->chunks[h.first + k].length;
+  }
+  if (!ok || bytes != length) {
+    fail_batch(b, Status(StatusCode::kInternal,
+                         "owner sent a gathered reply (spans " + std::to_string(h.first) + "+" +
+                             std::to_string(h.count) + ", " + std::to_string(length) +
+                             " bytes) that the read did not ask for"));
+    return UCS_OK;
+  }
+  if (rndv) {  // UCX lands the bytes straight in the local rows (an iov)
+    auto* ctx = new_ctx(b->id);
+    ctx->iov.resize(h.count);
+    for (std::size_t k = 0; k < h.count; ++k) {
+      const rma::RmaRead& r = b->chunks[h.first + k];
+      ctx->iov[k].buffer = cache_->base() + r.local_offset;
+      ctx->iov[k].length = r.length;
+      b->got[h.first + k] = 1;
+    }
+    b->got_count += h.count;
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                      UCP_OP_ATTR_FIELD_DATATYPE;
+    rp.cb.recv_am = &UcxCore::on_recv_done;
+    rp.user_data = ctx;
+    rp.datatype = ucp_dt_make_iov();
+    ucs_status_ptr_t sp = ucp_am_recv_data_nbx(worker_, data, ctx->iov.data(), ctx->iov.size(), &rp);
+    if (UCS_PTR_IS_PTR(sp)) {
+      ++b->outstanding;
+      return UCS_INPROGRESS;
+    }
+    free_ctx(ctx);
+    if (UCS_PTR_IS_ERR(sp)) {
+      fail_batch(b, Status(StatusCode::kPeerFailure,
+                           "ucp_am_recv_data_nbx: " + ucs_str(UCS_PTR_STATUS(sp))));
+    } else {
+      maybe_finish(b);
+    }
+    return UCS_INPROGRESS;
+  }
+  const auto* src = static_cast<const std::byte*>(data);
+  for (std::size_t k = 0; k < h.count; ++k) {
+    const rma::RmaRead& r = b->chunks[h.first + k];
+    std::memcpy(cache_->base() + r.local_offset, src, r.length);
+    src += r.length;
+    b->got[h.first + k] = 1;
+  }
+  b->got_count += h.count;
+  maybe_finish(b);
+  return UCS_OK;
+}
+
+void UcxCore::serve_done(const std::shared_ptr<ServeState>& st) {
+  if (st->failed || dead_eps_.count(st->ep) != 0) return;  // the reader fails by itself
+  Status s = check_served_epochs(st->epoch, st->pages, "while the owner sent it");
+  const ErrHdr hdr{st->batch_id, static_cast<std::uint32_t>(s.code()), 0};
+  send_small(st->ep, kAmReadFin, &hdr, sizeof hdr, s.message().data(), s.message().size(),
+             false);
+}
+
+}  // namespace mstar::kv::ucx

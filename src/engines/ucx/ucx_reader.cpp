@@ -1,0 +1,505 @@
+// Copyright mstar-kv authors.
+//
+// UcxCore, the reader's side: connecting, reads (am and gets), closing.
+#include "ucx_core.hpp"
+
+namespace mstar::kv::ucx {
+
+// ---- client side -----------------------------------------------------------
+
+std::shared_ptr<Conn> UcxCore::connect(const rma::RmaRegionInfo& remote,
+                                       std::chrono::milliseconds timeout) {
+  const HostPort hp = parse_host_port(remote.session_id);
+  socklen_t len = 0;
+  const sockaddr_storage ss = resolve(hp, &len);
+  auto conn = std::make_shared<Conn>();
+  conn->core = this;
+  conn->session_id = remote.session_id;
+  std::future<Status> hello = conn->hello.get_future();
+  const bool posted = post([this, conn, ss, len] {
+    conn->id = next_conn_++;
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+    ep.sockaddr.addrlen = len;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = &UcxCore::on_client_ep_error;
+    ep.err_handler.arg = conn.get();
+    const ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->ep);
+    if (st != UCS_OK) {
+      conn->ep = nullptr;
+      close_conn(conn, Status(StatusCode::kPeerFailure, "ucp_ep_create: " + ucs_str(st)));
+      return;
+    }
+    conns_[conn->id] = conn;
+    HelloHdr hdr{};
+    hdr.conn_id = conn->id;
+    hdr.flags = options_.auth_token.empty() ? 0 : kHelloHasToken;
+    conn->nonce_r = new_nonce();
+    std::memcpy(hdr.nonce, conn->nonce_r.data(), kNonceBytes);
+    send_small(conn->ep, kAmHello, &hdr, sizeof hdr, nullptr, 0, true);
+  });
+  if (!posted) throw Error(StatusCode::kShutdown, "the ucx engine is shut down");
+  if (hello.wait_for(timeout) != std::future_status::ready) {
+    post([this, conn] {
+      close_conn(conn, Status(StatusCode::kTimeout, "connect timed out"));
+    });
+    throw Error(StatusCode::kTimeout, "ucx peer at " + remote.session_id +
+                                          " did not answer within " +
+                                          std::to_string(timeout.count()) + " ms");
+  }
+  const Status st = hello.get();
+  if (!st.is_ok()) {
+    // Refused authentication stays kPermissionDenied: reconnecting will not help.
+    const bool keep = st.code() == StatusCode::kShutdown ||
+                      st.code() == StatusCode::kPermissionDenied;
+    throw Error(keep ? st.code() : StatusCode::kPeerFailure,
+                "cannot connect to ucx peer at " + remote.session_id + ": " + st.message());
+  }
+  return conn;
+}
+
+void UcxCore::on_challenge(const ChallengeHdr& h) {
+  auto it = conns_.find(h.conn_id);
+  if (it == conns_.end()) return;
+  auto conn = it->second;
+  if (conn->hello_set || conn->closing || conn->owner_proved) return;
+  if (options_.auth_token.empty()) {
+    close_conn(conn, Status(StatusCode::kPermissionDenied,
+                            "the owner requires an auth_token and this engine has none "
+                            "(EngineOptions.extra[\"auth_token\"], --token-file)"));
+    return;
+  }
+  Nonce nonce_o;
+  std::memcpy(nonce_o.data(), h.nonce, kNonceBytes);
+  if (!proof_matches(owner_proof(options_.auth_token, conn->nonce_r, nonce_o), h.mac)) {
+    close_conn(conn, Status(StatusCode::kPermissionDenied,
+                            "the owner's proof of the auth_token is wrong (the tokens "
+                            "differ, or this is not the owner the descriptor names)"));
+    return;
+  }
+  conn->owner_proved = true;
+  AuthHdr a{};
+  a.conn_id = conn->id;
+  const Mac mac = reader_proof(options_.auth_token, conn->nonce_r, nonce_o);
+  std::memcpy(a.mac, mac.data(), kMacBytes);
+  send_small(conn->ep, kAmAuth, &a, sizeof a, nullptr, 0, true);
+}
+
+void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& bytes) {
+  auto it = conns_.find(h.conn_id);
+  if (it == conns_.end()) return;
+  auto conn = it->second;
+  if (conn->hello_set || conn->closing) return;
+  if (h.code != 0) {
+    close_conn(conn, Status(StatusCode::kPermissionDenied,
+                            "the owner refused this reader: " +
+                                std::string(reinterpret_cast<const char*>(bytes.data()),
+                                            std::min<std::size_t>(bytes.size(), 256))));
+    return;
+  }
+  if (!options_.auth_token.empty() && !conn->owner_proved) {
+    close_conn(conn, Status(StatusCode::kPermissionDenied,
+                            "this engine has an auth_token but the owner did not prove it "
+                            "(the owner has no auth_token)"));
+    return;
+  }
+  conn->ticket = h.ticket;
+  std::vector<std::uint8_t> address;
+  try {
+    std::uint32_t n = 0;
+    if (bytes.size() < 4) throw Error(StatusCode::kCorruptDescriptor, "hello reply truncated");
+    std::memcpy(&n, bytes.data(), 4);
+    if (n > bytes.size() - 4) {
+      throw Error(StatusCode::kCorruptDescriptor, "hello reply region length " +
+                                                      std::to_string(n) + " exceeds " +
+                                                      std::to_string(bytes.size() - 4));
+    }
+    conn->served = rma::RmaRegionInfo::decode(
+        std::span<const std::uint8_t>(bytes.data() + 4, n));
+    address.assign(bytes.begin() + 4 + n, bytes.end());
+  } catch (const Error& e) {
+    close_conn(conn, Status(StatusCode::kCorruptDescriptor,
+                            std::string("the peer's region is malformed: ") + e.what()));
+    return;
+  }
+  conn->mode = Mode::kAm;
+  if (!address.empty() && options_.mode != Mode::kAm) {
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
+    // No peer error handling on this endpoint: UCX 1.13's shared-memory
+    // transports other than cma cannot provide it, and asking for it makes
+    // UCX fall back to tcp. Peer failure is detected on the control
+    // endpoint (tcp, peer error handling), which then closes this one.
+    ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->data_ep);
+    if (st != UCS_OK) conn->data_ep = nullptr;
+    EpInfo info;
+    if (conn->data_ep != nullptr) info = inspect_ep(conn->data_ep);
+    const bool get = conn->data_ep != nullptr &&
+                     (options_.mode == Mode::kGet ||
+                      (options_.mode == Mode::kAuto && info.nic_rma));
+    if (options_.mode == Mode::kGet && !get) {
+      close_conn(conn, Status(StatusCode::kUnavailable,
+                              "ucx_mode=get, but no endpoint to the peer's worker address: " +
+                                  ucs_str(st)));
+      return;
+    }
+    if (get) {
+      st = ucp_ep_rkey_unpack(conn->data_ep, conn->served.backend_blob.data(), &conn->rkey);
+      if (st != UCS_OK) {
+        conn->rkey = nullptr;
+        close_conn(conn, Status(StatusCode::kPermissionDenied,
+                                "the peer's remote key does not unpack: " + ucs_str(st)));
+        return;
+      }
+      conn->mode = Mode::kGet;
+    } else if (conn->data_ep != nullptr && info.shm_am && options_.mode == Mode::kAmShm) {
+      conn->am_on_data = true;
+    } else if (conn->data_ep != nullptr) {
+      // Nothing better than the control endpoint: am reads go over it.
+      close_ep(conn->data_ep, nullptr, nullptr);
+      conn->data_ep = nullptr;
+    }
+    if (conn->data_ep != nullptr) {
+      // Finish the endpoint's wireup before the first read, within the
+      // connect timeout: reads never wait behind a wireup that a dying peer
+      // leaves hanging.
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      rp.cb.send = [](void* req, ucs_status_t s2, void* ud) {
+        auto* tag = static_cast<ReqCtx*>(ud);
+        tag->core->deferred_.push_back(
+            [core = tag->core, id = tag->batch_id, s2] { core->data_ep_ready(id, s2); });
+        delete tag;
+        ucp_request_free(req);
+      };
+      rp.user_data = new ReqCtx{this, conn->id, {}};
+      ucs_status_ptr_t sp = ucp_ep_flush_nbx(conn->data_ep, &rp);
+      if (!UCS_PTR_IS_PTR(sp)) {
+        delete static_cast<ReqCtx*>(rp.user_data);
+        data_ep_ready(conn->id, UCS_PTR_STATUS(sp));
+      }
+      return;
+    }
+  } else if (options_.mode == Mode::kGet && address.empty()) {
+    close_conn(conn, Status(StatusCode::kUnavailable,
+                            "ucx_mode=get, but the peer sent no worker address"));
+    return;
+  }
+  conn->hello_set = true;
+  conn->hello.set_value(Status::ok());
+}
+
+UcxCore::EpInfo UcxCore::inspect_ep(ucp_ep_h ep) {
+  // UCX 1.13 cannot be asked "is RMA native on this endpoint" (ucp_ep_query
+  // reports names and addresses only), but its configuration dump names the
+  // transport and the roles of every lane. Measured here (protocol v1, the
+  // default of 1.13): ucp_get_nbx is a software emulation over active
+  // messages on tcp and also on shared memory (posix/sysv can only map
+  // memory UCX allocated itself; cma serves rendezvous, not gets), so gets
+  // are only chosen for RDMA lanes; on shared memory the owner's
+  // active-message replies (rendezvous over cma) are the fast path.
+  EpInfo out;
+  char* buf = nullptr;
+  std::size_t size = 0;
+  FILE* f = ::open_memstream(&buf, &size);
+  if (f == nullptr) return out;
+  ucp_ep_print_info(ep, f);
+  std::fclose(f);
+  const std::string info(buf, size);
+  std::free(buf);
+  if (std::getenv("MSTAR_KV_UCX_DEBUG")) std::fprintf(stderr, "%s\n", info.c_str());
+  std::size_t start = 0;
+  while (start < info.size()) {
+    std::size_t end = info.find('\n', start);
+    if (end == std::string::npos) end = info.size();
+    const std::string line = info.substr(start, end - start) + " ";
+    start = end + 1;
+    if (line.find("lane[") == std::string::npos) continue;
+    const bool tcp = line.find("tcp") != std::string::npos;
+    const bool shm = line.find("sysv") != std::string::npos ||
+                     line.find("posix") != std::string::npos ||
+                     line.find("xpmem") != std::string::npos;
+    const bool rdma = line.find("rc_") != std::string::npos ||
+                      line.find("dc_") != std::string::npos ||
+                      line.find("rc/") != std::string::npos ||
+                      line.find("dc/") != std::string::npos;
+    if (rdma && line.find(" rma") != std::string::npos) out.nic_rma = true;
+    if (shm && !tcp && line.find(" am ") != std::string::npos) out.shm_am = true;
+  }
+  return out;
+}
+
+void UcxCore::data_ep_ready(std::uint64_t conn_id, ucs_status_t st) {
+  auto it = conns_.find(conn_id);
+  if (it == conns_.end()) return;
+  auto conn = it->second;
+  if (conn->hello_set || conn->closing) return;
+  if (st != UCS_OK) {
+    close_conn(conn, Status(StatusCode::kPeerFailure,
+                            "wireup of the data endpoint failed: " + ucs_str(st)));
+    return;
+  }
+  conn->hello_set = true;
+  conn->hello.set_value(Status::ok());
+}
+
+void UcxCore::on_client_ep_error(void* arg, ucp_ep_h, ucs_status_t st) {
+  auto* conn = static_cast<Conn*>(arg);
+  UcxCore* self = conn->core;
+  conn->failed.store(true, std::memory_order_release);
+  const std::uint64_t id = conn->id;
+  self->deferred_.push_back([self, id, st] {
+    auto it = self->conns_.find(id);
+    if (it == self->conns_.end()) return;
+    self->close_conn(it->second,
+                     Status(StatusCode::kPeerFailure, "peer failed: " + ucs_str(st)), true);
+  });
+}
+
+void UcxCore::close_conn(std::shared_ptr<Conn> c, const Status& why, bool force) {
+  if (c->closing) return;
+  c->closing = true;
+  c->failed.store(true, std::memory_order_release);
+  // A forced close purges every request on the endpoint: their callbacks
+  // run (with an error) before the close completes.
+  if (c->ep) close_ep(c->ep, nullptr, c);
+  c->ep = nullptr;
+  // Requests still in flight keep the data endpoint open until they
+  // complete (maybe_finish closes it): UCX 1.13 does not reliably purge
+  // requests queued on an endpoint without peer error handling.
+  bool gets_in_flight = false;
+  for (std::uint64_t id : c->batches) {
+    auto it = batches_.find(id);
+    if (it != batches_.end() && it->second->outstanding != 0) gets_in_flight = true;
+  }
+  if (c->data_ep && (force || !gets_in_flight)) {
+    close_ep(c->data_ep, c->rkey, c);
+    c->data_ep = nullptr;
+    c->rkey = nullptr;
+    if (gets_in_flight) {
+      // Written off: gets and rendezvous receives over shared memory or tcp
+      // are executed by this thread inside UCX calls on that endpoint
+      // (process_vm_readv / memcpy / socket reads), and the endpoint is
+      // gone, so what UCX left uncompleted can no longer write. (UCX 1.13
+      // leaves such requests of a dead owner uncompleted.)
+      for (std::uint64_t id : c->batches) {
+        auto it = batches_.find(id);
+        if (it != batches_.end()) it->second->outstanding = 0;
+      }
+    }
+  }
+  conns_.erase(c->id);
+  if (!c->hello_set) {
+    c->hello_set = true;
+    c->hello.set_value(why);
+  }
+  std::vector<std::uint64_t> ids(c->batches.begin(), c->batches.end());
+  for (std::uint64_t id : ids) {
+    auto it = batches_.find(id);
+    if (it == batches_.end()) continue;
+    auto b = it->second;  // a copy: finishing erases the map entry
+    fail_batch(b,
+               Status(why.code() == StatusCode::kShutdown ? StatusCode::kShutdown
+                                                          : StatusCode::kPeerFailure,
+                      "connection to " + c->session_id + " closed: " + why.message()));
+  }
+}
+
+void UcxCore::close_ep(ucp_ep_h ep, ucp_rkey_h rkey, std::shared_ptr<Conn> keep) {
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t sp = ucp_ep_close_nbx(ep, &rp);
+  if (UCS_PTR_IS_PTR(sp)) {
+    closing_.push_back({sp, rkey, std::move(keep)});
+  } else if (rkey) {
+    ucp_rkey_destroy(rkey);
+  }
+}
+
+void UcxCore::fail_batch(std::shared_ptr<Batch> b, Status st) {
+  if (!b->failure) b->failure = std::move(st);
+  maybe_finish(b);
+}
+
+void UcxCore::send_epoch_check(const std::shared_ptr<Batch>& b) {
+  const auto& c = b->conn;
+  const ReadReqHdr hdr{b->id, c->served.generation, 0, kReqCheckOnly, b->check.epoch,
+                       b->check.pages.size(), c->ticket};
+  send_small(c->ep, kAmReadReq, &hdr, sizeof hdr, b->check.pages.data(),
+             b->check.pages.size() * sizeof(std::uint32_t), true);
+}
+
+void UcxCore::on_fin(const std::shared_ptr<Batch>& b, const Status& st) {
+  if (b->aborted || b->failure) return;
+  if (!st.is_ok()) {
+    fail_batch(b, st);
+    return;
+  }
+  if (!b->get) {
+    b->fin = true;
+  } else if (b->get_phase == 0) {
+    b->get_phase = 1;
+    post_gets(b);
+  } else if (b->get_phase == 2) {
+    b->get_phase = 3;
+  }
+  maybe_finish(b);
+}
+
+void UcxCore::maybe_finish(std::shared_ptr<Batch> b) {
+  if (b->outstanding != 0) return;
+  const bool stopped = b->aborted || b->failure.has_value();
+  if (!stopped && !b->pending.empty()) return;
+  if (!stopped && b->gather && b->got_count < b->chunks.size()) return;
+  if (!stopped && b->get && b->next_chunk < b->chunks.size()) return;
+  if (!stopped && b->check.epoch != 0) {
+    if (!b->get && !b->fin) return;  // the owner's after-send check is to come
+    if (b->get && b->get_phase < 2) {
+      if (b->get_phase == 1) {  // every get landed: ask again
+        b->get_phase = 2;
+        send_epoch_check(b);
+      }
+      return;
+    }
+    if (b->get && b->get_phase == 2) return;
+  }
+  if (batches_.erase(b->id) == 0) return;  // finished already
+  const auto& c = b->conn;
+  c->batches.erase(b->id);
+  if (c->closing && c->batches.empty() && c->data_ep != nullptr) {
+    // The last get on a closed connection drained: now its endpoint goes.
+    close_ep(c->data_ep, c->rkey, c);
+    c->data_ep = nullptr;
+    c->rkey = nullptr;
+  }
+  Status st = b->failure  ? *b->failure
+              : b->aborted ? Status(StatusCode::kCancelled, "aborted")
+                           : Status::ok();
+  auto done = std::move(b->done);
+  if (done) done(std::move(st));
+}
+
+void UcxCore::request_finished(std::uint64_t batch_id, ucs_status_t st) {
+  auto it = batches_.find(batch_id);
+  if (it == batches_.end()) return;
+  auto b = it->second;
+  if (b->outstanding > 0) --b->outstanding;
+  if (st != UCS_OK && !b->failure && !b->aborted) {
+    b->failure = Status(StatusCode::kPeerFailure, "ucx request failed: " + ucs_str(st));
+  }
+  if (b->get) post_gets(b);
+  maybe_finish(b);
+}
+
+void UcxCore::post_gets(const std::shared_ptr<Batch>& b) {
+  const auto& c = b->conn;
+  while (b->outstanding < kGetWindow && b->next_chunk < b->chunks.size() && !b->aborted &&
+         !b->failure && c->data_ep != nullptr && !c->closing) {
+    const rma::RmaRead& r = b->chunks[b->next_chunk++];
+    auto* ctx = new_ctx(b->id);
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                      UCP_OP_ATTR_FIELD_MEMH;
+    rp.cb.send = &UcxCore::on_req_done;
+    rp.user_data = ctx;
+    rp.memh = memh_;
+    ucs_status_ptr_t sp = ucp_get_nbx(c->data_ep, cache_->base() + r.local_offset, r.length,
+                                      c->served.data_ptr + r.remote_offset, c->rkey, &rp);
+    if (UCS_PTR_IS_PTR(sp)) {
+      ++b->outstanding;
+      continue;
+    }
+    free_ctx(ctx);
+    if (UCS_PTR_IS_ERR(sp)) {
+      b->failure = Status(StatusCode::kPeerFailure,
+                          "ucp_get_nbx: " + ucs_str(UCS_PTR_STATUS(sp)));
+    }
+  }
+}
+
+void UcxCore::on_req_done(void* request, ucs_status_t st, void* user_data) {
+  auto* ctx = static_cast<ReqCtx*>(user_data);
+  UcxCore* core = ctx->core;
+  const std::uint64_t id = ctx->batch_id;
+  core->free_ctx(ctx);
+  core->request_finished(id, st);
+  ucp_request_free(request);
+}
+
+void UcxCore::on_recv_done(void* request, ucs_status_t st, std::size_t, void* user_data) {
+  on_req_done(request, st, user_data);
+}
+
+void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
+  const auto& c = b->conn;
+  batches_[b->id] = b;
+  if (c->closing || c->ep == nullptr) {
+    fail_batch(b, Status(StatusCode::kPeerFailure,
+                         "connection to " + c->session_id + " is closed"));
+    return;
+  }
+  c->batches.insert(b->id);
+  if (c->mode == Mode::kGet) {
+    b->get = true;
+    if (b->check.epoch != 0) {  // the gets wait for the owner's first check
+      b->get_phase = 0;
+      send_epoch_check(b);
+      return;
+    }
+    post_gets(b);
+    maybe_finish(b);
+    return;
+  }
+  std::vector<WireSpan> spans;
+  spans.reserve(b->chunks.size());
+  std::uint64_t total = 0;
+  for (const rma::RmaRead& r : b->chunks) {
+    spans.push_back({r.remote_offset, r.length, r.local_offset});
+    total += r.length;
+  }
+  // Many small spans (rows of a layout change): gathered replies.
+  b->gather = spans.size() >= kGatherMinSpans && total / spans.size() < kGatherBelowBytes;
+  if (b->gather) {
+    b->got.assign(spans.size(), 0);
+  } else {
+    for (const rma::RmaRead& r : b->chunks) b->pending.emplace(r.local_offset, r.length);
+  }
+  const std::uint64_t flags =
+      (c->am_on_data ? kReqEagerOnly : 0) | (b->gather ? kReqGather : 0);
+  const ReadReqHdr hdr{b->id, c->served.generation, spans.size(), flags, b->check.epoch,
+                       b->check.pages.size(), c->ticket};
+  std::vector<std::uint8_t> body(spans.size() * sizeof(WireSpan) +
+                                 b->check.pages.size() * sizeof(std::uint32_t));
+  std::memcpy(body.data(), spans.data(), spans.size() * sizeof(WireSpan));
+  if (!b->check.pages.empty()) {
+    std::memcpy(body.data() + spans.size() * sizeof(WireSpan), b->check.pages.data(),
+                b->check.pages.size() * sizeof(std::uint32_t));
+  }
+  send_small(c->am_on_data ? c->data_ep : c->ep, kAmReadReq, &hdr, sizeof hdr, body.data(),
+             body.size(), true);
+}
+
+void UcxCore::abort_batch(std::uint64_t id) {
+  auto it = batches_.find(id);
+  if (it == batches_.end()) return;
+  auto b = it->second;
+  b->aborted = true;
+  // Stop posting (gets) and drop data still to arrive (am). Requests that
+  // write into local pages (at most kGetWindow gets, or rendezvous
+  // receives already started) complete by themselves and the read resolves
+  // when the last one has; if they have not after kDrainGrace (a hung
+  // owner), the progress loop closes the connection by force.
+  if (b->outstanding != 0) {
+    b->drain_deadline = std::chrono::steady_clock::now() + kDrainGrace;
+    draining_.insert(b->id);
+  }
+  maybe_finish(b);
+}
+
+}  // namespace mstar::kv::ucx
