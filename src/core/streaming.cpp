@@ -339,7 +339,24 @@ void LayerStream::cancel() const noexcept {
   if (state_) state_->cancel.store(true, std::memory_order_release);
 }
 
-std::optional<LayerStream> KVTransferManager::start_streaming_retrieve(
+struct LayerStreamer::Impl {
+  KVTransferEngine& engine;
+  std::shared_ptr<KVCache> cache;
+  std::chrono::milliseconds engine_timeout;
+  std::mutex mu;
+  std::unique_ptr<StreamDriver> driver;  // guarded by mu; made by the first stream
+  bool closed = false;                   // guarded by mu
+};
+
+LayerStreamer::LayerStreamer(KVTransferEngine& engine, std::shared_ptr<KVCache> cache,
+                             std::chrono::milliseconds engine_timeout)
+    : impl_(new Impl{engine, std::move(cache), engine_timeout, {}, nullptr, false}) {
+  if (!impl_->cache) throw Error(StatusCode::kInvalidArgument, "LayerStreamer needs a KV cache");
+}
+
+LayerStreamer::~LayerStreamer() { stop(); }
+
+std::optional<LayerStream> LayerStreamer::start(
     std::uint64_t start_len, std::uint64_t end_len,
     std::span<const std::uint32_t> local_page_indices,
     std::span<const std::uint32_t> remote_page_indices,
@@ -359,31 +376,63 @@ std::optional<LayerStream> KVTransferManager::start_streaming_retrieve(
                 "stream ready_timeout " + std::to_string(options.ready_timeout.count()) +
                     " ms must be >= 0 (0: the engine's timeout)");
   }
-  const KVLayout& layout = kv_cache_->layout();
+  const KVLayout& layout = impl_->cache->layout();
   std::vector<KVReadInfo> reads =
       plan_reads(layout, start_len, end_len, local_page_indices, remote_page_indices);
   if (reads.empty()) return std::nullopt;
   auto s = std::make_shared<StreamState>();
   s->num_layers = layout.num_layers;
-  s->watch = engine_->watch_layers(kv_transfer_info, reads);  // validates, may throw
+  s->watch = impl_->engine.watch_layers(kv_transfer_info, reads);  // validates, may throw
   s->layer_reads.resize(layout.num_layers);
   for (const KVReadInfo& r : reads) {
     s->layer_reads[static_cast<std::size_t>(r.layer_idx)].push_back(r);
   }
   s->remote = kv_transfer_info;
   s->ready_timeout =
-      options.ready_timeout.count() > 0 ? options.ready_timeout : engine_timeout_;
+      options.ready_timeout.count() > 0 ? options.ready_timeout : impl_->engine_timeout;
   s->options = std::move(options);
   s->last_ready = Clock::now();
-  LayerStream stream(s);
-  auto issue = [&]() -> std::optional<TransferFuture> {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->closed) {
+    throw Error(StatusCode::kShutdown, "the stream driver is shut down: no new streams");
+  }
+  if (!impl_->driver) impl_->driver = std::make_unique<StreamDriver>(impl_->engine);
+  impl_->driver->add(s);
+  return LayerStream(s);
+}
+
+void LayerStreamer::stop() noexcept {
+  std::unique_ptr<StreamDriver> driver;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->closed = true;
+    driver = std::move(impl_->driver);
+  }
+  if (driver) driver->stop();
+}
+
+std::optional<LayerStream> KVTransferManager::start_streaming_retrieve(
+    std::uint64_t start_len, std::uint64_t end_len,
+    std::span<const std::uint32_t> local_page_indices,
+    std::span<const std::uint32_t> remote_page_indices,
+    const KVTransferInfo& kv_transfer_info, StreamOptions options) {
+  LayerStreamer* streamer = nullptr;
+  {
     std::lock_guard<std::mutex> lock(streams_mu_);
     if (streams_closed_) {
       throw Error(StatusCode::kShutdown, "the manager is shut down: no new streams");
     }
-    if (!streams_) streams_ = std::make_shared<StreamDriver>(*engine_);
-    static_cast<StreamDriver*>(streams_.get())->add(s);
-    return s->whole;
+    if (!streams_) {
+      streams_ = std::make_unique<LayerStreamer>(*engine_, kv_cache_, engine_timeout_);
+    }
+    streamer = streams_.get();  // lives until cleanup(), which waits for no caller
+  }
+  std::optional<LayerStream> stream;
+  auto issue = [&]() -> std::optional<TransferFuture> {
+    stream = streamer->start(start_len, end_len, local_page_indices, remote_page_indices,
+                             kv_transfer_info, std::move(options));
+    if (!stream) return std::nullopt;
+    return stream->future();
   };
   if (stats_enabled_.load(std::memory_order_relaxed)) {
     TransferStatsRecorder::track(stats_, issue);
@@ -394,13 +443,11 @@ std::optional<LayerStream> KVTransferManager::start_streaming_retrieve(
 }
 
 void KVTransferManager::stop_streams() noexcept {
-  std::shared_ptr<void> driver;
-  {
-    std::lock_guard<std::mutex> lock(streams_mu_);
-    streams_closed_ = true;
-    driver = std::move(streams_);
-  }
-  if (driver) static_cast<StreamDriver*>(driver.get())->stop();
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  streams_closed_ = true;
+  // Not destroyed: a concurrent start_streaming_retrieve may still hold it;
+  // after stop() it refuses new streams.
+  if (streams_) streams_->stop();
 }
 
 }  // namespace mstar::kv

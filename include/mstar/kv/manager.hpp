@@ -161,8 +161,8 @@ class KVTransferManager {
   // The stream driver (streaming.cpp), made by the first stream.
   std::chrono::milliseconds engine_timeout_{30000};
   std::mutex streams_mu_;
-  std::shared_ptr<void> streams_;  // guarded by streams_mu_
-  bool streams_closed_ = false;    // guarded by streams_mu_
+  std::unique_ptr<LayerStreamer> streams_;  // guarded by streams_mu_
+  bool streams_closed_ = false;             // guarded by streams_mu_
   void stop_streams() noexcept;
 };
 

@@ -36,6 +36,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <span>
 
 #include "mstar/kv/future.hpp"
 #include "mstar/kv/status.hpp"
@@ -88,9 +90,41 @@ class LayerStream {
   void cancel() const noexcept;
 
  private:
-  friend class KVTransferManager;
+  friend class LayerStreamer;
   explicit LayerStream(std::shared_ptr<detail::StreamState> s) : state_(std::move(s)) {}
   std::shared_ptr<detail::StreamState> state_;
+};
+
+class KVCache;
+class KVTransferEngine;
+struct KVTransferInfo;
+
+// The stream driver on its own, for code that holds an engine without a
+// KVTransferManager (the Python bindings); KVTransferManager owns one and
+// documents the calls (start_streaming_retrieve). `engine` must outlive it.
+// Thread safety: every method is safe from any thread.
+class LayerStreamer {
+ public:
+  // `engine_timeout` is the default StreamOptions::ready_timeout.
+  LayerStreamer(KVTransferEngine& engine, std::shared_ptr<KVCache> cache,
+                std::chrono::milliseconds engine_timeout);
+  ~LayerStreamer();  // stop()
+  LayerStreamer(const LayerStreamer&) = delete;
+  LayerStreamer& operator=(const LayerStreamer&) = delete;
+
+  std::optional<LayerStream> start(std::uint64_t start_len, std::uint64_t end_len,
+                                   std::span<const std::uint32_t> local_page_indices,
+                                   std::span<const std::uint32_t> remote_page_indices,
+                                   const KVTransferInfo& kv_transfer_info,
+                                   StreamOptions options = {});
+  // Unfinished streams resolve with kShutdown once nothing of theirs is in
+  // flight; the driver thread is joined; later start() throws
+  // Error(kShutdown). Idempotent.
+  void stop() noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace mstar::kv
