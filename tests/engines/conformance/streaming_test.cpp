@@ -225,6 +225,29 @@ TEST_P(Streaming, PrefixHitAndDifferentOrdersStreamLikeAPull) {
                    .has_value());
 }
 
+TEST_P(Streaming, LayersOverAMebibyteGoThroughTheEnginesWorkers) {
+  need_readiness();
+  if (IsSkipped()) return;
+  KVLayout l = small_layout();
+  l.num_pages = 1024;  // 512 pages x 2 x 4 KiB = 4 MiB per layer: not an inline copy
+  PeerProcess peer(spec(l, 512 * 16));
+  auto cache = make_kv_cache(l, MemoryKind::kHost);
+  std::memset(cache->base(), static_cast<int>(kSentinel), l.total_bytes());
+  auto m = manager(cache, 20000ms);  // sanitizer builds copy slowly
+  const SequenceInfo seq = start_owner_stream(peer, 40, 4);
+  std::vector<std::uint32_t> lp(seq.page_indices.size());
+  for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>(1023 - i);
+  StreamOptions o;
+  o.max_reads_in_flight = 2;
+  auto s = m->start_streaming_retrieve(0, seq.num_tokens, lp, seq.page_indices,
+                                       seq.kv_transfer_info, o);
+  ASSERT_TRUE(s.has_value());
+  ASSERT_TRUE(s->wait_for_layer(0, 30s).is_ok());
+  EXPECT_EQ(s->future().get(), 512u * 16 * l.token_bytes() * 2 * l.num_layers);
+  auto v = verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+}
+
 TEST_P(Streaming, AFinishedSequenceStreamsAsOneRead) {
   need_readiness();
   if (IsSkipped()) return;
