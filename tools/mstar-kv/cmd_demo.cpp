@@ -403,6 +403,11 @@ int run_parent(const DemoConfig& c, int argc, char** argv) {
                                               "' cannot move pages between processes in this "
                                               "build (built: " + list + ")");
   }
+  if (c.layerwise && c.engine != "shm") {
+    throw Error(StatusCode::kUnavailable,
+                "--layerwise over engine '" + c.engine +
+                    "': it has no readiness channel from the owner yet (only shm streams)");
+  }
   std::printf("mstar-kv demo: prefill -> decode on one host, engine '%s', %u workers\n",
               c.engine.c_str(), c.workers);
   std::printf("layout: %s, %llu tokens per request (%s per request)\n",
