@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "mstar/kv/manager.hpp"
 #include "mstar/kv/pool.hpp"
 #include "mstar/kv/readiness.hpp"
 #include "mstar/kv/status.hpp"
@@ -127,6 +128,20 @@ TEST(LayerReadiness, TheReaderRefusesValuesBeyondTheLayersOrGoingBackwards) {
                                     epoch, 4, 0, &got)
                   .is_ok());
   EXPECT_EQ(got, 1u);
+}
+
+TEST(LayerReadiness, TheLocalOnlyEngineRefusesToStreamNamingItself) {
+  auto c = cache(4, 8);
+  KVTransferManager m(std::nullopt, c);
+  const std::vector<std::uint32_t> pages{0, 1};
+  EXPECT_FALSE(m.start_streaming_retrieve(5, 5, pages, pages, KVTransferInfo{}).has_value());
+  const auto msg = message_of(
+      [&] { m.start_streaming_retrieve(0, 20, pages, pages, KVTransferInfo{}); },
+      StatusCode::kUnavailable);
+  EXPECT_NE(msg.find("'local'"), std::string::npos) << msg;
+  m.cleanup();
+  message_of([&] { m.start_streaming_retrieve(0, 20, pages, pages, KVTransferInfo{}); },
+             StatusCode::kShutdown);
 }
 
 // The cost the owner pays per layer of a forward pass (printed; the issue
