@@ -44,16 +44,27 @@ KVLayout fuzz_layout(FuzzedDataProvider& p) {
   l.has_v = p.ConsumeBool();
   l.cache_order = p.ConsumeBool() ? CacheOrder::kPageMajor : CacheOrder::kLayerMajor;
   l.page_order = p.ConsumeBool() ? PageOrder::kHND : PageOrder::kNHD;
+  if (p.ConsumeIntegralInRange<int>(0, 3) == 0) {  // a head shard of a bigger model
+    l.total_kv_heads = pick(p, 12, LayoutLimits::kMaxHeads);
+    l.first_kv_head = p.ConsumeIntegralInRange<std::uint32_t>(0, 8);
+  }
   return l;
 }
 
-// A remote layout compatible with `local` most of the time.
+// A remote layout compatible with `local` most of the time, often of
+// another geometry (page size, head shard).
 KVLayout fuzz_remote(FuzzedDataProvider& p, const KVLayout& local) {
   if (p.ConsumeIntegralInRange<int>(0, 7) == 0) return fuzz_layout(p);
   KVLayout r = local;
   r.num_pages = pick(p, 48, LayoutLimits::kMaxPages);
   r.cache_order = p.ConsumeBool() ? CacheOrder::kPageMajor : CacheOrder::kLayerMajor;
   r.page_order = p.ConsumeBool() ? PageOrder::kHND : PageOrder::kNHD;
+  if (p.ConsumeBool()) r.page_size = pick(p, 24, LayoutLimits::kMaxPageSize);
+  if (p.ConsumeBool()) {
+    r.total_kv_heads = local.model_kv_heads();
+    r.first_kv_head = p.ConsumeIntegralInRange<std::uint32_t>(0, local.first_kv_head);
+    r.num_kv_heads = local.end_kv_head() - r.first_kv_head + p.ConsumeIntegralInRange<std::uint32_t>(0, 2);
+  }
   return r;
 }
 
@@ -113,7 +124,11 @@ void check_plan(const KVLayout& local, const KVLayout& remote, const CopyPlan& p
 std::uint64_t bytes_of(const KVLayout& l, std::span<const KVReadInfo> reads) {
   std::uint64_t n = 0;
   for (const KVReadInfo& r : reads) {
-    n += static_cast<std::uint64_t>(r.token_end - r.token_start) * l.token_bytes() * l.num_kv();
+    const std::uint64_t heads = r.head_start == 0 && r.head_end == 0
+                                    ? l.num_kv_heads
+                                    : static_cast<std::uint64_t>(r.head_end - r.head_start);
+    n += static_cast<std::uint64_t>(r.token_end - r.token_start) * heads * l.head_bytes() *
+         l.num_kv();
   }
   return n;
 }
@@ -155,6 +170,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       r.remote_page_idx = v(remote.num_pages);
       r.token_start = v(local.page_size);
       r.token_end = v(local.page_size);
+      if (p.ConsumeBool()) r.remote_token_start = v(remote.page_size) - 1;
+      if (p.ConsumeIntegralInRange<int>(0, 3) == 0) {
+        r.head_start = v(local.end_kv_head());
+        r.head_end = v(local.end_kv_head() + 1);
+      }
     }
   } else {
     const std::uint64_t start = pick_len(p, local.page_size);
@@ -166,10 +186,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (std::uint64_t{local.num_layers} * (std::max(lpages.size(), rpages.size()) + 1) > 200000) {
       return 0;
     }
+    const bool mixed = p.ConsumeBool();
+    const std::uint32_t hlo = p.ConsumeIntegralInRange<std::uint32_t>(0, local.end_kv_head());
+    const std::uint32_t hhi = p.ConsumeIntegralInRange<std::uint32_t>(0, local.end_kv_head() + 1);
     try {
-      reads = plan_reads(local, start, end, lpages, rpages);
+      reads = mixed ? plan_reads(local, remote, start, end, lpages, rpages, hlo, hhi)
+                    : plan_reads(local, start, end, lpages, rpages);
     } catch (const Error& e) {
-      fuzz::require(e.code() == StatusCode::kInvalidArgument, "plan_reads threw a non-argument code");
+      fuzz::require(e.code() == StatusCode::kInvalidArgument ||
+                        (mixed && e.code() == StatusCode::kIncompatibleLayout),
+                    "plan_reads threw an unexpected code");
       return 0;
     }
     fuzz::require(end >= start, "plan_reads accepted start > end");

@@ -152,6 +152,7 @@ int main(int argc, char** argv) {
     SequenceInfo s;
     s.seq_id = 42 + i;
     s.num_tokens = 16 * i + 3;
+    s.page_size = 16;  // i + 1 pages
     for (std::uint32_t p = 0; p <= i; ++p) s.page_indices.push_back(p * 7 % 64);
     s.kv_transfer_info = infos[i];
     s.lease_expiry_ms = i % 3 == 0 ? 0 : 1764700000000ULL + i;  // 0: no lease

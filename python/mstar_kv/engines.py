@@ -56,11 +56,23 @@ class KVTransferEngine(abc.ABC):
     @abc.abstractmethod
     def read_batched_async(self, remote_kv_info: Any,
                            read_info: Sequence[KVReadInfo]):
-        """Starts the reads; returns a Future of the bytes read, or None."""
+        """Starts the reads; returns a Future of the bytes read, or None.
+
+        Validates the descriptor and every read first, raising before any
+        byte moves. KVTransferManager also calls it with no reads for an
+        empty range (start_len == end_len), so that the descriptor is
+        validated; it should then return None."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Resolves reads in flight, releases everything; idempotent."""
+
+    def remote_layout(self, remote_kv_info: Any):
+        """The KVLayout of the cache ``remote_kv_info`` describes (raising as
+        read_batched_async would for a bad descriptor), or None when this
+        engine cannot tell. KVTransferManager checks the remote page table
+        against it first, so that errors name the caller's table entries."""
+        return None
 
 
 def _extra(options: Optional[Mapping[str, Any]]) -> dict:
@@ -88,9 +100,15 @@ class NativeKVTransferEngine(KVTransferEngine):
     def read_batched_async(self, remote_kv_info, read_info) -> Optional[TransferFuture]:
         return wrap_native(self._native.read_batched_async(remote_kv_info, list(read_info)))
 
+    def remote_layout(self, remote_kv_info):
+        return self._native.remote_layout(remote_kv_info)
+
     def _retrieve(self, start_len, end_len, local_pages, remote_pages, info):
         return wrap_native(self._native.retrieve(start_len, end_len, local_pages,
                                                  remote_pages, info))
+
+    def _retrieve_shards(self, start_len, end_len, local_pages, shards):
+        return wrap_native(self._native.retrieve_shards(start_len, end_len, local_pages, shards))
 
     def shutdown(self) -> None:
         self._native.shutdown()

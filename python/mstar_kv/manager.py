@@ -119,31 +119,43 @@ class KVTransferManager:
         """Pulls tokens [start_len, end_len) of a remote sequence (raise
         start_len to skip a cached prefix) into the local pages.
 
-        Validates everything first and raises a KVTransferError before any
-        byte moves; returns a concurrent.futures.Future of the bytes read, or
-        None when start_len == end_len. ``kv_transfer_info`` is the remote's
+        Validates everything first (page tables, descriptor, layouts) and
+        raises a KVTransferError before any byte moves; returns a
+        concurrent.futures.Future of the bytes read, or None when start_len ==
+        end_len (validated all the same). ``kv_transfer_info`` is the remote's
         descriptor (a KVTransferInfo, an engine's typed info, or its bytes).
+        The remote cache may differ in geometry (KVLayout: page size, with
+        remote_page_indices in its own page size; head shard, holding every
+        local head; in-page and cache order); for heads spread over several
+        peers use start_async_retrieve_shards.
         """
         self._check_open("start_async_retrieve")
-        if len(local_page_indices) != len(remote_page_indices):
-            raise InvalidArgumentError(
-                f"local_page_indices has {len(local_page_indices)} entries, "
-                f"remote_page_indices {len(remote_page_indices)}: both page tables must "
-                "cover the same tokens")
         if isinstance(self.engine, NativeKVTransferEngine) and self.engine.kv_cache is not None:
             return self.engine._retrieve(start_len, end_len, local_page_indices,
                                          remote_page_indices, kv_transfer_info)
         if isinstance(self.engine, LocalOnlyKVTransferEngine):
             if start_len == end_len:
-                return None
+                # Validated as a non-empty pull is: the page tables, then the
+                # descriptor (only the empty one suits a local-only engine).
+                _core.plan_reads(self.kv_cache.layout, start_len, end_len,
+                                 local_page_indices, remote_page_indices)
+                if kv_transfer_info is None:
+                    return None
+                return self.engine.read_batched_async(kv_transfer_info, [])
             raise InvalidArgumentError(
                 "a local-only manager cannot pull from another cache "
                 f"(tokens [{start_len}, {end_len}) requested)")
         reads = _core.plan_reads(self.kv_cache.layout, start_len, end_len,
                                  local_page_indices, remote_page_indices)
-        if not reads:
-            return None
-        return self.engine.read_batched_async(kv_transfer_info, reads)
+        remote_layout = getattr(self.engine, "remote_layout", None)
+        remote_layout = remote_layout(kv_transfer_info) if remote_layout else None
+        if remote_layout is not None:
+            _core.check_remote_pages(self.kv_cache.layout, remote_layout, start_len, end_len,
+                                     remote_page_indices)
+        # No reads still goes to the engine, which validates the descriptor
+        # (engines.py); the manager then returns None whatever it returned.
+        future = self.engine.read_batched_async(kv_transfer_info, reads)
+        return future if reads else None
 
     def start_streaming_retrieve(self, start_len: int, end_len: int,
                                  local_page_indices: Sequence[int],
@@ -224,6 +236,30 @@ class KVTransferManager:
         """The same statistics in Prometheus text format (mstar_kv_* families)."""
         native = getattr(self.engine, "_native", None)
         return native.prometheus() if native is not None and hasattr(native, "prometheus") else ""
+
+    def start_async_retrieve_shards(self, start_len: int, end_len: int,
+                                    local_page_indices: Sequence[int], shards: Sequence[Any]):
+        """A tensor-parallel merge: pulls tokens [start_len, end_len) of every
+        local head from the peers that hold them, each head from the first
+        shard (in the order given) that holds it; ``shards`` are SequenceInfo
+        objects or (remote_page_indices, kv_transfer_info) pairs, each page
+        table in its peer's page size. One concurrent.futures.Future for the
+        whole (the sum of the bytes, or the first error once every part
+        resolved); cancel() cancels every part. Raises
+        IncompatibleLayoutError naming the heads no shard holds, before any
+        byte moves. Native engines only."""
+        self._check_open("start_async_retrieve_shards")
+        if not (isinstance(self.engine, NativeKVTransferEngine) and
+                self.engine.kv_cache is not None):
+            raise UnavailableError("start_async_retrieve_shards needs a native engine")
+        pairs = []
+        for s in shards:
+            if hasattr(s, "page_indices") and hasattr(s, "kv_transfer_info"):
+                pairs.append((list(s.page_indices), s.kv_transfer_info))
+            else:
+                pages, info = s
+                pairs.append((list(pages), info))
+        return self.engine._retrieve_shards(start_len, end_len, local_page_indices, pairs)
 
     def sync_retrieve(self, *args, **kwargs) -> int:
         """start_async_retrieve, then waits: returns the bytes read (0 when

@@ -184,6 +184,11 @@ class MooncakeKVTransferEngine(KVTransferEngine):
             return self._native.get_kv_transfer_info()
         return self._info.encode()
 
+    def remote_layout(self, remote_kv_info):
+        if self._native is not None:
+            return self._native.remote_layout(remote_kv_info)
+        return _as_transfer_info(remote_kv_info).layout
+
     def read_batched_async(self, remote_kv_info, read_info):
         if self._native is not None:
             return self._native.read_batched_async(remote_kv_info, read_info)

@@ -154,16 +154,20 @@ void bind_descriptors(nb::module_& m) {
       .def(
           "__init__",
           [](SequenceInfo* self, std::uint64_t seq_id, std::uint64_t num_tokens,
-             nb::handle page_indices, nb::handle kv_transfer_info) {
+             nb::handle page_indices, nb::handle kv_transfer_info, std::uint32_t page_size) {
             new (self) SequenceInfo{seq_id, num_tokens, to_pages(page_indices, "page_indices"),
-                                    to_transfer_info(kv_transfer_info)};
+                                    to_transfer_info(kv_transfer_info), 0, page_size};
           },
           nb::arg("seq_id"), nb::arg("num_tokens"), nb::arg("page_indices"),
-          nb::arg("kv_transfer_info").none() = nb::none())
+          nb::arg("kv_transfer_info").none() = nb::none(), nb::kw_only(), nb::arg("page_size"),
+          "page_size: tokens per page of the owner's layout (from_bytes rejects a page count "
+          "other than ceil(num_tokens / page_size)).")
       .def_rw("seq_id", &SequenceInfo::seq_id)
       .def_rw("num_tokens", &SequenceInfo::num_tokens)
       .def_rw("page_indices", &SequenceInfo::page_indices)
       .def_rw("kv_transfer_info", &SequenceInfo::kv_transfer_info)
+      .def_rw("page_size", &SequenceInfo::page_size,
+              "Tokens per page of the owner's layout (KVCachePool.publish sets it).")
       .def_rw("lease_expiry_ms", &SequenceInfo::lease_expiry_ms,
               "When the prefill side frees the sequence unless marked done (ms since the Unix "
               "epoch, the owner's clock; 0 = no lease).")
@@ -177,7 +181,8 @@ void bind_descriptors(nb::module_& m) {
            [](const SequenceInfo& s) {
              return "SequenceInfo(seq_id=" + std::to_string(s.seq_id) +
                     ", num_tokens=" + std::to_string(s.num_tokens) + ", " +
-                    std::to_string(s.page_indices.size()) + " pages, engine='" +
+                    std::to_string(s.page_indices.size()) + " pages of " +
+                    std::to_string(s.page_size) + " tokens, engine='" +
                     s.kv_transfer_info.engine + "')";
            })
       .def("__getstate__", [](const SequenceInfo& s) { return to_bytes(s.encode()); })

@@ -266,6 +266,14 @@ void bind_engines(nb::module_& m) {
           },
           nb::arg("remote_kv_info").none(), nb::arg("read_info"))
       .def(
+          "remote_layout",
+          [](PyEngine& e, nb::handle remote) -> std::optional<KVLayout> {
+            return e.get("remote_layout").remote_layout(to_transfer_info(remote));
+          },
+          nb::arg("remote_kv_info").none(),
+          "The layout the descriptor describes (validated), or None where the engine cannot "
+          "tell.")
+      .def(
           "retrieve",
           [](PyEngine& e, std::uint64_t start_len, std::uint64_t end_len, nb::handle local_pages,
              nb::handle remote_pages, nb::handle remote) -> std::optional<TransferFuture> {
@@ -280,12 +288,44 @@ void bind_engines(nb::module_& m) {
             nb::gil_scoped_release release;
             const KVLayout& layout = e.cache->layout();
             return TransferStatsRecorder::track(e.stats, [&]() -> std::optional<TransferFuture> {
-              return eng.read_batched_async(info, plan_reads(layout, start_len, end_len, lp, rp));
+              return eng.read_batched_async(
+                  info, plan_retrieve(eng, layout, start_len, end_len, lp, rp, info));
             });
           },
           nb::arg("start_len"), nb::arg("end_len"), nb::arg("local_page_indices"),
           nb::arg("remote_page_indices"), nb::arg("kv_transfer_info").none(),
-          "plan_reads + read_batched_async in one native call.")
+          "plan_retrieve + read_batched_async in one native call (caches of different "
+          "geometry included).")
+      .def(
+          "retrieve_shards",
+          [](PyEngine& e, std::uint64_t start_len, std::uint64_t end_len, nb::handle local_pages,
+             nb::handle shards) -> std::optional<TransferFuture> {
+            const auto lp = to_pages(local_pages, "local_page_indices");
+            std::vector<RemoteShard> rs;
+            const std::size_t n = nb::len(shards);
+            for (std::size_t i = 0; i < n; ++i) {
+              nb::handle item = shards[i];
+              if (nb::len(item) != 2) {
+                throw Error(StatusCode::kInvalidArgument,
+                            "shards[" + std::to_string(i) +
+                                "] must be (remote_page_indices, kv_transfer_info)");
+              }
+              rs.push_back({to_pages(item[0], "remote_page_indices"), to_transfer_info(item[1])});
+            }
+            KVTransferEngine& eng = e.get("start_async_retrieve");
+            if (!e.cache) {
+              throw Error(StatusCode::kInvalidArgument,
+                          "a local-only engine without a cache cannot retrieve");
+            }
+            nb::gil_scoped_release release;
+            const KVLayout& layout = e.cache->layout();
+            return TransferStatsRecorder::track(e.stats, [&]() -> std::optional<TransferFuture> {
+              return retrieve_shards(eng, layout, start_len, end_len, lp, rs);
+            });
+          },
+          nb::arg("start_len"), nb::arg("end_len"), nb::arg("local_page_indices"),
+          nb::arg("shards"),
+          "retrieve_shards: each local head from the first shard that holds it, one future.")
       .def(
           "stream_retrieve",
           [](PyEngine& e, std::uint64_t start_len, std::uint64_t end_len, nb::handle local_pages,
@@ -391,14 +431,32 @@ void bind_engines(nb::module_& m) {
   m.def(
       "plan_reads",
       [](const KVLayout& local, std::uint64_t start_len, std::uint64_t end_len,
-         nb::handle local_pages, nb::handle remote_pages) {
-        return plan_reads(local, start_len, end_len, to_pages(local_pages, "local_page_indices"),
-                          to_pages(remote_pages, "remote_page_indices"));
+         nb::handle local_pages, nb::handle remote_pages, std::optional<KVLayout> remote,
+         std::uint32_t head_lo, std::uint32_t head_hi) {
+        const auto lp = to_pages(local_pages, "local_page_indices");
+        const auto rp = to_pages(remote_pages, "remote_page_indices");
+        if (remote) return plan_reads(local, *remote, start_len, end_len, lp, rp, head_lo, head_hi);
+        return plan_reads(local, start_len, end_len, lp, rp);
       },
       nb::arg("local_layout"), nb::arg("start_len"), nb::arg("end_len"),
       nb::arg("local_page_indices"), nb::arg("remote_page_indices"),
+      nb::arg("remote_layout").none() = nb::none(), nb::arg("head_lo") = 0,
+      nb::arg("head_hi") = 0,
       "KVReadInfo per (layer, page) for tokens [start_len, end_len), first and last page "
-      "clipped, in the local cache's order.");
+      "clipped, in the local cache's order. With remote_layout, between caches of different "
+      "geometry (page sizes, head shards; only model heads [head_lo, head_hi) when given).");
+
+  m.def(
+      "check_remote_pages",
+      [](const KVLayout& local, const KVLayout& remote, std::uint64_t start_len,
+         std::uint64_t end_len, nb::handle remote_pages) {
+        check_remote_pages(local, remote, start_len, end_len,
+                           to_pages(remote_pages, "remote_page_indices"));
+      },
+      nb::arg("local_layout"), nb::arg("remote_layout"), nb::arg("start_len"),
+      nb::arg("end_len"), nb::arg("remote_page_indices"),
+      "Layout compatibility and the remote page table entries tokens [start_len, end_len) "
+      "touch, errors naming the table entry (planner.hpp).");
 
   m.def(
       "plan_copy_addresses",

@@ -63,11 +63,14 @@ def main():
     p.add_argument("--session", default="", help="ucx: HOST:PORT to listen on")
     p.add_argument("--lease", type=float, default=60.0, help="the pool's lease, seconds")
     p.add_argument("--auth-token", default="", help="ucx: the shared secret readers must prove")
+    p.add_argument("--total-heads", type=int, default=0, help="the model's KV heads (shards)")
+    p.add_argument("--first-head", type=int, default=0, help="this cache's first model head")
     args = p.parse_args()
 
     layout = kv.KVLayout(args.layers, args.pages, args.page_size, args.heads, args.head_dim,
                          dtype=args.dtype, cache_order=args.cache_order,
-                         page_order=args.page_order)
+                         page_order=args.page_order, total_kv_heads=args.total_heads,
+                         first_kv_head=args.first_head)
     cache = kv.KVCache(layout, "shared" if args.engine == "shm" else "host")
     te = None
     if args.engine == "mooncake":

@@ -65,7 +65,7 @@ def test_layout_fields_and_errors():
 
 def test_descriptors_round_trip_and_reject_garbage():
     seq = kv.SequenceInfo(seq_id=5, num_tokens=40, page_indices=[3, 1, 2],
-                          kv_transfer_info=kv.KVTransferInfo("shm", b"\x01\x02"))
+                          kv_transfer_info=kv.KVTransferInfo("shm", b"\x01\x02"), page_size=16)
     data = seq.to_bytes()
     assert kv.SequenceInfo.from_bytes(data) == seq
     assert pickle.loads(pickle.dumps(seq)) == seq
@@ -80,7 +80,13 @@ def test_descriptors_round_trip_and_reject_garbage():
     with pytest.raises(kv.CorruptDescriptorError):
         kv.SequenceInfo.from_bytes(bytes(flipped))
     with pytest.raises(kv.InvalidArgumentError, match=r"page_indices\[1\] = -1 out of range"):
-        kv.SequenceInfo(seq_id=1, num_tokens=1, page_indices=[0, -1])
+        kv.SequenceInfo(seq_id=1, num_tokens=1, page_indices=[0, -1], page_size=16)
+    # The page count must match the tokens at the page size (issue 14).
+    for tokens, pages in ((100, [0]), (1, [0, 1, 2, 3, 4])):
+        bad = kv.SequenceInfo(seq_id=1, num_tokens=tokens, page_indices=pages, page_size=16)
+        with pytest.raises(kv.CorruptDescriptorError,
+                           match=rf"{len(pages)} pages for {tokens} tokens of page size 16"):
+            kv.SequenceInfo.from_bytes(bad.to_bytes())
 
 
 def test_infos_pickle_through_bytes_and_refuse_other_engines():
@@ -120,9 +126,10 @@ def test_pool_allocate_free_publish():
 def test_manager_bad_inputs_before_any_byte(peer_factory):
     cache = kv.KVCache(local_layout())
     m = kv.KVTransferManager(kv.TransferEngineInfo("decode", "", "shm"), cache)
-    with pytest.raises(kv.InvalidArgumentError, match="local_page_indices has 2 entries, "
-                                                       "remote_page_indices 3"):
-        m.start_async_retrieve(0, 32, [0, 1], [0, 1, 2], kv.KVTransferInfo("shm", b""))
+    # Each side's table in its own page size (caches of different geometry):
+    # the tables need not be as long as each other, but each must cover end_len.
+    with pytest.raises(kv.InvalidArgumentError, match="local page table has 1 entries"):
+        m.start_async_retrieve(0, 32, [0], [0, 1, 2], kv.KVTransferInfo("shm", b""))
     with pytest.raises(kv.InvalidArgumentError, match=r"local page 99 .* out of range \[0, 64\)"):
         m.start_async_retrieve(0, 32, [0, 99], [0, 1], kv.KVTransferInfo("shm", b""))
     with pytest.raises(kv.InvalidArgumentError, match="not an int"):
@@ -133,7 +140,26 @@ def test_manager_bad_inputs_before_any_byte(peer_factory):
         m.start_async_retrieve(0, 32, [0, 1], [0, 1], b"garbage bytes")
     with pytest.raises(kv.InvalidArgumentError, match="'ucx'"):
         m.start_async_retrieve(0, 32, [0, 1], [0, 1], kv.KVTransferInfo("ucx", b"x"))
-    assert m.start_async_retrieve(16, 16, [0, 1], [0, 1], kv.KVTransferInfo("shm", b"")) is None
+    # An empty range is validated first too (issue 14): this descriptor is
+    # no shm descriptor, and the tables must cover end_len.
+    with pytest.raises(kv.CorruptDescriptorError):
+        m.start_async_retrieve(16, 16, [0, 1], [0, 1], kv.KVTransferInfo("shm", b""))
+    with pytest.raises(kv.InvalidArgumentError, match="'ucx'"):
+        m.start_async_retrieve(0, 0, [], [], kv.KVTransferInfo("ucx", b"x"))
+    owner = kv.KVTransferManager(kv.TransferEngineInfo("prefill", "", "shm"),
+                                 kv.KVCache(local_layout(), memory="shared"))
+    desc = owner.get_kv_transfer_info()
+    with pytest.raises(kv.InvalidArgumentError, match=r"local page 99 .* out of range \[0, 64\)"):
+        m.start_async_retrieve(20, 20, [0, 99], [0, 1], desc)
+    with pytest.raises(kv.InvalidArgumentError, match="local page table has 1 entries"):
+        m.start_async_retrieve(20, 20, [0], [0], desc)
+    assert m.start_async_retrieve(16, 16, [0, 1], [0, 1], desc) is None
+    narrow = kv.KVTransferManager(kv.TransferEngineInfo("decode", "", "shm"),
+                                  kv.KVCache(local_layout(head_dim=32)))
+    with pytest.raises(kv.IncompatibleLayoutError, match="head_dim"):
+        narrow.start_async_retrieve(16, 16, [0, 1], [0, 1], desc)
+    narrow.cleanup()
+    owner.cleanup()
     m.cleanup()
     m.cleanup()  # idempotent
     with pytest.raises(kv.ShutdownError, match="after cleanup"):
@@ -144,6 +170,25 @@ def test_manager_bad_inputs_before_any_byte(peer_factory):
         kv.KVTransferManager(kv.TransferEngineInfo("d", "", "warp"), cache)
 
 
+def test_engines_reject_unknown_keys_of_their_prefix():
+    """A typo in an engine's own option is refused, naming the known ones;
+    other engines' keys and the shared auth_token are not its business."""
+    cache = kv.KVCache(local_layout())
+    with pytest.raises(kv.InvalidArgumentError,
+                       match=r"unknown shm option 'shm_max_wokers' .*known shm_\* options: none"):
+        kv.KVTransferManager(kv.TransferEngineInfo("d", "", "shm", {"shm_max_wokers": "2"}),
+                             cache)
+    m = kv.KVTransferManager(kv.TransferEngineInfo(
+        "d", "", "shm", {"auth_token": "x", "ucx_mode": "am", "cuda_ipc_batch": "0"}), cache)
+    m.cleanup()
+    if "cuda_ipc" in kv.built_engines():
+        with pytest.raises(kv.InvalidArgumentError,
+                           match=r"unknown cuda_ipc option 'cuda_ipc_bach'.*cuda_ipc_batch, "
+                                 r"cuda_ipc_check_owner_pid"):
+            kv.KVTransferManager(kv.TransferEngineInfo("d", "", "cuda_ipc",
+                                                       {"cuda_ipc_bach": "0"}), cache)
+
+
 def test_local_only_manager():
     cache = kv.KVCache(local_layout())
     m = kv.KVTransferManager(None, cache)
@@ -151,6 +196,11 @@ def test_local_only_manager():
     assert m.get_kv_transfer_info() is None
     assert m.start_async_retrieve(0, 0, [], [], None) is None
     assert m.sync_retrieve(0, 0, [], [], None) == 0
+    # An empty range is validated first (issue 14).
+    with pytest.raises(kv.InvalidArgumentError, match=r"local page 99 .* out of range"):
+        m.start_async_retrieve(20, 20, [0, 99], [0, 1], None)
+    with pytest.raises(kv.InvalidArgumentError, match="cannot read a 'shm' descriptor"):
+        m.start_async_retrieve(0, 0, [], [], kv.KVTransferInfo("shm", b"x"))
     with pytest.raises(kv.InvalidArgumentError, match="local-only"):
         m.start_async_retrieve(0, 16, [0], [0], None)
     e = kv.LocalOnlyKVTransferEngine()

@@ -95,8 +95,14 @@ def test_bad_descriptor_rejected_before_any_byte(engine, peer_factory):
     good = kv.KVCache(local_layout())
     before = sentinel_fill(good).copy()
     mgr2 = make_reader(engine, good)
-    with pytest.raises(kv.InvalidArgumentError, match=r"remote page 99 .*out of range"):
+    # Named by the caller's table entry, not an index into the plan (issue 14).
+    with pytest.raises(kv.InvalidArgumentError,
+                       match=r"remote page 99 \(table entry 0\) out of range"):
         mgr2.start_async_retrieve(0, 16, [0], [99], seq.kv_transfer_info)
+    with pytest.raises(kv.InvalidArgumentError,
+                       match=r"local page 3 appears twice in the local page table \(entries 0 "
+                             r"and 1\)"):
+        mgr2.start_async_retrieve(0, 32, [3, 3], seq.page_indices[:2], seq.kv_transfer_info)
     with pytest.raises(kv.InvalidArgumentError, match=r"0 <= start < end <= 16"):
         mgr2.engine.read_batched_async(seq.kv_transfer_info, [kv.KVReadInfo(0, 0, 0, 0, 17)])
     assert np.array_equal(good.numpy().view(np.uint8).reshape(-1), before)

@@ -10,7 +10,7 @@ MSTAR_APT_PACKAGES=(
   cmake g++ make pkg-config
   libgtest-dev libgmock-dev libbenchmark-dev
   libucx-dev ucx-utils
-  libcpp-httplib-dev
+  libcpp-httplib-dev libmicrohttpd-dev
   iperf3 iproute2
   clang libclang-rt-14-dev
 )

@@ -61,6 +61,8 @@ void ByteWriter::layout(const KVLayout& l) {
   boolean(l.has_v);
   u8(static_cast<std::uint8_t>(l.cache_order));
   u8(static_cast<std::uint8_t>(l.page_order));
+  u32(l.total_kv_heads);
+  u32(l.first_kv_head);
 }
 
 void ByteReader::fail(std::string_view field, const std::string& why) const {
@@ -141,6 +143,8 @@ KVLayout ByteReader::layout(std::string_view field) {
   if (po > 1) fail(field, "page_order " + std::to_string(po) + " out of range [0, 1]");
   l.cache_order = static_cast<CacheOrder>(co);
   l.page_order = static_cast<PageOrder>(po);
+  l.total_kv_heads = u32(field);
+  l.first_kv_head = u32(field);
   try {
     l.validate();
   } catch (const Error& e) {

@@ -59,6 +59,7 @@ std::vector<std::uint8_t> SequenceInfo::encode() const {
   codec::ByteWriter w;
   w.u64(seq_id);
   w.u64(num_tokens);
+  w.u32(page_size);
   w.u32(static_cast<std::uint32_t>(page_indices.size()));
   for (std::uint32_t p : page_indices) w.u32(p);
   write_transfer_info(w, kv_transfer_info);
@@ -73,6 +74,11 @@ SequenceInfo SequenceInfo::decode(std::span<const std::uint8_t> bytes) {
   SequenceInfo s;
   s.seq_id = r.u64("seq_id");
   s.num_tokens = r.u64("num_tokens");
+  s.page_size = r.u32("page_size");
+  if (s.page_size == 0 || s.page_size > LayoutLimits::kMaxPageSize) {
+    r.fail("page_size", "page size " + std::to_string(s.page_size) + " out of range [1, " +
+                            std::to_string(LayoutLimits::kMaxPageSize) + "]");
+  }
   const std::uint32_t n = r.u32("page_count");
   if (n > DescriptorLimits::kMaxPagesPerSequence) {
     r.fail("page_count", std::to_string(n) + " pages exceed the limit of " +
@@ -83,13 +89,14 @@ SequenceInfo SequenceInfo::decode(std::span<const std::uint8_t> bytes) {
                                " pages need " + std::to_string(std::size_t{n} * 4) +
                                " bytes, " + std::to_string(r.remaining()) + " left");
   }
-  if (s.num_tokens > 0 && n == 0) {
-    r.fail("page_count", std::to_string(s.num_tokens) + " tokens with no pages");
-  }
-  // Every page holds at most LayoutLimits::kMaxPageSize tokens.
-  if (s.num_tokens > std::uint64_t{n} * LayoutLimits::kMaxPageSize) {
-    r.fail("num_tokens", std::to_string(s.num_tokens) + " tokens cannot fit in " +
-                             std::to_string(n) + " pages");
+  // Exactly the pages the tokens fill: not (t + ps - 1) / ps, which wraps
+  // for a num_tokens near 2^64.
+  const std::uint64_t needed =
+      s.num_tokens / s.page_size + (s.num_tokens % s.page_size != 0 ? 1 : 0);
+  if (needed != n) {
+    r.fail("page_count", std::to_string(n) + " pages for " + std::to_string(s.num_tokens) +
+                             " tokens of page size " + std::to_string(s.page_size) +
+                             ": expected " + std::to_string(needed));
   }
   s.page_indices.resize(n);
   for (auto& p : s.page_indices) p = r.u32("page_indices");

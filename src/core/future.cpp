@@ -3,7 +3,9 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 namespace mstar::kv {
@@ -21,6 +23,7 @@ struct TransferState {
   std::atomic<bool> cancel{false};
   // Guarded by mu; taken (emptied) by the resolving thread.
   std::vector<TransferFuture::Callback> callbacks;
+  std::vector<std::function<void()>> cancel_hooks;  // guarded by mu; run once
   TransferTiming timing;  // guarded by mu
 
   TransferState() { timing.created = timing.planned = timing.posted = TransferTiming::Clock::now(); }
@@ -98,7 +101,76 @@ std::uint64_t TransferFuture::get() const {
 }
 
 void TransferFuture::cancel() const noexcept {
-  if (state_) state_->cancel.store(true, std::memory_order_release);
+  if (!state_ || state_->cancel.exchange(true, std::memory_order_acq_rel)) return;
+  std::vector<std::function<void()>> run;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    run.swap(state_->cancel_hooks);
+  }
+  for (auto& h : run) {
+    try {
+      h();
+    } catch (...) {
+      // A hook must not throw (future.hpp).
+    }
+  }
+}
+
+void TransferPromise::on_cancel(std::function<void()> hook) {
+  if (!hook) return;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (!state_->cancel.load(std::memory_order_acquire)) {
+      state_->cancel_hooks.push_back(std::move(hook));
+      return;
+    }
+  }
+  hook();
+}
+
+TransferFuture join_futures(std::vector<TransferFuture> parts) {
+  if (parts.empty()) return make_ready_future(0);
+  if (parts.size() == 1) return parts[0];
+  struct Join {
+    std::mutex mu;
+    std::size_t left = 0;
+    std::uint64_t bytes = 0;
+    std::optional<Status> failure;
+  };
+  TransferPromise promise;
+  auto join = std::make_shared<Join>();
+  join->left = parts.size();
+  promise.on_cancel([parts] {
+    for (const TransferFuture& f : parts) f.cancel();
+  });
+  for (const TransferFuture& f : parts) {
+    f.on_resolved([promise, join](const Status& st, std::uint64_t bytes) mutable {
+      bool last = false;
+      std::optional<Status> failure;
+      std::uint64_t total = 0;
+      {
+        std::lock_guard<std::mutex> lk(join->mu);
+        if (st.is_ok()) join->bytes += bytes;
+        else if (!join->failure) join->failure = st;
+        last = --join->left == 0;
+        failure = join->failure;
+        total = join->bytes;
+      }
+      if (!last) return;
+      if (failure) promise.fail(*failure);
+      else promise.complete(total);
+    });
+  }
+  // A part that failed early does not resolve the whole before the others
+  // resolved (no byte of theirs may land after it), but it stops them.
+  for (const TransferFuture& f : parts) {
+    f.on_resolved([parts](const Status& st, std::uint64_t) {
+      if (!st.is_ok()) {
+        for (const TransferFuture& g : parts) g.cancel();
+      }
+    });
+  }
+  return promise.future();
 }
 
 void TransferFuture::on_resolved(Callback callback) const {

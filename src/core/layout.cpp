@@ -1,6 +1,7 @@
 // Copyright mstar-kv authors.
 #include "mstar/kv/layout.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "mstar/kv/status.hpp"
@@ -86,6 +87,18 @@ void KVLayout::validate() const {
                 "layout dtype " + std::to_string(static_cast<int>(dtype)) +
                     " out of range [0, 4]");
   }
+  if (total_kv_heads > LayoutLimits::kMaxHeads) {
+    throw Error(StatusCode::kInvalidArgument,
+                "layout total_kv_heads " + std::to_string(total_kv_heads) + " out of range [0, " +
+                    std::to_string(LayoutLimits::kMaxHeads) + "]");
+  }
+  if (std::uint64_t{first_kv_head} + num_kv_heads > model_kv_heads()) {
+    throw Error(StatusCode::kInvalidArgument,
+                "layout heads [" + std::to_string(first_kv_head) + ", " +
+                    std::to_string(std::uint64_t{first_kv_head} + num_kv_heads) +
+                    ") out of range [0, " + std::to_string(model_kv_heads()) +
+                    ") of the model's total_kv_heads");
+  }
   if (static_cast<std::uint8_t>(cache_order) > 1 ||
       static_cast<std::uint8_t>(page_order) > 1) {
     throw Error(StatusCode::kInvalidArgument,
@@ -143,9 +156,26 @@ void compare(const char* field, const T& local, const T& remote) {
 }  // namespace
 
 void KVLayout::check_compatible(const KVLayout& remote) const {
+  check_shard(remote, first_kv_head, end_kv_head());
+}
+
+void KVLayout::check_same_model(const KVLayout& remote) const {
+  const std::uint32_t lo = std::max(first_kv_head, remote.first_kv_head);
+  const std::uint32_t hi = std::min(end_kv_head(), remote.end_kv_head());
+  if (lo >= hi) {
+    compare("total_kv_heads (the model's KV heads)", model_kv_heads(), remote.model_kv_heads());
+    throw Error(StatusCode::kIncompatibleLayout,
+                "layouts differ in heads: the remote cache holds KV heads [" +
+                    std::to_string(remote.first_kv_head) + ", " +
+                    std::to_string(remote.end_kv_head()) + "), none of the local [" +
+                    std::to_string(first_kv_head) + ", " + std::to_string(end_kv_head()) + ")");
+  }
+  check_shard(remote, lo, hi);
+}
+
+void KVLayout::check_shard(const KVLayout& remote, std::uint32_t lo, std::uint32_t hi) const {
   compare("num_layers", num_layers, remote.num_layers);
-  compare("page_size", page_size, remote.page_size);
-  compare("num_kv_heads", num_kv_heads, remote.num_kv_heads);
+  compare("total_kv_heads (the model's KV heads)", model_kv_heads(), remote.model_kv_heads());
   compare("head_dim", head_dim, remote.head_dim);
   if (dtype != remote.dtype) {
     throw Error(StatusCode::kIncompatibleLayout,
@@ -158,12 +188,27 @@ void KVLayout::check_compatible(const KVLayout& remote) const {
                     (has_v ? "true" : "false") + ", remote " +
                     (remote.has_v ? "true" : "false"));
   }
+  if (lo < first_kv_head || hi > end_kv_head() || lo >= hi) {
+    throw Error(StatusCode::kInvalidArgument,
+                "heads [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                    ") to read are not a part of the local cache's heads [" +
+                    std::to_string(first_kv_head) + ", " + std::to_string(end_kv_head()) + ")");
+  }
+  if (remote.first_kv_head > lo || remote.end_kv_head() < hi) {
+    throw Error(StatusCode::kIncompatibleLayout,
+                "layouts differ in heads: the remote cache holds KV heads [" +
+                    std::to_string(remote.first_kv_head) + ", " +
+                    std::to_string(remote.end_kv_head()) + ") of " +
+                    std::to_string(remote.model_kv_heads()) + ", the read needs [" +
+                    std::to_string(lo) + ", " + std::to_string(hi) +
+                    ") (read the others from the peers that hold them)");
+  }
 }
 
 bool KVLayout::is_compatible(const KVLayout& remote) const noexcept {
-  return num_layers == remote.num_layers && page_size == remote.page_size &&
-         num_kv_heads == remote.num_kv_heads && head_dim == remote.head_dim &&
-         dtype == remote.dtype && has_v == remote.has_v;
+  return num_layers == remote.num_layers && model_kv_heads() == remote.model_kv_heads() &&
+         head_dim == remote.head_dim && dtype == remote.dtype && has_v == remote.has_v &&
+         remote.first_kv_head <= first_kv_head && remote.end_kv_head() >= end_kv_head();
 }
 
 std::string KVLayout::to_string() const {
@@ -172,7 +217,11 @@ std::string KVLayout::to_string() const {
          std::to_string(num_kv_heads) + "H x " + std::to_string(head_dim) +
          "D " + std::string(kv::to_string(dtype)) + (has_v ? " kv " : " k-only ") +
          std::string(kv::to_string(cache_order)) + "-major " +
-         std::string(kv::to_string(page_order));
+         std::string(kv::to_string(page_order)) +
+         (num_kv_heads != model_kv_heads()
+              ? " heads " + std::to_string(first_kv_head) + "-" + std::to_string(end_kv_head()) +
+                    " of " + std::to_string(model_kv_heads())
+              : std::string());
 }
 
 }  // namespace mstar::kv

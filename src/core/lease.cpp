@@ -20,6 +20,13 @@ void KVTransferEngine::notify_done(const KVTransferInfo& remote, std::uint64_t s
                   "calls KVCachePool::done)");
 }
 
+// Beside the other defaults of KVTransferEngine, so that an engine linked
+// without the factory (manager.cpp) still finds its vtable's entries.
+std::optional<KVLayout> KVTransferEngine::remote_layout(const KVTransferInfo& remote) const {
+  (void)remote;
+  return std::nullopt;
+}
+
 void KVTransferManager::notify_done(const SequenceInfo& seq) {
   if (seq.kv_transfer_info.empty()) {
     throw Error(StatusCode::kInvalidArgument,

@@ -151,7 +151,7 @@ void fill_pattern_layers(const KVCache& cache, std::uint64_t seed,
                    for (std::uint32_t t = t0; t < t1; ++t) {
                      const std::uint64_t token = i * l.page_size + t;
                      for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
-                       make_row(row_key(seed, layer, kv, token, h),
+                       make_row(row_key(seed, layer, kv, token, l.first_kv_head + h),
                                 block + l.in_block_offset(t, h), hb);
                      }
                    }
@@ -181,7 +181,7 @@ VerifyResult verify_pattern(const KVCache& cache, std::uint64_t seed,
           const std::uint64_t token = i * l.page_size + t;
           for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
             got.feed(block + l.in_block_offset(t, h), hb);
-            make_row(row_key(seed, layer, kv, token, h), row.data(), hb);
+            make_row(row_key(seed, layer, kv, token, l.first_kv_head + h), row.data(), hb);
             want.feed(row.data(), hb);
           }
         }

@@ -1,10 +1,12 @@
 // Copyright mstar-kv authors.
 #include "mstar/kv/planner.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <string>
 
 #include "mstar/kv/status.hpp"
+#include "planner_detail.hpp"
 
 namespace mstar::kv {
 
@@ -48,27 +50,6 @@ class KeySet {
   std::size_t mask_;
 };
 
-class SpanSink {
- public:
-  explicit SpanSink(CopyPlan& plan) : plan_(plan) {}
-  void add(std::uint64_t local, std::uint64_t remote, std::uint64_t len) {
-    ++plan_.uncoalesced_spans;
-    plan_.total_bytes += len;
-    if (!plan_.spans.empty()) {
-      CopySpan& last = plan_.spans.back();
-      if (last.local_offset + last.length == local &&
-          last.remote_offset + last.length == remote) {
-        last.length += len;
-        return;
-      }
-    }
-    plan_.spans.push_back({local, remote, len});
-  }
-
- private:
-  CopyPlan& plan_;
-};
-
 }  // namespace
 
 std::vector<KVReadInfo> plan_reads(const KVLayout& local,
@@ -81,7 +62,6 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
             std::to_string(end_len));
   }
   std::vector<KVReadInfo> reads;
-  if (start_len == end_len) return reads;
   const std::uint64_t ps = local.page_size;
   const std::uint64_t first = start_len / ps;
   // Pages [0, needed); not (end_len + ps - 1) / ps, which wraps for an
@@ -103,6 +83,22 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
               std::to_string(i) + ") out of range " + range(0, local.num_pages));
     }
   }
+  // A local page named twice would be one destination of two reads, which
+  // plan_copies refuses too; named here by the caller's table entries.
+  if (needed - first > 1) {
+    KeySet seen(needed - first);
+    for (std::uint64_t i = first; i < needed; ++i) {
+      if (!seen.insert(local_pages[i])) {
+        std::uint64_t j = first;
+        while (local_pages[j] != local_pages[i]) ++j;
+        invalid("local page " + std::to_string(local_pages[i]) + " appears twice in the local "
+                "page table (entries " + std::to_string(j) + " and " + std::to_string(i) +
+                "): one destination for two pages");
+      }
+    }
+  }
+  // An empty range is validated as any other, then reads nothing.
+  if (start_len == end_len) return reads;
   reads.reserve((needed - first) * local.num_layers);
   auto emit = [&](std::uint32_t layer, std::uint64_t i) {
     const std::uint64_t page_start = i * ps;
@@ -123,12 +119,35 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
   return reads;
 }
 
+void check_remote_pages(const KVLayout& local, const KVLayout& remote,
+                        std::uint64_t start_len, std::uint64_t end_len,
+                        std::span<const std::uint32_t> remote_pages) {
+  local.check_compatible(remote);
+  if (start_len > end_len) return;  // plan_reads names it
+  const std::uint64_t ps = remote.page_size;  // the remote table is in its own page size
+  const std::uint64_t first = start_len / ps;
+  const std::uint64_t needed = end_len / ps + (end_len % ps != 0 ? 1 : 0);
+  const std::uint64_t last = std::min<std::uint64_t>(needed, remote_pages.size());
+  for (std::uint64_t i = first; i < last; ++i) {
+    if (remote_pages[i] >= remote.num_pages) {
+      invalid("remote page " + std::to_string(remote_pages[i]) + " (table entry " +
+              std::to_string(i) + ") out of range " + range(0, remote.num_pages) +
+              " in remote cache");
+    }
+  }
+}
+
 CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
                      std::span<const KVReadInfo> reads) {
+  // Caches of different geometry, or reads that name remote positions or
+  // heads, take the general path (planner_mixed.cpp).
+  bool plain = local.same_geometry(remote);
+  for (std::size_t i = 0; plain && i < reads.size(); ++i) plain = reads[i].plain();
+  if (!plain) return detail::plan_copies_mixed(local, remote, reads);
   local.check_compatible(remote);
   CopyPlan plan;
   plan.spans.reserve(reads.size() * local.num_kv());
-  SpanSink sink(plan);
+  detail::SpanSink sink(plan);
   KeySet seen(reads.size());
   const bool same_order = local.page_order == remote.page_order;
   const std::uint64_t hb = local.head_bytes();
@@ -140,7 +159,9 @@ CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
   for (std::size_t n = 0; n < reads.size(); ++n) {
     const KVReadInfo& r = reads[n];
     // Built only on the error path: planning allocates nothing per read.
-    auto where = [n] { return "read " + std::to_string(n) + ": "; };
+    // An index into the caller's read_info (KVTransferManager checks the
+    // page tables first, naming table entries, so its reads never get here).
+    auto where = [n] { return "read_info[" + std::to_string(n) + "]: "; };
     if (r.layer_idx < 0 || r.layer_idx >= std::int64_t{local.num_layers}) {
       invalid(where() + "layer " + std::to_string(r.layer_idx) + " out of range " +
               range(0, local.num_layers));
@@ -193,23 +214,9 @@ CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
       }
     }
   };
-  if (local.cache_order == CacheOrder::kPageMajor) {
-    for (const KVReadInfo& r : reads) {
-      for (std::uint32_t k = 0; k < local.num_kv(); ++k) emit(r, static_cast<KV>(k));
-    }
-  } else {
-    // Reads from plan_reads come layer by layer; emit K then V per run of
-    // reads of one layer so that both passes stay local in memory.
-    std::size_t begin = 0;
-    while (begin < reads.size()) {
-      std::size_t end = begin + 1;
-      while (end < reads.size() && reads[end].layer_idx == reads[begin].layer_idx) ++end;
-      for (std::uint32_t k = 0; k < local.num_kv(); ++k) {
-        for (std::size_t i = begin; i < end; ++i) emit(reads[i], static_cast<KV>(k));
-      }
-      begin = end;
-    }
-  }
+  detail::emit_in_cache_order(
+      local, reads.size(), [&](std::size_t i) { return reads[i].layer_idx; },
+      [&](std::size_t i, KV kv) { emit(reads[i], kv); });
   return plan;
 }
 

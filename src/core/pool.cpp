@@ -295,7 +295,8 @@ SequenceInfo KVCachePool::publish_locked(std::uint64_t seq_id,
     s.expiry_unix_ms = unix_ms_now() + static_cast<std::uint64_t>(lease_.count());
     next_expiry_ = std::min(next_expiry_, s.expiry);
   }
-  SequenceInfo info{seq_id, s.num_tokens, s.pages, descriptor_, s.expiry_unix_ms};
+  SequenceInfo info{seq_id, s.num_tokens, s.pages, descriptor_, s.expiry_unix_ms,
+                    cache_->layout().page_size};
   if (!info.kv_transfer_info.empty()) info.kv_transfer_info.epoch = s.epoch;
   return info;
 }

@@ -5,6 +5,7 @@
 #include <limits>
 #include <string>
 
+#include "mstar/kv/engine.hpp"
 #include "mstar/kv/epochs.hpp"
 #include "mstar/kv/status.hpp"
 
@@ -46,6 +47,18 @@ void PageReadiness::reset(std::span<const std::uint32_t> pages) const noexcept {
 std::uint32_t PageReadiness::load(std::uint32_t page) const noexcept {
   if (words_ == nullptr || page >= num_pages_) return 0;
   return load_ready(words_ + page);
+}
+
+// Here, not in streaming.cpp: the engines' vtable needs it, and
+// streaming.cpp pulls the manager (and the engine factory) into a link.
+std::unique_ptr<LayerWatch> KVTransferEngine::watch_layers(
+    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
+  (void)read_info;
+  const std::string name = remote_kv_info.engine.empty() ? "local" : remote_kv_info.engine;
+  throw Error(StatusCode::kUnavailable,
+              "layer-wise streaming over the '" + name +
+                  "' engine: it has no readiness channel from the owner yet (only shm has); "
+                  "pull with start_async_retrieve after the owner finished");
 }
 
 Status check_layer_readiness(const std::uint32_t* ready, const std::uint64_t* epochs,

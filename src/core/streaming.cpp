@@ -22,16 +22,6 @@ namespace mstar::kv {
 
 using Clock = std::chrono::steady_clock;
 
-std::unique_ptr<LayerWatch> KVTransferEngine::watch_layers(
-    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
-  (void)read_info;
-  const std::string name = remote_kv_info.engine.empty() ? "local" : remote_kv_info.engine;
-  throw Error(StatusCode::kUnavailable,
-              "layer-wise streaming over the '" + name +
-                  "' engine: it has no readiness channel from the owner yet (only shm has); "
-                  "pull with start_async_retrieve after the owner finished");
-}
-
 namespace detail {
 
 // Wakes the driver; shared with the callbacks of the futures in flight, which
@@ -377,8 +367,11 @@ std::optional<LayerStream> LayerStreamer::start(
                     " ms must be >= 0 (0: the engine's timeout)");
   }
   const KVLayout& layout = impl_->cache->layout();
-  std::vector<KVReadInfo> reads =
-      plan_reads(layout, start_len, end_len, local_page_indices, remote_page_indices);
+  // As start_async_retrieve plans: against the remote layout where the
+  // engine can tell it (page sizes and head shards may differ).
+  std::vector<KVReadInfo> reads = plan_retrieve(impl_->engine, layout, start_len, end_len,
+                                                local_page_indices, remote_page_indices,
+                                                kv_transfer_info);
   if (reads.empty()) return std::nullopt;
   auto s = std::make_shared<StreamState>();
   s->num_layers = layout.num_layers;

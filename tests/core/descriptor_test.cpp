@@ -1,6 +1,8 @@
 // Copyright mstar-kv authors.
 #include <gtest/gtest.h>
 
+#include <tuple>
+
 #include "core/codec.hpp"
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/status.hpp"
@@ -12,6 +14,7 @@ SequenceInfo sample() {
   SequenceInfo s;
   s.seq_id = 0x1122334455667788ULL;
   s.num_tokens = 37;
+  s.page_size = 16;
   s.page_indices = {9, 4, 1000};
   s.kv_transfer_info = {"shm", {1, 2, 3, 4, 5}};
   return s;
@@ -38,6 +41,7 @@ TEST(Descriptor, SequenceInfoRoundTrips) {
   const SequenceInfo s = sample();
   EXPECT_EQ(SequenceInfo::decode(s.encode()), s);
   SequenceInfo empty;
+  empty.page_size = 1;
   EXPECT_EQ(SequenceInfo::decode(empty.encode()), empty);
 }
 
@@ -82,18 +86,21 @@ TEST(Descriptor, OversizedFieldsAreRejected) {
   codec::ByteWriter w;
   w.u64(1);
   w.u64(10);
+  w.u32(16);  // page_size
   w.u32(0xFFFFFFFFu);  // page count far over the limit
   expect_corrupt(frame(w), "exceed the limit");
 
   codec::ByteWriter w2;
   w2.u64(1);
   w2.u64(10);
+  w2.u32(16);  // page_size
   w2.u32(1000);  // claims 1000 pages, carries none
   expect_corrupt(frame(w2), "truncated: 1000 pages need 4000 bytes");
 
   codec::ByteWriter w3;
   w3.u64(1);
   w3.u64(1);
+  w3.u32(16);  // page_size
   w3.u32(1);
   w3.u32(0);
   w3.u32(1u << 30);  // engine name length
@@ -104,14 +111,16 @@ TEST(Descriptor, InconsistentFieldsAreRejected) {
   codec::ByteWriter w;
   w.u64(1);
   w.u64(5);  // 5 tokens
+  w.u32(16);  // page_size
   w.u32(0);  // no pages
   w.str("");
   w.bytes({});
-  expect_corrupt(frame(w), "5 tokens with no pages");
+  expect_corrupt(frame(w), "0 pages for 5 tokens of page size 16: expected 1");
 
   codec::ByteWriter w2;
   w2.u64(1);
   w2.u64(1);
+  w2.u32(16);  // page_size
   w2.u32(1);
   w2.u32(0);
   w2.str("");
@@ -122,6 +131,7 @@ TEST(Descriptor, InconsistentFieldsAreRejected) {
   codec::ByteWriter w3;
   w3.u64(1);
   w3.u64(1);
+  w3.u32(16);  // page_size
   w3.u32(1);
   w3.u32(0);
   w3.str("../etc");
@@ -132,6 +142,7 @@ TEST(Descriptor, InconsistentFieldsAreRejected) {
   codec::ByteWriter w4;
   w4.u64(1);
   w4.u64(0);
+  w4.u32(16);  // page_size
   w4.u32(0);
   w4.str("");
   w4.bytes({});
@@ -139,6 +150,35 @@ TEST(Descriptor, InconsistentFieldsAreRejected) {
   w4.u64(0);  // lease_expiry_ms
   w4.u8(0);
   expect_corrupt(frame(w4), "1 unexpected trailing bytes");
+}
+
+// The page count is exactly what the tokens fill at the stated page size
+// (issue 14: 100 tokens in 1 page of 16, 1 token in 5 pages were accepted).
+TEST(Descriptor, PageCountMustMatchTokensAndPageSize) {
+  auto encoded = [](std::uint64_t tokens, std::uint32_t page_size, std::uint32_t pages) {
+    SequenceInfo s;
+    s.seq_id = 7;
+    s.num_tokens = tokens;
+    s.page_size = page_size;
+    for (std::uint32_t i = 0; i < pages; ++i) s.page_indices.push_back(i);
+    return s.encode();
+  };
+  expect_corrupt(encoded(100, 16, 1), "1 pages for 100 tokens of page size 16: expected 7");
+  expect_corrupt(encoded(1, 16, 5), "5 pages for 1 tokens of page size 16: expected 1");
+  expect_corrupt(encoded(0, 16, 1), "1 pages for 0 tokens of page size 16: expected 0");
+  expect_corrupt(encoded(32, 16, 3), "3 pages for 32 tokens of page size 16: expected 2");
+  expect_corrupt(encoded(~std::uint64_t{0}, 1, 1),
+                 "1 pages for 18446744073709551615 tokens of page size 1: expected "
+                 "18446744073709551615");
+  expect_corrupt(encoded(16, 0, 1), "page size 0 out of range [1, 65536]");
+  expect_corrupt(encoded(16, 65537, 1), "page size 65537 out of range [1, 65536]");
+  const std::vector<std::tuple<std::uint64_t, std::uint32_t, std::uint32_t>> good = {
+      {100, 16, 7}, {96, 16, 6}, {1, 16, 1}, {0, 16, 0}, {65536, 65536, 1}, {5, 1, 5}};
+  for (auto [tokens, page_size, pages] : good) {
+    const auto s = SequenceInfo::decode(encoded(tokens, page_size, pages));
+    EXPECT_EQ(s.page_indices.size(), pages);
+    EXPECT_EQ(s.page_size, page_size);
+  }
 }
 
 TEST(Descriptor, LayoutDecodingValidates) {

@@ -77,9 +77,20 @@ TEST(PlanReads, PrefixHitPullsOnlyTheTail) {
   EXPECT_EQ(reads[0], (KVReadInfo{0, 4, 4, 0, 4}));
 }
 
-TEST(PlanReads, EmptyRangeIsNoWork) {
+TEST(PlanReads, EmptyRangeIsNoWorkButIsValidated) {
   const KVLayout l = layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
-  EXPECT_TRUE(plan_reads(l, 7, 7, {}, {}).empty());
+  EXPECT_TRUE(plan_reads(l, 0, 0, {}, {}).empty());
+  EXPECT_TRUE(plan_reads(l, 7, 7, iota(2), iota(2)).empty());
+  // The same checks as a non-empty range (issue 14): the tables must cover
+  // end_len, and the entry holding a mid-page start_len must be in range.
+  expect_error([&] { plan_reads(l, 7, 7, {}, {}); }, StatusCode::kInvalidArgument,
+               "local page table has 0 entries, tokens [7, 7) need 2");
+  expect_error([&] { plan_reads(l, 7, 7, iota(2), iota(1)); }, StatusCode::kInvalidArgument,
+               "remote page table has 1 entries");
+  std::vector<std::uint32_t> bad = iota(2);
+  bad[1] = 1000;
+  expect_error([&] { plan_reads(l, 7, 7, bad, iota(2)); }, StatusCode::kInvalidArgument,
+               "local page 1000 (table entry 1) out of range");
 }
 
 TEST(PlanReads, RejectsBadArguments) {
@@ -93,6 +104,30 @@ TEST(PlanReads, RejectsBadArguments) {
   std::vector<std::uint32_t> bad = {0, 16, 2};
   expect_error([&] { plan_reads(l, 0, 9, bad, iota(3)); },
                StatusCode::kInvalidArgument, "local page 16 (table entry 1) out of range [0, 16)");
+  // A local page named twice: the table entries, not "read N" (issue 14).
+  std::vector<std::uint32_t> twice = {5, 7, 5};
+  expect_error([&] { plan_reads(l, 0, 9, twice, iota(3)); }, StatusCode::kInvalidArgument,
+               "local page 5 appears twice in the local page table (entries 0 and 2)");
+  // Entries outside the range are not read, so not checked.
+  EXPECT_NO_THROW(plan_reads(l, 4, 9, twice, iota(3)));
+}
+
+// The remote side of a pull, checked by the caller's table entries.
+TEST(CheckRemotePages, NamesTheTableEntryAndPage) {
+  const KVLayout l = layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
+  KVLayout r = l;
+  r.num_pages = 8;
+  std::vector<std::uint32_t> remote = {0, 1, 8, 3};
+  expect_error([&] { check_remote_pages(l, r, 0, 16, remote); }, StatusCode::kInvalidArgument,
+               "remote page 8 (table entry 2) out of range [0, 8) in remote cache");
+  // Page size 4: tokens [12, 16) touch entry 3 only; [8, 8) (aligned) none.
+  EXPECT_NO_THROW(check_remote_pages(l, r, 12, 16, remote));
+  EXPECT_NO_THROW(check_remote_pages(l, r, 8, 8, remote));
+  expect_error([&] { check_remote_pages(l, r, 9, 9, remote); }, StatusCode::kInvalidArgument,
+               "(table entry 2)");
+  r.head_dim = 16;
+  expect_error([&] { check_remote_pages(l, r, 0, 4, remote); }, StatusCode::kIncompatibleLayout,
+               "head_dim");
 }
 
 TEST(PlanCopies, RejectsEveryBadRead) {
@@ -109,15 +144,23 @@ TEST(PlanCopies, RejectsEveryBadRead) {
   expect_error([&] { one({0, 16, 0, 0, 4}); }, StatusCode::kInvalidArgument,
                "local page 16 out of range [0, 16)");
   expect_error([&] { one({0, 0, 8, 0, 4}); }, StatusCode::kInvalidArgument,
-               "remote page 8 out of range [0, 8) in remote cache");
+               "read_info[0]: remote page 8 out of range [0, 8) in remote cache");
   expect_error([&] { one({0, 0, 0, 2, 2}); }, StatusCode::kInvalidArgument, "token range [2, 2)");
   expect_error([&] { one({0, 0, 0, 0, 5}); }, StatusCode::kInvalidArgument, "<= 4");
   expect_error([&] { one({0, 0, 0, -1, 3}); }, StatusCode::kInvalidArgument, "token range [-1, 3)");
   std::vector<KVReadInfo> dup{{1, 2, 0, 0, 2}, {1, 2, 1, 2, 4}};
   expect_error([&] { plan_copies(l, r, dup); }, StatusCode::kInvalidArgument,
-               "duplicate destination: layer 1 local page 2");
-  r.page_size = 8;
-  expect_error([&] { one({0, 0, 0, 0, 4}); }, StatusCode::kIncompatibleLayout, "page_size");
+               "read_info[1]: duplicate destination: layer 1 local page 2");
+  // Page sizes may differ (issue 12: tokens map by position), but the
+  // remote tokens must fit in the remote page.
+  r.page_size = 2;
+  expect_error([&] { one({0, 0, 0, 0, 4}); }, StatusCode::kInvalidArgument,
+               "do not fit in a remote page of 2 tokens");
+  expect_error([&] { one({0, 0, 0, 0, 2, /*remote_token_start=*/1}); },
+               StatusCode::kInvalidArgument, "remote tokens [1, 3)");
+  r.page_size = l.page_size;
+  r.head_dim = l.head_dim * 2;
+  expect_error([&] { one({0, 0, 0, 0, 4}); }, StatusCode::kIncompatibleLayout, "head_dim");
 }
 
 TEST(PlanCopies, SameLayerTwoPagesIsNotADuplicate) {

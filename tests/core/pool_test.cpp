@@ -76,6 +76,9 @@ TEST(KVCachePool, PublishStampsTheDescriptor) {
   EXPECT_EQ(s.seq_id, 5u);
   EXPECT_EQ(s.num_tokens, 40u);
   EXPECT_EQ(s.page_indices, pages);
+  // The layout's page size rides along, so that decode checks the count.
+  EXPECT_EQ(s.page_size, pool.cache().layout().page_size);
+  EXPECT_EQ(SequenceInfo::decode(s.encode()), s);
   EXPECT_EQ(s.kv_transfer_info.engine, info.engine);
   EXPECT_EQ(s.kv_transfer_info.payload, info.payload);
   // The sequence's epoch rides on its descriptor and sits on its pages.

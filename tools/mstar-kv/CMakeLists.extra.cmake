@@ -29,18 +29,24 @@ if(EXISTS ${CMAKE_CURRENT_LIST_DIR}/cmd_demo.cpp)
   endif()
 endif()
 
-# `mstar-kv serve` / `pull` (tools/mstar-kv/cmd_serve_pull.cpp): an HTTP
-# control plane with Debian's cpp-httplib (libcpp-httplib-dev). Without it
-# the two subcommands are left out.
+# `mstar-kv serve` / `pull` (tools/mstar-kv/cmd_serve_pull.cpp): the HTTP
+# control plane's server is Debian's libmicrohttpd (libmicrohttpd-dev; epoll,
+# bounded connections, see http_server.hpp), pull's client cpp-httplib
+# (libcpp-httplib-dev). Without both the two subcommands are left out.
 if(EXISTS ${CMAKE_CURRENT_LIST_DIR}/cmd_serve_pull.cpp)
   find_package(PkgConfig QUIET)
   if(PkgConfig_FOUND)
     pkg_check_modules(MSTAR_KV_HTTPLIB QUIET IMPORTED_TARGET cpp-httplib)
+    pkg_check_modules(MSTAR_KV_MHD QUIET IMPORTED_TARGET libmicrohttpd>=0.9.71)
   endif()
-  if(MSTAR_KV_HTTPLIB_FOUND)
-    target_link_libraries(mstar-kv PRIVATE PkgConfig::MSTAR_KV_HTTPLIB)
+  if(MSTAR_KV_HTTPLIB_FOUND AND MSTAR_KV_MHD_FOUND)
+    target_sources(mstar-kv PRIVATE
+      ${CMAKE_CURRENT_LIST_DIR}/http_auth.cpp
+      ${CMAKE_CURRENT_LIST_DIR}/http_server.cpp
+      ${CMAKE_CURRENT_LIST_DIR}/serve_pull_util.cpp)
+    target_link_libraries(mstar-kv PRIVATE PkgConfig::MSTAR_KV_HTTPLIB PkgConfig::MSTAR_KV_MHD)
   else()
-    message(STATUS "cpp-httplib not found: mstar-kv serve/pull are not built")
+    message(STATUS "cpp-httplib or libmicrohttpd not found: mstar-kv serve/pull are not built")
     get_target_property(_mstar_kv_srcs mstar-kv SOURCES)
     list(REMOVE_ITEM _mstar_kv_srcs mstar-kv/cmd_serve_pull.cpp)
     set_property(TARGET mstar-kv PROPERTY SOURCES ${_mstar_kv_srcs})

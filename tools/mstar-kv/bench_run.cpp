@@ -136,7 +136,8 @@ std::string encode_layout(const KVLayout& l) {
   std::ostringstream os;
   os << l.num_layers << ':' << l.num_pages << ':' << l.page_size << ':' << l.num_kv_heads << ':'
      << l.head_dim << ':' << static_cast<int>(l.dtype) << ':' << (l.has_v ? 1 : 0) << ':'
-     << static_cast<int>(l.cache_order) << ':' << static_cast<int>(l.page_order);
+     << static_cast<int>(l.cache_order) << ':' << static_cast<int>(l.page_order) << ':'
+     << l.total_kv_heads << ':' << l.first_kv_head;
   return os.str();
 }
 
@@ -145,7 +146,7 @@ KVLayout decode_layout(const std::string& s) {
   std::stringstream ss(s);
   std::string item;
   while (std::getline(ss, item, ':')) v.push_back(std::stoull(item));
-  if (v.size() != 9) throw Error(StatusCode::kInvalidArgument, "bad layout '" + s + "'");
+  if (v.size() != 11) throw Error(StatusCode::kInvalidArgument, "bad layout '" + s + "'");
   KVLayout l;
   l.num_layers = static_cast<std::uint32_t>(v[0]);
   l.num_pages = static_cast<std::uint32_t>(v[1]);
@@ -156,6 +157,8 @@ KVLayout decode_layout(const std::string& s) {
   l.has_v = v[6] != 0;
   l.cache_order = static_cast<CacheOrder>(v[7]);
   l.page_order = static_cast<PageOrder>(v[8]);
+  l.total_kv_heads = static_cast<std::uint32_t>(v[9]);
+  l.first_kv_head = static_cast<std::uint32_t>(v[10]);
   l.validate();
   return l;
 }
@@ -414,7 +417,7 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
     src = KVCache::create_host(w.remote);
     fill_pattern(*src, kFillSeed, rp, 0, w.tokens);
     request = [&] {
-      const auto reads = plan_reads(w.local, w.start_len, w.tokens, lp, rp);
+      const auto reads = plan_reads(w.local, w.remote, w.start_len, w.tokens, lp, rp);
       const CopyPlan plan = plan_copies(w.local, w.remote, reads);
       pool.run(partition(plan.spans, pool.size()), local->base(), src->base());
     };
@@ -466,16 +469,23 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
     }
   }
 
-  const auto reads = plan_reads(w.local, w.start_len, w.tokens, lp, rp);
+  const auto reads = plan_reads(w.local, w.remote, w.start_len, w.tokens, lp, rp);
   const CopyPlan plan = plan_copies(w.local, w.remote, reads);
   r.reads = reads.size();
   r.copies = plan.spans.size();
   r.uncoalesced = plan.uncoalesced_spans;
   r.piece_bytes = median_span(plan);
-  const Partition part = partition(plan.spans, pool.size());
+  // The baseline copies the plan's spans, or, between caches of different
+  // geometry (page size, heads, in-page order), the same number of bytes laid
+  // out contiguously: what the conversion costs against moving the bytes.
+  const std::vector<CopySpan> contiguous{{0, 0, bytes}};
+  const Partition part = partition(
+      w.mixed_geometry() ? std::span<const CopySpan>(contiguous) : std::span<const CopySpan>(plan.spans),
+      pool.size());
   if (src && v.name != "local") {
     // Touch the source so that the baseline does not read the zero page.
     for (const CopySpan& s : plan.spans) std::memset(src->base() + s.remote_offset, 0x5a, s.length);
+    if (w.mixed_geometry()) std::memset(src->base(), 0x5a, bytes);
   }
 
   // Warm-up request, then check that every byte arrived.
@@ -595,7 +605,7 @@ int serve_main(int argc, char** argv) {
       // Stamped like a KVCachePool stamps an allocation, so that readers
       // check page epochs as they do in production.
       cache->epochs().stamp(pages, ++epoch);
-      SequenceInfo si{hdr[0], hdr[1], pages, desc};
+      SequenceInfo si{hdr[0], hdr[1], pages, desc, 0, layout.page_size};
       si.kv_transfer_info.epoch = epoch;
       const auto bytes = si.encode();
       send_reply(kServerOut, 'K', bytes.data(), static_cast<std::uint32_t>(bytes.size()));

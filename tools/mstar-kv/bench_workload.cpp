@@ -16,12 +16,13 @@ namespace {
 constexpr std::uint64_t kRemoteSeed = 0x5eed0001;
 constexpr std::uint64_t kLocalSeed = 0x5eed0002;
 
-std::uint64_t pages_needed(const Workload& w) {
-  return (w.tokens + w.local.page_size - 1) / w.local.page_size;
+std::uint64_t pages_needed(const Workload& w, const KVLayout& side) {
+  return (w.tokens + side.page_size - 1) / side.page_size;
 }
 
-std::vector<std::uint32_t> table(const Workload& w, std::uint64_t seed) {
-  const std::uint64_t n = pages_needed(w);
+// A page table of `side` (each side's in its own page size).
+std::vector<std::uint32_t> table(const Workload& w, const KVLayout& side, std::uint64_t seed) {
+  const std::uint64_t n = pages_needed(w, side);
   std::vector<std::uint32_t> t(n);
   switch (w.table) {
     case PageTable::kContiguous:
@@ -33,7 +34,7 @@ std::vector<std::uint32_t> table(const Workload& w, std::uint64_t seed) {
     case PageTable::kScattered: {
       // Like KVCachePool with a scatter seed: a shuffled free list, so a
       // long-running engine's sequence owns pages in no particular order.
-      std::vector<std::uint32_t> all(w.remote.num_pages);
+      std::vector<std::uint32_t> all(side.num_pages);
       std::iota(all.begin(), all.end(), 0u);
       std::mt19937_64 gen(seed);
       std::shuffle(all.begin(), all.end(), gen);
@@ -70,8 +71,65 @@ std::uint64_t Workload::bytes_per_request() const {
   return (tokens - start_len) * local.token_bytes() * local.num_kv() * local.num_layers;
 }
 
-std::vector<std::uint32_t> remote_page_table(const Workload& w) { return table(w, kRemoteSeed); }
-std::vector<std::uint32_t> local_page_table(const Workload& w) { return table(w, kLocalSeed); }
+std::vector<std::uint32_t> remote_page_table(const Workload& w) {
+  return table(w, w.remote, kRemoteSeed);
+}
+std::vector<std::uint32_t> local_page_table(const Workload& w) {
+  return table(w, w.local, kLocalSeed);
+}
+
+bool Workload::mixed_geometry() const {
+  return !local.same_geometry(remote) || local.page_order != remote.page_order;
+}
+
+void set_geometry(Workload& w, const Geometry& g) {
+  const std::uint32_t model_heads = w.local.num_kv_heads;  // the preset's, all of them
+  auto shard = [&](std::uint32_t tp, std::uint32_t rank, const char* what) {
+    if (tp == 0 || model_heads % tp != 0) {
+      throw Error(StatusCode::kInvalidArgument,
+                  std::string("bench: --") + what + "-tp " + std::to_string(tp) +
+                      " does not divide the model's " + std::to_string(model_heads) +
+                      " KV heads");
+    }
+    if (rank >= tp) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "bench: --local-rank " + std::to_string(rank) + " out of range [0, " +
+                      std::to_string(tp) + ")");
+    }
+    return std::pair<std::uint32_t, std::uint32_t>{model_heads / tp * rank, model_heads / tp};
+  };
+  const auto [lfirst, ln] = shard(g.local_tp, g.local_rank, "local");
+  // The prefill rank holding the local shard's first head; it must hold all.
+  const std::uint32_t rn = shard(g.remote_tp, 0, "remote").second;
+  const std::uint32_t rfirst = lfirst / rn * rn;
+  if (lfirst + ln > rfirst + rn) {
+    throw Error(StatusCode::kInvalidArgument,
+                "bench: a TP=" + std::to_string(g.local_tp) + " decode rank holds KV heads [" +
+                    std::to_string(lfirst) + ", " + std::to_string(lfirst + ln) +
+                    "), more than one TP=" + std::to_string(g.remote_tp) +
+                    " prefill rank holds (" + std::to_string(rn) +
+                    "): a merge reads several peers (KVTransferManager's RemoteShard form, "
+                    "tested in the conformance suite), which bench does not measure");
+  }
+  if (g.local_tp > 1 || g.remote_tp > 1) {
+    w.local.total_kv_heads = w.remote.total_kv_heads = model_heads;
+    w.local.first_kv_head = lfirst;
+    w.local.num_kv_heads = ln;
+    w.remote.first_kv_head = rfirst;
+    w.remote.num_kv_heads = rn;
+    w.name += "/tp" + std::to_string(g.remote_tp) + "->" + std::to_string(g.local_tp) + "r" +
+              std::to_string(g.local_rank);
+  }
+  if (g.remote_page_size != 0 && g.remote_page_size != w.remote.page_size) {
+    w.remote.page_size = g.remote_page_size;
+    w.remote.num_pages =
+        static_cast<std::uint32_t>((w.tokens + g.remote_page_size - 1) / g.remote_page_size);
+    w.name += "/p" + std::to_string(w.local.page_size) + "<-p" + std::to_string(g.remote_page_size);
+  }
+  w.local.validate();
+  w.remote.validate();
+  w.piece_bytes = w.local.block_bytes();
+}
 
 Workload model_workload(const std::string& model, std::uint32_t page_size,
                         std::uint64_t tokens, PageTable table_kind, double prefix_hit,

@@ -39,7 +39,22 @@ struct Workload {
   bool same_host_only = false;
 
   std::uint64_t bytes_per_request() const;  // what one retrieve moves
+  // The two caches differ in page size, head shard or in-page order: the
+  // memcpy baseline then copies the same bytes laid out contiguously.
+  bool mixed_geometry() const;
 };
+
+// A remote geometry other than the local one (caches of different
+// geometry): the prefill side's page size and tensor-parallel split, and
+// the decode rank's. The model preset's KV heads are the model's.
+struct Geometry {
+  std::uint32_t remote_page_size = 0;  // 0: the local one
+  std::uint32_t local_tp = 1, local_rank = 0, remote_tp = 1;
+};
+// Applies `g` to a model workload (name suffixed "/tp1->2r1", "/p64<-p16").
+// Throws Error(kInvalidArgument) naming the flag for splits that do not
+// line up, and for merges (a decode rank wider than one prefill rank).
+void set_geometry(Workload& w, const Geometry& g);
 
 // The remote layout's page table for a workload (entry i = sequence page i).
 std::vector<std::uint32_t> remote_page_table(const Workload& w);

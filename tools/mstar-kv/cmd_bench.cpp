@@ -51,6 +51,11 @@ const char* kHelp =
     "  --model NAME --tokens N [--page-size N] [--table scattered|contiguous]\n"
     "  [--prefix-hit F] [--cache-order O] [--page-order O]\n"
     "  [--remote-cache-order O] [--remote-page-order O]\n"
+    "  [--remote-page-size N] [--remote-tp M --local-tp N --local-rank R]\n"
+    "                      a prefill cache of another geometry: page size, and a\n"
+    "                      decode rank of TP=N reading its heads from a TP=M rank\n"
+    "                      (M <= N); the memcpy baseline then copies the same bytes\n"
+    "                      contiguously\n"
     "  raw cases instead of a suite:\n"
     "  --piece LIST        piece sizes in bytes (multiples of 4096), e.g. 4096,65536\n"
     "  --batch LIST        reads per request (default 128)\n"
@@ -163,6 +168,12 @@ std::vector<Workload> select_workloads(const Args& args) {
         args.has("remote-cache-order") ? parse_cache_order(args.str("remote-cache-order", "")) : co,
         po,
         args.has("remote-page-order") ? parse_page_order(args.str("remote-page-order", "")) : po));
+    Geometry g;
+    g.remote_page_size = static_cast<std::uint32_t>(args.u64("remote-page-size", 0));
+    g.local_tp = static_cast<std::uint32_t>(args.u64("local-tp", 1));
+    g.local_rank = static_cast<std::uint32_t>(args.u64("local-rank", 0));
+    g.remote_tp = static_cast<std::uint32_t>(args.u64("remote-tp", 1));
+    set_geometry(ws.back(), g);
   } else {
     ws = suite(args.str("suite", "default"));
   }
@@ -239,6 +250,7 @@ int cmd_bench(int argc, char** argv) {
             {"help", "quiet", "no-external", "no-verify", "epoch-ab", "epoch-ab-control"},
             {"suite", "engine", "case", "model", "tokens", "page-size", "table", "prefix-hit",
              "cache-order", "page-order", "remote-cache-order", "remote-page-order", "piece",
+             "remote-page-size", "local-tp", "local-rank", "remote-tp",
              "batch", "repeat", "threads", "min-time", "timeout-ms", "engine-opt", "max-mem-gib",
              "mooncake-duration", "mooncake-sizes", "mooncake-lib", "json", "csv", "plot"});
   if (args.flag("help")) {

@@ -3,7 +3,8 @@
 // `mstar-kv serve` and `mstar-kv pull`: the two-host form of the demo.
 //
 // serve holds a cache, publishes demo requests (the pattern with a known
-// seed) and answers an HTTP control plane (cpp-httplib):
+// seed) and answers an HTTP control plane (http_server.hpp: libmicrohttpd,
+// keep-alive, bounded connections and timeouts, optional bearer token):
 //   GET    /v1/sequences               ids being served (JSON)
 //   GET    /v1/sequences/{id}          SequenceInfo::encode() bytes
 //                                      (application/octet-stream)
@@ -11,14 +12,19 @@
 //                                      puller needs to build a cache and verify
 //   POST   /v1/sequences/{id}/done     the puller is done: free the pages
 //   DELETE /v1/sequences/{id}/done     same
-// Unknown ids answer 404 with a message. The data plane is the engine's own
-// (for ucx: its listener on --data-port, by default the HTTP port + 1).
+//   GET    /metrics                    Prometheus text
+// Unknown ids and paths answer 404 with a message, a known path with another
+// method 405. With --token-file every request needs the bearer token (401
+// without, 403 wrong); a non-loopback --listen needs a token or --insecure.
+// The data plane is the engine's own (for ucx: its listener on --data-port,
+// by default the HTTP port + 1); the token reaches the engine as
+// EngineOptions.extra["auth_token"].
 //
-// pull fetches a sequence, pulls it with KVTransferManager (N times),
-// verifies every page against the pattern, prints GB/s, tells the server it
-// is done, and exits non-zero with a clear message on any failure.
+// pull (a cpp-httplib client) fetches a sequence, pulls it with
+// KVTransferManager (N times), verifies every page against the pattern,
+// prints GB/s, tells the server it is done, and exits non-zero with a clear
+// message on any failure.
 #include <httplib.h>
-#include <signal.h>
 
 #include <algorithm>
 #include <atomic>
@@ -26,17 +32,19 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
+#include <memory>
 #include <mutex>
 #include <set>
-#include <sstream>
 #include <string>
-#include <thread>
+#include <string_view>
 #include <vector>
 
 #include "args.hpp"
 #include "commands.hpp"
+#include "http_auth.hpp"
+#include "http_server.hpp"
 #include "layout_args.hpp"
+#include "serve_pull_util.hpp"
 #include "mstar/kv/kv.hpp"
 
 namespace mstar::kv::cli {
@@ -45,104 +53,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr std::uint16_t kDefaultHttpPort = 23480;  // outside 32768-60999
 constexpr std::uint64_t kDefaultSeed = 0x5e7e0001;
-
-struct HostPort {
-  std::string host;
-  std::uint16_t port = 0;
-};
-
-HostPort parse_host_port(const std::string& s, const char* flag) {
-  const auto colon = s.rfind(':');
-  HostPort hp;
-  if (colon == std::string::npos) {
-    hp.host = s;
-    hp.port = kDefaultHttpPort;
-  } else {
-    hp.host = s.substr(0, colon);
-    const std::string p = s.substr(colon + 1);
-    char* end = nullptr;
-    const unsigned long v = std::strtoul(p.c_str(), &end, 10);
-    if (p.empty() || *end != '\0' || v == 0 || v > 65535) {
-      throw Error(StatusCode::kInvalidArgument,
-                  std::string(flag) + " '" + s + "': port '" + p + "' is not in [1, 65535]");
-    }
-    hp.port = static_cast<std::uint16_t>(v);
-  }
-  if (hp.host.empty()) {
-    throw Error(StatusCode::kInvalidArgument, std::string(flag) + " '" + s + "' has no host");
-  }
-  return hp;
-}
 
 MemoryKind memory_for(const std::string& engine) {
   return engine == "shm" ? MemoryKind::kSharedHost : MemoryKind::kHost;
 }
-
-std::string layout_json(const KVLayout& l) {
-  std::ostringstream o;
-  o << "{\"num_layers\":" << l.num_layers << ",\"num_pages\":" << l.num_pages
-    << ",\"page_size\":" << l.page_size << ",\"num_kv_heads\":" << l.num_kv_heads
-    << ",\"head_dim\":" << l.head_dim << ",\"dtype\":\"" << to_string(l.dtype)
-    << "\",\"has_v\":" << (l.has_v ? "true" : "false") << ",\"cache_order\":\""
-    << to_string(l.cache_order) << "\",\"page_order\":\"" << to_string(l.page_order) << "\"}";
-  return o.str();
-}
-
-// Minimal reader for the flat JSON this file writes: the value after "key":.
-std::string json_value(const std::string& json, const std::string& key) {
-  const std::string needle = "\"" + key + "\":";
-  const auto at = json.find(needle);
-  if (at == std::string::npos) {
-    throw Error(StatusCode::kCorruptDescriptor, "server metadata lacks '" + key + "'");
-  }
-  std::size_t i = at + needle.size();
-  if (i < json.size() && json[i] == '"') {
-    const auto end = json.find('"', i + 1);
-    if (end == std::string::npos) {
-      throw Error(StatusCode::kCorruptDescriptor, "server metadata: bad '" + key + "'");
-    }
-    return json.substr(i + 1, end - i - 1);
-  }
-  std::size_t end = i;
-  while (end < json.size() && json[end] != ',' && json[end] != '}') ++end;
-  return json.substr(i, end - i);
-}
-
-std::uint64_t json_u64(const std::string& json, const std::string& key) {
-  const std::string v = json_value(json, key);
-  char* end = nullptr;
-  const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0') {
-    throw Error(StatusCode::kCorruptDescriptor,
-                "server metadata: '" + key + "' = '" + v + "' is not a number");
-  }
-  return x;
-}
-
-// Blocks SIGINT/SIGTERM in every thread started after it; wait() returns
-// when one arrives or stop() is called.
-class SignalWaiter {
- public:
-  SignalWaiter() {
-    sigemptyset(&set_);
-    sigaddset(&set_, SIGINT);
-    sigaddset(&set_, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &set_, nullptr);
-  }
-  // Polls for a signal until `stop` becomes true; returns true on a signal.
-  bool wait(const std::atomic<bool>& stop) {
-    timespec ts{0, 50 * 1000 * 1000};
-    while (!stop.load(std::memory_order_acquire)) {
-      if (sigtimedwait(&set_, nullptr, &ts) > 0) return true;
-    }
-    return false;
-  }
-
- private:
-  sigset_t set_;
-};
 
 const char* kServeHelp =
     "usage: mstar-kv serve [options] [layout options]\n"
@@ -157,7 +72,19 @@ const char* kServeHelp =
     "\n"
     "options:\n"
     "  --engine NAME       transfer engine (default ucx)\n"
-    "  --listen HOST:PORT  HTTP address (default 127.0.0.1:23480; loopback unless told)\n"
+    "  --listen HOST:PORT  HTTP address (default 127.0.0.1:23480); an address others can\n"
+    "                      reach needs --token-file (or --insecure)\n"
+    "  --token-file F      shared secret (>= 16 bytes, one line): every HTTP request\n"
+    "                      needs 'Authorization: Bearer <secret>' (401 without, 403\n"
+    "                      wrong); the engine gets it as extra auth_token\n"
+    "  --insecure          allow a non-loopback --listen without a token\n"
+    "  --http-threads N    HTTP event-loop threads (default 2)\n"
+    "  --http-max-connections N  open HTTP connections at most (default 4096, within\n"
+    "                      RLIMIT_NOFILE, which serve raises to its hard limit)\n"
+    "  --http-header-timeout-s N close a connection whose next request line and headers\n"
+    "                      are not all in N s after it opened or after its previous\n"
+    "                      response, however slowly they trickle (default 10)\n"
+    "  --http-idle-timeout-s N   close a connection silent for N s (default 10)\n"
     "  --data-port N       the engine's data port (default HTTP port + 1)\n"
     "  --data-host HOST    address peers use for data (default the --listen host)\n"
     "  --sequences N       demo requests to publish (default 1)\n"
@@ -180,6 +107,8 @@ const char* kPullHelp =
     "\n"
     "options:\n"
     "  --from HOST:PORT    the server's HTTP address (required)\n"
+    "  --token-file F      the server's shared secret (sent as a bearer token; the\n"
+    "                      engine gets it as extra auth_token)\n"
     "  --seq ID            sequence id (default 0)\n"
     "  --repeat N          pulls (default 1; the median is shown)\n"
     "  --engine NAME       transfer engine (default: the descriptor's)\n"
@@ -191,47 +120,31 @@ const char* kPullHelp =
     "  --mooncake-lib PATH Mooncake's libtransfer_engine.so (--engine mooncake)\n"
     "  --keep              do not tell the server 'done'\n";
 
-void parse_extra(const Args& args, EngineOptions& o) {
-  if (args.has("mooncake-lib")) o.extra["mooncake_lib"] = args.str("mooncake-lib", "");
-  if (!args.has("extra")) return;
-  std::stringstream ss(args.str("extra", ""));
-  for (std::string kv; std::getline(ss, kv, ',');) {
-    const auto eq = kv.find('=');
-    if (eq == std::string::npos || eq == 0) {
-      throw Error(StatusCode::kInvalidArgument, "--extra '" + kv + "' is not KEY=VALUE");
-    }
-    o.extra[kv.substr(0, eq)] = kv.substr(eq + 1);
-  }
-}
-
-// "/v1/sequences/17/meta" -> 17; false when not a decimal id.
-bool parse_id(const std::string& s, std::uint64_t* id) {
-  if (s.empty() || s.size() > 19) return false;
-  std::uint64_t v = 0;
-  for (char c : s) {
-    if (c < '0' || c > '9') return false;
-    v = v * 10 + static_cast<std::uint64_t>(c - '0');
-  }
-  *id = v;
-  return true;
-}
-
 }  // namespace
 
 int cmd_serve(int argc, char** argv) {
   std::set<std::string> options = layout_options();
   for (const char* o : {"engine", "listen", "data-port", "data-host", "sequences", "tokens",
                         "seed", "scatter-seed", "timeout-ms", "extra", "mooncake-lib",
-                        "lease-ms"}) {
+                        "lease-ms", "token-file", "http-threads", "http-max-connections",
+                        "http-idle-timeout-s", "http-header-timeout-s"}) {
     options.insert(o);
   }
-  Args args(argc, argv, {"help", "exit-when-done"}, options);
+  Args args(argc, argv, {"help", "exit-when-done", "insecure"}, options);
   if (args.flag("help")) {
     std::printf("%s\n%s", kServeHelp, layout_help());
     return 0;
   }
   const std::string engine = args.str("engine", "ucx");
   const HostPort http = parse_host_port(args.str("listen", "127.0.0.1"), "--listen");
+  const std::string token = args.has("token-file") ? read_token_file(args.str("token-file", ""))
+                                                   : std::string();
+  if (token.empty() && !is_loopback_host(http.host) && !args.flag("insecure")) {
+    throw Error(StatusCode::kInvalidArgument,
+                "--listen " + http.host + ":" + std::to_string(http.port) +
+                    " is not a loopback address: anyone who reaches it could read the cache; "
+                    "give --token-file F (or --insecure to serve it without a token)");
+  }
   const std::uint64_t data_port = args.u64("data-port", http.port + 1u);
   if (data_port == 0 || data_port > 65535) {
     throw Error(StatusCode::kInvalidArgument,
@@ -261,6 +174,7 @@ int cmd_serve(int argc, char** argv) {
   EngineOptions eo;
   eo.timeout = std::chrono::milliseconds(args.u64("timeout-ms", 30000));
   parse_extra(args, eo);
+  if (!token.empty()) eo.extra["auth_token"] = token;
   SignalWaiter signals;  // before any thread starts
   // A restarted server must listen on its port again while its previous
   // connections sit in TIME_WAIT; the user's setting wins (no overwrite).
@@ -287,49 +201,50 @@ int cmd_serve(int argc, char** argv) {
   const bool exit_when_done = args.flag("exit-when-done");
   std::atomic<std::uint64_t> descriptors_served{0}, sequences_done{0};
 
-  httplib::Server svr;
-  auto not_found = [](httplib::Response& res, const std::string& what) {
-    res.status = 404;
-    res.set_content(what + "\n", "text/plain");
+  auto text = [](int status, std::string body) {
+    HttpResponse r;
+    r.status = status;
+    r.body = std::move(body);
+    return r;
   };
-  svr.Get("/v1/sequences", [&](const httplib::Request&, httplib::Response& res) {
+  auto not_served = [&](const std::string& id) {
+    return text(404, "sequence '" + id + "' is not served here\n");
+  };
+  auto not_allowed = [&](const char* allow) {
+    HttpResponse r = text(405, std::string("method not allowed; use ") + allow + "\n");
+    r.headers.emplace_back("Allow", allow);
+    return r;
+  };
+  auto list = [&] {
     std::lock_guard<std::mutex> lk(mu);
     std::string body = "{\"sequences\":[";
     bool first = true;
     for (std::uint64_t id : live) {
+      if (!pool.contains(id)) continue;  // its lease ran out
       body += (first ? "" : ",") + std::to_string(id);
       first = false;
     }
-    res.set_content(body + "]}\n", "application/json");
-  });
-  svr.Get(R"(/v1/sequences/([^/]+))", [&](const httplib::Request& req, httplib::Response& res) {
-    std::uint64_t id = 0;
-    if (!parse_id(req.matches[1], &id) || !pool.contains(id)) {
-      return not_found(res, "sequence '" + std::string(req.matches[1]) + "' is not served here");
-    }
+    HttpResponse r = text(200, body + "]}\n");
+    r.content_type = "application/json";
+    return r;
+  };
+  auto descriptor = [&](std::uint64_t id) {
     const auto bytes = pool.publish(id).encode();
     descriptors_served.fetch_add(1, std::memory_order_relaxed);
-    res.set_content(std::string(bytes.begin(), bytes.end()), "application/octet-stream");
-    res.set_header("X-Mstar-Kv-Seed", std::to_string(seed + id));
-  });
-  svr.Get(R"(/v1/sequences/([^/]+)/meta)",
-          [&](const httplib::Request& req, httplib::Response& res) {
-            std::uint64_t id = 0;
-            if (!parse_id(req.matches[1], &id) || !pool.contains(id)) {
-              return not_found(res, "sequence '" + std::string(req.matches[1]) +
-                                        "' is not served here");
-            }
-            res.set_content("{\"seq_id\":" + std::to_string(id) +
-                                ",\"num_tokens\":" + std::to_string(tokens) +
-                                ",\"seed\":" + std::to_string(seed + id) + ",\"engine\":\"" +
-                                engine + "\",\"layout\":" + layout_json(layout) + "}\n",
-                            "application/json");
-          });
-  auto done = [&](const httplib::Request& req, httplib::Response& res) {
-    std::uint64_t id = 0;
-    if (!parse_id(req.matches[1], &id) || !pool.contains(id)) {
-      return not_found(res, "sequence '" + std::string(req.matches[1]) + "' is not served here");
-    }
+    HttpResponse r = text(200, std::string(bytes.begin(), bytes.end()));
+    r.content_type = "application/octet-stream";
+    r.headers.emplace_back("X-Mstar-Kv-Seed", std::to_string(seed + id));
+    return r;
+  };
+  auto meta = [&](std::uint64_t id) {
+    HttpResponse r = text(200, "{\"seq_id\":" + std::to_string(id) + ",\"num_tokens\":" +
+                                   std::to_string(tokens) + ",\"seed\":" +
+                                   std::to_string(seed + id) + ",\"engine\":\"" + engine +
+                                   "\",\"layout\":" + layout_json(layout) + "}\n");
+    r.content_type = "application/json";
+    return r;
+  };
+  auto done = [&](std::uint64_t id) {
     pool.release(id);
     sequences_done.fetch_add(1, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lk(mu);
@@ -337,14 +252,12 @@ int cmd_serve(int argc, char** argv) {
     std::printf("sequence %llu done: %zu pages free\n", static_cast<unsigned long long>(id),
                 pool.free_page_count());
     std::fflush(stdout);
-    res.set_content("released sequence " + std::to_string(id) + "\n", "text/plain");
-    if (live.empty() && exit_when_done) {
-      all_done.store(true, std::memory_order_release);
-    }
+    if (live.empty() && exit_when_done) all_done.store(true, std::memory_order_release);
+    return text(200, "released sequence " + std::to_string(id) + "\n");
   };
   // Prometheus: the manager's read statistics (reads this process pulled)
   // and the owner's own families.
-  svr.Get("/metrics", [&](const httplib::Request&, httplib::Response& res) {
+  auto metrics = [&] {
     std::size_t live_count = 0;
     {
       std::lock_guard<std::mutex> lk(mu);
@@ -366,29 +279,70 @@ int cmd_serve(int argc, char** argv) {
         "\n# HELP mstar_kv_pool_free_pages Free pages in the served cache.\n"
         "# TYPE mstar_kv_pool_free_pages gauge\n"
         "mstar_kv_pool_free_pages" + labels + " " + std::to_string(pool.free_page_count()) + "\n";
-    res.set_content(render_prometheus({manager.stats()}, own),
-                    "text/plain; version=0.0.4; charset=utf-8");
-  });
-  svr.Post(R"(/v1/sequences/([^/]+)/done)", done);
-  svr.Delete(R"(/v1/sequences/([^/]+)/done)", done);
+    HttpResponse r = text(200, render_prometheus({manager.stats()}, own));
+    r.content_type = "text/plain; version=0.0.4; charset=utf-8";
+    return r;
+  };
+  auto route = [&](const HttpRequest& req) -> HttpResponse {
+    const bool get = req.method == "GET";
+    if (req.path == "/metrics") return get ? metrics() : not_allowed("GET");
+    if (req.path == "/v1/sequences") return get ? list() : not_allowed("GET");
+    constexpr std::string_view kPrefix = "/v1/sequences/";
+    if (req.path.rfind(kPrefix, 0) != 0) return text(404, "no such path: " + req.path + "\n");
+    std::string rest = req.path.substr(kPrefix.size());
+    std::string tail;
+    if (const auto slash = rest.find('/'); slash != std::string::npos) {
+      tail = rest.substr(slash);
+      rest.resize(slash);
+    }
+    std::uint64_t id = 0;
+    if (tail != "" && tail != "/meta" && tail != "/done") {
+      return text(404, "no such path: " + req.path + "\n");
+    }
+    if (!parse_id(rest, &id) || !pool.contains(id)) return not_served(rest);
+    try {
+      if (tail == "/done") {
+        return req.method == "POST" || req.method == "DELETE" ? done(id)
+                                                               : not_allowed("POST, DELETE");
+      }
+      if (!get) return not_allowed("GET");
+      return tail.empty() ? descriptor(id) : meta(id);
+    } catch (const Error& e) {
+      // Its lease ran out, or another "done" won, since contains(): gone.
+      if (e.code() == StatusCode::kNotFound || e.code() == StatusCode::kInvalidArgument ||
+          e.code() == StatusCode::kStaleDescriptor) {
+        return not_served(rest);
+      }
+      throw;
+    }
+  };
 
-  if (!svr.bind_to_port(http.host.c_str(), http.port)) {
-    throw Error(StatusCode::kUnavailable, "cannot listen for HTTP on " + http.host + ":" +
-                                              std::to_string(http.port) +
-                                              " (address in use or not local?)");
-  }
+  HttpServerOptions ho;
+  ho.host = http.host;
+  ho.port = http.port;
+  ho.threads = static_cast<unsigned>(args.u64("http-threads", ho.threads));
+  ho.max_connections = static_cast<unsigned>(
+      std::min<std::uint64_t>(args.u64("http-max-connections", ho.max_connections), 1u << 20));
+  ho.header_timeout_s = static_cast<unsigned>(
+      std::min<std::uint64_t>(args.u64("http-header-timeout-s", ho.header_timeout_s), 86400));
+  ho.idle_timeout_s = static_cast<unsigned>(
+      std::min<std::uint64_t>(args.u64("http-idle-timeout-s", ho.idle_timeout_s), 86400));
+  ho.token = token;
+  auto server = std::make_unique<HttpServer>(ho, route);
   std::printf("mstar-kv serve: engine '%s', %llu request(s) of %llu tokens, layout %s\n",
               engine.c_str(), static_cast<unsigned long long>(sequences),
               static_cast<unsigned long long>(tokens), layout.to_string().c_str());
+  std::printf("http control plane: %u thread(s), at most %u connections, header timeout %u s, "
+              "idle timeout %u s, %s\n",
+              ho.threads, server->max_connections(), ho.header_timeout_s, ho.idle_timeout_s,
+              token.empty() ? "no token" : "bearer token required");
   std::printf("http://%s:%u/v1/sequences/{0..%llu}  data %s  seed %llu+id\n", http.host.c_str(),
               http.port, static_cast<unsigned long long>(sequences - 1), session.c_str(),
               static_cast<unsigned long long>(seed));
   std::fflush(stdout);
 
-  std::thread http_thread([&] { svr.listen_after_bind(); });
   const bool signalled = signals.wait(all_done);
-  svr.stop();
-  http_thread.join();
+  server.reset();  // stops and joins its threads: no handler runs during cleanup
   manager.cleanup();
   std::printf("mstar-kv serve: %s\n", signalled ? "interrupted, stopped" : "all sequences done");
   return 0;
@@ -397,7 +351,7 @@ int cmd_serve(int argc, char** argv) {
 int cmd_pull(int argc, char** argv) {
   Args args(argc, argv, {"help", "keep"},
             {"from", "seq", "repeat", "engine", "listen", "cache-order", "page-order",
-             "timeout-ms", "extra", "mooncake-lib"});
+             "timeout-ms", "extra", "mooncake-lib", "token-file"});
   if (args.flag("help")) {
     std::printf("%s", kPullHelp);
     return 0;
@@ -413,8 +367,12 @@ int cmd_pull(int argc, char** argv) {
                 "--repeat " + std::to_string(repeat) + " is not in [1, 10000]");
   }
   const std::string base = "/v1/sequences/" + std::to_string(seq_id);
+  const std::string token = args.has("token-file") ? read_token_file(args.str("token-file", ""))
+                                                   : std::string();
 
   httplib::Client http(from.host, from.port);
+  http.set_tcp_nodelay(true);
+  if (!token.empty()) http.set_bearer_token_auth(token.c_str());
   http.set_connection_timeout(5, 0);
   http.set_read_timeout(30, 0);
   http.set_write_timeout(30, 0);
@@ -427,6 +385,13 @@ int cmd_pull(int argc, char** argv) {
     }
     if (res->status == 404) {
       throw Error(StatusCode::kNotFound, "server says: " + res->body);
+    }
+    if (res->status == 401 || res->status == 403) {
+      throw Error(StatusCode::kUnavailable,
+                  "GET " + path + " refused with HTTP " + std::to_string(res->status) + " (" +
+                      (res->status == 401 ? "the server needs a token: --token-file F"
+                                          : "the server rejects the token of --token-file") +
+                      "): " + res->body);
     }
     if (res->status != 200) {
       throw Error(StatusCode::kUnavailable,
@@ -471,6 +436,7 @@ int cmd_pull(int argc, char** argv) {
   EngineOptions eo;
   eo.timeout = std::chrono::milliseconds(args.u64("timeout-ms", 30000));
   parse_extra(args, eo);
+  if (!token.empty()) eo.extra["auth_token"] = token;
   auto cache = make_kv_cache(layout, memory_for(engine));
   KVTransferManager manager(TransferEngineInfo{"pull", args.str("listen", ""), engine, eo},
                             cache);

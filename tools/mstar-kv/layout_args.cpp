@@ -8,6 +8,7 @@ namespace mstar::kv::cli {
 const std::vector<ModelPreset>& model_presets() {
   static const std::vector<ModelPreset> presets = {
       {"llama3-8b", 32, 8, 128, true, "Llama-3-8B: 32 layers, 8 KV heads, head dim 128"},
+      {"llama3-70b", 80, 8, 128, true, "Llama-3-70B: 80 layers, 8 KV heads, head dim 128"},
       {"llama3-70b-tp8", 80, 1, 128, true, "Llama-3-70B at TP8: 80 layers, 1 KV head per rank"},
       {"qwen2.5-7b", 28, 4, 128, true, "Qwen-2.5-7B: 28 layers, 4 KV heads, head dim 128"},
       {"deepseek-v3", 61, 1, 576, false,

@@ -221,9 +221,11 @@ class CudaIpcKVTransferEngine final : public KVTransferEngine {
   // a refused batch falls back for good, re-issuing its copies).
   // options.extra["cuda_ipc_check_owner_pid"] = "0" stops refusing
   // descriptors whose owner pid does not exist here (for owners in another
-  // pid namespace, e.g. another container sharing the GPU). The engine
-  // shares ownership of the cache. Throws Error(kInvalidArgument) for other
-  // memory or limits, Error(kUnavailable) (CUDA error named) when streams or
+  // pid namespace, e.g. another container sharing the GPU). Any other key
+  // starting with "cuda_ipc_" is refused with Error(kInvalidArgument) naming
+  // the known ones (checked first); keys of other engines' prefixes and
+  // shared keys are ignored. The engine shares ownership of the cache.
+  // Throws Error(kInvalidArgument) for other memory or limits, Error(kUnavailable) (CUDA error named) when streams or
   // the handle cannot be made.
   explicit CudaIpcKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
                                    const EngineOptions& options = {});
@@ -240,6 +242,7 @@ class CudaIpcKVTransferEngine final : public KVTransferEngine {
   // The same, decoded.
   const CudaIpcKVTransferInfo& info() const noexcept;
 
+  std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const override;
   std::optional<TransferFuture> read_batched_async(
       const KVTransferInfo& remote_kv_info,
       std::span<const KVReadInfo> read_info) override;

@@ -45,7 +45,11 @@ struct KVTransferInfo {
 };
 
 // One request as published by the prefill side: entry i of page_indices holds
-// tokens [i*page_size, (i+1)*page_size) of the sequence.
+// tokens [i*page_size, (i+1)*page_size) of the sequence. page_size is the
+// owner's layout's (the layout the descriptor describes; KVCachePool::publish
+// sets it) and must be in [1, LayoutLimits::kMaxPageSize]; the page count is
+// exactly ceil(num_tokens / page_size): decode rejects any other count,
+// naming the tokens, the pages and the page size.
 //
 // lease_expiry_ms: when the prefill side frees the sequence unless a reader
 // marked it done first (milliseconds since the Unix epoch, the owner's
@@ -57,6 +61,7 @@ struct SequenceInfo {
   std::vector<std::uint32_t> page_indices;
   KVTransferInfo kv_transfer_info;
   std::uint64_t lease_expiry_ms = 0;
+  std::uint32_t page_size = 0;  // tokens per page (last: aggregates stay valid)
 
   std::vector<std::uint8_t> encode() const;
   static SequenceInfo decode(std::span<const std::uint8_t> bytes);

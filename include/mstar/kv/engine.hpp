@@ -10,6 +10,7 @@
 
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/future.hpp"
+#include "mstar/kv/layout.hpp"
 #include "mstar/kv/read_info.hpp"
 #include "mstar/kv/readiness.hpp"
 #include <memory>
@@ -22,8 +23,10 @@ namespace mstar::kv {
 // * read_batched_async validates the descriptor (engine, generation, layout
 //   compatibility, bounds) and every read before any byte moves, throwing
 //   Error on a bad argument. It never blocks on the transfer itself.
-// * It returns std::nullopt when there is nothing to read, else a future that
-//   resolves with the bytes read or an error, within the engine's timeout.
+// * It returns std::nullopt when there is nothing to read (after validating
+//   the descriptor all the same: engine, format, layout compatibility), else
+//   a future that resolves with the bytes read or an error, within the
+//   engine's timeout.
 // * Pages not named in a read are never touched; the remote cache is never
 //   written.
 // * shutdown() resolves every in-flight future (kShutdown unless it already
@@ -43,6 +46,16 @@ class KVTransferEngine {
       std::span<const KVReadInfo> read_info) = 0;
 
   virtual void shutdown() = 0;
+
+  // The layout of the cache `remote` describes, decoded and validated as
+  // read_batched_async decodes it (throws the same Error for a descriptor it
+  // would refuse), without contacting the owner. KVTransferManager uses it
+  // to check the remote page table before planning, so that errors name the
+  // caller's table entries, and to plan between caches of different
+  // geometry (planner.hpp: page sizes, head shards). The default,
+  // std::nullopt, is for engines that cannot tell: the manager then plans as
+  // for one geometry and read_batched_async checks the remote pages.
+  virtual std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const;
 
   // Done notices (leases, pool.hpp). Reader side: tells the owner of
   // `remote` (the descriptor of a SequenceInfo, which carries the epoch)

@@ -52,6 +52,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 
 #include "mstar/kv/engine.hpp"
 #include "mstar/kv/layout.hpp"
@@ -132,6 +133,7 @@ class FaultInjectingEngine final : public KVTransferEngine {
   FaultInjectingEngine& operator=(const FaultInjectingEngine&) = delete;
 
   KVTransferInfo get_kv_transfer_info() const override;
+  std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const override;
   std::optional<TransferFuture> read_batched_async(
       const KVTransferInfo& remote_kv_info,
       std::span<const KVReadInfo> read_info) override;

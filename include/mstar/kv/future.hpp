@@ -109,6 +109,10 @@ class TransferPromise {
   bool resolved() const noexcept;
   // True once cancel() was called on any copy of the future.
   bool cancel_requested() const noexcept;
+  // Runs `hook` once, on the thread that first calls cancel() on a copy of
+  // the future (right here if that already happened). It must not block or
+  // throw. For engines that forward a cancel (join_futures).
+  void on_cancel(std::function<void()> hook);
 
   // Phase stamps (TransferTiming): call mark_planned once the descriptor and
   // reads are validated and the copies planned, mark_posted once the last
@@ -130,5 +134,12 @@ class TransferPromise {
 // A future that is already resolved (for engines that finish synchronously).
 TransferFuture make_ready_future(std::uint64_t bytes);
 TransferFuture make_failed_future(Status status);
+
+// One future for several reads (one per peer of a tensor-parallel merge):
+// resolves once every part resolved, with the sum of their bytes, or with
+// the first failure (a part that fails cancels the others; the whole still
+// waits for them, so no byte lands after it resolves). cancel() cancels
+// every part. One part: that part itself.
+TransferFuture join_futures(std::vector<TransferFuture> parts);
 
 }  // namespace mstar::kv

@@ -66,9 +66,22 @@ struct KVLayout {
   bool has_v = true;  // false for MLA's single latent
   CacheOrder cache_order = CacheOrder::kLayerMajor;
   PageOrder page_order = PageOrder::kNHD;
+  // Head shards (tensor parallelism): the model has total_kv_heads KV heads
+  // (0: num_kv_heads, the cache holds them all) and this cache holds heads
+  // [first_kv_head, first_kv_head + num_kv_heads) of them; e.g. rank 1 of
+  // TP=2 over Llama-3-8B's 8 KV heads: total 8, first 4, num 4. A latent
+  // cache (MLA, has_v false) holds its one head on every rank: total 1.
+  std::uint32_t total_kv_heads = 0;
+  std::uint32_t first_kv_head = 0;
 
   // Throws Error(kInvalidArgument) naming the first field outside its limit.
   void validate() const;
+
+  std::uint32_t model_kv_heads() const noexcept {
+    return total_kv_heads != 0 ? total_kv_heads : num_kv_heads;
+  }
+  // One past the last model head this cache holds.
+  std::uint32_t end_kv_head() const noexcept { return first_kv_head + num_kv_heads; }
 
   std::size_t element_size() const noexcept { return dtype_size(dtype); }
   std::uint32_t num_kv() const noexcept { return has_v ? 2u : 1u; }
@@ -103,12 +116,28 @@ struct KVLayout {
 
   // Throws Error(kIncompatibleLayout) naming the first field that differs
   // between *this (local) and `remote` among those a read needs to match:
-  // num_layers, page_size, num_kv_heads, head_dim, dtype, has_v. num_pages,
-  // cache_order and page_order may differ (the planner handles them).
+  // num_layers, head_dim, dtype, has_v and the model's head count
+  // (model_kv_heads), or when the remote shard does not hold every head this
+  // cache holds. num_pages, page_size, cache_order, page_order and the head
+  // split may differ (the planner handles them).
   void check_compatible(const KVLayout& remote) const;
   bool is_compatible(const KVLayout& remote) const noexcept;
+  // What engines check on a descriptor before looking at the reads: the
+  // fields above that must match, and that the remote shard holds at least
+  // one of this cache's heads (the reads say which; plan_copies checks them).
+  void check_same_model(const KVLayout& remote) const;
+  // The same, but the remote shard need only hold model heads [lo, hi)
+  // (a part of this cache's heads read from one of several peers).
+  void check_shard(const KVLayout& remote, std::uint32_t lo, std::uint32_t hi) const;
+  // True when both hold the same heads in the same page size: reads then
+  // map token to token and head to head (the fast path).
+  bool same_geometry(const KVLayout& remote) const noexcept {
+    return page_size == remote.page_size && num_kv_heads == remote.num_kv_heads &&
+           first_kv_head == remote.first_kv_head && model_kv_heads() == remote.model_kv_heads();
+  }
 
-  // "32L x 1024P x 16T x 8H x 128D bf16 kv layer-major nhd"
+  // "32L x 1024P x 16T x 8H x 128D bf16 kv layer-major nhd", with
+  // " heads 4-8 of 8" for a shard
   std::string to_string() const;
 
   bool operator==(const KVLayout&) const = default;

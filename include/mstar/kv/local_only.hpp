@@ -1,12 +1,16 @@
 // Copyright mstar-kv authors.
 #pragma once
 
+#include <optional>
+#include <span>
+
 #include "mstar/kv/engine.hpp"
 
 namespace mstar::kv {
 
 // KV cache that remains local to its worker: its descriptor is empty, a read
-// of nothing returns std::nullopt, a read of anything throws
+// of nothing with the empty descriptor returns std::nullopt, a read of
+// anything (or of nothing from another engine's descriptor) throws
 // Error(kInvalidArgument). Safe from any thread.
 class LocalOnlyKVTransferEngine final : public KVTransferEngine {
  public:

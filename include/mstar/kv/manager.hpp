@@ -74,6 +74,29 @@ std::shared_ptr<KVCache> make_kv_cache(const KVLayout& layout, MemoryKind kind,
 // into disjoint local pages are supported. cleanup() shuts the engine down
 // (in-flight futures resolve with kShutdown); it is idempotent and run by the
 // destructor.
+// One peer of a read assembled from several: a tensor-parallel merge,
+// e.g. a TP=1 decode cache pulling heads 0-3 from prefill rank 0 and 4-7
+// from rank 1.
+struct RemoteShard {
+  std::vector<std::uint32_t> page_indices;  // in that peer's page size
+  KVTransferInfo kv_transfer_info;
+};
+
+// What KVTransferManager::start_async_retrieve does, for callers that hold
+// an engine rather than a manager (the Python package): plans the reads of
+// tokens [start_len, end_len) against the remote layout when the engine can
+// describe it (KVTransferEngine::remote_layout), else as for one geometry.
+std::vector<KVReadInfo> plan_retrieve(const KVTransferEngine& engine, const KVLayout& local,
+                                      std::uint64_t start_len, std::uint64_t end_len,
+                                      std::span<const std::uint32_t> local_page_indices,
+                                      std::span<const std::uint32_t> remote_page_indices,
+                                      const KVTransferInfo& remote);
+// The shard form (see KVTransferManager): plans every shard, then issues.
+std::optional<TransferFuture> retrieve_shards(KVTransferEngine& engine, const KVLayout& local,
+                                              std::uint64_t start_len, std::uint64_t end_len,
+                                              std::span<const std::uint32_t> local_page_indices,
+                                              std::span<const RemoteShard> shards);
+
 class KVTransferManager {
  public:
   KVTransferManager(std::optional<TransferEngineInfo> transfer_engine_info,
@@ -92,12 +115,35 @@ class KVTransferManager {
 
   // Pulls tokens [start_len, end_len) of a remote sequence (skip a cached
   // prefix by raising start_len). Validates everything first and throws
-  // Error before any byte moves; std::nullopt when start_len == end_len.
+  // Error before any byte moves: the range and the page tables (plan_reads;
+  // the remote table against the descriptor's layout, check_remote_pages,
+  // where the engine can tell it), errors naming the table entry and page,
+  // then the descriptor (the engine: engine name, format, layout
+  // compatibility). An empty range (start_len == end_len) is validated the
+  // same way, the descriptor included, then returns std::nullopt.
+  // The remote cache may differ in geometry (layout.hpp, planner.hpp): page
+  // size (remote_page_indices in its own page size), head shard (it must
+  // hold every head of the local cache; else use the shard form below),
+  // in-page and cache order.
   std::optional<TransferFuture> start_async_retrieve(
       std::uint64_t start_len, std::uint64_t end_len,
       std::span<const std::uint32_t> local_page_indices,
       std::span<const std::uint32_t> remote_page_indices,
       const KVTransferInfo& kv_transfer_info);
+
+  using RemoteShard = kv::RemoteShard;
+  // Pulls tokens [start_len, end_len) of every local head from the shards
+  // that hold them: each local head from the first shard (in the order
+  // given) that holds it, one read per shard that contributes, and one
+  // future for the whole (join_futures: the sum of the bytes, or the first
+  // failure once every part resolved; cancel() cancels every part). Throws
+  // Error(kIncompatibleLayout) naming the heads no shard holds, and what the
+  // form above throws, before any byte moves: every shard is planned first;
+  // if an engine then refuses its shard's read, the parts already issued are
+  // cancelled and waited for before the error is thrown.
+  std::optional<TransferFuture> start_async_retrieve(
+      std::uint64_t start_len, std::uint64_t end_len,
+      std::span<const std::uint32_t> local_page_indices, std::span<const RemoteShard> shards);
 
   // Same, then waits; returns the bytes read or throws Error.
   std::uint64_t sync_retrieve(std::uint64_t start_len, std::uint64_t end_len,

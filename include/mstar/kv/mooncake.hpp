@@ -246,6 +246,7 @@ class MooncakeKVTransferEngine final : public KVTransferEngine {
   // (P2P mode: getLocalIpAndPort, "HOST:PORT"; a shared handle: see above).
   const std::string& session_id() const noexcept { return session_id_; }
 
+  std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const override;
   std::optional<TransferFuture> read_batched_async(
       const KVTransferInfo& remote_kv_info,
       std::span<const KVReadInfo> read_info) override;

@@ -2,7 +2,8 @@
 //
 // A deterministic KV pattern and its verifier, shared by the demo, the tests,
 // the benchmark and the soak. The value of every (layer, k|v, token, head)
-// row depends only on the seed and those logical coordinates, never on the
+// row depends only on the seed and those logical coordinates (the head as
+// the model numbers it: layout.hpp first_kv_head), never on the
 // physical page or the layout's orders, so a cache filled on one side can be
 // verified on the other whatever the page tables and layouts.
 // Host memory only. Safe from any thread on disjoint pages.

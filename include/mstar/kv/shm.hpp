@@ -154,7 +154,9 @@ struct ShmEngineOptions {
 //   tables, about 0.1 s per GiB, for caches up to 8 GiB) on the calling
 //   thread. Every check happens before the first byte moves and throws Error.
 // * The timeout counts from read_batched_async, queueing included.
-//   TransferEngineInfo.options.extra holds nothing for this engine.
+//   TransferEngineInfo.options.extra holds nothing for this engine: a key
+//   starting with "shm_" is refused with Error(kInvalidArgument) (a typo),
+//   keys of other engines' prefixes and shared keys are ignored.
 // * The future completes when every byte is in place. TransferFuture::cancel()
 //   and the timeout stop a read between pieces; the future then resolves
 //   (kCancelled / kTimeout) only after the last piece being copied finished,
@@ -182,6 +184,7 @@ class ShmKVTransferEngine final : public KVTransferEngine {
   ShmKVTransferEngine& operator=(const ShmKVTransferEngine&) = delete;
 
   KVTransferInfo get_kv_transfer_info() const override;
+  std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const override;
   std::optional<TransferFuture> read_batched_async(
       const KVTransferInfo& remote_kv_info,
       std::span<const KVReadInfo> read_info) override;

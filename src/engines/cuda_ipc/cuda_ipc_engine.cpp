@@ -20,6 +20,7 @@
 #include "cuda_util.hpp"
 #include "device_memory.hpp"
 #include "engines/engine_makers.hpp"
+#include "engines/option_keys.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/status.hpp"
@@ -185,6 +186,9 @@ CudaIpcKVTransferEngine::Impl::Impl(std::shared_ptr<KVCache> cache,
                                     const EngineOptions& options)
     : cache_(std::move(cache)), options_(options), self_pid_(static_cast<std::uint32_t>(::getpid())) {
   if (!cache_) throw Error(StatusCode::kInvalidArgument, "cuda_ipc engine needs a KV cache");
+  // Options first: a typo is named before anything touches the device.
+  engines::reject_unknown_keys(options_.extra, "cuda_ipc", "cuda_ipc_",
+                               {"cuda_ipc_batch", "cuda_ipc_check_owner_pid"});
   memory_ = dynamic_cast<const cuda::DeviceMemory*>(&cache_->memory());
   if (cache_->memory_kind() != MemoryKind::kDevice || memory_ == nullptr) {
     throw Error(StatusCode::kInvalidArgument,
@@ -501,7 +505,7 @@ std::optional<TransferFuture> CudaIpcKVTransferEngine::Impl::read(
   std::shared_lock lifecycle(lifecycle_mu_);
   if (shut_down_) throw Error(StatusCode::kShutdown, "cuda_ipc engine is shut down");
   const CudaIpcKVTransferInfo remote = CudaIpcKVTransferInfo::decode(remote_kv_info);
-  cache_->layout().check_compatible(remote.layout);
+  cache_->layout().check_same_model(remote.layout);
   if (reads.empty()) return std::nullopt;
   CopyPlan plan = plan_copies(cache_->layout(), remote.layout, reads);
   if (plan.spans.empty()) return std::nullopt;
@@ -743,6 +747,11 @@ KVTransferInfo CudaIpcKVTransferEngine::get_kv_transfer_info() const { return im
 
 const CudaIpcKVTransferInfo& CudaIpcKVTransferEngine::info() const noexcept {
   return impl_->info();
+}
+
+std::optional<KVLayout> CudaIpcKVTransferEngine::remote_layout(
+    const KVTransferInfo& remote) const {
+  return CudaIpcKVTransferInfo::decode(remote).layout;
 }
 
 std::optional<TransferFuture> CudaIpcKVTransferEngine::read_batched_async(

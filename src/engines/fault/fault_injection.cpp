@@ -396,6 +396,10 @@ KVTransferInfo FaultInjectingEngine::get_kv_transfer_info() const {
   return impl_->inner->get_kv_transfer_info();
 }
 
+std::optional<KVLayout> FaultInjectingEngine::remote_layout(const KVTransferInfo& remote) const {
+  return impl_->inner->remote_layout(remote);
+}
+
 std::optional<TransferFuture> FaultInjectingEngine::read_batched_async(
     const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
   Impl& im = *impl_;

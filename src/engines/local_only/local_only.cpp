@@ -7,7 +7,14 @@ namespace mstar::kv {
 
 std::optional<TransferFuture> LocalOnlyKVTransferEngine::read_batched_async(
     const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
-  if (read_info.empty()) return std::nullopt;
+  if (read_info.empty()) {
+    // Nothing to read from no remote cache: the only valid empty read. A
+    // descriptor of another engine is refused as a non-empty read would be.
+    if (remote_kv_info.empty()) return std::nullopt;
+    throw Error(StatusCode::kInvalidArgument,
+                "LocalOnlyKVTransferEngine cannot read a '" + remote_kv_info.engine +
+                    "' descriptor: it reads no remote cache (expected the empty descriptor)");
+  }
   throw Error(StatusCode::kInvalidArgument,
               "LocalOnlyKVTransferEngine cannot read remote pages: " +
                   std::to_string(read_info.size()) + " reads given" +

@@ -180,6 +180,11 @@ MooncakeKVTransferInfo MooncakeKVTransferEngine::mooncake_transfer_info() const 
   return MooncakeKVTransferInfo::decode(impl_->get_kv_transfer_info());
 }
 
+std::optional<KVLayout> MooncakeKVTransferEngine::remote_layout(
+    const KVTransferInfo& remote) const {
+  return impl_->remote_layout(remote);
+}
+
 std::optional<TransferFuture> MooncakeKVTransferEngine::read_batched_async(
     const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
   return impl_->read_batched_async(remote_kv_info, read_info);

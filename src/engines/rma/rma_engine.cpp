@@ -110,6 +110,15 @@ bool RmaKVTransferEngine::evict_peer(const std::string& session_id, const RmaPee
   return false;
 }
 
+std::optional<KVLayout> RmaKVTransferEngine::remote_layout(const KVTransferInfo& remote) const {
+  if (remote.engine != engine_name_) {
+    throw Error(StatusCode::kInvalidArgument,
+                "descriptor of engine '" + remote.engine + "' given to the '" + engine_name_ +
+                    "' engine");
+  }
+  return RmaRegionInfo::decode(remote.payload).layout;
+}
+
 std::optional<TransferFuture> RmaKVTransferEngine::read_batched_async(
     const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
   {
@@ -118,13 +127,15 @@ std::optional<TransferFuture> RmaKVTransferEngine::read_batched_async(
       throw Error(StatusCode::kShutdown, "the " + engine_name_ + " engine is shut down");
     }
   }
-  if (read_info.empty()) return std::nullopt;
   if (remote_kv_info.engine != engine_name_) {
     throw Error(StatusCode::kInvalidArgument,
                 "descriptor of engine '" + remote_kv_info.engine + "' given to the '" +
                     engine_name_ + "' engine");
   }
   const RmaRegionInfo remote = RmaRegionInfo::decode(remote_kv_info.payload);
+  // Nothing to read: the descriptor is still validated (engine.hpp).
+  cache_->layout().check_same_model(remote.layout);
+  if (read_info.empty()) return std::nullopt;
   CopyPlan plan = plan_copies(cache_->layout(), remote.layout, read_info);
   auto peer = peer_for(remote);
 

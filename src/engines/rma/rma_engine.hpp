@@ -69,6 +69,7 @@ class RmaKVTransferEngine final : public KVTransferEngine {
   // {backend engine name, local_region().encode()}.
   KVTransferInfo get_kv_transfer_info() const override;
 
+  std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const override;
   std::optional<TransferFuture> read_batched_async(
       const KVTransferInfo& remote_kv_info,
       std::span<const KVReadInfo> read_info) override;

@@ -21,6 +21,58 @@ constexpr auto kPollPeriod = std::chrono::milliseconds(10);
 
 }  // namespace
 
+void copy_span(std::byte* dst, const std::byte* src, const StridedSpan& s) noexcept {
+  if (s.rows == 1) {
+    std::memcpy(dst + s.local_offset, src + s.remote_offset, s.length);
+    return;
+  }
+  std::byte* d = dst + s.local_offset;
+  const std::byte* r = src + s.remote_offset;
+  // The common row lengths of KV heads (64-256 bytes of head_dim) as
+  // constants: the compiler unrolls them into a few vector moves.
+  switch (s.length) {
+    case 128:
+      for (std::uint64_t i = 0; i < s.rows; ++i, d += s.local_stride, r += s.remote_stride) {
+        std::memcpy(d, r, 128);
+      }
+      return;
+    case 256:
+      for (std::uint64_t i = 0; i < s.rows; ++i, d += s.local_stride, r += s.remote_stride) {
+        std::memcpy(d, r, 256);
+      }
+      return;
+    default:
+      for (std::uint64_t i = 0; i < s.rows; ++i, d += s.local_stride, r += s.remote_stride) {
+        std::memcpy(d, r, s.length);
+      }
+  }
+}
+
+std::vector<StridedSpan> split_strided(std::span<const StridedSpan> spans,
+                                       std::uint64_t max_bytes) {
+  std::vector<StridedSpan> out;
+  out.reserve(spans.size());
+  for (const StridedSpan& s : spans) {
+    if (s.bytes() <= max_bytes) {
+      out.push_back(s);
+    } else if (s.rows == 1) {
+      for (std::uint64_t done = 0; done < s.length; done += max_bytes) {
+        out.push_back({s.local_offset + done, s.remote_offset + done,
+                       std::min(max_bytes, s.length - done)});
+      }
+    } else {  // whole rows per piece (a row longer than a piece stays whole)
+      const std::uint64_t per = std::max<std::uint64_t>(1, max_bytes / s.length);
+      for (std::uint64_t row = 0; row < s.rows; row += per) {
+        const std::uint64_t n = std::min(per, s.rows - row);
+        out.push_back({s.local_offset + row * s.local_stride,
+                       s.remote_offset + row * s.remote_stride, s.length, n,
+                       n > 1 ? s.local_stride : 0, n > 1 ? s.remote_stride : 0});
+      }
+    }
+  }
+  return out;
+}
+
 struct CopyPool::Job {
   TransferPromise promise;
   CopyJobSpec spec;
@@ -74,12 +126,9 @@ struct CopyPool::Job {
     if (stop.load() == kRunning) {
       const std::uint32_t i = next_piece.fetch_add(1, std::memory_order_relaxed);
       if (i < pieces) {
-        const CopySpan* s = spec.spans.data() + piece_begin[i];
-        const CopySpan* e = spec.spans.data() + piece_begin[i + 1];
-        for (; s != e; ++s) {
-          std::memcpy(spec.dst_base + s->local_offset, spec.src_base + s->remote_offset,
-                      s->length);
-        }
+        const StridedSpan* s = spec.spans.data() + piece_begin[i];
+        const StridedSpan* e = spec.spans.data() + piece_begin[i + 1];
+        for (; s != e; ++s) copy_span(spec.dst_base, spec.src_base, *s);
         if (done_pieces.fetch_add(1, std::memory_order_acq_rel) + 1 == pieces) {
           Status v = spec.verify ? spec.verify() : Status::ok();
           if (v.is_ok()) {
@@ -121,13 +170,13 @@ TransferFuture CopyPool::submit(CopyJobSpec spec) {
   job->promise.mark_planned(spec.spans.size(), spec.planned_at);
   job->promise.set_peer(spec.peer);
   bool needs_split = false;
-  for (const CopySpan& s : spec.spans) needs_split |= s.length > target;
-  if (needs_split) spec.spans = split_spans(spec.spans, target);
+  for (const StridedSpan& s : spec.spans) needs_split |= s.bytes() > target;
+  if (needs_split) spec.spans = split_strided(spec.spans, target);
   job->piece_begin.reserve(spec.total_bytes / target + 2);
   std::uint64_t acc = 0;
   for (std::size_t i = 0; i < spec.spans.size(); ++i) {
     if (acc == 0) job->piece_begin.push_back(static_cast<std::uint32_t>(i));
-    acc += spec.spans[i].length;
+    acc += spec.spans[i].bytes();
     if (acc >= target) acc = 0;
   }
   job->pieces = static_cast<std::uint32_t>(job->piece_begin.size());

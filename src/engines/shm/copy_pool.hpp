@@ -4,7 +4,7 @@
 // resolves one TransferFuture per submitted job (private to the shm engine).
 //
 // A job is cut into pieces (contiguous ranges of spans of roughly equal
-// bytes); workers claim pieces with one atomic increment, so several workers
+// bytes; a span larger than a piece is split, by bytes or by rows); workers claim pieces with one atomic increment, so several workers
 // share one large job and a piece costs no lock, allocation or syscall.
 // Between pieces a worker checks the job's stop conditions (cancel, deadline,
 // shutdown). A stopped job resolves only once no worker is inside one of its
@@ -18,6 +18,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -30,7 +31,7 @@ namespace mstar::kv::shm {
 struct CopyJobSpec {
   std::byte* dst_base = nullptr;
   const std::byte* src_base = nullptr;
-  std::vector<CopySpan> spans;      // local_offset -> dst, remote_offset -> src
+  std::vector<StridedSpan> spans;   // local_offset -> dst, remote_offset -> src
   std::uint64_t total_bytes = 0;
   std::shared_ptr<const void> keep_alive;  // e.g. the source mapping
   std::string what;                 // "read of 12 MiB from pid 7" for messages
@@ -40,6 +41,13 @@ struct CopyJobSpec {
   // fails the read (the page epochs' after-copy check). May be empty.
   std::function<Status()> verify;
 };
+
+// Copies one span's rows from src + remote offsets to dst + local offsets.
+void copy_span(std::byte* dst, const std::byte* src, const StridedSpan& s) noexcept;
+// Splits spans of more than max_bytes (> 0): contiguous ones by bytes,
+// strided ones by whole rows.
+std::vector<StridedSpan> split_strided(std::span<const StridedSpan> spans,
+                                       std::uint64_t max_bytes);
 
 class CopyPool {
  public:

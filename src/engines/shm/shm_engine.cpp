@@ -13,6 +13,7 @@
 
 #include "copy_pool.hpp"
 #include "engines/engine_makers.hpp"
+#include "engines/option_keys.hpp"
 #include "mstar/kv/shm.hpp"
 #include "shm_memory.hpp"
 #include "shm_readiness.hpp"
@@ -137,12 +138,20 @@ KVTransferInfo ShmKVTransferEngine::get_kv_transfer_info() const {
   return info ? info->encode() : KVTransferInfo{};
 }
 
+std::optional<KVLayout> ShmKVTransferEngine::remote_layout(const KVTransferInfo& remote) const {
+  return ShmKVTransferInfo::decode(remote).layout;
+}
+
 std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
     const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
-  if (read_info.empty()) return std::nullopt;
   const ShmKVTransferInfo info = ShmKVTransferInfo::decode(remote_kv_info);
   const KVLayout& local = impl_->cache->layout();
-  CopyPlan plan = plan_copies(local, info.layout, read_info);
+  // Nothing to read: the descriptor is still validated (engine.hpp).
+  local.check_same_model(info.layout);
+  if (read_info.empty()) return std::nullopt;
+  // Strided spans: a change of in-page order or head shard costs one span
+  // per (read, k|v[, head]), copied by a tight row loop (copy_pool.hpp).
+  StridedPlan plan = plan_strided_copies(local, info.layout, read_info);
   std::shared_ptr<const ShmMapping> mapping = impl_->mapping_for(info);
   // Seqlock over the owner's page epochs: every page must carry the
   // sequence's epoch before the copy and still after it.
@@ -164,9 +173,7 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
     promise.set_peer(std::move(peer));
     std::byte* dst = impl_->cache->base();
     const std::byte* src = mapping->data();
-    for (const CopySpan& s : plan.spans) {
-      std::memcpy(dst + s.local_offset, src + s.remote_offset, s.length);
-    }
+    for (const StridedSpan& s : plan.spans) shm::copy_span(dst, src, s);
     promise.mark_posted();  // the copy was the post
     if (epoch != 0) {
       Status s = check_page_epochs(mapping->epochs(), mapping->epoch_pages(), pages, epoch,
@@ -205,7 +212,9 @@ std::unique_ptr<LayerWatch> ShmKVTransferEngine::watch_layers(
     throw Error(StatusCode::kInvalidArgument, "shm layer watch of 0 reads: nothing to watch");
   }
   const ShmKVTransferInfo info = ShmKVTransferInfo::decode(remote_kv_info);
-  (void)plan_copies(impl_->cache->layout(), info.layout, read_info);  // validates
+  const KVLayout& local = impl_->cache->layout();
+  local.check_same_model(info.layout);
+  (void)plan_strided_copies(local, info.layout, read_info);  // validates as a read does
   if (remote_kv_info.epoch == 0) {
     throw Error(StatusCode::kInvalidArgument,
                 "layer-wise streaming needs a descriptor with a page epoch (published by a "
@@ -240,6 +249,8 @@ namespace mstar::kv::engines {
 
 std::unique_ptr<KVTransferEngine> make_shm_engine(std::shared_ptr<KVCache> cache,
                                                   const TransferEngineInfo& info) {
+  // The shm engine has no options of its own: any shm_* key is a typo.
+  reject_unknown_keys(info.options.extra, "shm", "shm_", {});
   ShmEngineOptions o;
   o.max_workers = info.options.max_workers;
   o.timeout = info.options.timeout;

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <dlfcn.h>
 #include <thread>
+#include <tuple>
 
 #include "mstar/kv/kv.hpp"
 #include "peer_process.hpp"
@@ -205,6 +206,72 @@ TEST_P(Conformance, NothingToReadReturnsNoFuture) {
                    .has_value());
 }
 
+// An empty range is validated as a non-empty one is (manager.hpp): the
+// descriptor, the layouts and the page tables, with the same errors.
+TEST_P(Conformance, EmptyRangeIsValidatedFirst) {
+  const KVLayout l = small_layout();
+  PeerProcess peer(peer_spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = peer.sequence();
+  const auto& good = seq.kv_transfer_info;
+  auto code_of = [&](std::uint64_t at, std::span<const std::uint32_t> lp,
+                     const KVTransferInfo& info, KVTransferManager& mgr) {
+    try {
+      EXPECT_FALSE(mgr.start_async_retrieve(at, at, lp, seq.page_indices, info).has_value());
+      return std::make_pair(StatusCode::kOk, std::string());
+    } catch (const Error& e) {
+      return std::make_pair(e.code(), std::string(e.what()));
+    }
+  };
+  for (std::uint64_t at : {0u, 32u, 40u}) {
+    SCOPED_TRACE("start_len == end_len == " + std::to_string(at));
+    EXPECT_EQ(code_of(at, local_pages(4), good, *m).first, StatusCode::kOk);
+    KVTransferInfo truncated = good;
+    truncated.payload.resize(good.payload.size() / 2);
+    EXPECT_NE(code_of(at, local_pages(4), truncated, *m).first, StatusCode::kOk);
+    KVTransferInfo other = good;
+    other.engine = good.engine == "shm" ? "ucx" : "shm";
+    EXPECT_NE(code_of(at, local_pages(4), other, *m).first, StatusCode::kOk);
+    EXPECT_NE(code_of(at, local_pages(4), KVTransferInfo{}, *m).first, StatusCode::kOk);
+  }
+  // Mismatched layout: the same code and message as a non-empty pull.
+  KVLayout narrow = small_layout();
+  narrow.head_dim = 32;
+  auto narrow_cache = local_cache(narrow);
+  auto narrow_m = manager(narrow_cache);
+  StatusCode code;
+  std::string msg;
+  std::tie(code, msg) = code_of(32, local_pages(4), good, *narrow_m);
+  EXPECT_EQ(code, StatusCode::kIncompatibleLayout) << msg;
+  EXPECT_NE(msg.find("head_dim"), std::string::npos) << msg;
+  // Page tables: too short for end_len 40 (3 entries needed), and a local
+  // page out of range in the entry holding token 40.
+  const std::vector<std::uint32_t> two = local_pages(2);
+  std::tie(code, msg) = code_of(40, two, good, *m);
+  EXPECT_EQ(code, StatusCode::kInvalidArgument) << msg;
+  EXPECT_NE(msg.find("local page table has 2 entries"), std::string::npos) << msg;
+  std::vector<std::uint32_t> bad = local_pages(4);
+  bad[2] = 64;
+  std::tie(code, msg) = code_of(40, bad, good, *m);
+  EXPECT_EQ(code, StatusCode::kInvalidArgument) << msg;
+  EXPECT_NE(msg.find("local page 64 (table entry 2) out of range [0, 64)"), std::string::npos)
+      << msg;
+  // The remote table too, where the engine can tell the remote layout.
+  std::vector<std::uint32_t> remote = seq.page_indices;
+  remote[2] = 64;
+  try {
+    m->start_async_retrieve(40, 40, local_pages(4), remote, good);
+    ADD_FAILURE() << "remote page 64 accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("remote page 64 (table entry 2) out of range [0, 64)"),
+              std::string::npos)
+        << e.what();
+  }
+  expect_only_named_bytes_written(*cache, l, {});
+}
+
 TEST_P(Conformance, IncompatibleLayoutIsRejectedBeforeAnyByteMoves) {
   PeerProcess peer(peer_spec(small_layout(), 64));
   KVLayout l = small_layout();
@@ -234,9 +301,12 @@ TEST_P(Conformance, OutOfRangeRemotePageIsRejectedBeforeAnyByteMoves) {
     FAIL() << "expected InvalidArgument";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find("remote page 64 out of range [0, 64)"),
+    // Named by the caller's table entry, not an index into the plan.
+    EXPECT_NE(std::string(e.what()).find(
+                  "remote page 64 (table entry 2) out of range [0, 64) in remote cache"),
               std::string::npos)
         << e.what();
+    EXPECT_EQ(std::string(e.what()).find("read"), std::string::npos) << e.what();
   }
   expect_only_named_bytes_written(*cache, l, {});
 }
@@ -413,6 +483,107 @@ TEST_P(Conformance, ConcurrentPullsFromManyThreads) {
   }
   auto v = verify_pattern(*cache, kSeed, table, 0, kThreads * kPagesEach * 16);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
+}
+
+// Caches of different geometry (layout.hpp, planner.hpp): a decode cache of
+// another page size, in-page order, cache order and head shard than the
+// owner's, byte-exact by the pattern (keyed by model head and token
+// position); bytes the read does not name keep the sentinel.
+KVLayout geometry(std::uint32_t page_size, std::uint32_t heads, std::uint32_t first,
+                  std::uint32_t total, PageOrder po, CacheOrder co, std::uint32_t pages) {
+  KVLayout l = small_layout(co, po);
+  l.num_pages = pages;
+  l.page_size = page_size;
+  l.num_kv_heads = heads;
+  l.first_kv_head = first;
+  l.total_kv_heads = total;
+  l.head_dim = 32;
+  return l;
+}
+
+TEST_P(Conformance, MixedGeometriesPullByteExact) {
+  // The owner: all 8 heads, 16-token HND pages, page-major.
+  const KVLayout owner = geometry(16, 8, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
+  PeerProcess peer(peer_spec(owner, 300));
+  const auto& seq = peer.sequence();
+  struct Case {
+    const char* what;
+    KVLayout local;
+    std::uint64_t start;
+  };
+  const Case cases[] = {
+      {"TP 1 -> 2, rank 1, 64-token NHD pages",
+       geometry(64, 4, 4, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 16), 0},
+      {"TP 1 -> 8, rank 5, 24-token pages, prefix hit mid-page",
+       geometry(24, 1, 5, 8, PageOrder::kNHD, CacheOrder::kPageMajor, 20), 37},
+      {"all heads, 128-token HND pages",
+       geometry(128, 8, 0, 8, PageOrder::kHND, CacheOrder::kLayerMajor, 4), 0},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    auto cache = local_cache(c.local);
+    auto m = manager(cache);
+    const std::size_t n = (300 + c.local.page_size - 1) / c.local.page_size;
+    std::vector<std::uint32_t> lp(n);
+    for (std::size_t i = 0; i < n; ++i) lp[i] = static_cast<std::uint32_t>((i * 3 + 1) % c.local.num_pages);
+    m->sync_retrieve(c.start, 300, lp, seq.page_indices, seq.kv_transfer_info);
+    auto v = verify_pattern(*cache, kSeed, lp, c.start, 300);
+    EXPECT_TRUE(v.ok()) << v.first_mismatch;
+    expect_only_named_bytes_written(
+        *cache, owner, plan_reads(c.local, owner, c.start, 300, lp, seq.page_indices));
+  }
+  // A shard that does not hold the local heads is refused before any byte moves.
+  {
+    const KVLayout l = geometry(16, 4, 4, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 32);
+    const KVLayout half = geometry(16, 4, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
+    PeerProcess low(peer_spec(half, 100));
+    auto cache = local_cache(l);
+    auto m = manager(cache);
+    try {
+      const std::vector<std::uint32_t> lp{0, 1, 2, 3, 4, 5, 6};
+      m->start_async_retrieve(0, 100, lp, low.sequence().page_indices,
+                              low.sequence().kv_transfer_info);
+      ADD_FAILURE() << "heads 4-7 read from a cache holding 0-3";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), StatusCode::kIncompatibleLayout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("holds KV heads [0, 4) of 8"), std::string::npos)
+          << e.what();
+    }
+    expect_only_named_bytes_written(*cache, half, {});
+  }
+}
+
+// TP 2 -> 1: one decode cache from two prefill ranks, each holding half the
+// heads in its own page size; one future for the whole.
+TEST_P(Conformance, TensorParallelMergeFromTwoPeers) {
+  const KVLayout r0 = geometry(16, 4, 0, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 64);
+  const KVLayout r1 = geometry(32, 4, 4, 8, PageOrder::kHND, CacheOrder::kPageMajor, 32);
+  PeerProcess p0(peer_spec(r0, 200));
+  PeerProcess p1(peer_spec(r1, 200));
+  const KVLayout l = geometry(64, 8, 0, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 16);
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const std::vector<std::uint32_t> lp{9, 2, 14, 5};
+  const std::vector<KVTransferManager::RemoteShard> shards{
+      {p0.sequence().page_indices, p0.sequence().kv_transfer_info},
+      {p1.sequence().page_indices, p1.sequence().kv_transfer_info}};
+  auto f = m->start_async_retrieve(0, 200, lp, shards);
+  ASSERT_TRUE(f.has_value());
+  EXPECT_EQ(f->get(), 200u * l.token_bytes() * 2 * l.num_layers);
+  auto v = verify_pattern(*cache, kSeed, lp, 0, 200);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+  // Without the second rank, heads 4-7 are held by nobody: refused.
+  std::memset(cache->base(), static_cast<int>(kSentinel), l.total_bytes());
+  try {
+    m->start_async_retrieve(0, 200, lp, std::span(shards).first(1));
+    ADD_FAILURE() << "half the heads accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kIncompatibleLayout) << e.what();
+    EXPECT_NE(std::string(e.what()).find("local KV heads [4, 8) of 8 are held by none"),
+              std::string::npos)
+        << e.what();
+  }
+  expect_only_named_bytes_written(*cache, r0, {});
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, Conformance, ::testing::ValuesIn(engine_cases()),

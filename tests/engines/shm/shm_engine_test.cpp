@@ -635,7 +635,11 @@ TEST(ShmMemory, PrivateCacheReadsButPublishesNothing) {
   ShmKVTransferEngine engine(cache);
   EXPECT_TRUE(engine.get_kv_transfer_info().empty());
   EXPECT_FALSE(engine.shm_info().has_value());
-  EXPECT_FALSE(engine.read_batched_async(KVTransferInfo{}, {}).has_value());
+  // Nothing to read still validates the descriptor (engine.hpp): the empty
+  // (local-only) one is no shm descriptor; a shared cache's is.
+  EXPECT_THROW(engine.read_batched_async(KVTransferInfo{}, {}), Error);
+  ShmKVTransferEngine owner(make_kv_cache(small_layout(), MemoryKind::kSharedHost));
+  EXPECT_FALSE(engine.read_batched_async(owner.get_kv_transfer_info(), {}).has_value());
   EXPECT_THROW(ShmKVTransferEngine(cache, ShmEngineOptions{0, 1000ms}), Error);
   EXPECT_THROW(ShmKVTransferEngine(nullptr), Error);
 }

@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <random>
 #include <string>
@@ -156,6 +157,29 @@ TEST(ServePull, LoopbackPullVerifiesEveryPageAndFreesTheServer) {
   EXPECT_NE(serve.output().find("all sequences done"), std::string::npos) << serve.output();
 }
 
+// With --token-file the UCX serve answers only the bearer token; the same
+// token on pull works end to end (and reaches both engines as auth_token).
+TEST(ServePull, TokenOnServeAndPullOverUcx) {
+  const int port = random_port();
+  const std::string http = "127.0.0.1:" + std::to_string(port);
+  const std::string token = ::testing::TempDir() + "/ucx_token" + std::to_string(::getpid());
+  std::ofstream(token) << "ucx-loopback-secret-0123456789\n";
+  auto sargs = serve_args(http);
+  sargs.insert(sargs.end(), {"--token-file", token});
+  Child serve(sargs, tcp_env("lo"));
+  ASSERT_TRUE(serve.wait_for_output("/v1/sequences/", 20s)) << serve.output();
+  Child none({MSTAR_KV_CLI_PATH, "pull", "--from", http, "--seq", "0"}, tcp_env("lo"));
+  EXPECT_NE(none.wait_exit(30s), 0);
+  EXPECT_NE(none.output().find("refused with HTTP 401"), std::string::npos) << none.output();
+  for (const char* seq : {"0", "1"}) {
+    Child pull({MSTAR_KV_CLI_PATH, "pull", "--from", http, "--seq", seq, "--token-file", token},
+               tcp_env("lo"));
+    ASSERT_EQ(pull.wait_exit(60s), 0) << pull.output();
+    EXPECT_NE(pull.output().find("every page verified"), std::string::npos) << pull.output();
+  }
+  EXPECT_EQ(serve.wait_exit(20s), 0) << serve.output();
+}
+
 TEST(ServePull, PullFromNobodyFailsWithAMessage) {
   Child pull({MSTAR_KV_CLI_PATH, "pull", "--from", "127.0.0.1:" + std::to_string(random_port())},
              tcp_env("lo"));
@@ -253,11 +277,18 @@ TEST(ServePull, AcrossTwoNetworkNamespacesOverTcp) {
   if (!ns.skip_reason().empty()) GTEST_SKIP() << ns.skip_reason();
   const int port = random_port();
   const std::string http = ns.addr_a() + ":" + std::to_string(port);
-  Child serve(ns.in_a(serve_args(http)), tcp_env(ns.veth_a()));
+  // A non-loopback --listen needs a token: serve and pull share one, and
+  // both hand it to the UCX engine (EngineOptions.extra["auth_token"]).
+  const std::string token = ::testing::TempDir() + "/serve_pull_token" + std::to_string(::getpid());
+  std::ofstream(token) << "netns-shared-secret-0123456789\n";
+  auto sargs = serve_args(http);
+  sargs.insert(sargs.end(), {"--token-file", token});
+  Child serve(ns.in_a(sargs), tcp_env(ns.veth_a()));
   ASSERT_TRUE(serve.wait_for_output("/v1/sequences/", 20s)) << serve.output();
   for (const char* seq : {"0", "1"}) {
     Child pull(ns.in_b({MSTAR_KV_CLI_PATH, "pull", "--from", http, "--seq", seq, "--repeat", "2",
-                        "--listen", ns.addr_b() + ":" + std::to_string(port + 1)}),
+                        "--listen", ns.addr_b() + ":" + std::to_string(port + 1),
+                        "--token-file", token}),
                tcp_env(ns.veth_b()));
     ASSERT_EQ(pull.wait_exit(60s), 0) << pull.output();
     EXPECT_NE(pull.output().find("every page verified"), std::string::npos) << pull.output();

@@ -1,0 +1,70 @@
+// Copyright mstar-kv authors.
+//
+// Internals shared by the planner's two halves: planner.cpp (caches of one
+// geometry) and planner_mixed.cpp (page sizes, head shards).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "mstar/kv/layout.hpp"
+#include "mstar/kv/planner.hpp"
+#include "mstar/kv/read_info.hpp"
+
+namespace mstar::kv::detail {
+
+// Appends spans to a plan, merging each with the previous one when both
+// sides continue it.
+class SpanSink {
+ public:
+  explicit SpanSink(CopyPlan& plan) : plan_(plan) {}
+  void add(std::uint64_t local, std::uint64_t remote, std::uint64_t len) {
+    ++plan_.uncoalesced_spans;
+    plan_.total_bytes += len;
+    if (!plan_.spans.empty()) {
+      CopySpan& last = plan_.spans.back();
+      if (last.local_offset + last.length == local &&
+          last.remote_offset + last.length == remote) {
+        last.length += len;
+        return;
+      }
+    }
+    plan_.spans.push_back({local, remote, len});
+  }
+
+ private:
+  CopyPlan& plan_;
+};
+
+// How errors name a read: its index in the caller's read_info
+// ("read_info[3]"); KVTransferManager checks the page tables first, naming
+// table entries, so its own reads never get here.
+inline std::string read_name(std::size_t n) { return "read_info[" + std::to_string(n) + "]"; }
+
+// Calls emit(i, kv) for reads 0..n-1 and each of K|V in the order that
+// keeps neighbours of the local cache together: per read in a page-major
+// cache (K and V of a layer are neighbours), per run of reads of one layer
+// K first then V in a layer-major one.
+template <typename LayerOf, typename Emit>
+void emit_in_cache_order(const KVLayout& local, std::size_t n, LayerOf layer_of, Emit emit) {
+  if (local.cache_order == CacheOrder::kPageMajor) {
+    for (std::size_t i = 0; i < n; ++i) {
+      for (std::uint32_t k = 0; k < local.num_kv(); ++k) emit(i, static_cast<KV>(k));
+    }
+    return;
+  }
+  std::size_t begin = 0;
+  while (begin < n) {
+    std::size_t end = begin + 1;
+    while (end < n && layer_of(end) == layer_of(begin)) ++end;
+    for (std::uint32_t k = 0; k < local.num_kv(); ++k) {
+      for (std::size_t i = begin; i < end; ++i) emit(i, static_cast<KV>(k));
+    }
+    begin = end;
+  }
+}
+
+CopyPlan plan_copies_mixed(const KVLayout& local, const KVLayout& remote,
+                           std::span<const KVReadInfo> reads);
+
+}  // namespace mstar::kv::detail

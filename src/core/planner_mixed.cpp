@@ -1,0 +1,329 @@
+// Copyright mstar-kv authors.
+//
+// Planning between caches of different geometry (layout.hpp): page sizes
+// that differ (tokens map by their position in the sequence), head shards
+// (tensor-parallel splits and merges: only the heads both sides hold move),
+// and in-page orders. plan_copies hands reads that need it here.
+#include <algorithm>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "mstar/kv/planner.hpp"
+#include "mstar/kv/status.hpp"
+#include "planner_detail.hpp"
+
+namespace mstar::kv {
+
+namespace {
+
+[[noreturn]] void invalid(const std::string& msg) {
+  throw Error(StatusCode::kInvalidArgument, msg);
+}
+
+std::string range(std::uint64_t lo, std::uint64_t hi) {
+  return "[" + std::to_string(lo) + ", " + std::to_string(hi) + ")";
+}
+
+std::uint64_t pages_for(std::uint64_t tokens, std::uint64_t page_size) {
+  return tokens / page_size + (tokens % page_size != 0 ? 1 : 0);
+}
+
+// A read's resolved fields.
+struct Resolved {
+  std::uint32_t layer, lpage, rpage, ts, te, rts, hs, he;
+};
+
+}  // namespace
+
+void check_local_pages(const KVLayout& local, std::uint64_t start_len, std::uint64_t end_len,
+                       std::span<const std::uint32_t> local_pages) {
+  if (start_len > end_len) {
+    invalid("start_len " + std::to_string(start_len) + " is greater than end_len " +
+            std::to_string(end_len));
+  }
+  const std::uint64_t lps = local.page_size;
+  const std::uint64_t lneed = pages_for(end_len, lps);
+  if (local_pages.size() < lneed) {
+    invalid("local page table has " + std::to_string(local_pages.size()) + " entries of " +
+            std::to_string(lps) + " tokens, tokens " + range(start_len, end_len) + " need " +
+            std::to_string(lneed));
+  }
+  for (std::uint64_t i = start_len / lps; i < lneed; ++i) {
+    if (local_pages[i] >= local.num_pages) {
+      invalid("local page " + std::to_string(local_pages[i]) + " (table entry " +
+              std::to_string(i) + ") out of range " + range(0, local.num_pages));
+    }
+  }
+}
+
+std::vector<KVReadInfo> plan_reads(const KVLayout& local, const KVLayout& remote,
+                                   std::uint64_t start_len, std::uint64_t end_len,
+                                   std::span<const std::uint32_t> local_pages,
+                                   std::span<const std::uint32_t> remote_pages,
+                                   std::uint32_t head_lo, std::uint32_t head_hi) {
+  if (head_lo != 0 || head_hi != 0) local.check_shard(remote, head_lo, head_hi);
+  else local.check_compatible(remote);
+  const bool all_heads = (head_lo == 0 && head_hi == 0) ||
+                         (head_lo == local.first_kv_head && head_hi == local.end_kv_head());
+  if (local.page_size == remote.page_size && all_heads) {
+    return plan_reads(local, start_len, end_len, local_pages, remote_pages);
+  }
+  if (start_len > end_len) {
+    invalid("start_len " + std::to_string(start_len) + " is greater than end_len " +
+            std::to_string(end_len));
+  }
+  std::vector<KVReadInfo> reads;
+  const std::uint64_t lps = local.page_size, rps = remote.page_size;
+  const std::uint64_t lneed = pages_for(end_len, lps), rneed = pages_for(end_len, rps);
+  if (local_pages.size() < lneed) {
+    invalid("local page table has " + std::to_string(local_pages.size()) + " entries of " +
+            std::to_string(lps) + " tokens, tokens " + range(start_len, end_len) + " need " +
+            std::to_string(lneed));
+  }
+  if (remote_pages.size() < rneed) {
+    invalid("remote page table has " + std::to_string(remote_pages.size()) + " entries of " +
+            std::to_string(rps) + " tokens, tokens " + range(start_len, end_len) + " need " +
+            std::to_string(rneed));
+  }
+  for (std::uint64_t i = start_len / lps; i < lneed; ++i) {
+    if (local_pages[i] >= local.num_pages) {
+      invalid("local page " + std::to_string(local_pages[i]) + " (table entry " +
+              std::to_string(i) + ") out of range " + range(0, local.num_pages));
+    }
+  }
+  for (std::uint64_t i = start_len / rps; i < rneed; ++i) {
+    if (remote_pages[i] >= remote.num_pages) {
+      invalid("remote page " + std::to_string(remote_pages[i]) + " (table entry " +
+              std::to_string(i) + ") out of range " + range(0, remote.num_pages) +
+              " in remote cache");
+    }
+  }
+  if (start_len == end_len) return reads;  // validated all the same
+  // Segments: token runs that stay inside one page on both sides.
+  struct Segment {
+    std::uint64_t li, ri, ts, te, rts;
+  };
+  std::vector<Segment> segs;
+  for (std::uint64_t pos = start_len; pos < end_len;) {
+    const std::uint64_t li = pos / lps, ri = pos / rps;
+    const std::uint64_t end = std::min({end_len, (li + 1) * lps, (ri + 1) * rps});
+    segs.push_back({li, ri, pos - li * lps, end - li * lps, pos - ri * rps});
+    pos = end;
+  }
+  const auto hs = static_cast<std::int64_t>(all_heads ? 0 : head_lo);
+  const auto he = static_cast<std::int64_t>(all_heads ? 0 : head_hi);
+  reads.reserve(segs.size() * local.num_layers);
+  auto emit = [&](std::uint32_t layer, const Segment& s) {
+    reads.push_back({layer, local_pages[s.li], remote_pages[s.ri],
+                     static_cast<std::int64_t>(s.ts), static_cast<std::int64_t>(s.te),
+                     lps == rps ? -1 : static_cast<std::int64_t>(s.rts), hs, he});
+  };
+  if (local.cache_order == CacheOrder::kPageMajor) {
+    for (const Segment& s : segs) {
+      for (std::uint32_t layer = 0; layer < local.num_layers; ++layer) emit(layer, s);
+    }
+  } else {
+    for (std::uint32_t layer = 0; layer < local.num_layers; ++layer) {
+      for (const Segment& s : segs) emit(layer, s);
+    }
+  }
+  return reads;
+}
+
+namespace detail {
+
+namespace {
+
+// Validates every read (pass 1 of both plans): throws before anything is
+// emitted.
+std::vector<Resolved> resolve_reads(const KVLayout& local, const KVLayout& remote,
+                                    std::span<const KVReadInfo> reads) {
+  std::vector<Resolved> rs(reads.size());
+  std::uint32_t checked_lo = 0, checked_hi = 0;
+  // Pass 1: validate every read before emitting anything.
+  for (std::size_t n = 0; n < reads.size(); ++n) {
+    const KVReadInfo& r = reads[n];
+    auto where = [&] { return detail::read_name(n) + ": "; };
+    if (r.layer_idx < 0 || r.layer_idx >= std::int64_t{local.num_layers}) {
+      invalid(where() + "layer " + std::to_string(r.layer_idx) + " out of range " +
+              range(0, local.num_layers));
+    }
+    if (r.local_page_idx < 0 || r.local_page_idx >= std::int64_t{local.num_pages}) {
+      invalid(where() + "local page " + std::to_string(r.local_page_idx) + " out of range " +
+              range(0, local.num_pages) + " in local cache");
+    }
+    if (r.remote_page_idx < 0 || r.remote_page_idx >= std::int64_t{remote.num_pages}) {
+      invalid(where() + "remote page " + std::to_string(r.remote_page_idx) + " out of range " +
+              range(0, remote.num_pages) + " in remote cache");
+    }
+    if (r.token_start < 0 || r.token_start >= r.token_end ||
+        r.token_end > std::int64_t{local.page_size}) {
+      invalid(where() + "token range [" + std::to_string(r.token_start) + ", " +
+              std::to_string(r.token_end) + ") must satisfy 0 <= start < end <= " +
+              std::to_string(local.page_size));
+    }
+    const std::int64_t rts = r.remote_token_start < 0 ? r.token_start : r.remote_token_start;
+    if (rts + (r.token_end - r.token_start) > std::int64_t{remote.page_size}) {
+      invalid(where() + "remote tokens [" + std::to_string(rts) + ", " +
+              std::to_string(rts + r.token_end - r.token_start) +
+              ") do not fit in a remote page of " + std::to_string(remote.page_size) +
+              " tokens");
+    }
+    std::int64_t hs = r.head_start, he = r.head_end;
+    if (hs == 0 && he == 0) {
+      hs = local.first_kv_head;
+      he = local.end_kv_head();
+    }
+    if (hs < 0 || he > std::int64_t{local.end_kv_head()} || hs >= he) {
+      invalid(where() + "heads " + range(static_cast<std::uint64_t>(std::max<std::int64_t>(hs, 0)),
+                                         static_cast<std::uint64_t>(std::max<std::int64_t>(he, 0))) +
+              " are not a part of the local cache's heads " +
+              range(local.first_kv_head, local.end_kv_head()));
+    }
+    const auto lo = static_cast<std::uint32_t>(hs), hi = static_cast<std::uint32_t>(he);
+    if (lo != checked_lo || hi != checked_hi) {
+      local.check_shard(remote, lo, hi);  // layers, dtype, ..., and the remote holds them
+      checked_lo = lo;
+      checked_hi = hi;
+    }
+    rs[n] = {static_cast<std::uint32_t>(r.layer_idx), static_cast<std::uint32_t>(r.local_page_idx),
+             static_cast<std::uint32_t>(r.remote_page_idx), static_cast<std::uint32_t>(r.token_start),
+             static_cast<std::uint32_t>(r.token_end), static_cast<std::uint32_t>(rts), lo, hi};
+  }
+  // Two reads may share a (layer, local page) when they fill different
+  // tokens or heads of it (a 64-token page from four 16-token ones); never
+  // the same bytes twice.
+  {
+    std::vector<std::size_t> order(rs.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      const Resolved &x = rs[a], &y = rs[b];
+      return std::tie(x.layer, x.lpage, x.ts) < std::tie(y.layer, y.lpage, y.ts);
+    });
+    for (std::size_t i = 0; i < order.size();) {
+      std::size_t j = i + 1;
+      while (j < order.size() && rs[order[j]].layer == rs[order[i]].layer &&
+             rs[order[j]].lpage == rs[order[i]].lpage) {
+        ++j;
+      }
+      for (std::size_t a = i; a < j; ++a) {
+        for (std::size_t b = a + 1; b < j; ++b) {
+          const Resolved &x = rs[order[a]], &y = rs[order[b]];
+          if (y.ts >= x.te) break;  // sorted by ts: no later one overlaps x's tokens
+          if (x.hs < y.he && y.hs < x.he) {
+            invalid(detail::read_name(order[b]) + ": duplicate destination: layer " +
+                    std::to_string(y.layer) + " local page " + std::to_string(y.lpage) +
+                    " tokens " + range(y.ts, y.te) + " overlap another read's " +
+                    range(x.ts, x.te) + " in one batch");
+          }
+        }
+      }
+      i = j;
+    }
+  }
+
+  return rs;
+}
+
+// Emits the copies of resolved reads into `sink` (add(local, remote, len)
+// for one contiguous run; add_rows(local, remote, len, rows, local_stride,
+// remote_stride) for `rows` runs of `len` bytes at constant strides, which a
+// flat sink takes run by run).
+template <typename Sink>
+void emit_reads(const KVLayout& local, const KVLayout& remote, const std::vector<Resolved>& rs,
+                Sink& sink) {
+  const std::uint64_t hb = local.head_bytes();
+  const bool lnhd = local.page_order == PageOrder::kNHD;
+  const bool rnhd = remote.page_order == PageOrder::kNHD;
+  // One token's row of every head read is contiguous in NHD, one head's
+  // tokens in HND.
+  const std::uint64_t lrow = lnhd ? std::uint64_t{local.num_kv_heads} * hb : hb;   // next token
+  const std::uint64_t rrow = rnhd ? std::uint64_t{remote.num_kv_heads} * hb : hb;
+  const std::uint64_t lhead = lnhd ? hb : std::uint64_t{local.page_size} * hb;     // next head
+  const std::uint64_t rhead = rnhd ? hb : std::uint64_t{remote.page_size} * hb;
+  auto emit = [&](const Resolved& r, KV kv) {
+    const std::uint32_t lh = r.hs - local.first_kv_head, rh = r.hs - remote.first_kv_head;
+    const std::uint32_t nh = r.he - r.hs, nt = r.te - r.ts;
+    const std::uint64_t l0 = local.block_offset(r.layer, kv, r.lpage) + local.in_block_offset(r.ts, lh);
+    const std::uint64_t r0 = remote.block_offset(r.layer, kv, r.rpage) + remote.in_block_offset(r.rts, rh);
+    if (lnhd && rnhd) {  // per token: its run of heads
+      sink.add_rows(l0, r0, std::uint64_t{nh} * hb, nt, lrow, rrow);
+    } else if (!lnhd && !rnhd) {  // per head: its run of tokens
+      sink.add_rows(l0, r0, std::uint64_t{nt} * hb, nh, lhead, rhead);
+    } else {  // NHD <-> HND: per head, every token's row on its own
+      for (std::uint32_t h = 0; h < nh; ++h) {
+        sink.add_rows(l0 + h * lhead, r0 + h * rhead, hb, nt, lrow, rrow);
+      }
+    }
+  };
+  detail::emit_in_cache_order(local, rs.size(), [&](std::size_t i) { return rs[i].layer; },
+                              [&](std::size_t i, KV kv) { emit(rs[i], kv); });
+}
+
+// Takes strided runs one by one (a CopyPlan has no strides).
+struct FlatSink {
+  SpanSink& sink;
+  void add_rows(std::uint64_t l, std::uint64_t r, std::uint64_t len, std::uint64_t rows,
+                std::uint64_t ls, std::uint64_t rs) {
+    for (std::uint64_t i = 0; i < rows; ++i) sink.add(l + i * ls, r + i * rs, len);
+  }
+};
+
+// Keeps strided runs whole; contiguous ones coalesce as in SpanSink.
+struct StridedSink {
+  StridedPlan& plan;
+  void add_rows(std::uint64_t l, std::uint64_t r, std::uint64_t len, std::uint64_t rows,
+                std::uint64_t ls, std::uint64_t rs) {
+    plan.uncoalesced_spans += rows;
+    plan.total_bytes += len * rows;
+    if (rows > 1 && ls == len && rs == len) {  // the rows touch: one run
+      len *= rows;
+      rows = 1;
+    }
+    if (rows == 1 && !plan.spans.empty()) {
+      StridedSpan& last = plan.spans.back();
+      if (last.rows == 1 && last.local_offset + last.length == l &&
+          last.remote_offset + last.length == r) {
+        last.length += len;
+        return;
+      }
+    }
+    plan.spans.push_back({l, r, len, rows, rows > 1 ? ls : 0, rows > 1 ? rs : 0});
+  }
+};
+
+}  // namespace
+
+CopyPlan plan_copies_mixed(const KVLayout& local, const KVLayout& remote,
+                           std::span<const KVReadInfo> reads) {
+  const std::vector<Resolved> rs = resolve_reads(local, remote, reads);
+  CopyPlan plan;
+  SpanSink sink(plan);
+  FlatSink flat{sink};
+  emit_reads(local, remote, rs, flat);
+  return plan;
+}
+
+}  // namespace detail
+
+StridedPlan plan_strided_copies(const KVLayout& local, const KVLayout& remote,
+                                std::span<const KVReadInfo> reads) {
+  StridedPlan out;
+  bool plain = local.same_geometry(remote) && local.page_order == remote.page_order;
+  for (std::size_t i = 0; plain && i < reads.size(); ++i) plain = reads[i].plain();
+  if (plain) {  // nothing strided to gain: the coalescing planner as it is
+    CopyPlan p = plan_copies(local, remote, reads);
+    out.total_bytes = p.total_bytes;
+    out.uncoalesced_spans = p.uncoalesced_spans;
+    out.spans.reserve(p.spans.size());
+    for (const CopySpan& c : p.spans) out.spans.push_back({c.local_offset, c.remote_offset, c.length});
+    return out;
+  }
+  const std::vector<Resolved> rs = detail::resolve_reads(local, remote, reads);
+  detail::StridedSink sink{out};
+  detail::emit_reads(local, remote, rs, sink);
+  return out;
+}
+
+}  // namespace mstar::kv

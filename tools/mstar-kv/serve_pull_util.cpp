@@ -1,0 +1,111 @@
+// Copyright mstar-kv authors.
+#include "serve_pull_util.hpp"
+
+#include <cstdlib>
+#include <sstream>
+
+namespace mstar::kv::cli {
+
+HostPort parse_host_port(const std::string& s, const char* flag) {
+  const auto colon = s.rfind(':');
+  HostPort hp;
+  if (colon == std::string::npos) {
+    hp.host = s;
+    hp.port = kDefaultHttpPort;
+  } else {
+    hp.host = s.substr(0, colon);
+    const std::string p = s.substr(colon + 1);
+    char* end = nullptr;
+    const unsigned long v = std::strtoul(p.c_str(), &end, 10);
+    if (p.empty() || *end != '\0' || v == 0 || v > 65535) {
+      throw Error(StatusCode::kInvalidArgument,
+                  std::string(flag) + " '" + s + "': port '" + p + "' is not in [1, 65535]");
+    }
+    hp.port = static_cast<std::uint16_t>(v);
+  }
+  if (hp.host.empty()) {
+    throw Error(StatusCode::kInvalidArgument, std::string(flag) + " '" + s + "' has no host");
+  }
+  return hp;
+}
+
+std::string layout_json(const KVLayout& l) {
+  std::ostringstream o;
+  o << "{\"num_layers\":" << l.num_layers << ",\"num_pages\":" << l.num_pages
+    << ",\"page_size\":" << l.page_size << ",\"num_kv_heads\":" << l.num_kv_heads
+    << ",\"head_dim\":" << l.head_dim << ",\"dtype\":\"" << to_string(l.dtype)
+    << "\",\"has_v\":" << (l.has_v ? "true" : "false") << ",\"cache_order\":\""
+    << to_string(l.cache_order) << "\",\"page_order\":\"" << to_string(l.page_order) << "\"}";
+  return o.str();
+}
+
+std::string json_value(const std::string& json, const std::string& key) {
+  const std::string needle = "\"" + key + "\":";
+  const auto at = json.find(needle);
+  if (at == std::string::npos) {
+    throw Error(StatusCode::kCorruptDescriptor, "server metadata lacks '" + key + "'");
+  }
+  std::size_t i = at + needle.size();
+  if (i < json.size() && json[i] == '"') {
+    const auto end = json.find('"', i + 1);
+    if (end == std::string::npos) {
+      throw Error(StatusCode::kCorruptDescriptor, "server metadata: bad '" + key + "'");
+    }
+    return json.substr(i + 1, end - i - 1);
+  }
+  std::size_t end = i;
+  while (end < json.size() && json[end] != ',' && json[end] != '}') ++end;
+  return json.substr(i, end - i);
+}
+
+std::uint64_t json_u64(const std::string& json, const std::string& key) {
+  const std::string v = json_value(json, key);
+  char* end = nullptr;
+  const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0') {
+    throw Error(StatusCode::kCorruptDescriptor,
+                "server metadata: '" + key + "' = '" + v + "' is not a number");
+  }
+  return x;
+}
+
+bool parse_id(const std::string& s, std::uint64_t* id) {
+  if (s.empty() || s.size() > 19) return false;
+  std::uint64_t v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return false;
+    v = v * 10 + static_cast<std::uint64_t>(c - '0');
+  }
+  *id = v;
+  return true;
+}
+
+void parse_extra(const Args& args, EngineOptions& o) {
+  if (args.has("mooncake-lib")) o.extra["mooncake_lib"] = args.str("mooncake-lib", "");
+  if (!args.has("extra")) return;
+  std::stringstream ss(args.str("extra", ""));
+  for (std::string kv; std::getline(ss, kv, ',');) {
+    const auto eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      throw Error(StatusCode::kInvalidArgument, "--extra '" + kv + "' is not KEY=VALUE");
+    }
+    o.extra[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+}
+
+SignalWaiter::SignalWaiter() {
+  sigemptyset(&set_);
+  sigaddset(&set_, SIGINT);
+  sigaddset(&set_, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set_, nullptr);
+}
+
+bool SignalWaiter::wait(const std::atomic<bool>& stop) {
+  timespec ts{0, 50 * 1000 * 1000};
+  while (!stop.load(std::memory_order_acquire)) {
+    if (sigtimedwait(&set_, nullptr, &ts) > 0) return true;
+  }
+  return false;
+}
+
+}  // namespace mstar::kv::cli
