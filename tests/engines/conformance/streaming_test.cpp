@@ -248,6 +248,34 @@ TEST_P(Streaming, LayersOverAMebibyteGoThroughTheEnginesWorkers) {
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
 }
 
+TEST_P(Streaming, AnotherGeometryStreamsLikeAPull) {
+  need_readiness();
+  if (IsSkipped()) return;
+  // The owner: 8 heads, 16-token HND pages, page-major; the reader: tensor
+  // parallel rank 1 of 2 (heads 4..7), 64-token NHD pages, layer-major.
+  KVLayout owner = small_layout(CacheOrder::kPageMajor, PageOrder::kHND);
+  owner.num_kv_heads = 8;
+  owner.total_kv_heads = 8;
+  owner.head_dim = 32;
+  KVLayout local = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
+  local.num_pages = 16;
+  local.page_size = 64;
+  local.num_kv_heads = 4;
+  local.first_kv_head = 4;
+  local.total_kv_heads = 8;
+  local.head_dim = 32;
+  PeerProcess peer(spec(owner, 300));
+  auto cache = local_cache(local);
+  auto m = manager(cache);
+  const SequenceInfo seq = start_owner_stream(peer, 20, 4);
+  const std::vector<std::uint32_t> lp{9, 2, 14, 5, 0};  // ceil(300 / 64) pages
+  auto s = m->start_streaming_retrieve(37, 300, lp, seq.page_indices, seq.kv_transfer_info);
+  ASSERT_TRUE(s.has_value());
+  EXPECT_GT(s->future().get(), 0u);
+  auto v = verify_pattern(*cache, kSeed, lp, 37, 300);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+}
+
 TEST_P(Streaming, AFinishedSequenceStreamsAsOneRead) {
   need_readiness();
   if (IsSkipped()) return;
