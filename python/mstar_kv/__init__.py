@@ -28,6 +28,7 @@ from .engines import (CudaIpcKVTransferEngine, FaultInjectingKVTransferEngine, K
                       LocalOnlyKVTransferEngine, NativeKVTransferEngine, ShmKVTransferEngine,
                       UcxKVTransferEngine, make_native_engine)
 from .manager import KVCachePool, KVTransferManager, TransferEngineInfo
+from .streaming import LayerStream
 from .mooncake_wheel import MooncakeKVTransferEngine
 from .cuda_share import CudaIpcKVTransferInfo, parse_cuda_share
 
@@ -50,7 +51,7 @@ __all__ = [
     "CorruptDescriptorError", "CudaIpcKVTransferEngine", "CudaIpcKVTransferInfo",
     "FaultInjectingKVTransferEngine", "IncompatibleLayoutError", "InternalError",
     "InvalidArgumentError", "KVCache", "KVCachePool", "KVLayout", "KVReadInfo",
-    "KVTransferEngine", "KVTransferError", "KVTransferInfo", "KVTransferManager",
+    "KVTransferEngine", "KVTransferError", "KVTransferInfo", "KVTransferManager", "LayerStream",
     "LocalOnlyKVTransferEngine", "MooncakeKVTransferEngine", "MooncakeKVTransferInfo",
     "NativeKVTransferEngine", "NotFoundError", "PeerFailureError", "PermissionDeniedError",
     "RetryLaterError", "SequenceInfo", "ShmKVTransferEngine", "ShmKVTransferInfo",

@@ -160,6 +160,41 @@ class KVTransferManager:
         future = self.engine.read_batched_async(kv_transfer_info, reads)
         return future if reads else None
 
+    def start_streaming_retrieve(self, start_len: int, end_len: int,
+                                 local_page_indices: Sequence[int],
+                                 remote_page_indices: Sequence[int], kv_transfer_info: Any,
+                                 ready_timeout: Optional[float] = None,
+                                 poll_interval: float = 20e-6,
+                                 max_reads_in_flight: int = 4):
+        """Layer-wise streaming form of start_async_retrieve (mstar_kv.streaming):
+        issues each layer's reads as soon as the owner marked it ready
+        (KVCachePool.mark_layers_ready), in order. Returns a LayerStream, or
+        None when start_len == end_len. Validates everything first and raises
+        before any byte moves; UnavailableError naming the engine when it has no
+        readiness channel (ucx, mooncake, cuda_ipc, local-only, Python engines).
+        ``ready_timeout``: seconds a layer may stay unmarked after the previous
+        one before the stream fails with TransferTimeoutError (None: the
+        engine's timeout)."""
+        self._check_open("start_streaming_retrieve")
+        if len(local_page_indices) != len(remote_page_indices):
+            raise InvalidArgumentError(
+                f"local_page_indices has {len(local_page_indices)} entries, "
+                f"remote_page_indices {len(remote_page_indices)}: both page tables must "
+                "cover the same tokens")
+        if not (isinstance(self.engine, NativeKVTransferEngine)
+                and self.engine.kv_cache is not None):
+            if start_len == end_len:
+                return None
+            raise UnavailableError(
+                f"layer-wise streaming over {type(self.engine).__name__}: only native engines "
+                "with a readiness channel (shm) stream")
+        from .streaming import LayerStream
+        native = self.engine._native.stream_retrieve(
+            start_len, end_len, local_page_indices, remote_page_indices, kv_transfer_info,
+            ready_timeout=0.0 if ready_timeout is None else float(ready_timeout),
+            poll_interval=float(poll_interval), max_reads_in_flight=int(max_reads_in_flight))
+        return None if native is None else LayerStream(native)
+
     def notify_done(self, seq: SequenceInfo) -> None:
         """Tells the owner of ``seq`` that this reader is done with it, over the
         engine's own channel (UCX: an active message), so that the owner frees
@@ -333,6 +368,23 @@ class KVCachePool:
     def free_page_count(self) -> int:
         return self._pool.free_page_count()
 
-    def publish(self, seq_id: int) -> SequenceInfo:
-        """The SequenceInfo another process needs to pull this sequence."""
-        return self._pool.publish(seq_id)
+    def publish(self, seq_id: int, layers_ready: Optional[int] = None) -> SequenceInfo:
+        """The SequenceInfo another process needs to pull this sequence.
+
+        Without ``layers_ready`` the sequence is declared written (every layer
+        ready). With it (usually 0) the sequence is published before its layers
+        are written, for readers that stream (start_streaming_retrieve); mark
+        each layer with mark_layers_ready as the forward pass writes it."""
+        return self._pool.publish(seq_id, layers_ready)
+
+    def mark_layers_ready(self, seq_id: int, layers_done: int) -> None:
+        """Layers [0, layers_done) of the sequence hold their final bytes
+        (vLLM's save_kv_layer). Cheap: a lock and one store per page, no
+        syscall. Monotonic: the same value again is a no-op; a smaller one or
+        one beyond the layout's layers raises InvalidArgumentError naming both;
+        an unknown sequence NotFoundError."""
+        self._pool.mark_layers_ready(seq_id, layers_done)
+
+    def layers_ready(self, seq_id: int) -> int:
+        """What mark_layers_ready (or publish) last stamped."""
+        return self._pool.layers_ready(seq_id)

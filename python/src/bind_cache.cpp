@@ -4,6 +4,8 @@
 // DLPack and __array_interface__ without a copy) and caches over the
 // caller's memory (any __dlpack__ object: numpy, torch CPU and CUDA tensors).
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -331,15 +333,22 @@ void bind_cache(nb::module_& m) {
       .def(
           "fill_pattern",
           [](const PyKVCache& c, std::uint64_t seed, nb::handle pages, std::uint64_t start_len,
-             std::uint64_t end_len) {
+             std::uint64_t end_len, std::optional<std::tuple<std::uint32_t, std::uint32_t>> layers) {
             require_host(*c.cache, "fill_pattern");
             const auto p = pages_arg(pages);
             nb::gil_scoped_release release;
-            fill_pattern(*c.cache, seed, p, start_len, end_len);
+            if (layers) {
+              fill_pattern_layers(*c.cache, seed, p, start_len, end_len, std::get<0>(*layers),
+                                  std::get<1>(*layers));
+            } else {
+              fill_pattern(*c.cache, seed, p, start_len, end_len);
+            }
           },
           nb::arg("seed"), nb::arg("pages"), nb::arg("start_len"), nb::arg("end_len"),
+          nb::arg("layers").none() = nb::none(),
           "Writes the library's deterministic test pattern for tokens [start_len, end_len) "
-          "of a sequence whose page table is `pages` (host memory).")
+          "of a sequence whose page table is `pages` (host memory); `layers` = (begin, end) "
+          "writes only those layers (a layer-wise prefill).")
       .def(
           "verify_pattern",
           [](const PyKVCache& c, std::uint64_t seed, nb::handle pages, std::uint64_t start_len,

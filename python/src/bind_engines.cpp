@@ -23,6 +23,7 @@
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/pool.hpp"
 #include "mstar/kv/stats.hpp"
+#include "mstar/kv/streaming.hpp"
 #include "py_common.hpp"
 #if MSTAR_KV_PY_HAVE_CUDA_IPC
 #include "mstar/kv/cuda_ipc.hpp"
@@ -44,6 +45,10 @@ struct PyEngine {
   // The Python pool done notices free sequences in (kept alive here; the
   // engine's handler uses its native pool without the GIL).
   nb::object done_pool;
+  // Layer-wise streams (streaming.hpp), made by the first stream_retrieve;
+  // stopped by shutdown() before the engine.
+  std::unique_ptr<LayerStreamer> streamer;
+  milliseconds timeout{30000};
 
   KVTransferEngine& get(const char* what) const {
     if (!engine) {
@@ -173,6 +178,31 @@ void bind_engines(nb::module_& m) {
           "fn(code: int, message: str, bytes: int) runs once on resolution, on the "
           "resolving thread with the GIL taken (now, if already resolved).");
 
+  nb::class_<LayerStream>(m, "_LayerStream",
+                          "Native LayerStream (mstar_kv.LayerStream wraps it).")
+      .def("future", &LayerStream::future)
+      .def_prop_ro("num_layers", &LayerStream::num_layers)
+      .def_prop_ro("layers_done", &LayerStream::layers_done)
+      .def(
+          "wait_for_layer",
+          [](const LayerStream& s, std::uint32_t layer, std::optional<double> timeout_s) {
+            std::chrono::nanoseconds t = std::chrono::hours(24 * 365);
+            if (timeout_s) {
+              t = std::chrono::nanoseconds(
+                  static_cast<std::int64_t>(std::max(0.0, std::min(*timeout_s, 1e8)) * 1e9));
+            }
+            Status st;
+            {
+              nb::gil_scoped_release release;
+              st = s.wait_for_layer(layer, t);
+            }
+            return std::make_tuple(static_cast<int>(st.code()), st.message());
+          },
+          nb::arg("layer"), nb::arg("timeout").none() = nb::none(),
+          "Waits (GIL released) for the layer: (code, message); IN_PROGRESS when the timeout "
+          "passed first.")
+      .def("cancel", &LayerStream::cancel);
+
   nb::class_<PyEngine>(m, "_Engine",
                        "A native engine (mstar_kv's engine classes wrap it). Safe from any "
                        "thread; shutdown() resolves reads in flight with SHUTDOWN.")
@@ -186,6 +216,7 @@ void bind_engines(nb::module_& m) {
             auto out = std::make_unique<PyEngine>();
             out->cache = cache.cache;
             out->stats = std::make_shared<TransferStatsRecorder>(name);
+            out->timeout = info.options.timeout;
             nb::gil_scoped_release release;  // ucx opens a listener, mooncake starts
             out->engine = make_engine(info, out->cache);
             return out;
@@ -212,9 +243,11 @@ void bind_engines(nb::module_& m) {
             cfg.delay = milliseconds(static_cast<std::int64_t>(delay_s * 1000));
             cfg.drop = drop;
             cfg.drop_timeout = milliseconds(static_cast<std::int64_t>(drop_timeout_s * 1000));
+            if (inner.streamer) inner.streamer->stop();  // it streams from the inner engine
             auto out = std::make_unique<PyEngine>();
             out->cache = inner.cache;
             out->stats = inner.stats;
+            out->timeout = inner.timeout;
             out->engine = std::make_unique<FaultInjectingEngine>(std::move(inner.engine),
                                                                  inner.cache->layout(), cfg);
             return out;
@@ -293,10 +326,53 @@ void bind_engines(nb::module_& m) {
           nb::arg("start_len"), nb::arg("end_len"), nb::arg("local_page_indices"),
           nb::arg("shards"),
           "retrieve_shards: each local head from the first shard that holds it, one future.")
+      .def(
+          "stream_retrieve",
+          [](PyEngine& e, std::uint64_t start_len, std::uint64_t end_len, nb::handle local_pages,
+             nb::handle remote_pages, nb::handle remote, double ready_timeout_s,
+             double poll_interval_s, std::uint32_t max_reads_in_flight) -> std::optional<LayerStream> {
+            const auto lp = to_pages(local_pages, "local_page_indices");
+            const auto rp = to_pages(remote_pages, "remote_page_indices");
+            KVTransferInfo info = to_transfer_info(remote);
+            KVTransferEngine& eng = e.get("start_streaming_retrieve");
+            if (!e.cache) {
+              throw Error(StatusCode::kInvalidArgument,
+                          "a local-only engine without a cache cannot stream");
+            }
+            if (!(ready_timeout_s >= 0) || ready_timeout_s > 86400 || !(poll_interval_s > 0) ||
+                poll_interval_s > 1) {
+              throw Error(StatusCode::kInvalidArgument,
+                          "ready_timeout " + std::to_string(ready_timeout_s) +
+                              " s must be in [0, 86400] and poll_interval " +
+                              std::to_string(poll_interval_s) + " s in (0, 1]");
+            }
+            StreamOptions o;
+            o.ready_timeout = milliseconds(static_cast<std::int64_t>(ready_timeout_s * 1000 + 0.5));
+            o.poll_interval = std::chrono::microseconds(
+                std::max<std::int64_t>(1, static_cast<std::int64_t>(poll_interval_s * 1e6)));
+            o.max_reads_in_flight = max_reads_in_flight;
+            if (!e.streamer) e.streamer = std::make_unique<LayerStreamer>(eng, e.cache, e.timeout);
+            LayerStreamer& streamer = *e.streamer;
+            nb::gil_scoped_release release;
+            std::optional<LayerStream> stream;
+            TransferStatsRecorder::track(e.stats, [&]() -> std::optional<TransferFuture> {
+              stream = streamer.start(start_len, end_len, lp, rp, info, o);
+              if (!stream) return std::nullopt;
+              return stream->future();
+            });
+            return stream;
+          },
+          nb::arg("start_len"), nb::arg("end_len"), nb::arg("local_page_indices"),
+          nb::arg("remote_page_indices"), nb::arg("kv_transfer_info").none(),
+          nb::arg("ready_timeout") = 0.0, nb::arg("poll_interval") = 20e-6,
+          nb::arg("max_reads_in_flight") = 4,
+          "Layer-wise streaming pull (KVTransferManager::start_streaming_retrieve); None when "
+          "start_len == end_len.")
       .def("shutdown",
            [](PyEngine& e) {
              if (!e.engine) return;
              nb::gil_scoped_release release;
+             if (e.streamer) e.streamer->stop();
              e.engine->shutdown();
            })
       .def(
@@ -435,7 +511,15 @@ void bind_engines(nb::module_& m) {
       .def("contains", &KVCachePool::contains, nb::arg("seq_id"))
       .def("pages", &KVCachePool::pages, nb::arg("seq_id"))
       .def("free_page_count", &KVCachePool::free_page_count)
-      .def("publish", &KVCachePool::publish, nb::arg("seq_id"));
+      .def(
+          "publish",
+          [](KVCachePool& p, std::uint64_t seq_id, std::optional<std::uint32_t> layers_ready) {
+            return layers_ready ? p.publish(seq_id, *layers_ready) : p.publish(seq_id);
+          },
+          nb::arg("seq_id"), nb::arg("layers_ready").none() = nb::none())
+      .def("mark_layers_ready", &KVCachePool::mark_layers_ready, nb::arg("seq_id"),
+           nb::arg("layers_done"))
+      .def("layers_ready", &KVCachePool::layers_ready, nb::arg("seq_id"));
 }
 
 }  // namespace mstar::kv::py

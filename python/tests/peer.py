@@ -15,11 +15,19 @@ After each command it prints the new READY line, but for these:
               pages to a new sequence 3, 4, ..., filled with its own pattern
               (SEED + id): prints "REUSED <hex of the new SequenceInfo>"
     expire    reap expired leases: prints "EXPIRED <count>"
+    stream MS N  layer-wise streaming, a deliberately slow owner: allocates
+              sequence 1000 (its pages hold the poison byte 0xEE: the whole
+              cache is poisoned before sequences 1 and 2 are filled),
+              publishes it with 0 layers ready ("STREAM <hex>"), then for each
+              of its first N layers sleeps MS ms, writes the layer's pattern
+              (SEED + 1000), marks it ready and prints "MARKED <layer>"
     contains N  prints "CONTAINS 0|1"
 Done notices that reach the engine (UCX) free sequences in the pool.
 """
 import argparse
+import ctypes
 import sys
+import threading
 import time
 
 import mstar_kv as kv
@@ -75,9 +83,26 @@ def main():
                           lease=args.lease)
     if getattr(engine, "_native", None) is not None:
         engine._native.serve_done_notices(pool._pool)
+    if cache.memory != "device":
+        ctypes.memset(cache.data_ptr, 0xEE, cache.size_bytes)  # poison (see "stream")
     for seq_id in (1, 2):
         pool.allocate(seq_id, args.tokens)
         cache.fill_pattern(SEED + seq_id, pool.pages(seq_id), 0, args.tokens)
+
+    def stream(ms, n):
+        pages = pool.allocate(1000, args.tokens)
+        print("STREAM", pool.publish(1000, layers_ready=0).to_bytes().hex(), flush=True)
+
+        def mark():
+            for layer in range(n):
+                time.sleep(ms / 1000.0)
+                cache.fill_pattern(SEED + 1000, pages, 0, args.tokens, layers=(layer, layer + 1))
+                pool.mark_layers_ready(1000, layer + 1)
+                print("MARKED", layer, flush=True)
+
+        t = threading.Thread(target=mark, daemon=True)
+        t.start()
+        return t
 
     def ready():
         out = [pool.publish(s).to_bytes().hex() for s in (1, 2)]
@@ -106,6 +131,8 @@ def main():
             assert pool.allocate(current, args.tokens) == pages  # LIFO: the same pages
             cache.fill_pattern(SEED + current, pages, 0, args.tokens)
             print("REUSED", pool.publish(current).to_bytes().hex(), flush=True)
+        elif cmd.startswith("stream "):
+            stream(float(cmd.split()[1]), int(cmd.split()[2]))
         elif cmd == "expire":
             print("EXPIRED", pool.expire_leases(), flush=True)
         elif cmd.startswith("contains "):

@@ -71,6 +71,12 @@ KVCache::KVCache(const KVLayout& layout, std::unique_ptr<KVMemory> memory)
     words = reinterpret_cast<std::uint64_t*>(epoch_memory_->data());
   }
   epochs_ = PageEpochs(words, layout_.num_pages, memory_->epoch_mirror(layout_.num_pages));
+  std::uint32_t* ready = memory_->ready_words(layout_.num_pages);
+  if (ready == nullptr) {
+    ready_memory_ = allocate_host_memory(std::size_t{layout_.num_pages} * 4);
+    ready = reinterpret_cast<std::uint32_t*>(ready_memory_->data());
+  }
+  readiness_ = PageReadiness(ready, layout_.num_pages);
 }
 
 std::shared_ptr<KVCache> KVCache::create_host(const KVLayout& layout) {

@@ -14,6 +14,7 @@ KVTransferManager::KVTransferManager(
     throw Error(StatusCode::kInvalidArgument, "KVTransferManager needs a KV cache");
   }
   engine_ = make_engine(transfer_engine_info, kv_cache_);
+  if (transfer_engine_info) engine_timeout_ = transfer_engine_info->options.timeout;
   stats_ = std::make_shared<TransferStatsRecorder>(
       transfer_engine_info && !transfer_engine_info->transfer_engine.empty()
           ? transfer_engine_info->transfer_engine
@@ -165,6 +166,7 @@ std::uint64_t KVTransferManager::sync_retrieve(
 }
 
 void KVTransferManager::cleanup() {
+  stop_streams();  // streaming.cpp: streams resolve once nothing is in flight
   if (engine_) engine_->shutdown();
 }
 

@@ -1,6 +1,7 @@
 // Copyright mstar-kv authors.
 #include "mstar/kv/pattern.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -105,7 +106,9 @@ void check_table(const KVCache& cache, std::span<const std::uint32_t> pages,
 // Calls fn(layer, kv, seq_page_index, page, t0, t1) for every block touched.
 template <typename Fn>
 void for_each_block(const KVLayout& l, std::span<const std::uint32_t> pages,
-                    std::uint64_t start_len, std::uint64_t end_len, Fn&& fn) {
+                    std::uint64_t start_len, std::uint64_t end_len, Fn&& fn,
+                    std::uint32_t layer_begin = 0, std::uint32_t layer_end = ~0u) {
+  layer_end = std::min(layer_end, l.num_layers);
   if (start_len == end_len) return;
   const std::uint64_t ps = l.page_size;
   const std::uint64_t needed = (end_len + ps - 1) / ps;
@@ -113,7 +116,7 @@ void for_each_block(const KVLayout& l, std::span<const std::uint32_t> pages,
     const std::uint64_t base = i * ps;
     const auto t0 = static_cast<std::uint32_t>(start_len > base ? start_len - base : 0);
     const auto t1 = static_cast<std::uint32_t>(std::min(ps, end_len - base));
-    for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
+    for (std::uint32_t layer = layer_begin; layer < layer_end; ++layer) {
       for (std::uint32_t kv = 0; kv < l.num_kv(); ++kv) fn(layer, kv, i, pages[i], t0, t1);
     }
   }
@@ -124,6 +127,19 @@ void for_each_block(const KVLayout& l, std::span<const std::uint32_t> pages,
 void fill_pattern(const KVCache& cache, std::uint64_t seed,
                   std::span<const std::uint32_t> pages, std::uint64_t start_len,
                   std::uint64_t end_len) {
+  fill_pattern_layers(cache, seed, pages, start_len, end_len, 0, cache.layout().num_layers);
+}
+
+void fill_pattern_layers(const KVCache& cache, std::uint64_t seed,
+                         std::span<const std::uint32_t> pages, std::uint64_t start_len,
+                         std::uint64_t end_len, std::uint32_t layer_begin,
+                         std::uint32_t layer_end) {
+  if (layer_begin > layer_end || layer_end > cache.layout().num_layers) {
+    throw Error(StatusCode::kInvalidArgument,
+                "pattern layers [" + std::to_string(layer_begin) + ", " +
+                    std::to_string(layer_end) + ") out of range [0, " +
+                    std::to_string(cache.layout().num_layers) + "]");
+  }
   check_host(cache);
   check_table(cache, pages, start_len, end_len);
   const KVLayout& l = cache.layout();
@@ -139,7 +155,8 @@ void fill_pattern(const KVCache& cache, std::uint64_t seed,
                                 block + l.in_block_offset(t, h), hb);
                      }
                    }
-                 });
+                 },
+                 layer_begin, layer_end);
 }
 
 VerifyResult verify_pattern(const KVCache& cache, std::uint64_t seed,

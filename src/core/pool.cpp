@@ -64,6 +64,8 @@ std::vector<std::uint32_t> KVCachePool::allocate_locked(std::size_t count) {
   std::reverse(pages.begin(), pages.end());
   free_.resize(free_.size() - count);
   for (std::uint32_t p : pages) in_use_[p] = kLoose;
+  // No layer of a new owner is ready; the reset is ordered before the epoch.
+  cache_->readiness().reset(pages);
   cache_->epochs().stamp(pages, next_epoch_++);
   return pages;
 }
@@ -227,6 +229,56 @@ std::size_t KVCachePool::free_page_count() const {
 
 SequenceInfo KVCachePool::publish(std::uint64_t seq_id) {
   std::lock_guard<std::mutex> lock(mu_);
+  const std::uint32_t all = cache_->layout().num_layers;
+  return publish_locked(seq_id, &all);
+}
+
+SequenceInfo KVCachePool::publish(std::uint64_t seq_id, std::uint32_t layers_ready) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return publish_locked(seq_id, &layers_ready);
+}
+
+void KVCachePool::mark_locked(std::uint64_t seq_id, Sequence& s, std::uint32_t layers_done) {
+  const std::uint32_t num_layers = cache_->layout().num_layers;
+  if (layers_done > num_layers) {
+    throw Error(StatusCode::kInvalidArgument,
+                "mark_layers_ready of sequence " + std::to_string(seq_id) + ": " +
+                    std::to_string(layers_done) + " layers ready is beyond the layout's " +
+                    std::to_string(num_layers) + " layers");
+  }
+  if (layers_done < s.layers_ready) {
+    throw Error(StatusCode::kInvalidArgument,
+                "mark_layers_ready of sequence " + std::to_string(seq_id) + ": " +
+                    std::to_string(layers_done) + " layers ready would go backwards from " +
+                    std::to_string(s.layers_ready) + " already marked");
+  }
+  if (layers_done == s.layers_ready) return;
+  s.layers_ready = layers_done;
+  cache_->readiness().stamp(s.pages, layers_done);
+}
+
+void KVCachePool::mark_layers_ready(std::uint64_t seq_id, std::uint32_t layers_done) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sequences_.find(seq_id);
+  if (it == sequences_.end()) {
+    throw Error(StatusCode::kNotFound,
+                "mark_layers_ready of unknown sequence " + std::to_string(seq_id) +
+                    (expired_ids_.count(seq_id) != 0 ? " (its lease expired)" : ""));
+  }
+  mark_locked(seq_id, it->second, layers_done);
+}
+
+std::uint32_t KVCachePool::layers_ready(std::uint64_t seq_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sequences_.find(seq_id);
+  if (it == sequences_.end()) {
+    throw Error(StatusCode::kNotFound, "unknown sequence " + std::to_string(seq_id));
+  }
+  return it->second.layers_ready;
+}
+
+SequenceInfo KVCachePool::publish_locked(std::uint64_t seq_id,
+                                         const std::uint32_t* layers_ready) {
   const auto now = Clock::now();
   expire_locked(now);
   auto it = sequences_.find(seq_id);
@@ -236,6 +288,7 @@ SequenceInfo KVCachePool::publish(std::uint64_t seq_id) {
                     (expired_ids_.count(seq_id) != 0 ? " (its lease expired)" : ""));
   }
   Sequence& s = it->second;
+  if (layers_ready != nullptr) mark_locked(seq_id, s, *layers_ready);
   if (!s.leased && lease_.count() > 0) {
     s.leased = true;
     s.expiry = now + lease_;

@@ -20,6 +20,7 @@ endif()
 if(EXISTS ${CMAKE_CURRENT_LIST_DIR}/cmd_demo.cpp)
   target_sources(mstar-kv PRIVATE
     ${CMAKE_CURRENT_LIST_DIR}/demo_baseline.cpp
+    ${CMAKE_CURRENT_LIST_DIR}/demo_layerwise.cpp
     ${CMAKE_CURRENT_LIST_DIR}/demo_proc.cpp)
   # The demo's memcpy baseline reads the prefill's real memory when the shm
   # engine is built; otherwise it copies from a private buffer.

@@ -22,6 +22,7 @@
 #include "args.hpp"
 #include "commands.hpp"
 #include "demo_baseline.hpp"
+#include "demo_layerwise.hpp"
 #include "demo_proc.hpp"
 #include "layout_args.hpp"
 #include "mstar/kv/kv.hpp"
@@ -65,6 +66,12 @@ const char* kHelp =
     "  --remote-page-size N --remote-page-order O --remote-cache-order O\n"
     "  --remote-tp M --local-tp N --local-rank R   decode rank R of TP=N reads its\n"
     "                      KV heads from the TP=M prefill rank that holds them (M <= N)\n"
+    "  --layerwise         layer-wise streaming instead: the prefill writes each layer,\n"
+    "                      sleeps --prefill-ms-per-layer, then marks it ready; the decode\n"
+    "                      streams it (even rounds) or pulls after the prefill (odd rounds,\n"
+    "                      the baseline); --repeat rounds of each; prints both end times and\n"
+    "                      the fraction of the transfer hidden under compute\n"
+    "  --prefill-ms-per-layer X  the prefill's compute per layer with --layerwise (default 1)\n"
     "  --mooncake-lib PATH Mooncake's libtransfer_engine.so for --engine mooncake\n"
     "                      (default: $MSTAR_KV_MOONCAKE_LIB, else the loader's search path)\n";
 
@@ -83,16 +90,18 @@ struct DemoConfig {
   int fd = -1;
   std::string crash;   // test hook: this role kills itself mid-way
   std::string mooncake_lib;  // EngineOptions.extra["mooncake_lib"] when set
+  bool layerwise = false;
+  double ms_per_layer = 1.0;
 };
 
-std::set<std::string> demo_flags() { return {"help", "scatter", "contiguous"}; }
+std::set<std::string> demo_flags() { return {"help", "scatter", "contiguous", "layerwise"}; }
 
 std::set<std::string> demo_options() {
   auto o = layout_options();
   for (const char* s : {"tokens", "workers", "engine", "repeat", "prefix-hit", "timeout-ms",
                         "seed", "role", "fd", "crash", "mooncake-lib", "remote-page-size",
                         "remote-page-order", "remote-cache-order", "remote-tp", "local-tp",
-                        "local-rank"}) {
+                        "local-rank", "prefill-ms-per-layer"}) {
     o.insert(s);
   }
   return o;
@@ -134,6 +143,15 @@ DemoConfig parse(const Args& args) {
   c.fd = static_cast<int>(args.u64("fd", 3));
   c.crash = args.str("crash", "");
   c.mooncake_lib = args.str("mooncake-lib", "");
+  c.layerwise = args.flag("layerwise");
+  c.ms_per_layer = args.f64("prefill-ms-per-layer", 1.0);
+  if (!(c.ms_per_layer >= 0.0 && c.ms_per_layer <= 10000.0)) {
+    bad("--prefill-ms-per-layer " + args.str("prefill-ms-per-layer", "") +
+        " out of range [0, 10000]");
+  }
+  if (!c.layerwise && args.has("prefill-ms-per-layer")) {
+    bad("--prefill-ms-per-layer needs --layerwise");
+  }
   // Each pool holds both requests, plus slack so that scattered pages spread.
   KVLayout probe = layout_from_args(args, 1);
   const std::uint64_t per_request = (c.tokens + probe.page_size - 1) / probe.page_size;
@@ -416,6 +434,11 @@ int run_parent(const DemoConfig& c, int argc, char** argv) {
                                               "' cannot move pages between processes in this "
                                               "build (built: " + list + ")");
   }
+  if (c.layerwise && c.engine != "shm") {
+    throw Error(StatusCode::kUnavailable,
+                "--layerwise over engine '" + c.engine +
+                    "': it has no readiness channel from the owner yet (only shm streams)");
+  }
   std::printf("mstar-kv demo: prefill -> decode on one host, engine '%s', %u workers\n",
               c.engine.c_str(), c.workers);
   if (!(c.prefill_layout == c.layout)) {
@@ -514,6 +537,20 @@ int cmd_demo(int argc, char** argv) {
   if (c.role.empty()) return run_parent(c, argc, argv);
   // A role process: its errors are reported with its name.
   try {
+    if (c.layerwise) {
+      demo::LayerwiseConfig lc;
+      lc.layout = c.role == "prefill" ? c.prefill_layout : c.layout;  // geometries may differ
+      lc.tokens = c.tokens;
+      lc.scatter_seed = c.scatter ? c.scatter_seed : 0;
+      lc.ms_per_layer = c.ms_per_layer;
+      lc.rounds = c.repeat;
+      lc.timeout = c.timeout;
+      lc.fd = c.fd;
+      lc.memory = memory_for(c.engine);
+      lc.engine = engine_info(c, c.role == "prefill" ? "prefill" : "decode");
+      return c.role == "prefill" ? demo::run_layerwise_prefill(lc)
+                                 : demo::run_layerwise_decode(lc);
+    }
     return c.role == "prefill" ? run_prefill(c) : run_decode(c);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "mstar-kv demo [%s]: error: %s\n", c.role.c_str(), e.what());

@@ -10,6 +10,7 @@
 
 #include "mstar/kv/epochs.hpp"
 #include "mstar/kv/layout.hpp"
+#include "mstar/kv/readiness.hpp"
 
 namespace mstar::kv {
 
@@ -33,6 +34,13 @@ class KVMemory {
   // of host memory, or nullptr when it keeps none (the cache then allocates
   // them in private, page-aligned host memory).
   virtual std::uint64_t* epoch_words(std::uint32_t num_pages) const noexcept {
+    (void)num_pages;
+    return nullptr;
+  }
+  // Where this memory keeps the pages' layer readiness (readiness.hpp), so
+  // that readers of its engine can see it: at least `num_pages` 4-byte
+  // words, or nullptr (the cache then keeps them in private host memory).
+  virtual std::uint32_t* ready_words(std::uint32_t num_pages) const noexcept {
     (void)num_pages;
     return nullptr;
   }
@@ -76,12 +84,17 @@ class KVCache {
   // The owner epoch of every page (epochs.hpp): written by the KVCachePool
   // over this cache, read by engines serving it. All zero (free) at first.
   const PageEpochs& epochs() const noexcept { return epochs_; }
+  // The layer readiness of every page (readiness.hpp): written by the
+  // KVCachePool, read by engines serving it. All zero at first.
+  const PageReadiness& readiness() const noexcept { return readiness_; }
 
  private:
   KVLayout layout_;
   std::unique_ptr<KVMemory> memory_;
   std::unique_ptr<KVMemory> epoch_memory_;  // when memory_ keeps no epochs
   PageEpochs epochs_;
+  std::unique_ptr<KVMemory> ready_memory_;  // when memory_ keeps no readiness
+  PageReadiness readiness_;
 };
 
 }  // namespace mstar::kv

@@ -12,6 +12,8 @@
 #include "mstar/kv/future.hpp"
 #include "mstar/kv/layout.hpp"
 #include "mstar/kv/read_info.hpp"
+#include "mstar/kv/readiness.hpp"
+#include <memory>
 
 namespace mstar::kv {
 
@@ -68,6 +70,17 @@ class KVTransferEngine {
   // nor call back into this engine. The default never calls it.
   using DoneHandler = std::function<void(std::uint64_t seq_id, std::uint64_t epoch)>;
   virtual void set_done_handler(DoneHandler handler) { (void)handler; }
+
+  // Layer-wise streaming (readiness.hpp, streaming.hpp). Validates
+  // `remote_kv_info` and `read_info` exactly as read_batched_async would
+  // (throwing the same Errors, before any byte moves) and returns a watch on
+  // the owner's layer readiness for the remote pages of those reads, over
+  // the engine's own channel (shm: the readiness words in the mapped owner
+  // memory). The default, for engines without such a channel yet (ucx,
+  // mooncake, cuda_ipc, local), throws Error(kUnavailable) naming the
+  // engine: pull after the owner finished instead.
+  virtual std::unique_ptr<LayerWatch> watch_layers(const KVTransferInfo& remote_kv_info,
+                                                   std::span<const KVReadInfo> read_info);
 };
 
 }  // namespace mstar::kv

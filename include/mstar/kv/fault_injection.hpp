@@ -140,6 +140,8 @@ class FaultInjectingEngine final : public KVTransferEngine {
   void shutdown() override;
   void notify_done(const KVTransferInfo& remote, std::uint64_t seq_id) override;
   void set_done_handler(DoneHandler handler) override;
+  std::unique_ptr<LayerWatch> watch_layers(const KVTransferInfo& remote_kv_info,
+                                           std::span<const KVReadInfo> read_info) override;
 
   // Replaces the fault configuration (the random generator is reseeded when
   // the seed changes) and the kill hook.

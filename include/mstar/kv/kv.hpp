@@ -15,5 +15,7 @@
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/pool.hpp"
 #include "mstar/kv/read_info.hpp"
+#include "mstar/kv/readiness.hpp"
 #include "mstar/kv/stats.hpp"
 #include "mstar/kv/status.hpp"
+#include "mstar/kv/streaming.hpp"

@@ -18,6 +18,8 @@
 #include "mstar/kv/engine.hpp"
 #include "mstar/kv/log.hpp"
 #include "mstar/kv/stats.hpp"
+#include "mstar/kv/streaming.hpp"
+#include <mutex>
 
 namespace mstar::kv {
 
@@ -149,6 +151,23 @@ class KVTransferManager {
                               std::span<const std::uint32_t> remote_page_indices,
                               const KVTransferInfo& kv_transfer_info);
 
+  // Layer-wise streaming (streaming.hpp): the same pull as
+  // start_async_retrieve, issued layer by layer as the owner marks layers
+  // ready (KVCachePool::mark_layers_ready). Validates everything first and
+  // throws Error before any byte moves: the errors of start_async_retrieve,
+  // Error(kUnavailable) naming the engine when it has no readiness channel
+  // (ucx, mooncake, cuda_ipc), Error(kInvalidArgument) for a descriptor
+  // without a page epoch (not published by a KVCachePool) or options out of
+  // range. std::nullopt when start_len == end_len. The stream's errors
+  // (kTimeout for a layer never marked, kStaleDescriptor,
+  // kCorruptDescriptor, the owner's death, a layer's read failing) travel
+  // in its future and wait_for_layer.
+  std::optional<LayerStream> start_streaming_retrieve(
+      std::uint64_t start_len, std::uint64_t end_len,
+      std::span<const std::uint32_t> local_page_indices,
+      std::span<const std::uint32_t> remote_page_indices,
+      const KVTransferInfo& kv_transfer_info, StreamOptions options = {});
+
   void cleanup();
 
   // Done notices (leases, pool.hpp). Reader side: tells the owner of `seq`
@@ -185,6 +204,12 @@ class KVTransferManager {
   // Shared with the callbacks of futures that may outlive the manager.
   std::shared_ptr<TransferStatsRecorder> stats_;
   std::atomic<bool> stats_enabled_{true};
+  // The stream driver (streaming.cpp), made by the first stream.
+  std::chrono::milliseconds engine_timeout_{30000};
+  std::mutex streams_mu_;
+  std::unique_ptr<LayerStreamer> streams_;  // guarded by streams_mu_
+  bool streams_closed_ = false;             // guarded by streams_mu_
+  void stop_streams() noexcept;
 };
 
 }  // namespace mstar::kv

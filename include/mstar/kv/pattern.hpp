@@ -23,6 +23,14 @@ void fill_pattern(const KVCache& cache, std::uint64_t seed,
                   std::span<const std::uint32_t> pages,
                   std::uint64_t start_len, std::uint64_t end_len);
 
+// The same for layers [layer_begin, layer_end) only (a layer-wise writer, as
+// a prefill that marks layers ready one by one). Throws Error naming the
+// range when it exceeds the layout's layers.
+void fill_pattern_layers(const KVCache& cache, std::uint64_t seed,
+                         std::span<const std::uint32_t> pages, std::uint64_t start_len,
+                         std::uint64_t end_len, std::uint32_t layer_begin,
+                         std::uint32_t layer_end);
+
 struct VerifyResult {
   std::uint64_t blocks_checked = 0;     // (layer, k|v, page) checksums compared
   std::uint64_t bytes_checked = 0;

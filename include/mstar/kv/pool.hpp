@@ -85,12 +85,31 @@ class KVCachePool {
   // first publish starts the lease.
   SequenceInfo publish(std::uint64_t seq_id);
 
+  // Layer-wise streaming (readiness.hpp, streaming.hpp). publish(seq_id)
+  // above declares the sequence written: it marks every layer ready.
+  // publish(seq_id, layers_ready) publishes it before its layers are
+  // written (layers_ready usually 0), for readers that stream; the owner
+  // then calls mark_layers_ready after each layer. Same errors as
+  // mark_layers_ready, plus those of publish.
+  SequenceInfo publish(std::uint64_t seq_id, std::uint32_t layers_ready);
+  // Layers [0, layers_done) of the sequence hold their final bytes: stamped
+  // on every page of it, where the cache's readers see it (the shm file,
+  // for shm readers). Cheap enough for every layer of a forward pass: the
+  // pool's mutex and one store per page, no syscall. Monotonic: a value
+  // equal to the current one is a no-op; a smaller one, or one beyond the
+  // layout's num_layers, throws Error(kInvalidArgument) naming both values;
+  // an unknown sequence throws Error(kNotFound). Need not follow publish.
+  void mark_layers_ready(std::uint64_t seq_id, std::uint32_t layers_done);
+  // What mark_layers_ready (or publish) last stamped; throws kNotFound.
+  std::uint32_t layers_ready(std::uint64_t seq_id) const;
+
  private:
   using Clock = std::chrono::steady_clock;
   struct Sequence {
     std::uint64_t num_tokens = 0;
     std::vector<std::uint32_t> pages;
     std::uint64_t epoch = 0;
+    std::uint32_t layers_ready = 0;
     bool leased = false;
     Clock::time_point expiry{};
     std::uint64_t expiry_unix_ms = 0;
@@ -100,6 +119,8 @@ class KVCachePool {
   std::vector<std::uint32_t> allocate_locked(std::size_t count);
   void free_locked(std::span<const std::uint32_t> pages, std::uint8_t owner);
   std::size_t expire_locked(Clock::time_point now);
+  void mark_locked(std::uint64_t seq_id, Sequence& s, std::uint32_t layers_done);
+  SequenceInfo publish_locked(std::uint64_t seq_id, const std::uint32_t* layers_ready);
 
   std::shared_ptr<KVCache> cache_;
   KVTransferInfo descriptor_;

@@ -95,6 +95,11 @@ class ShmMapping {
     return reinterpret_cast<const std::uint64_t*>(base_ + epoch_offset());
   }
   std::uint32_t epoch_pages() const noexcept { return info_.layout.num_pages; }
+  // The owner's layer readiness words (readiness.hpp), read-only:
+  // layout.num_pages words after the epoch table.
+  const std::uint32_t* ready_words() const noexcept {
+    return reinterpret_cast<const std::uint32_t*>(base_ + ready_offset());
+  }
   std::size_t size() const noexcept { return info_.size; }
   const ShmKVTransferInfo& info() const noexcept { return info_; }
 
@@ -110,6 +115,9 @@ class ShmMapping {
   void reset() noexcept;
   std::size_t epoch_offset() const noexcept {
     return kHeaderBytes + ((info_.size + 4095) & ~std::size_t{4095});
+  }
+  std::size_t ready_offset() const noexcept {
+    return epoch_offset() + ((std::size_t{info_.layout.num_pages} * 8 + 4095) & ~std::size_t{4095});
   }
 
   ShmKVTransferInfo info_;
@@ -157,6 +165,7 @@ struct ShmEngineOptions {
 // * If the owner dies during a read, the memory stays mapped and valid: the
 //   read completes with correct bytes. The next read of that descriptor fails
 //   with kNotFound.
+// * Layer-wise streaming (streaming.hpp): watch_layers below.
 // * shutdown(): reads not yet finished resolve with kShutdown (pieces being
 //   copied finish first), workers are joined, mappings unmapped; later reads
 //   throw Error(kShutdown). Idempotent; the destructor calls it.
@@ -180,6 +189,12 @@ class ShmKVTransferEngine final : public KVTransferEngine {
       const KVTransferInfo& remote_kv_info,
       std::span<const KVReadInfo> read_info) override;
   void shutdown() override;
+  // Layer-wise streaming: a watch on the readiness words of the mapped owner
+  // memory (no syscall per poll; the owner-alive check runs at most once per
+  // millisecond, and only while layers are still missing: an owner that
+  // died before marking them fails the stream with kNotFound).
+  std::unique_ptr<LayerWatch> watch_layers(const KVTransferInfo& remote_kv_info,
+                                           std::span<const KVReadInfo> read_info) override;
 
   // The descriptor as a struct; std::nullopt for a private (kHost) cache.
   std::optional<ShmKVTransferInfo> shm_info() const;

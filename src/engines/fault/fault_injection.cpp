@@ -558,6 +558,13 @@ void FaultInjectingEngine::notify_done(const KVTransferInfo& remote, std::uint64
   inner().notify_done(remote, seq_id);
 }
 
+std::unique_ptr<LayerWatch> FaultInjectingEngine::watch_layers(
+    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
+  // The readiness comes from the inner engine; each layer's read goes
+  // through this wrapper's read_batched_async (and its faults).
+  return inner().watch_layers(remote_kv_info, read_info);
+}
+
 void FaultInjectingEngine::set_done_handler(DoneHandler handler) {
   inner().set_done_handler(std::move(handler));
 }

@@ -16,6 +16,7 @@
 #include "engines/option_keys.hpp"
 #include "mstar/kv/shm.hpp"
 #include "shm_memory.hpp"
+#include "shm_readiness.hpp"
 
 namespace mstar::kv {
 
@@ -203,6 +204,28 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
   spec.planned_at = planned_at;
   spec.peer = std::move(peer);
   return impl_->pool.submit(std::move(spec));
+}
+
+std::unique_ptr<LayerWatch> ShmKVTransferEngine::watch_layers(
+    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
+  if (read_info.empty()) {
+    throw Error(StatusCode::kInvalidArgument, "shm layer watch of 0 reads: nothing to watch");
+  }
+  const ShmKVTransferInfo info = ShmKVTransferInfo::decode(remote_kv_info);
+  const KVLayout& local = impl_->cache->layout();
+  local.check_same_model(info.layout);
+  (void)plan_strided_copies(local, info.layout, read_info);  // validates as a read does
+  if (remote_kv_info.epoch == 0) {
+    throw Error(StatusCode::kInvalidArgument,
+                "layer-wise streaming needs a descriptor with a page epoch (published by a "
+                "KVCachePool), got epoch 0");
+  }
+  std::shared_ptr<const ShmMapping> mapping = impl_->mapping_for(info);
+  auto pages = remote_pages_of(read_info, info.layout.num_pages);
+  Status s = check_page_epochs(mapping->epochs(), mapping->epoch_pages(), pages,
+                               remote_kv_info.epoch, "before the stream", false);
+  if (!s.is_ok()) throw Error(std::move(s));
+  return shm::make_layer_watch(std::move(mapping), std::move(pages), remote_kv_info.epoch);
 }
 
 void ShmKVTransferEngine::shutdown() {

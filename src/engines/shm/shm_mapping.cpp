@@ -143,7 +143,7 @@ ShmMapping ShmMapping::open(const ShmKVTransferInfo& info) {
     throw Error(StatusCode::kStaleDescriptor,
                 who + ": the memory holds " + std::to_string(st.st_size) +
                     " bytes, the descriptor needs " + std::to_string(want) +
-                    " (header + size + page epochs): another cache now has this fd");
+                    " (header + size + page epochs + readiness): another cache now has this fd");
   }
   // MAP_POPULATE maps every page now, once per peer, instead of one fault
   // per 4 KiB page inside the copies; above kPopulateLimit the first reads
@@ -165,7 +165,8 @@ ShmMapping ShmMapping::open(const ShmKVTransferInfo& info) {
   std::memcpy(&h, m.base_, sizeof h);
   if (h.magic != shm::Header::kMagic || h.nonce != info.nonce || h.size != info.size ||
       h.epoch_offset != shm::epoch_table_offset(info.size) ||
-      h.epoch_pages != info.layout.num_pages) {
+      h.epoch_pages != info.layout.num_pages ||
+      h.ready_offset != shm::ready_table_offset(info.size, info.layout.num_pages)) {
     throw Error(StatusCode::kStaleDescriptor,
                 who + ": generation mismatch (the cache's nonce is " + std::to_string(h.nonce) +
                     ", the descriptor's " + std::to_string(info.nonce) +

@@ -111,6 +111,7 @@ std::unique_ptr<SharedMemory> SharedMemory::create(std::size_t size,
   h.owner_uid = m->owner_uid_;
   h.epoch_offset = epoch_table_offset(size);
   h.epoch_pages = num_pages;
+  h.ready_offset = ready_table_offset(size, num_pages);
   std::memcpy(m->base_, &h, sizeof h);
   return m;
 }

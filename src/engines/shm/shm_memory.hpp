@@ -23,6 +23,7 @@ struct Header {
   std::uint32_t owner_uid = 0;
   std::uint64_t epoch_offset = 0;  // file offset of the page epoch table
   std::uint64_t epoch_pages = 0;   // its length in 8-byte words
+  std::uint64_t ready_offset = 0;  // file offset of the layer readiness table
 };
 
 // The memfd holds the header page, the cache, then the page epoch table
@@ -30,8 +31,14 @@ struct Header {
 inline std::uint64_t epoch_table_offset(std::uint64_t size) noexcept {
   return 4096 + ((size + 4095) & ~std::uint64_t{4095});
 }
-inline std::uint64_t shm_file_bytes(std::uint64_t size, std::uint32_t num_pages) noexcept {
+// Then the layer readiness table (readiness.hpp): num_pages 4-byte words,
+// page-aligned, mapped read-only by readers with the rest.
+inline std::uint64_t ready_table_offset(std::uint64_t size, std::uint32_t num_pages) noexcept {
   return epoch_table_offset(size) + ((std::uint64_t{num_pages} * 8 + 4095) & ~std::uint64_t{4095});
+}
+inline std::uint64_t shm_file_bytes(std::uint64_t size, std::uint32_t num_pages) noexcept {
+  return ready_table_offset(size, num_pages) +
+         ((std::uint64_t{num_pages} * 4 + 4095) & ~std::uint64_t{4095});
 }
 
 // Owns the memfd and its read-write mapping (populated at allocation, so the
@@ -52,6 +59,11 @@ class SharedMemory final : public KVMemory {
   std::uint64_t* epoch_words(std::uint32_t num_pages) const noexcept override {
     if (num_pages > epoch_pages_) return nullptr;
     return reinterpret_cast<std::uint64_t*>(base_ + epoch_table_offset(size_));
+  }
+
+  std::uint32_t* ready_words(std::uint32_t num_pages) const noexcept override {
+    if (num_pages > epoch_pages_) return nullptr;
+    return reinterpret_cast<std::uint32_t*>(base_ + ready_table_offset(size_, epoch_pages_));
   }
 
   int fd() const noexcept { return fd_; }

@@ -7,11 +7,21 @@
 // releases the current sequence, allocates the next id on the same pages
 // (the free list is LIFO), fills them with seed + id and prints its "SEQ".
 // "lease <ms>" before anything else is the pool's lease; "expire" reaps.
+// Layer-wise streaming (a deliberately slow owner): "stream <ms> <n>"
+// allocates sequence 1000, fills all its layers with the poison byte 0xEE,
+// publishes it with 0 layers ready and prints its "SEQ"; then a thread, for
+// each of the first n layers, sleeps <ms>, writes the layer's pattern, marks
+// it ready and prints "MARKED <layer> <steady-clock ns>". "rawready <v>"
+// stamps v on the stream's readiness words behind the pool's back (a broken
+// owner); "reuse" releases the stream's sequence, allocates 1001 on the same
+// pages, fills and publishes it (a new generation) and prints its "SEQ".
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "mstar/kv/kv.hpp"
 #include "peer_process.hpp"
@@ -53,8 +63,59 @@ int main(int argc, char** argv) {
     fill_pattern(*cache, seed, pages, 0, tokens);
     std::cout << "SEQ " << testing::to_hex(pool.publish(1).encode()) << std::endl;
     std::uint64_t current = 1;
+    std::mutex out_mu;
+    std::thread marker;
+    std::uint64_t stream_id = 0;
+    std::vector<std::uint32_t> stream_pages;
+    auto say = [&](const std::string& text) {
+      std::lock_guard<std::mutex> lock(out_mu);
+      std::cout << text << std::endl;
+    };
     for (std::string line; std::getline(std::cin, line);) {
       if (line == "quit") break;
+      if (line.rfind("stream ", 0) == 0) {
+        const auto sp = line.find(' ', 7);
+        const auto ms = std::chrono::milliseconds(std::stoll(line.substr(7, sp - 7)));
+        const auto n = static_cast<std::uint32_t>(std::stoul(line.substr(sp + 1)));
+        if (marker.joinable()) marker.join();
+        stream_id = 1000;
+        stream_pages = pool.allocate(stream_id, tokens);
+        for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
+          for (std::uint32_t kv = 0; kv < layout.num_kv(); ++kv) {
+            for (std::uint32_t p : stream_pages) {
+              auto b = cache->block(l, static_cast<KV>(kv), p);
+              std::memset(b.data(), 0xEE, b.size());
+            }
+          }
+        }
+        say("SEQ " + testing::to_hex(pool.publish(stream_id, 0).encode()));
+        marker = std::thread([&, ms, n, id = stream_id, pages = stream_pages] {
+          for (std::uint32_t l = 0; l < n; ++l) {
+            std::this_thread::sleep_for(ms);
+            fill_pattern_layers(*cache, seed, pages, 0, tokens, l, l + 1);
+            pool.mark_layers_ready(id, l + 1);
+            const auto t = std::chrono::steady_clock::now().time_since_epoch();
+            say("MARKED " + std::to_string(l) + " " +
+                std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(t).count()));
+          }
+        });
+        continue;
+      }
+      if (line.rfind("rawready ", 0) == 0) {
+        cache->readiness().stamp(stream_pages,
+                                 static_cast<std::uint32_t>(std::stoul(line.substr(9))));
+        say("RAW");
+        continue;
+      }
+      if (line == "reuse") {
+        if (marker.joinable()) marker.join();
+        pool.release(stream_id);
+        stream_id = 1001;
+        stream_pages = pool.allocate(stream_id, tokens);
+        fill_pattern(*cache, seed, stream_pages, 0, tokens);
+        say("SEQ " + testing::to_hex(pool.publish(stream_id).encode()));
+        continue;
+      }
       if (line.rfind("next ", 0) == 0) {
         const auto until = std::chrono::steady_clock::now() +
                            std::chrono::microseconds(std::stoull(line.substr(5)));
@@ -71,6 +132,7 @@ int main(int argc, char** argv) {
         std::cout << "EXPIRED " << pool.expire_leases() << std::endl;
       }
     }
+    if (marker.joinable()) marker.join();
     manager.cleanup();
   } catch (const std::exception& e) {
     std::string msg = e.what();

@@ -85,10 +85,36 @@ TEST(Demo, DeathOfEitherProcessFailsClearlyAndLeavesNothing) {
   }
 }
 
+TEST(Demo, LayerwiseStreamsAndReportsTheBaselineInTheSameRun) {
+  const DemoRun r = run_demo({"--layerwise", "--prefill-ms-per-layer", "1", "--layers", "8",
+                              "--tokens", "512", "--repeat", "2", "--timeout-ms", "10000"});
+  ASSERT_TRUE(WIFEXITED(r.status) && WEXITSTATUS(r.status) == 0) << r.out;
+  EXPECT_NE(r.out.find("result: OK"), std::string::npos) << r.out;
+  const auto at = r.out.find("summary: ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  double stream = 0, pull = 0, compute = 0, hidden = -1;
+  ASSERT_EQ(std::sscanf(r.out.c_str() + at,
+                        "summary: layerwise stream %lf ms, pull-after-prefill %lf ms, compute "
+                        "%lf ms, hidden %lf%%",
+                        &stream, &pull, &compute, &hidden),
+            4)
+      << r.out;
+  // 8 layers of at least 1 ms of compute each: no mode ends before that.
+  EXPECT_GE(compute, 8.0) << r.out;
+  EXPECT_GE(stream, 8.0) << r.out;
+  EXPECT_GE(pull, 8.0) << r.out;
+  EXPECT_GE(hidden, 0.0);
+  EXPECT_LE(hidden, 100.0);
+  EXPECT_NE(r.out.find("mark_layers_ready"), std::string::npos) << r.out;
+  expect_children_gone(r.out);
+}
+
 TEST(Demo, BadArgumentsFailBeforeStartingAnything) {
   for (std::vector<std::string> args :
        {std::vector<std::string>{"--engine", "carrier-pigeon"}, {"--tokens", "0"},
-        {"--prefix-hit", "1.5"}, {"--workers", "0"}, {"--bogus"}}) {
+        {"--prefix-hit", "1.5"}, {"--workers", "0"}, {"--bogus"},
+        {"--prefill-ms-per-layer", "2"}, {"--layerwise", "--prefill-ms-per-layer", "-1"},
+        {"--layerwise", "--engine", "ucx"}}) {
     const DemoRun r = run_demo(args, 10s);
     EXPECT_TRUE(WIFEXITED(r.status) && WEXITSTATUS(r.status) != 0) << r.out;
     EXPECT_NE(r.out.find("error"), std::string::npos) << r.out;

@@ -1,0 +1,530 @@
+// Copyright mstar-kv authors.
+//
+// Layer-wise streaming against a real, deliberately slow owner process
+// (kv_conformance_peer's "stream" command): every layer of the sequence holds
+// a poison pattern until the owner writes it and marks it ready, so a reader
+// that ever read a layer early would fail the byte-exact verify. Engines
+// without a readiness channel must refuse streaming with kUnavailable.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include "mstar/kv/kv.hpp"
+#include "peer_process.hpp"
+
+namespace mstar::kv {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::PeerProcess;
+using testing::PeerSpec;
+
+struct StreamCase {
+  std::string label;
+  std::string engine;
+  std::map<std::string, std::string> env;
+  bool has_readiness = false;
+};
+void PrintTo(const StreamCase& c, std::ostream* os) { *os << c.label; }
+
+bool built(const std::string& name) {
+  const auto b = built_engines();
+  return std::find(b.begin(), b.end(), name) != b.end();
+}
+
+std::vector<StreamCase> stream_cases() {
+  return {{"shm", "shm", {}, true},
+          {"ucx_tcp", "ucx", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}, false}};
+}
+
+KVLayout small_layout(CacheOrder co = CacheOrder::kLayerMajor, PageOrder po = PageOrder::kNHD) {
+  KVLayout l;
+  l.num_layers = 4;
+  l.num_pages = 64;
+  l.page_size = 16;
+  l.num_kv_heads = 2;
+  l.head_dim = 64;
+  l.dtype = DType::kBFloat16;
+  l.cache_order = co;
+  l.page_order = po;
+  return l;
+}
+
+constexpr std::byte kSentinel{0xA5};
+constexpr std::uint64_t kSeed = 1234;
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+class Streaming : public ::testing::TestWithParam<StreamCase> {
+ protected:
+  void SetUp() override {
+    const StreamCase& c = GetParam();
+    if (!built(c.engine)) GTEST_SKIP() << "engine '" << c.engine << "' is not built";
+    for (const auto& [k, v] : c.env) ::setenv(k.c_str(), v.c_str(), 1);
+  }
+  void need_readiness() {
+    if (!GetParam().has_readiness) {
+      GTEST_SKIP() << "the " << GetParam().engine
+                   << " engine has no readiness channel yet: its refusal is "
+                      "RefusedWithoutAReadinessChannel";
+    }
+  }
+
+  PeerSpec spec(const KVLayout& l, std::uint64_t tokens) const {
+    PeerSpec s;
+    s.engine = GetParam().engine;
+    s.layout = l;
+    s.tokens = tokens;
+    s.seed = kSeed;
+    s.env = GetParam().env;
+    return s;
+  }
+  std::unique_ptr<KVTransferManager> manager(std::shared_ptr<KVCache> cache,
+                                             std::chrono::milliseconds timeout = 5000ms) {
+    EngineOptions o;
+    o.timeout = timeout;
+    return std::make_unique<KVTransferManager>(
+        TransferEngineInfo{"decode", "", GetParam().engine, o}, std::move(cache));
+  }
+  static std::shared_ptr<KVCache> local_cache(const KVLayout& l) {
+    auto c = make_kv_cache(l, MemoryKind::kHost);
+    std::memset(c->base(), static_cast<int>(kSentinel), l.total_bytes());
+    return c;
+  }
+  static std::vector<std::uint32_t> local_pages(std::size_t n) {
+    std::vector<std::uint32_t> v(n);
+    for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::uint32_t>((3 + i * 5) % 64);
+    return v;
+  }
+  // Starts the slow owner's stream: returns the unfinished sequence.
+  static SequenceInfo start_owner_stream(PeerProcess& peer, int ms_per_layer, int layers) {
+    peer.send("stream " + std::to_string(ms_per_layer) + " " + std::to_string(layers));
+    return peer.read_sequence();
+  }
+  // Every byte of layer `layer` in `pages` still holds the sentinel.
+  static bool layer_untouched(const KVCache& c, std::uint32_t layer,
+                              const std::vector<std::uint32_t>& pages) {
+    for (std::uint32_t kv = 0; kv < c.layout().num_kv(); ++kv) {
+      for (std::uint32_t p : pages) {
+        auto b = c.block(layer, static_cast<KV>(kv), p);
+        for (std::byte x : b) {
+          if (x != kSentinel) return false;
+        }
+      }
+    }
+    return true;
+  }
+  // Reads "MARKED <layer> <ns>" lines (skipping others) until `count` seen.
+  static std::vector<std::int64_t> read_marks(PeerProcess& peer, std::uint32_t count) {
+    std::vector<std::int64_t> t(count, 0);
+    for (std::uint32_t seen = 0; seen < count;) {
+      const std::string line = peer.read_line();
+      if (line.rfind("MARKED ", 0) != 0) continue;
+      const auto sp = line.find(' ', 7);
+      t.at(std::stoul(line.substr(7, sp - 7))) = std::stoll(line.substr(sp + 1));
+      ++seen;
+    }
+    return t;
+  }
+};
+
+TEST_P(Streaming, RefusedWithoutAReadinessChannel) {
+  if (GetParam().has_readiness) GTEST_SKIP() << GetParam().engine << " has a readiness channel";
+  const KVLayout l = small_layout();
+  PeerProcess peer(spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = peer.sequence();
+  try {
+    m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices, seq.kv_transfer_info);
+    FAIL() << "streaming over " << GetParam().engine << " was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kUnavailable) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'" + GetParam().engine + "'"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(layer_untouched(*cache, 0, local_pages(4)));
+}
+
+TEST_P(Streaming, EachLayerArrivesAfterTheOwnerMarksItAndBeforeTheNext) {
+  need_readiness();
+  if (IsSkipped()) return;
+  const KVLayout l = small_layout();
+  PeerProcess peer(spec(l, 300));  // 19 pages, the last partial
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const SequenceInfo seq = start_owner_stream(peer, 150, 4);
+  const auto lp = local_pages(seq.page_indices.size());
+  std::mutex mu;
+  std::vector<std::int64_t> done_at(l.num_layers, 0);
+  StreamOptions o;
+  o.on_layer = [&](std::uint32_t layer) {
+    std::lock_guard<std::mutex> lock(mu);
+    done_at[layer] = now_ns();
+  };
+  auto s = m->start_streaming_retrieve(0, seq.num_tokens, lp, seq.page_indices,
+                                       seq.kv_transfer_info, o);
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->num_layers(), 4u);
+  for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
+    const Status st = s->wait_for_layer(layer, 10s);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    // The owner marks the next layer 150 ms later: two layers ahead must
+    // still be untouched here.
+    if (layer + 2 < l.num_layers) {
+      EXPECT_TRUE(layer_untouched(*cache, layer + 2, lp)) << "layer " << layer + 2
+                                                          << " was read before it was marked";
+    }
+  }
+  EXPECT_EQ(s->future().get(), 300u * l.token_bytes() * 2 * l.num_layers);
+  const auto marked = read_marks(peer, l.num_layers);
+  for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
+    EXPECT_GE(done_at[layer], marked[layer]) << "layer " << layer << " done before marked";
+    if (layer + 1 < l.num_layers) {
+      EXPECT_LT(done_at[layer], marked[layer + 1])
+          << "layer " << layer << " arrived only after the owner marked the next one";
+    }
+  }
+  // Byte-exact: no poison was ever copied.
+  auto v = verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+  // One read in the statistics (recorded by a callback just after waking us).
+  for (int i = 0; i < 1000 && m->stats().total.reads_succeeded == 0; ++i) {
+    std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_EQ(m->stats().total.reads_succeeded, 1u);
+}
+
+TEST_P(Streaming, PrefixHitAndDifferentOrdersStreamLikeAPull) {
+  need_readiness();
+  if (IsSkipped()) return;
+  const KVLayout remote = small_layout(CacheOrder::kPageMajor, PageOrder::kHND);
+  PeerProcess peer(spec(remote, 90));
+  const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const SequenceInfo seq = start_owner_stream(peer, 20, 4);
+  const auto lp = local_pages(seq.page_indices.size());
+  auto s = m->start_streaming_retrieve(37, 90, lp, seq.page_indices, seq.kv_transfer_info);
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->future().get(), (90u - 37u) * l.token_bytes() * 2 * l.num_layers);
+  auto v = verify_pattern(*cache, kSeed, lp, 37, 90);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+  // Tokens before the prefix hit were not touched (page 2 holds 32..47).
+  const auto b = cache->block(0, KV::kKey, lp[2]);
+  EXPECT_EQ(b[0], kSentinel);
+  EXPECT_FALSE(m->start_streaming_retrieve(90, 90, lp, seq.page_indices, seq.kv_transfer_info)
+                   .has_value());
+}
+
+TEST_P(Streaming, LayersOverAMebibyteGoThroughTheEnginesWorkers) {
+  need_readiness();
+  if (IsSkipped()) return;
+  KVLayout l = small_layout();
+  l.num_pages = 1024;  // 512 pages x 2 x 4 KiB = 4 MiB per layer: not an inline copy
+  PeerProcess peer(spec(l, 512 * 16));
+  auto cache = make_kv_cache(l, MemoryKind::kHost);
+  std::memset(cache->base(), static_cast<int>(kSentinel), l.total_bytes());
+  auto m = manager(cache, 20000ms);  // sanitizer builds copy slowly
+  const SequenceInfo seq = start_owner_stream(peer, 40, 4);
+  std::vector<std::uint32_t> lp(seq.page_indices.size());
+  for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>(1023 - i);
+  StreamOptions o;
+  o.max_reads_in_flight = 2;
+  auto s = m->start_streaming_retrieve(0, seq.num_tokens, lp, seq.page_indices,
+                                       seq.kv_transfer_info, o);
+  ASSERT_TRUE(s.has_value());
+  ASSERT_TRUE(s->wait_for_layer(0, 30s).is_ok());
+  EXPECT_EQ(s->future().get(), 512u * 16 * l.token_bytes() * 2 * l.num_layers);
+  auto v = verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+}
+
+TEST_P(Streaming, AnotherGeometryStreamsLikeAPull) {
+  need_readiness();
+  if (IsSkipped()) return;
+  // The owner: 8 heads, 16-token HND pages, page-major; the reader: tensor
+  // parallel rank 1 of 2 (heads 4..7), 64-token NHD pages, layer-major.
+  KVLayout owner = small_layout(CacheOrder::kPageMajor, PageOrder::kHND);
+  owner.num_kv_heads = 8;
+  owner.total_kv_heads = 8;
+  owner.head_dim = 32;
+  KVLayout local = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
+  local.num_pages = 16;
+  local.page_size = 64;
+  local.num_kv_heads = 4;
+  local.first_kv_head = 4;
+  local.total_kv_heads = 8;
+  local.head_dim = 32;
+  PeerProcess peer(spec(owner, 300));
+  auto cache = local_cache(local);
+  auto m = manager(cache);
+  const SequenceInfo seq = start_owner_stream(peer, 20, 4);
+  const std::vector<std::uint32_t> lp{9, 2, 14, 5, 0};  // ceil(300 / 64) pages
+  auto s = m->start_streaming_retrieve(37, 300, lp, seq.page_indices, seq.kv_transfer_info);
+  ASSERT_TRUE(s.has_value());
+  EXPECT_GT(s->future().get(), 0u);
+  auto v = verify_pattern(*cache, kSeed, lp, 37, 300);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+}
+
+TEST_P(Streaming, AFinishedSequenceStreamsAsOneRead) {
+  need_readiness();
+  if (IsSkipped()) return;
+  const KVLayout l = small_layout();
+  PeerProcess peer(spec(l, 200));  // published by publish(seq): every layer ready
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = peer.sequence();
+  const auto lp = local_pages(seq.page_indices.size());
+  auto s = m->start_streaming_retrieve(0, 200, lp, seq.page_indices, seq.kv_transfer_info);
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->future().get(), 200u * l.token_bytes() * 2 * l.num_layers);
+  EXPECT_EQ(s->layers_done(), l.num_layers);
+  EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 0, 200).ok());
+}
+
+TEST_P(Streaming, ALayerNeverMarkedTimesOut) {
+  need_readiness();
+  if (IsSkipped()) return;
+  const KVLayout l = small_layout();
+  PeerProcess peer(spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache, 800ms);
+  const SequenceInfo seq = start_owner_stream(peer, 0, 2);  // layers 2, 3 never
+  const auto lp = local_pages(seq.page_indices.size());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto s = m->start_streaming_retrieve(0, 64, lp, seq.page_indices, seq.kv_transfer_info);
+  ASSERT_TRUE(s.has_value());
+  ASSERT_TRUE(s->future().wait_for(10s));
+  const auto took = std::chrono::steady_clock::now() - t0;
+  const Status st = s->future().status();
+  EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
+  EXPECT_NE(st.message().find("layer 2 of 4"), std::string::npos) << st.message();
+  EXPECT_GE(took, 800ms);
+  EXPECT_LT(took, 3s);
+  EXPECT_TRUE(s->wait_for_layer(1, 0s).is_ok());
+  EXPECT_EQ(s->wait_for_layer(2, 0s).code(), StatusCode::kTimeout);
+  EXPECT_TRUE(layer_untouched(*cache, 2, lp));
+  EXPECT_TRUE(layer_untouched(*cache, 3, lp));
+  const auto timeouts = [&] {
+    return m->stats().total.reads_failed[static_cast<std::size_t>(StatusCode::kTimeout)];
+  };
+  for (int i = 0; i < 1000 && timeouts() == 0; ++i) std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(timeouts(), 1u);
+}
+
+TEST_P(Streaming, CancelMidStreamStopsIssuingAndResolvesOnceNothingIsInFlight) {
+  need_readiness();
+  if (IsSkipped()) return;
+  const KVLayout l = small_layout();
+  PeerProcess peer(spec(l, 128));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const SequenceInfo seq = start_owner_stream(peer, 300, 4);
+  const auto lp = local_pages(seq.page_indices.size());
+  auto s = m->start_streaming_retrieve(0, 128, lp, seq.page_indices, seq.kv_transfer_info);
+  ASSERT_TRUE(s.has_value());
+  ASSERT_TRUE(s->wait_for_layer(0, 10s).is_ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  s->cancel();
+  ASSERT_TRUE(s->future().wait_for(2s));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 250ms);
+  EXPECT_EQ(s->future().status().code(), StatusCode::kCancelled) << s->future().status().to_string();
+  EXPECT_EQ(s->wait_for_layer(1, 0s).code(), StatusCode::kCancelled);
+  // The owner goes on marking; nothing more lands here.
+  read_marks(peer, 4);
+  for (std::uint32_t layer = 1; layer < 4; ++layer) {
+    EXPECT_TRUE(layer_untouched(*cache, layer, lp)) << "layer " << layer << " after cancel";
+  }
+}
+
+TEST_P(Streaming, CancellingTheFutureCancelsTheStream) {
+  need_readiness();
+  if (IsSkipped()) return;
+  const KVLayout l = small_layout();
+  PeerProcess peer(spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const SequenceInfo seq = start_owner_stream(peer, 0, 0);
+  auto s = m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices,
+                                       seq.kv_transfer_info);
+  ASSERT_TRUE(s.has_value());
+  s->future().cancel();
+  ASSERT_TRUE(s->future().wait_for(2s));
+  EXPECT_EQ(s->future().status().code(), StatusCode::kCancelled);
+}
+
+TEST_P(Streaming, ReadinessBeyondTheLayerCountIsRejected) {
+  need_readiness();
+  if (IsSkipped()) return;
+  const KVLayout l = small_layout();
+  PeerProcess peer(spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const SequenceInfo seq = start_owner_stream(peer, 0, 0);
+  const auto lp = local_pages(seq.page_indices.size());
+  auto s = m->start_streaming_retrieve(0, 64, lp, seq.page_indices, seq.kv_transfer_info);
+  ASSERT_TRUE(s.has_value());
+  peer.send("rawready 9");
+  ASSERT_TRUE(s->future().wait_for(5s));
+  const Status st = s->future().status();
+  EXPECT_EQ(st.code(), StatusCode::kCorruptDescriptor) << st.to_string();
+  EXPECT_NE(st.message().find("says 9 layers"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("4 layers"), std::string::npos) << st.message();
+  for (std::uint32_t layer = 0; layer < 4; ++layer) EXPECT_TRUE(layer_untouched(*cache, layer, lp));
+}
+
+TEST_P(Streaming, ReadinessGoingBackwardsIsRejected) {
+  need_readiness();
+  if (IsSkipped()) return;
+  const KVLayout l = small_layout();
+  PeerProcess peer(spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const SequenceInfo seq = start_owner_stream(peer, 0, 2);
+  const auto lp = local_pages(seq.page_indices.size());
+  auto s = m->start_streaming_retrieve(0, 64, lp, seq.page_indices, seq.kv_transfer_info);
+  ASSERT_TRUE(s.has_value());
+  ASSERT_TRUE(s->wait_for_layer(1, 10s).is_ok());
+  read_marks(peer, 2);
+  peer.send("rawready 1");
+  ASSERT_TRUE(s->future().wait_for(5s));
+  const Status st = s->future().status();
+  EXPECT_EQ(st.code(), StatusCode::kCorruptDescriptor) << st.to_string();
+  EXPECT_NE(st.message().find("went backwards: 1 layers ready, 2 were ready before"),
+            std::string::npos)
+      << st.message();
+  EXPECT_TRUE(layer_untouched(*cache, 2, lp));
+}
+
+TEST_P(Streaming, ANewGenerationOfThePagesIsRejected) {
+  need_readiness();
+  if (IsSkipped()) return;
+  const KVLayout l = small_layout();
+  PeerProcess peer(spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const SequenceInfo seq = start_owner_stream(peer, 0, 1);
+  const auto lp = local_pages(seq.page_indices.size());
+  auto s = m->start_streaming_retrieve(0, 64, lp, seq.page_indices, seq.kv_transfer_info);
+  ASSERT_TRUE(s.has_value());
+  ASSERT_TRUE(s->wait_for_layer(0, 10s).is_ok());
+  read_marks(peer, 1);
+  peer.send("reuse");  // same pages, new epoch, every layer "ready"
+  const SequenceInfo next = peer.read_sequence();
+  EXPECT_EQ(next.page_indices, seq.page_indices);
+  ASSERT_TRUE(s->future().wait_for(5s));
+  const Status st = s->future().status();
+  EXPECT_EQ(st.code(), StatusCode::kStaleDescriptor) << st.to_string();
+  for (std::uint32_t layer = 1; layer < 4; ++layer) EXPECT_TRUE(layer_untouched(*cache, layer, lp));
+}
+
+TEST_P(Streaming, AnOwnerThatDiesMidStreamFailsTheStreamWithinTheTimeout) {
+  need_readiness();
+  if (IsSkipped()) return;
+  const KVLayout l = small_layout();
+  PeerProcess peer(spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache, 5000ms);
+  const SequenceInfo seq = start_owner_stream(peer, 100, 4);
+  const auto lp = local_pages(seq.page_indices.size());
+  auto s = m->start_streaming_retrieve(0, 64, lp, seq.page_indices, seq.kv_transfer_info);
+  ASSERT_TRUE(s.has_value());
+  ASSERT_TRUE(s->wait_for_layer(0, 10s).is_ok());
+  peer.kill_now();
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(s->future().wait_for(10s));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s) << "the owner's death went unseen";
+  const Status st = s->future().status();
+  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.to_string();
+  EXPECT_TRUE(layer_untouched(*cache, 2, lp));
+  EXPECT_TRUE(layer_untouched(*cache, 3, lp));
+}
+
+TEST_P(Streaming, ShutdownResolvesAStreamWaitingForTheOwner) {
+  need_readiness();
+  if (IsSkipped()) return;
+  const KVLayout l = small_layout();
+  PeerProcess peer(spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const SequenceInfo seq = start_owner_stream(peer, 0, 1);
+  auto s = m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices,
+                                       seq.kv_transfer_info);
+  ASSERT_TRUE(s.has_value());
+  ASSERT_TRUE(s->wait_for_layer(0, 10s).is_ok());
+  m->cleanup();
+  ASSERT_TRUE(s->future().ready());
+  EXPECT_EQ(s->future().status().code(), StatusCode::kShutdown);
+  try {
+    m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices, seq.kv_transfer_info);
+    FAIL() << "a stream after cleanup was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), StatusCode::kShutdown) << e.what();
+  }
+}
+
+TEST_P(Streaming, BadArgumentsAreRejectedBeforeAnyByteMoves) {
+  need_readiness();
+  if (IsSkipped()) return;
+  const KVLayout l = small_layout();
+  PeerProcess peer(spec(l, 64));
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = peer.sequence();
+  auto code_of = [&](auto&& fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return e.code();
+    }
+    return StatusCode::kOk;
+  };
+  KVTransferInfo no_epoch = seq.kv_transfer_info;
+  no_epoch.epoch = 0;
+  EXPECT_EQ(code_of([&] {
+              m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices, no_epoch);
+            }),
+            StatusCode::kInvalidArgument);
+  KVLayout other = l;
+  other.head_dim = 32;
+  auto other_cache = local_cache(other);
+  auto m2 = manager(other_cache);
+  EXPECT_EQ(code_of([&] {
+              m2->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices,
+                                           seq.kv_transfer_info);
+            }),
+            StatusCode::kIncompatibleLayout);
+  StreamOptions bad;
+  bad.max_reads_in_flight = 0;
+  EXPECT_EQ(code_of([&] {
+              m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices,
+                                          seq.kv_transfer_info, bad);
+            }),
+            StatusCode::kInvalidArgument);
+  auto s = m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices,
+                                       seq.kv_transfer_info);
+  ASSERT_TRUE(s.has_value());
+  EXPECT_THROW(s->wait_for_layer(4, 0s), Error);
+  s->future().get();
+  for (std::uint32_t layer = 0; layer < 4; ++layer) {
+    EXPECT_TRUE(layer_untouched(*other_cache, layer, local_pages(4)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, Streaming, ::testing::ValuesIn(stream_cases()),
+                         [](const ::testing::TestParamInfo<StreamCase>& p) {
+                           return p.param.label;
+                         });
+
+}  // namespace
+}  // namespace mstar::kv
