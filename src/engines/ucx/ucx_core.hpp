@@ -238,6 +238,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   static ucs_status_t on_am(void* arg, const void* header, std::size_t header_length,
                             void* data, std::size_t length, const ucp_am_recv_param_t* param);
   static void on_req_done(void* request, ucs_status_t st, void* user_data);
+  static void on_data_sent(void* request, ucs_status_t st, void* user_data);
   static void on_recv_done(void* request, ucs_status_t st, std::size_t length, void* user_data);
 
   ucs_status_t handle_am(unsigned id, const void* header, std::size_t header_length,

@@ -225,19 +225,7 @@ void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<Wir
                    ? UCP_AM_SEND_FLAG_RNDV
                    : UCP_AM_SEND_FLAG_EAGER;
     rp.memh = memh_;
-    rp.cb.send = [](void* req, ucs_status_t st, void* ud) {
-      auto* c = static_cast<SendCtx*>(ud);
-      c->core->live_sends_.erase(c);
-      if (c->serve) {
-        if (st != UCS_OK) c->serve->failed = true;
-        if (--c->serve->left == 0) {
-          UcxCore* core = c->core;
-          core->deferred_.push_back([core, sv = c->serve] { core->serve_done(sv); });
-        }
-      }
-      delete c;
-      ucp_request_free(req);
-    };
+    rp.cb.send = &UcxCore::on_data_sent;
     rp.user_data = ctx;
     ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReadData, &ctx->hdr, sizeof ctx->hdr,
                                           cache_->base() + s.remote_offset, s.length, &rp);
@@ -249,6 +237,22 @@ void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<Wir
     if (UCS_PTR_IS_ERR(sp)) return;  // the endpoint failed; its error handler closes it
   }
   if (serve && --serve->left == 0) serve_done(serve);
+}
+
+// Completion of a data reply (one span's, or a gathered group's): the
+// served read's epoch verdict goes out once its last send completed.
+void UcxCore::on_data_sent(void* req, ucs_status_t st, void* ud) {
+  auto* c = static_cast<SendCtx*>(ud);
+  c->core->live_sends_.erase(c);
+  if (c->serve) {
+    if (st != UCS_OK) c->serve->failed = true;
+    if (--c->serve->left == 0) {
+      UcxCore* core = c->core;
+      core->deferred_.push_back([core, sv = c->serve] { core->serve_done(sv); });
+    }
+  }
+  delete c;
+  ucp_request_free(req);
 }
 
 bool UcxCore::send_gathered(ucp_ep_h ep, std::uint64_t batch_id,
@@ -275,19 +279,7 @@ bool UcxCore::send_gathered(ucp_ep_h ep, std::uint64_t batch_id,
   rp.flags = (flags & kReqEagerOnly) == 0 && bytes >= options_.rndv_bytes ? UCP_AM_SEND_FLAG_RNDV
                                                                         : UCP_AM_SEND_FLAG_EAGER;
   rp.datatype = ucp_dt_make_iov();
-  rp.cb.send = [](void* req, ucs_status_t st, void* ud) {
-    auto* c = static_cast<SendCtx*>(ud);
-    c->core->live_sends_.erase(c);
-    if (c->serve) {
-      if (st != UCS_OK) c->serve->failed = true;
-      if (--c->serve->left == 0) {
-        UcxCore* core = c->core;
-        core->deferred_.push_back([core, sv = c->serve] { core->serve_done(sv); });
-      }
-    }
-    delete c;
-    ucp_request_free(req);
-  };
+  rp.cb.send = &UcxCore::on_data_sent;
   rp.user_data = ctx;
   ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmGatherData, &ctx->gather, sizeof ctx->gather,
                                         ctx->iov.data(), ctx->iov.size(), &rp);
