@@ -13,7 +13,9 @@ endif()
 
 # `mstar-kv soak`: page reuse and lease expiry in its prefill processes.
 if(EXISTS ${CMAKE_CURRENT_LIST_DIR}/cmd_soak.cpp)
-  target_sources(mstar-kv PRIVATE ${CMAKE_CURRENT_LIST_DIR}/soak_prefill.cpp)
+  target_sources(mstar-kv PRIVATE ${CMAKE_CURRENT_LIST_DIR}/soak_prefill.cpp
+                                 ${CMAKE_CURRENT_LIST_DIR}/soak_decode.cpp
+                                 ${CMAKE_CURRENT_LIST_DIR}/soak_supervisor.cpp)
 endif()
 
 # `mstar-kv demo` (tools/mstar-kv/cmd_demo.cpp and its demo_* helpers).

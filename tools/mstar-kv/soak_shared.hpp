@@ -1,0 +1,145 @@
+// Copyright mstar-kv authors.
+//
+// What `mstar-kv soak`'s parts share (private to the command): the prefill
+// processes as the supervisor sees them (soak_supervisor.cpp), the state it
+// shares with the decode threads, and those threads (soak_decode.cpp).
+#pragma once
+
+#include <signal.h>
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "mstar/kv/kv.hpp"
+
+namespace mstar::kv::cli::soak {
+
+inline std::uint64_t pattern_seed(std::uint64_t seq_id) {
+  return seq_id * 0x9E3779B97F4A7C15ULL + 17;
+}
+
+inline std::string to_hex(const std::vector<std::uint8_t>& b) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  s.reserve(b.size() * 2);
+  for (std::uint8_t x : b) {
+    s.push_back(d[x >> 4]);
+    s.push_back(d[x & 15]);
+  }
+  return s;
+}
+
+inline std::vector<std::uint8_t> from_hex(const std::string& s) {
+  auto v = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  if (s.size() % 2 != 0) throw Error(StatusCode::kCorruptDescriptor, "odd hex length");
+  std::vector<std::uint8_t> out(s.size() / 2);
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const int hi = v(s[2 * i]);
+    const int lo = v(s[2 * i + 1]);
+    if (hi < 0 || lo < 0) throw Error(StatusCode::kCorruptDescriptor, "bad hex digit");
+    out[i] = static_cast<std::uint8_t>(hi << 4 | lo);
+  }
+  return out;
+}
+
+struct Prefill {
+  std::string engine;
+  pid_t pid = -1;
+  int to_child = -1;    // its stdin: closing it asks it to exit
+  int from_child = -1;  // its stdout
+  std::string buf;      // what it printed after READY, not yet a whole line
+};
+
+// SIGKILL and reap (bounded: a SIGKILLed process always exits).
+void kill_prefill(Prefill& p);
+// Starts `mstar-kv soak --role prefill ...` and reads its sequences.
+// Throws Error(kPeerFailure) if it does not get ready within `timeout`.
+std::vector<SequenceInfo> start_prefill(Prefill& p, const std::vector<std::string>& args,
+                                        std::chrono::milliseconds timeout);
+
+// ---- shared state between the supervisor and the decode threads -------------
+
+struct Published {
+  std::string engine;
+  std::vector<SequenceInfo> seqs;
+};
+
+struct Stats {
+  std::atomic<std::uint64_t> requests{0}, ok{0}, failed{0}, rejected{0}, bytes_verified{0},
+      corruptions{0}, hangs{0}, wrong_sequence{0};
+  std::mutex mu;
+  std::map<std::string, std::uint64_t> failures_by_code;  // guarded by mu
+  std::string first_corruption;                            // guarded by mu
+
+  void failure(StatusCode c) {
+    std::lock_guard<std::mutex> lock(mu);
+    ++failures_by_code[std::string(to_string(c))];
+  }
+  void corruption(const std::string& what) {
+    corruptions.fetch_add(1, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(mu);
+    if (first_corruption.empty()) first_corruption = what;
+  }
+};
+
+struct Shared {
+  std::mutex mu;
+  std::vector<std::shared_ptr<const Published>> slots;  // guarded by mu; null while restarting
+  std::vector<pid_t> pids;                              // guarded by mu
+
+  std::shared_ptr<const Published> get(std::size_t i) {
+    std::lock_guard<std::mutex> lock(mu);
+    return slots[i];
+  }
+  // The kill hook of the fault injectors: SIGKILL one prefill at random
+  // (the supervisor notices and restarts it).
+  void kill_random(std::uint64_t r) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (pids.empty()) return;
+    const pid_t pid = pids[r % pids.size()];
+    if (pid > 0) ::kill(pid, SIGKILL);
+  }
+};
+
+// Sequences a prefill published since READY (page reuse, expired leases):
+// appended to its slot, which keeps the newest `keep`, freed ones included,
+// so that readers also pull sequences whose pages went to others.
+std::size_t take_published(Prefill& p, std::size_t i, std::size_t keep, Shared& shared);
+
+struct DecodeConfig {
+  std::chrono::milliseconds timeout;
+  std::chrono::milliseconds grace;
+  std::uint64_t seed;
+};
+
+// Byte ranges [begin, end) of the local cache, merged; the bytes of
+// `pages` (every layer, k and v); a copy of them; the first byte of them
+// that differs from `saved` outside `allowed` (-1: none); a pattern of
+// `seed` over them.
+using Ranges = std::vector<std::pair<std::uint64_t, std::uint64_t>>;
+Ranges merged(Ranges r);
+Ranges page_ranges(const KVLayout& l, const std::vector<std::uint32_t>& pages);
+std::vector<std::byte> save(const KVCache& c, const Ranges& ranges);
+std::int64_t changed(const KVCache& c, const Ranges& ranges, const std::vector<std::byte>& saved,
+                     const Ranges& allowed);
+void fill_sentinel(const KVCache& c, const Ranges& ranges, std::uint64_t seed);
+
+// One decode thread: pulls random published sequences into its pages and
+// checks every one (see cmd_soak.cpp) until `stop`.
+void decode_thread(std::size_t t, const DecodeConfig& cfg, const KVCache& cache,
+                   const KVLayout& remote_layout, std::vector<std::uint32_t> region,
+                   std::map<std::string, KVTransferEngine*> engines, Shared& shared, Stats& stats,
+                   const std::atomic<bool>& stop);
+
+}  // namespace mstar::kv::cli::soak
