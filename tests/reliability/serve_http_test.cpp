@@ -423,16 +423,27 @@ TEST_F(ServeHttp, ASequenceWhoseLeaseRanOutIs404) {
 // in TIME_WAIT for a minute after it stops; a new serve on that port starts
 // anyway, and a second serve while it listens fails naming the address.
 TEST_F(ServeHttp, BindsOverLeftoverTimeWaitButNotOverALiveServer) {
-  const int port = random_port();
+  int port = 0;
   {
-    const int l = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    const int one = 1;
-    ::setsockopt(l, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(static_cast<std::uint16_t>(port));
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    // A port nobody used lately: a random one can still hold another test's
+    // TIME_WAIT connections, over which this SO_REUSEPORT-only bind (the
+    // cpp-httplib server's) cannot go; that is the test's point, not its setup.
+    int l = -1;
+    for (int attempt = 0; attempt < 50 && l < 0; ++attempt) {
+      port = random_port();
+      l = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      const int one = 1;
+      ::setsockopt(l, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_port = htons(static_cast<std::uint16_t>(port));
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      if (::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+        ::close(l);
+        l = -1;
+      }
+    }
+    ASSERT_GE(l, 0) << "no free port in 50 tries";
     ASSERT_EQ(::listen(l, 4), 0);
     const int c = connect_to(port);
     const int s = ::accept(l, nullptr, nullptr);
