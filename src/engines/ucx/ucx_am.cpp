@@ -188,14 +188,23 @@ ucs_status_t UcxCore::handle_data(const DataHdr& h, void* data, std::size_t leng
     maybe_finish(b);
     return UCS_OK;
   }
-  auto* ctx = new_ctx(b->id);
+  return post_recv(b, data, dest, length, new_ctx(b->id));
+}
+
+ucs_status_t UcxCore::post_recv(const std::shared_ptr<Batch>& b, void* data, void* buffer,
+                                std::size_t count, ReqCtx* ctx) {
   ucp_request_param_t rp{};
-  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                    UCP_OP_ATTR_FIELD_MEMH;
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   rp.cb.recv_am = &UcxCore::on_recv_done;
   rp.user_data = ctx;
-  rp.memh = memh_;
-  ucs_status_ptr_t sp = ucp_am_recv_data_nbx(worker_, data, dest, length, &rp);
+  if (ctx->iov.empty()) {  // contiguous, in our registered pages
+    rp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    rp.memh = memh_;
+  } else {  // the rows of a gathered reply
+    rp.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    rp.datatype = ucp_dt_make_iov();
+  }
+  ucs_status_ptr_t sp = ucp_am_recv_data_nbx(worker_, data, buffer, count, &rp);
   if (UCS_PTR_IS_PTR(sp)) {
     ++b->outstanding;
     return UCS_INPROGRESS;
@@ -208,6 +217,51 @@ ucs_status_t UcxCore::handle_data(const DataHdr& h, void* data, std::size_t leng
     maybe_finish(b);
   }
   return UCS_INPROGRESS;
+}
+
+ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t length,
+                                    bool rndv) {
+  auto it = batches_.find(h.batch_id);
+  if (it == batches_.end()) return UCS_OK;  // a stopped or unknown read: dropped
+  auto b = it->second;
+  if (b->aborted || b->failure) return UCS_OK;
+  // Untrusted: a group of this read's spans, each once, with their bytes.
+  bool ok = b->gather && h.count > 0 && h.first < b->chunks.size() &&
+            h.count <= b->chunks.size() - h.first && h.length == length && data != nullptr;
+  std::uint64_t bytes = 0;
+  for (std::size_t k = 0; ok && k < h.count; ++k) {
+    ok = b->got[h.first + k] == 0;
+    bytes += b->chunks[h.first + k].length;
+  }
+  if (!ok || bytes != length) {
+    fail_batch(b, Status(StatusCode::kInternal,
+                         "owner sent a gathered reply (spans " + std::to_string(h.first) + "+" +
+                             std::to_string(h.count) + ", " + std::to_string(length) +
+                             " bytes) that the read did not ask for"));
+    return UCS_OK;
+  }
+  if (rndv) {  // UCX lands the bytes straight in the local rows (an iov)
+    auto* ctx = new_ctx(b->id);
+    ctx->iov.resize(h.count);
+    for (std::size_t k = 0; k < h.count; ++k) {
+      const rma::RmaRead& r = b->chunks[h.first + k];
+      ctx->iov[k].buffer = cache_->base() + r.local_offset;
+      ctx->iov[k].length = r.length;
+      b->got[h.first + k] = 1;
+    }
+    b->got_count += h.count;
+    return post_recv(b, data, ctx->iov.data(), ctx->iov.size(), ctx);
+  }
+  const auto* src = static_cast<const std::byte*>(data);
+  for (std::size_t k = 0; k < h.count; ++k) {
+    const rma::RmaRead& r = b->chunks[h.first + k];
+    std::memcpy(cache_->base() + r.local_offset, src, r.length);
+    src += r.length;
+    b->got[h.first + k] = 1;
+  }
+  b->got_count += h.count;
+  maybe_finish(b);
+  return UCS_OK;
 }
 
 }  // namespace mstar::kv::ucx

@@ -246,6 +246,10 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   ucs_status_t handle_data(const DataHdr& h, void* data, std::size_t length,
                            const ucp_am_recv_param_t* param);
   ucs_status_t handle_gather(const GatherHdr& h, void* data, std::size_t length, bool rndv);
+  // Receives a rendezvous into `buffer` (count bytes, or count iov entries
+  // when ctx->iov is set) for batch b, which then waits for it.
+  ucs_status_t post_recv(const std::shared_ptr<Batch>& b, void* data, void* buffer,
+                         std::size_t count, ReqCtx* ctx);
   // Owner: sends spans [first, first + count) as one gathered eager message.
   bool send_gathered(ucp_ep_h ep, std::uint64_t batch_id, const std::vector<WireSpan>& spans,
                      std::size_t first, std::size_t count, std::uint64_t flags,

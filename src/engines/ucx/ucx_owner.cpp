@@ -291,69 +291,6 @@ bool UcxCore::send_gathered(ucp_ep_h ep, std::uint64_t batch_id,
   return !UCS_PTR_IS_ERR(sp);  // the endpoint failed: its error handler closes it
 }
 
-ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t length,
-                                    bool rndv) {
-  auto it = batches_.find(h.batch_id);
-  if (it == batches_.end()) return UCS_OK;  // a stopped or unknown read: dropped
-  auto b = it->second;
-  if (b->aborted || b->failure) return UCS_OK;
-  // Untrusted: a group of this read's spans, each once, with their bytes.
-  bool ok = b->gather && h.count > 0 && h.first < b->chunks.size() &&
-            h.count <= b->chunks.size() - h.first && h.length == length && data != nullptr;
-  std::uint64_t bytes = 0;
-  for (std::size_t k = 0; ok && k < h.count; ++k) {
-    ok = b->got[h.first + k] == 0;
-    bytes += b->chunks[h.first + k].length;
-  }
-  if (!ok || bytes != length) {
-    fail_batch(b, Status(StatusCode::kInternal,
-                         "owner sent a gathered reply (spans " + std::to_string(h.first) + "+" +
-                             std::to_string(h.count) + ", " + std::to_string(length) +
-                             " bytes) that the read did not ask for"));
-    return UCS_OK;
-  }
-  if (rndv) {  // UCX lands the bytes straight in the local rows (an iov)
-    auto* ctx = new_ctx(b->id);
-    ctx->iov.resize(h.count);
-    for (std::size_t k = 0; k < h.count; ++k) {
-      const rma::RmaRead& r = b->chunks[h.first + k];
-      ctx->iov[k].buffer = cache_->base() + r.local_offset;
-      ctx->iov[k].length = r.length;
-      b->got[h.first + k] = 1;
-    }
-    b->got_count += h.count;
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                      UCP_OP_ATTR_FIELD_DATATYPE;
-    rp.cb.recv_am = &UcxCore::on_recv_done;
-    rp.user_data = ctx;
-    rp.datatype = ucp_dt_make_iov();
-    ucs_status_ptr_t sp = ucp_am_recv_data_nbx(worker_, data, ctx->iov.data(), ctx->iov.size(), &rp);
-    if (UCS_PTR_IS_PTR(sp)) {
-      ++b->outstanding;
-      return UCS_INPROGRESS;
-    }
-    free_ctx(ctx);
-    if (UCS_PTR_IS_ERR(sp)) {
-      fail_batch(b, Status(StatusCode::kPeerFailure,
-                           "ucp_am_recv_data_nbx: " + ucs_str(UCS_PTR_STATUS(sp))));
-    } else {
-      maybe_finish(b);
-    }
-    return UCS_INPROGRESS;
-  }
-  const auto* src = static_cast<const std::byte*>(data);
-  for (std::size_t k = 0; k < h.count; ++k) {
-    const rma::RmaRead& r = b->chunks[h.first + k];
-    std::memcpy(cache_->base() + r.local_offset, src, r.length);
-    src += r.length;
-    b->got[h.first + k] = 1;
-  }
-  b->got_count += h.count;
-  maybe_finish(b);
-  return UCS_OK;
-}
-
 void UcxCore::serve_done(const std::shared_ptr<ServeState>& st) {
   if (st->failed || dead_eps_.count(st->ep) != 0) return;  // the reader fails by itself
   Status s = check_served_epochs(st->epoch, st->pages, "while the owner sent it");
