@@ -195,21 +195,21 @@ ucs_status_t UcxCore::post_recv(const std::shared_ptr<Batch>& b, void* data, voi
                                 std::size_t count, ReqCtx* ctx) {
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  rp.cb.recv_am = &UcxCore::on_recv_done;
-  rp.user_data = ctx;
+  rp.cb.recv_am = trampoline<&UcxCore::on_recv_done, RequestGuard>;
+  rp.user_data = static_cast<Pending*>(ctx);
   if (ctx->iov.empty()) {  // contiguous, in our registered pages
     rp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    rp.memh = memh_;
+    rp.memh = memh_.get();
   } else {  // the rows of a gathered reply
     rp.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
     rp.datatype = ucp_dt_make_iov();
   }
-  ucs_status_ptr_t sp = ucp_am_recv_data_nbx(worker_, data, buffer, count, &rp);
+  ucs_status_ptr_t sp = ucp_am_recv_data_nbx(worker_.get(), data, buffer, count, &rp);
   if (UCS_PTR_IS_PTR(sp)) {
     ++b->outstanding;
     return UCS_INPROGRESS;
   }
-  free_ctx(ctx);
+  reads_.take(ctx);
   if (UCS_PTR_IS_ERR(sp)) {
     fail_batch(b, Status(StatusCode::kPeerFailure,
                          "ucp_am_recv_data_nbx: " + ucs_str(UCS_PTR_STATUS(sp))));

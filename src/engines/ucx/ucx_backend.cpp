@@ -53,7 +53,7 @@ class UcxPeer final : public rma::RmaPeer {
     UcxCore* c = core_.get();
     auto conn = conn_;
     if (!c->post([c, conn, seq_id, epoch] {
-          if (!conn->closing && conn->ep != nullptr) c->send_done(conn, seq_id, epoch);
+          if (!conn->closing && conn->ep) c->send_done(conn, seq_id, epoch);
         })) {
       throw Error(StatusCode::kShutdown, "the ucx engine is shut down");
     }

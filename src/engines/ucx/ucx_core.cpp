@@ -18,76 +18,77 @@ UcxCore::UcxCore(std::shared_ptr<KVCache> cache, const std::string& entity_id,
   region_.size = cache_->size_bytes();
   region_.layout = cache_->layout();
   region_.generation = rma::new_generation();
-  try {
-    init_ucp(session_id);
-  } catch (...) {
-    release_ucp();
-    throw;
-  }
+  init_ucp(session_id);  // on failure the handles release what was made
   thread_ = std::thread([this] { run(); });
 }
 
 void UcxCore::init_ucp(const std::string& session_id) {
-  ucp_config_t* config = nullptr;
-  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  ucp_config_t* raw_config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &raw_config);
   if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_config_read: " + ucs_str(st));
+  const std::unique_ptr<ucp_config_t, decltype(&ucp_config_release)> config(
+      raw_config, &ucp_config_release);
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-  st = ucp_init(&params, config, &context_);
-  ucp_config_release(config);
-  if (st != UCS_OK) {
-    context_ = nullptr;
-    throw Error(StatusCode::kUnavailable, "ucp_init: " + ucs_str(st));
-  }
+  ucp_context_h ctx = nullptr;
+  st = ucp_init(&params, config.get(), &ctx);
+  if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_init: " + ucs_str(st));
+  context_ = Context(ctx);
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
-  st = ucp_worker_create(context_, &wp, &worker_);
-  if (st != UCS_OK) {
-    worker_ = nullptr;
-    throw Error(StatusCode::kUnavailable, "ucp_worker_create: " + ucs_str(st));
-  }
-  if (ucp_worker_get_efd(worker_, &efd_) != UCS_OK) efd_ = -1;  // then poll busily
+  ucp_worker_h worker = nullptr;
+  st = ucp_worker_create(context_.get(), &wp, &worker);
+  if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_worker_create: " + ucs_str(st));
+  worker_ = Worker(worker);
+  if (ucp_worker_get_efd(worker, &efd_) != UCS_OK) efd_ = -1;  // then poll busily
 
   ucp_mem_map_params_t mp{};
   mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   mp.address = cache_->base();
   mp.length = cache_->size_bytes();
-  st = ucp_mem_map(context_, &mp, &memh_);
+  ucp_mem_h memh = nullptr;
+  st = ucp_mem_map(context_.get(), &mp, &memh);
   if (st != UCS_OK) {
-    memh_ = nullptr;
     throw Error(StatusCode::kUnavailable,
                 "ucp_mem_map of " + std::to_string(mp.length) + " bytes: " + ucs_str(st));
   }
+  memh_ = MemReg(context_.get(), memh);
   void* rkey_buf = nullptr;
   std::size_t rkey_len = 0;
-  st = ucp_rkey_pack(context_, memh_, &rkey_buf, &rkey_len);
+  st = ucp_rkey_pack(context_.get(), memh, &rkey_buf, &rkey_len);
   if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_rkey_pack: " + ucs_str(st));
-  region_.backend_blob.assign(static_cast<std::uint8_t*>(rkey_buf),
-                              static_cast<std::uint8_t*>(rkey_buf) + rkey_len);
-  ucp_rkey_buffer_release(rkey_buf);
+  {
+    const std::unique_ptr<void, decltype(&ucp_rkey_buffer_release)> keep(
+        rkey_buf, &ucp_rkey_buffer_release);
+    region_.backend_blob.assign(static_cast<std::uint8_t*>(rkey_buf),
+                                static_cast<std::uint8_t*>(rkey_buf) + rkey_len);
+  }
 
   ucp_address_t* addr = nullptr;
   std::size_t addr_len = 0;
-  st = ucp_worker_get_address(worker_, &addr, &addr_len);
+  st = ucp_worker_get_address(worker, &addr, &addr_len);
   if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_worker_get_address: " + ucs_str(st));
-  worker_address_.assign(reinterpret_cast<std::uint8_t*>(addr),
-                         reinterpret_cast<std::uint8_t*>(addr) + addr_len);
-  ucp_worker_release_address(worker_, addr);
+  {
+    auto release = [worker](ucp_address_t* a) { ucp_worker_release_address(worker, a); };
+    const std::unique_ptr<ucp_address_t, decltype(release)> keep(addr, release);
+    worker_address_.assign(reinterpret_cast<std::uint8_t*>(addr),
+                           reinterpret_cast<std::uint8_t*>(addr) + addr_len);
+  }
 
   ucp_am_handler_param_t hp{};
   hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                   UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
   hp.flags = UCP_AM_FLAG_WHOLE_MSG;
-  hp.cb = &UcxCore::on_am;
+  hp.cb = trampoline<&UcxCore::on_am, AmGuard>;
   for (unsigned id :
        {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr, kAmReadFin, kAmDone,
         kAmChallenge, kAmAuth, kAmGatherData}) {
     am_tags_[id] = AmTag{this, id};
     hp.id = id;
     hp.arg = &am_tags_[id];
-    st = ucp_worker_set_am_recv_handler(worker_, &hp);
+    st = ucp_worker_set_am_recv_handler(worker, &hp);
     if (st != UCS_OK) {
       throw Error(StatusCode::kUnavailable, "ucp_worker_set_am_recv_handler: " + ucs_str(st));
     }
@@ -95,29 +96,19 @@ void UcxCore::init_ucp(const std::string& session_id) {
   open_listener(session_id);
 }
 
-void UcxCore::release_ucp() noexcept {
-  if (listener_) ucp_listener_destroy(listener_);
-  listener_ = nullptr;
-  if (memh_) ucp_mem_unmap(context_, memh_);
-  memh_ = nullptr;
-  if (worker_) ucp_worker_destroy(worker_);
-  worker_ = nullptr;
-  if (context_) ucp_cleanup(context_);
-  context_ = nullptr;
-}
-
 void UcxCore::open_listener(const std::string& session_id) {
   ucp_listener_params_t lp{};
   lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-  lp.conn_handler.cb = &UcxCore::on_conn_request;
+  lp.conn_handler.cb = trampoline<&UcxCore::on_conn_request, CoreGuard>;
   lp.conn_handler.arg = this;
   auto try_open = [&](const HostPort& hp) {
     socklen_t len = 0;
     sockaddr_storage ss = resolve(hp, &len);
     lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
     lp.sockaddr.addrlen = len;
-    const ucs_status_t st = ucp_listener_create(worker_, &lp, &listener_);
-    if (st != UCS_OK) listener_ = nullptr;
+    ucp_listener_h l = nullptr;
+    const ucs_status_t st = ucp_listener_create(worker_.get(), &lp, &l);
+    if (st == UCS_OK) listener_ = Listener(l);
     return st;
   };
   // "HOST:PORT" listens there. Empty, or a bare name without ':' (a label
@@ -156,7 +147,7 @@ bool UcxCore::post(std::function<void()> cmd) {
     if (stopped_) return false;
     commands_.push_back(std::move(cmd));
   }
-  ucp_worker_signal(worker_);  // safe from any thread
+  ucp_worker_signal(worker_.get());  // safe from any thread
   return true;
 }
 
@@ -192,15 +183,43 @@ void UcxCore::check_drains() {
 }
 
 void UcxCore::reap_closing(bool force) {
-  for (auto it = closing_.begin(); it != closing_.end();) {
-    if (force || ucp_request_check_status(it->request) != UCS_INPROGRESS) {
-      ucp_request_free(it->request);
-      if (it->rkey) ucp_rkey_destroy(it->rkey);
-      it = closing_.erase(it);
-    } else {
-      ++it;
-    }
+  std::erase_if(closing_, [force](const Closing& c) { return force || done(c.request); });
+}
+
+void Failing::failed(std::exception_ptr e) const noexcept { core->callback_failed(*this, e); }
+
+AmGuard::AmGuard(void* arg, const void* header, std::size_t header_length, void*, std::size_t,
+                 const ucp_am_recv_param_t*) noexcept
+    : Failing{static_cast<AmTag*>(arg)->core, 0, "an active message"} {
+  // Replies to this core's reads: their headers start with its batch id.
+  const unsigned id = static_cast<AmTag*>(arg)->id;
+  if ((id == kAmReadData || id == kAmGatherData || id == kAmReadErr || id == kAmReadFin) &&
+      header_length >= sizeof batch_id) {
+    std::memcpy(&batch_id, header, sizeof batch_id);
   }
+}
+
+void UcxCore::callback_failed(const Failing& f, std::exception_ptr e) noexcept {
+  std::string why = "unknown exception";
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    why = ex.what();
+  } catch (...) {
+  }
+  try {
+    auto it = batches_.find(f.batch_id);
+    if (f.batch_id != 0 && it != batches_.end()) {
+      fail_batch(it->second, Status(StatusCode::kInternal,
+                                    std::string("the ucx engine failed handling ") + f.what +
+                                        ": " + why));
+      return;
+    }
+  } catch (...) {
+  }
+  // Nothing of ours to fail (the owner's side, a handshake): the peer's
+  // read or connect fails in its timeout.
+  std::fprintf(stderr, "mstar-kv ucx: handling %s failed: %s\n", f.what, why.c_str());
 }
 
 void UcxCore::run() {
@@ -219,7 +238,7 @@ void UcxCore::run() {
     }
     for (auto& c : cmds) c();
     unsigned progressed = 0;
-    while (unsigned n = ucp_worker_progress(worker_)) {
+    while (unsigned n = ucp_worker_progress(worker_.get())) {
       progressed += n;
       drain_deferred();
     }
@@ -240,10 +259,10 @@ void UcxCore::run() {
       for (auto& [id, c] : conns) {
         close_conn(c, Status(StatusCode::kShutdown, "the ucx engine shut down"), true);
       }
-      auto seps = server_eps_;
+      std::vector<ucp_ep_h> seps;
+      for (const auto& [ep, owned] : server_eps_) seps.push_back(ep);
       for (ucp_ep_h ep : seps) close_server_ep(ep);
-      if (listener_) ucp_listener_destroy(listener_);
-      listener_ = nullptr;
+      listener_.reset();
       continue;
     }
     if (closing_all) {
@@ -262,14 +281,14 @@ void UcxCore::run() {
     // on the worker's event fd. While reads or data replies are in flight
     // the sleep is 1 ms at most: shared-memory transports raise no event
     // when the peer frees room in a fifo or a get completes.
-    const bool busy = !batches_.empty() || !live_sends_.empty();
+    const bool busy = !batches_.empty() || !sends_.empty();
     if (++idle < (busy ? 32 : 256) || efd_ < 0) {
       if (efd_ < 0 && idle >= 256) std::this_thread::sleep_for(std::chrono::microseconds(50));
       std::this_thread::yield();
       continue;
     }
     idle = 0;
-    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    if (ucp_worker_arm(worker_.get()) == UCS_ERR_BUSY) continue;
     pollfd pfd{efd_, POLLIN, 0};
     (void)::poll(&pfd, 1, busy ? 1 : (draining_.empty() ? 100 : 10));
   }
@@ -287,7 +306,7 @@ void UcxCore::stop() noexcept {
   if (!worker_) return;
   if (thread_.joinable()) {
     stop_requested_.store(true, std::memory_order_release);
-    ucp_worker_signal(worker_);
+    ucp_worker_signal(worker_.get());
     thread_.join();
   }
   {
@@ -298,11 +317,15 @@ void UcxCore::stop() noexcept {
   reap_closing(true);
   conns_.clear();
   batches_.clear();
-  release_ucp();
-  for (ReqCtx* c : live_ctx_) delete c;
-  live_ctx_.clear();
-  for (SendCtx* c : live_sends_) delete c;
-  live_sends_.clear();
+  server_eps_.clear();
+  listener_.reset();
+  memh_.reset();
+  worker_.reset();
+  context_.reset();
+  // Now nothing can complete or write any more.
+  reads_.clear();
+  sends_.clear();
+  controls_.clear();
 }
 
 }  // namespace mstar::kv::ucx

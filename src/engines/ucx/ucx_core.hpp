@@ -7,15 +7,15 @@
 //   ucx_core.cpp     UCP set-up and release, the listener, the progress thread
 //   ucx_owner.cpp    the owner's side: connections, the handshake, served reads
 //   ucx_am.cpp       active-message dispatch and the reader's data arrival
-//   ucx_reader.cpp   the reader's side: connecting, reads (am and gets), closing
+//   ucx_reader.cpp   the reader's side: connecting, peer failure, closing
+//   ucx_batch.cpp    the reader's reads: am requests and gets, their bookkeeping
 //   ucx_backend.cpp  the RmaBackend / RmaPeer / RmaOperation over it, options
-// The wire format is ucx_wire.hpp, the handshake's cryptography ucx_auth.hpp.
+// The wire format is ucx_wire.hpp, the handshake's cryptography ucx_auth.hpp,
+// HOST:PORT ucx_address.hpp, the owners of UCP objects ucx_handles.hpp and
+// the callback trampoline and request contexts' owner ucx_callback.hpp.
 #pragma once
 
-#include <arpa/inet.h>
-#include <netdb.h>
 #include <poll.h>
-#include <sys/socket.h>
 #include <ucp/api/ucp.h>
 
 #include <atomic>
@@ -37,7 +37,10 @@
 #include "core/auth.hpp"
 #include "mstar/kv/epochs.hpp"
 #include "rma/rma_engine.hpp"
+#include "ucx_address.hpp"
 #include "ucx_auth.hpp"
+#include "ucx_callback.hpp"
+#include "ucx_handles.hpp"
 #include "ucx_wire.hpp"
 
 #include "ucx_backend.hpp"
@@ -58,57 +61,6 @@ constexpr std::chrono::milliseconds kDrainGrace{250};
 
 inline std::string ucs_str(ucs_status_t st) { return ucs_status_string(st); }
 
-struct HostPort {
-  std::string host;
-  std::uint16_t port = 0;
-};
-
-inline HostPort parse_host_port(const std::string& s) {
-  const auto colon = s.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == s.size()) {
-    throw Error(StatusCode::kInvalidArgument,
-                "ucx session id '" + s + "' is not HOST:PORT");
-  }
-  HostPort hp;
-  hp.host = s.substr(0, colon);
-  if (hp.host.size() > 2 && hp.host.front() == '[' && hp.host.back() == ']') {
-    hp.host = hp.host.substr(1, hp.host.size() - 2);
-  }
-  const std::string port = s.substr(colon + 1);
-  unsigned long v = 0;
-  for (char c : port) {
-    if (c < '0' || c > '9' || v > 65535) {
-      throw Error(StatusCode::kInvalidArgument,
-                  "ucx session id '" + s + "': port '" + port + "' is not in [1, 65535]");
-    }
-    v = v * 10 + static_cast<unsigned>(c - '0');
-  }
-  if (v == 0 || v > 65535) {
-    throw Error(StatusCode::kInvalidArgument,
-                "ucx session id '" + s + "': port " + port + " is not in [1, 65535]");
-  }
-  hp.port = static_cast<std::uint16_t>(v);
-  return hp;
-}
-
-inline sockaddr_storage resolve(const HostPort& hp, socklen_t* len) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  const std::string port = std::to_string(hp.port);
-  const int rc = ::getaddrinfo(hp.host.c_str(), port.c_str(), &hints, &res);
-  if (rc != 0 || res == nullptr) {
-    throw Error(StatusCode::kInvalidArgument,
-                "cannot resolve ucx host '" + hp.host + "': " + ::gai_strerror(rc));
-  }
-  sockaddr_storage ss{};
-  std::memcpy(&ss, res->ai_addr, res->ai_addrlen);
-  *len = res->ai_addrlen;
-  ::freeaddrinfo(res);
-  return ss;
-}
-
 // ---------------------------------------------------------------------------
 // UcxCore: everything that touches UCP. Members marked [progress] are used
 // only on the progress thread.
@@ -120,11 +72,11 @@ struct Conn {
   UcxCore* core = nullptr;
   std::uint64_t id = 0;
   std::string session_id;
-  ucp_ep_h ep = nullptr;             // [progress] client/server: control, am reads
+  Endpoint ep;                       // [progress] client/server: control, am reads
   // [progress] to the owner's worker address, where UCX may use shared
   // memory or RDMA: gets, or am reads when its am lane is shared memory.
-  ucp_ep_h data_ep = nullptr;
-  ucp_rkey_h rkey = nullptr;         // [progress] unpacked on data_ep (get)
+  Endpoint data_ep;
+  RemoteKey rkey;                    // [progress] unpacked on data_ep (get)
   bool am_on_data = false;           // am reads go over data_ep, not ep
   bool closing = false;              // [progress]
   bool hello_set = false;            // [progress]
@@ -166,9 +118,20 @@ struct Batch {
   std::size_t got_count = 0;
 };
 
-struct ReqCtx {  // user_data of a request that writes into local pages
-  UcxCore* core;
-  std::uint64_t batch_id;
+// The user_data of a UCX request, owned by an InFlight<> of the core from
+// posting until the request's callback (ucx_callback.hpp).
+struct Pending {
+  UcxCore* core = nullptr;
+  std::uint64_t batch_id = 0;  // the read of this core it writes for, or 0
+};
+
+// What a request's user_data (posted as a Pending*) points at.
+template <class T>
+T* context_of(void* user_data) noexcept {
+  return static_cast<T*>(static_cast<Pending*>(user_data));
+}
+
+struct ReqCtx : Pending {  // a get or a rendezvous receive into local pages
   std::vector<ucp_dt_iov_t> iov;  // a gathered rendezvous: the local rows
 };
 
@@ -182,17 +145,53 @@ struct ServeState {
   bool failed = false;
 };
 
-struct SendCtx {  // user_data of a data reply (its header must outlive the send)
-  UcxCore* core;
-  DataHdr hdr;
+struct SendCtx : Pending {  // a data reply (its header must outlive the send)
+  DataHdr hdr{};
   std::shared_ptr<ServeState> serve;  // null when no epoch is checked
   GatherHdr gather{};                 // gathered replies (kReqGather)
   std::vector<ucp_dt_iov_t> iov;      // their rows in the registered pages
 };
 
+// A control message's bytes (header then data), or the wireup flush of
+// connection conn_id's data endpoint.
+struct Control : Pending {
+  std::vector<std::uint8_t> bytes;
+  std::uint64_t conn_id = 0;
+};
+
 struct AmTag {  // argument of the active-message handler for one id
   UcxCore* core = nullptr;
   unsigned id = 0;
+};
+
+// The guards of trampoline<> (ucx_callback.hpp): what a callback that
+// threw fails, read from its arguments before it runs.
+struct Failing {
+  UcxCore* core = nullptr;
+  std::uint64_t batch_id = 0;  // a read of this core, or 0: nothing to fail
+  const char* what = "";
+  void failed(std::exception_ptr e) const noexcept;
+};
+struct RequestGuard : Failing {  // user_data is a Pending
+  RequestGuard(void*, ucs_status_t, void* ud) noexcept
+      : Failing{static_cast<Pending*>(ud)->core, static_cast<Pending*>(ud)->batch_id,
+                "a request's completion"} {}
+  RequestGuard(void* r, ucs_status_t st, std::size_t, void* ud) noexcept
+      : RequestGuard(r, st, ud) {}
+};
+struct AmGuard : Failing {  // arg is an AmTag; reader-side headers name a batch
+  AmGuard(void* arg, const void* header, std::size_t header_length, void*, std::size_t,
+          const ucp_am_recv_param_t*) noexcept;
+};
+struct ConnGuard : Failing {  // arg is a Conn
+  ConnGuard(void* arg, ucp_ep_h, ucs_status_t) noexcept
+      : Failing{static_cast<Conn*>(arg)->core, 0, "a peer failure"} {}
+};
+struct CoreGuard : Failing {  // arg is the UcxCore
+  CoreGuard(void* arg, ucp_ep_h, ucs_status_t) noexcept
+      : Failing{static_cast<UcxCore*>(arg), 0, "a reader's failure"} {}
+  CoreGuard(ucp_conn_request_h, void* arg) noexcept
+      : Failing{static_cast<UcxCore*>(arg), 0, "a connection request"} {}
 };
 
 class UcxCore : public std::enable_shared_from_this<UcxCore> {
@@ -225,13 +224,16 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
 
  private:
   void init_ucp(const std::string& session_id);
-  void release_ucp() noexcept;
   void run();
   void open_listener(const std::string& session_id);
   void drain_deferred();
   void check_drains();
   void reap_closing(bool force);
 
+  friend struct Failing;
+  // A UCX callback threw (Failing): fails read batch_id, if any.
+  void callback_failed(const Failing& f, std::exception_ptr e) noexcept;
+  // The bodies of the C callbacks, each called through trampoline<>.
   static void on_conn_request(ucp_conn_request_h req, void* arg);
   static void on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t st);
   static void on_client_ep_error(void* arg, ucp_ep_h ep, ucs_status_t st);
@@ -240,6 +242,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   static void on_req_done(void* request, ucs_status_t st, void* user_data);
   static void on_data_sent(void* request, ucs_status_t st, void* user_data);
   static void on_recv_done(void* request, ucs_status_t st, std::size_t length, void* user_data);
+  static void on_control_sent(void* request, ucs_status_t st, void* user_data);
+  static void on_data_ep_flushed(void* request, ucs_status_t st, void* user_data);
 
   ucs_status_t handle_am(unsigned id, const void* header, std::size_t header_length,
                          void* data, std::size_t length, const ucp_am_recv_param_t* param);
@@ -276,7 +280,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // Done notices (leases): reader and owner halves.
   void send_done(const std::shared_ptr<Conn>& c, std::uint64_t seq_id, std::uint64_t epoch) {
     const DoneHdr hdr{seq_id, epoch, c->served.generation, c->ticket};
-    send_small(c->ep, kAmDone, &hdr, sizeof hdr, nullptr, 0, true);
+    send_small(c->ep.get(), kAmDone, &hdr, sizeof hdr, nullptr, 0, true);
   }
   void set_done_handler(std::function<void(std::uint64_t, std::uint64_t)> h) {
     std::lock_guard<std::mutex> lk(done_mu_);
@@ -291,16 +295,12 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   void hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& bytes);
   void request_finished(std::uint64_t batch_id, ucs_status_t st);
   void post_gets(const std::shared_ptr<Batch>& b);
-  // Contexts of requests that write locally; those UCX never completes
-  // (written off, see close_conn) are freed by stop().
+  // The context of a request that writes locally for read batch_id.
   ReqCtx* new_ctx(std::uint64_t batch_id) {
-    auto* c = new ReqCtx{this, batch_id, {}};
-    live_ctx_.insert(c);
-    return c;
-  }
-  void free_ctx(ReqCtx* c) {
-    live_ctx_.erase(c);
-    delete c;
+    auto c = std::make_unique<ReqCtx>();
+    c->core = this;
+    c->batch_id = batch_id;
+    return reads_.add(std::move(c));
   }
   void maybe_finish(std::shared_ptr<Batch> b);
   void fail_batch(std::shared_ptr<Batch> b, Status st);
@@ -311,7 +311,9 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   EpInfo inspect_ep(ucp_ep_h ep);
   void data_ep_ready(std::uint64_t conn_id, ucs_status_t st);
   void close_server_ep(ucp_ep_h ep);
-  void close_ep(ucp_ep_h ep, ucp_rkey_h rkey, std::shared_ptr<Conn> keep);
+  // Closes `ep` by force; `rkey` and `keep` (the error handler's argument)
+  // live until the close completes.
+  void close_ep(Endpoint ep, RemoteKey rkey, std::shared_ptr<Conn> keep);
   // Sends a small message whose header and data are copied into a block
   // that lives until the send completes.
   void send_small(ucp_ep_h ep, unsigned id, const void* header, std::size_t header_len,
@@ -319,10 +321,11 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
 
   const std::shared_ptr<KVCache> cache_;
   const UcxOptions options_;
-  ucp_context_h context_ = nullptr;
-  ucp_worker_h worker_ = nullptr;
-  ucp_mem_h memh_ = nullptr;
-  ucp_listener_h listener_ = nullptr;
+  // In creation order: destroyed in reverse (ucx_handles.hpp).
+  Context context_;
+  Worker worker_;
+  MemReg memh_;
+  Listener listener_;
   int efd_ = -1;
   rma::RmaRegionInfo region_;
   std::vector<std::uint8_t> worker_address_;  // sent in the hello reply
@@ -339,7 +342,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::vector<std::function<void()>> deferred_;
   std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> conns_;
   std::unordered_map<std::uint64_t, std::shared_ptr<Batch>> batches_;
-  std::set<ucp_ep_h> server_eps_;
+  std::unordered_map<ucp_ep_h, Endpoint> server_eps_;
   std::set<ucp_ep_h> dead_eps_;       // closed in this progress round
   // The owner's half of the handshake, per listener endpoint: the nonces of
   // a challenge sent, the ticket of an authenticated reader, endpoints that
@@ -348,12 +351,16 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::unordered_map<ucp_ep_h, std::uint64_t> ep_ticket_;
   std::set<ucp_ep_h> refused_;
   std::set<std::uint64_t> tickets_;
-  std::set<ReqCtx*> live_ctx_;
-  std::set<SendCtx*> live_sends_;     // data replies not completed yet
+  // The user_data of requests in flight: gets and receives, data replies,
+  // control messages. What UCX never completes (written off, see
+  // close_conn) is destroyed by stop(), after the worker.
+  InFlight<ReqCtx> reads_;
+  InFlight<SendCtx> sends_;
+  InFlight<Control> controls_;
   std::set<std::uint64_t> draining_;  // aborted get batches waiting to drain
-  struct Closing {
-    void* request;
-    ucp_rkey_h rkey;
+  struct Closing {  // an endpoint's close in flight
+    RemoteKey rkey;              // destroyed after the request is freed
+    Request request;
     std::shared_ptr<Conn> conn;  // keeps the error-handler argument alive
   };
   std::vector<Closing> closing_;

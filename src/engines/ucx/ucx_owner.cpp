@@ -10,7 +10,7 @@ namespace mstar::kv::ucx {
 void UcxCore::on_conn_request(ucp_conn_request_h req, void* arg) {
   auto* self = static_cast<UcxCore*>(arg);
   if (self->stop_requested_.load(std::memory_order_acquire)) {
-    ucp_listener_reject(self->listener_, req);
+    ucp_listener_reject(self->listener_.get(), req);
     return;
   }
   ucp_ep_params_t ep{};
@@ -18,10 +18,12 @@ void UcxCore::on_conn_request(ucp_conn_request_h req, void* arg) {
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
   ep.conn_request = req;
   ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ep.err_handler.cb = &UcxCore::on_server_ep_error;
+  ep.err_handler.cb = trampoline<&UcxCore::on_server_ep_error, CoreGuard>;
   ep.err_handler.arg = self;
   ucp_ep_h h = nullptr;
-  if (ucp_ep_create(self->worker_, &ep, &h) == UCS_OK) self->server_eps_.insert(h);
+  if (ucp_ep_create(self->worker_.get(), &ep, &h) != UCS_OK) return;
+  Endpoint owned(h);  // closed again if it cannot be kept
+  self->server_eps_.emplace(h, std::move(owned));
 }
 
 void UcxCore::on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t) {
@@ -30,7 +32,10 @@ void UcxCore::on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t) {
 }
 
 void UcxCore::close_server_ep(ucp_ep_h ep) {
-  if (server_eps_.erase(ep) == 0) return;
+  auto owned = server_eps_.find(ep);
+  if (owned == server_eps_.end()) return;
+  Endpoint closing = std::move(owned->second);
+  server_eps_.erase(owned);
   challenged_.erase(ep);
   refused_.erase(ep);
   if (auto t = ep_ticket_.find(ep); t != ep_ticket_.end()) {
@@ -38,31 +43,33 @@ void UcxCore::close_server_ep(ucp_ep_h ep) {
     ep_ticket_.erase(t);
   }
   dead_eps_.insert(ep);
-  ucp_request_param_t rp{};
-  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-  ucs_status_ptr_t sp = ucp_ep_close_nbx(ep, &rp);
-  if (UCS_PTR_IS_PTR(sp)) closing_.push_back({sp, nullptr, nullptr});
+  close_ep(std::move(closing), RemoteKey(), nullptr);
 }
 
 void UcxCore::send_small(ucp_ep_h ep, unsigned id, const void* header,
                          std::size_t header_len, const void* data, std::size_t data_len,
                          bool reply) {
-  auto* block = new std::vector<std::uint8_t>(header_len + data_len);
-  if (header_len) std::memcpy(block->data(), header, header_len);
-  if (data_len) std::memcpy(block->data() + header_len, data, data_len);
+  auto msg = std::make_unique<Control>();
+  msg->core = this;
+  msg->bytes.resize(header_len + data_len);
+  if (header_len) std::memcpy(msg->bytes.data(), header, header_len);
+  if (data_len) std::memcpy(msg->bytes.data() + header_len, data, data_len);
+  Control* block = controls_.add(std::move(msg));
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
                     UCP_OP_ATTR_FIELD_USER_DATA;
   rp.flags = UCP_AM_SEND_FLAG_EAGER | (reply ? UCP_AM_SEND_FLAG_REPLY : 0);
-  rp.cb.send = [](void* req, ucs_status_t, void* ud) {
-    delete static_cast<std::vector<std::uint8_t>*>(ud);
-    ucp_request_free(req);
-  };
-  rp.user_data = block;
-  ucs_status_ptr_t sp = ucp_am_send_nbx(ep, id, block->data(), header_len,
-                                        block->data() + header_len, data_len, &rp);
-  if (!UCS_PTR_IS_PTR(sp)) delete block;
+  rp.cb.send = trampoline<&UcxCore::on_control_sent, RequestGuard>;
+  rp.user_data = static_cast<Pending*>(block);
+  ucs_status_ptr_t sp = ucp_am_send_nbx(ep, id, block->bytes.data(), header_len,
+                                        block->bytes.data() + header_len, data_len, &rp);
+  if (!UCS_PTR_IS_PTR(sp)) controls_.take(block);  // done (or failed) at once
+}
+
+void UcxCore::on_control_sent(void* req, ucs_status_t, void* ud) {
+  const Request freed(req);
+  auto* c = context_of<Control>(ud);
+  c->core->controls_.take(c);
 }
 
 void UcxCore::on_hello(ucp_ep_h ep, const HelloHdr& h) {
@@ -216,22 +223,24 @@ void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<Wir
     return;
   }
   for (const WireSpan& s : spans) {
-    auto* ctx = new SendCtx{this, DataHdr{batch_id, s.local_offset, s.length}, serve, {}, {}};
-    live_sends_.insert(ctx);
+    auto owned = std::make_unique<SendCtx>();
+    owned->core = this;
+    owned->hdr = DataHdr{batch_id, s.local_offset, s.length};
+    owned->serve = serve;
+    SendCtx* ctx = sends_.add(std::move(owned));
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
                       UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
     rp.flags = (flags & kReqEagerOnly) == 0 && s.length >= options_.rndv_bytes
                    ? UCP_AM_SEND_FLAG_RNDV
                    : UCP_AM_SEND_FLAG_EAGER;
-    rp.memh = memh_;
-    rp.cb.send = &UcxCore::on_data_sent;
-    rp.user_data = ctx;
+    rp.memh = memh_.get();
+    rp.cb.send = trampoline<&UcxCore::on_data_sent, RequestGuard>;
+    rp.user_data = static_cast<Pending*>(ctx);
     ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReadData, &ctx->hdr, sizeof ctx->hdr,
                                           cache_->base() + s.remote_offset, s.length, &rp);
     if (!UCS_PTR_IS_PTR(sp)) {
-      live_sends_.erase(ctx);
-      delete ctx;
+      sends_.take(ctx);
       if (serve) --serve->left;
     }
     if (UCS_PTR_IS_ERR(sp)) return;  // the endpoint failed; its error handler closes it
@@ -242,25 +251,27 @@ void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<Wir
 // Completion of a data reply (one span's, or a gathered group's): the
 // served read's epoch verdict goes out once its last send completed.
 void UcxCore::on_data_sent(void* req, ucs_status_t st, void* ud) {
-  auto* c = static_cast<SendCtx*>(ud);
-  c->core->live_sends_.erase(c);
-  if (c->serve) {
+  const Request freed(req);
+  auto* raw = context_of<SendCtx>(ud);
+  UcxCore* core = raw->core;
+  const std::unique_ptr<SendCtx> c = core->sends_.take(raw);
+  if (c && c->serve) {
     if (st != UCS_OK) c->serve->failed = true;
     if (--c->serve->left == 0) {
-      UcxCore* core = c->core;
       core->deferred_.push_back([core, sv = c->serve] { core->serve_done(sv); });
     }
   }
-  delete c;
-  ucp_request_free(req);
 }
 
 bool UcxCore::send_gathered(ucp_ep_h ep, std::uint64_t batch_id,
                             const std::vector<WireSpan>& spans, std::size_t first,
                             std::size_t count, std::uint64_t flags,
                             const std::shared_ptr<ServeState>& serve) {
-  auto* ctx = new SendCtx{this, DataHdr{}, serve, {}, {}};
-  ctx->iov.resize(count);
+  auto owned = std::make_unique<SendCtx>();
+  owned->core = this;
+  owned->serve = serve;
+  owned->iov.resize(count);
+  SendCtx* ctx = owned.get();
   std::uint64_t bytes = 0;
   for (std::size_t k = 0; k < count; ++k) {
     const WireSpan& s = spans[first + k];
@@ -269,7 +280,7 @@ bool UcxCore::send_gathered(ucp_ep_h ep, std::uint64_t batch_id,
     bytes += s.length;
   }
   ctx->gather = GatherHdr{batch_id, first, count, bytes};
-  live_sends_.insert(ctx);
+  sends_.add(std::move(owned));
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
                     UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
@@ -279,13 +290,12 @@ bool UcxCore::send_gathered(ucp_ep_h ep, std::uint64_t batch_id,
   rp.flags = (flags & kReqEagerOnly) == 0 && bytes >= options_.rndv_bytes ? UCP_AM_SEND_FLAG_RNDV
                                                                         : UCP_AM_SEND_FLAG_EAGER;
   rp.datatype = ucp_dt_make_iov();
-  rp.cb.send = &UcxCore::on_data_sent;
-  rp.user_data = ctx;
+  rp.cb.send = trampoline<&UcxCore::on_data_sent, RequestGuard>;
+  rp.user_data = static_cast<Pending*>(ctx);
   ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmGatherData, &ctx->gather, sizeof ctx->gather,
                                         ctx->iov.data(), ctx->iov.size(), &rp);
   if (!UCS_PTR_IS_PTR(sp)) {
-    live_sends_.erase(ctx);
-    delete ctx;
+    sends_.take(ctx);
     if (serve) --serve->left;
   }
   return !UCS_PTR_IS_ERR(sp);  // the endpoint failed: its error handler closes it

@@ -1,6 +1,7 @@
 // Copyright mstar-kv authors.
 //
-// UcxCore, the reader's side: connecting, reads (am and gets), closing.
+// UcxCore, the reader's side: connecting (the handshake and the data endpoint),
+// peer failure and closing. Its reads are ucx_batch.cpp.
 #include "ucx_core.hpp"
 
 namespace mstar::kv::ucx {
@@ -25,11 +26,12 @@ std::shared_ptr<Conn> UcxCore::connect(const rma::RmaRegionInfo& remote,
     ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
     ep.sockaddr.addrlen = len;
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ep.err_handler.cb = &UcxCore::on_client_ep_error;
+    ep.err_handler.cb = trampoline<&UcxCore::on_client_ep_error, ConnGuard>;
     ep.err_handler.arg = conn.get();
-    const ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->ep);
+    ucp_ep_h h = nullptr;
+    const ucs_status_t st = ucp_ep_create(worker_.get(), &ep, &h);
+    if (st == UCS_OK) conn->ep = Endpoint(h);
     if (st != UCS_OK) {
-      conn->ep = nullptr;
       close_conn(conn, Status(StatusCode::kPeerFailure, "ucp_ep_create: " + ucs_str(st)));
       return;
     }
@@ -39,7 +41,7 @@ std::shared_ptr<Conn> UcxCore::connect(const rma::RmaRegionInfo& remote,
     hdr.flags = options_.auth_token.empty() ? 0 : kHelloHasToken;
     conn->nonce_r = new_nonce();
     std::memcpy(hdr.nonce, conn->nonce_r.data(), kNonceBytes);
-    send_small(conn->ep, kAmHello, &hdr, sizeof hdr, nullptr, 0, true);
+    send_small(conn->ep.get(), kAmHello, &hdr, sizeof hdr, nullptr, 0, true);
   });
   if (!posted) throw Error(StatusCode::kShutdown, "the ucx engine is shut down");
   if (hello.wait_for(timeout) != std::future_status::ready) {
@@ -85,7 +87,7 @@ void UcxCore::on_challenge(const ChallengeHdr& h) {
   a.conn_id = conn->id;
   const Mac mac = reader_proof(options_.auth_token, conn->nonce_r, nonce_o);
   std::memcpy(a.mac, mac.data(), kMacBytes);
-  send_small(conn->ep, kAmAuth, &a, sizeof a, nullptr, 0, true);
+  send_small(conn->ep.get(), kAmAuth, &a, sizeof a, nullptr, 0, true);
 }
 
 void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& bytes) {
@@ -135,11 +137,12 @@ void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& by
     // UCX fall back to tcp. Peer failure is detected on the control
     // endpoint (tcp, peer error handling), which then closes this one.
     ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-    ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->data_ep);
-    if (st != UCS_OK) conn->data_ep = nullptr;
+    ucp_ep_h data_ep = nullptr;
+    ucs_status_t st = ucp_ep_create(worker_.get(), &ep, &data_ep);
+    if (st == UCS_OK) conn->data_ep = Endpoint(data_ep);
     EpInfo info;
-    if (conn->data_ep != nullptr) info = inspect_ep(conn->data_ep);
-    const bool get = conn->data_ep != nullptr &&
+    if (conn->data_ep) info = inspect_ep(conn->data_ep.get());
+    const bool get = conn->data_ep &&
                      (options_.mode == Mode::kGet ||
                       (options_.mode == Mode::kAuto && info.nic_rma));
     if (options_.mode == Mode::kGet && !get) {
@@ -149,38 +152,36 @@ void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& by
       return;
     }
     if (get) {
-      st = ucp_ep_rkey_unpack(conn->data_ep, conn->served.backend_blob.data(), &conn->rkey);
+      ucp_rkey_h rkey = nullptr;
+      st = ucp_ep_rkey_unpack(conn->data_ep.get(), conn->served.backend_blob.data(), &rkey);
+      if (st == UCS_OK) conn->rkey = RemoteKey(rkey);
       if (st != UCS_OK) {
-        conn->rkey = nullptr;
         close_conn(conn, Status(StatusCode::kPermissionDenied,
                                 "the peer's remote key does not unpack: " + ucs_str(st)));
         return;
       }
       conn->mode = Mode::kGet;
-    } else if (conn->data_ep != nullptr && info.shm_am && options_.mode == Mode::kAmShm) {
+    } else if (conn->data_ep && info.shm_am && options_.mode == Mode::kAmShm) {
       conn->am_on_data = true;
-    } else if (conn->data_ep != nullptr) {
+    } else if (conn->data_ep) {
       // Nothing better than the control endpoint: am reads go over it.
-      close_ep(conn->data_ep, nullptr, nullptr);
-      conn->data_ep = nullptr;
+      close_ep(std::move(conn->data_ep), RemoteKey(), nullptr);
     }
-    if (conn->data_ep != nullptr) {
+    if (conn->data_ep) {
       // Finish the endpoint's wireup before the first read, within the
       // connect timeout: reads never wait behind a wireup that a dying peer
       // leaves hanging.
       ucp_request_param_t rp{};
       rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-      rp.cb.send = [](void* req, ucs_status_t s2, void* ud) {
-        auto* tag = static_cast<ReqCtx*>(ud);
-        tag->core->deferred_.push_back(
-            [core = tag->core, id = tag->batch_id, s2] { core->data_ep_ready(id, s2); });
-        delete tag;
-        ucp_request_free(req);
-      };
-      rp.user_data = new ReqCtx{this, conn->id, {}};
-      ucs_status_ptr_t sp = ucp_ep_flush_nbx(conn->data_ep, &rp);
+      auto flush = std::make_unique<Control>();
+      flush->core = this;
+      flush->conn_id = conn->id;
+      Control* ctx = controls_.add(std::move(flush));
+      rp.cb.send = trampoline<&UcxCore::on_data_ep_flushed, RequestGuard>;
+      rp.user_data = static_cast<Pending*>(ctx);
+      ucs_status_ptr_t sp = ucp_ep_flush_nbx(conn->data_ep.get(), &rp);
       if (!UCS_PTR_IS_PTR(sp)) {
-        delete static_cast<ReqCtx*>(rp.user_data);
+        controls_.take(ctx);
         data_ep_ready(conn->id, UCS_PTR_STATUS(sp));
       }
       return;
@@ -248,6 +249,15 @@ void UcxCore::data_ep_ready(std::uint64_t conn_id, ucs_status_t st) {
   conn->hello.set_value(Status::ok());
 }
 
+void UcxCore::on_data_ep_flushed(void* req, ucs_status_t st, void* ud) {
+  const Request freed(req);
+  auto* c = context_of<Control>(ud);
+  UcxCore* core = c->core;
+  const std::uint64_t id = c->conn_id;
+  core->controls_.take(c);
+  core->deferred_.push_back([core, id, st] { core->data_ep_ready(id, st); });
+}
+
 void UcxCore::on_client_ep_error(void* arg, ucp_ep_h, ucs_status_t st) {
   auto* conn = static_cast<Conn*>(arg);
   UcxCore* self = conn->core;
@@ -267,8 +277,7 @@ void UcxCore::close_conn(std::shared_ptr<Conn> c, const Status& why, bool force)
   c->failed.store(true, std::memory_order_release);
   // A forced close purges every request on the endpoint: their callbacks
   // run (with an error) before the close completes.
-  if (c->ep) close_ep(c->ep, nullptr, c);
-  c->ep = nullptr;
+  if (c->ep) close_ep(std::move(c->ep), RemoteKey(), c);
   // Requests still in flight keep the data endpoint open until they
   // complete (maybe_finish closes it): UCX 1.13 does not reliably purge
   // requests queued on an endpoint without peer error handling.
@@ -278,9 +287,7 @@ void UcxCore::close_conn(std::shared_ptr<Conn> c, const Status& why, bool force)
     if (it != batches_.end() && it->second->outstanding != 0) gets_in_flight = true;
   }
   if (c->data_ep && (force || !gets_in_flight)) {
-    close_ep(c->data_ep, c->rkey, c);
-    c->data_ep = nullptr;
-    c->rkey = nullptr;
+    close_ep(std::move(c->data_ep), std::move(c->rkey), c);
     if (gets_in_flight) {
       // Written off: gets and rendezvous receives over shared memory or tcp
       // are executed by this thread inside UCX calls on that endpoint
@@ -310,196 +317,9 @@ void UcxCore::close_conn(std::shared_ptr<Conn> c, const Status& why, bool force)
   }
 }
 
-void UcxCore::close_ep(ucp_ep_h ep, ucp_rkey_h rkey, std::shared_ptr<Conn> keep) {
-  ucp_request_param_t rp{};
-  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-  ucs_status_ptr_t sp = ucp_ep_close_nbx(ep, &rp);
-  if (UCS_PTR_IS_PTR(sp)) {
-    closing_.push_back({sp, rkey, std::move(keep)});
-  } else if (rkey) {
-    ucp_rkey_destroy(rkey);
-  }
-}
-
-void UcxCore::fail_batch(std::shared_ptr<Batch> b, Status st) {
-  if (!b->failure) b->failure = std::move(st);
-  maybe_finish(b);
-}
-
-void UcxCore::send_epoch_check(const std::shared_ptr<Batch>& b) {
-  const auto& c = b->conn;
-  const ReadReqHdr hdr{b->id, c->served.generation, 0, kReqCheckOnly, b->check.epoch,
-                       b->check.pages.size(), c->ticket};
-  send_small(c->ep, kAmReadReq, &hdr, sizeof hdr, b->check.pages.data(),
-             b->check.pages.size() * sizeof(std::uint32_t), true);
-}
-
-void UcxCore::on_fin(const std::shared_ptr<Batch>& b, const Status& st) {
-  if (b->aborted || b->failure) return;
-  if (!st.is_ok()) {
-    fail_batch(b, st);
-    return;
-  }
-  if (!b->get) {
-    b->fin = true;
-  } else if (b->get_phase == 0) {
-    b->get_phase = 1;
-    post_gets(b);
-  } else if (b->get_phase == 2) {
-    b->get_phase = 3;
-  }
-  maybe_finish(b);
-}
-
-void UcxCore::maybe_finish(std::shared_ptr<Batch> b) {
-  if (b->outstanding != 0) return;
-  const bool stopped = b->aborted || b->failure.has_value();
-  if (!stopped && !b->pending.empty()) return;
-  if (!stopped && b->gather && b->got_count < b->chunks.size()) return;
-  if (!stopped && b->get && b->next_chunk < b->chunks.size()) return;
-  if (!stopped && b->check.epoch != 0) {
-    if (!b->get && !b->fin) return;  // the owner's after-send check is to come
-    if (b->get && b->get_phase < 2) {
-      if (b->get_phase == 1) {  // every get landed: ask again
-        b->get_phase = 2;
-        send_epoch_check(b);
-      }
-      return;
-    }
-    if (b->get && b->get_phase == 2) return;
-  }
-  if (batches_.erase(b->id) == 0) return;  // finished already
-  const auto& c = b->conn;
-  c->batches.erase(b->id);
-  if (c->closing && c->batches.empty() && c->data_ep != nullptr) {
-    // The last get on a closed connection drained: now its endpoint goes.
-    close_ep(c->data_ep, c->rkey, c);
-    c->data_ep = nullptr;
-    c->rkey = nullptr;
-  }
-  Status st = b->failure  ? *b->failure
-              : b->aborted ? Status(StatusCode::kCancelled, "aborted")
-                           : Status::ok();
-  auto done = std::move(b->done);
-  if (done) done(std::move(st));
-}
-
-void UcxCore::request_finished(std::uint64_t batch_id, ucs_status_t st) {
-  auto it = batches_.find(batch_id);
-  if (it == batches_.end()) return;
-  auto b = it->second;
-  if (b->outstanding > 0) --b->outstanding;
-  if (st != UCS_OK && !b->failure && !b->aborted) {
-    b->failure = Status(StatusCode::kPeerFailure, "ucx request failed: " + ucs_str(st));
-  }
-  if (b->get) post_gets(b);
-  maybe_finish(b);
-}
-
-void UcxCore::post_gets(const std::shared_ptr<Batch>& b) {
-  const auto& c = b->conn;
-  while (b->outstanding < kGetWindow && b->next_chunk < b->chunks.size() && !b->aborted &&
-         !b->failure && c->data_ep != nullptr && !c->closing) {
-    const rma::RmaRead& r = b->chunks[b->next_chunk++];
-    auto* ctx = new_ctx(b->id);
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                      UCP_OP_ATTR_FIELD_MEMH;
-    rp.cb.send = &UcxCore::on_req_done;
-    rp.user_data = ctx;
-    rp.memh = memh_;
-    ucs_status_ptr_t sp = ucp_get_nbx(c->data_ep, cache_->base() + r.local_offset, r.length,
-                                      c->served.data_ptr + r.remote_offset, c->rkey, &rp);
-    if (UCS_PTR_IS_PTR(sp)) {
-      ++b->outstanding;
-      continue;
-    }
-    free_ctx(ctx);
-    if (UCS_PTR_IS_ERR(sp)) {
-      b->failure = Status(StatusCode::kPeerFailure,
-                          "ucp_get_nbx: " + ucs_str(UCS_PTR_STATUS(sp)));
-    }
-  }
-}
-
-void UcxCore::on_req_done(void* request, ucs_status_t st, void* user_data) {
-  auto* ctx = static_cast<ReqCtx*>(user_data);
-  UcxCore* core = ctx->core;
-  const std::uint64_t id = ctx->batch_id;
-  core->free_ctx(ctx);
-  core->request_finished(id, st);
-  ucp_request_free(request);
-}
-
-void UcxCore::on_recv_done(void* request, ucs_status_t st, std::size_t, void* user_data) {
-  on_req_done(request, st, user_data);
-}
-
-void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
-  const auto& c = b->conn;
-  batches_[b->id] = b;
-  if (c->closing || c->ep == nullptr) {
-    fail_batch(b, Status(StatusCode::kPeerFailure,
-                         "connection to " + c->session_id + " is closed"));
-    return;
-  }
-  c->batches.insert(b->id);
-  if (c->mode == Mode::kGet) {
-    b->get = true;
-    if (b->check.epoch != 0) {  // the gets wait for the owner's first check
-      b->get_phase = 0;
-      send_epoch_check(b);
-      return;
-    }
-    post_gets(b);
-    maybe_finish(b);
-    return;
-  }
-  std::vector<WireSpan> spans;
-  spans.reserve(b->chunks.size());
-  std::uint64_t total = 0;
-  for (const rma::RmaRead& r : b->chunks) {
-    spans.push_back({r.remote_offset, r.length, r.local_offset});
-    total += r.length;
-  }
-  // Many small spans (rows of a layout change): gathered replies.
-  b->gather = spans.size() >= kGatherMinSpans && total / spans.size() < kGatherBelowBytes;
-  if (b->gather) {
-    b->got.assign(spans.size(), 0);
-  } else {
-    for (const rma::RmaRead& r : b->chunks) b->pending.emplace(r.local_offset, r.length);
-  }
-  const std::uint64_t flags =
-      (c->am_on_data ? kReqEagerOnly : 0) | (b->gather ? kReqGather : 0);
-  const ReadReqHdr hdr{b->id, c->served.generation, spans.size(), flags, b->check.epoch,
-                       b->check.pages.size(), c->ticket};
-  std::vector<std::uint8_t> body(spans.size() * sizeof(WireSpan) +
-                                 b->check.pages.size() * sizeof(std::uint32_t));
-  std::memcpy(body.data(), spans.data(), spans.size() * sizeof(WireSpan));
-  if (!b->check.pages.empty()) {
-    std::memcpy(body.data() + spans.size() * sizeof(WireSpan), b->check.pages.data(),
-                b->check.pages.size() * sizeof(std::uint32_t));
-  }
-  send_small(c->am_on_data ? c->data_ep : c->ep, kAmReadReq, &hdr, sizeof hdr, body.data(),
-             body.size(), true);
-}
-
-void UcxCore::abort_batch(std::uint64_t id) {
-  auto it = batches_.find(id);
-  if (it == batches_.end()) return;
-  auto b = it->second;
-  b->aborted = true;
-  // Stop posting (gets) and drop data still to arrive (am). Requests that
-  // write into local pages (at most kGetWindow gets, or rendezvous
-  // receives already started) complete by themselves and the read resolves
-  // when the last one has; if they have not after kDrainGrace (a hung
-  // owner), the progress loop closes the connection by force.
-  if (b->outstanding != 0) {
-    b->drain_deadline = std::chrono::steady_clock::now() + kDrainGrace;
-    draining_.insert(b->id);
-  }
-  maybe_finish(b);
+void UcxCore::close_ep(Endpoint ep, RemoteKey rkey, std::shared_ptr<Conn> keep) {
+  Request closing = close(ep);
+  if (closing) closing_.push_back({std::move(rkey), std::move(closing), std::move(keep)});
 }
 
 }  // namespace mstar::kv::ucx

@@ -1,0 +1,189 @@
+// Copyright mstar-kv authors.
+//
+// UcxCore, the reader's reads (batches): starting one (an am request or
+// gets), its requests' completions, the epoch checks, failing, aborting and
+// finishing it.
+#include "ucx_core.hpp"
+
+namespace mstar::kv::ucx {
+
+void UcxCore::fail_batch(std::shared_ptr<Batch> b, Status st) {
+  if (!b->failure) b->failure = std::move(st);
+  maybe_finish(b);
+}
+
+void UcxCore::send_epoch_check(const std::shared_ptr<Batch>& b) {
+  const auto& c = b->conn;
+  const ReadReqHdr hdr{b->id, c->served.generation, 0, kReqCheckOnly, b->check.epoch,
+                       b->check.pages.size(), c->ticket};
+  send_small(c->ep.get(), kAmReadReq, &hdr, sizeof hdr, b->check.pages.data(),
+             b->check.pages.size() * sizeof(std::uint32_t), true);
+}
+
+void UcxCore::on_fin(const std::shared_ptr<Batch>& b, const Status& st) {
+  if (b->aborted || b->failure) return;
+  if (!st.is_ok()) {
+    fail_batch(b, st);
+    return;
+  }
+  if (!b->get) {
+    b->fin = true;
+  } else if (b->get_phase == 0) {
+    b->get_phase = 1;
+    post_gets(b);
+  } else if (b->get_phase == 2) {
+    b->get_phase = 3;
+  }
+  maybe_finish(b);
+}
+
+void UcxCore::maybe_finish(std::shared_ptr<Batch> b) {
+  if (b->outstanding != 0) return;
+  const bool stopped = b->aborted || b->failure.has_value();
+  if (!stopped && !b->pending.empty()) return;
+  if (!stopped && b->gather && b->got_count < b->chunks.size()) return;
+  if (!stopped && b->get && b->next_chunk < b->chunks.size()) return;
+  if (!stopped && b->check.epoch != 0) {
+    if (!b->get && !b->fin) return;  // the owner's after-send check is to come
+    if (b->get && b->get_phase < 2) {
+      if (b->get_phase == 1) {  // every get landed: ask again
+        b->get_phase = 2;
+        send_epoch_check(b);
+      }
+      return;
+    }
+    if (b->get && b->get_phase == 2) return;
+  }
+  if (batches_.erase(b->id) == 0) return;  // finished already
+  const auto& c = b->conn;
+  c->batches.erase(b->id);
+  if (c->closing && c->batches.empty() && c->data_ep) {
+    // The last get on a closed connection drained: now its endpoint goes.
+    close_ep(std::move(c->data_ep), std::move(c->rkey), c);
+  }
+  Status st = b->failure  ? *b->failure
+              : b->aborted ? Status(StatusCode::kCancelled, "aborted")
+                           : Status::ok();
+  auto done = std::move(b->done);
+  if (done) done(std::move(st));
+}
+
+void UcxCore::request_finished(std::uint64_t batch_id, ucs_status_t st) {
+  auto it = batches_.find(batch_id);
+  if (it == batches_.end()) return;
+  auto b = it->second;
+  if (b->outstanding > 0) --b->outstanding;
+  if (st != UCS_OK && !b->failure && !b->aborted) {
+    b->failure = Status(StatusCode::kPeerFailure, "ucx request failed: " + ucs_str(st));
+  }
+  if (b->get) post_gets(b);
+  maybe_finish(b);
+}
+
+void UcxCore::post_gets(const std::shared_ptr<Batch>& b) {
+  const auto& c = b->conn;
+  while (b->outstanding < kGetWindow && b->next_chunk < b->chunks.size() && !b->aborted &&
+         !b->failure && c->data_ep && !c->closing) {
+    const rma::RmaRead& r = b->chunks[b->next_chunk++];
+    auto* ctx = new_ctx(b->id);
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                      UCP_OP_ATTR_FIELD_MEMH;
+    rp.cb.send = trampoline<&UcxCore::on_req_done, RequestGuard>;
+    rp.user_data = static_cast<Pending*>(ctx);
+    rp.memh = memh_.get();
+    ucs_status_ptr_t sp =
+        ucp_get_nbx(c->data_ep.get(), cache_->base() + r.local_offset, r.length,
+                    c->served.data_ptr + r.remote_offset, c->rkey.get(), &rp);
+    if (UCS_PTR_IS_PTR(sp)) {
+      ++b->outstanding;
+      continue;
+    }
+    reads_.take(ctx);
+    if (UCS_PTR_IS_ERR(sp)) {
+      b->failure = Status(StatusCode::kPeerFailure,
+                          "ucp_get_nbx: " + ucs_str(UCS_PTR_STATUS(sp)));
+    }
+  }
+}
+
+void UcxCore::on_req_done(void* request, ucs_status_t st, void* user_data) {
+  const Request freed(request);
+  auto* ctx = context_of<ReqCtx>(user_data);
+  UcxCore* core = ctx->core;
+  const std::uint64_t id = ctx->batch_id;
+  core->reads_.take(ctx);
+  core->request_finished(id, st);
+}
+
+void UcxCore::on_recv_done(void* request, ucs_status_t st, std::size_t, void* user_data) {
+  on_req_done(request, st, user_data);
+}
+
+void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
+  const auto& c = b->conn;
+  batches_[b->id] = b;
+  if (c->closing || !c->ep) {
+    fail_batch(b, Status(StatusCode::kPeerFailure,
+                         "connection to " + c->session_id + " is closed"));
+    return;
+  }
+  c->batches.insert(b->id);
+  if (c->mode == Mode::kGet) {
+    b->get = true;
+    if (b->check.epoch != 0) {  // the gets wait for the owner's first check
+      b->get_phase = 0;
+      send_epoch_check(b);
+      return;
+    }
+    post_gets(b);
+    maybe_finish(b);
+    return;
+  }
+  std::vector<WireSpan> spans;
+  spans.reserve(b->chunks.size());
+  std::uint64_t total = 0;
+  for (const rma::RmaRead& r : b->chunks) {
+    spans.push_back({r.remote_offset, r.length, r.local_offset});
+    total += r.length;
+  }
+  // Many small spans (rows of a layout change): gathered replies.
+  b->gather = spans.size() >= kGatherMinSpans && total / spans.size() < kGatherBelowBytes;
+  if (b->gather) {
+    b->got.assign(spans.size(), 0);
+  } else {
+    for (const rma::RmaRead& r : b->chunks) b->pending.emplace(r.local_offset, r.length);
+  }
+  const std::uint64_t flags =
+      (c->am_on_data ? kReqEagerOnly : 0) | (b->gather ? kReqGather : 0);
+  const ReadReqHdr hdr{b->id, c->served.generation, spans.size(), flags, b->check.epoch,
+                       b->check.pages.size(), c->ticket};
+  std::vector<std::uint8_t> body(spans.size() * sizeof(WireSpan) +
+                                 b->check.pages.size() * sizeof(std::uint32_t));
+  std::memcpy(body.data(), spans.data(), spans.size() * sizeof(WireSpan));
+  if (!b->check.pages.empty()) {
+    std::memcpy(body.data() + spans.size() * sizeof(WireSpan), b->check.pages.data(),
+                b->check.pages.size() * sizeof(std::uint32_t));
+  }
+  send_small(c->am_on_data ? c->data_ep.get() : c->ep.get(), kAmReadReq, &hdr, sizeof hdr, body.data(),
+             body.size(), true);
+}
+
+void UcxCore::abort_batch(std::uint64_t id) {
+  auto it = batches_.find(id);
+  if (it == batches_.end()) return;
+  auto b = it->second;
+  b->aborted = true;
+  // Stop posting (gets) and drop data still to arrive (am). Requests that
+  // write into local pages (at most kGetWindow gets, or rendezvous
+  // receives already started) complete by themselves and the read resolves
+  // when the last one has; if they have not after kDrainGrace (a hung
+  // owner), the progress loop closes the connection by force.
+  if (b->outstanding != 0) {
+    b->drain_deadline = std::chrono::steady_clock::now() + kDrainGrace;
+    draining_.insert(b->id);
+  }
+  maybe_finish(b);
+}
+
+}  // namespace mstar::kv::ucx
