@@ -28,6 +28,16 @@ void UcxCore::init_ucp(const std::string& session_id) {
   if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_config_read: " + ucs_str(st));
   const std::unique_ptr<ucp_config_t, decltype(&ucp_config_release)> config(
       raw_config, &ucp_config_release);
+  // No zero-copy eager sends (unless UCX_ZCOPY_THRESH says otherwise): UCX
+  // 1.13's tcp transport aborts the process (uct_iface.h:884, "comp->count
+  // > 0") when a peer dies while an eager zero-copy send to it is in flight,
+  // i.e. an owner died with a reader killed mid-reply (8 of 12 runs of
+  // UcxDataPath.ReaderKilled... with ucx_am_proto=eager). Eager copies then
+  // go through UCX's buffers; measured no slower (bench/README.md).
+  if (std::getenv("UCX_ZCOPY_THRESH") == nullptr) {
+    st = ucp_config_modify(config.get(), "ZCOPY_THRESH", "inf");
+    if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_config_modify: " + ucs_str(st));
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
