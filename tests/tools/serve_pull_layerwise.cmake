@@ -20,9 +20,12 @@ file(MAKE_DIRECTORY ${WORK})
 function(serve_and_pull serve_args pull_args out_var rc_var)
   string(RANDOM LENGTH 4 ALPHABET 0123456789 r)
   math(EXPR port "20000 + ${r} % 12000")
+  # Emptied before serve starts: the wait below must not see the line a
+  # previous run left there.
   set(log ${WORK}/serve_layerwise.log)
   execute_process(
-    COMMAND sh -c "\"$0\" serve --engine shm --listen 127.0.0.1:${port} --exit-when-done ${serve_args} > '${log}' 2>&1 &
+    COMMAND sh -c ": > '${log}'
+                   \"$0\" serve --engine shm --listen 127.0.0.1:${port} --exit-when-done ${serve_args} > '${log}' 2>&1 &
                    pid=$!
                    i=0
                    while ! grep -q 'http://' '${log}'; do
