@@ -45,6 +45,7 @@ if(EXISTS ${CMAKE_CURRENT_LIST_DIR}/cmd_serve_pull.cpp)
     target_sources(mstar-kv PRIVATE
       ${CMAKE_CURRENT_LIST_DIR}/http_auth.cpp
       ${CMAKE_CURRENT_LIST_DIR}/http_server.cpp
+      ${CMAKE_CURRENT_LIST_DIR}/serve_pull_layerwise.cpp
       ${CMAKE_CURRENT_LIST_DIR}/serve_pull_util.cpp)
     target_link_libraries(mstar-kv PRIVATE PkgConfig::MSTAR_KV_HTTPLIB PkgConfig::MSTAR_KV_MHD)
   else()

@@ -434,11 +434,7 @@ int run_parent(const DemoConfig& c, int argc, char** argv) {
                                               "' cannot move pages between processes in this "
                                               "build (built: " + list + ")");
   }
-  if (c.layerwise && c.engine != "shm") {
-    throw Error(StatusCode::kUnavailable,
-                "--layerwise over engine '" + c.engine +
-                    "': it has no readiness channel from the owner yet (only shm streams)");
-  }
+  if (c.layerwise) demo::require_layer_readiness(c.engine);
   std::printf("mstar-kv demo: prefill -> decode on one host, engine '%s', %u workers\n",
               c.engine.c_str(), c.workers);
   if (!(c.prefill_layout == c.layout)) {

@@ -43,7 +43,9 @@
 #include "commands.hpp"
 #include "http_auth.hpp"
 #include "http_server.hpp"
+#include "demo_layerwise.hpp"
 #include "layout_args.hpp"
+#include "serve_pull_layerwise.hpp"
 #include "serve_pull_util.hpp"
 #include "mstar/kv/kv.hpp"
 
@@ -96,7 +98,13 @@ const char* kServeHelp =
     "  --mooncake-lib PATH Mooncake's libtransfer_engine.so (--engine mooncake)\n"
     "  --lease-ms N        free a published sequence not marked done after N ms\n"
     "                      (default 60000; 0: never)\n"
-    "  --exit-when-done    exit once every published sequence was marked done\n";
+    "  --exit-when-done    exit once every published sequence was marked done\n"
+    "  --layerwise         layer-wise prefills on request (POST /v1/sequences/{id}/prefill,\n"
+    "                      GET .../prefill waits for its timings; serve_pull_layerwise.hpp):\n"
+    "                      each layer is written, then --prefill-ms-per-layer slept, then\n"
+    "                      marked ready; for `pull --layerwise` (engines with a readiness\n"
+    "                      channel: shm)\n"
+    "  --prefill-ms-per-layer X  the prefill's compute per layer (default 1)\n";
 
 const char* kPullHelp =
     "usage: mstar-kv pull --from HOST:PORT [options]\n"
@@ -118,7 +126,12 @@ const char* kPullHelp =
     "  --timeout-ms N      engine timeout per pull (default 30000)\n"
     "  --extra K=V         engine option (K=V,K=V)\n"
     "  --mooncake-lib PATH Mooncake's libtransfer_engine.so (--engine mooncake)\n"
-    "  --keep              do not tell the server 'done'\n";
+    "  --keep              do not tell the server 'done'\n"
+    "  --layerwise         against `serve --layerwise`: --repeat N rounds each of a\n"
+    "                      streamed pull during the prefill and of a pull after it\n"
+    "                      (alternating, default 5); prints the time from prefill start\n"
+    "                      to all KV at decode for both and the fraction of the transfer\n"
+    "                      hidden, as `demo --layerwise`\n";
 
 }  // namespace
 
@@ -127,15 +140,27 @@ int cmd_serve(int argc, char** argv) {
   for (const char* o : {"engine", "listen", "data-port", "data-host", "sequences", "tokens",
                         "seed", "scatter-seed", "timeout-ms", "extra", "mooncake-lib",
                         "lease-ms", "token-file", "http-threads", "http-max-connections",
-                        "http-idle-timeout-s", "http-header-timeout-s"}) {
+                        "http-idle-timeout-s", "http-header-timeout-s",
+                        "prefill-ms-per-layer"}) {
     options.insert(o);
   }
-  Args args(argc, argv, {"help", "exit-when-done", "insecure"}, options);
+  Args args(argc, argv, {"help", "exit-when-done", "insecure", "layerwise"}, options);
   if (args.flag("help")) {
     std::printf("%s\n%s", kServeHelp, layout_help());
     return 0;
   }
   const std::string engine = args.str("engine", "ucx");
+  const bool layerwise = args.flag("layerwise");
+  const double ms_per_layer = args.f64("prefill-ms-per-layer", 1.0);
+  if (!layerwise && args.has("prefill-ms-per-layer")) {
+    throw Error(StatusCode::kInvalidArgument, "--prefill-ms-per-layer needs --layerwise");
+  }
+  if (!(ms_per_layer >= 0 && ms_per_layer <= 10000)) {
+    throw Error(StatusCode::kInvalidArgument, "--prefill-ms-per-layer " +
+                                                  args.str("prefill-ms-per-layer", "") +
+                                                  " is not in [0, 10000]");
+  }
+  if (layerwise) demo::require_layer_readiness(engine);
   const HostPort http = parse_host_port(args.str("listen", "127.0.0.1"), "--listen");
   const std::string token = args.has("token-file") ? read_token_file(args.str("token-file", ""))
                                                    : std::string();
@@ -194,6 +219,9 @@ int cmd_serve(int argc, char** argv) {
     fill_pattern(*cache, seed + id, pages, 0, tokens);
   }
 
+  std::unique_ptr<LayerwiseOwner> prefills;
+  if (layerwise) prefills = std::make_unique<LayerwiseOwner>(cache, pool, tokens, ms_per_layer);
+
   std::mutex mu;
   std::set<std::uint64_t> live;  // guarded by mu
   for (std::uint64_t id = 0; id < sequences; ++id) live.insert(id);
@@ -229,6 +257,9 @@ int cmd_serve(int argc, char** argv) {
     return r;
   };
   auto descriptor = [&](std::uint64_t id) {
+    if (prefills && prefills->running(id)) {
+      return text(409, "sequence " + std::to_string(id) + " is being prefilled layer by layer\n");
+    }
     const auto bytes = pool.publish(id).encode();
     descriptors_served.fetch_add(1, std::memory_order_relaxed);
     HttpResponse r = text(200, std::string(bytes.begin(), bytes.end()));
@@ -240,7 +271,9 @@ int cmd_serve(int argc, char** argv) {
     HttpResponse r = text(200, "{\"seq_id\":" + std::to_string(id) + ",\"num_tokens\":" +
                                    std::to_string(tokens) + ",\"seed\":" +
                                    std::to_string(seed + id) + ",\"engine\":\"" + engine +
-                                   "\",\"layout\":" + layout_json(layout) + "}\n");
+                                   "\",\"prefill_ms_per_layer\":" +
+                                   (layerwise ? std::to_string(ms_per_layer) : "null") +
+                                   ",\"layout\":" + layout_json(layout) + "}\n");
     r.content_type = "application/json";
     return r;
   };
@@ -296,7 +329,7 @@ int cmd_serve(int argc, char** argv) {
       rest.resize(slash);
     }
     std::uint64_t id = 0;
-    if (tail != "" && tail != "/meta" && tail != "/done") {
+    if (tail != "" && tail != "/meta" && tail != "/done" && tail != "/prefill") {
       return text(404, "no such path: " + req.path + "\n");
     }
     if (!parse_id(rest, &id) || !pool.contains(id)) return not_served(rest);
@@ -304,6 +337,10 @@ int cmd_serve(int argc, char** argv) {
       if (tail == "/done") {
         return req.method == "POST" || req.method == "DELETE" ? done(id)
                                                                : not_allowed("POST, DELETE");
+      }
+      if (tail == "/prefill") {
+        return prefills ? prefills->route(req, id, seed + id)
+                        : text(404, "this server runs without --layerwise\n");
       }
       if (!get) return not_allowed("GET");
       return tail.empty() ? descriptor(id) : meta(id);
@@ -339,17 +376,23 @@ int cmd_serve(int argc, char** argv) {
   std::printf("http://%s:%u/v1/sequences/{0..%llu}  data %s  seed %llu+id\n", http.host.c_str(),
               http.port, static_cast<unsigned long long>(sequences - 1), session.c_str(),
               static_cast<unsigned long long>(seed));
+  if (layerwise) {
+    std::printf("layer-wise prefills on POST /v1/sequences/{id}/prefill: %.3f ms compute per "
+                "layer, %u layers\n",
+                ms_per_layer, layout.num_layers);
+  }
   std::fflush(stdout);
 
   const bool signalled = signals.wait(all_done);
   server.reset();  // stops and joins its threads: no handler runs during cleanup
+  prefills.reset();  // joins a prefill that still runs
   manager.cleanup();
   std::printf("mstar-kv serve: %s\n", signalled ? "interrupted, stopped" : "all sequences done");
   return 0;
 }
 
 int cmd_pull(int argc, char** argv) {
-  Args args(argc, argv, {"help", "keep"},
+  Args args(argc, argv, {"help", "keep", "layerwise"},
             {"from", "seq", "repeat", "engine", "listen", "cache-order", "page-order",
              "timeout-ms", "extra", "mooncake-lib", "token-file"});
   if (args.flag("help")) {
@@ -361,7 +404,8 @@ int cmd_pull(int argc, char** argv) {
   }
   const HostPort from = parse_host_port(args.str("from", ""), "--from");
   const std::uint64_t seq_id = args.u64("seq", 0);
-  const std::uint64_t repeat = args.u64("repeat", 1);
+  const bool layerwise = args.flag("layerwise");
+  const std::uint64_t repeat = args.u64("repeat", layerwise ? 5 : 1);
   if (repeat == 0 || repeat > 10000) {
     throw Error(StatusCode::kInvalidArgument,
                 "--repeat " + std::to_string(repeat) + " is not in [1, 10000]");
@@ -376,8 +420,8 @@ int cmd_pull(int argc, char** argv) {
   http.set_connection_timeout(5, 0);
   http.set_read_timeout(30, 0);
   http.set_write_timeout(30, 0);
-  auto fetch = [&](const std::string& path) {
-    auto res = http.Get(path.c_str());
+  auto request = [&](const std::string& method, const std::string& path) {
+    auto res = method == "POST" ? http.Post(path.c_str(), "", "text/plain") : http.Get(path.c_str());
     if (!res) {
       throw Error(StatusCode::kUnavailable,
                   "cannot reach server http://" + from.host + ":" + std::to_string(from.port) +
@@ -388,18 +432,19 @@ int cmd_pull(int argc, char** argv) {
     }
     if (res->status == 401 || res->status == 403) {
       throw Error(StatusCode::kUnavailable,
-                  "GET " + path + " refused with HTTP " + std::to_string(res->status) + " (" +
+                  method + " " + path + " refused with HTTP " + std::to_string(res->status) + " (" +
                       (res->status == 401 ? "the server needs a token: --token-file F"
                                           : "the server rejects the token of --token-file") +
                       "): " + res->body);
     }
     if (res->status != 200) {
       throw Error(StatusCode::kUnavailable,
-                  "GET " + path + " answered HTTP " + std::to_string(res->status) + ": " +
+                  method + " " + path + " answered HTTP " + std::to_string(res->status) + ": " +
                       res->body);
     }
     return res->body;
   };
+  auto fetch = [&](const std::string& path) { return request("GET", path); };
   const std::string bytes = fetch(base);
   const SequenceInfo seq = SequenceInfo::decode(std::span<const std::uint8_t>(
       reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size()));
@@ -409,30 +454,15 @@ int cmd_pull(int argc, char** argv) {
     throw Error(StatusCode::kCorruptDescriptor,
                 "server metadata does not match sequence " + std::to_string(seq_id));
   }
-  const auto lpos = meta.find("\"layout\":");
-  if (lpos == std::string::npos) {
-    throw Error(StatusCode::kCorruptDescriptor, "server metadata lacks the layout");
-  }
-  const std::string lj = meta.substr(lpos);
-  KVLayout layout;
-  layout.num_layers = static_cast<std::uint32_t>(json_u64(lj, "num_layers"));
-  layout.page_size = static_cast<std::uint32_t>(json_u64(lj, "page_size"));
-  layout.num_kv_heads = static_cast<std::uint32_t>(json_u64(lj, "num_kv_heads"));
-  layout.head_dim = static_cast<std::uint32_t>(json_u64(lj, "head_dim"));
-  layout.dtype = parse_dtype(json_value(lj, "dtype"));
-  layout.has_v = json_value(lj, "has_v") == "true";
-  layout.cache_order = parse_cache_order(
-      args.str("cache-order", std::string(json_value(lj, "cache_order"))));
-  layout.page_order =
-      parse_page_order(args.str("page-order", std::string(json_value(lj, "page_order"))));
-  layout.num_pages = static_cast<std::uint32_t>(std::max<std::size_t>(seq.page_indices.size(), 1));
-  layout.validate();
+  const KVLayout layout =
+      layout_from_meta(meta, args, static_cast<std::uint32_t>(seq.page_indices.size()));
 
   const std::string engine = args.str("engine", seq.kv_transfer_info.engine);
   if (engine.empty()) {
     throw Error(StatusCode::kInvalidArgument,
                 "sequence " + std::to_string(seq_id) + " carries no transfer engine");
   }
+  if (layerwise) demo::require_layer_readiness(engine);
   EngineOptions eo;
   eo.timeout = std::chrono::milliseconds(args.u64("timeout-ms", 30000));
   parse_extra(args, eo);
@@ -450,37 +480,42 @@ int cmd_pull(int argc, char** argv) {
               static_cast<unsigned long long>(seq.num_tokens), seq.page_indices.size(),
               engine.c_str());
   std::fflush(stdout);
-  std::vector<double> gbps;
-  std::uint64_t moved = 0;
-  for (std::uint64_t r = 0; r < repeat; ++r) {
-    std::memset(cache->base(), 0, cache->size_bytes());
-    const auto t0 = Clock::now();
-    try {
-      moved = manager.sync_retrieve(0, seq.num_tokens, local, seq.page_indices,
-                                    seq.kv_transfer_info);
-    } catch (const Error& e) {
-      throw Error(e.code(), "pull " + std::to_string(r + 1) + " of " + std::to_string(repeat) +
-                                " failed: " + e.what());
+  if (layerwise) {
+    run_pull_layerwise(LayerwisePull{request, base, seed, static_cast<std::uint32_t>(repeat),
+                                     &manager, cache.get(), local});
+  } else {
+    std::vector<double> gbps;
+    std::uint64_t moved = 0;
+    for (std::uint64_t r = 0; r < repeat; ++r) {
+      std::memset(cache->base(), 0, cache->size_bytes());
+      const auto t0 = Clock::now();
+      try {
+        moved = manager.sync_retrieve(0, seq.num_tokens, local, seq.page_indices,
+                                      seq.kv_transfer_info);
+      } catch (const Error& e) {
+        throw Error(e.code(), "pull " + std::to_string(r + 1) + " of " + std::to_string(repeat) +
+                                  " failed: " + e.what());
+      }
+      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      const VerifyResult v = verify_pattern(*cache, seed, local, 0, seq.num_tokens);
+      if (!v.ok()) {
+        throw Error(StatusCode::kInternal,
+                    "pull " + std::to_string(r + 1) + ": " + std::to_string(v.mismatched_blocks) +
+                        " of " + std::to_string(v.blocks_checked) +
+                        " blocks differ from the pattern; first: " + v.first_mismatch);
+      }
+      gbps.push_back(static_cast<double>(moved) / s / 1e9);
+      std::printf("  pull %llu: %.1f MiB in %.2f ms = %.2f GB/s, verified %llu blocks\n",
+                  static_cast<unsigned long long>(r + 1), moved / 1048576.0, s * 1e3, gbps.back(),
+                  static_cast<unsigned long long>(v.blocks_checked));
+      std::fflush(stdout);
     }
-    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    const VerifyResult v = verify_pattern(*cache, seed, local, 0, seq.num_tokens);
-    if (!v.ok()) {
-      throw Error(StatusCode::kInternal,
-                  "pull " + std::to_string(r + 1) + ": " + std::to_string(v.mismatched_blocks) +
-                      " of " + std::to_string(v.blocks_checked) +
-                      " blocks differ from the pattern; first: " + v.first_mismatch);
-    }
-    gbps.push_back(static_cast<double>(moved) / s / 1e9);
-    std::printf("  pull %llu: %.1f MiB in %.2f ms = %.2f GB/s, verified %llu blocks\n",
-                static_cast<unsigned long long>(r + 1), moved / 1048576.0, s * 1e3, gbps.back(),
-                static_cast<unsigned long long>(v.blocks_checked));
-    std::fflush(stdout);
+    std::vector<double> sorted = gbps;
+    std::sort(sorted.begin(), sorted.end());
+    std::printf("median %.2f GB/s over %llu pull(s) of %.1f MiB; every page verified\n",
+                sorted[sorted.size() / 2], static_cast<unsigned long long>(repeat),
+                moved / 1048576.0);
   }
-  std::vector<double> sorted = gbps;
-  std::sort(sorted.begin(), sorted.end());
-  std::printf("median %.2f GB/s over %llu pull(s) of %.1f MiB; every page verified\n",
-              sorted[sorted.size() / 2], static_cast<unsigned long long>(repeat),
-              moved / 1048576.0);
   manager.cleanup();
   if (!args.flag("keep")) {
     auto res = http.Post((base + "/done").c_str(), "", "text/plain");

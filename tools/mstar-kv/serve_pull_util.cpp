@@ -1,6 +1,7 @@
 // Copyright mstar-kv authors.
 #include "serve_pull_util.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <sstream>
 
@@ -106,6 +107,28 @@ bool SignalWaiter::wait(const std::atomic<bool>& stop) {
     if (sigtimedwait(&set_, nullptr, &ts) > 0) return true;
   }
   return false;
+}
+
+KVLayout layout_from_meta(const std::string& meta, const Args& args, std::uint32_t num_pages) {
+  const auto lpos = meta.find("\"layout\":");
+  if (lpos == std::string::npos) {
+    throw Error(StatusCode::kCorruptDescriptor, "server metadata lacks the layout");
+  }
+  const std::string lj = meta.substr(lpos);
+  KVLayout layout;
+  layout.num_layers = static_cast<std::uint32_t>(json_u64(lj, "num_layers"));
+  layout.page_size = static_cast<std::uint32_t>(json_u64(lj, "page_size"));
+  layout.num_kv_heads = static_cast<std::uint32_t>(json_u64(lj, "num_kv_heads"));
+  layout.head_dim = static_cast<std::uint32_t>(json_u64(lj, "head_dim"));
+  layout.dtype = parse_dtype(json_value(lj, "dtype"));
+  layout.has_v = json_value(lj, "has_v") == "true";
+  layout.cache_order = parse_cache_order(
+      args.str("cache-order", std::string(json_value(lj, "cache_order"))));
+  layout.page_order =
+      parse_page_order(args.str("page-order", std::string(json_value(lj, "page_order"))));
+  layout.num_pages = std::max<std::uint32_t>(num_pages, 1);
+  layout.validate();
+  return layout;
 }
 
 }  // namespace mstar::kv::cli

@@ -34,6 +34,11 @@ std::string layout_json(const KVLayout& l);
 std::string json_value(const std::string& json, const std::string& key);
 std::uint64_t json_u64(const std::string& json, const std::string& key);
 
+// The layout in /meta's JSON, with --cache-order / --page-order of `args`
+// in place of the server's when given, for num_pages pages (at least 1);
+// validated.
+KVLayout layout_from_meta(const std::string& meta, const Args& args, std::uint32_t num_pages);
+
 // "17" -> 17; false when not a decimal id of at most 19 digits.
 bool parse_id(const std::string& s, std::uint64_t* id);
 
