@@ -12,21 +12,13 @@
 #include <set>
 #include <string>
 
+#include "common/layouts.hpp"
 #include "mstar/kv/kv.hpp"
 
 namespace mstar::kv {
 namespace {
 
-KVLayout table_layout() {
-  KVLayout l;
-  l.num_layers = 2;
-  l.num_pages = 4;
-  l.page_size = 16;
-  l.num_kv_heads = 2;
-  l.head_dim = 64;
-  l.dtype = DType::kBFloat16;
-  return l;
-}
+using testing::small_layout;
 
 TEST(EngineTable, BuiltRowsAreTheBuiltEngines) {
   std::vector<std::string> built;
@@ -60,7 +52,7 @@ TEST(EngineTable, AnUnknownNameIsRefusedNamingTheKnownOnes) {
     }
   }
   try {
-    auto cache = make_kv_cache(table_layout(), MemoryKind::kHost);
+    auto cache = make_kv_cache(small_layout(4), MemoryKind::kHost);
     make_engine(TransferEngineInfo{"x", "", "carrier-pigeon", {}}, cache);
     FAIL() << "make_engine accepted an unknown name";
   } catch (const Error& e) {
@@ -77,7 +69,7 @@ TEST(EngineTable, EachSelfContainedEngineMovesAPageInTheMemoryItsTraitsName) {
     if (!t.built || !t.crosses_processes || !t.self_contained) continue;
     SCOPED_TRACE(t.name);
     for (const auto& [k, v] : t.loopback.front().env) ::setenv(k.c_str(), v.c_str(), 1);
-    const KVLayout l = table_layout();
+    const KVLayout l = small_layout(4);
     auto src = make_kv_cache(l, t.memory);
     auto dst = make_kv_cache(l, t.reader_memory);
     ASSERT_EQ(src->memory_kind(), t.memory);
