@@ -8,7 +8,7 @@
 
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/engine.hpp"
-#include "mstar/kv/manager.hpp"
+#include "mstar/kv/engine_options.hpp"
 
 namespace mstar::kv::engines {
 

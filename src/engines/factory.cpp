@@ -1,13 +1,15 @@
 // Copyright mstar-kv authors.
 //
-// The one place engines are created. MSTAR_KV_HAVE_<ENGINE> is defined
-// (privately, by CMake) for each engine target that is built; this file is
-// the only one that looks at those definitions.
+// The one place engines are created, and the table of what each can do
+// (factory.hpp). MSTAR_KV_HAVE_<ENGINE> is defined (privately, by CMake) for
+// each engine target that is built; this file is the only one that looks at
+// those definitions.
+#include "mstar/kv/factory.hpp"
+
 #include <string>
 
 #include "engine_makers.hpp"
 #include "mstar/kv/local_only.hpp"
-#include "mstar/kv/manager.hpp"
 #include "mstar/kv/status.hpp"
 
 namespace mstar::kv {
@@ -17,34 +19,109 @@ namespace {
 using Maker = std::unique_ptr<KVTransferEngine> (*)(std::shared_ptr<KVCache>,
                                                     const TransferEngineInfo&);
 struct Entry {
-  const char* name;
-  Maker make;  // null when the engine is not built
+  EngineTraits traits;
+  Maker make;  // null when the engine is not built (and for local)
 };
 
-constexpr Entry kEngines[] = {
+// Every engine, in a fixed order. Adding an engine: its folder, one row here.
+std::vector<Entry> entries() {
+  std::vector<Entry> t;
+  {
+    EngineTraits e;
+    e.name = "local";
+    e.crosses_processes = false;
+    e.loopback = {{"local", {}, false}};
+    t.push_back({e, nullptr});
+  }
+  {
+    EngineTraits e;
+    e.name = "shm";
+    e.memory = MemoryKind::kSharedHost;
+    e.host_readable = true;
+    e.layer_readiness = true;
+    e.loopback = {{"shm", {}, false}};
 #if MSTAR_KV_HAVE_SHM
-    {"shm", &engines::make_shm_engine},
+    t.push_back({e, &engines::make_shm_engine});
 #else
-    {"shm", nullptr},
+    t.push_back({e, nullptr});
 #endif
+  }
+  {
+    EngineTraits e;
+    e.name = "ucx";
+    e.crosses_hosts = true;
+    e.loopback = {{"ucx-tcp", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}, true},
+                  {"ucx-sm", {{"UCX_TLS", "sm,tcp"}, {"UCX_NET_DEVICES", "lo"}}, false}};
 #if MSTAR_KV_HAVE_UCX
-    {"ucx", &engines::make_ucx_engine},
+    t.push_back({e, &engines::make_ucx_engine});
 #else
-    {"ucx", nullptr},
+    t.push_back({e, nullptr});
 #endif
+  }
+  {
+    EngineTraits e;
+    e.name = "mooncake";
+    e.crosses_hosts = true;
+    e.self_contained = false;
+    e.library_option = "mooncake_lib";
+    // Mooncake's INFO lines would bury a benchmark's table.
+    e.loopback = {{"mooncake", {{"GLOG_minloglevel", "1"}}, true}};
 #if MSTAR_KV_HAVE_MOONCAKE
-    {"mooncake", &engines::make_mooncake_engine},
+    t.push_back({e, &engines::make_mooncake_engine});
 #else
-    {"mooncake", nullptr},
+    t.push_back({e, nullptr});
 #endif
+  }
+  {
+    EngineTraits e;
+    e.name = "cuda_ipc";
+    e.memory = MemoryKind::kDevice;
+    e.reader_memory = MemoryKind::kDevice;
+    e.self_contained = false;  // needs a CUDA device
+    e.loopback = {{"cuda_ipc", {}, false}};
 #if MSTAR_KV_HAVE_CUDA_IPC
-    {"cuda_ipc", &engines::make_cuda_ipc_engine},
+    t.push_back({e, &engines::make_cuda_ipc_engine});
 #else
-    {"cuda_ipc", nullptr},
+    t.push_back({e, nullptr});
 #endif
-};
+  }
+  for (Entry& x : t) x.traits.built = !x.traits.crosses_processes || x.make != nullptr;
+  return t;
+}
+
+std::string joined(const std::vector<std::string>& names) {
+  std::string s;
+  for (const auto& n : names) s += (s.empty() ? "" : ", ") + n;
+  return s;
+}
+
+[[noreturn]] void throw_unknown(const std::string& name) {
+  std::vector<std::string> known;
+  for (const Entry& e : entries()) known.push_back(e.traits.name);
+  throw Error(StatusCode::kInvalidArgument,
+              "unknown transfer engine '" + name + "' (known: " + joined(known) + ")");
+}
 
 }  // namespace
+
+std::vector<EngineTraits> engine_table() {
+  std::vector<EngineTraits> out;
+  for (Entry& e : entries()) out.push_back(std::move(e.traits));
+  return out;
+}
+
+std::optional<EngineTraits> find_engine(const std::string& name) {
+  const std::string n = name.empty() ? "local" : name;
+  for (Entry& e : entries()) {
+    if (e.traits.name == n) return std::move(e.traits);
+  }
+  return std::nullopt;
+}
+
+EngineTraits engine_traits(const std::string& name) {
+  if (auto t = find_engine(name)) return *t;
+  throw_unknown(name);
+}
 
 std::unique_ptr<KVTransferEngine> make_engine(
     const std::optional<TransferEngineInfo>& info,
@@ -53,26 +130,16 @@ std::unique_ptr<KVTransferEngine> make_engine(
   if (!info || info->transfer_engine.empty() || info->transfer_engine == "local") {
     return std::make_unique<LocalOnlyKVTransferEngine>();
   }
-  std::string known = "local";
-  for (const Entry& e : kEngines) {
-    if (info->transfer_engine == e.name) {
-      if (e.make == nullptr) {
-        throw Error(StatusCode::kUnavailable,
-                    "transfer engine '" + info->transfer_engine +
-                        "' is not built into this mstar-kv (built: " +
-                        [] {
-                          std::string s;
-                          for (const auto& n : built_engines()) s += (s.empty() ? "" : ", ") + n;
-                          return s;
-                        }() + ")");
-      }
-      return e.make(std::move(kv_cache), *info);
+  for (Entry& e : entries()) {
+    if (info->transfer_engine != e.traits.name) continue;
+    if (e.make == nullptr) {
+      throw Error(StatusCode::kUnavailable, "transfer engine '" + info->transfer_engine +
+                                                "' is not built into this mstar-kv (built: " +
+                                                joined(built_engines()) + ")");
     }
-    known += std::string(", ") + e.name;
+    return e.make(std::move(kv_cache), *info);
   }
-  throw Error(StatusCode::kInvalidArgument,
-              "unknown transfer engine '" + info->transfer_engine + "' (known: " +
-                  known + ")");
+  throw_unknown(info->transfer_engine);
 }
 
 std::shared_ptr<KVCache> make_kv_cache(const KVLayout& layout, MemoryKind kind,
@@ -104,9 +171,9 @@ std::shared_ptr<KVCache> make_kv_cache(const KVLayout& layout, MemoryKind kind,
 }
 
 std::vector<std::string> built_engines() {
-  std::vector<std::string> out{"local"};
-  for (const Entry& e : kEngines) {
-    if (e.make != nullptr) out.emplace_back(e.name);
+  std::vector<std::string> out;
+  for (const Entry& e : entries()) {
+    if (e.traits.built) out.push_back(e.traits.name);
   }
   return out;
 }

@@ -13,13 +13,16 @@
 #include <map>
 #include <thread>
 
-#include "engines/conformance/peer_process.hpp"
+#include "common/peer_process.hpp"
 #include "mstar/kv/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
 #include "reliability/invariants.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
+
+using testing::small_layout;
 
 using namespace std::chrono_literals;
 using testing::PeerProcess;
@@ -65,17 +68,6 @@ bool built(const std::string& name) {
   return std::find(b.begin(), b.end(), name) != b.end();
 }
 
-KVLayout layout() {
-  KVLayout l;
-  l.num_layers = 4;
-  l.num_pages = 64;
-  l.page_size = 16;
-  l.num_kv_heads = 2;
-  l.head_dim = 64;
-  l.dtype = DType::kBFloat16;
-  return l;
-}
-
 constexpr auto kEngineTimeout = 3000ms;
 
 class EngineFaults : public ::testing::TestWithParam<std::tuple<EngineCase, Fault>> {
@@ -89,7 +81,7 @@ class EngineFaults : public ::testing::TestWithParam<std::tuple<EngineCase, Faul
   PeerSpec spec(std::uint64_t tokens, std::uint64_t seed) const {
     PeerSpec s;
     s.engine = std::get<0>(GetParam()).engine;
-    s.layout = layout();
+    s.layout = small_layout();
     s.tokens = tokens;
     s.seed = seed;
     s.env = std::get<0>(GetParam()).env;
@@ -114,7 +106,7 @@ TEST_P(EngineFaults, InvariantsHoldAfterTheFaultAndOtherPeersAreStillServed) {
   const Fault fault = std::get<1>(GetParam());
   const auto before = testing::ResourceSnapshot::take();
   {
-    const KVLayout l = layout();
+    const KVLayout l = small_layout();
     PeerProcess victim(spec(200, 11));
     PeerProcess healthy(spec(120, 22));
     auto cache = make_kv_cache(l, MemoryKind::kHost);

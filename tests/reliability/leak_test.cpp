@@ -12,7 +12,7 @@
 #include <map>
 #include <thread>
 
-#include "engines/conformance/peer_process.hpp"
+#include "common/peer_process.hpp"
 #include "mstar/kv/kv.hpp"
 #include "reliability/invariants.hpp"
 

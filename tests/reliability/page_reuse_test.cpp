@@ -16,7 +16,7 @@
 #include <random>
 #include <string>
 
-#include "../engines/conformance/peer_process.hpp"
+#include "common/peer_process.hpp"
 #include "mstar/kv/kv.hpp"
 
 namespace mstar::kv {

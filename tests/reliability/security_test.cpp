@@ -20,7 +20,7 @@
 #include <cstring>
 #include <string>
 
-#include "engines/conformance/peer_process.hpp"
+#include "common/peer_process.hpp"
 #include "mstar/kv/kv.hpp"
 #include "reliability/invariants.hpp"
 #if MSTAR_KV_TEST_SHM

@@ -85,4 +85,10 @@ double Args::f64(const std::string& name, double def) const {
   }
 }
 
+std::string joined(const std::vector<std::string>& names, const std::string& sep) {
+  std::string s;
+  for (const std::string& n : names) s += (s.empty() ? "" : sep) + n;
+  return s;
+}
+
 }  // namespace mstar::kv::cli

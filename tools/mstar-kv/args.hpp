@@ -32,4 +32,7 @@ class Args {
   std::vector<std::string> positional_;
 };
 
+// The names in `names`, separated by `sep` ("shm, ucx").
+std::string joined(const std::vector<std::string>& names, const std::string& sep = ", ");
+
 }  // namespace mstar::kv::cli

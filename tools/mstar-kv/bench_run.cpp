@@ -411,7 +411,7 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
   std::vector<std::uint32_t> rp = rp_planned;
   KVTransferInfo remote_info;
 
-  if (v.name == "local") {
+  if (!v.remote_in_child) {
     // The in-process planner + memcpy path: what an engine costs at best.
     local = make_local_cache(v, w.local);
     src = KVCache::create_host(w.remote);
@@ -482,7 +482,7 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
   const Partition part = partition(
       w.mixed_geometry() ? std::span<const CopySpan>(contiguous) : std::span<const CopySpan>(plan.spans),
       pool.size());
-  if (src && v.name != "local") {
+  if (src && v.remote_in_child) {
     // Touch the source so that the baseline does not read the zero page.
     for (const CopySpan& s : plan.spans) std::memset(src->base() + s.remote_offset, 0x5a, s.length);
     if (w.mixed_geometry()) std::memset(src->base(), 0x5a, bytes);

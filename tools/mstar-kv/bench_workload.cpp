@@ -239,49 +239,20 @@ std::vector<Workload> suite(const std::string& name) {
   return out;
 }
 
-std::vector<EngineVariant> engine_variants(const std::vector<std::string>& built) {
+std::vector<EngineVariant> engine_variants(const std::vector<EngineTraits>& engines) {
   std::vector<EngineVariant> out;
-  for (const std::string& e : built) {
-    if (e == "local") {
+  for (const EngineTraits& e : engines) {
+    if (!e.built) continue;
+    for (const LoopbackSetup& setup : e.loopback) {
       EngineVariant v;
-      v.name = "local";
-      v.engine = "local";
-      v.remote_in_child = false;
-      out.push_back(v);
-    } else if (e == "shm") {
-      EngineVariant v;
-      v.name = "shm";
-      v.engine = "shm";
-      v.remote_kind = MemoryKind::kSharedHost;
-      v.local_kind = MemoryKind::kHost;
-      out.push_back(v);
-    } else if (e == "ucx") {
-      EngineVariant tcp;
-      tcp.name = "ucx-tcp";
-      tcp.engine = "ucx";
-      tcp.env = {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}};
-      out.push_back(tcp);
-      EngineVariant sm = tcp;
-      sm.name = "ucx-sm";
-      sm.env = {{"UCX_TLS", "sm,tcp"}, {"UCX_NET_DEVICES", "lo"}};
-      out.push_back(sm);
-    } else if (e == "mooncake") {
-      EngineVariant v;
-      v.name = "mooncake";
-      v.engine = "mooncake";
-      v.env = {{"GLOG_minloglevel", "1"}};  // Mooncake's INFO lines would bury the table
-      out.push_back(v);
-    } else if (e == "cuda_ipc") {
-      EngineVariant v;
-      v.name = "cuda_ipc";
-      v.engine = "cuda_ipc";
-      v.remote_kind = MemoryKind::kDevice;
-      v.local_kind = MemoryKind::kDevice;
-      out.push_back(v);
-    } else {
-      EngineVariant v;  // an engine this benchmark does not know yet: host memory
-      v.name = e;
-      v.engine = e;
+      v.name = setup.name;
+      v.engine = e.name;
+      v.remote_kind = e.memory;
+      v.local_kind = e.reader_memory;
+      v.remote_in_child = e.crosses_processes;
+      v.crosses_hosts = e.crosses_hosts;
+      v.over_tcp = setup.over_tcp;
+      v.env = setup.env;
       out.push_back(v);
     }
   }

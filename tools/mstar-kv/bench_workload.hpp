@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "mstar/kv/cache.hpp"
+#include "mstar/kv/factory.hpp"
 #include "layout_args.hpp"
 #include "mstar/kv/layout.hpp"
 
@@ -70,7 +71,7 @@ std::vector<Workload> suite(const std::string& name);
 
 // One way of moving the bytes: an engine plus how its two sides are set up.
 struct EngineVariant {
-  std::string name;    // "local", "shm", "ucx-tcp", "ucx-sm", "mooncake", "cuda_ipc"
+  std::string name;    // its loopback setup (EngineTraits::loopback): "ucx-tcp", ...
   std::string engine;  // the TransferEngineInfo::transfer_engine name
   MemoryKind remote_kind = MemoryKind::kHost;
   MemoryKind local_kind = MemoryKind::kHost;
@@ -78,11 +79,12 @@ struct EngineVariant {
   std::map<std::string, std::string> env;     // set in the server and the client
   std::map<std::string, std::string> extra;   // EngineOptions::extra for this variant
   bool memcpy_baseline = true;                // also run the memcpy baseline
+  bool crosses_hosts = false;                 // the engine's peers may be on other hosts
+  bool over_tcp = false;                      // its bytes cross a TCP socket
 };
 
-// Every variant of every built engine, with the reason for those that
-// cannot run here (e.g. cuda_ipc without a device) in `skipped`.
-std::vector<EngineVariant> engine_variants(const std::vector<std::string>& built);
+// Every loopback setup (EngineTraits::loopback) of every built engine.
+std::vector<EngineVariant> engine_variants(const std::vector<EngineTraits>& engines);
 
 struct Stat {
   double median = 0, min = 0, max = 0;

@@ -185,15 +185,19 @@ std::vector<Workload> select_workloads(const Args& args) {
 
 // Variants to run, and whether the external peers are wanted.
 std::vector<EngineVariant> select_variants(const Args& args, bool* peers, Report& report) {
-  const std::vector<EngineVariant> all = engine_variants(built_engines());
+  const std::vector<EngineTraits> table = engine_table();
+  const std::vector<EngineVariant> all = engine_variants(table);
   if (!args.has("engine")) {
     *peers = true;
     return all;
   }
   std::vector<EngineVariant> out;
   *peers = false;
-  const std::set<std::string> known = {"local", "shm", "ucx", "ucx-tcp", "ucx-sm",
-                                       "mooncake", "cuda_ipc", "peers"};
+  std::set<std::string> known = {"peers"};
+  for (const EngineTraits& e : table) {
+    known.insert(e.name);
+    for (const LoopbackSetup& setup : e.loopback) known.insert(setup.name);
+  }
   for (const std::string& name : split(args.str("engine", ""), ',')) {
     if (name == "peers") {
       *peers = true;
@@ -204,20 +208,17 @@ std::vector<EngineVariant> select_variants(const Args& args, bool* peers, Report
       if (v.name == name || v.engine == name) {
         out.push_back(v);
         found = true;
-        if (v.engine == "ucx" || v.engine == "mooncake") *peers = true;
+        if (v.crosses_hosts) *peers = true;
       }
     }
     if (!found) {
       if (known.count(name) == 0) {
-        std::string k;
-        for (const auto& n : known) k += (k.empty() ? "" : ", ") + n;
         throw Error(StatusCode::kInvalidArgument,
-                    "--engine: unknown engine '" + name + "' (known: " + k + ")");
+                    "--engine: unknown engine '" + name + "' (known: " +
+                        joined({known.begin(), known.end()}) + ")");
       }
-      std::string b;
-      for (const auto& n : built_engines()) b += (b.empty() ? "" : ", ") + n;
-      report.notes.push_back("engine '" + name + "' is not built into this mstar-kv (built: " + b +
-                             "); not measured");
+      report.notes.push_back("engine '" + name + "' is not built into this mstar-kv (built: " +
+                             joined(built_engines()) + "); not measured");
     }
   }
   return out;
@@ -304,12 +305,13 @@ int cmd_bench(int argc, char** argv) {
   if (external) {
     // Over TCP ucx_perftest is the baseline; skip the memcpy one to save time.
     for (auto& v : variants) {
-      if (v.name == "ucx-tcp" || v.name == "mooncake") v.memcpy_baseline = false;
+      if (v.over_tcp) v.memcpy_baseline = false;
     }
   }
   if (args.has("mooncake-lib")) {
     for (auto& v : variants) {
-      if (v.engine == "mooncake") v.extra["mooncake_lib"] = args.str("mooncake-lib", "");
+      const std::string key = engine_traits(v.engine).library_option;
+      if (!key.empty()) v.extra[key] = args.str("mooncake-lib", "");
     }
   }
   peers = peers && external;
@@ -323,7 +325,7 @@ int cmd_bench(int argc, char** argv) {
     std::string unavailable;  // once an engine cannot run here, skip the rest
     for (const Workload& w : workloads) {
       progress.set_label(v.name + "  " + w.name);
-      if (w.same_host_only && v.name != "local" && v.name != "shm" && v.name != "cuda_ipc") {
+      if (w.same_host_only && v.crosses_hosts) {
         CaseResult r;
         r.engine = v.name;
         r.workload = w;
@@ -371,6 +373,10 @@ int cmd_bench(int argc, char** argv) {
 
   // ---- the transports' own best and the peers --------------------------------------
   if (external) {
+    std::set<std::string> over_tcp;  // the variants whose bytes cross a TCP socket
+    for (const EngineVariant& v : variants) {
+      if (v.over_tcp) over_tcp.insert(v.name);
+    }
     // ucx_perftest at each message size a UCX case used, cached per (tls, size).
     std::map<std::pair<std::string, std::uint64_t>, std::optional<Stat>> perftest;
     std::map<std::pair<std::string, std::uint64_t>, std::string> perftest_err;
@@ -397,7 +403,7 @@ int cmd_bench(int argc, char** argv) {
     // ucx-sm memcpy is the limit: ucx_perftest re-sends one cache-hot buffer.)
     for (CaseResult& c : report.cases) {
       if (!c.ok || c.piece_bytes == 0) continue;
-      if (c.engine != "ucx-tcp" && c.engine != "mooncake") continue;
+      if (over_tcp.count(c.engine) == 0) continue;
       const std::uint64_t size = std::min(c.piece_bytes, kMaxPerftestMessage);
       const auto s = ucx_perf("tcp", size);
       const std::string name = "ucx_perftest stream_bw tcp " + size_name(size);
@@ -417,7 +423,7 @@ int cmd_bench(int argc, char** argv) {
       report.references.push_back({"iperf3 tcp loopback (1 stream)", ip.ok, ip.gbps,
                                    ip.ok ? ip.command : ip.error});
       for (CaseResult& c : report.cases) {
-        if (ip.ok && c.ok && (c.engine == "ucx-tcp" || c.engine == "mooncake")) {
+        if (ip.ok && c.ok && over_tcp.count(c.engine) != 0) {
           c.extra["iperf3_tcp"] = ip.gbps;
         }
       }
@@ -467,7 +473,7 @@ int cmd_bench(int argc, char** argv) {
           if (c.ok && c.engine != "mooncake_te_bench" && c.workload.model == "raw" &&
               c.workload.piece_bytes == block && c.workload.batch == batch) {
             c.extra["mooncake_te_bench"] = er.gbps;
-            if (c.engine == "ucx-tcp" || c.engine == "mooncake") {
+            if (over_tcp.count(c.engine) != 0) {
               char buf[160];
               std::snprintf(buf, sizeof buf, "%s %s: %.2fx Mooncake transfer_engine_bench",
                             c.engine.c_str(), c.workload.name.c_str(), c.gbps.median / er.gbps);

@@ -184,12 +184,13 @@ DemoConfig parse(const Args& args) {
 }
 
 MemoryKind memory_for(const std::string& engine) {
-  if (engine == "shm") return MemoryKind::kSharedHost;
-  if (engine == "cuda_ipc") {
-    bad("the demo fills and verifies caches on the host; engine 'cuda_ipc' keeps them on a "
-        "device (use `mstar-kv bench`)");
+  const auto t = find_engine(engine);
+  if (!t) return MemoryKind::kHost;  // run_parent refuses it, naming the built engines
+  if (t->memory == MemoryKind::kDevice) {
+    bad("the demo fills and verifies caches on the host; engine '" + engine +
+        "' keeps them on a device (use `mstar-kv bench`)");
   }
-  return MemoryKind::kHost;  // ucx, mooncake, ...: registered private memory
+  return t->memory;
 }
 
 TransferEngineInfo engine_info(const DemoConfig& c, const char* entity) {
@@ -303,7 +304,7 @@ struct BaselineSource {
 BaselineSource baseline_source(const DemoConfig& c, const KVTransferInfo& info) {
   BaselineSource b;
 #if MSTAR_KV_DEMO_SHM
-  if (info.engine == "shm") {
+  if (const auto t = find_engine(info.engine); t && t->host_readable) {
     const ShmKVTransferInfo si = ShmKVTransferInfo::decode(info);
     b.mapping.emplace(ShmMapping::open(si));
     b.data = b.mapping->data();
@@ -427,12 +428,11 @@ int run_parent(const DemoConfig& c, int argc, char** argv) {
   // Refuse what cannot work before starting anything.
   memory_for(c.engine);
   const auto built = built_engines();
-  if (std::find(built.begin(), built.end(), c.engine) == built.end() || c.engine == "local") {
-    std::string list;
-    for (const auto& e : built) list += (list.empty() ? "" : ", ") + e;
+  const auto traits = find_engine(c.engine);
+  if (!traits || !traits->built || !traits->crosses_processes) {
     throw Error(StatusCode::kUnavailable, "engine '" + c.engine +
                                               "' cannot move pages between processes in this "
-                                              "build (built: " + list + ")");
+                                              "build (built: " + joined(built) + ")");
   }
   if (c.layerwise) demo::require_layer_readiness(c.engine);
   std::printf("mstar-kv demo: prefill -> decode on one host, engine '%s', %u workers\n",

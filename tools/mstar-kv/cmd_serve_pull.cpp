@@ -58,7 +58,8 @@ using Clock = std::chrono::steady_clock;
 constexpr std::uint64_t kDefaultSeed = 0x5e7e0001;
 
 MemoryKind memory_for(const std::string& engine) {
-  return engine == "shm" ? MemoryKind::kSharedHost : MemoryKind::kHost;
+  const auto t = find_engine(engine);
+  return t ? t->memory : MemoryKind::kHost;  // make_engine names an unknown engine
 }
 
 const char* kServeHelp =

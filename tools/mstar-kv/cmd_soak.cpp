@@ -93,7 +93,7 @@ int run_prefill(const Args& args) {
   const std::uint64_t sequences = args.u64("sequences", 6);
   const std::uint64_t max_tokens = args.u64("max-tokens", 256);
   const KVLayout l = soak_layout(args, 256);
-  auto cache = make_kv_cache(l, engine == "shm" ? MemoryKind::kSharedHost : MemoryKind::kHost);
+  auto cache = make_kv_cache(l, engine_traits(engine).memory);
   EngineOptions o;
   o.timeout = std::chrono::milliseconds(args.u64("timeout-ms", 2000));
   KVTransferManager m(TransferEngineInfo{"soak-prefill-" + std::to_string(gen), "", engine, o},
@@ -189,18 +189,30 @@ int cmd_soak(int argc, char** argv) {
 
   std::vector<std::string> engines;
   {
+    // The soak runs the engines that move host pages between processes with
+    // nothing beyond their build.
+    std::vector<std::string> soakable;
+    for (const EngineTraits& t : engine_table()) {
+      if (t.crosses_processes && t.self_contained && t.memory != MemoryKind::kDevice) {
+        soakable.push_back(t.name);
+      }
+    }
+    const auto is_soakable = [&](const std::string& e) {
+      return std::find(soakable.begin(), soakable.end(), e) != soakable.end();
+    };
     const auto built = built_engines();
     std::string list = args.str("engines", "");
     if (list.empty()) {
-      for (const char* e : {"shm", "ucx"}) {
-        if (std::find(built.begin(), built.end(), e) != built.end()) engines.emplace_back(e);
+      for (const std::string& e : built) {
+        if (is_soakable(e)) engines.push_back(e);
       }
     } else {
       for (std::size_t pos = 0; pos <= list.size();) {
         const std::size_t comma = std::min(list.find(',', pos), list.size());
         const std::string e = list.substr(pos, comma - pos);
-        if (e != "shm" && e != "ucx") {
-          throw Error(StatusCode::kInvalidArgument, "--engines: '" + e + "' is not shm or ucx");
+        if (!is_soakable(e)) {
+          throw Error(StatusCode::kInvalidArgument,
+                      "--engines: '" + e + "' is not " + joined(soakable, " or "));
         }
         if (std::find(built.begin(), built.end(), e) == built.end()) {
           throw Error(StatusCode::kUnavailable, "--engines: engine '" + e + "' is not built");
@@ -209,7 +221,9 @@ int cmd_soak(int argc, char** argv) {
         pos = comma + 1;
       }
     }
-    if (engines.empty()) throw Error(StatusCode::kUnavailable, "neither shm nor ucx is built");
+    if (engines.empty()) {
+      throw Error(StatusCode::kUnavailable, "none of " + joined(soakable, ", ") + " is built");
+    }
   }
 
   // Geometry: each prefill holds `sequences` sequences of up to max_tokens;

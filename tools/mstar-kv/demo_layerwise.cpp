@@ -51,7 +51,8 @@ double median(std::vector<double> v) {
 }  // namespace
 
 void require_layer_readiness(const std::string& engine) {
-  if (engine != "shm") {
+  const auto traits = find_engine(engine);
+  if (!traits || !traits->layer_readiness) {
     throw Error(StatusCode::kUnavailable,
                 "--layerwise over engine '" + engine +
                     "': it has no readiness channel from the owner yet (only shm streams)");

@@ -6,6 +6,8 @@
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/engine.hpp"
+#include "mstar/kv/engine_options.hpp"
+#include "mstar/kv/factory.hpp"
 #include "mstar/kv/future.hpp"
 #include "mstar/kv/layout.hpp"
 #include "mstar/kv/local_only.hpp"

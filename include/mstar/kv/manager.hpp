@@ -16,6 +16,8 @@
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/engine.hpp"
+#include "mstar/kv/engine_options.hpp"
+#include "mstar/kv/factory.hpp"
 #include "mstar/kv/log.hpp"
 #include "mstar/kv/stats.hpp"
 #include "mstar/kv/streaming.hpp"
@@ -24,51 +26,6 @@
 namespace mstar::kv {
 
 class KVCachePool;
-
-// Options every engine understands, plus engine-specific ones by name.
-struct EngineOptions {
-  std::uint32_t max_workers = 3;  // copy threads / streams
-  // A read that has not finished after this long fails with kTimeout.
-  std::chrono::milliseconds timeout{30000};
-  // Engine-specific settings, documented in each engine's header
-  // (e.g. "mooncake_lib" for the Mooncake engine).
-  std::map<std::string, std::string> extra;
-  // Page epoch checks (epochs.hpp): a read of pages that changed owner fails
-  // with kStaleDescriptor. Turning them off exists only to measure what they
-  // cost (mstar-kv bench --no-epoch-check); never in production.
-  bool check_epochs = true;
-  // Where the engine logs (log.hpp): silent unless MSTAR_KV_LOG is set.
-  Logger log = Logger::from_env();
-};
-
-// The spec's TransferEngineInfo: who this process is to its peers and which
-// transfer engine moves its pages. transfer_engine names a built engine:
-// "local", "shm", "cuda_ipc", "ucx" or "mooncake".
-struct TransferEngineInfo {
-  std::string my_entity_id;
-  std::string my_session_id;
-  std::string transfer_engine;
-  EngineOptions options;
-};
-
-// The one place engines are created. With no info (or "local") the engine is
-// LocalOnlyKVTransferEngine. Throws Error(kUnavailable) naming the engine
-// when it is a known engine that was not built or cannot run here,
-// Error(kInvalidArgument) for a name that is no engine at all (listing the
-// known ones) and when the cache's memory kind does not suit it.
-std::unique_ptr<KVTransferEngine> make_engine(
-    const std::optional<TransferEngineInfo>& info,
-    std::shared_ptr<KVCache> kv_cache);
-
-// Engines compiled into this build, e.g. {"local", "shm", "ucx"}.
-std::vector<std::string> built_engines();
-
-// A zero-filled cache in memory of the given kind: kHost (private), kSharedHost
-// (needs the shm engine; mappable by other processes of the same user) or
-// kDevice (needs the cuda_ipc engine; on CUDA device `device`). Throws
-// Error(kUnavailable) when the engine providing that memory is not built.
-std::shared_ptr<KVCache> make_kv_cache(const KVLayout& layout, MemoryKind kind,
-                                       int device = 0);
 
 // Thread safety: every method is safe from any thread; concurrent retrieves
 // into disjoint local pages are supported. cleanup() shuts the engine down

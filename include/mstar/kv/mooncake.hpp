@@ -169,7 +169,7 @@
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/engine.hpp"
 #include "mstar/kv/layout.hpp"
-#include "mstar/kv/manager.hpp"
+#include "mstar/kv/engine_options.hpp"
 
 namespace mstar::kv {
 

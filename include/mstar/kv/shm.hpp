@@ -38,7 +38,7 @@
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/engine.hpp"
 #include "mstar/kv/layout.hpp"
-#include "mstar/kv/manager.hpp"
+#include "mstar/kv/engine_options.hpp"
 #include "mstar/kv/status.hpp"
 
 namespace mstar::kv {

@@ -44,7 +44,7 @@
 
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/engine.hpp"
-#include "mstar/kv/manager.hpp"
+#include "mstar/kv/engine_options.hpp"
 #include "rma_backend.hpp"
 
 namespace mstar::kv::rma {

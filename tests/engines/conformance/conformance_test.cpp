@@ -16,10 +16,13 @@
 #include <tuple>
 
 #include "mstar/kv/kv.hpp"
-#include "peer_process.hpp"
+#include "common/peer_process.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
+
+using testing::small_layout;
 
 using namespace std::chrono_literals;
 using testing::PeerProcess;
@@ -69,19 +72,6 @@ std::vector<EngineCase> engine_cases() {
 }
 
 // 4 layers, 64 pages of 16 tokens, 2 heads x 64 bf16: 4 KiB blocks, 2 MiB.
-KVLayout small_layout(CacheOrder co = CacheOrder::kLayerMajor, PageOrder po = PageOrder::kNHD) {
-  KVLayout l;
-  l.num_layers = 4;
-  l.num_pages = 64;
-  l.page_size = 16;
-  l.num_kv_heads = 2;
-  l.head_dim = 64;
-  l.dtype = DType::kBFloat16;
-  l.cache_order = co;
-  l.page_order = po;
-  return l;
-}
-
 constexpr std::byte kSentinel{0xA5};
 constexpr std::uint64_t kSeed = 1234;
 

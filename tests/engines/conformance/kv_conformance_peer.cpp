@@ -24,7 +24,7 @@
 #include <thread>
 
 #include "mstar/kv/kv.hpp"
-#include "peer_process.hpp"
+#include "common/peer_process.hpp"
 
 using namespace mstar::kv;
 

@@ -14,10 +14,13 @@
 #include <thread>
 
 #include "mstar/kv/kv.hpp"
-#include "peer_process.hpp"
+#include "common/peer_process.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
+
+using testing::small_layout;
 
 using namespace std::chrono_literals;
 using testing::PeerProcess;
@@ -39,19 +42,6 @@ bool built(const std::string& name) {
 std::vector<StreamCase> stream_cases() {
   return {{"shm", "shm", {}, true},
           {"ucx_tcp", "ucx", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}, false}};
-}
-
-KVLayout small_layout(CacheOrder co = CacheOrder::kLayerMajor, PageOrder po = PageOrder::kNHD) {
-  KVLayout l;
-  l.num_layers = 4;
-  l.num_pages = 64;
-  l.page_size = 16;
-  l.num_kv_heads = 2;
-  l.head_dim = 64;
-  l.dtype = DType::kBFloat16;
-  l.cache_order = co;
-  l.page_order = po;
-  return l;
 }
 
 constexpr std::byte kSentinel{0xA5};

@@ -21,9 +21,12 @@
 #include "cuda_ipc_test_util.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
+
+using testing::small_layout;
 
 using namespace std::chrono_literals;
 using cuda_test::OwnerProcess;
@@ -31,19 +34,6 @@ using cuda_test::OwnerSpec;
 
 constexpr std::uint8_t kSentinel = 0xA5;
 constexpr std::uint64_t kSeed = 1234;
-
-KVLayout small_layout(CacheOrder co = CacheOrder::kLayerMajor, PageOrder po = PageOrder::kNHD) {
-  KVLayout l;
-  l.num_layers = 4;
-  l.num_pages = 64;
-  l.page_size = 16;
-  l.num_kv_heads = 2;
-  l.head_dim = 64;
-  l.dtype = DType::kBFloat16;
-  l.cache_order = co;
-  l.page_order = po;
-  return l;
-}
 
 std::vector<std::uint32_t> local_pages(std::size_t n, std::uint32_t first = 3,
                                        std::uint32_t num_pages = 64) {

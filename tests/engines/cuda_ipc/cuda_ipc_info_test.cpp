@@ -10,24 +10,14 @@
 #include "core/codec.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
 
-KVLayout llama_like(CacheOrder co = CacheOrder::kLayerMajor, PageOrder po = PageOrder::kNHD) {
-  KVLayout l;
-  l.num_layers = 4;
-  l.num_pages = 64;
-  l.page_size = 16;
-  l.num_kv_heads = 2;
-  l.head_dim = 64;
-  l.dtype = DType::kBFloat16;
-  l.cache_order = co;
-  l.page_order = po;
-  return l;
-}
+using testing::small_layout;
 
-CudaIpcKVTransferInfo sample(const KVLayout& l = llama_like()) {
+CudaIpcKVTransferInfo sample(const KVLayout& l = small_layout()) {
   CudaIpcKVTransferInfo i;
   for (std::size_t b = 0; b < i.cuda_share.handle.size(); ++b) {
     i.cuda_share.handle[b] = static_cast<std::uint8_t>(b * 7 + 1);
@@ -59,7 +49,7 @@ struct Raw {
   std::uint64_t offset = 0;
   std::string dtype = "bf16";
   std::uint8_t requires_grad = 0;
-  KVLayout layout = llama_like();
+  KVLayout layout = small_layout();
   std::uint64_t generation = 77;
   std::uint32_t owner_pid = 99;
   std::uint8_t has_epoch_table = 0;
@@ -114,7 +104,7 @@ TEST(CudaIpcInfo, RoundTripsEveryLayoutOrder) {
   for (auto co : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor}) {
     for (auto po : {PageOrder::kNHD, PageOrder::kHND}) {
       for (bool has_v : {true, false}) {
-        KVLayout l = llama_like(co, po);
+        KVLayout l = small_layout(co, po);
         l.has_v = has_v;
         const auto info = sample(l);
         const KVTransferInfo t = info.encode();
@@ -128,12 +118,12 @@ TEST(CudaIpcInfo, RoundTripsEveryLayoutOrder) {
 }
 
 TEST(CudaIpcInfo, ViewIsTheLayoutsContiguousTensor) {
-  const KVLayout l = llama_like(CacheOrder::kLayerMajor, PageOrder::kNHD);
+  const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
   EXPECT_EQ(CudaIpcKVTransferInfo::view_size(l), (std::vector<std::int64_t>{4, 2, 64, 16, 2, 64}));
   EXPECT_EQ(CudaIpcKVTransferInfo::view_stride(l),
             (std::vector<std::int64_t>{2 * 64 * 16 * 2 * 64, 64 * 16 * 2 * 64, 16 * 2 * 64,
                                        2 * 64, 64, 1}));
-  KVLayout p = llama_like(CacheOrder::kPageMajor, PageOrder::kHND);
+  KVLayout p = small_layout(CacheOrder::kPageMajor, PageOrder::kHND);
   p.has_v = false;
   EXPECT_EQ(CudaIpcKVTransferInfo::view_size(p), (std::vector<std::int64_t>{64, 4, 1, 2, 16, 64}));
   // The element at view index (layer, kv, page, token, head, 0) is the byte
@@ -179,7 +169,7 @@ TEST(CudaIpcInfo, TrailingBytesAndOtherVersionsAreRejected) {
 // The page epoch table (cuda_ipc.hpp "Page epochs"): round trip, and every
 // inconsistent form refused naming the field.
 TEST(CudaIpcInfo, EpochTableRoundTripsAndBadFormsAreRejected) {
-  auto info = sample(llama_like());
+  auto info = sample(small_layout());
   info.has_epoch_table = true;
   info.epoch_handle.fill(0x3c);
   info.epoch_pages = info.layout.num_pages;
@@ -217,7 +207,7 @@ TEST(CudaIpcInfo, EpochTableRoundTripsAndBadFormsAreRejected) {
     r.has_epoch_table = 2;  // not a boolean
     expect_corrupt(r.encode(), "has_epoch_table");
   }
-  auto stray = sample(llama_like());
+  auto stray = sample(small_layout());
   stray.epoch_pages = 7;  // without a table
   EXPECT_THROW(stray.encode(), Error);
 }
@@ -370,7 +360,7 @@ TEST(CudaIpcInfo, EncodeRefusesInvalidInfos) {
 // Runs anywhere: what this build does with device memory when no GPU is
 // visible, and that the engine refuses host caches before touching CUDA.
 TEST(CudaIpcInfo, EngineRefusesHostCaches) {
-  auto host = make_kv_cache(llama_like(), MemoryKind::kHost);
+  auto host = make_kv_cache(small_layout(), MemoryKind::kHost);
   try {
     KVTransferManager m(TransferEngineInfo{"d", "", "cuda_ipc", {}}, host);
     FAIL() << "a host cache was accepted";
@@ -385,7 +375,7 @@ TEST(CudaIpcInfo, DeviceCacheWithoutAGpuIsUnavailableWithTheCudaError) {
   if (why.empty()) GTEST_SKIP() << "a CUDA device is visible; this case is for hosts without one";
   std::cout << "[ INFO     ] no CUDA device here: " << why << std::endl;
   try {
-    make_kv_cache(llama_like(), MemoryKind::kDevice);
+    make_kv_cache(small_layout(), MemoryKind::kDevice);
     FAIL() << "device memory allocated without a device";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kUnavailable) << e.what();

@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "engines/conformance/peer_process.hpp"
+#include "common/peer_process.hpp"
 #include "engines/mooncake/mooncake_test_util.hpp"
 #include "engines/mooncake/read_error.hpp"
 #include "mstar/kv/kv.hpp"

@@ -21,9 +21,12 @@
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/shm.hpp"
 #include "shm_test_util.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
+
+using testing::small_layout;
 
 using namespace std::chrono_literals;
 using shmtest::Child;
@@ -32,20 +35,6 @@ constexpr std::byte kSentinel{0xA5};
 constexpr std::uint64_t kSeed = 4242;
 
 // 4 layers, 64 pages of 16 tokens, 2 heads x 64 bf16: 4 KiB blocks, 2 MiB.
-KVLayout small_layout(CacheOrder co = CacheOrder::kLayerMajor, PageOrder po = PageOrder::kNHD,
-                      std::uint32_t pages = 64) {
-  KVLayout l;
-  l.num_layers = 4;
-  l.num_pages = pages;
-  l.page_size = 16;
-  l.num_kv_heads = 2;
-  l.head_dim = 64;
-  l.dtype = DType::kBFloat16;
-  l.cache_order = co;
-  l.page_order = po;
-  return l;
-}
-
 // A shm_peer owning a cache with one sequence filled with the pattern.
 struct Owner {
   Owner(const KVLayout& l, std::uint64_t tokens, std::uint64_t scatter = 5)

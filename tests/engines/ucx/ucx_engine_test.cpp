@@ -15,7 +15,7 @@ namespace {
 class UcxEngine : public UcxFixture {};
 
 TEST_P(UcxEngine, BigScatteredPullMovesEveryByte) {
-  const KVLayout l = layout(2048);  // 64 MiB, scattered pages on both sides
+  const KVLayout l = small_layout(2048);  // 64 MiB, scattered pages on both sides
   PeerProcess peer(spec(l, 2048 * 16));
   auto cache = local_cache(l);
   auto m = manager(cache, 20000ms);
@@ -31,8 +31,8 @@ TEST_P(UcxEngine, BigScatteredPullMovesEveryByte) {
 TEST_P(UcxEngine, PartialPagesInBothOrdersTouchOnlyTheirTokens) {
   for (auto co : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor}) {
     for (auto po : {PageOrder::kNHD, PageOrder::kHND}) {
-      const KVLayout remote = layout(64);
-      const KVLayout local = layout(32, co, po);
+      const KVLayout remote = small_layout(64);
+      const KVLayout local = small_layout(32, co, po);
       PeerProcess peer(spec(remote, 100));  // 7 pages, the last one partial
       auto cache = local_cache(local);
       auto m = manager(cache);
@@ -65,7 +65,7 @@ TEST_P(UcxEngine, PartialPagesInBothOrdersTouchOnlyTheirTokens) {
 }
 
 TEST_P(UcxEngine, ForgedDescriptorsAreRejectedBeforeAnyRead) {
-  const KVLayout l = layout(64);
+  const KVLayout l = small_layout(64);
   PeerProcess peer(spec(l, 64));
   auto cache = local_cache(l);
   auto m = manager(cache);
@@ -152,11 +152,11 @@ TEST_P(UcxEngine, ForgedDescriptorsAreRejectedBeforeAnyRead) {
 // for am_shm readers) and the reader scatters them. Every byte lands where
 // the per-row plan says, nothing else is touched.
 TEST_P(UcxEngine, LayoutChangesGatherManySmallRows) {
-  const KVLayout owner = layout(256, CacheOrder::kPageMajor, PageOrder::kHND);
+  const KVLayout owner = small_layout(256, CacheOrder::kPageMajor, PageOrder::kHND);
   PeerProcess peer(spec(owner, 256 * 16));
   const auto& seq = peer.sequence();
   for (int split = 0; split < 2; ++split) {
-    KVLayout l = layout(256, CacheOrder::kLayerMajor, PageOrder::kNHD);
+    KVLayout l = small_layout(256, CacheOrder::kLayerMajor, PageOrder::kNHD);
     if (split) {  // TP 1 -> 2, rank 1: head 1 of 2
       l.total_kv_heads = 2;
       l.first_kv_head = 1;
@@ -172,13 +172,13 @@ TEST_P(UcxEngine, LayoutChangesGatherManySmallRows) {
     EXPECT_TRUE(v.ok()) << (split ? "head split: " : "nhd <- hnd: ") << v.first_mismatch;
   }
   // A prefix hit mid-page: only the tail's rows, the rest keeps the sentinel.
-  const KVLayout l = layout(256, CacheOrder::kLayerMajor, PageOrder::kNHD);
+  const KVLayout l = small_layout(256, CacheOrder::kLayerMajor, PageOrder::kNHD);
   auto cache = local_cache(l);
   auto m = manager(cache, 20000ms);
   const std::vector<std::uint32_t> lp = iota_pages(seq.page_indices.size());
   m->sync_retrieve(1000, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
   EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 1000, seq.num_tokens).ok());
-  const KVLayout probe = layout(256);
+  const KVLayout probe = small_layout(256);
   std::size_t touched = 0;
   for (std::uint32_t layer = 0; layer < probe.num_layers; ++layer) {
     for (std::uint32_t kv = 0; kv < 2; ++kv) {
@@ -199,7 +199,7 @@ TEST_P(UcxEngine, LayoutChangesGatherManySmallRows) {
 // reader without it, with another one, or an owner without one is refused
 // before any byte moves, and the right token pulls every byte.
 TEST_P(UcxEngine, AuthTokenIsProvedBothWaysBeforeAnyByteMoves) {
-  const KVLayout l = layout(64);
+  const KVLayout l = small_layout(64);
   const std::string token = "0123456789abcdef-secret";
   PeerSpec s = spec(l, 64);
   s.extra["auth_token"] = token;
@@ -253,9 +253,9 @@ TEST_P(UcxEngine, AuthTokenIsProvedBothWaysBeforeAnyByteMoves) {
 
 TEST_P(UcxEngine, KilledPeerFailsInTimeOthersKeepWorkingAndANewPeerServes) {
   if (!GetParam().no_kill.empty()) GTEST_SKIP() << GetParam().no_kill;
-  const KVLayout big = layout(4096);  // 128 MiB
+  const KVLayout big = small_layout(4096);  // 128 MiB
   PeerProcess doomed(spec(big, 4096 * 16));
-  PeerProcess other(spec(layout(64), 64));
+  PeerProcess other(spec(small_layout(64), 64));
   auto cache = local_cache(big);
   auto m = manager(cache, 3000ms);
   const auto& seq = doomed.sequence();
@@ -285,7 +285,7 @@ TEST_P(UcxEngine, KilledPeerFailsInTimeOthersKeepWorkingAndANewPeerServes) {
     EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens).ok());
   }
   // Another peer keeps working on the same engine.
-  auto small = local_cache(layout(64));
+  auto small = local_cache(small_layout(64));
   auto m2 = manager(small);
   m2->sync_retrieve(0, 64, iota_pages(4), other.sequence().page_indices,
                     other.sequence().kv_transfer_info);
@@ -294,7 +294,7 @@ TEST_P(UcxEngine, KilledPeerFailsInTimeOthersKeepWorkingAndANewPeerServes) {
                    other.sequence().kv_transfer_info);
   EXPECT_TRUE(verify_pattern(*cache, kSeed, {lp.data(), 4}, 0, 64).ok());
   // A new peer (new listener) serves the same engine.
-  PeerProcess again(spec(layout(64), 64));
+  PeerProcess again(spec(small_layout(64), 64));
   std::memset(cache->base(), static_cast<int>(kSentinel), cache->size_bytes());
   m->sync_retrieve(0, 64, {lp.data(), 4}, again.sequence().page_indices,
                    again.sequence().kv_transfer_info);
@@ -302,7 +302,7 @@ TEST_P(UcxEngine, KilledPeerFailsInTimeOthersKeepWorkingAndANewPeerServes) {
 }
 
 TEST_P(UcxEngine, ShutdownWithReadsInFlightResolvesEveryFuture) {
-  const KVLayout l = layout(2048);
+  const KVLayout l = small_layout(2048);
   PeerProcess peer(spec(l, 2048 * 16));
   auto cache = local_cache(l);
   auto m = manager(cache, 20000ms);
@@ -326,7 +326,7 @@ TEST_P(UcxEngine, ShutdownWithReadsInFlightResolvesEveryFuture) {
 }
 
 TEST_P(UcxEngine, CancelAndTimeoutResolveWithoutLateBytes) {
-  const KVLayout l = layout(2048);
+  const KVLayout l = small_layout(2048);
   PeerProcess peer(spec(l, 2048 * 16));
   auto cache = local_cache(l);
   auto m = manager(cache, 20000ms);
@@ -353,7 +353,7 @@ TEST_P(UcxEngine, CancelAndTimeoutResolveWithoutLateBytes) {
 TEST_P(UcxEngine, NewOwnerAtTheSameAddressIsReachedAfresh) {
   // Both owners live in this process (separate UCX contexts, real loopback
   // traffic); the second listens where the first did.
-  const KVLayout l = layout(64);
+  const KVLayout l = small_layout(64);
   auto reader_cache = local_cache(l);
   auto reader = manager(reader_cache);
   EngineOptions o;

@@ -17,7 +17,8 @@
 
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/ucx.hpp"
-#include "peer_process.hpp"
+#include "common/layouts.hpp"
+#include "common/peer_process.hpp"
 
 namespace mstar::kv::ucx_test {
 
@@ -39,18 +40,10 @@ constexpr std::byte kSentinel{0xA5};
 constexpr std::uint64_t kSeed = 99;
 
 inline KVLayout layout(std::uint32_t pages = 64, CacheOrder co = CacheOrder::kLayerMajor,
-                PageOrder po = PageOrder::kNHD) {
-  KVLayout l;
-  l.num_layers = 4;
-  l.num_pages = pages;
-  l.page_size = 16;
-  l.num_kv_heads = 2;
-  l.head_dim = 64;
-  l.dtype = DType::kBFloat16;
-  l.cache_order = co;
-  l.page_order = po;
-  return l;
+                       PageOrder po = PageOrder::kNHD) {
+  return testing::small_layout(pages, co, po);
 }
+using testing::small_layout;
 
 inline std::vector<std::uint32_t> iota_pages(std::size_t n) {
   std::vector<std::uint32_t> p(n);

@@ -1,5 +1,5 @@
 // Copyright mstar-kv authors.
-#include "peer_process.hpp"
+#include "common/peer_process.hpp"
 
 #include <algorithm>
 #include <stdexcept>
