@@ -62,13 +62,15 @@ def test_pool_marks_layers_monotonically():
     assert pool.layers_ready(1) == 4
 
 
-@pytest.mark.skipif("shm" not in kv.built_engines(), reason="the shm engine is not built")
-def test_streamed_pull_waits_for_each_layer_and_is_byte_exact(peer_factory):
-    peer = peer_factory("shm")
+@pytest.mark.parametrize("engine", ["shm", "ucx"])
+def test_streamed_pull_waits_for_each_layer_and_is_byte_exact(peer_factory, engine):
+    if engine not in kv.built_engines():
+        pytest.skip(f"the {engine} engine is not built")
+    peer = peer_factory(engine)
     seq = start_stream(peer, 150, 4)
     cache = sentinel_cache()
     local = list(range(len(seq.page_indices)))
-    with manager(cache) as mgr:
+    with manager(cache, engine) as mgr:
         stream = mgr.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
                                               seq.kv_transfer_info)
         assert stream.num_layers == 4
@@ -132,11 +134,19 @@ def test_owner_death_mid_stream_fails_the_stream(peer_factory):
 
 
 @pytest.mark.skipif("ucx" not in kv.built_engines(), reason="the ucx engine is not built")
-def test_engines_without_a_readiness_channel_refuse(peer_factory):
+def test_ucx_owner_death_mid_stream_fails_the_stream(peer_factory):
+    # Over ucx the readiness comes in notices from the owner's process: a
+    # killed owner is seen through the lost connection.
     peer = peer_factory("ucx")
-    seq = peer.seqs[0]
+    seq = start_stream(peer, 200, 4)
     local = list(range(len(seq.page_indices)))
-    with manager(kv.KVCache(local_layout()), "ucx") as mgr:
-        with pytest.raises(kv.UnavailableError, match="'ucx'"):
-            mgr.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
-                                         seq.kv_transfer_info)
+    cache = sentinel_cache()
+    with manager(cache, "ucx") as mgr:
+        stream = mgr.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
+                                              seq.kv_transfer_info)
+        assert stream.wait_for_layer(0, timeout=10)
+        peer.kill()
+        t0 = time.monotonic()
+        with pytest.raises(kv.PeerFailureError):
+            stream.future.result(timeout=10)
+        assert time.monotonic() - t0 < 2

@@ -50,6 +50,7 @@ std::vector<Entry> entries() {
     EngineTraits e;
     e.name = "ucx";
     e.crosses_hosts = true;
+    e.layer_readiness = true;  // readiness notices from the owner (ucx_wire.hpp)
     e.loopback = {{"ucx-tcp", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}, true},
                   {"ucx-sm", {{"UCX_TLS", "sm,tcp"}, {"UCX_NET_DEVICES", "lo"}}, false}};
 #if MSTAR_KV_HAVE_UCX

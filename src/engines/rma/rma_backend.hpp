@@ -34,6 +34,7 @@
 
 #include "mstar/kv/layout.hpp"
 #include "mstar/kv/planner.hpp"
+#include "mstar/kv/readiness.hpp"
 #include "mstar/kv/status.hpp"
 
 namespace mstar::kv::rma {
@@ -145,6 +146,20 @@ class RmaPeer {
     throw Error(StatusCode::kUnavailable,
                 "this engine has no channel to the owner for the done notice of sequence " +
                     std::to_string(seq_id));
+  }
+
+  // Layer-wise streaming (readiness.hpp): a watch on the owner's layer
+  // readiness of `pages` (owner page indices, in range), which must carry
+  // `epoch` (nonzero) for as long as the watch lives, over this backend's
+  // channel to the owner. The engine validated the read before. Backends
+  // without a readiness channel throw Error(kUnavailable) (the default).
+  virtual std::unique_ptr<LayerWatch> watch_layers(std::vector<std::uint32_t> pages,
+                                                   std::uint64_t epoch,
+                                                   std::uint32_t num_layers) {
+    (void)pages;
+    (void)epoch;
+    (void)num_layers;
+    throw Error(StatusCode::kUnavailable, "no readiness channel to the owner");
   }
 };
 

@@ -194,6 +194,44 @@ std::optional<TransferFuture> RmaKVTransferEngine::read_batched_async(
   return future;
 }
 
+std::unique_ptr<LayerWatch> RmaKVTransferEngine::watch_layers(
+    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopping_) {
+      throw Error(StatusCode::kShutdown, "the " + engine_name_ + " engine is shut down");
+    }
+  }
+  if (remote_kv_info.engine != engine_name_) {
+    throw Error(StatusCode::kInvalidArgument,
+                "descriptor of engine '" + remote_kv_info.engine + "' given to the '" +
+                    engine_name_ + "' engine");
+  }
+  if (read_info.empty()) {
+    throw Error(StatusCode::kInvalidArgument,
+                engine_name_ + " layer watch of 0 reads: nothing to watch");
+  }
+  const RmaRegionInfo remote = RmaRegionInfo::decode(remote_kv_info.payload);
+  cache_->layout().check_same_model(remote.layout);
+  (void)plan_copies(cache_->layout(), remote.layout, read_info);  // validates as a read does
+  if (remote_kv_info.epoch == 0) {
+    throw Error(StatusCode::kInvalidArgument,
+                "layer-wise streaming needs a descriptor with a page epoch (published by a "
+                "KVCachePool), got epoch 0");
+  }
+  auto peer = peer_for(remote);
+  try {
+    return peer->watch_layers(remote_pages_of(read_info, remote.layout.num_pages),
+                              remote_kv_info.epoch, remote.layout.num_layers);
+  } catch (const Error& e) {
+    if (e.code() != StatusCode::kUnavailable) throw;
+    throw Error(StatusCode::kUnavailable,
+                "layer-wise streaming over the '" + engine_name_ + "' engine: " +
+                    e.status().message() +
+                    "; pull with start_async_retrieve after the owner finished");
+  }
+}
+
 void RmaKVTransferEngine::notify_done(const KVTransferInfo& remote_kv_info,
                                       std::uint64_t seq_id) {
   if (remote_kv_info.engine != engine_name_) {

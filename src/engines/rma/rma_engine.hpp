@@ -77,6 +77,11 @@ class RmaKVTransferEngine final : public KVTransferEngine {
   void shutdown() override;
   void notify_done(const KVTransferInfo& remote, std::uint64_t seq_id) override;
   void set_done_handler(DoneHandler handler) override;
+  // Validates as read_batched_async (same Errors, before any byte moves),
+  // then asks the backend's peer for a watch; kUnavailable naming the engine
+  // when its backend has no readiness channel.
+  std::unique_ptr<LayerWatch> watch_layers(const KVTransferInfo& remote_kv_info,
+                                           std::span<const KVReadInfo> read_info) override;
 
   // Backend access (tests, the CLI's diagnostics).
   RmaBackend& backend() noexcept { return *backend_; }

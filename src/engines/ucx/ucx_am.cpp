@@ -142,6 +142,39 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       });
       return UCS_OK;
     }
+    case kAmReadyReq: {
+      if (header_length != sizeof(ReadyReqHdr) || !has_reply_ep || rndv) return UCS_OK;
+      ReadyReqHdr h;
+      std::memcpy(&h, header, sizeof h);
+      ucp_ep_h ep = param->reply_ep;
+      // Untrusted: the page count must match the length exactly.
+      if (h.npages == 0 || h.npages > kMaxReadyPages || h.epoch == 0 ||
+          length != h.npages * sizeof(std::uint32_t)) {
+        deferred_.push_back([this, ep, h] {
+          if (dead_eps_.count(ep) != 0) return;
+          const std::string why = "malformed readiness request";
+          const ReadyHdr out{h.watch_id, 0, static_cast<std::uint32_t>(StatusCode::kInvalidArgument)};
+          send_small(ep, kAmReadyNotice, &out, sizeof out, why.data(), why.size(), false);
+        });
+        return UCS_OK;
+      }
+      std::vector<std::uint32_t> pages(h.npages);
+      std::memcpy(pages.data(), data, length);
+      deferred_.push_back([this, ep, h, p = std::move(pages)]() mutable {
+        on_ready_req(ep, h, std::move(p));
+      });
+      return UCS_OK;
+    }
+    case kAmReadyNotice: {
+      if (header_length != sizeof(ReadyHdr) || rndv) return UCS_OK;
+      ReadyHdr h;
+      std::memcpy(&h, header, sizeof h);
+      std::string msg(static_cast<const char*>(data), std::min<std::size_t>(length, 1024));
+      deferred_.push_back([this, h, m = std::move(msg)]() mutable {
+        on_ready_notice(h, std::move(m));
+      });
+      return UCS_OK;
+    }
     case kAmReadFin: {
       if (header_length != sizeof(ErrHdr) || rndv) return UCS_OK;
       ErrHdr h;

@@ -58,6 +58,11 @@ class UcxPeer final : public rma::RmaPeer {
       throw Error(StatusCode::kShutdown, "the ucx engine is shut down");
     }
   }
+  std::unique_ptr<LayerWatch> watch_layers(std::vector<std::uint32_t> pages,
+                                           std::uint64_t epoch,
+                                           std::uint32_t num_layers) override {
+    return make_ready_watch(core_, conn_, std::move(pages), epoch, num_layers);
+  }
   std::shared_ptr<rma::RmaOperation> post_reads(std::vector<rma::RmaRead> reads,
                                                 rma::RmaCompletion done,
                                                 rma::RmaEpochCheck check) override {

@@ -94,7 +94,7 @@ void UcxCore::init_ucp(const std::string& session_id) {
   hp.cb = trampoline<&UcxCore::on_am, AmGuard>;
   for (unsigned id :
        {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr, kAmReadFin, kAmDone,
-        kAmChallenge, kAmAuth, kAmGatherData}) {
+        kAmChallenge, kAmAuth, kAmGatherData, kAmReadyReq, kAmReadyNotice}) {
     am_tags_[id] = AmTag{this, id};
     hp.id = id;
     hp.arg = &am_tags_[id];
@@ -255,6 +255,7 @@ void UcxCore::run() {
     drain_deferred();
     reap_closing(false);
     if (!draining_.empty()) check_drains();
+    if (!ready_holds_.empty()) check_ready_holds();
     if (!closing_all && stop_requested_.load(std::memory_order_acquire)) {
       closing_all = true;
       deadline = Clock::now() + std::chrono::seconds(2);
@@ -292,6 +293,13 @@ void UcxCore::run() {
     // the sleep is 1 ms at most: shared-memory transports raise no event
     // when the peer frees room in a fifo or a get completes.
     const bool busy = !batches_.empty() || !sends_.empty();
+    if (!ready_holds_.empty() && idle >= 32) {
+      // Held readiness requests: the owner's pool marks layers with plain
+      // stores (no event), so look again every 20 us.
+      idle = 0;
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      continue;
+    }
     if (++idle < (busy ? 32 : 256) || efd_ < 0) {
       if (efd_ < 0 && idle >= 256) std::this_thread::sleep_for(std::chrono::microseconds(50));
       std::this_thread::yield();

@@ -9,6 +9,7 @@
 //   ucx_am.cpp       active-message dispatch and the reader's data arrival
 //   ucx_reader.cpp   the reader's side: connecting, peer failure, closing
 //   ucx_batch.cpp    the reader's reads: am requests and gets, their bookkeeping
+//   ucx_readiness.cpp layer readiness: the owner's held requests, the reader's watches
 //   ucx_backend.cpp  the RmaBackend / RmaPeer / RmaOperation over it, options
 // The wire format is ucx_wire.hpp, the handshake's cryptography ucx_auth.hpp,
 // HOST:PORT ucx_address.hpp, the owners of UCP objects ucx_handles.hpp and
@@ -26,6 +27,7 @@
 #include <functional>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -159,6 +161,35 @@ struct Control : Pending {
   std::uint64_t conn_id = 0;
 };
 
+// The reader's half of one layer watch (ucx_readiness.cpp), shared by the
+// watch (stream driver's thread) and the progress thread.
+struct ReadyWatch {
+  std::uint64_t id = 0;
+  std::shared_ptr<Conn> conn;
+  std::vector<std::uint32_t> pages;
+  std::uint64_t epoch = 0;
+  std::uint32_t num_layers = 0;
+  std::mutex mu;
+  std::uint32_t layers = 0;      // guarded by mu: the last notice's count
+  bool outstanding = false;      // guarded by mu: a request awaits its notice
+  std::optional<Status> error;   // guarded by mu: the watch failed
+};
+
+// The owner's half: a request held until its count moves (ucx_readiness.cpp).
+struct ReadyHold {
+  ucp_ep_h ep = nullptr;
+  ReadyReqHdr hdr{};
+  std::vector<std::uint32_t> pages;
+  std::chrono::steady_clock::time_point until;
+};
+
+class UcxCore;
+// A watch on the owner's readiness of `pages` over conn (ucx_readiness.cpp).
+std::unique_ptr<LayerWatch> make_ready_watch(std::shared_ptr<UcxCore> core,
+                                             std::shared_ptr<Conn> conn,
+                                             std::vector<std::uint32_t> pages,
+                                             std::uint64_t epoch, std::uint32_t num_layers);
+
 struct AmTag {  // argument of the active-message handler for one id
   UcxCore* core = nullptr;
   unsigned id = 0;
@@ -286,10 +317,24 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     std::lock_guard<std::mutex> lk(done_mu_);
     done_handler_ = std::move(h);
   }
+  // Layer readiness (ucx_readiness.cpp). Reader: asks the owner for the
+  // next notice of watch w (progress thread), forgets a watch.
+  void send_ready_req(const std::shared_ptr<ReadyWatch>& w);
+  void forget_watch(std::uint64_t id) { watches_.erase(id); }
+  std::atomic<std::uint64_t> next_watch{1};  // watch ids, unique per core
 
  private:
   std::mutex done_mu_;
   std::function<void(std::uint64_t, std::uint64_t)> done_handler_;  // guarded by done_mu_
+  // Layer readiness, owner: answers or holds a request; re-checks the
+  // held ones (every progress round while any is held). Reader: a notice.
+  void on_ready_req(ucp_ep_h ep, const ReadyReqHdr& h, std::vector<std::uint32_t> pages);
+  bool answer_ready(const ReadyHold& r, bool expired);
+  void check_ready_holds();
+  void on_ready_notice(const ReadyHdr& h, std::string message);
+  std::unordered_map<std::uint64_t, std::shared_ptr<ReadyWatch>> watches_;  // [progress]
+  std::vector<ReadyHold> ready_holds_;                                     // [progress]
+
   void on_fin(const std::shared_ptr<Batch>& b, const Status& st);
   void send_err(ucp_ep_h ep, std::uint64_t batch_id, const Status& st);
   void hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& bytes);

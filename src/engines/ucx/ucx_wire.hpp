@@ -36,7 +36,9 @@ enum AmId : unsigned {
   kAmChallenge = 8,   // owner -> reader: prove the shared secret (ChallengeHdr)
   kAmAuth = 9,        // reader -> owner: the proof (AuthHdr)
   kAmGatherData = 10, // owner -> reader: many spans' bytes in one message (GatherHdr)
-  kAmMaxId = 10,
+  kAmReadyReq = 11,   // reader -> owner: tell me when more layers are ready (ReadyReqHdr)
+  kAmReadyNotice = 12,  // owner -> reader: layers ready, or why not (ReadyHdr)
+  kAmMaxId = 12,
 };
 
 inline constexpr std::size_t kNonceBytes = 16;
@@ -104,6 +106,24 @@ struct GatherHdr {
   std::uint64_t count;
   std::uint64_t length;
 };
+
+struct ReadyReqHdr {
+  std::uint64_t watch_id;    // the reader's watch, echoed in the notice
+  std::uint64_t generation;  // the region's generation the reader verified
+  std::uint64_t epoch;       // the sequence's page epoch (nonzero)
+  std::uint64_t floor;       // layers the reader knows are ready
+  std::uint64_t npages;
+  std::uint64_t ticket;
+};
+struct ReadyHdr {
+  std::uint64_t watch_id;
+  std::uint32_t layers;  // ready on every watched page (code 0)
+  std::uint32_t code;    // 0, or the StatusCode failing the watch
+};
+// The most pages one watch names, and how long the owner holds a request
+// whose count did not move before it answers anyway.
+inline constexpr std::uint64_t kMaxReadyPages = 1u << 20;
+inline constexpr unsigned kReadyHoldMs = 200;
 
 struct WireSpan {
   std::uint64_t remote_offset;
