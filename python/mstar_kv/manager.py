@@ -171,7 +171,8 @@ class KVTransferManager:
         (KVCachePool.mark_layers_ready), in order. Returns a LayerStream, or
         None when start_len == end_len. Validates everything first and raises
         before any byte moves; UnavailableError naming the engine when it has no
-        readiness channel (ucx, mooncake, cuda_ipc, local-only, Python engines).
+        readiness channel (mooncake, cuda_ipc, local-only, Python engines; shm and
+        ucx stream).
         ``ready_timeout``: seconds a layer may stay unmarked after the previous
         one before the stream fails with TransferTimeoutError (None: the
         engine's timeout)."""
@@ -187,7 +188,7 @@ class KVTransferManager:
                 return None
             raise UnavailableError(
                 f"layer-wise streaming over {type(self.engine).__name__}: only native engines "
-                "with a readiness channel (shm) stream")
+                "with a readiness channel (shm, ucx) stream")
         from .streaming import LayerStream
         native = self.engine._native.stream_retrieve(
             start_len, end_len, local_page_indices, remote_page_indices, kv_transfer_info,

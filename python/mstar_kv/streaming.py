@@ -18,8 +18,10 @@ Reader (decode)::
     stream.future.result()
 
 Readiness reaches the reader over the engine's own channel: shm reads the
-owner's readiness words in the memory it maps; the engines without such a
-channel yet (ucx, mooncake, cuda_ipc) raise UnavailableError. Every layer's
+owner's readiness words in the memory it maps; ucx asks the owner, which
+answers with a notice as soon as more layers are ready (one request
+outstanding per stream); the engines without such a channel yet (mooncake,
+cuda_ipc) raise UnavailableError. Every layer's
 read is an ordinary read of the engine (epochs, timeouts, in-flight limits).
 """
 from __future__ import annotations
@@ -44,7 +46,8 @@ class LayerStream:
     stream's KVTransferError when it failed before the layer arrived (a layer
     never marked ready: TransferTimeoutError; pages reused:
     StaleDescriptorError; readiness going backwards or beyond the layer count:
-    CorruptDescriptorError; the owner died: NotFoundError). ``cancel()``
+    CorruptDescriptorError; the owner died: NotFoundError over shm,
+    PeerFailureError over ucx). ``cancel()``
     stops issuing reads; the future then resolves with TransferCancelledError
     once nothing is in flight.
     """

@@ -12,25 +12,19 @@ namespace {
 using Command = int (*)(int, char**);
 struct Entry {
   const char* name;
-  Command run;  // null when the subcommand is not built
+  Command run;
   const char* help;
 };
 
 constexpr Entry kCommands[] = {
     {"info", &mstar::kv::cli::cmd_info, "print the engines built and a layout's sizes"},
-#if MSTAR_KV_CMD_DEMO
     {"demo", &mstar::kv::cli::cmd_demo, "a prefill process hands a request's KV to a decode process"},
-#endif
-#if MSTAR_KV_CMD_SERVE_PULL
+#if MSTAR_KV_CMD_SERVE_PULL  // -DMSTAR_KV_BUILD_SERVE_PULL (tools/CMakeLists.txt)
     {"serve", &mstar::kv::cli::cmd_serve, "hold caches and serve published sequences over HTTP"},
     {"pull", &mstar::kv::cli::cmd_pull, "pull a sequence from a serving host and verify it"},
 #endif
-#if MSTAR_KV_CMD_BENCH
     {"bench", &mstar::kv::cli::cmd_bench, "measure every engine against its baseline"},
-#endif
-#if MSTAR_KV_CMD_SOAK
     {"soak", &mstar::kv::cli::cmd_soak, "pull under injected faults and count corruptions"},
-#endif
 };
 
 void usage(std::FILE* out) {

@@ -76,9 +76,10 @@ class KVTransferEngine {
   // (throwing the same Errors, before any byte moves) and returns a watch on
   // the owner's layer readiness for the remote pages of those reads, over
   // the engine's own channel (shm: the readiness words in the mapped owner
-  // memory). The default, for engines without such a channel yet (ucx,
-  // mooncake, cuda_ipc, local), throws Error(kUnavailable) naming the
-  // engine: pull after the owner finished instead.
+  // memory; ucx: notices from the owner, ucx_wire.hpp). The default, for
+  // engines without such a channel yet (mooncake, cuda_ipc, local), throws
+  // Error(kUnavailable) naming the engine: pull after the owner finished
+  // instead.
   virtual std::unique_ptr<LayerWatch> watch_layers(const KVTransferInfo& remote_kv_info,
                                                    std::span<const KVReadInfo> read_info);
 };

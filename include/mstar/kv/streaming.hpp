@@ -26,7 +26,9 @@
 // The stream driver (one thread per KVTransferManager, started by the first
 // stream, joined by cleanup()) polls each stream's LayerWatch (shm: loads of
 // readiness words in the mapped owner memory, every poll_interval while it
-// waits; no syscall but a cheap owner-alive check once per millisecond) and
+// waits; no syscall but a cheap owner-alive check once per millisecond; ucx:
+// the last readiness notice from the owner, with one request outstanding
+// that the owner answers as soon as more layers are ready) and
 // issues layer by layer, in order, as soon as the owner marked them, through
 // the engine's ordinary read_batched_async (so epochs, in-flight limits and
 // the engine's timeout apply to each layer's read as to any read).
