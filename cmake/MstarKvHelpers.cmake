@@ -1,7 +1,17 @@
-# Warnings for every target of ours (not for users of the installed package).
+# Warnings for every target of ours, never for users of the installed
+# package: linked as $<BUILD_INTERFACE:mstar_kv_warnings> (MSTAR_KV_WARNINGS)
+# so that it stays out of the exported targets. MSTAR_KV_WERROR (the presets
+# ./scripts/test builds set it) makes them errors; MSTAR_KV_THREAD_SAFETY
+# (clang with libc++, whose std::mutex is annotated) checks the GUARDED_BY /
+# REQUIRES annotations (src/core/thread_annotations.hpp).
+option(MSTAR_KV_WERROR "Treat warnings in mstar-kv's own code as errors" OFF)
+option(MSTAR_KV_THREAD_SAFETY "Check lock annotations (clang -Wthread-safety, libc++)" OFF)
 add_library(mstar_kv_warnings INTERFACE)
 target_compile_options(mstar_kv_warnings INTERFACE
-  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor>)
+  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor>
+  $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<BOOL:${MSTAR_KV_WERROR}>>:-Werror>
+  $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<BOOL:${MSTAR_KV_THREAD_SAFETY}>>:-Wthread-safety>)
+set(MSTAR_KV_WARNINGS $<BUILD_INTERFACE:mstar_kv_warnings>)
 
 # mstar_kv_add_engine(NAME SOURCES ... [LIBS ...]): one engine, one target.
 # The target is mstar_kv_engine_<NAME>; it sees the public headers and the
@@ -12,7 +22,7 @@ function(mstar_kv_add_engine name)
   target_include_directories(mstar_kv_engine_${name}
     PRIVATE ${PROJECT_SOURCE_DIR}/src ${CMAKE_CURRENT_SOURCE_DIR})
   target_link_libraries(mstar_kv_engine_${name}
-    PUBLIC mstar_kv_core ${ARG_LIBS} PRIVATE mstar_kv_warnings)
+    PUBLIC mstar_kv_core ${ARG_LIBS} PRIVATE ${MSTAR_KV_WARNINGS})
   if(NOT name STREQUAL "local_only" AND NOT name STREQUAL "rma" AND NOT name STREQUAL "fault")
     set_property(GLOBAL APPEND PROPERTY MSTAR_KV_ENGINES ${name})
   endif()

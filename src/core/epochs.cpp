@@ -4,17 +4,16 @@
 #include <algorithm>
 #include <string>
 
+#include "core/shared_word.hpp"
+
 namespace mstar::kv {
 
 namespace {
 
 // The words may be a PROT_READ mapping of another process's table: an
-// atomic_ref load of an aligned 8-byte word is a plain load on every target
-// we build for, and never writes.
-std::uint64_t load_word(const std::uint64_t* w) noexcept {
-  return std::atomic_ref<std::uint64_t>(*const_cast<std::uint64_t*>(w))
-      .load(std::memory_order_acquire);
-}
+// atomic load of an aligned 8-byte word is a plain load on every target we
+// build for, and never writes.
+std::uint64_t load_word(const std::uint64_t* w) noexcept { return internal::load_acquire(w); }
 
 }  // namespace
 
@@ -23,7 +22,7 @@ void PageEpochs::stamp(std::span<const std::uint32_t> pages,
   if (words_ == nullptr) return;
   for (std::uint32_t p : pages) {
     if (p < num_pages_) {
-      std::atomic_ref<std::uint64_t>(words_[p]).store(epoch, std::memory_order_relaxed);
+      internal::store_relaxed(words_ + p, epoch);
     }
   }
   // Orders the stamps before every later store of this thread (the model

@@ -8,17 +8,15 @@
 #include "mstar/kv/engine.hpp"
 #include "mstar/kv/epochs.hpp"
 #include "mstar/kv/status.hpp"
+#include "core/shared_word.hpp"
 
 namespace mstar::kv {
 
 namespace {
 
 // As load_word in epochs.cpp: the words may be a PROT_READ mapping of the
-// owner's table; an atomic_ref load of an aligned word never writes.
-std::uint32_t load_ready(const std::uint32_t* w) noexcept {
-  return std::atomic_ref<std::uint32_t>(*const_cast<std::uint32_t*>(w))
-      .load(std::memory_order_acquire);
-}
+// owner's table; an atomic load of an aligned word never writes.
+std::uint32_t load_ready(const std::uint32_t* w) noexcept { return internal::load_acquire(w); }
 
 }  // namespace
 
@@ -27,7 +25,7 @@ void PageReadiness::stamp(std::span<const std::uint32_t> pages,
   if (words_ == nullptr) return;
   for (std::uint32_t p : pages) {
     if (p < num_pages_) {
-      std::atomic_ref<std::uint32_t>(words_[p]).store(layers, std::memory_order_release);
+      internal::store_release(words_ + p, layers);
     }
   }
 }
@@ -36,7 +34,7 @@ void PageReadiness::reset(std::span<const std::uint32_t> pages) const noexcept {
   if (words_ == nullptr) return;
   for (std::uint32_t p : pages) {
     if (p < num_pages_) {
-      std::atomic_ref<std::uint32_t>(words_[p]).store(0, std::memory_order_relaxed);
+      internal::store_relaxed(words_ + p, std::uint32_t{0});
     }
   }
   // Orders the zeroes before the epoch stamps that follow (PageEpochs::stamp
