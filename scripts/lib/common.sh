@@ -13,6 +13,7 @@ MSTAR_APT_PACKAGES=(
   libcpp-httplib-dev libmicrohttpd-dev
   iperf3 iproute2
   clang libclang-rt-14-dev
+  libc++-14-dev libc++abi-14-dev clang-tidy
 )
 
 ensure_apt() {

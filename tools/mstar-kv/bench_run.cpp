@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -350,7 +351,7 @@ void repetition(const RunOptions& o, std::uint64_t bytes, Side& side, Request&& 
 
 double percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
-  const auto k = static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5);
+  const auto k = static_cast<std::size_t>(std::lround(q * static_cast<double>(v.size() - 1)));
   std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
   return v[k];
 }

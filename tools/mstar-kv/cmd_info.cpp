@@ -21,7 +21,7 @@ int cmd_info(int argc, char** argv) {
   std::printf("block (one layer, k|v, page): %llu bytes\n",
               static_cast<unsigned long long>(l.block_bytes()));
   std::printf("one token, all layers: %llu bytes\n",
-              static_cast<unsigned long long>(l.token_bytes() * l.num_kv() * l.num_layers));
+              static_cast<unsigned long long>(l.token_bytes()) * l.num_kv() * l.num_layers);
   std::printf("whole cache: %llu bytes\n", static_cast<unsigned long long>(l.total_bytes()));
   return 0;
 }

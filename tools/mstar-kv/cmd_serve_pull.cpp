@@ -507,7 +507,7 @@ int cmd_pull(int argc, char** argv) {
       }
       gbps.push_back(static_cast<double>(moved) / s / 1e9);
       std::printf("  pull %llu: %.1f MiB in %.2f ms = %.2f GB/s, verified %llu blocks\n",
-                  static_cast<unsigned long long>(r + 1), moved / 1048576.0, s * 1e3, gbps.back(),
+                  static_cast<unsigned long long>(r) + 1, moved / 1048576.0, s * 1e3, gbps.back(),
                   static_cast<unsigned long long>(v.blocks_checked));
       std::fflush(stdout);
     }

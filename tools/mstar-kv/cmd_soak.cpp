@@ -446,7 +446,8 @@ int cmd_soak(int argc, char** argv) {
               static_cast<unsigned long long>(args.u64("reuse-ms", 50)),
               static_cast<unsigned long long>(args.u64("lease-ms", 1000)));
   std::printf("failures reported (expected): %llu (%s)\n",
-                static_cast<unsigned long long>(stats.failed.load() + stats.rejected.load()),
+                static_cast<unsigned long long>(stats.failed.load()) +
+                    static_cast<unsigned long long>(stats.rejected.load()),
                 by.empty() ? "none" : by.c_str());
     std::printf("corruptions: %llu\n", static_cast<unsigned long long>(stats.corruptions.load()));
     std::printf("wrong-sequence reads: %llu\n",

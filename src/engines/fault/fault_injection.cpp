@@ -61,7 +61,7 @@ struct Task {
 struct FaultInjectingEngine::Impl {
   Impl(std::unique_ptr<KVTransferEngine> in, const KVLayout& l, FaultConfig c,
        KillHook k)
-      : inner(std::move(in)), local(l), cfg(std::move(c)), kill(std::move(k)),
+      : inner(std::move(in)), local(l), cfg(c), kill(std::move(k)),
         rng(cfg.seed) {}
 
   std::unique_ptr<KVTransferEngine> inner;
@@ -159,7 +159,7 @@ struct FaultInjectingEngine::Impl {
       b.duplicate = true;
       return;
     }
-    if (u < (edge += cfg.p_cancel)) b.cancel_after = random_ms();
+    if (u < edge + cfg.p_cancel) b.cancel_after = random_ms();
   }
 
   // Keeps the reads covering the first n bytes, splitting the read that
@@ -386,7 +386,7 @@ FaultInjectingEngine::FaultInjectingEngine(std::unique_ptr<KVTransferEngine> inn
     throw Error(StatusCode::kInvalidArgument, "FaultInjectingEngine needs an inner engine");
   }
   local.validate();
-  impl_ = std::make_unique<Impl>(std::move(inner), local, std::move(config), std::move(kill));
+  impl_ = std::make_unique<Impl>(std::move(inner), local, config, std::move(kill));
   impl_->thread = std::thread([this] { impl_->loop(); });
 }
 
@@ -514,7 +514,7 @@ void FaultInjectingEngine::shutdown() {
 void FaultInjectingEngine::set_config(FaultConfig config) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (config.seed != impl_->cfg.seed) impl_->rng.seed(config.seed);
-  impl_->cfg = std::move(config);
+  impl_->cfg = config;
 }
 
 void FaultInjectingEngine::set_kill_hook(KillHook kill) {

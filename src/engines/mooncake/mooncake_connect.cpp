@@ -396,7 +396,7 @@ std::shared_ptr<rma::RmaPeer> MooncakeBackend::connect(const rma::RmaRegionInfo&
       std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(scratch->data()),
                                     kIdentityBytes),
       hex(identity_ptr) + " at " + who);
-  return std::make_shared<MooncakePeer>(*this, segment, std::move(served), cache_->base());
+  return std::make_shared<MooncakePeer>(*this, segment, served, cache_->base());
 }
 
 }  // namespace mstar::kv::engines::mooncake

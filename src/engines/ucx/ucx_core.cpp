@@ -118,6 +118,7 @@ void UcxCore::open_listener(const std::string& session_id) {
     lp.sockaddr.addrlen = len;
     ucp_listener_h l = nullptr;
     const ucs_status_t st = ucp_listener_create(worker_.get(), &lp, &l);
+    lp.sockaddr.addr = nullptr;  // ss is gone after this call; UCX copied it
     if (st == UCS_OK) listener_ = Listener(l);
     return st;
   };
