@@ -1,5 +1,6 @@
 // Copyright mstar-kv authors.
 #include "mstar/kv/future.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 #include <atomic>
 #include <condition_variable>
@@ -23,8 +24,8 @@ struct TransferState {
   std::atomic<bool> cancel{false};
   // Guarded by mu; taken (emptied) by the resolving thread.
   std::vector<TransferFuture::Callback> callbacks;
-  std::vector<std::function<void()>> cancel_hooks;  // guarded by mu; run once
-  TransferTiming timing;  // guarded by mu
+  std::vector<std::function<void()>> cancel_hooks MSTAR_KV_GUARDED_BY(mu);  // run once
+  TransferTiming timing MSTAR_KV_GUARDED_BY(mu);
 
   TransferState() { timing.created = timing.planned = timing.posted = TransferTiming::Clock::now(); }
 

@@ -17,6 +17,7 @@
 #include "mstar/kv/manager.hpp"
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/readiness.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv {
 
@@ -29,7 +30,7 @@ namespace detail {
 struct Waker {
   std::mutex mu;
   std::condition_variable cv;
-  bool kicked = false;  // guarded by mu
+  bool kicked MSTAR_KV_GUARDED_BY(mu) = false;
   void kick() {
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -54,8 +55,8 @@ struct StreamState {
   mutable std::mutex mu;
   mutable std::condition_variable cv;
   std::atomic<std::uint32_t> done{0};  // written under mu
-  bool failed = false;                 // guarded by mu
-  Status error;                        // guarded by mu
+  bool failed MSTAR_KV_GUARDED_BY(mu) = false;
+  Status error MSTAR_KV_GUARDED_BY(mu);
 
   // The driver thread's alone.
   std::unique_ptr<LayerWatch> watch;
@@ -138,7 +139,7 @@ class StreamDriver {
       bool shutting = false;
       std::chrono::microseconds wait{1000};
       {
-        std::unique_lock<std::mutex> lock(waker_->mu);
+        internal::UniqueLock lock(waker_->mu);
         for (auto& s : incoming_) active.push_back(std::move(s));
         incoming_.clear();
         shutting = stopping_;
@@ -157,7 +158,10 @@ class StreamDriver {
       std::erase_if(active, [](const auto& s) { return s->promise.resolved(); });
       if (!progressed && !active.empty()) {
         std::unique_lock<std::mutex> lock(waker_->mu);
-        waker_->cv.wait_for(lock, wait, [&] { return waker_->kicked || stopping_; });
+        waker_->cv.wait_for(lock, wait, [&] {
+          MSTAR_KV_ASSERT_HELD(waker_->mu);  // the condition runs under the lock
+          return waker_->kicked || stopping_;
+        });
       }
     }
   }
@@ -313,8 +317,9 @@ Status LayerStream::wait_for_layer(std::uint32_t layer,
                 "wait_for_layer of layer " + std::to_string(layer) + " out of range [0, " +
                     std::to_string(state_->num_layers) + ")");
   }
-  std::unique_lock<std::mutex> lock(state_->mu);
+  internal::UniqueLock lock(state_->mu);
   const bool ended = state_->cv.wait_for(lock, timeout, [&] {
+    MSTAR_KV_ASSERT_HELD(state_->mu);  // the condition runs under the lock
     return state_->done.load(std::memory_order_acquire) > layer || state_->failed;
   });
   if (state_->done.load(std::memory_order_acquire) > layer) return Status::ok();
@@ -334,8 +339,8 @@ struct LayerStreamer::Impl {
   std::shared_ptr<KVCache> cache;
   std::chrono::milliseconds engine_timeout;
   std::mutex mu;
-  std::unique_ptr<StreamDriver> driver;  // guarded by mu; made by the first stream
-  bool closed = false;                   // guarded by mu
+  std::unique_ptr<StreamDriver> driver MSTAR_KV_GUARDED_BY(mu);  // made by the first stream
+  bool closed MSTAR_KV_GUARDED_BY(mu) = false;
 };
 
 LayerStreamer::LayerStreamer(KVTransferEngine& engine, std::shared_ptr<KVCache> cache,

@@ -17,6 +17,7 @@
 
 #include "bench_proc.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::cli::bench {
 
@@ -81,14 +82,17 @@ class CopyPool {
   unsigned size() const noexcept { return static_cast<unsigned>(threads_.size()); }
 
   void run(const Partition& p, std::byte* dst, const std::byte* src) {
-    std::unique_lock<std::mutex> lock(mu_);
+    internal::UniqueLock lock(mu_);
     job_ = &p;
     dst_ = dst;
     src_ = src;
     pending_ = size();
     ++generation_;
     start_cv_.notify_all();
-    done_cv_.wait(lock, [this] { return pending_ == 0; });
+    done_cv_.wait(lock, [this] {
+      MSTAR_KV_ASSERT_HELD(mu_);  // the condition runs under the lock
+      return pending_ == 0;
+    });
     job_ = nullptr;
   }
 
@@ -100,8 +104,11 @@ class CopyPool {
       std::byte* dst = nullptr;
       const std::byte* src = nullptr;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        internal::UniqueLock lock(mu_);
+        start_cv_.wait(lock, [&] {
+          MSTAR_KV_ASSERT_HELD(mu_);  // the condition runs under the lock
+          return stop_ || generation_ != seen;
+        });
         if (stop_) return;
         seen = generation_;
         job = job_;
@@ -123,9 +130,9 @@ class CopyPool {
   std::mutex mu_;
   std::condition_variable start_cv_;
   std::condition_variable done_cv_;
-  std::uint64_t generation_ = 0;  // guarded by mu_
-  unsigned pending_ = 0;          // guarded by mu_
-  bool stop_ = false;             // guarded by mu_
+  std::uint64_t generation_ MSTAR_KV_GUARDED_BY(mu_) = 0;
+  unsigned pending_ MSTAR_KV_GUARDED_BY(mu_) = 0;
+  bool stop_ MSTAR_KV_GUARDED_BY(mu_) = false;
   const Partition* job_ = nullptr;
   std::byte* dst_ = nullptr;
   const std::byte* src_ = nullptr;

@@ -48,6 +48,7 @@
 #include "serve_pull_layerwise.hpp"
 #include "serve_pull_util.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::cli {
 

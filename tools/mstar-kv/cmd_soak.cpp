@@ -255,11 +255,9 @@ int cmd_soak(int argc, char** argv) {
   ::sigaction(SIGTERM, &sa, &old_term);
   ::signal(SIGPIPE, SIG_IGN);
 
-  Shared shared;
+  Shared shared(n_prefill);
   Stats stats;
   std::vector<Prefill> prefills(n_prefill);
-  shared.slots.resize(n_prefill);
-  shared.pids.resize(n_prefill, -1);
   std::uint64_t gen = seed * 100000;
   std::uint64_t kills = 0, restarts = 0, deaths = 0, republished = 0;
   std::mt19937_64 rng(seed);

@@ -25,6 +25,7 @@
 
 #include "http_auth.hpp"
 #include "mstar/kv/status.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::cli {
 
@@ -61,8 +62,8 @@ struct HttpServer::Impl {
   // reads EOF and closes it, notifying CLOSED before it closes the socket,
   // and CLOSED takes `mu`, so a shut-down descriptor is never a reused one.
   std::mutex mu;
-  std::unordered_set<Tracked*> tracked;  // guarded by mu
-  bool stopping = false;                 // guarded by mu
+  std::unordered_set<Tracked*> tracked MSTAR_KV_GUARDED_BY(mu);
+  bool stopping MSTAR_KV_GUARDED_BY(mu) = false;
   std::condition_variable wake;
   std::thread reaper;
 
@@ -70,7 +71,7 @@ struct HttpServer::Impl {
     return now_ns() + static_cast<std::int64_t>(options.header_timeout_s) * 1000000000;
   }
   void reap() {
-    std::unique_lock<std::mutex> lk(mu);
+    internal::UniqueLock lk(mu);
     while (!stopping) {
       wake.wait_for(lk, std::chrono::milliseconds(100));
       const std::int64_t now = now_ns();

@@ -48,7 +48,7 @@ LayerwiseOwner::~LayerwiseOwner() {
 
 std::vector<std::uint8_t> LayerwiseOwner::start(std::uint64_t id, std::uint64_t seed) {
   const auto setup0 = Clock::now();
-  std::unique_lock<std::mutex> lk(mu_);
+  internal::UniqueLock lk(mu_);
   if (running_) {
     throw Error(StatusCode::kUnavailable,
                 "a prefill of sequence " + std::to_string(*last_) + " is running");
@@ -97,12 +97,17 @@ bool LayerwiseOwner::running(std::uint64_t id) const {
 
 std::optional<std::string> LayerwiseOwner::wait(std::uint64_t id,
                                                 std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lk(mu_);
+  internal::UniqueLock lk(mu_);
   if (last_ != id) {
     throw Error(StatusCode::kNotFound,
                 "no prefill of sequence " + std::to_string(id) + " was started");
   }
-  if (!cv_.wait_for(lk, timeout, [&] { return !running_ || last_ != id; })) return std::nullopt;
+  if (!cv_.wait_for(lk, timeout, [&] {
+        MSTAR_KV_ASSERT_HELD(mu_);  // the condition runs under the lock
+        return !running_ || last_ != id;
+      })) {
+    return std::nullopt;
+  }
   if (last_ != id) {
     throw Error(StatusCode::kNotFound,
                 "a prefill of another sequence replaced that of " + std::to_string(id));

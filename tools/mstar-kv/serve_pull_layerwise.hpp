@@ -38,6 +38,7 @@
 
 #include "http_server.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::cli {
 
@@ -76,10 +77,10 @@ class LayerwiseOwner {
   std::shared_ptr<KVCache> staging_;  // the "model output" of the prefill
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  bool running_ = false;               // guarded by mu_
-  std::optional<std::uint64_t> last_;  // guarded by mu_: the id of the last prefill
-  std::string result_;                 // guarded by mu_: its JSON once ended
-  std::string error_;                  // guarded by mu_: or why it failed
+  bool running_ MSTAR_KV_GUARDED_BY(mu_) = false;
+  std::optional<std::uint64_t> last_ MSTAR_KV_GUARDED_BY(mu_);  // the id of the last prefill
+  std::string result_ MSTAR_KV_GUARDED_BY(mu_);                 // its JSON once ended
+  std::string error_ MSTAR_KV_GUARDED_BY(mu_);                  // or why it failed
   std::thread worker_;                 // joined before the next start
 };
 

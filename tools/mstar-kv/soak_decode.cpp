@@ -106,7 +106,7 @@ void decode_thread(std::size_t t, const DecodeConfig& cfg, const KVCache& cache,
   const Ranges mine = page_ranges(l, region);
   std::uint64_t n = 0;
   while (!stop.load(std::memory_order_relaxed)) {
-    const std::size_t slot = rng() % shared.slots.size();
+    const std::size_t slot = rng() % shared.size();
     auto pub = shared.get(slot);
     if (!pub || pub->seqs.empty()) {
       std::this_thread::sleep_for(1ms);

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::cli::soak {
 
@@ -79,8 +80,8 @@ struct Stats {
   std::atomic<std::uint64_t> requests{0}, ok{0}, failed{0}, rejected{0}, bytes_verified{0},
       corruptions{0}, hangs{0}, wrong_sequence{0};
   std::mutex mu;
-  std::map<std::string, std::uint64_t> failures_by_code;  // guarded by mu
-  std::string first_corruption;                            // guarded by mu
+  std::map<std::string, std::uint64_t> failures_by_code MSTAR_KV_GUARDED_BY(mu);
+  std::string first_corruption MSTAR_KV_GUARDED_BY(mu);
 
   void failure(StatusCode c) {
     std::lock_guard<std::mutex> lock(mu);
@@ -95,9 +96,14 @@ struct Stats {
 
 struct Shared {
   std::mutex mu;
-  std::vector<std::shared_ptr<const Published>> slots;  // guarded by mu; null while restarting
-  std::vector<pid_t> pids;                              // guarded by mu
+  std::vector<std::shared_ptr<const Published>> slots MSTAR_KV_GUARDED_BY(mu);  // null while restarting
+  std::vector<pid_t> pids MSTAR_KV_GUARDED_BY(mu);
 
+  explicit Shared(std::size_t n) : slots(n), pids(n, -1) {}
+  std::size_t size() {
+    std::lock_guard<std::mutex> lock(mu);
+    return slots.size();
+  }
   std::shared_ptr<const Published> get(std::size_t i) {
     std::lock_guard<std::mutex> lock(mu);
     return slots[i];

@@ -21,6 +21,7 @@
 #include "mstar/kv/log.hpp"
 #include "mstar/kv/stats.hpp"
 #include "mstar/kv/streaming.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 #include <mutex>
 
 namespace mstar::kv {
@@ -164,8 +165,8 @@ class KVTransferManager {
   // The stream driver (streaming.cpp), made by the first stream.
   std::chrono::milliseconds engine_timeout_{30000};
   std::mutex streams_mu_;
-  std::unique_ptr<LayerStreamer> streams_;  // guarded by streams_mu_
-  bool streams_closed_ = false;             // guarded by streams_mu_
+  std::unique_ptr<LayerStreamer> streams_ MSTAR_KV_GUARDED_BY(streams_mu_);
+  bool streams_closed_ MSTAR_KV_GUARDED_BY(streams_mu_) = false;
   void stop_streams() noexcept;
 };
 

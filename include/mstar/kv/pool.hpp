@@ -15,6 +15,7 @@
 
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv {
 
@@ -116,23 +117,23 @@ class KVCachePool {
   };
   // in_use_ marks.
   static constexpr std::uint8_t kFree = 0, kLoose = 1, kOwned = 2, kFreeing = 3;
-  std::vector<std::uint32_t> allocate_locked(std::size_t count);
-  void free_locked(std::span<const std::uint32_t> pages, std::uint8_t owner);
-  std::size_t expire_locked(Clock::time_point now);
-  void mark_locked(std::uint64_t seq_id, Sequence& s, std::uint32_t layers_done);
-  SequenceInfo publish_locked(std::uint64_t seq_id, const std::uint32_t* layers_ready);
+  std::vector<std::uint32_t> allocate_locked(std::size_t count) MSTAR_KV_REQUIRES(mu_);
+  void free_locked(std::span<const std::uint32_t> pages, std::uint8_t owner) MSTAR_KV_REQUIRES(mu_);
+  std::size_t expire_locked(Clock::time_point now) MSTAR_KV_REQUIRES(mu_);
+  void mark_locked(std::uint64_t seq_id, Sequence& s, std::uint32_t layers_done) MSTAR_KV_REQUIRES(mu_);
+  SequenceInfo publish_locked(std::uint64_t seq_id, const std::uint32_t* layers_ready) MSTAR_KV_REQUIRES(mu_);
 
   std::shared_ptr<KVCache> cache_;
   KVTransferInfo descriptor_;
   mutable std::mutex mu_;
-  std::vector<std::uint32_t> free_;     // guarded by mu_; back() is next
-  std::vector<std::uint8_t> in_use_;    // guarded by mu_; one mark per page
-  std::unordered_map<std::uint64_t, Sequence> sequences_;  // guarded by mu_
+  std::vector<std::uint32_t> free_ MSTAR_KV_GUARDED_BY(mu_);     // back() is next
+  std::vector<std::uint8_t> in_use_ MSTAR_KV_GUARDED_BY(mu_);    // one mark per page
+  std::unordered_map<std::uint64_t, Sequence> sequences_ MSTAR_KV_GUARDED_BY(mu_);
   std::chrono::milliseconds lease_;
-  std::uint64_t next_epoch_ = 1;          // guarded by mu_
-  Clock::time_point next_expiry_ = Clock::time_point::max();  // guarded by mu_
-  std::uint64_t expired_ = 0;             // guarded by mu_
-  std::unordered_set<std::uint64_t> expired_ids_;  // guarded by mu_; bounded
+  std::uint64_t next_epoch_ MSTAR_KV_GUARDED_BY(mu_) = 1;
+  Clock::time_point next_expiry_ MSTAR_KV_GUARDED_BY(mu_) = Clock::time_point::max();
+  std::uint64_t expired_ MSTAR_KV_GUARDED_BY(mu_) = 0;
+  std::unordered_set<std::uint64_t> expired_ids_ MSTAR_KV_GUARDED_BY(mu_);  // bounded
 };
 
 }  // namespace mstar::kv

@@ -29,6 +29,7 @@
 
 #include "mstar/kv/future.hpp"
 #include "mstar/kv/status.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv {
 
@@ -106,11 +107,11 @@ class TransferStatsRecorder {
       const std::function<std::optional<TransferFuture>()>& issue);
 
  private:
-  PeerStats& peer_locked(const std::string& peer);
+  PeerStats& peer_locked(const std::string& peer) MSTAR_KV_REQUIRES(mu_);
 
   const std::string engine_;
   mutable std::mutex mu_;
-  std::map<std::string, PeerStats> peers_;  // guarded by mu_
+  std::map<std::string, PeerStats> peers_ MSTAR_KV_GUARDED_BY(mu_);
 };
 
 // Prometheus text exposition format (version 0.0.4) of the snapshots, one

@@ -10,10 +10,14 @@
 //   int count_ MSTAR_KV_GUARDED_BY(mu_) = 0;
 //   void bump_locked() MSTAR_KV_REQUIRES(mu_);
 //
-// std::lock_guard is understood; a std::unique_lock (needed by condition
-// variables) is not, so code holding one names what it holds with
-// MSTAR_KV_ASSERT_HELD(mu_) right after taking it.
+// std::lock_guard is understood; std::unique_lock is not: code that needs
+// one (condition variables, unlocking to call out) takes an
+// mstar::kv::internal::UniqueLock instead, which is one and is annotated. A
+// condition variable's predicate (a lambda, analysed on its own) says that
+// it runs under the lock with MSTAR_KV_ASSERT_HELD(mu_).
 #pragma once
+
+#include <mutex>
 
 #if defined(__clang__)
 #define MSTAR_KV_THREAD_ANNOTATION(x) __attribute__((x))
@@ -28,6 +32,24 @@
 #define MSTAR_KV_NO_THREAD_SAFETY_ANALYSIS MSTAR_KV_THREAD_ANNOTATION(no_thread_safety_analysis)
 
 namespace mstar::kv::internal {
+
+// A std::unique_lock<std::mutex> the analysis understands: it holds `mu`
+// from construction to destruction, except between unlock() and lock().
+class MSTAR_KV_THREAD_ANNOTATION(scoped_lockable) UniqueLock
+    : public std::unique_lock<std::mutex> {
+ public:
+  explicit UniqueLock(std::mutex& mu) MSTAR_KV_THREAD_ANNOTATION(acquire_capability(mu))
+      : std::unique_lock<std::mutex>(mu) {}
+  ~UniqueLock() MSTAR_KV_THREAD_ANNOTATION(release_capability()) {}
+  UniqueLock(const UniqueLock&) = delete;
+  UniqueLock& operator=(const UniqueLock&) = delete;
+  void lock() MSTAR_KV_THREAD_ANNOTATION(acquire_capability()) {
+    std::unique_lock<std::mutex>::lock();
+  }
+  void unlock() MSTAR_KV_THREAD_ANNOTATION(release_capability()) {
+    std::unique_lock<std::mutex>::unlock();
+  }
+};
 
 // Tells the analysis that `mu` is held (by a std::unique_lock the caller
 // took): no code, no check at run time.

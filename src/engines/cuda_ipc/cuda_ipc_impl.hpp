@@ -33,6 +33,7 @@
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/status.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv {
 
@@ -159,17 +160,17 @@ class CudaIpcKVTransferEngine::Impl {
   // Epoch checks copy the owner's words to the host on this stream, one at
   // a time.
   std::mutex epoch_mu_;
-  cudaStream_t epoch_stream_ = nullptr;              // guarded by epoch_mu_
-  std::vector<std::uint64_t> epoch_scratch_;         // guarded by epoch_mu_
+  cudaStream_t epoch_stream_ MSTAR_KV_GUARDED_BY(epoch_mu_) = nullptr;
+  std::vector<std::uint64_t> epoch_scratch_ MSTAR_KV_GUARDED_BY(epoch_mu_);
 
   // Shared while a read enqueues, exclusive in shutdown: shutdown never
   // synchronises streams while a read is still enqueuing on them.
   std::shared_mutex lifecycle_mu_;
-  bool shut_down_ = false;  // guarded by lifecycle_mu_
+  bool shut_down_ MSTAR_KV_GUARDED_BY(lifecycle_mu_) = false;
 
   mutable std::mutex map_mu_;
   std::map<std::pair<std::uint32_t, std::uint64_t>, std::shared_ptr<RemoteMapping>>
-      mappings_;                                           // guarded by map_mu_
+      mappings_ MSTAR_KV_GUARDED_BY(map_mu_);
   // The current generation per lineage: (owner pid, GPU, layout). A new
   // generation in a lineage replaces the old one; caches of one process that
   // differ in GPU or layout (a draft and a target model) live side by side.
@@ -177,16 +178,16 @@ class CudaIpcKVTransferEngine::Impl {
     std::uint32_t pid = 0;
     std::uint64_t generation = 0;
   };
-  std::map<std::string, Current> current_gen_;             // guarded by map_mu_
-  std::set<std::pair<std::uint32_t, std::uint64_t>> retired_;  // guarded by map_mu_
-  std::vector<std::pair<std::uint32_t, std::uint64_t>> retired_order_;  // guarded by map_mu_
+  std::map<std::string, Current> current_gen_ MSTAR_KV_GUARDED_BY(map_mu_);
+  std::set<std::pair<std::uint32_t, std::uint64_t>> retired_ MSTAR_KV_GUARDED_BY(map_mu_);
+  std::vector<std::pair<std::uint32_t, std::uint64_t>> retired_order_ MSTAR_KV_GUARDED_BY(map_mu_);
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<std::unique_ptr<Read>> in_flight_;  // guarded by mu_
-  std::vector<cudaEvent_t> free_events_;          // guarded by mu_
-  std::uint64_t arrivals_ = 0;                    // guarded by mu_
-  bool stop_ = false;                             // guarded by mu_
+  std::vector<std::unique_ptr<Read>> in_flight_ MSTAR_KV_GUARDED_BY(mu_);
+  std::vector<cudaEvent_t> free_events_ MSTAR_KV_GUARDED_BY(mu_);
+  std::uint64_t arrivals_ MSTAR_KV_GUARDED_BY(mu_) = 0;
+  bool stop_ MSTAR_KV_GUARDED_BY(mu_) = false;
   std::thread completer_;
 };
 

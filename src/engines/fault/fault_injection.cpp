@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "mstar/kv/status.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv {
 
@@ -69,14 +70,14 @@ struct FaultInjectingEngine::Impl {
 
   mutable std::mutex mu;
   std::condition_variable cv;
-  FaultConfig cfg;                                // guarded by mu
-  KillHook kill;                                  // guarded by mu
-  std::mt19937_64 rng;                            // guarded by mu
-  std::multimap<Clock::time_point, Task> timers;  // guarded by mu
-  std::vector<std::shared_ptr<Batch>> batches;    // guarded by mu: watched until resolved
-  int issuing = 0;                                // guarded by mu: caller threads mid-issue
-  bool shut = false;                              // guarded by mu
-  bool stopping = false;                          // guarded by mu
+  FaultConfig cfg MSTAR_KV_GUARDED_BY(mu);
+  KillHook kill MSTAR_KV_GUARDED_BY(mu);
+  std::mt19937_64 rng MSTAR_KV_GUARDED_BY(mu);
+  std::multimap<Clock::time_point, Task> timers MSTAR_KV_GUARDED_BY(mu);
+  std::vector<std::shared_ptr<Batch>> batches MSTAR_KV_GUARDED_BY(mu);    // watched until resolved
+  int issuing MSTAR_KV_GUARDED_BY(mu) = 0;                                // caller threads mid-issue
+  bool shut MSTAR_KV_GUARDED_BY(mu) = false;
+  bool stopping MSTAR_KV_GUARDED_BY(mu) = false;
   std::mutex shutdown_mu;                         // serialises shutdown()
   std::thread thread;
 
@@ -131,6 +132,7 @@ struct FaultInjectingEngine::Impl {
     if (sum <= 0) return;
     const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
     auto random_ms = [&] {
+      MSTAR_KV_ASSERT_HELD(mu);  // called below, under the lock
       return std::chrono::milliseconds(std::uniform_int_distribution<std::int64_t>(
           0, std::max<std::int64_t>(0, cfg.max_random_delay.count()))(rng));
     };
@@ -313,7 +315,7 @@ struct FaultInjectingEngine::Impl {
   // The wrapper's thread: runs due timers and resolves outer futures whose
   // inner futures resolved, forwarding cancellation inward.
   void loop() {
-    std::unique_lock<std::mutex> lock(mu);
+    internal::UniqueLock lock(mu);
     for (;;) {
       const auto now = Clock::now();
       if (!timers.empty() && timers.begin()->first <= now) {
@@ -494,7 +496,7 @@ void FaultInjectingEngine::shutdown() {
   const auto deadline = Clock::now() + kShutdownGrace;
   for (;;) {
     {
-      std::unique_lock<std::mutex> lock(im.mu);
+      internal::UniqueLock lock(im.mu);
       if (im.batches.empty() && im.issuing == 0) break;
       if (Clock::now() >= deadline) {
         for (auto& b : im.batches) {

@@ -202,7 +202,10 @@ void MooncakeBackend::shutdown() noexcept {
     // A connect() still holding a scratch page lets go of it promptly: its
     // batch completed above, or post() refuses it now.
     std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait(lk, [this] { return live_scratch_ == 0; });
+    cv_.wait(lk, [this] {
+      MSTAR_KV_ASSERT_HELD(mu_);  // the condition runs under the lock
+      return live_scratch_ == 0;
+    });
   }
   std::unique_lock<std::shared_mutex> api(api_mu_);
   release_engine();
@@ -356,8 +359,11 @@ void MooncakeBackend::progress_loop() {
   for (;;) {
     std::vector<std::shared_ptr<Batch>> work;
     {
-      std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [this] { return !batches_.empty() || stopping_; });
+      internal::UniqueLock lk(mu_);
+      cv_.wait(lk, [this] {
+        MSTAR_KV_ASSERT_HELD(mu_);  // the condition runs under the lock
+        return !batches_.empty() || stopping_;
+      });
       if (batches_.empty()) return;  // stopping, nothing left
       work = batches_;
       seen_arrivals = arrivals_;
@@ -429,7 +435,10 @@ void MooncakeBackend::progress_loop() {
     const auto pause = std::chrono::microseconds(std::min(1000, 20 << std::min(idle, 6)));
     ++idle;
     std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait_for(lk, pause, [&] { return arrivals_ != seen_arrivals || stopping_; });
+    cv_.wait_for(lk, pause, [&] {
+      MSTAR_KV_ASSERT_HELD(mu_);  // the condition runs under the lock
+      return arrivals_ != seen_arrivals || stopping_;
+    });
   }
 }
 

@@ -48,6 +48,7 @@
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/mooncake.hpp"
 #include "engines/rma/rma_backend.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::engines::mooncake {
 
@@ -144,7 +145,7 @@ class MooncakeBackend final : public rma::RmaBackend {
   void release_engine() noexcept;
   // The error of work refused by a dead or stopped backend.
   Error refusal() const;
-  Error refusal_locked() const;  // caller holds mu_
+  Error refusal_locked() const MSTAR_KV_REQUIRES(mu_);
   void unregister(void* addr) noexcept;
 
   // Declared first: unloaded last, after Mooncake's engine is destroyed (a
@@ -156,22 +157,25 @@ class MooncakeBackend final : public rma::RmaBackend {
   rma::RmaRegionInfo region_;
   PagePtr identity_;
 
+  // Guards the four members below (readers take it shared). A
+  // std::shared_mutex, which libc++ does not annotate: not checked by the
+  // thread-safety build.
   mutable std::shared_mutex api_mu_;
   McEngine engine_ = nullptr;  // guarded by api_mu_; null once destroyed / dropped
   bool shared_ = false;        // engine_ is the application's: never destroyed
   bool cache_registered_ = false;     // guarded by api_mu_
   bool identity_registered_ = false;  // guarded by api_mu_
-  bool epochs_registered_ = false;   // guarded by api_mu_
+  bool epochs_registered_ = false;    // guarded by api_mu_
 
   std::size_t window_ = 1024;  // requests per peer in Mooncake's hands
   std::atomic<bool> dead_{false};
   mutable std::mutex mu_;
   std::condition_variable cv_;  // a batch arrived / stopping / a scratch page let go
-  std::vector<std::shared_ptr<Batch>> batches_;  // guarded by mu_
-  std::uint64_t arrivals_ = 0;               // guarded by mu_
-  bool stopping_ = false;                    // guarded by mu_
-  std::size_t live_scratch_ = 0;             // guarded by mu_; shutdown waits for 0
-  std::string dead_reason_;                  // guarded by mu_
+  std::vector<std::shared_ptr<Batch>> batches_ MSTAR_KV_GUARDED_BY(mu_);
+  std::uint64_t arrivals_ MSTAR_KV_GUARDED_BY(mu_) = 0;
+  bool stopping_ MSTAR_KV_GUARDED_BY(mu_) = false;
+  std::size_t live_scratch_ MSTAR_KV_GUARDED_BY(mu_) = 0;             // shutdown waits for 0
+  std::string dead_reason_ MSTAR_KV_GUARDED_BY(mu_);
   std::thread progress_;
 };
 

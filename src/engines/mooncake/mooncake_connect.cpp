@@ -15,6 +15,7 @@
 #include "core/codec.hpp"
 #include "mstar/kv/epochs.hpp"
 #include "mooncake_backend.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::engines::mooncake {
 
@@ -267,16 +268,16 @@ class EpochCheckedRead final : public rma::RmaOperation,
   const std::uint64_t epochs_ptr_;
   std::byte* const local_base_;
   const std::vector<rma::RmaRead> reads_;
-  rma::RmaCompletion done_;  // guarded by mu_
+  rma::RmaCompletion done_ MSTAR_KV_GUARDED_BY(mu_);
   const std::shared_ptr<std::atomic<bool>> failed_;
   const rma::RmaEpochCheck check_;
   std::vector<std::uint64_t> words_;  // the owner's epochs of check_.pages
   std::shared_ptr<void> scratch_keep_;
   std::byte* scratch_ = nullptr;
   std::mutex mu_;
-  bool aborted_ = false;   // guarded by mu_
-  bool finished_ = false;  // guarded by mu_
-  std::shared_ptr<rma::RmaOperation> current_;  // guarded by mu_
+  bool aborted_ MSTAR_KV_GUARDED_BY(mu_) = false;
+  bool finished_ MSTAR_KV_GUARDED_BY(mu_) = false;
+  std::shared_ptr<rma::RmaOperation> current_ MSTAR_KV_GUARDED_BY(mu_);
 };
 
 class MooncakePeer final : public rma::RmaPeer {

@@ -8,6 +8,7 @@
 
 #include "mstar/kv/epochs.hpp"
 #include "mstar/kv/planner.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::rma {
 
@@ -38,7 +39,7 @@ struct RmaKVTransferEngine::InFlight {
 
 struct RmaKVTransferEngine::PeerSlot {
   std::mutex mu;  // serialises connects to this peer
-  std::shared_ptr<RmaPeer> peer;  // guarded by mu
+  std::shared_ptr<RmaPeer> peer MSTAR_KV_GUARDED_BY(mu);
 };
 
 RmaKVTransferEngine::RmaKVTransferEngine(std::shared_ptr<KVCache> cache,
@@ -103,7 +104,9 @@ bool RmaKVTransferEngine::evict_peer(const std::string& session_id, const RmaPee
   }
   // try_lock: a connect in progress on this slot replaces the peer anyway.
   std::unique_lock<std::mutex> lk(slot->mu, std::try_to_lock);
-  if (lk.owns_lock() && slot->peer.get() == peer) {
+  if (!lk.owns_lock()) return false;
+  MSTAR_KV_ASSERT_HELD(slot->mu);
+  if (slot->peer.get() == peer) {
     slot->peer.reset();
     return true;
   }
@@ -281,7 +284,7 @@ void RmaKVTransferEngine::on_done(std::uint64_t id, Status status) {
 }
 
 void RmaKVTransferEngine::watchdog() {
-  std::unique_lock<std::mutex> lk(mu_);
+  internal::UniqueLock lk(mu_);
   while (!backend_down_) {
     const auto now = Clock::now();
     std::vector<std::shared_ptr<RmaOperation>> to_abort;
@@ -339,8 +342,10 @@ void RmaKVTransferEngine::shutdown() {
     // Bounded by the backend's abort contract; the backend's own shutdown
     // below completes anything that is still outstanding.
     std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait_for(lk, timeout_ + std::chrono::seconds(5),
-                 [this] { return inflight_.empty(); });
+    cv_.wait_for(lk, timeout_ + std::chrono::seconds(5), [this] {
+      MSTAR_KV_ASSERT_HELD(mu_);  // the condition runs under the lock
+      return inflight_.empty();
+    });
   }
   backend_->shutdown();
   {

@@ -46,6 +46,7 @@
 #include "mstar/kv/engine.hpp"
 #include "mstar/kv/engine_options.hpp"
 #include "rma_backend.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::rma {
 
@@ -104,14 +105,14 @@ class RmaKVTransferEngine final : public KVTransferEngine {
 
   std::mutex shutdown_mu_;  // one shutdown() at a time
   std::mutex peers_mu_;
-  std::unordered_map<std::string, std::shared_ptr<PeerSlot>> peers_;  // guarded by peers_mu_
+  std::unordered_map<std::string, std::shared_ptr<PeerSlot>> peers_ MSTAR_KV_GUARDED_BY(peers_mu_);
 
   std::mutex mu_;
   std::condition_variable cv_;        // in-flight set changed / stopping
-  bool stopping_ = false;             // guarded by mu_
-  bool backend_down_ = false;         // guarded by mu_
-  std::uint64_t next_id_ = 1;         // guarded by mu_
-  std::map<std::uint64_t, std::shared_ptr<InFlight>> inflight_;  // guarded by mu_
+  bool stopping_ MSTAR_KV_GUARDED_BY(mu_) = false;
+  bool backend_down_ MSTAR_KV_GUARDED_BY(mu_) = false;
+  std::uint64_t next_id_ MSTAR_KV_GUARDED_BY(mu_) = 1;
+  std::map<std::uint64_t, std::shared_ptr<InFlight>> inflight_ MSTAR_KV_GUARDED_BY(mu_);
   std::thread watchdog_;
 };
 

@@ -205,8 +205,11 @@ void CopyPool::worker_loop() {
   for (;;) {
     std::shared_ptr<Job> job;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      internal::UniqueLock lock(mu_);
+      work_cv_.wait(lock, [&] {
+        MSTAR_KV_ASSERT_HELD(mu_);  // the condition runs under the lock
+        return stopping_ || !queue_.empty();
+      });
       if (queue_.empty()) return;  // stopping, and every job was handed out
       job = queue_.front();
     }
@@ -218,7 +221,7 @@ void CopyPool::worker_loop() {
 }
 
 void CopyPool::watchdog_loop() {
-  std::unique_lock<std::mutex> lock(mu_);
+  internal::UniqueLock lock(mu_);
   while (!stopping_) {
     std::erase_if(active_, [](const auto& j) { return j->promise.resolved(); });
     if (active_.empty()) {

@@ -25,6 +25,7 @@
 
 #include "mstar/kv/future.hpp"
 #include "mstar/kv/planner.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::shm {
 
@@ -78,9 +79,9 @@ class CopyPool {
   std::mutex mu_;
   std::condition_variable work_cv_;   // workers wait for jobs
   std::condition_variable watch_cv_;  // the watchdog waits for jobs
-  bool stopping_ = false;                       // guarded by mu_
-  std::deque<std::shared_ptr<Job>> queue_;      // guarded by mu_; jobs with pieces left
-  std::vector<std::shared_ptr<Job>> active_;    // guarded by mu_; unresolved jobs
+  bool stopping_ MSTAR_KV_GUARDED_BY(mu_) = false;
+  std::deque<std::shared_ptr<Job>> queue_ MSTAR_KV_GUARDED_BY(mu_);      // jobs with pieces left
+  std::vector<std::shared_ptr<Job>> active_ MSTAR_KV_GUARDED_BY(mu_);    // unresolved jobs
   std::vector<std::thread> threads_;
   std::thread watchdog_;
 };

@@ -17,6 +17,7 @@
 #include "mstar/kv/shm.hpp"
 #include "shm_memory.hpp"
 #include "shm_readiness.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv {
 
@@ -81,9 +82,9 @@ struct ShmKVTransferEngine::Impl {
   ShmEngineOptions options;
   shm::CopyPool pool;
   mutable std::mutex map_mu;
-  bool shut = false;  // guarded by map_mu
+  bool shut MSTAR_KV_GUARDED_BY(map_mu) = false;
   std::map<std::pair<std::uint32_t, std::uint64_t>, std::shared_ptr<const ShmMapping>>
-      mappings;  // guarded by map_mu
+      mappings MSTAR_KV_GUARDED_BY(map_mu);
 };
 
 namespace {

@@ -46,6 +46,7 @@
 #include "ucx_wire.hpp"
 
 #include "ucx_backend.hpp"
+#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::ucx {
 
@@ -170,9 +171,9 @@ struct ReadyWatch {
   std::uint64_t epoch = 0;
   std::uint32_t num_layers = 0;
   std::mutex mu;
-  std::uint32_t layers = 0;      // guarded by mu: the last notice's count
-  bool outstanding = false;      // guarded by mu: a request awaits its notice
-  std::optional<Status> error;   // guarded by mu: the watch failed
+  std::uint32_t layers MSTAR_KV_GUARDED_BY(mu) = 0;      // the last notice's count
+  bool outstanding MSTAR_KV_GUARDED_BY(mu) = false;      // a request awaits its notice
+  std::optional<Status> error MSTAR_KV_GUARDED_BY(mu);   // the watch failed
 };
 
 // The owner's half: a request held until its count moves (ucx_readiness.cpp).
@@ -325,7 +326,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
 
  private:
   std::mutex done_mu_;
-  std::function<void(std::uint64_t, std::uint64_t)> done_handler_;  // guarded by done_mu_
+  std::function<void(std::uint64_t, std::uint64_t)> done_handler_ MSTAR_KV_GUARDED_BY(done_mu_);
   // Layer readiness, owner: answers or holds a request; re-checks the
   // held ones (every progress round while any is held). Reader: a notice.
   void on_ready_req(ucp_ep_h ep, const ReadyReqHdr& h, std::vector<std::uint32_t> pages);
@@ -377,8 +378,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   AmTag am_tags_[kAmMaxId + 1];
 
   std::mutex mu_;
-  std::deque<std::function<void()>> commands_;  // guarded by mu_
-  bool stopped_ = false;                        // guarded by mu_
+  std::deque<std::function<void()>> commands_ MSTAR_KV_GUARDED_BY(mu_);
+  bool stopped_ MSTAR_KV_GUARDED_BY(mu_) = false;
   std::atomic<bool> stop_requested_{false};
   std::mutex stop_mu_;
   std::thread thread_;

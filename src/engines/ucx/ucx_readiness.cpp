@@ -36,7 +36,7 @@ class UcxLayerWatch final : public LayerWatch {
   }
 
   Status poll(std::uint32_t* layers_ready) override {
-    std::unique_lock<std::mutex> lk(w_->mu);
+    internal::UniqueLock lk(w_->mu);
     if (w_->error) return *w_->error;
     if (w_->conn->failed.load(std::memory_order_acquire)) {
       return {StatusCode::kPeerFailure,
