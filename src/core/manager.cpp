@@ -6,21 +6,6 @@
 
 namespace mstar::kv {
 
-KVTransferManager::KVTransferManager(
-    std::optional<TransferEngineInfo> transfer_engine_info,
-    std::shared_ptr<KVCache> kv_cache)
-    : kv_cache_(std::move(kv_cache)) {
-  if (!kv_cache_) {
-    throw Error(StatusCode::kInvalidArgument, "KVTransferManager needs a KV cache");
-  }
-  engine_ = make_engine(transfer_engine_info, kv_cache_);
-  if (transfer_engine_info) engine_timeout_ = transfer_engine_info->options.timeout;
-  stats_ = std::make_shared<TransferStatsRecorder>(
-      transfer_engine_info && !transfer_engine_info->transfer_engine.empty()
-          ? transfer_engine_info->transfer_engine
-          : "local");
-}
-
 KVTransferManager::KVTransferManager(std::shared_ptr<KVCache> kv_cache,
                                      std::unique_ptr<KVTransferEngine> engine)
     : kv_cache_(std::move(kv_cache)), engine_(std::move(engine)) {

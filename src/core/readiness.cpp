@@ -47,8 +47,8 @@ std::uint32_t PageReadiness::load(std::uint32_t page) const noexcept {
   return load_ready(words_ + page);
 }
 
-// Here, not in streaming.cpp: the engines' vtable needs it, and
-// streaming.cpp pulls the manager (and the engine factory) into a link.
+// Here, not in streaming.cpp: the engines' vtable needs it, and an engine
+// need not link the stream driver.
 std::unique_ptr<LayerWatch> KVTransferEngine::watch_layers(
     const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
   (void)read_info;

@@ -10,6 +10,8 @@
 
 #include "engine_makers.hpp"
 #include "mstar/kv/local_only.hpp"
+#include "mstar/kv/manager.hpp"
+#include "mstar/kv/stats.hpp"
 #include "mstar/kv/status.hpp"
 
 namespace mstar::kv {
@@ -177,6 +179,23 @@ std::vector<std::string> built_engines() {
     if (e.traits.built) out.push_back(e.traits.name);
   }
   return out;
+}
+
+// The manager's engine-making constructor lives here, beside the factory,
+// so that the core (src/core, mstar_kv_core) links without any engine.
+KVTransferManager::KVTransferManager(
+    std::optional<TransferEngineInfo> transfer_engine_info,
+    std::shared_ptr<KVCache> kv_cache)
+    : kv_cache_(std::move(kv_cache)) {
+  if (!kv_cache_) {
+    throw Error(StatusCode::kInvalidArgument, "KVTransferManager needs a KV cache");
+  }
+  engine_ = make_engine(transfer_engine_info, kv_cache_);
+  if (transfer_engine_info) engine_timeout_ = transfer_engine_info->options.timeout;
+  stats_ = std::make_shared<TransferStatsRecorder>(
+      transfer_engine_info && !transfer_engine_info->transfer_engine.empty()
+          ? transfer_engine_info->transfer_engine
+          : "local");
 }
 
 }  // namespace mstar::kv

@@ -1,6 +1,8 @@
 // Copyright mstar-kv authors.
 #include <gtest/gtest.h>
 
+#include <type_traits>
+
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/layout.hpp"
 #include "mstar/kv/status.hpp"
@@ -120,6 +122,11 @@ TEST(KVLayout, CompatibilityNamesTheDifferingField) {
   b.has_v = false;
   EXPECT_THROW(a.check_compatible(b), Error);
 }
+
+// The header's contract: engines and pools keep a cache's address, so it is
+// shared (std::shared_ptr), never copied or moved.
+static_assert(!std::is_copy_constructible_v<KVCache> && !std::is_move_constructible_v<KVCache> &&
+              !std::is_copy_assignable_v<KVCache> && !std::is_move_assignable_v<KVCache>);
 
 TEST(KVCache, BlockViewsAreBoundsChecked) {
   const KVLayout l = small(CacheOrder::kLayerMajor, PageOrder::kNHD);

@@ -109,7 +109,7 @@ TEST(Security, SharedCacheDescriptorClaimingAnotherUidIsRefused) {
   auto info = ShmKVTransferInfo::decode(owner.sequence().kv_transfer_info);
   info.uid += 1;
   try {
-    ShmMapping::open(info);
+    (void)map_shm_cache(info.encode());
     FAIL() << "a descriptor of uid " << info.uid << " was mapped";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kPermissionDenied) << e.what();

@@ -295,9 +295,7 @@ struct BaselineSource {
   KVLayout layout;
   std::string what;
   bool peer_memory = false;  // true: data is the prefill's own cache
-#if MSTAR_KV_DEMO_SHM
-  std::optional<ShmMapping> mapping;
-#endif
+  std::shared_ptr<const std::byte> mapped;  // the prefill's memory (shm)
   std::shared_ptr<KVCache> private_copy;
 };
 
@@ -305,10 +303,10 @@ BaselineSource baseline_source(const DemoConfig& c, const KVTransferInfo& info) 
   BaselineSource b;
 #if MSTAR_KV_DEMO_SHM
   if (const auto t = find_engine(info.engine); t && t->host_readable) {
-    const ShmKVTransferInfo si = ShmKVTransferInfo::decode(info);
-    b.mapping.emplace(ShmMapping::open(si));
-    b.data = b.mapping->data();
-    b.layout = si.layout;
+    ShmCacheView view = map_shm_cache(info);
+    b.data = view.data.get();
+    b.layout = view.layout;
+    b.mapped = std::move(view.data);
     b.what = "from the prefill's mapped memory";
     b.peer_memory = true;
     return b;

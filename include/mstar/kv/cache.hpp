@@ -56,8 +56,9 @@ class KVMemory {
 // Page-aligned, zero-filled private host memory.
 std::unique_ptr<KVMemory> allocate_host_memory(std::size_t size);
 
-// A layout bound to memory of at least layout.total_bytes(). Move-only;
-// share it with std::shared_ptr. Views are bounds-checked and throw
+// A layout bound to memory of at least layout.total_bytes(). Neither
+// copyable nor movable (engines, pools and registrations keep its address
+// and its memory's): share it with std::shared_ptr. Views are bounds-checked and throw
 // Error(kInvalidArgument) naming the index and its range. Thread safety: the
 // object is immutable after construction; the bytes are not synchronised.
 class KVCache {
@@ -69,6 +70,8 @@ class KVCache {
 
   KVCache(const KVCache&) = delete;
   KVCache& operator=(const KVCache&) = delete;
+  KVCache(KVCache&&) = delete;
+  KVCache& operator=(KVCache&&) = delete;
 
   const KVLayout& layout() const noexcept { return layout_; }
   const KVMemory& memory() const noexcept { return *memory_; }

@@ -57,9 +57,13 @@ std::optional<TransferFuture> retrieve_shards(KVTransferEngine& engine, const KV
 
 class KVTransferManager {
  public:
+  // With the engine make_engine() creates from the info (factory.hpp; this
+  // constructor is defined beside the factory, in the mstar::kv library,
+  // not in the core).
   KVTransferManager(std::optional<TransferEngineInfo> transfer_engine_info,
                     std::shared_ptr<KVCache> kv_cache);
-  // Around an engine built elsewhere (e.g. wrapped by a fault injector).
+  // Around an engine built elsewhere (e.g. wrapped by a fault injector);
+  // needs nothing beyond the core.
   KVTransferManager(std::shared_ptr<KVCache> kv_cache,
                     std::unique_ptr<KVTransferEngine> engine);
   ~KVTransferManager();

@@ -62,11 +62,14 @@
 // not silently ignored, and so are keys of the other mode (mooncake_metadata,
 // mooncake_host and mooncake_protocol configure an engine this one creates:
 // they are rejected with a shared handle; mooncake_session_id is accepted
-// only with one). Before creating Mooncake's engine the constructor sets
-// MC_TCP_ENABLE_CONNECTION_POOL=1 and MC_LOG_LEVEL=WARNING in the process
-// environment unless the user already set them (without the connection pool,
-// Mooncake's TCP transport opens a connection per request and runs ~4x
-// slower; Mooncake still logs a few INFO lines at start-up). The engine keeps
+// only with one). Mooncake reads its configuration from the environment
+// when its engine is created (its C API takes none), so the library sets
+// MC_TCP_ENABLE_CONNECTION_POOL=1 and MC_LOG_LEVEL=WARNING once, while the
+// program loads (a static initializer of the Mooncake engine, before main),
+// unless the user already set them, and never later: no engine calls setenv
+// (without the connection pool, Mooncake's TCP transport opens a connection
+// per request and runs ~4x slower; Mooncake still logs a few INFO lines at
+// start-up). The engine keeps
 // at most MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (default 1024) requests per
 // peer in Mooncake's hands, because Mooncake's TCP transport fails requests
 // beyond that queue instead of waiting.
@@ -117,9 +120,8 @@
 //     files, when another copy of Mooncake's C API is already in the
 //     process's global symbol scope);
 //   * never calls createTransferEngine, installTransport or
-//     destroyTransferEngine on the handle, and sets no MC_* variable (they
-//     are read when the engine is created: set MC_TCP_ENABLE_CONNECTION_POOL=1
-//     before installTransport for the TCP speed noted above);
+//     destroyTransferEngine on the handle (the MC_* defaults above were set
+//     at load, before the application created it);
 //   * registers the cache and its identity page on the handle
 //     (registerLocalMemory, location mooncake_location) and unregisters them
 //     in shutdown(), as it does the 4 KiB scratch page of each descriptor

@@ -124,9 +124,14 @@ std::optional<TransferFuture> CudaIpcKVTransferEngine::Impl::read(
     }
     src = cache_->base();
   } else {
-    Status status;
-    read->mapping = acquire(remote, &status);
-    if (!status.is_ok()) return make_failed_future(status);
+    try {
+      read->mapping = acquire(remote);
+    } catch (const Error& e) {
+      // CUDA could not open the owner's memory: a transfer failure, through
+      // the future; every other refusal is thrown before any byte moves.
+      if (e.code() != StatusCode::kPeerFailure) throw;
+      return make_failed_future(e.status());
+    }
     src = read->mapping->base() + remote.offset_bytes();
   }
 

@@ -130,10 +130,11 @@ class CudaIpcKVTransferEngine::Impl {
   // The epoch check of `r`'s pages against the owner's table, `when`.
   Status check_epochs(const Read& r, std::string_view when, bool after_copy);
 
-  // The mapping for `remote`, opened now if needed. Throws Error for
-  // stale / dead / unreachable owners; a CUDA failure to open comes back as
-  // a non-ok Status (delivered through the future).
-  std::shared_ptr<RemoteMapping> acquire(const CudaIpcKVTransferInfo& remote, Status* status);
+  // The mapping for `remote`, opened now if needed. Throws Error: for
+  // stale / dead / unreachable owners, and kPeerFailure when CUDA fails to
+  // open a reachable owner's memory (the caller delivers that one through
+  // the read's future, as a transfer failure).
+  std::shared_ptr<RemoteMapping> acquire(const CudaIpcKVTransferInfo& remote);
   // Enqueues every span and records the events into `read`. On a CUDA
   // failure, waits for what was enqueued and returns the error.
   Status enqueue(const std::vector<CopySpan>& spans, const std::vector<StridedSpan>& strided,

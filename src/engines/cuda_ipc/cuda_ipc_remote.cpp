@@ -8,7 +8,7 @@ namespace mstar::kv {
 using namespace cuda_ipc_detail;
 
 std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
-    const CudaIpcKVTransferInfo& remote, Status* status) {
+    const CudaIpcKVTransferInfo& remote) {
   const std::uint32_t pid = remote.owner_pid;
   const auto key = std::make_pair(pid, remote.generation);
   std::lock_guard lk(map_mu_);
@@ -55,9 +55,8 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
     int can = 0;
     const cudaError_t err = cudaDeviceCanAccessPeer(&can, device_, owner_dev);
     if (err != cudaSuccess) {
-      *status = Status(StatusCode::kPeerFailure,
+      throw Error(StatusCode::kPeerFailure,
                        "cudaDeviceCanAccessPeer: " + cuda::error_text(err));
-      return nullptr;
     }
     if (can == 0) {
       throw Error(StatusCode::kInvalidArgument,
@@ -74,10 +73,9 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
     cuda::DeviceGuard guard(device_);
     const cudaError_t err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {
-      *status = Status(StatusCode::kPeerFailure,
+      throw Error(StatusCode::kPeerFailure,
                        "cudaIpcOpenMemHandle for " + gen_string(pid, remote.generation) +
                            " failed: " + cuda::error_text(err));
-      return nullptr;
     }
   }
   auto mapping = std::make_shared<RemoteMapping>(base, device_);
@@ -88,11 +86,10 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
     cuda::DeviceGuard guard(device_);
     const cudaError_t err = cudaIpcOpenMemHandle(&ep, eh, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {
-      *status = Status(StatusCode::kPeerFailure,
+      throw Error(StatusCode::kPeerFailure,
                        "cudaIpcOpenMemHandle of the page epoch table of " +
                            gen_string(pid, remote.generation) + " failed: " +
                            cuda::error_text(err));
-      return nullptr;
     }
     mapping->set_epochs(ep);
     // Untrusted length: the table must hold epoch_pages words.

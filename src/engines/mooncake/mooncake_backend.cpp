@@ -13,6 +13,22 @@
 
 namespace mstar::kv::engines::mooncake {
 
+namespace {
+
+// Mooncake reads its configuration from the environment when an engine and
+// its TCP transport are created, and its C API takes none. The two variables
+// this engine relies on (mooncake.hpp) are therefore set here, once, while
+// the program loads (before main, so before any thread of a program linking
+// the library; at import for the Python extension), and never by an engine:
+// setenv beside running threads is a data race. A value the user set wins.
+[[maybe_unused]] const bool kMooncakeEnvironment = [] {
+  ::setenv("MC_TCP_ENABLE_CONNECTION_POOL", "1", 0);
+  ::setenv("MC_LOG_LEVEL", "WARNING", 0);
+  return true;
+}();
+
+}  // namespace
+
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -95,11 +111,6 @@ MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
                       "that created it; set mooncake_lib / MSTAR_KV_MOONCAKE_LIB to '" +
                       other + "'");
     }
-  } else {
-    // Read by Mooncake when its engine / TCP transport is created; a user's
-    // own setting wins (overwrite = 0). A shared handle was created already.
-    ::setenv("MC_TCP_ENABLE_CONNECTION_POOL", "1", 0);
-    ::setenv("MC_LOG_LEVEL", "WARNING", 0);
   }
   // Mooncake's TCP transport queues at most this many requests per peer and
   // fails the rest; stay within it.

@@ -15,6 +15,7 @@
 #include "engines/engine_makers.hpp"
 #include "engines/option_keys.hpp"
 #include "mstar/kv/shm.hpp"
+#include "shm_mapping.hpp"
 #include "shm_memory.hpp"
 #include "shm_readiness.hpp"
 #include "mstar/kv/thread_annotations.hpp"

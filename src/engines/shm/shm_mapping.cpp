@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "mstar/kv/shm.hpp"
+#include "shm_mapping.hpp"
 #include "shm_memory.hpp"
 
 namespace mstar::kv {
@@ -231,5 +232,13 @@ ShmMapping& ShmMapping::operator=(ShmMapping&& other) noexcept {
 }
 
 ShmMapping::~ShmMapping() { reset(); }
+
+ShmCacheView map_shm_cache(const KVTransferInfo& info) {
+  const ShmKVTransferInfo si = ShmKVTransferInfo::decode(info);
+  auto mapping = std::make_shared<const ShmMapping>(ShmMapping::open(si));
+  const std::byte* data = mapping->data();
+  // Aliasing: the view's pointer owns the mapping.
+  return ShmCacheView{std::shared_ptr<const std::byte>(std::move(mapping), data), si.layout};
+}
 
 }  // namespace mstar::kv

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "mstar/kv/readiness.hpp"
-#include "mstar/kv/shm.hpp"
+#include "shm_mapping.hpp"
 
 namespace mstar::kv::shm {
 

@@ -20,6 +20,7 @@
 
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/shm.hpp"
+#include "engines/shm/shm_mapping.hpp"  // the engine's own mapping
 #include "shm_test_util.hpp"
 #include "common/layouts.hpp"
 
