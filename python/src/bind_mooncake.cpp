@@ -19,7 +19,7 @@
 
 namespace mstar::kv::py {
 
-namespace mc = engines::mooncake;
+namespace mc = mooncake;
 
 void bind_mooncake(nb::module_& m) {
   m.def(

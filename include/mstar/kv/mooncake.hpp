@@ -186,11 +186,12 @@ struct MooncakeOptions {
   std::string session_id;    // shared handle only; empty: getLocalIpAndPort
   Logger log;                // EngineOptions::log (set by the engine's constructors)
 
-  // Throws Error(kInvalidArgument) naming an unknown "mooncake_*" key, a key
-  // of the other mode (shared_handle: the engine borrows the application's
-  // Mooncake engine) or a value outside its limit.
-  static MooncakeOptions from_extra(const std::map<std::string, std::string>& extra,
-                                    bool shared_handle = false);
+  // The "mooncake_*" keys of options.extra (every engine's options parse
+  // the same way: XOptions::parse(EngineOptions)). Throws
+  // Error(kInvalidArgument) naming an unknown "mooncake_*" key, a key of the
+  // other mode (shared_handle: the engine borrows the application's Mooncake
+  // engine) or a value outside its limit.
+  static MooncakeOptions parse(const EngineOptions& options, bool shared_handle = false);
 };
 
 // Mooncake's C API engine handle, transfer_engine_t (a void* there).

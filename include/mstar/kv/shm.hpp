@@ -86,6 +86,12 @@ struct ShmEngineOptions {
   std::chrono::milliseconds timeout{30000};
   // Page epoch checks (epochs.hpp); off only to measure what they cost.
   bool check_epochs = true;
+
+  // From the engine-independent options (every engine's options parse the
+  // same way: XOptions::parse(EngineOptions)). The shm engine has no
+  // options of its own: any "shm_*" key in options.extra is a typo and
+  // throws Error(kInvalidArgument) naming it.
+  static ShmEngineOptions parse(const EngineOptions& options);
 };
 
 // Reads pages of other processes' shared caches into the local cache.

@@ -9,7 +9,7 @@
 
 #include "mstar/kv/status.hpp"
 
-namespace mstar::kv::engines::mooncake {
+namespace mstar::kv::mooncake {
 
 // The C layouts of transfer_engine_c.h on LP64 (x86_64, aarch64).
 static_assert(sizeof(void*) == 8, "the Mooncake C API is used on LP64 only");
@@ -160,4 +160,4 @@ MooncakeLibrary& MooncakeLibrary::operator=(MooncakeLibrary&& other) noexcept {
   return *this;
 }
 
-}  // namespace mstar::kv::engines::mooncake
+}  // namespace mstar::kv::mooncake

@@ -15,7 +15,7 @@
 #include <map>
 #include <string>
 
-namespace mstar::kv::engines::mooncake {
+namespace mstar::kv::mooncake {
 
 // ---- C ABI (names ours; layouts and values from transfer_engine_c.h) ------
 extern "C" {
@@ -151,4 +151,4 @@ class MooncakeLibrary {
   MooncakeApi api_;
 };
 
-}  // namespace mstar::kv::engines::mooncake
+}  // namespace mstar::kv::mooncake

@@ -11,7 +11,7 @@
 #include "mstar/kv/planner.hpp"
 #include "engines/rma/rma_engine.hpp"
 
-namespace mstar::kv::engines::mooncake {
+namespace mstar::kv::mooncake {
 
 namespace {
 
@@ -495,4 +495,4 @@ void MooncakeBackend::go_dead(const std::string& why) {
   }
 }
 
-}  // namespace mstar::kv::engines::mooncake
+}  // namespace mstar::kv::mooncake

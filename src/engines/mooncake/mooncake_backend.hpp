@@ -50,7 +50,7 @@
 #include "engines/rma/rma_backend.hpp"
 #include "mstar/kv/thread_annotations.hpp"
 
-namespace mstar::kv::engines::mooncake {
+namespace mstar::kv::mooncake {
 
 // The identity page: every backend registers one page holding its own
 // descriptor, so that a reader can check a descriptor against what the owner
@@ -179,4 +179,4 @@ class MooncakeBackend final : public rma::RmaBackend {
   std::thread progress_;
 };
 
-}  // namespace mstar::kv::engines::mooncake
+}  // namespace mstar::kv::mooncake

@@ -17,7 +17,7 @@
 #include "mooncake_backend.hpp"
 #include "mstar/kv/thread_annotations.hpp"
 
-namespace mstar::kv::engines::mooncake {
+namespace mstar::kv::mooncake {
 
 using Clock = std::chrono::steady_clock;
 
@@ -400,4 +400,4 @@ std::shared_ptr<rma::RmaPeer> MooncakeBackend::connect(const rma::RmaRegionInfo&
   return std::make_shared<MooncakePeer>(*this, segment, served, cache_->base());
 }
 
-}  // namespace mstar::kv::engines::mooncake
+}  // namespace mstar::kv::mooncake

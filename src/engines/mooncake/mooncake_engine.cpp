@@ -13,10 +13,10 @@
 
 namespace mstar::kv {
 
-MooncakeOptions MooncakeOptions::from_extra(const std::map<std::string, std::string>& extra,
-                                            bool shared_handle) {
+MooncakeOptions MooncakeOptions::parse(const EngineOptions& options, bool shared_handle) {
+  const std::map<std::string, std::string>& extra = options.extra;
   MooncakeOptions o;
-  o.library_path = engines::mooncake::resolve_library_path(extra);
+  o.library_path = mooncake::resolve_library_path(extra);
   for (const auto& [key, value] : extra) {
     if (key.rfind("mooncake_", 0) != 0) continue;  // another engine's option
     if (shared_handle &&
@@ -83,7 +83,7 @@ KVTransferInfo MooncakeKVTransferInfo::encode() const {
   r.size = size;
   r.layout = layout;
   r.generation = generation;
-  r.backend_blob = engines::mooncake::encode_blob({identity_ptr, epochs_ptr});
+  r.backend_blob = mooncake::encode_blob({identity_ptr, epochs_ptr});
   return KVTransferInfo{kEngineName, r.encode()};
 }
 
@@ -100,7 +100,7 @@ MooncakeKVTransferInfo MooncakeKVTransferInfo::decode(const KVTransferInfo& info
   out.layout = r.layout;
   out.size = r.size;
   out.generation = r.generation;
-  const auto blob = engines::mooncake::decode_blob(r.backend_blob);
+  const auto blob = mooncake::decode_blob(r.backend_blob);
   out.identity_ptr = blob.identity_ptr;
   out.epochs_ptr = blob.epochs_ptr;
   if (out.epochs_ptr + std::uint64_t{out.layout.num_pages} * 8 < out.epochs_ptr) {
@@ -139,9 +139,9 @@ MooncakeKVTransferEngine::MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_c
                                                    const TransferEngineInfo& info) {
   check_cache(kv_cache);
   warn_unauthenticated(info.options);
-  MooncakeOptions options = MooncakeOptions::from_extra(info.options.extra);
+  MooncakeOptions options = MooncakeOptions::parse(info.options);
   options.log = info.options.log;
-  auto backend = std::make_unique<engines::mooncake::MooncakeBackend>(
+  auto backend = std::make_unique<mooncake::MooncakeBackend>(
       kv_cache, options, info.my_entity_id, info.my_session_id);
   session_id_ = backend->session_id();
   impl_ = std::make_unique<rma::RmaKVTransferEngine>(std::move(kv_cache), std::move(backend),
@@ -161,9 +161,9 @@ MooncakeKVTransferEngine::MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_c
   }
   check_cache(kv_cache);
   warn_unauthenticated(options);
-  MooncakeOptions mo = MooncakeOptions::from_extra(options.extra, /*shared_handle=*/true);
+  MooncakeOptions mo = MooncakeOptions::parse(options, /*shared_handle=*/true);
   mo.log = options.log;
-  auto backend = std::make_unique<engines::mooncake::MooncakeBackend>(
+  auto backend = std::make_unique<mooncake::MooncakeBackend>(
       kv_cache, mo, entity_id, mo.session_id, transfer_engine);
   session_id_ = backend->session_id();
   impl_ = std::make_unique<rma::RmaKVTransferEngine>(std::move(kv_cache), std::move(backend),

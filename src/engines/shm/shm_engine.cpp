@@ -208,6 +208,16 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
   return impl_->pool.submit(std::move(spec));
 }
 
+ShmEngineOptions ShmEngineOptions::parse(const EngineOptions& options) {
+  // The shm engine has no options of its own: any shm_* key is a typo.
+  engines::reject_unknown_keys(options.extra, "shm", "shm_", {});
+  ShmEngineOptions o;
+  o.max_workers = options.max_workers;
+  o.timeout = options.timeout;
+  o.check_epochs = options.check_epochs;
+  return o;
+}
+
 std::unique_ptr<LayerWatch> ShmKVTransferEngine::watch_layers(
     const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
   if (read_info.empty()) {
@@ -251,13 +261,8 @@ namespace mstar::kv::engines {
 
 std::unique_ptr<KVTransferEngine> make_shm_engine(std::shared_ptr<KVCache> cache,
                                                   const TransferEngineInfo& info) {
-  // The shm engine has no options of its own: any shm_* key is a typo.
-  reject_unknown_keys(info.options.extra, "shm", "shm_", {});
-  ShmEngineOptions o;
-  o.max_workers = info.options.max_workers;
-  o.timeout = info.options.timeout;
-  o.check_epochs = info.options.check_epochs;
-  return std::make_unique<ShmKVTransferEngine>(std::move(cache), o);
+  return std::make_unique<ShmKVTransferEngine>(std::move(cache),
+                                               ShmEngineOptions::parse(info.options));
 }
 
 }  // namespace mstar::kv::engines

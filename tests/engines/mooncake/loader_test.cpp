@@ -10,7 +10,7 @@
 #include "engines/mooncake/mooncake_api.hpp"
 #include "mstar/kv/status.hpp"
 
-namespace mstar::kv::engines::mooncake {
+namespace mstar::kv::mooncake {
 namespace {
 
 Status load_error(const std::string& path) {
@@ -92,4 +92,4 @@ TEST(MooncakeLoader, StatusNamesAreReadable) {
 }
 
 }  // namespace
-}  // namespace mstar::kv::engines::mooncake
+}  // namespace mstar::kv::mooncake

@@ -310,11 +310,17 @@ TEST(MooncakeEngineAnywhere, AbsentLibraryIsUnavailableNamingThePath) {
   }
 }
 
+EngineOptions with_extra(std::map<std::string, std::string> extra) {
+  EngineOptions o;
+  o.extra = std::move(extra);
+  return o;
+}
+
 TEST(MooncakeEngineAnywhere, OptionsAreCheckedByName) {
-  EXPECT_EQ(MooncakeOptions::from_extra({}).metadata, "P2PHANDSHAKE");
-  EXPECT_EQ(MooncakeOptions::from_extra({{"ucx_tls", "tcp"}}).protocol, "tcp");
-  const auto o = MooncakeOptions::from_extra(
-      {{"mooncake_lib", "/x.so"}, {"mooncake_abort_grace_ms", "250"}});
+  EXPECT_EQ(MooncakeOptions::parse(with_extra({})).metadata, "P2PHANDSHAKE");
+  EXPECT_EQ(MooncakeOptions::parse(with_extra({{"ucx_tls", "tcp"}})).protocol, "tcp");
+  const auto o = MooncakeOptions::parse(with_extra(
+      {{"mooncake_lib", "/x.so"}, {"mooncake_abort_grace_ms", "250"}}));
   EXPECT_EQ(o.library_path, "/x.so");
   EXPECT_EQ(o.abort_grace_ms, 250u);
   for (const auto& [k, v] : std::map<std::string, std::string>{
@@ -323,7 +329,7 @@ TEST(MooncakeEngineAnywhere, OptionsAreCheckedByName) {
            {"mooncake_abort_grace_ms", "12x"},
            {"mooncake_protocol", ""}}) {
     try {
-      MooncakeOptions::from_extra({{k, v}});
+      MooncakeOptions::parse(with_extra({{k, v}}));
       ADD_FAILURE() << k << "=" << v << " accepted";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();

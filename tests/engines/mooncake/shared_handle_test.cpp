@@ -310,7 +310,7 @@ TEST(MooncakeSharedHandleAnywhere, BadArgumentsAreRejectedNamingTheValue) {
   EXPECT_NE(std::string(e.what()).find("'mooncake_session_id' = '10.0.0.7:1234'"),
             std::string::npos)
       << e.what();
-  EXPECT_EQ(MooncakeOptions::from_extra(own.extra, /*shared_handle=*/true).session_id,
+  EXPECT_EQ(MooncakeOptions::parse(own, /*shared_handle=*/true).session_id,
             "10.0.0.7:1234");
   // With valid arguments the missing library is what fails, naming the path.
   e = error([&] { MooncakeKVTransferEngine x(c, "me", never_used, o); });
