@@ -7,29 +7,6 @@
 
 namespace mstar::kv::cli {
 
-HostPort parse_host_port(const std::string& s, const char* flag) {
-  const auto colon = s.rfind(':');
-  HostPort hp;
-  if (colon == std::string::npos) {
-    hp.host = s;
-    hp.port = kDefaultHttpPort;
-  } else {
-    hp.host = s.substr(0, colon);
-    const std::string p = s.substr(colon + 1);
-    char* end = nullptr;
-    const unsigned long v = std::strtoul(p.c_str(), &end, 10);
-    if (p.empty() || *end != '\0' || v == 0 || v > 65535) {
-      throw Error(StatusCode::kInvalidArgument,
-                  std::string(flag) + " '" + s + "': port '" + p + "' is not in [1, 65535]");
-    }
-    hp.port = static_cast<std::uint16_t>(v);
-  }
-  if (hp.host.empty()) {
-    throw Error(StatusCode::kInvalidArgument, std::string(flag) + " '" + s + "' has no host");
-  }
-  return hp;
-}
-
 std::string layout_json(const KVLayout& l) {
   std::ostringstream o;
   o << "{\"num_layers\":" << l.num_layers << ",\"num_pages\":" << l.num_pages

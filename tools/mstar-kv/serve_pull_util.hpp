@@ -11,20 +11,19 @@
 #include <string>
 
 #include "args.hpp"
+#include "core/host_port.hpp"
 #include "mstar/kv/kv.hpp"
 
 namespace mstar::kv::cli {
 
 inline constexpr std::uint16_t kDefaultHttpPort = 23480;  // outside 32768-60999
 
-struct HostPort {
-  std::string host;
-  std::uint16_t port = 0;
-};
-
-// "HOST[:PORT]" (PORT defaults to kDefaultHttpPort); `flag` names the option
-// in errors.
-HostPort parse_host_port(const std::string& s, const char* flag);
+// "HOST[:PORT]" (PORT defaults to kDefaultHttpPort; core/host_port.hpp, the
+// parser the ucx engine's session ids use too); `flag` names the option in
+// errors.
+inline HostPort parse_host_port(const std::string& s, const char* flag) {
+  return mstar::kv::parse_host_port(s, flag, kDefaultHttpPort);
+}
 
 // The layout as flat JSON (the /meta endpoint's "layout").
 std::string layout_json(const KVLayout& l);

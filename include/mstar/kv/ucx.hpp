@@ -59,10 +59,15 @@
 //   bandwidth. Shared-memory endpoints cannot have peer error handling in
 //   UCX 1.13 (only cma supports it; asking for it makes UCX pick tcp), and
 //   an owner killed mid-transfer was seen to abort the reader (cma
-//   rendezvous) or to stall the reader's receive fifo for every other peer.
+//   rendezvous) or to stall the reader's receive fifo for every other peer;
+//   and a reader killed while it still wrote a request (a 12 MiB span list
+//   is ~1,500 fifo elements) into the owner's receive fifo was seen to stall
+//   the owner's fifo for every later reader on shared memory (the
+//   ReaderKilled data-path test, 1 in 30-50 runs under load, 2026-12-03).
 //   That is why auto does not use shared memory, and why am_shm and get over
 //   shared memory are opt-in: they pass every test here except kill -9 of an
-//   owner during a pull. The public API is a read either way.
+//   owner during a pull, or of a reader while it sends. The public API is a
+//   read either way.
 // * Faults: a dead peer fails every read on it with kPeerFailure as soon as
 //   UCX's peer error handling reports it, and in any case within the
 //   engine's timeout (kTimeout). A read that is timed out, cancelled or shut

@@ -13,41 +13,16 @@
 #include <cstring>
 #include <string>
 
+#include "core/host_port.hpp"
 #include "mstar/kv/status.hpp"
 
 namespace mstar::kv::ucx {
 
-struct HostPort {
-  std::string host;
-  std::uint16_t port = 0;
-};
+using mstar::kv::HostPort;
 
+// A ucx session id, "HOST:PORT" (core/host_port.hpp, shared with the CLI).
 inline HostPort parse_host_port(const std::string& s) {
-  const auto colon = s.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == s.size()) {
-    throw Error(StatusCode::kInvalidArgument,
-                "ucx session id '" + s + "' is not HOST:PORT");
-  }
-  HostPort hp;
-  hp.host = s.substr(0, colon);
-  if (hp.host.size() > 2 && hp.host.front() == '[' && hp.host.back() == ']') {
-    hp.host = hp.host.substr(1, hp.host.size() - 2);
-  }
-  const std::string port = s.substr(colon + 1);
-  unsigned long v = 0;
-  for (char c : port) {
-    if (c < '0' || c > '9' || v > 65535) {
-      throw Error(StatusCode::kInvalidArgument,
-                  "ucx session id '" + s + "': port '" + port + "' is not in [1, 65535]");
-    }
-    v = v * 10 + static_cast<unsigned>(c - '0');
-  }
-  if (v == 0 || v > 65535) {
-    throw Error(StatusCode::kInvalidArgument,
-                "ucx session id '" + s + "': port " + port + " is not in [1, 65535]");
-  }
-  hp.port = static_cast<std::uint16_t>(v);
-  return hp;
+  return mstar::kv::parse_host_port(s, "ucx session id");
 }
 
 inline sockaddr_storage resolve(const HostPort& hp, socklen_t* len) {
