@@ -238,7 +238,7 @@ ShmCacheView map_shm_cache(const KVTransferInfo& info) {
   auto mapping = std::make_shared<const ShmMapping>(ShmMapping::open(si));
   const std::byte* data = mapping->data();
   // Aliasing: the view's pointer owns the mapping.
-  return ShmCacheView{std::shared_ptr<const std::byte>(std::move(mapping), data), si.layout};
+  return ShmCacheView{std::shared_ptr<const std::byte>(mapping, data), si.layout};
 }
 
 }  // namespace mstar::kv
