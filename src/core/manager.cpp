@@ -7,12 +7,19 @@
 namespace mstar::kv {
 
 KVTransferManager::KVTransferManager(std::shared_ptr<KVCache> kv_cache,
-                                     std::unique_ptr<KVTransferEngine> engine)
+                                     std::unique_ptr<KVTransferEngine> engine,
+                                     std::chrono::milliseconds engine_timeout)
     : kv_cache_(std::move(kv_cache)), engine_(std::move(engine)) {
   if (!kv_cache_ || !engine_) {
     throw Error(StatusCode::kInvalidArgument,
                 "KVTransferManager needs a KV cache and an engine");
   }
+  if (engine_timeout.count() <= 0) {
+    throw Error(StatusCode::kInvalidArgument,
+                "KVTransferManager engine_timeout " + std::to_string(engine_timeout.count()) +
+                    " ms must be > 0");
+  }
+  engine_timeout_ = engine_timeout;
   const std::string name = engine_->get_kv_transfer_info().engine;
   stats_ = std::make_shared<TransferStatsRecorder>(name.empty() ? "local" : name);
 }

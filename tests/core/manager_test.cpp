@@ -55,6 +55,31 @@ TEST(KVTransferManager, WithoutInfoIsLocalOnly) {
 }
 
 // start_len == end_len validates first (manager.hpp), then returns nothing.
+TEST(KVTransferManager, AroundAGivenEngineNeedsACacheAnEngineAndAPositiveTimeout) {
+  const std::shared_ptr<KVCache> c = cache();
+  auto code_of = [](auto&& fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return e.code();
+    }
+    return StatusCode::kOk;
+  };
+  EXPECT_EQ(code_of([&] { KVTransferManager m(nullptr, std::make_unique<LocalOnlyKVTransferEngine>()); }),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(code_of([&] { KVTransferManager m(c, nullptr); }), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code_of([&] {
+              KVTransferManager m(c, std::make_unique<LocalOnlyKVTransferEngine>(),
+                                  std::chrono::milliseconds{0});
+            }),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(code_of([&] {
+              KVTransferManager m(c, std::make_unique<LocalOnlyKVTransferEngine>(),
+                                  std::chrono::milliseconds{250});
+            }),
+            StatusCode::kOk);
+}
+
 TEST(KVTransferManager, EmptyRangeIsValidatedFirst) {
   KVTransferManager m(std::nullopt, cache());
   const std::vector<std::uint32_t> good = {0, 1};

@@ -63,9 +63,12 @@ class KVTransferManager {
   KVTransferManager(std::optional<TransferEngineInfo> transfer_engine_info,
                     std::shared_ptr<KVCache> kv_cache);
   // Around an engine built elsewhere (e.g. wrapped by a fault injector);
-  // needs nothing beyond the core.
+  // needs nothing beyond the core. `engine_timeout` is that engine's read
+  // timeout (EngineOptions::timeout), which the manager cannot ask it for:
+  // streams default their ready_timeout to it (streaming.hpp).
   KVTransferManager(std::shared_ptr<KVCache> kv_cache,
-                    std::unique_ptr<KVTransferEngine> engine);
+                    std::unique_ptr<KVTransferEngine> engine,
+                    std::chrono::milliseconds engine_timeout = std::chrono::milliseconds{30000});
   ~KVTransferManager();
 
   KVTransferManager(const KVTransferManager&) = delete;

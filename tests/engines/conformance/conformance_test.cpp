@@ -15,6 +15,7 @@
 #include <thread>
 #include <tuple>
 
+#include "mstar/kv/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
 #include "common/peer_process.hpp"
 #include "common/layouts.hpp"
@@ -34,6 +35,9 @@ struct EngineCase {
   std::map<std::string, std::string> env;    // for both processes
   std::map<std::string, std::string> extra;  // EngineOptions.extra
   std::string skip_reason;                   // non-empty: cannot run here
+  // The reader's engine wrapped in a FaultInjectingEngine injecting nothing
+  // (fault_injection.hpp): the wrapper must keep every engine invariant.
+  bool fault_wrapper = false;
 };
 
 // Keeps gtest from printing the struct as raw bytes.
@@ -53,6 +57,7 @@ std::vector<EngineCase> engine_cases() {
     cases.push_back(std::move(c));
   };
   add({"shm", "shm", {}, {}, ""});
+  add({"fault_shm", "shm", {}, {}, "", /*fault_wrapper=*/true});
   add({"ucx_tcp", "ucx", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}, {}, ""});
   add({"ucx_shm", "ucx", {{"UCX_TLS", "sm,self,tcp"}, {"UCX_NET_DEVICES", "lo"}}, {}, ""});
   EngineCase mc{"mooncake", "mooncake", {}, {}, ""};
@@ -99,8 +104,13 @@ class Conformance : public ::testing::TestWithParam<EngineCase> {
     EngineOptions o;
     o.timeout = timeout;
     o.extra = GetParam().extra;
-    return std::make_unique<KVTransferManager>(
-        TransferEngineInfo{"decode", "", GetParam().engine, o}, std::move(cache));
+    const TransferEngineInfo info{"decode", "", GetParam().engine, o};
+    if (GetParam().fault_wrapper) {
+      auto wrapped = std::make_unique<FaultInjectingEngine>(make_engine(info, cache),
+                                                            cache->layout());
+      return std::make_unique<KVTransferManager>(std::move(cache), std::move(wrapped), timeout);
+    }
+    return std::make_unique<KVTransferManager>(info, std::move(cache));
   }
 
   std::shared_ptr<KVCache> local_cache(const KVLayout& l) {

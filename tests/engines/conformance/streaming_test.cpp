@@ -13,6 +13,7 @@
 #include <mutex>
 #include <thread>
 
+#include "mstar/kv/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
 #include "common/peer_process.hpp"
 #include "common/layouts.hpp"
@@ -34,6 +35,8 @@ struct StreamCase {
   // What a stream whose owner was killed fails with: shm sees the owner's
   // process gone (kNotFound), a networked engine its connection (kPeerFailure).
   StatusCode owner_gone = StatusCode::kNotFound;
+  // The reader's engine wrapped in a FaultInjectingEngine injecting nothing.
+  bool fault_wrapper = false;
 };
 void PrintTo(const StreamCase& c, std::ostream* os) { *os << c.label; }
 
@@ -44,6 +47,7 @@ bool built(const std::string& name) {
 
 std::vector<StreamCase> stream_cases() {
   return {{"shm", "shm", {}, true, StatusCode::kNotFound},
+          {"fault_shm", "shm", {}, true, StatusCode::kNotFound, /*fault_wrapper=*/true},
           {"ucx_tcp", "ucx", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}, true,
            StatusCode::kPeerFailure},
           {"ucx_sm", "ucx", {{"UCX_TLS", "sm,tcp"}, {"UCX_NET_DEVICES", "lo"}}, true,
@@ -87,8 +91,13 @@ class Streaming : public ::testing::TestWithParam<StreamCase> {
                                              std::chrono::milliseconds timeout = 5000ms) {
     EngineOptions o;
     o.timeout = timeout;
-    return std::make_unique<KVTransferManager>(
-        TransferEngineInfo{"decode", "", GetParam().engine, o}, std::move(cache));
+    const TransferEngineInfo info{"decode", "", GetParam().engine, o};
+    if (GetParam().fault_wrapper) {
+      auto wrapped = std::make_unique<FaultInjectingEngine>(make_engine(info, cache),
+                                                            cache->layout());
+      return std::make_unique<KVTransferManager>(std::move(cache), std::move(wrapped), timeout);
+    }
+    return std::make_unique<KVTransferManager>(info, std::move(cache));
   }
   static std::shared_ptr<KVCache> local_cache(const KVLayout& l) {
     auto c = make_kv_cache(l, MemoryKind::kHost);
