@@ -41,8 +41,4 @@ struct RunOptions {
 CaseResult run_case(const EngineVariant& variant, const Workload& workload,
                     const RunOptions& options);
 
-// The server process behind a remote engine variant (`mstar-kv bench
-// --internal-serve ...`, started by run_case): owns the remote cache.
-int serve_main(int argc, char** argv);
-
 }  // namespace mstar::kv::cli::bench

@@ -19,6 +19,7 @@
 #include "bench_external.hpp"
 #include "bench_report.hpp"
 #include "bench_run.hpp"
+#include "bench_server.hpp"
 #include "bench_workload.hpp"
 #include "commands.hpp"
 #include "layout_args.hpp"
