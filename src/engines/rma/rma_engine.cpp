@@ -114,27 +114,29 @@ bool RmaKVTransferEngine::evict_peer(const std::string& session_id, const RmaPee
 }
 
 std::optional<KVLayout> RmaKVTransferEngine::remote_layout(const KVTransferInfo& remote) const {
+  check_engine(remote);
+  return RmaRegionInfo::decode(remote.payload).layout;
+}
+
+void RmaKVTransferEngine::check_running() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (stopping_) {
+    throw Error(StatusCode::kShutdown, "the " + engine_name_ + " engine is shut down");
+  }
+}
+
+void RmaKVTransferEngine::check_engine(const KVTransferInfo& remote) const {
   if (remote.engine != engine_name_) {
     throw Error(StatusCode::kInvalidArgument,
                 "descriptor of engine '" + remote.engine + "' given to the '" + engine_name_ +
                     "' engine");
   }
-  return RmaRegionInfo::decode(remote.payload).layout;
 }
 
 std::optional<TransferFuture> RmaKVTransferEngine::read_batched_async(
     const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (stopping_) {
-      throw Error(StatusCode::kShutdown, "the " + engine_name_ + " engine is shut down");
-    }
-  }
-  if (remote_kv_info.engine != engine_name_) {
-    throw Error(StatusCode::kInvalidArgument,
-                "descriptor of engine '" + remote_kv_info.engine + "' given to the '" +
-                    engine_name_ + "' engine");
-  }
+  check_running();
+  check_engine(remote_kv_info);
   const RmaRegionInfo remote = RmaRegionInfo::decode(remote_kv_info.payload);
   // Nothing to read: the descriptor is still validated (engine.hpp).
   cache_->layout().check_same_model(remote.layout);
@@ -199,17 +201,8 @@ std::optional<TransferFuture> RmaKVTransferEngine::read_batched_async(
 
 std::unique_ptr<LayerWatch> RmaKVTransferEngine::watch_layers(
     const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (stopping_) {
-      throw Error(StatusCode::kShutdown, "the " + engine_name_ + " engine is shut down");
-    }
-  }
-  if (remote_kv_info.engine != engine_name_) {
-    throw Error(StatusCode::kInvalidArgument,
-                "descriptor of engine '" + remote_kv_info.engine + "' given to the '" +
-                    engine_name_ + "' engine");
-  }
+  check_running();
+  check_engine(remote_kv_info);
   if (read_info.empty()) {
     throw Error(StatusCode::kInvalidArgument,
                 engine_name_ + " layer watch of 0 reads: nothing to watch");
@@ -237,11 +230,7 @@ std::unique_ptr<LayerWatch> RmaKVTransferEngine::watch_layers(
 
 void RmaKVTransferEngine::notify_done(const KVTransferInfo& remote_kv_info,
                                       std::uint64_t seq_id) {
-  if (remote_kv_info.engine != engine_name_) {
-    throw Error(StatusCode::kInvalidArgument,
-                "descriptor of engine '" + remote_kv_info.engine + "' given to the '" +
-                    engine_name_ + "' engine");
-  }
+  check_engine(remote_kv_info);
   if (remote_kv_info.epoch == 0) {
     throw Error(StatusCode::kInvalidArgument,
                 "done notice for sequence " + std::to_string(seq_id) +

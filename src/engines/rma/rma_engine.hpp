@@ -91,6 +91,10 @@ class RmaKVTransferEngine final : public KVTransferEngine {
   struct InFlight;
   struct PeerSlot;
 
+  // Throws Error(kShutdown) once shutdown() began.
+  void check_running();
+  // Throws Error(kInvalidArgument) for a descriptor of another engine.
+  void check_engine(const KVTransferInfo& remote) const;
   std::shared_ptr<RmaPeer> peer_for(const RmaRegionInfo& remote);
   bool evict_peer(const std::string& session_id, const RmaPeer* peer);
   void on_done(std::uint64_t id, Status status);

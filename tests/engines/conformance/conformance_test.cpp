@@ -15,8 +15,8 @@
 #include <thread>
 #include <tuple>
 
-#include "mstar/kv/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
+#include "common/managers.hpp"
 #include "common/peer_process.hpp"
 #include "common/layouts.hpp"
 
@@ -104,13 +104,8 @@ class Conformance : public ::testing::TestWithParam<EngineCase> {
     EngineOptions o;
     o.timeout = timeout;
     o.extra = GetParam().extra;
-    const TransferEngineInfo info{"decode", "", GetParam().engine, o};
-    if (GetParam().fault_wrapper) {
-      auto wrapped = std::make_unique<FaultInjectingEngine>(make_engine(info, cache),
-                                                            cache->layout());
-      return std::make_unique<KVTransferManager>(std::move(cache), std::move(wrapped), timeout);
-    }
-    return std::make_unique<KVTransferManager>(info, std::move(cache));
+    return testing::make_manager(TransferEngineInfo{"decode", "", GetParam().engine, o},
+                                 std::move(cache), GetParam().fault_wrapper);
   }
 
   std::shared_ptr<KVCache> local_cache(const KVLayout& l) {

@@ -13,8 +13,8 @@
 #include <mutex>
 #include <thread>
 
-#include "mstar/kv/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
+#include "common/managers.hpp"
 #include "common/peer_process.hpp"
 #include "common/layouts.hpp"
 
@@ -91,13 +91,8 @@ class Streaming : public ::testing::TestWithParam<StreamCase> {
                                              std::chrono::milliseconds timeout = 5000ms) {
     EngineOptions o;
     o.timeout = timeout;
-    const TransferEngineInfo info{"decode", "", GetParam().engine, o};
-    if (GetParam().fault_wrapper) {
-      auto wrapped = std::make_unique<FaultInjectingEngine>(make_engine(info, cache),
-                                                            cache->layout());
-      return std::make_unique<KVTransferManager>(std::move(cache), std::move(wrapped), timeout);
-    }
-    return std::make_unique<KVTransferManager>(info, std::move(cache));
+    return testing::make_manager(TransferEngineInfo{"decode", "", GetParam().engine, o},
+                                 std::move(cache), GetParam().fault_wrapper);
   }
   static std::shared_ptr<KVCache> local_cache(const KVLayout& l) {
     auto c = make_kv_cache(l, MemoryKind::kHost);

@@ -1,0 +1,26 @@
+// Copyright mstar-kv authors.
+//
+// A reader's manager for the engine suites: over the engine the factory
+// makes from `info`, or, with `fault_wrapper`, over that engine wrapped in a
+// FaultInjectingEngine that injects nothing (which must keep every engine
+// invariant).
+#pragma once
+
+#include <memory>
+#include <utility>
+
+#include "mstar/kv/fault_injection.hpp"
+#include "mstar/kv/kv.hpp"
+
+namespace mstar::kv::testing {
+
+inline std::unique_ptr<KVTransferManager> make_manager(const TransferEngineInfo& info,
+                                                       std::shared_ptr<KVCache> cache,
+                                                       bool fault_wrapper) {
+  if (!fault_wrapper) return std::make_unique<KVTransferManager>(info, std::move(cache));
+  auto wrapped = std::make_unique<FaultInjectingEngine>(make_engine(info, cache), cache->layout());
+  return std::make_unique<KVTransferManager>(std::move(cache), std::move(wrapped),
+                                             info.options.timeout);
+}
+
+}  // namespace mstar::kv::testing
