@@ -39,6 +39,8 @@
 
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
+#include "testkit/child.hpp"
+#include "testkit/seq_line.hpp"
 
 using namespace mstar::kv;
 using Clock = std::chrono::steady_clock;
@@ -65,25 +67,6 @@ KVLayout llama3_8b(std::uint32_t pages, CacheOrder order) {
   l.cache_order = order;
   l.page_order = PageOrder::kNHD;
   return l;
-}
-
-std::string to_hex(const std::vector<std::uint8_t>& b) {
-  static const char* d = "0123456789abcdef";
-  std::string s;
-  for (auto x : b) {
-    s.push_back(d[x >> 4]);
-    s.push_back(d[x & 15]);
-  }
-  return s;
-}
-
-std::vector<std::uint8_t> from_hex(const std::string& h) {
-  auto nib = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
-  std::vector<std::uint8_t> out(h.size() / 2);
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    out[i] = static_cast<std::uint8_t>(nib(h[2 * i]) << 4 | nib(h[2 * i + 1]));
-  }
-  return out;
 }
 
 void upload_pattern(const KVCache& dev, std::span<const std::uint32_t> pages,
@@ -113,7 +96,7 @@ int owner_main(int argc, char** argv) {
     KVCachePool pool(cache, manager.get_kv_transfer_info(), /*scatter_seed=*/7);
     const auto p = pool.allocate(1, tokens);
     upload_pattern(*cache, p, tokens);
-    std::cout << "SEQ " << to_hex(pool.publish(1).encode()) << std::endl;
+    std::cout << testkit::seq_line(pool.publish(1)) << std::endl;
     for (std::string line; std::getline(std::cin, line);) {
       if (line == "quit") break;
     }
@@ -127,82 +110,40 @@ int owner_main(int argc, char** argv) {
 
 class Owner {
  public:
-  Owner(std::uint32_t pages, std::uint64_t tokens, const std::string& order) {
-    int in[2];
-    int out[2];
-    if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) {
-      throw std::runtime_error("pipe failed");
-    }
-    std::vector<std::string> args = {"/proc/self/exe", "--owner", "--pages", std::to_string(pages),
-                                     "--tokens", std::to_string(tokens), "--order", order};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    pid_ = ::fork();
-    if (pid_ < 0) throw std::runtime_error("fork failed");
-    if (pid_ == 0) {
-      ::dup2(in[0], 0);
-      ::dup2(out[1], 1);
-      ::execv(argv[0], argv.data());
-      ::_exit(127);
-    }
-    ::close(in[0]);
-    ::close(out[1]);
-    to_ = in[1];
-    from_ = out[0];
-    std::string buf;
+  Owner(std::uint32_t pages, std::uint64_t tokens, const std::string& order)
+      : child_({testkit::self_exe(), "--owner", "--pages", std::to_string(pages), "--tokens",
+                std::to_string(tokens), "--order", order},
+               {}, /*merge_stderr=*/false) {
     const auto deadline = Clock::now() + std::chrono::seconds(120);
     for (;;) {
-      const auto nl = buf.find('\n');
-      if (nl != std::string::npos) {
-        const std::string line = buf.substr(0, nl);
-        buf.erase(0, nl + 1);
-        if (line.rfind("SEQ ", 0) == 0) {
-          seq_ = SequenceInfo::decode(from_hex(line.substr(4)));
-          return;
-        }
-        if (line.rfind("ERR ", 0) == 0) throw std::runtime_error("owner: " + line.substr(4));
-        continue;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      std::string line;
+      try {
+        line = child_.read_line(std::max(left, std::chrono::milliseconds(1)));
+      } catch (const Error& e) {
+        throw std::runtime_error(std::string("owner did not publish: ") + e.what());
       }
-      if (Clock::now() > deadline) throw std::runtime_error("owner did not start in time");
-      pollfd p{from_, POLLIN, 0};
-      if (::poll(&p, 1, 1000) <= 0) continue;
-      char chunk[4096];
-      const ssize_t n = ::read(from_, chunk, sizeof chunk);
-      if (n <= 0) throw std::runtime_error("owner exited before publishing");
-      buf.append(chunk, static_cast<std::size_t>(n));
+      if (auto seq = testkit::parse_seq_line(line)) {
+        seq_ = std::move(*seq);
+        return;
+      }
+      if (line.rfind("ERR ", 0) == 0) throw std::runtime_error("owner: " + line.substr(4));
     }
   }
   ~Owner() {
-    if (pid_ > 0) {
-      if (::write(to_, "quit\n", 5) < 0) {
-      }
-      for (int i = 0; i < 500; ++i) {
-        int st = 0;
-        if (::waitpid(pid_, &st, WNOHANG) == pid_) {
-          pid_ = -1;
-          break;
-        }
-        ::usleep(10000);
-      }
-      if (pid_ > 0) {
-        ::kill(pid_, SIGKILL);
-        int st = 0;
-        while (::waitpid(pid_, &st, 0) < 0 && errno == EINTR) {
-        }
-      }
+    // It quits when asked (5 s), else it is killed.
+    try {
+      child_.write_line("quit");
+    } catch (const Error&) {
     }
-    ::close(to_);
-    ::close(from_);
+    child_.wait_exit(std::chrono::seconds(5));
   }
   Owner(const Owner&) = delete;
   Owner& operator=(const Owner&) = delete;
   const SequenceInfo& seq() const { return seq_; }
 
  private:
-  pid_t pid_ = -1;
-  int to_ = -1;
-  int from_ = -1;
+  testkit::Child child_;
   SequenceInfo seq_;
 };
 

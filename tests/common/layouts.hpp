@@ -1,7 +1,6 @@
 // Copyright mstar-kv authors.
 //
-// The small layout most engine tests use: 4 layers, `pages` pages of 16
-// tokens, 2 KV heads of 64 bf16 (4 KiB per page and layer, K and V).
+// The layouts the tests use, once.
 #pragma once
 
 #include <cstdint>
@@ -10,21 +9,33 @@
 
 namespace mstar::kv::testing {
 
-inline KVLayout small_layout(CacheOrder co = CacheOrder::kLayerMajor,
-                             PageOrder po = PageOrder::kNHD, std::uint32_t pages = 64) {
+// Any layout: layers, pages, tokens per page, KV heads, head dim, then the
+// element type and the orders.
+inline KVLayout make_layout(std::uint32_t layers, std::uint32_t pages, std::uint32_t page_size,
+                            std::uint32_t heads, std::uint32_t head_dim,
+                            DType dtype = DType::kBFloat16,
+                            CacheOrder co = CacheOrder::kLayerMajor,
+                            PageOrder po = PageOrder::kNHD) {
   KVLayout l;
-  l.num_layers = 4;
+  l.num_layers = layers;
   l.num_pages = pages;
-  l.page_size = 16;
-  l.num_kv_heads = 2;
-  l.head_dim = 64;
-  l.dtype = DType::kBFloat16;
+  l.page_size = page_size;
+  l.num_kv_heads = heads;
+  l.head_dim = head_dim;
+  l.dtype = dtype;
   l.cache_order = co;
   l.page_order = po;
   return l;
 }
 
-// The same with `pages` pages.
+// The engine tests' cache: 4 layers, `pages` pages of 16 tokens, 2 heads x
+// 64 bf16: 4 KiB blocks, 2 MiB at 64 pages.
+inline KVLayout small_layout(CacheOrder co = CacheOrder::kLayerMajor,
+                             PageOrder po = PageOrder::kNHD, std::uint32_t pages = 64) {
+  return make_layout(4, pages, 16, 2, 64, DType::kBFloat16, co, po);
+}
+
+// The same with `pages` pages first.
 inline KVLayout small_layout(std::uint32_t pages, CacheOrder co = CacheOrder::kLayerMajor,
                              PageOrder po = PageOrder::kNHD) {
   return small_layout(co, po, pages);

@@ -42,29 +42,4 @@ KVLayout parse_layout_arg(const std::string& s) {
   return l;
 }
 
-std::string to_hex(const std::vector<std::uint8_t>& bytes) {
-  static const char* d = "0123456789abcdef";
-  std::string out;
-  out.reserve(bytes.size() * 2);
-  for (auto b : bytes) {
-    out.push_back(d[b >> 4]);
-    out.push_back(d[b & 15]);
-  }
-  return out;
-}
-
-std::vector<std::uint8_t> from_hex(const std::string& hex) {
-  auto nib = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    throw std::runtime_error("bad hex digit");
-  };
-  if (hex.size() % 2 != 0) throw std::runtime_error("odd hex length");
-  std::vector<std::uint8_t> out(hex.size() / 2);
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    out[i] = static_cast<std::uint8_t>(nib(hex[2 * i]) << 4 | nib(hex[2 * i + 1]));
-  }
-  return out;
-}
-
 }  // namespace mstar::kv::testing

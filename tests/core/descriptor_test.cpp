@@ -6,6 +6,7 @@
 #include "core/codec.hpp"
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/status.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -182,12 +183,7 @@ TEST(Descriptor, PageCountMustMatchTokensAndPageSize) {
 }
 
 TEST(Descriptor, LayoutDecodingValidates) {
-  KVLayout l;
-  l.num_layers = 2;
-  l.num_pages = 4;
-  l.page_size = 16;
-  l.num_kv_heads = 1;
-  l.head_dim = 64;
+  KVLayout l = testing::make_layout(2, 4, 16, 1, 64);
   codec::ByteWriter w;
   w.layout(l);
   codec::ByteReader r(w.data(), "test");

@@ -16,6 +16,7 @@
 
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/status.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -25,17 +26,9 @@ constexpr std::uint8_t kSentinel = 0xEE;
 KVLayout geo(std::uint32_t page_size, std::uint32_t heads, std::uint32_t first,
              std::uint32_t total, PageOrder po = PageOrder::kNHD,
              CacheOrder co = CacheOrder::kLayerMajor, std::uint32_t pages = 40) {
-  KVLayout l;
-  l.num_layers = 3;
-  l.num_pages = pages;
-  l.page_size = page_size;
-  l.num_kv_heads = heads;
+  KVLayout l = testing::make_layout(3, pages, page_size, heads, 4, DType::kBFloat16, co, po);
   l.first_kv_head = first;
   l.total_kv_heads = total;
-  l.head_dim = 4;
-  l.dtype = DType::kBFloat16;
-  l.cache_order = co;
-  l.page_order = po;
   return l;
 }
 

@@ -6,6 +6,7 @@
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/layout.hpp"
 #include "mstar/kv/status.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -13,16 +14,8 @@ namespace {
 // 2 layers, 4 pages of 4 tokens, 2 heads of 8 fp16: head 16 B, token 32 B,
 // block 128 B.
 KVLayout small(CacheOrder co, PageOrder po, bool has_v = true) {
-  KVLayout l;
-  l.num_layers = 2;
-  l.num_pages = 4;
-  l.page_size = 4;
-  l.num_kv_heads = 2;
-  l.head_dim = 8;
-  l.dtype = DType::kFloat16;
+  KVLayout l = testing::make_layout(2, 4, 4, 2, 8, DType::kFloat16, co, po);
   l.has_v = has_v;
-  l.cache_order = co;
-  l.page_order = po;
   return l;
 }
 

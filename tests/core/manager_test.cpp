@@ -7,18 +7,13 @@
 #include <vector>
 
 #include "mstar/kv/kv.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
 
 std::shared_ptr<KVCache> cache() {
-  KVLayout l;
-  l.num_layers = 2;
-  l.num_pages = 8;
-  l.page_size = 4;
-  l.num_kv_heads = 1;
-  l.head_dim = 8;
-  return KVCache::create_host(l);
+  return KVCache::create_host(testing::make_layout(2, 8, 4, 1, 8));
 }
 
 TEST(LocalOnlyEngine, EmptyInfoNoFutureForNothingErrorForSomething) {

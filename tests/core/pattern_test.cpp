@@ -4,21 +4,14 @@
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/pattern.hpp"
 #include "mstar/kv/status.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
 
+// 3 heads of 5 fp16: 10-byte rows exercise the partial-word tail.
 KVLayout layout(CacheOrder co, PageOrder po) {
-  KVLayout l;
-  l.num_layers = 2;
-  l.num_pages = 8;
-  l.page_size = 4;
-  l.num_kv_heads = 3;
-  l.head_dim = 5;  // 10-byte rows: exercises the partial-word tail
-  l.dtype = DType::kFloat16;
-  l.cache_order = co;
-  l.page_order = po;
-  return l;
+  return testing::make_layout(2, 8, 4, 3, 5, DType::kFloat16, co, po);
 }
 
 TEST(Pattern, FillThenVerify) {

@@ -9,21 +9,13 @@
 #include "mstar/kv/pattern.hpp"
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/status.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
 
 KVLayout layout(CacheOrder co, PageOrder po, std::uint32_t pages = 16) {
-  KVLayout l;
-  l.num_layers = 3;
-  l.num_pages = pages;
-  l.page_size = 4;
-  l.num_kv_heads = 2;
-  l.head_dim = 8;
-  l.dtype = DType::kFloat16;
-  l.cache_order = co;
-  l.page_order = po;
-  return l;
+  return testing::make_layout(3, pages, 4, 2, 8, DType::kFloat16, co, po);
 }
 
 std::vector<std::uint32_t> iota(std::uint32_t n, std::uint32_t from = 0) {
@@ -222,7 +214,7 @@ TEST(PlanCopies, SplitSpansKeepsEveryByte) {
 // combination of orders, and checks every byte: the pulled tokens match the
 // pattern, everything else in the destination is still zero.
 class CopyThroughPlanner
-    : public testing::TestWithParam<std::tuple<CacheOrder, PageOrder, CacheOrder, PageOrder>> {};
+    : public ::testing::TestWithParam<std::tuple<CacheOrder, PageOrder, CacheOrder, PageOrder>> {};
 
 TEST_P(CopyThroughPlanner, MovesExactlyTheNamedTokens) {
   auto [lco, lpo, rco, rpo] = GetParam();
@@ -261,10 +253,10 @@ TEST_P(CopyThroughPlanner, MovesExactlyTheNamedTokens) {
 
 INSTANTIATE_TEST_SUITE_P(
     AllOrders, CopyThroughPlanner,
-    testing::Combine(testing::Values(CacheOrder::kLayerMajor, CacheOrder::kPageMajor),
-                     testing::Values(PageOrder::kNHD, PageOrder::kHND),
-                     testing::Values(CacheOrder::kLayerMajor, CacheOrder::kPageMajor),
-                     testing::Values(PageOrder::kNHD, PageOrder::kHND)));
+    ::testing::Combine(::testing::Values(CacheOrder::kLayerMajor, CacheOrder::kPageMajor),
+                     ::testing::Values(PageOrder::kNHD, PageOrder::kHND),
+                     ::testing::Values(CacheOrder::kLayerMajor, CacheOrder::kPageMajor),
+                     ::testing::Values(PageOrder::kNHD, PageOrder::kHND)));
 
 }  // namespace
 }  // namespace mstar::kv

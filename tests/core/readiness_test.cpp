@@ -11,18 +11,13 @@
 #include "mstar/kv/pool.hpp"
 #include "mstar/kv/readiness.hpp"
 #include "mstar/kv/status.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
 
 std::shared_ptr<KVCache> cache(std::uint32_t layers, std::uint32_t pages) {
-  KVLayout l;
-  l.num_layers = layers;
-  l.num_pages = pages;
-  l.page_size = 16;
-  l.num_kv_heads = 1;
-  l.head_dim = 8;
-  return KVCache::create_host(l);
+  return KVCache::create_host(testing::make_layout(layers, pages, 16, 1, 8));
 }
 
 KVTransferInfo descriptor() {

@@ -7,6 +7,7 @@
 #include "mstar/kv/manager.hpp"
 #include "mstar/kv/log.hpp"
 #include "mstar/kv/stats.hpp"
+#include "common/layouts.hpp"
 
 #include <cstdlib>
 
@@ -49,12 +50,7 @@ class HandEngine final : public KVTransferEngine {
 };
 
 TEST(TransferStats, CountsOutcomesBytesCopiesAndPhases) {
-  KVLayout l;
-  l.num_layers = 2;
-  l.num_pages = 8;
-  l.page_size = 4;
-  l.num_kv_heads = 1;
-  l.head_dim = 8;
+  const KVLayout l = testing::make_layout(2, 8, 4, 1, 8);
   auto cache = KVCache::create_host(l);
   auto engine = std::make_unique<HandEngine>();
   HandEngine* hand = engine.get();

@@ -13,6 +13,7 @@
 #include "mstar/kv/kv.hpp"
 #include "reliability/inproc_engine.hpp"
 #include "reliability/invariants.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -21,16 +22,7 @@ using namespace std::chrono_literals;
 using testing::InProcessEngine;
 using testing::ReadChecker;
 
-KVLayout small_layout() {
-  KVLayout l;
-  l.num_layers = 2;
-  l.num_pages = 16;
-  l.page_size = 8;
-  l.num_kv_heads = 2;
-  l.head_dim = 16;
-  l.dtype = DType::kBFloat16;
-  return l;
-}
+KVLayout small_layout() { return testing::make_layout(2, 16, 8, 2, 16); }
 
 // A local and a remote cache, a sequence of `tokens` tokens filled with the
 // pattern on the remote side, and the reads that pull it. Page tables are

@@ -15,6 +15,7 @@
 #include "common/peer_process.hpp"
 #include "mstar/kv/kv.hpp"
 #include "reliability/invariants.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -39,12 +40,7 @@ TEST_P(NothingLeftBehind, AfterPullsAndKilledPeers) {
     GTEST_SKIP() << "engine '" << c.engine << "' is not built";
   }
   for (const auto& [k, v] : c.env) ::setenv(k.c_str(), v.c_str(), 1);
-  KVLayout l;
-  l.num_layers = 4;
-  l.num_pages = 512;
-  l.page_size = 16;
-  l.num_kv_heads = 2;
-  l.head_dim = 64;
+  const KVLayout l = testing::small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 512);
   const auto before = testing::ResourceSnapshot::take();
   {
     auto cache = make_kv_cache(l, MemoryKind::kHost);

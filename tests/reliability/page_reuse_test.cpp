@@ -18,6 +18,7 @@
 
 #include "common/peer_process.hpp"
 #include "mstar/kv/kv.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -46,14 +47,7 @@ bool built(const std::string& name) {
 // 8 pages of 16 tokens, every one of them in the sequence, so the next
 // request always gets the same pages.
 KVLayout reuse_layout(const ReuseCase& c) {
-  KVLayout l;
-  l.num_layers = c.layers;
-  l.num_pages = 8;
-  l.page_size = 16;
-  l.num_kv_heads = c.heads;
-  l.head_dim = 128;
-  l.dtype = DType::kBFloat16;
-  return l;
+  return testing::make_layout(c.layers, 8, 16, c.heads, 128);
 }
 constexpr std::uint64_t kTokens = 8 * 16;
 constexpr std::uint64_t kSeed = 500;

@@ -8,6 +8,7 @@
 
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/status.hpp"
+#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -16,12 +17,7 @@ namespace {
 // page_size, which wraps near 2^64: a huge end_len then passed the page
 // table checks and reserve() threw std::length_error instead of Error.
 TEST(PlannerRegression, EndLenNear2To64IsRejectedWithError) {
-  KVLayout l;
-  l.num_layers = 2;
-  l.num_pages = 8;
-  l.page_size = 16;
-  l.num_kv_heads = 1;
-  l.head_dim = 8;
+  const KVLayout l = testing::make_layout(2, 8, 16, 1, 8);
   const std::vector<std::uint32_t> pages = {0, 1, 2};
   constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
   // The empty range [kMax, kMax) is validated as any other (issue 14): its

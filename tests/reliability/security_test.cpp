@@ -28,6 +28,7 @@
 #endif
 #if MSTAR_KV_TEST_UCX
 #include "mstar/kv/ucx.hpp"
+#include "common/layouts.hpp"
 #endif
 
 namespace mstar::kv {
@@ -42,15 +43,7 @@ bool built(const std::string& name) {
   return std::find(b.begin(), b.end(), name) != b.end();
 }
 
-KVLayout layout() {
-  KVLayout l;
-  l.num_layers = 2;
-  l.num_pages = 32;
-  l.page_size = 16;
-  l.num_kv_heads = 2;
-  l.head_dim = 64;
-  return l;
-}
+KVLayout layout() { return testing::make_layout(2, 32, 16, 2, 64); }
 
 PeerSpec spec(const std::string& engine, std::map<std::string, std::string> env = {}) {
   PeerSpec s;

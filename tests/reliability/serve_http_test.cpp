@@ -30,6 +30,8 @@
 #include <thread>
 #include <vector>
 
+#include "testkit/child.hpp"
+
 #ifndef MSTAR_KV_CLI_PATH
 #error "MSTAR_KV_CLI_PATH must name the mstar-kv executable"
 #endif
@@ -41,77 +43,15 @@ using Clock = std::chrono::steady_clock;
 
 // A mstar-kv process with stdout+stderr on a pipe; killed and reaped by the
 // destructor if it still runs.
-class Proc {
+class Proc : public mstar::kv::testkit::Child {
  public:
-  explicit Proc(const std::vector<std::string>& args) {
-    int out[2];
-    if (::pipe2(out, O_CLOEXEC) != 0) throw std::runtime_error("pipe2");
-    std::vector<std::string> full = {MSTAR_KV_CLI_PATH};
-    full.insert(full.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (auto& s : full) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::dup2(out[1], STDOUT_FILENO);
-      ::dup2(out[1], STDERR_FILENO);
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      ::execv(argv[0], argv.data());
-      ::_exit(127);
-    }
-    ::close(out[1]);
-    from_ = out[0];
-  }
-  ~Proc() {
-    if (pid_ > 0 && !reaped_) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-    if (from_ >= 0) ::close(from_);
-  }
-  Proc(const Proc&) = delete;
-  Proc& operator=(const Proc&) = delete;
-
-  bool wait_for(const std::string& what, std::chrono::milliseconds timeout) {
-    const auto deadline = Clock::now() + timeout;
-    while (output_.find(what) == std::string::npos) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      if (left.count() <= 0 || !read_some(static_cast<int>(left.count()))) return false;
-    }
-    return true;
-  }
-  // The exit code (128 + signal), SIGKILL after `timeout`.
-  int wait_exit(std::chrono::milliseconds timeout) {
-    const auto deadline = Clock::now() + timeout;
-    for (;;) {
-      int st = 0;
-      if (::waitpid(pid_, &st, WNOHANG) == pid_) {
-        reaped_ = true;
-        while (read_some(0)) {
-        }
-        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-      }
-      if (Clock::now() > deadline) ::kill(pid_, SIGKILL);
-      read_some(20);
-    }
-  }
-  const std::string& output() const { return output_; }
+  explicit Proc(const std::vector<std::string>& args) : Child(with_cli(args)) {}
 
  private:
-  bool read_some(int timeout_ms) {
-    pollfd p{from_, POLLIN, 0};
-    if (::poll(&p, 1, timeout_ms) <= 0) return false;
-    char buf[4096];
-    const ssize_t n = ::read(from_, buf, sizeof buf);
-    if (n <= 0) return false;
-    output_.append(buf, static_cast<std::size_t>(n));
-    return true;
+  static std::vector<std::string> with_cli(std::vector<std::string> args) {
+    args.insert(args.begin(), MSTAR_KV_CLI_PATH);
+    return args;
   }
-  pid_t pid_ = -1;
-  int from_ = -1;
-  bool reaped_ = false;
-  std::string output_;
 };
 
 int random_port() {
@@ -209,7 +149,7 @@ class ServeHttp : public ::testing::Test {
 TEST_F(ServeHttp, KeptAliveGetTakesUnderAMillisecond) {
   const int port = random_port();
   Proc s(small_serve(port));
-  ASSERT_TRUE(s.wait_for("http://", 30s)) << s.output();
+  ASSERT_TRUE(s.wait_for_output("http://", 30s)) << s.output();
   const int fd = connect_to(port);
   ASSERT_GE(fd, 0);
   std::vector<double> ms;
@@ -237,7 +177,7 @@ TEST_F(ServeHttp, ThousandIdleConnectionsDoNotStarveLegitimateRequests) {
   ASSERT_GE(rl.rlim_cur, 1200u) << "RLIMIT_NOFILE hard limit " << rl.rlim_max << " < 1200";
   const int port = random_port();
   Proc s(small_serve(port, {"--http-idle-timeout-s", "120", "--http-header-timeout-s", "120"}));
-  ASSERT_TRUE(s.wait_for("http://", 30s)) << s.output();
+  ASSERT_TRUE(s.wait_for_output("http://", 30s)) << s.output();
 
   std::vector<int> idle;
   for (int i = 0; i < 1000; ++i) {
@@ -281,7 +221,7 @@ TEST_F(ServeHttp, ThousandIdleConnectionsDoNotStarveLegitimateRequests) {
 TEST_F(ServeHttp, IdleAndStalledConnectionsAreClosedAfterTheTimeout) {
   const int port = random_port();
   Proc s(small_serve(port, {"--http-idle-timeout-s", "1"}));
-  ASSERT_TRUE(s.wait_for("idle timeout 1 s,", 30s)) << s.output();
+  ASSERT_TRUE(s.wait_for_output("idle timeout 1 s,", 30s)) << s.output();
   const int idle = connect_to(port);
   const int stalled = connect_to(port);
   ASSERT_GE(idle, 0);
@@ -303,7 +243,7 @@ TEST_F(ServeHttp, IdleAndStalledConnectionsAreClosedAfterTheTimeout) {
 TEST_F(ServeHttp, TricklingClientIsClosedAtTheHeaderDeadline) {
   const int port = random_port();
   Proc s(small_serve(port, {"--http-header-timeout-s", "1", "--http-idle-timeout-s", "30"}));
-  ASSERT_TRUE(s.wait_for("header timeout 1 s, idle timeout 30 s", 30s)) << s.output();
+  ASSERT_TRUE(s.wait_for_output("header timeout 1 s, idle timeout 30 s", 30s)) << s.output();
   const int slow = connect_to(port);
   const int brisk = connect_to(port);
   ASSERT_GE(slow, 0);
@@ -336,7 +276,7 @@ TEST_F(ServeHttp, TricklingClientIsClosedAtTheHeaderDeadline) {
 TEST_F(ServeHttp, ConnectionLimitHoldsAndRecovers) {
   const int port = random_port();
   Proc s(small_serve(port, {"--http-max-connections", "20"}));
-  ASSERT_TRUE(s.wait_for("at most 20 connections", 30s)) << s.output();
+  ASSERT_TRUE(s.wait_for_output("at most 20 connections", 30s)) << s.output();
   std::vector<int> held;
   for (int i = 0; i < 20; ++i) held.push_back(connect_to(port));
   std::this_thread::sleep_for(200ms);
@@ -360,7 +300,7 @@ TEST_F(ServeHttp, ConnectionLimitHoldsAndRecovers) {
 TEST_F(ServeHttp, MalformedOversizedAndUnknownRequestsGetTheir4xx) {
   const int port = random_port();
   Proc s(small_serve(port));
-  ASSERT_TRUE(s.wait_for("http://", 30s)) << s.output();
+  ASSERT_TRUE(s.wait_for_output("http://", 30s)) << s.output();
   const std::string big(40000, 'a');
   struct Case {
     const char* what;
@@ -407,7 +347,7 @@ TEST_F(ServeHttp, MalformedOversizedAndUnknownRequestsGetTheir4xx) {
 TEST_F(ServeHttp, ASequenceWhoseLeaseRanOutIs404) {
   const int port = random_port();
   Proc s(small_serve(port, {"--lease-ms", "200"}));
-  ASSERT_TRUE(s.wait_for("http://", 30s)) << s.output();
+  ASSERT_TRUE(s.wait_for_output("http://", 30s)) << s.output();
   EXPECT_EQ(raw(port, get("/v1/sequences/0")).status, 200);  // the first publish: lease starts
   std::this_thread::sleep_for(600ms);
   for (const char* path : {"/v1/sequences/0", "/v1/sequences/0/meta"}) {
@@ -455,7 +395,7 @@ TEST_F(ServeHttp, BindsOverLeftoverTimeWaitButNotOverALiveServer) {
     std::this_thread::sleep_for(50ms);
   }
   Proc first(small_serve(port));
-  ASSERT_TRUE(first.wait_for("http://", 30s)) << first.output();
+  ASSERT_TRUE(first.wait_for_output("http://", 30s)) << first.output();
   EXPECT_EQ(raw(port, get("/v1/sequences/0")).status, 200);
   Proc second(small_serve(port));
   EXPECT_NE(second.wait_exit(30s), 0);
@@ -477,7 +417,7 @@ TEST_F(ServeHttp, BearerTokenIsRequiredOnEveryRequest) {
   const std::string file = write_token("token", token + "\n");
   const int port = random_port();
   Proc s(small_serve(port, {"--token-file", file}));
-  ASSERT_TRUE(s.wait_for("http://", 30s)) << s.output();
+  ASSERT_TRUE(s.wait_for_output("http://", 30s)) << s.output();
   for (const char* path : {"/v1/sequences/0", "/v1/sequences/0/meta", "/v1/sequences", "/metrics",
                            "/nope"}) {
     SCOPED_TRACE(path);
@@ -536,14 +476,14 @@ TEST_F(ServeHttp, NonLoopbackListenNeedsATokenOrInsecure) {
     auto a = args;
     a.push_back("--insecure");
     Proc s(a);
-    ASSERT_TRUE(s.wait_for("http://", 30s)) << s.output();
+    ASSERT_TRUE(s.wait_for_output("http://", 30s)) << s.output();
     EXPECT_EQ(raw(port, get("/v1/sequences/0")).status, 200);
   }
   {
     auto a = args;
     a.insert(a.end(), {"--token-file", write_token("nl", "0123456789abcdef0123")});
     Proc s(a);
-    ASSERT_TRUE(s.wait_for("bearer token required", 30s)) << s.output();
+    ASSERT_TRUE(s.wait_for_output("bearer token required", 30s)) << s.output();
     EXPECT_EQ(raw(port, get("/v1/sequences/0")).status, 401);
   }
 }
@@ -555,7 +495,7 @@ TEST_F(ServeHttp, PullWithTheRightTokenWorksAndWithoutItMovesNothing) {
   const int port = random_port();
   const std::string from = "127.0.0.1:" + std::to_string(port);
   Proc s(small_serve(port, {"--token-file", good, "--exit-when-done"}));
-  ASSERT_TRUE(s.wait_for("http://", 30s)) << s.output();
+  ASSERT_TRUE(s.wait_for_output("http://", 30s)) << s.output();
   {
     Proc p({"pull", "--from", from});
     EXPECT_NE(p.wait_exit(60s), 0);

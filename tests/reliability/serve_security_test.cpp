@@ -25,6 +25,7 @@
 
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/status.hpp"
+#include "testkit/child.hpp"
 
 #ifndef MSTAR_KV_CLI_PATH
 #error "MSTAR_KV_CLI_PATH must name the mstar-kv executable"
@@ -38,60 +39,15 @@ using namespace std::chrono_literals;
 constexpr int kDefaultHttpPort = 23480;  // `mstar-kv serve` without --listen
 
 // A `mstar-kv serve` process; killed and reaped by the destructor.
-class Server {
+class Server : public testkit::Child {
  public:
-  explicit Server(const std::vector<std::string>& args) {
-    int out[2];
-    if (::pipe2(out, O_CLOEXEC) != 0) throw std::runtime_error("pipe2");
-    std::vector<std::string> full = {MSTAR_KV_CLI_PATH, "serve"};
-    full.insert(full.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (auto& s : full) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::dup2(out[1], STDOUT_FILENO);
-      ::dup2(out[1], STDERR_FILENO);
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      ::execv(argv[0], argv.data());
-      ::_exit(127);
-    }
-    ::close(out[1]);
-    from_ = out[0];
-  }
-  ~Server() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-    if (from_ >= 0) ::close(from_);
-  }
-  Server(const Server&) = delete;
-  Server& operator=(const Server&) = delete;
-
-  // Reads output until a line contains `what` (true) or the process exits or
-  // `timeout` passes (false). Everything read is kept in output().
-  bool wait_for_line(const std::string& what, std::chrono::milliseconds timeout) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (output_.find(what) == std::string::npos) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0) return false;
-      pollfd p{from_, POLLIN, 0};
-      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
-      char buf[4096];
-      const ssize_t n = ::read(from_, buf, sizeof buf);
-      if (n <= 0) return false;
-      output_.append(buf, static_cast<std::size_t>(n));
-    }
-    return true;
-  }
-  const std::string& output() const { return output_; }
+  explicit Server(const std::vector<std::string>& args) : Child(with_serve(args)) {}
 
  private:
-  pid_t pid_ = -1;
-  int from_ = -1;
-  std::string output_;
+  static std::vector<std::string> with_serve(std::vector<std::string> args) {
+    args.insert(args.begin(), {MSTAR_KV_CLI_PATH, "serve"});
+    return args;
+  }
 };
 
 // One HTTP/1.0 request to 127.0.0.1:port; the status code and body.
@@ -144,7 +100,7 @@ std::vector<std::string> listeners(int port) {
 
 bool serve_built() {
   Server s({"--help"});
-  s.wait_for_line("usage", 10s);
+  s.wait_for_output("usage", 10s);
   return s.output().find("usage: mstar-kv serve") != std::string::npos;
 }
 
@@ -174,7 +130,7 @@ TEST_F(ServeSecurity, DefaultsBindToLoopbackAndUnknownSequencesAre404) {
     SCOPED_TRACE(eng);
     Server s({"--engine", eng, "--sequences", "2", "--tokens", "40", "--layers", "2",
               "--kv-heads", "2", "--head-dim", "64"});
-    if (!s.wait_for_line("http://", 30s)) {
+    if (!s.wait_for_output("http://", 30s)) {
       if (s.output().find("not built") != std::string::npos) continue;  // engine absent
       FAIL() << "serve did not start: " << s.output();
     }

@@ -6,8 +6,7 @@
 //
 // Every child runs in its own process group, dies with the parent
 // (PR_SET_PDEATHSIG) and is bounded in time: Child's destructor kills the
-// whole group (SIGTERM, then SIGKILL) and reaps it. Not thread-safe; one
-// owner per Child.
+// whole group (SIGTERM, then SIGKILL) and reaps it (src/testkit/child.hpp).
 #pragma once
 
 #include <sys/types.h>
@@ -19,53 +18,21 @@
 #include <string>
 #include <vector>
 
+#include "testkit/child.hpp"
+
 namespace mstar::kv::cli::bench {
 
-struct SpawnOptions {
-  std::vector<std::string> argv;               // argv[0] is resolved on PATH
-  std::map<std::string, std::string> env;      // set on top of the parent's
-  std::vector<std::string> unset_env;          // removed from the parent's
-  std::string output_file;                     // stdout+stderr go here ("" = inherit)
-  // Pipes: when set, the child's fd `child_in_fd` reads what the parent writes
-  // to Child::to_child(), and its fd `child_out_fd` writes what the parent
-  // reads from Child::from_child().
-  bool pipes = false;
-  int child_in_fd = 3;
-  int child_out_fd = 4;
+// Bench children (testkit::Child) run in their own process group, so that
+// the kills reach the helpers they start, and get 2 s to exit on SIGTERM.
+struct SpawnOptions : testkit::ChildOptions {
+  SpawnOptions() {
+    own_group = true;
+    destroy_grace = std::chrono::milliseconds(2000);
+  }
 };
+using testkit::Child;
+using testkit::find_program;
 
-class Child {
- public:
-  // Throws Error(kUnavailable) when the program cannot be found or forked.
-  explicit Child(const SpawnOptions& options);
-  ~Child();
-  Child(const Child&) = delete;
-  Child& operator=(const Child&) = delete;
-
-  pid_t pid() const noexcept { return pid_; }
-  int to_child() const noexcept { return to_child_; }
-  int from_child() const noexcept { return from_child_; }
-  void close_to_child();
-
-  // Waits until the child exits or `timeout` passes; the exit status
-  // (WEXITSTATUS, or 128+signal) or nullopt on timeout.
-  std::optional<int> wait_for(std::chrono::milliseconds timeout);
-  // Sends `sig` to the child's process group.
-  void signal(int sig);
-  // SIGTERM, up to `grace` to exit, then SIGKILL; reaps. Idempotent.
-  void kill_and_reap(std::chrono::milliseconds grace = std::chrono::milliseconds(2000));
-  bool exited() const noexcept { return exited_; }
-
- private:
-  pid_t pid_ = -1;
-  int to_child_ = -1;
-  int from_child_ = -1;
-  bool exited_ = false;
-  int status_ = 0;
-};
-
-// Resolves a program name on PATH; "" when not found.
-std::string find_program(const std::string& name);
 // The whole file, or "" when it cannot be read.
 std::string read_file(const std::string& path);
 // A fresh temporary file name under $TMPDIR (or /tmp); the file exists.

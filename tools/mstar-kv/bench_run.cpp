@@ -16,6 +16,7 @@
 
 #include "bench_proc.hpp"
 #include "bench_server.hpp"
+#include "testkit/span_copy.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/thread_annotations.hpp"
 
@@ -25,115 +26,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// ---- memcpy on a fixed number of threads -----------------------------------
+// ---- memcpy on a fixed number of threads: the kit's span-copy pool ----------
 
-// The spans cut into `threads` runs of (nearly) equal bytes.
-struct Partition {
-  std::vector<CopySpan> pieces;
-  std::vector<std::size_t> begin;  // thread t copies pieces [begin[t], begin[t+1])
-};
-
-Partition partition(std::span<const CopySpan> spans, unsigned threads) {
-  Partition p;
-  std::uint64_t total = 0;
-  for (const CopySpan& s : spans) total += s.length;
-  p.pieces.reserve(spans.size() + threads);
-  p.begin.push_back(0);
-  const std::uint64_t share = (total + threads - 1) / std::max(1u, threads);
-  std::uint64_t filled = 0;  // bytes given to the current thread
-  for (CopySpan s : spans) {
-    while (s.length > 0) {
-      const std::uint64_t take = std::min(s.length, share - filled);
-      p.pieces.push_back({s.local_offset, s.remote_offset, take});
-      s.local_offset += take;
-      s.remote_offset += take;
-      s.length -= take;
-      filled += take;
-      if (filled == share && p.begin.size() < threads) {
-        p.begin.push_back(p.pieces.size());
-        filled = 0;
-      }
-    }
-  }
-  while (p.begin.size() <= threads) p.begin.push_back(p.pieces.size());
-  return p;
-}
-
-// A fixed pool of copy threads; run() hands each its part and waits.
-class CopyPool {
- public:
-  explicit CopyPool(unsigned threads) {
-    for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this, i] { work(i); });
-  }
-  ~CopyPool() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    start_cv_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-  CopyPool(const CopyPool&) = delete;
-  CopyPool& operator=(const CopyPool&) = delete;
-
-  unsigned size() const noexcept { return static_cast<unsigned>(threads_.size()); }
-
-  void run(const Partition& p, std::byte* dst, const std::byte* src) {
-    internal::UniqueLock lock(mu_);
-    job_ = &p;
-    dst_ = dst;
-    src_ = src;
-    pending_ = size();
-    ++generation_;
-    start_cv_.notify_all();
-    done_cv_.wait(lock, [this] {
-      MSTAR_KV_ASSERT_HELD(mu_);  // the condition runs under the lock
-      return pending_ == 0;
-    });
-    job_ = nullptr;
-  }
-
- private:
-  void work(unsigned idx) {
-    std::uint64_t seen = 0;
-    for (;;) {
-      const Partition* job = nullptr;
-      std::byte* dst = nullptr;
-      const std::byte* src = nullptr;
-      {
-        internal::UniqueLock lock(mu_);
-        start_cv_.wait(lock, [&] {
-          MSTAR_KV_ASSERT_HELD(mu_);  // the condition runs under the lock
-          return stop_ || generation_ != seen;
-        });
-        if (stop_) return;
-        seen = generation_;
-        job = job_;
-        dst = dst_;
-        src = src_;
-      }
-      for (std::size_t i = job->begin[idx]; i < job->begin[idx + 1]; ++i) {
-        const CopySpan& s = job->pieces[i];
-        std::memcpy(dst + s.local_offset, src + s.remote_offset, s.length);
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (--pending_ == 0) done_cv_.notify_one();
-      }
-    }
-  }
-
-  std::vector<std::thread> threads_;
-  std::mutex mu_;
-  std::condition_variable start_cv_;
-  std::condition_variable done_cv_;
-  std::uint64_t generation_ MSTAR_KV_GUARDED_BY(mu_) = 0;
-  unsigned pending_ MSTAR_KV_GUARDED_BY(mu_) = 0;
-  bool stop_ MSTAR_KV_GUARDED_BY(mu_) = false;
-  const Partition* job_ = nullptr;
-  std::byte* dst_ = nullptr;
-  const std::byte* src_ = nullptr;
-};
+using testkit::partition;
+using testkit::Partition;
+using CopyPool = testkit::SpanCopyPool;
 
 // Sets environment variables for the client side of a variant (UCX reads
 // UCX_TLS when its context is created) and restores them afterwards. Only

@@ -110,9 +110,8 @@ SpawnOptions spawn_options(const EngineVariant& v, const Workload& w, const RunO
             encode_extra(extra)};
   s.env = v.env;
   s.output_file = log;
-  s.pipes = true;
-  s.child_in_fd = kServerIn;
-  s.child_out_fd = kServerOut;
+  s.in_fd = kServerIn;
+  s.out_fd = kServerOut;
   return s;
 }
 

@@ -24,6 +24,7 @@
 #include "demo_baseline.hpp"
 #include "demo_layerwise.hpp"
 #include "demo_proc.hpp"
+#include "testkit/child.hpp"
 #include "layout_args.hpp"
 #include "mstar/kv/kv.hpp"
 #if MSTAR_KV_DEMO_SHM
@@ -450,58 +451,56 @@ int run_parent(const DemoConfig& c, int argc, char** argv) {
     throw Error(StatusCode::kInternal, std::string("socketpair: ") + std::strerror(errno));
   }
   const std::vector<std::string> args(argv, argv + argc);
-  struct Child {
-    const char* role;
-    pid_t pid;
-    bool done = false;
-    int status = 0;
+  // `<this executable> demo --role ROLE --fd 3 <args>`, the channel as its fd 3.
+  auto spawn_role = [&](const char* role, int channel_fd) {
+    testkit::ChildOptions o;
+    o.argv = {testkit::self_exe(), "demo", "--role", role, "--fd", "3"};
+    o.argv.insert(o.argv.end(), args.begin(), args.end());
+    o.pass_fds[3] = channel_fd;
+    return std::make_unique<testkit::Child>(o);
   };
-  Child kids[2] = {{"prefill", -1}, {"decode", -1}};
+  struct Kid {
+    const char* role;
+    std::unique_ptr<testkit::Child> child;
+    bool done = false;
+  };
+  Kid kids[2] = {{"prefill", nullptr}, {"decode", nullptr}};
   try {
-    kids[0].pid = demo::spawn_role("prefill", args, sv[0]);
-    kids[1].pid = demo::spawn_role("decode", args, sv[1]);
+    kids[0].child = spawn_role("prefill", sv[0]);
+    kids[1].child = spawn_role("decode", sv[1]);
   } catch (...) {
-    if (kids[0].pid > 0) {
-      ::kill(kids[0].pid, SIGKILL);
-      ::waitpid(kids[0].pid, nullptr, 0);
-    }
     ::close(sv[0]);
     ::close(sv[1]);
-    throw;
+    throw;  // ~Child kills and reaps a started prefill
   }
   ::close(sv[0]);
   ::close(sv[1]);
-  std::printf("started prefill pid %d, decode pid %d\n", kids[0].pid, kids[1].pid);
+  std::printf("started prefill pid %d, decode pid %d\n", kids[0].child->pid(),
+              kids[1].child->pid());
   std::fflush(stdout);
 
   // Both must finish; the first failure stops the other.
   const auto deadline = Clock::now() + c.timeout * (2 * c.repeat + 10) + std::chrono::seconds(60);
   std::string failure;
   auto stop_all = [&](int sig) {
-    for (Child& k : kids) {
-      if (!k.done) ::kill(k.pid, sig);
+    for (Kid& k : kids) {
+      if (!k.done) k.child->signal(sig);
     }
   };
   Clock::time_point kill_at{};
   while (!kids[0].done || !kids[1].done) {
-    int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
-    if (pid > 0) {
-      for (Child& k : kids) {
-        if (k.pid != pid) continue;
-        k.done = true;
-        k.status = status;
-        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!ok && failure.empty()) {
-          failure = std::string(k.role) + " process (pid " + std::to_string(pid) + ") " +
-                    demo::describe_wait_status(status);
-          stop_all(SIGTERM);
-          kill_at = Clock::now() + std::chrono::seconds(2);
-        }
+    for (Kid& k : kids) {
+      if (k.done || !k.child->wait_for(std::chrono::milliseconds(0))) continue;
+      k.done = true;
+      const int status = k.child->wait_status();
+      const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (!ok && failure.empty()) {
+        failure = std::string(k.role) + " process (pid " + std::to_string(k.child->pid()) +
+                  ") " + testkit::describe_wait_status(status);
+        stop_all(SIGTERM);
+        kill_at = Clock::now() + std::chrono::seconds(2);
       }
-      continue;
     }
-    if (pid < 0 && errno != EINTR) break;  // no children left
     if (failure.empty() && Clock::now() > deadline) {
       failure = "the demo did not finish in time; stopping both processes";
       stop_all(SIGTERM);

@@ -44,6 +44,7 @@
 #include "mstar/kv/kv.hpp"
 #include "soak_prefill.hpp"
 #include "soak_shared.hpp"
+#include "testkit/seq_line.hpp"
 
 namespace mstar::kv::cli {
 
@@ -107,7 +108,7 @@ int run_prefill(const Args& args) {
     const std::uint64_t tokens = std::uniform_int_distribution<std::uint64_t>(1, max_tokens)(rng);
     const auto pages = pool.allocate(seq_id, tokens);
     fill_pattern(*cache, pattern_seed(seq_id), pages, 0, tokens);
-    std::printf("SEQ %s\n", to_hex(pool.publish(seq_id).encode()).c_str());
+    std::printf("%s\n", testkit::seq_line(pool.publish(seq_id)).c_str());
     live.push_back(seq_id);
   }
   std::printf("READY\n");
@@ -119,7 +120,7 @@ int run_prefill(const Args& args) {
   churn.first_free_id = sequences;
   serve_prefill_with_churn(pool, *cache, std::move(live), churn, pattern_seed,
                            [](const SequenceInfo& s) {
-                             std::printf("SEQ %s\n", to_hex(s.encode()).c_str());
+                             std::printf("%s\n", testkit::seq_line(s).c_str());
                              std::fflush(stdout);
                            });
   m.cleanup();
@@ -270,7 +271,7 @@ int cmd_soak(int argc, char** argv) {
     auto pub = std::make_shared<Published>(Published{p.engine, std::move(seqs)});
     std::lock_guard<std::mutex> lock(shared.mu);
     shared.slots[i] = std::move(pub);
-    shared.pids[i] = p.pid;
+    shared.pids[i] = p.pid();
   };
   auto stop_slot = [&](std::size_t i) {
     {
@@ -326,9 +327,9 @@ int cmd_soak(int argc, char** argv) {
       guard_pages.push_back(p);
       guard_pages.push_back(local_layout.num_pages - 1 - p);
     }
-    guard = page_ranges(local_layout, guard_pages);
-    fill_sentinel(*cache, guard, seed + 12345);
-    guard_saved = save(*cache, guard);
+    guard = testkit::page_ranges(local_layout, guard_pages);
+    testkit::fill_sentinel(*cache, guard, seed + 12345);
+    guard_saved = testkit::save(*cache, guard);
 
     for (std::size_t t = 0; t < n_threads; ++t) {
       std::vector<std::uint32_t> region;
@@ -352,10 +353,10 @@ int cmd_soak(int argc, char** argv) {
         // Killed by a fault hook (or crashed)? Looked at without reaping, so
         // that the hook can never signal a recycled pid.
         siginfo_t si{};
-        if (prefills[i].pid > 0 &&
-            ::waitid(P_PID, static_cast<id_t>(prefills[i].pid), &si,
+        if (prefills[i].pid() > 0 &&
+            ::waitid(P_PID, static_cast<id_t>(prefills[i].pid()), &si,
                      WEXITED | WNOHANG | WNOWAIT) == 0 &&
-            si.si_pid == prefills[i].pid) {
+            si.si_pid == prefills[i].pid()) {
           ++deaths;
           stop_slot(i);
           start(i);
@@ -397,7 +398,7 @@ int cmd_soak(int argc, char** argv) {
   cleanup_children();
   ::sigaction(SIGINT, &old_int, nullptr);
   ::sigaction(SIGTERM, &old_term, nullptr);
-  if (changed(*cache, guard, guard_saved, {}) >= 0) stats.corruption("a guard page (no thread's) changed");
+  if (testkit::changed(*cache, guard, guard_saved)) stats.corruption("a guard page (no thread's) changed");
   if (faults.duplicates != faults.duplicates_ignored) {
     stats.corruption("a duplicate completion changed a resolved future");
   }

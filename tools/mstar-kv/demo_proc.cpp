@@ -73,46 +73,6 @@ void write_all(int fd, const std::uint8_t* p, std::size_t n) {
 
 }  // namespace
 
-pid_t spawn_role(const std::string& role, const std::vector<std::string>& args,
-                 int channel_fd) {
-  char exe[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
-  if (n <= 0) sys_fail("readlink /proc/self/exe");
-  exe[n] = '\0';
-  std::vector<std::string> argv_s = {exe, "demo", "--role", role, "--fd", "3"};
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& s : argv_s) argv.push_back(s.data());
-  argv.push_back(nullptr);
-  const pid_t parent = ::getpid();
-  const pid_t pid = ::fork();
-  if (pid < 0) sys_fail("fork");
-  if (pid == 0) {
-    // Only async-signal-safe calls from here to exec.
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(127);
-    // dup2 clears FD_CLOEXEC on fd 3, but is a no-op when the channel
-    // already is fd 3: clear the flag by hand then.
-    if (channel_fd == 3) {
-      if (::fcntl(3, F_SETFD, 0) != 0) ::_exit(127);
-    } else if (::dup2(channel_fd, 3) < 0) {
-      ::_exit(127);
-    }
-    ::execv(exe, argv.data());
-    ::_exit(127);
-  }
-  return pid;
-}
-
-std::string describe_wait_status(int status) {
-  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) {
-    return "was killed by signal " + std::to_string(WTERMSIG(status)) + " (" +
-           strsignal(WTERMSIG(status)) + ")";
-  }
-  return "stopped (status " + std::to_string(status) + ")";
-}
-
 void write_frame(int fd, const std::vector<std::uint8_t>& bytes) {
   const auto n = static_cast<std::uint32_t>(bytes.size());
   const std::uint8_t len[4] = {static_cast<std::uint8_t>(n), static_cast<std::uint8_t>(n >> 8),

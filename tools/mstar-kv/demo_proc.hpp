@@ -1,7 +1,7 @@
 // Copyright mstar-kv authors.
 //
-// Processes and the descriptor channel of `mstar-kv demo`: the demo re-execs
-// itself once per role, connected by a Unix socketpair that carries
+// The descriptor channel of `mstar-kv demo`: the demo re-execs itself once
+// per role (testkit::Child), connected by a Unix socketpair that carries
 // length-prefixed frames (the SequenceInfo bytes) and a one-byte "done".
 #pragma once
 
@@ -13,15 +13,6 @@
 #include <vector>
 
 namespace mstar::kv::cli::demo {
-
-// A child running `<this executable> demo --role ROLE --fd 3 <args>` with
-// `channel_fd` as its fd 3. The child gets SIGKILL if this process dies.
-// Throws Error(kInternal) naming the failing call.
-pid_t spawn_role(const std::string& role, const std::vector<std::string>& args,
-                 int channel_fd);
-
-// What became of a child: "exited with status 1", "was killed by signal 9".
-std::string describe_wait_status(int status);
 
 // Frames: u32 little-endian length, then the bytes (at most 64 MiB).
 // write_frame throws Error(kPeerFailure) when the other side is gone;

@@ -19,47 +19,22 @@
 
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/thread_annotations.hpp"
+#include "testkit/child.hpp"
+#include "testkit/read_check.hpp"
 
 namespace mstar::kv::cli::soak {
+
+using testkit::Ranges;
 
 inline std::uint64_t pattern_seed(std::uint64_t seq_id) {
   return seq_id * 0x9E3779B97F4A7C15ULL + 17;
 }
 
-inline std::string to_hex(const std::vector<std::uint8_t>& b) {
-  static const char* d = "0123456789abcdef";
-  std::string s;
-  s.reserve(b.size() * 2);
-  for (std::uint8_t x : b) {
-    s.push_back(d[x >> 4]);
-    s.push_back(d[x & 15]);
-  }
-  return s;
-}
-
-inline std::vector<std::uint8_t> from_hex(const std::string& s) {
-  auto v = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    return -1;
-  };
-  if (s.size() % 2 != 0) throw Error(StatusCode::kCorruptDescriptor, "odd hex length");
-  std::vector<std::uint8_t> out(s.size() / 2);
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    const int hi = v(s[2 * i]);
-    const int lo = v(s[2 * i + 1]);
-    if (hi < 0 || lo < 0) throw Error(StatusCode::kCorruptDescriptor, "bad hex digit");
-    out[i] = static_cast<std::uint8_t>(hi << 4 | lo);
-  }
-  return out;
-}
-
+// A prefill process as the supervisor holds it.
 struct Prefill {
   std::string engine;
-  pid_t pid = -1;
-  int to_child = -1;    // its stdin: closing it asks it to exit
-  int from_child = -1;  // its stdout
-  std::string buf;      // what it printed after READY, not yet a whole line
+  std::unique_ptr<testkit::Child> child;  // null while stopped
+  pid_t pid() const { return child ? child->pid() : -1; }
 };
 
 // SIGKILL and reap (bounded: a SIGKILLed process always exits).
@@ -128,18 +103,6 @@ struct DecodeConfig {
   std::chrono::milliseconds grace;
   std::uint64_t seed;
 };
-
-// Byte ranges [begin, end) of the local cache, merged; the bytes of
-// `pages` (every layer, k and v); a copy of them; the first byte of them
-// that differs from `saved` outside `allowed` (-1: none); a pattern of
-// `seed` over them.
-using Ranges = std::vector<std::pair<std::uint64_t, std::uint64_t>>;
-Ranges merged(Ranges r);
-Ranges page_ranges(const KVLayout& l, const std::vector<std::uint32_t>& pages);
-std::vector<std::byte> save(const KVCache& c, const Ranges& ranges);
-std::int64_t changed(const KVCache& c, const Ranges& ranges, const std::vector<std::byte>& saved,
-                     const Ranges& allowed);
-void fill_sentinel(const KVCache& c, const Ranges& ranges, std::uint64_t seed);
 
 // One decode thread: pulls random published sequences into its pages and
 // checks every one (see cmd_soak.cpp) until `stop`.

@@ -28,6 +28,7 @@ using testing::small_layout;
 using namespace std::chrono_literals;
 using testing::PeerProcess;
 using testing::PeerSpec;
+using testing::small_layout;
 
 struct EngineCase {
   std::string label;
@@ -76,7 +77,6 @@ std::vector<EngineCase> engine_cases() {
   return cases;
 }
 
-// 4 layers, 64 pages of 16 tokens, 2 heads x 64 bf16: 4 KiB blocks, 2 MiB.
 constexpr std::byte kSentinel{0xA5};
 constexpr std::uint64_t kSeed = 1234;
 

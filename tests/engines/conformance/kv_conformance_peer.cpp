@@ -1,7 +1,8 @@
 // Copyright mstar-kv authors.
 //
 // The serving side of the conformance suite, as its own process: builds a
-// cache for the named engine, fills sequence 1 with the pattern, prints
+// cache for the named engine (device memory for cuda_ipc, filled through a
+// host copy), fills sequence 1 with the pattern, prints
 // "SEQ <hex>" and keeps its engine alive until stdin says "quit" or closes.
 // Page reuse (the page epoch tests): "next <delay_us>" waits that long,
 // releases the current sequence, allocates the next id on the same pages
@@ -16,61 +17,41 @@
 // owner); "reuse" releases the stream's sequence, allocates 1001 on the same
 // pages, fills and publishes it (a new generation) and prints its "SEQ".
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <iostream>
-#include <mutex>
 #include <string>
 #include <thread>
 
+#include "common/cache_probe.hpp"
+#include "common/peer.hpp"
 #include "mstar/kv/kv.hpp"
-#include "common/peer_process.hpp"
 
 using namespace mstar::kv;
+using testing::say;
+using testing::say_sequence;
 
 int main(int argc, char** argv) {
-  std::string engine;
-  std::string layout_s;
-  std::uint64_t tokens = 0;
-  std::uint64_t seed = 1;
-  std::uint64_t scatter = 0;
-  std::chrono::milliseconds lease = KVCachePool::kDefaultLease;
-  EngineOptions options;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i];
-    const std::string v = argv[i + 1];
-    if (k == "--engine") engine = v;
-    else if (k == "--layout") layout_s = v;
-    else if (k == "--tokens") tokens = std::stoull(v);
-    else if (k == "--seed") seed = std::stoull(v);
-    else if (k == "--scatter") scatter = std::stoull(v);
-    else if (k == "--lease-ms") lease = std::chrono::milliseconds(std::stoll(v));
-    else if (k == "--extra") {
-      const auto eq = v.find('=');
-      options.extra[v.substr(0, eq)] = v.substr(eq + 1);
-    }
-  }
-  try {
-    const KVLayout layout = testing::parse_layout_arg(layout_s);
-    const MemoryKind kind = engine == "shm" ? MemoryKind::kSharedHost : MemoryKind::kHost;
+  return testing::run_peer([&] {
+    const testing::PeerArgs a = testing::parse_peer_args(argc, argv);
+    const KVLayout& layout = a.layout;
+    const std::uint64_t tokens = a.tokens;
+    const std::uint64_t seed = a.seed;
+    const MemoryKind kind = a.engine == "shm"        ? MemoryKind::kSharedHost
+                            : a.engine == "cuda_ipc" ? MemoryKind::kDevice
+                                                     : MemoryKind::kHost;
     auto cache = make_kv_cache(layout, kind);
-    KVTransferManager manager(TransferEngineInfo{"peer", "", engine, options}, cache);
-    auto pool_ptr =
-        std::make_shared<KVCachePool>(cache, manager.get_kv_transfer_info(), scatter, lease);
+    KVTransferManager manager(TransferEngineInfo{"peer", "", a.engine, a.options}, cache);
+    auto pool_ptr = std::make_shared<KVCachePool>(cache, manager.get_kv_transfer_info(), a.scatter,
+                                                  a.lease.value_or(KVCachePool::kDefaultLease));
     KVCachePool& pool = *pool_ptr;
     manager.serve_done_notices(pool_ptr);  // UCX readers may say "done"
     auto pages = pool.allocate(1, tokens);
-    fill_pattern(*cache, seed, pages, 0, tokens);
-    std::cout << "SEQ " << testing::to_hex(pool.publish(1).encode()) << std::endl;
+    testing::fill_pattern_any(*cache, seed, pages, 0, tokens);
+    say_sequence(pool.publish(1));
     std::uint64_t current = 1;
-    std::mutex out_mu;
     std::thread marker;
     std::uint64_t stream_id = 0;
     std::vector<std::uint32_t> stream_pages;
-    auto say = [&](const std::string& text) {
-      std::lock_guard<std::mutex> lock(out_mu);
-      std::cout << text << std::endl;
-    };
     for (std::string line; std::getline(std::cin, line);) {
       if (line == "quit") break;
       if (line.rfind("stream ", 0) == 0) {
@@ -88,7 +69,7 @@ int main(int argc, char** argv) {
             }
           }
         }
-        say("SEQ " + testing::to_hex(pool.publish(stream_id, 0).encode()));
+        say_sequence(pool.publish(stream_id, 0));
         marker = std::thread([&, ms, n, id = stream_id, pages = stream_pages] {
           for (std::uint32_t l = 0; l < n; ++l) {
             std::this_thread::sleep_for(ms);
@@ -113,7 +94,7 @@ int main(int argc, char** argv) {
         stream_id = 1001;
         stream_pages = pool.allocate(stream_id, tokens);
         fill_pattern(*cache, seed, stream_pages, 0, tokens);
-        say("SEQ " + testing::to_hex(pool.publish(stream_id).encode()));
+        say_sequence(pool.publish(stream_id));
         continue;
       }
       if (line.rfind("next ", 0) == 0) {
@@ -124,23 +105,16 @@ int main(int argc, char** argv) {
         pool.release(current);
         ++current;
         pages = pool.allocate(current, tokens);
-        fill_pattern(*cache, seed + current, pages, 0, tokens);
-        std::cout << "SEQ " << testing::to_hex(pool.publish(current).encode()) << std::endl;
+        testing::fill_pattern_any(*cache, seed + current, pages, 0, tokens);
+        say_sequence(pool.publish(current));
       } else if (line == "contains") {
-        std::cout << "CONTAINS " << pool.contains(current) << std::endl;
+        say("CONTAINS " + std::to_string(pool.contains(current)));
       } else if (line == "expire") {
-        std::cout << "EXPIRED " << pool.expire_leases() << std::endl;
+        say("EXPIRED " + std::to_string(pool.expire_leases()));
       }
     }
     if (marker.joinable()) marker.join();
     manager.cleanup();
-  } catch (const std::exception& e) {
-    std::string msg = e.what();
-    for (char& c : msg) {
-      if (c == '\n') c = ' ';
-    }
-    std::cout << "ERR " << msg << std::endl;
-    return 1;
-  }
-  return 0;
+    return 0;
+  });
 }

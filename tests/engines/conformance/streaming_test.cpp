@@ -26,6 +26,7 @@ using testing::small_layout;
 using namespace std::chrono_literals;
 using testing::PeerProcess;
 using testing::PeerSpec;
+using testing::small_layout;
 
 struct StreamCase {
   std::string label;

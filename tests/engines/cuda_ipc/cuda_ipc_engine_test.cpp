@@ -31,6 +31,7 @@ using testing::small_layout;
 using namespace std::chrono_literals;
 using cuda_test::OwnerProcess;
 using cuda_test::OwnerSpec;
+using testing::small_layout;
 
 constexpr std::uint8_t kSentinel = 0xA5;
 constexpr std::uint64_t kSeed = 1234;
@@ -47,9 +48,9 @@ std::vector<std::uint32_t> local_pages(std::size_t n, std::uint32_t first = 3,
 class CudaIpcEngine : public ::testing::Test {
  protected:
   void SetUp() override {
-    const std::string why = cuda_test::no_device_reason();
+    const std::string why = testing::no_device_reason();
     if (!why.empty()) {
-      if (cuda_test::gpu_required()) FAIL() << "MSTAR_KV_REQUIRE_GPU=1 but " << why;
+      if (testing::gpu_required()) FAIL() << "MSTAR_KV_REQUIRE_GPU=1 but " << why;
       GTEST_SKIP() << "no CUDA device visible: " << why;
     }
   }
@@ -64,7 +65,7 @@ class CudaIpcEngine : public ::testing::Test {
 
   static std::shared_ptr<KVCache> local_cache(const KVLayout& l) {
     auto c = make_kv_cache(l, MemoryKind::kDevice, 0);
-    cuda_test::fill_device_bytes(*c, kSentinel);
+    testing::fill_bytes(*c, std::byte{kSentinel});
     return c;
   }
 
@@ -82,26 +83,15 @@ class CudaIpcEngine : public ::testing::Test {
   // sentinel.
   static void expect_only_named_bytes_written(const KVCache& local, const KVLayout& remote,
                                               const std::vector<KVReadInfo>& reads) {
-    auto host = cuda_test::download(local);
-    std::vector<std::uint8_t> named(local.layout().total_bytes(), 0);
-    if (!reads.empty()) {
-      for (const CopySpan& s : plan_copies(local.layout(), remote, reads).spans) {
-        std::fill_n(named.begin() + static_cast<std::ptrdiff_t>(s.local_offset), s.length, 1);
-      }
-    }
-    std::uint64_t touched = 0;
-    const auto* bytes = reinterpret_cast<const std::uint8_t*>(host->base());
-    for (std::size_t i = 0; i < named.size(); ++i) {
-      touched += (!named[i] && bytes[i] != kSentinel);
-    }
-    EXPECT_EQ(touched, 0u) << "bytes outside the read were written";
+    EXPECT_EQ(testing::bytes_written_outside(local, remote, reads, std::byte{kSentinel}), 0u)
+        << "bytes outside the read were written";
   }
 
   // Two snapshots 50 ms apart are equal: nothing lands any more.
   static void expect_quiescent(const KVCache& local) {
-    auto a = cuda_test::download(local);
+    auto a = testing::download(local);
     std::this_thread::sleep_for(50ms);
-    auto b = cuda_test::download(local);
+    auto b = testing::download(local);
     EXPECT_EQ(std::memcmp(a->base(), b->base(), local.layout().total_bytes()), 0)
         << "bytes landed after the future resolved";
   }
@@ -122,7 +112,7 @@ TEST_F(CudaIpcEngine, DescriptorDescribesTheAllocation) {
   EXPECT_NE(info.cuda_share.handle, (std::array<std::uint8_t, 64>{}));
   EXPECT_EQ(CudaIpcKVTransferInfo::decode(engine.get_kv_transfer_info()), info);
   // Zero-filled, as make_kv_cache promises.
-  auto host = cuda_test::download(*cache);
+  auto host = testing::download(*cache);
   const auto* b = reinterpret_cast<const std::uint8_t*>(host->base());
   EXPECT_TRUE(std::all_of(b, b + l.total_bytes(), [](std::uint8_t x) { return x == 0; }));
 }
@@ -138,7 +128,7 @@ TEST_F(CudaIpcEngine, FullPullMovesEveryByte) {
   const std::uint64_t bytes =
       m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
   EXPECT_EQ(bytes, 300u * l.token_bytes() * 2 * l.num_layers);
-  auto v = cuda_test::verify_device_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+  auto v = testing::verify_pattern_any(*cache, kSeed, lp, 0, seq.num_tokens);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
   expect_only_named_bytes_written(*cache, l,
                                   plan_reads(l, 0, seq.num_tokens, lp, seq.page_indices));
@@ -163,7 +153,7 @@ TEST_F(CudaIpcEngine, PrefixHitPullsOnlyTheTail) {
                                    seq.kv_transfer_info);
   ASSERT_TRUE(f.has_value());
   EXPECT_EQ(f->get(), (256u - start) * l.token_bytes() * 2 * l.num_layers);
-  auto v = cuda_test::verify_device_pattern(*cache, kSeed, lp, start, seq.num_tokens);
+  auto v = testing::verify_pattern_any(*cache, kSeed, lp, start, seq.num_tokens);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
   expect_only_named_bytes_written(*cache, l,
                                   plan_reads(l, start, seq.num_tokens, lp, seq.page_indices));
@@ -181,7 +171,7 @@ TEST_F(CudaIpcEngine, PartialPagesAndOrdersThatDiffer) {
     auto m = manager(cache);
     const auto lp = local_pages(seq.page_indices.size());
     m->sync_retrieve(5, 90, lp, seq.page_indices, seq.kv_transfer_info);  // both ends partial
-    auto v = cuda_test::verify_device_pattern(*cache, kSeed, lp, 5, 90);
+    auto v = testing::verify_pattern_any(*cache, kSeed, lp, 5, 90);
     EXPECT_TRUE(v.ok()) << l.to_string() << ": " << v.first_mismatch;
     expect_only_named_bytes_written(*cache, remote, plan_reads(l, 5, 90, lp, seq.page_indices));
   }
@@ -199,7 +189,7 @@ TEST_F(CudaIpcEngine, PartialPagesAndOrdersThatDiffer) {
   EXPECT_EQ(f->get(), 8u * l.token_bytes() * 2 * 4);
   // Local page 40 holds sequence page 2's tokens [3, 11) = tokens [35, 43).
   const std::vector<std::uint32_t> table = {0, 0, 40};
-  auto v = cuda_test::verify_device_pattern(*cache, kSeed, table, 35, 43);
+  auto v = testing::verify_pattern_any(*cache, kSeed, table, 35, 43);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
   expect_only_named_bytes_written(*cache, remote, reads);
 }
@@ -217,7 +207,7 @@ TEST_F(CudaIpcEngine, WrappedMemoryAtAnOffsetIsServed) {
   auto m = manager(cache);
   const auto lp = local_pages(seq.page_indices.size());
   m->sync_retrieve(0, 200, lp, seq.page_indices, seq.kv_transfer_info);
-  auto v = cuda_test::verify_device_pattern(*cache, kSeed, lp, 0, 200);
+  auto v = testing::verify_pattern_any(*cache, kSeed, lp, 0, 200);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
 }
 
@@ -316,17 +306,17 @@ TEST_F(CudaIpcEngine, StaleGenerationIsRefused) {
   const SequenceInfo first = owner.sequence();
   const auto lp = local_pages(4);
   m->sync_retrieve(0, 64, lp, first.page_indices, first.kv_transfer_info);
-  EXPECT_TRUE(cuda_test::verify_device_pattern(*cache, kSeed, lp, 0, 64).ok());
+  EXPECT_TRUE(testing::verify_pattern_any(*cache, kSeed, lp, 0, 64).ok());
 
   const SequenceInfo second = owner.regenerate(kSeed + 1);
   EXPECT_NE(CudaIpcKVTransferInfo::decode(second.kv_transfer_info).generation,
             CudaIpcKVTransferInfo::decode(first.kv_transfer_info).generation);
   m->sync_retrieve(0, 64, lp, second.page_indices, second.kv_transfer_info);
-  auto v = cuda_test::verify_device_pattern(*cache, kSeed + 1, lp, 0, 64);
+  auto v = testing::verify_pattern_any(*cache, kSeed + 1, lp, 0, 64);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
   EXPECT_EQ(engine.open_handles(), 1u) << "the replaced generation's handle stayed open";
 
-  cuda_test::fill_device_bytes(*cache, kSentinel);
+  testing::fill_bytes(*cache, std::byte{kSentinel});
   try {
     m->start_async_retrieve(0, 64, lp, first.page_indices, first.kv_transfer_info);
     FAIL() << "a replaced generation was read";
@@ -350,7 +340,7 @@ TEST_F(CudaIpcEngine, ReusedPagesFailStaleNeverAsAnotherRequest) {
   std::vector<std::uint32_t> lp(first.page_indices.size());
   std::iota(lp.begin(), lp.end(), 0u);
   m->sync_retrieve(0, first.num_tokens, lp, first.page_indices, first.kv_transfer_info);
-  EXPECT_TRUE(cuda_test::verify_device_pattern(*cache, kSeed, lp, 0, first.num_tokens).ok());
+  EXPECT_TRUE(testing::verify_pattern_any(*cache, kSeed, lp, 0, first.num_tokens).ok());
 
   const SequenceInfo second = owner.reuse(kSeed + 1);
   std::vector<std::uint32_t> a = first.page_indices, b = second.page_indices;
@@ -369,7 +359,7 @@ TEST_F(CudaIpcEngine, ReusedPagesFailStaleNeverAsAnotherRequest) {
     EXPECT_NE(std::string(e.what()).find("changed owner"), std::string::npos) << e.what();
   }
   m->sync_retrieve(0, second.num_tokens, lp, second.page_indices, second.kv_transfer_info);
-  EXPECT_TRUE(cuda_test::verify_device_pattern(*cache, kSeed + 1, lp, 0, second.num_tokens).ok());
+  EXPECT_TRUE(testing::verify_pattern_any(*cache, kSeed + 1, lp, 0, second.num_tokens).ok());
 
   std::uint64_t ok = 0, stale = 0, wrong = 0;
   SequenceInfo cur = second;
@@ -385,7 +375,7 @@ TEST_F(CudaIpcEngine, ReusedPagesFailStaleNeverAsAnotherRequest) {
       st = e.status();
     }
     if (st.is_ok()) {
-      if (cuda_test::verify_device_pattern(*cache, seed, lp, 0, cur.num_tokens).ok()) {
+      if (testing::verify_pattern_any(*cache, seed, lp, 0, cur.num_tokens).ok()) {
         ++ok;
       } else {
         ++wrong;
@@ -420,7 +410,7 @@ TEST_F(CudaIpcEngine, MixedGeometriesUse2DCopies) {
   const auto& seq = p.sequence();
   EXPECT_EQ(m->sync_retrieve(20, 256, lp, seq.page_indices, seq.kv_transfer_info),
             (256u - 20) * l.token_bytes() * 2 * l.num_layers);
-  auto v = cuda_test::verify_device_pattern(*cache, kSeed, lp, 20, 256);
+  auto v = testing::verify_pattern_any(*cache, kSeed, lp, 20, 256);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
 }
 
@@ -468,8 +458,8 @@ TEST_F(CudaIpcEngine, AnOwnerMayExportCachesOfTwoLayouts) {
     m->sync_retrieve(0, 64, la, a.page_indices, a.kv_transfer_info);
     m->sync_retrieve(0, 64, lb, b.page_indices, b.kv_transfer_info);
   }
-  auto va = cuda_test::verify_device_pattern(*cache, kSeed, la, 0, 64);
-  auto vb = cuda_test::verify_device_pattern(*cache, kSeed + 5, lb, 0, 64);
+  auto va = testing::verify_pattern_any(*cache, kSeed, la, 0, 64);
+  auto vb = testing::verify_pattern_any(*cache, kSeed + 5, lb, 0, 64);
   EXPECT_TRUE(va.ok()) << va.first_mismatch;
   EXPECT_TRUE(vb.ok()) << vb.first_mismatch;
   EXPECT_EQ(dynamic_cast<CudaIpcKVTransferEngine&>(m->engine()).open_handles(), 2u);
@@ -489,7 +479,7 @@ TEST_F(CudaIpcEngine, DeadOwnerIsRefused) {
     m->sync_retrieve(0, 64, local_pages(4), pages, stale);
     owner.kill_now();
   }
-  cuda_test::fill_device_bytes(*cache, kSentinel);
+  testing::fill_bytes(*cache, std::byte{kSentinel});
   try {
     m->start_async_retrieve(0, 64, local_pages(4), pages, stale);
     FAIL() << "a dead owner's descriptor was read";
@@ -502,7 +492,7 @@ TEST_F(CudaIpcEngine, DeadOwnerIsRefused) {
   OwnerProcess again(spec(l, 64));
   m->sync_retrieve(0, 64, local_pages(4), again.sequence().page_indices,
                    again.sequence().kv_transfer_info);
-  EXPECT_TRUE(cuda_test::verify_device_pattern(*cache, kSeed, local_pages(4), 0, 64).ok());
+  EXPECT_TRUE(testing::verify_pattern_any(*cache, kSeed, local_pages(4), 0, 64).ok());
 }
 
 TEST_F(CudaIpcEngine, ShutdownResolvesEveryReadInFlight) {
@@ -565,7 +555,7 @@ TEST_F(CudaIpcEngine, CancelAndTimeoutResolveOnlyAfterTheCopiesDrain) {
     std::cout << "[ INFO     ] " << (cancel ? "cancel" : "1 ms timeout") << ": "
               << f->status().to_string() << std::endl;
     if (c == StatusCode::kOk) {
-      auto v = cuda_test::verify_device_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+      auto v = testing::verify_pattern_any(*cache, kSeed, lp, 0, seq.num_tokens);
       EXPECT_TRUE(v.ok()) << v.first_mismatch;
     } else {
       EXPECT_EQ(c, cancel ? StatusCode::kCancelled : StatusCode::kTimeout)
@@ -612,7 +602,7 @@ TEST_F(CudaIpcEngine, ConcurrentPullsFromManyThreads) {
       table[t * kPagesEach + i] = t * kPagesEach + (i * 7) % kPagesEach;
     }
   }
-  auto v = cuda_test::verify_device_pattern(*cache, kSeed, table, 0, kThreads * kPagesEach * 16);
+  auto v = testing::verify_pattern_any(*cache, kSeed, table, 0, kThreads * kPagesEach * 16);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
 }
 
@@ -625,7 +615,7 @@ TEST_F(CudaIpcEngine, BatchedAndPlainCopiesAgree) {
     auto cache = local_cache(l);
     auto m = manager(cache, 10000ms, {{"cuda_ipc_batch", batch}});
     m->sync_retrieve(3, 500, lp, seq.page_indices, seq.kv_transfer_info);
-    auto v = cuda_test::verify_device_pattern(*cache, kSeed, lp, 3, 500);
+    auto v = testing::verify_pattern_any(*cache, kSeed, lp, 3, 500);
     EXPECT_TRUE(v.ok()) << "cuda_ipc_batch=" << batch << ": " << v.first_mismatch;
     expect_only_named_bytes_written(*cache, l, plan_reads(l, 3, 500, lp, seq.page_indices));
   }
@@ -636,7 +626,7 @@ TEST_F(CudaIpcEngine, OwnCacheIsReadableInProcessOthersAreNot) {
   auto a = local_cache(l);
   auto b = local_cache(l);
   const std::vector<std::uint32_t> src = {1, 2};
-  cuda_test::fill_device_pattern(*a, kSeed, src, 0, 32);
+  testing::fill_pattern_any(*a, kSeed, src, 0, 32);
   CudaIpcKVTransferEngine ea(a, 2u);
   CudaIpcKVTransferEngine eb(b, 2u);
   // Pages 1, 2 -> 10, 11 within cache a.
@@ -645,7 +635,7 @@ TEST_F(CudaIpcEngine, OwnCacheIsReadableInProcessOthersAreNot) {
   auto f = ea.read_batched_async(ea.get_kv_transfer_info(), reads);
   ASSERT_TRUE(f.has_value());
   f->get();
-  EXPECT_TRUE(cuda_test::verify_device_pattern(*a, kSeed, dst, 0, 32).ok());
+  EXPECT_TRUE(testing::verify_pattern_any(*a, kSeed, dst, 0, 32).ok());
   try {
     ea.read_batched_async(eb.get_kv_transfer_info(), reads);
     FAIL() << "another cache of this process was accepted";

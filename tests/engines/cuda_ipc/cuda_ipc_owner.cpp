@@ -18,11 +18,14 @@
 #include <string>
 #include <vector>
 
-#include "cuda_ipc_test_util.hpp"
+#include "common/cache_probe.hpp"
+#include "common/peer.hpp"
+#include "common/wire.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
 
 using namespace mstar::kv;
+using testing::say_sequence;
 
 namespace {
 
@@ -54,12 +57,12 @@ std::unique_ptr<Generation> make_generation(const KVLayout& layout, std::uint64_
     g->cache = wrap_device_cache(layout, static_cast<std::byte*>(g->raw) + wrap_offset,
                                  layout.total_bytes(), 0);
   }
-  cuda_test::fill_device_bytes(*g->cache, 0x5A);
+  testing::fill_bytes(*g->cache, std::byte{0x5A});
   g->manager = std::make_unique<KVTransferManager>(
       TransferEngineInfo{"owner", "", "cuda_ipc", {}}, g->cache);
   g->pool = std::make_unique<KVCachePool>(g->cache, g->manager->get_kv_transfer_info(), scatter);
   const auto pages = g->pool->allocate(1, tokens);
-  cuda_test::fill_device_pattern(*g->cache, seed, pages, 0, tokens);
+  testing::fill_pattern_any(*g->cache, seed, pages, 0, tokens);
   // The pages are written (cudaMemcpy is synchronous): safe to publish.
   return g;
 }
@@ -67,26 +70,13 @@ std::unique_ptr<Generation> make_generation(const KVLayout& layout, std::uint64_
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string layout_s;
-  std::uint64_t tokens = 0;
-  std::uint64_t seed = 1;
-  std::uint64_t scatter = 0;
-  std::uint64_t wrap_offset = 0;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i];
-    const std::string v = argv[i + 1];
-    if (k == "--layout") layout_s = v;
-    else if (k == "--tokens") tokens = std::stoull(v);
-    else if (k == "--seed") seed = std::stoull(v);
-    else if (k == "--scatter") scatter = std::stoull(v);
-    else if (k == "--wrap-offset") wrap_offset = std::stoull(v);
-  }
   std::vector<std::unique_ptr<Generation>> generations;
-  try {
-    const KVLayout layout = cuda_test::parse_layout_arg(layout_s);
-    generations.push_back(make_generation(layout, tokens, seed, scatter, wrap_offset));
-    std::cout << "SEQ " << cuda_test::to_hex(generations.back()->pool->publish(1).encode())
-              << std::endl;
+  const int rc = testing::run_peer([&] {
+    const testing::PeerArgs a = testing::parse_peer_args(argc, argv);
+    const std::uint64_t wrap_offset =
+        a.other.count("--wrap-offset") != 0 ? std::stoull(a.other.at("--wrap-offset")) : 0;
+    generations.push_back(make_generation(a.layout, a.tokens, a.seed, a.scatter, wrap_offset));
+    say_sequence(generations.back()->pool->publish(1));
     for (std::string line; std::getline(std::cin, line);) {
       if (line == "quit") break;
       std::istringstream in(line);
@@ -96,30 +86,22 @@ int main(int argc, char** argv) {
         std::uint64_t s = 0;
         std::string other;
         in >> s >> other;
-        const KVLayout l = other.empty() ? layout : cuda_test::parse_layout_arg(other);
-        generations.push_back(make_generation(l, tokens, s, scatter, wrap_offset));
-        std::cout << "SEQ " << cuda_test::to_hex(generations.back()->pool->publish(1).encode())
-                  << std::endl;
+        const KVLayout l = other.empty() ? a.layout : testing::parse_layout_arg(other);
+        generations.push_back(make_generation(l, a.tokens, s, a.scatter, wrap_offset));
+        say_sequence(generations.back()->pool->publish(1));
       } else if (cmd == "reuse") {
         std::uint64_t s = 0;
         in >> s;
         Generation& g = *generations.back();
         g.pool->release(g.seq_id);
         ++g.seq_id;
-        const auto pages = g.pool->allocate(g.seq_id, tokens);
-        cuda_test::fill_device_pattern(*g.cache, s, pages, 0, tokens);
-        std::cout << "SEQ " << cuda_test::to_hex(g.pool->publish(g.seq_id).encode())
-                  << std::endl;
+        const auto pages = g.pool->allocate(g.seq_id, a.tokens);
+        testing::fill_pattern_any(*g.cache, s, pages, 0, a.tokens);
+        say_sequence(g.pool->publish(g.seq_id));
       }
     }
-  } catch (const std::exception& e) {
-    std::string msg = e.what();
-    for (char& c : msg) {
-      if (c == '\n') c = ' ';
-    }
-    std::cout << "ERR " << msg << std::endl;
-    return 1;
-  }
+    return 0;
+  });
   generations.clear();
-  return 0;
+  return rc;
 }

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "common/cache_probe.hpp"
+#include "common/layouts.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/mooncake.hpp"
 
@@ -42,14 +44,7 @@ inline std::string mooncake_skip_reason() {
 
 // 2 layers, `pages` pages of 16 tokens, 2 heads x 64 bf16: 4 KiB blocks.
 inline KVLayout mooncake_test_layout(std::uint32_t pages = 256) {
-  KVLayout l;
-  l.num_layers = 2;
-  l.num_pages = pages;
-  l.page_size = 16;
-  l.num_kv_heads = 2;
-  l.head_dim = 64;
-  l.dtype = DType::kBFloat16;
-  return l;
+  return make_layout(2, pages, 16, 2, 64);
 }
 
 inline std::vector<std::uint32_t> iota_pages(std::size_t n, std::uint32_t first = 0) {
@@ -74,13 +69,7 @@ inline std::uint64_t count_changed(const KVCache& c) {
 // Bytes outside the destinations of `reads` that no longer hold kSentinel.
 inline std::uint64_t written_outside(const KVCache& local, const KVLayout& remote,
                                      const std::vector<KVReadInfo>& reads) {
-  std::vector<std::uint8_t> named(local.size_bytes(), 0);
-  for (const CopySpan& s : plan_copies(local.layout(), remote, reads).spans) {
-    std::fill_n(named.begin() + static_cast<std::ptrdiff_t>(s.local_offset), s.length, 1);
-  }
-  std::uint64_t n = 0;
-  for (std::size_t i = 0; i < named.size(); ++i) n += !named[i] && local.base()[i] != kSentinel;
-  return n;
+  return bytes_written_outside(local, remote, reads, kSentinel);
 }
 
 // Mooncake's engine as the application creates it: createTransferEngine

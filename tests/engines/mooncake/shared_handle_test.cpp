@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/child_process.hpp"
+#include "common/peer.hpp"
 #include "common/wire.hpp"
 #include "engines/mooncake/mooncake_test_util.hpp"
 #include "engines/mooncake/read_error.hpp"
@@ -47,35 +47,14 @@ KVLayout layout(std::uint32_t pages = 256) { return testing::mooncake_test_layou
 
 // mooncake_shared_peer: an application with its own Mooncake engine serving
 // one sequence through a shared-handle MooncakeKVTransferEngine.
-class SharedPeer {
+class SharedPeer : public testing::Peer {
  public:
   SharedPeer(const KVLayout& l, std::uint64_t tokens)
-      : child_({MSTAR_KV_SHARED_PEER_PATH, "--layout", testing::layout_arg(l), "--tokens",
-                std::to_string(tokens), "--seed", std::to_string(kSeed), "--scatter", "7"},
-               {}, /*merge_stderr=*/false) {
-    read_sequence();
-  }
-  const SequenceInfo& sequence() const { return seq_; }
-  pid_t pid() const { return child_.pid(); }
+      : Peer({MSTAR_KV_SHARED_PEER_PATH, "--layout", testing::layout_arg(l), "--tokens",
+              std::to_string(tokens), "--seed", std::to_string(kSeed), "--scatter", "7"},
+             {}, 30s) {}
   // Its engine is replaced by a new one on the same handle and cache.
-  void restart() {
-    child_.write_line("restart");
-    read_sequence();
-  }
-
- private:
-  void read_sequence() {
-    for (;;) {
-      const std::string line = child_.read_line(30s);
-      if (line.rfind("SEQ ", 0) == 0) {
-        seq_ = SequenceInfo::decode(testing::from_hex(line.substr(4)));
-        return;
-      }
-      if (line.rfind("ERR ", 0) == 0) throw std::runtime_error("shared peer: " + line.substr(4));
-    }
-  }
-  testing::Child child_;
-  SequenceInfo seq_;
+  void restart() { command("restart", 30s); }
 };
 
 class MooncakeSharedHandle : public ::testing::Test {

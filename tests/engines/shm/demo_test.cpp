@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <string>
 
-#include "shm_test_util.hpp"
+#include "testkit/child.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -23,10 +23,11 @@ struct DemoRun {
 
 DemoRun run_demo(std::vector<std::string> args, std::chrono::milliseconds timeout = 60s) {
   args.insert(args.begin(), {MSTAR_KV_CLI, "demo"});
-  shmtest::Child child(args);
+  testkit::Child child(args);
   DemoRun r;
   r.out = child.read_all(timeout);
-  r.status = child.wait(5s);
+  child.wait_exit(5s);
+  r.status = child.wait_status();
   return r;
 }
 

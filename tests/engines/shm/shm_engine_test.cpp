@@ -21,8 +21,9 @@
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/shm.hpp"
 #include "engines/shm/shm_mapping.hpp"  // the engine's own mapping
-#include "shm_test_util.hpp"
 #include "common/layouts.hpp"
+#include "common/peer.hpp"
+#include "common/wire.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -30,26 +31,20 @@ namespace {
 using testing::small_layout;
 
 using namespace std::chrono_literals;
-using shmtest::Child;
+using testing::Child;
+using testing::small_layout;
 
 constexpr std::byte kSentinel{0xA5};
 constexpr std::uint64_t kSeed = 4242;
 
-// 4 layers, 64 pages of 16 tokens, 2 heads x 64 bf16: 4 KiB blocks, 2 MiB.
 // A shm_peer owning a cache with one sequence filled with the pattern.
-struct Owner {
+struct Owner : testing::Peer {
   Owner(const KVLayout& l, std::uint64_t tokens, std::uint64_t scatter = 5)
-      : child({SHM_PEER_PATH, "--layout", shmtest::layout_arg(l), "--tokens",
-                std::to_string(tokens), "--seed", std::to_string(kSeed), "--scatter",
-                std::to_string(scatter)}) {
-    seq = next_sequence();
-  }
-  SequenceInfo next_sequence() {
-    const std::string line = child.read_line();
-    if (line.rfind("SEQ ", 0) != 0) throw std::runtime_error("peer said: " + line);
-    return SequenceInfo::decode(shmtest::from_hex(line.substr(4)));
-  }
-  Child child;
+      : Peer({SHM_PEER_PATH, "--layout", testing::layout_arg(l), "--tokens",
+              std::to_string(tokens), "--seed", std::to_string(kSeed), "--scatter",
+              std::to_string(scatter)}),
+        seq(sequence()) {}
+  SequenceInfo next_sequence() { return read_sequence(); }
   SequenceInfo seq;
 };
 
@@ -248,8 +243,8 @@ class ShmRejects : public ::testing::Test {
 };
 
 TEST_F(ShmRejects, CacheOfADeadOwner) {
-  owner_->child.write_line("quit");
-  ASSERT_EQ(owner_->child.wait(10s), 0);
+  owner_->child().write_line("quit");
+  ASSERT_EQ(owner_->child().wait_for(10s), 0);
   std::string what;
   EXPECT_EQ(read_with(good_, &what), StatusCode::kNotFound) << what;
   EXPECT_NE(what.find("no longer exists"), std::string::npos) << what;
@@ -261,7 +256,7 @@ TEST_F(ShmRejects, CacheFreedAndReallocatedByALiveOwner) {
   auto m2 = shm_manager(scratch);
   m2->sync_retrieve(0, 64, spread_pages(4, 64), owner_->seq.page_indices,
                     owner_->seq.kv_transfer_info);
-  owner_->child.write_line("regen");
+  owner_->child().write_line("regen");
   const SequenceInfo fresh = owner_->next_sequence();
   std::string what;
   const StatusCode c1 = read_with(good_, &what);
@@ -313,8 +308,8 @@ TEST_F(ShmRejects, AnotherUserCannotOpenItEvenWithAForgedUid) {
   // A reader running as nobody rewrites the descriptor's uid to its own: the
   // kernel's access check on /proc/<pid>/fd must still refuse it.
   Child other({SHM_PEER_PATH, "--reader", "--as-uid", "65534", "--layout",
-               shmtest::layout_arg(l_), "--seed", std::to_string(kSeed)});
-  other.write_line("tryopen " + shmtest::to_hex(owner_->seq.encode()));
+               testing::layout_arg(l_), "--seed", std::to_string(kSeed)});
+  other.write_line("tryopen " + testing::to_hex(owner_->seq.encode()));
   const std::string line = other.read_line();
   EXPECT_EQ(line.rfind("CODE " + std::string(to_string(StatusCode::kPermissionDenied)), 0), 0u)
       << line;
@@ -397,7 +392,7 @@ TEST(ShmEngine, OwnerKilledDuringReadsNeverCrashesHangsOrLies) {
   std::jthread killer([&] {  // joined on every way out of the test
     std::this_thread::sleep_for(30ms);  // a few reads in
     killed = true;  // before the kill: a read may fail from now on
-    owner.child.kill_now();
+    owner.child().kill_now();
   });
   const auto t0 = std::chrono::steady_clock::now();
   int failed = 0;
@@ -550,23 +545,23 @@ TEST(ShmEngine, NoFileLeftAfterKill9OfEitherSide) {
   const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 256);
   for (const bool kill_owner_first : {true, false}) {
     Owner owner(l, 256 * 16);
-    Child reader({SHM_PEER_PATH, "--reader", "--layout", shmtest::layout_arg(l), "--seed",
+    Child reader({SHM_PEER_PATH, "--reader", "--layout", testing::layout_arg(l), "--seed",
                   std::to_string(kSeed)});
-    reader.write_line("pullloop " + shmtest::to_hex(owner.seq.encode()));
+    reader.write_line("pullloop " + testing::to_hex(owner.seq.encode()));
     ASSERT_EQ(reader.read_line(), "LOOPING");
     // Both sides hold the cache only as an anonymous memfd: no name in any
     // file system, so there is nothing to clean up after kill -9.
-    for (pid_t pid : {owner.child.pid(), reader.pid()}) {
+    for (pid_t pid : {owner.child().pid(), reader.pid()}) {
       const MapsView v = maps_of(pid);
       EXPECT_TRUE(v.has_memfd) << "pid " << pid << " does not map the cache memfd";
       EXPECT_TRUE(v.dev_shm.empty()) << "pid " << pid << " maps " << v.dev_shm.front();
     }
     if (kill_owner_first) {
-      owner.child.kill_now();
+      owner.child().kill_now();
       reader.kill_now();
     } else {
       reader.kill_now();
-      owner.child.kill_now();
+      owner.child().kill_now();
     }
     // Other tests running at the same time may create their own files here;
     // none may be ours.
@@ -615,7 +610,7 @@ TEST(ShmMemory, ReaderMappingIsReadOnly) {
   EXPECT_NE(::mprotect(page, 4096, PROT_READ | PROT_WRITE), 0);
   EXPECT_EQ(errno, EACCES);
   EXPECT_TRUE(mapping.check_owner().is_ok());
-  owner.child.kill_now();
+  owner.child().kill_now();
   const Status s = mapping.check_owner();
   EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.to_string();
 }
@@ -638,12 +633,7 @@ TEST(ShmMemory, PrivateCacheReadsButPublishesNothing) {
 // Found by an adopter: timeout = 0 ms was accepted by shm (large reads then
 // failed at once) and refused by cuda_ipc: one rule, >= 1 ms, for all.
 TEST(ShmEngine, ZeroTimeoutIsRefusedAsByEveryEngine) {
-  KVLayout l;
-  l.num_layers = 1;
-  l.num_pages = 4;
-  l.page_size = 16;
-  l.num_kv_heads = 1;
-  l.head_dim = 8;
+  const KVLayout l = testing::make_layout(1, 4, 16, 1, 8);
   auto c = make_kv_cache(l, MemoryKind::kSharedHost);
   TransferEngineInfo info{"me", "", "shm", {}};
   info.options.timeout = std::chrono::milliseconds(0);

@@ -16,16 +16,17 @@
 #include <grp.h>
 #include <unistd.h>
 
-#include <cstdio>
 #include <iostream>
 #include <memory>
 #include <string>
 
+#include "common/peer.hpp"
+#include "common/wire.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/shm.hpp"
-#include "shm_test_util.hpp"
 
 using namespace mstar::kv;
+using testing::say;
 
 namespace {
 
@@ -44,91 +45,76 @@ std::unique_ptr<Owner> make_owner(const KVLayout& l, std::uint64_t tokens, std::
   o->pool = std::make_unique<KVCachePool>(o->cache, o->manager->get_kv_transfer_info(), scatter);
   auto pages = o->pool->allocate(1, tokens);
   fill_pattern(*o->cache, seed, pages, 0, tokens);
-  std::cout << "SEQ " << shmtest::to_hex(o->pool->publish(1).encode()) << std::endl;
+  testing::say_sequence(o->pool->publish(1));
   return o;
+}
+
+// A reader of `seq` into a private cache of `layout`, its pages 0, 1, ...
+struct Reader {
+  Reader(const KVLayout& layout, const SequenceInfo& seq)
+      : cache(make_kv_cache(layout, MemoryKind::kHost)),
+        manager(TransferEngineInfo{"reader", "", "shm", EngineOptions{}}, cache),
+        pages(seq.page_indices.size()) {
+    for (std::size_t i = 0; i < pages.size(); ++i) pages[i] = static_cast<std::uint32_t>(i);
+  }
+  std::shared_ptr<KVCache> cache;
+  KVTransferManager manager;
+  std::vector<std::uint32_t> pages;
+};
+
+SequenceInfo decode_hex(const std::string& hex) {
+  return SequenceInfo::decode(testing::from_hex(hex));
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string layout_s;
-  std::uint64_t tokens = 0;
-  std::uint64_t seed = 1;
-  std::uint64_t scatter = 0;
-  bool reader = false;
-  long as_uid = -1;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    if (k == "--reader") {
-      reader = true;
-      continue;
+  return testing::run_peer([&] {
+    const testing::PeerArgs a = testing::parse_peer_args(argc, argv, {"--reader"});
+    if (a.other.count("--as-uid") != 0) {
+      const long as_uid = std::stol(a.other.at("--as-uid"));
+      const auto id = static_cast<uid_t>(as_uid);
+      if (::setgroups(0, nullptr) != 0 || ::setgid(id) != 0 || ::setuid(id) != 0) {
+        throw std::runtime_error("cannot switch to uid " + std::to_string(as_uid));
+      }
     }
-    if (i + 1 >= argc) break;
-    const std::string v = argv[++i];
-    if (k == "--layout") layout_s = v;
-    else if (k == "--tokens") tokens = std::stoull(v);
-    else if (k == "--seed") seed = std::stoull(v);
-    else if (k == "--scatter") scatter = std::stoull(v);
-    else if (k == "--as-uid") as_uid = std::stol(v);
-  }
-  if (as_uid >= 0) {
-    const auto id = static_cast<uid_t>(as_uid);
-    if (::setgroups(0, nullptr) != 0 || ::setgid(id) != 0 || ::setuid(id) != 0) {
-      std::cout << "ERR cannot switch to uid " << as_uid << std::endl;
-      return 1;
-    }
-  }
-  try {
-    const KVLayout layout = shmtest::parse_layout(layout_s);
     std::unique_ptr<Owner> owner;
-    if (!reader) owner = make_owner(layout, tokens, seed, scatter);
+    if (a.flags.count("--reader") == 0) owner = make_owner(a.layout, a.tokens, a.seed, a.scatter);
     for (std::string line; std::getline(std::cin, line);) {
       if (line == "quit") break;
       if (line == "regen" && owner) {
         owner.reset();  // the old memfd is closed and unmapped here
-        owner = make_owner(layout, tokens, seed, scatter);
+        owner = make_owner(a.layout, a.tokens, a.seed, a.scatter);
       } else if (line.rfind("tryopen ", 0) == 0) {
-        const SequenceInfo seq = SequenceInfo::decode(shmtest::from_hex(line.substr(8)));
+        const SequenceInfo seq = decode_hex(line.substr(8));
         ShmKVTransferInfo info = ShmKVTransferInfo::decode(seq.kv_transfer_info);
         info.uid = static_cast<std::uint32_t>(::geteuid());  // pretend it is ours
-        auto cache = make_kv_cache(layout, MemoryKind::kHost);
-        KVTransferManager m(TransferEngineInfo{"reader", "", "shm", EngineOptions{}}, cache);
-        std::vector<std::uint32_t> lp(seq.page_indices.size());
-        for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>(i);
+        Reader r(a.layout, seq);
         try {
-          m.sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, info.encode());
-          std::cout << "CODE Ok read" << std::endl;
+          r.manager.sync_retrieve(0, seq.num_tokens, r.pages, seq.page_indices, info.encode());
+          say("CODE Ok read");
         } catch (const Error& e) {
           std::string msg = e.status().message();
           for (char& c : msg) {
             if (c == '\n') c = ' ';
           }
-          std::cout << "CODE " << to_string(e.code()) << " " << msg << std::endl;
+          say("CODE " + std::string(to_string(e.code())) + " " + msg);
         }
       } else if (line.rfind("pullloop ", 0) == 0) {
-        const SequenceInfo seq = SequenceInfo::decode(shmtest::from_hex(line.substr(9)));
-        auto cache = make_kv_cache(layout, MemoryKind::kHost);
-        KVTransferManager m(TransferEngineInfo{"reader", "", "shm", EngineOptions{}}, cache);
-        std::vector<std::uint32_t> lp(seq.page_indices.size());
-        for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>(i);
+        const SequenceInfo seq = decode_hex(line.substr(9));
+        Reader r(a.layout, seq);
         for (bool first = true;; first = false) {
-          m.sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
+          r.manager.sync_retrieve(0, seq.num_tokens, r.pages, seq.page_indices,
+                                  seq.kv_transfer_info);
           if (first) {
-            if (!verify_pattern(*cache, seed, lp, 0, seq.num_tokens).ok()) {
+            if (!verify_pattern(*r.cache, a.seed, r.pages, 0, seq.num_tokens).ok()) {
               throw Error(StatusCode::kInternal, "pulled bytes do not verify");
             }
-            std::cout << "LOOPING" << std::endl;
+            say("LOOPING");
           }
         }
       }
     }
-  } catch (const std::exception& e) {
-    std::string msg = e.what();
-    for (char& c : msg) {
-      if (c == '\n') c = ' ';
-    }
-    std::cout << "ERR " << msg << std::endl;
-    return 1;
-  }
-  return 0;
+    return 0;
+  });
 }

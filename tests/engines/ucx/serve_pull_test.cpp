@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "testkit/child.hpp"
+
 #ifndef MSTAR_KV_CLI_PATH
 #error "MSTAR_KV_CLI_PATH must name the mstar-kv executable"
 #endif
@@ -27,88 +29,9 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-// A child process with its stdout+stderr on a pipe. The destructor kills
+// A child process with its stdout+stderr on a pipe; the destructor kills
 // (SIGKILL) and reaps it if it still runs.
-class Child {
- public:
-  Child(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
-    int fds[2];
-    if (::pipe(fds) != 0) throw std::runtime_error("pipe");
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::dup2(fds[1], 1);
-      ::dup2(fds[1], 2);
-      ::close(fds[0]);
-      ::close(fds[1]);
-      for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
-      std::vector<char*> a;
-      for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
-      a.push_back(nullptr);
-      ::execvp(a[0], a.data());
-      std::perror("execvp");
-      ::_exit(127);
-    }
-    ::close(fds[1]);
-    out_fd_ = fds[0];
-  }
-  ~Child() {
-    if (pid_ > 0 && !reaped_) {
-      ::kill(pid_, SIGKILL);
-      int st = 0;
-      ::waitpid(pid_, &st, 0);
-    }
-    if (out_fd_ >= 0) ::close(out_fd_);
-  }
-  Child(const Child&) = delete;
-  Child& operator=(const Child&) = delete;
-
-  // Reads output until `needle` shows up, the stream ends or time runs out.
-  bool wait_for_output(const std::string& needle, std::chrono::milliseconds timeout) {
-    const auto deadline = Clock::now() + timeout;
-    while (output_.find(needle) == std::string::npos) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      if (left.count() <= 0 || !read_some(static_cast<int>(left.count()))) return false;
-    }
-    return true;
-  }
-  // Waits for exit (SIGKILL after the timeout); returns the exit code, or
-  // 128 + signal.
-  int wait_exit(std::chrono::milliseconds timeout) {
-    const auto deadline = Clock::now() + timeout;
-    for (;;) {
-      int st = 0;
-      const pid_t r = ::waitpid(pid_, &st, WNOHANG);
-      if (r == pid_) {
-        reaped_ = true;
-        while (read_some(0)) {
-        }
-        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-      }
-      if (Clock::now() > deadline) {
-        ::kill(pid_, SIGKILL);
-      }
-      read_some(20);
-    }
-  }
-  void signal(int sig) { ::kill(pid_, sig); }
-  const std::string& output() const { return output_; }
-
- private:
-  bool read_some(int timeout_ms) {
-    pollfd p{out_fd_, POLLIN, 0};
-    if (::poll(&p, 1, timeout_ms) <= 0) return false;
-    char buf[4096];
-    const ssize_t n = ::read(out_fd_, buf, sizeof buf);
-    if (n <= 0) return false;
-    output_.append(buf, static_cast<std::size_t>(n));
-    return true;
-  }
-
-  pid_t pid_ = -1;
-  int out_fd_ = -1;
-  bool reaped_ = false;
-  std::string output_;
-};
+using mstar::kv::testkit::Child;
 
 int random_port() {
   std::random_device rd;

@@ -407,12 +407,7 @@ INSTANTIATE_TEST_SUITE_P(Transports, UcxEngine, ucx_cases(), case_name);
 
 // Found by an adopter: a misspelled UCX option was silently ignored.
 TEST(UcxOptions, UnknownUcxKeyIsRejectedListingTheKnownOnes) {
-  KVLayout l;
-  l.num_layers = 1;
-  l.num_pages = 4;
-  l.page_size = 16;
-  l.num_kv_heads = 1;
-  l.head_dim = 8;
+  const KVLayout l = testing::make_layout(1, 4, 16, 1, 8);
   auto c = make_kv_cache(l, MemoryKind::kHost);
   TransferEngineInfo info{"me", "127.0.0.1:0", "ucx", {}};
   info.options.extra = {{"ucx_mdoe", "am"}};
