@@ -7,19 +7,14 @@
 #include <cstdint>
 
 #include "fuzz_util.hpp"
-#include "mstar/kv/status.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace mstar::kv;
-  const KVTransferInfo info{"cuda_ipc", std::vector<std::uint8_t>(data, data + size)};
-  CudaIpcKVTransferInfo c;
-  try {
-    c = CudaIpcKVTransferInfo::decode(info);
-  } catch (const Error& e) {
-    fuzz::require(e.code() == StatusCode::kCorruptDescriptor, "decode threw a non-corrupt code");
-    return 0;
-  }
+  const KVTransferInfo info = fuzz::payload("cuda_ipc", data, size);
+  const auto decoded = fuzz::decoded([&] { return CudaIpcKVTransferInfo::decode(info); });
+  if (!decoded) return 0;
+  const CudaIpcKVTransferInfo& c = *decoded;
   c.validate();  // must not throw
   c.layout.validate();
   fuzz::require(!c.requires_grad, "requires_grad accepted");

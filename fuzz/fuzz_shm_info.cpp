@@ -6,22 +6,16 @@
 #include <cstdint>
 
 #include "fuzz_util.hpp"
-#include "mstar/kv/status.hpp"
 #include "mstar/kv/shm.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace mstar::kv;
-  KVTransferInfo info{"shm", std::vector<std::uint8_t>(data, data + size)};
-  ShmKVTransferInfo s;
-  try {
-    s = ShmKVTransferInfo::decode(info);
-  } catch (const Error& e) {
-    fuzz::require(e.code() == StatusCode::kCorruptDescriptor, "decode threw a non-corrupt code");
-    return 0;
-  }
-  fuzz::require(s.pid != 0 && s.nonce != 0, "pid or nonce 0 accepted");
-  fuzz::require(s.size >= s.layout.total_bytes(), "size smaller than the layout accepted");
-  s.layout.validate();  // must not throw
-  fuzz::require(s.encode() == info, "decode(payload).encode() != payload");
+  const KVTransferInfo info = fuzz::payload("shm", data, size);
+  const auto s = fuzz::decoded([&] { return ShmKVTransferInfo::decode(info); });
+  if (!s) return 0;
+  fuzz::require(s->pid != 0 && s->nonce != 0, "pid or nonce 0 accepted");
+  fuzz::require(s->size >= s->layout.total_bytes(), "size smaller than the layout accepted");
+  s->layout.validate();  // must not throw
+  fuzz::require(s->encode() == info, "decode(payload).encode() != payload");
   return 0;
 }

@@ -5,23 +5,16 @@
 #include <cstdint>
 
 #include "fuzz_util.hpp"
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/status.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace mstar::kv;
   const std::vector<std::uint8_t> bytes = fuzz::frame_input(data, size);
-  KVTransferInfo info;
-  try {
-    info = KVTransferInfo::decode(bytes);
-  } catch (const Error& e) {
-    fuzz::require(e.code() == StatusCode::kCorruptDescriptor, "decode threw a non-corrupt code");
-    return 0;
-  }
-  fuzz::require(info.engine.size() <= DescriptorLimits::kMaxEngineName, "engine name limit");
-  fuzz::require(info.payload.size() <= DescriptorLimits::kMaxTransferPayload, "payload limit");
-  fuzz::require(!info.empty() || info.epoch == 0, "local-only descriptor with an epoch");
-  fuzz::require(info.encode() == bytes, "decode(bytes).encode() != bytes");
-  fuzz::require(KVTransferInfo::decode(info.encode()) == info, "round trip changed the value");
+  const auto info = fuzz::decoded([&] { return KVTransferInfo::decode(bytes); });
+  if (!info) return 0;
+  fuzz::require(info->engine.size() <= DescriptorLimits::kMaxEngineName, "engine name limit");
+  fuzz::require(info->payload.size() <= DescriptorLimits::kMaxTransferPayload, "payload limit");
+  fuzz::require(!info->empty() || info->epoch == 0, "local-only descriptor with an epoch");
+  fuzz::require(info->encode() == bytes, "decode(bytes).encode() != bytes");
+  fuzz::require(KVTransferInfo::decode(info->encode()) == *info, "round trip changed the value");
   return 0;
 }

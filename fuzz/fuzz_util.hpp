@@ -7,10 +7,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <vector>
 
 #include "core/codec.hpp"
+#include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/status.hpp"
 
 namespace mstar::kv::fuzz {
 
@@ -40,6 +43,35 @@ inline std::vector<std::uint8_t> frame_input(const std::uint8_t* data, std::size
     }
   }
   return bytes;
+}
+
+// The value `decode()` returns from untrusted bytes, or nullopt when it
+// threw Error(kCorruptDescriptor); any other code is a violation (and any
+// other exception a crash).
+template <typename Decode>
+auto decoded(Decode&& decode) -> std::optional<decltype(decode())> {
+  try {
+    return decode();
+  } catch (const Error& e) {
+    require(e.code() == StatusCode::kCorruptDescriptor, "decode threw a non-corrupt code");
+    return std::nullopt;
+  }
+}
+
+// The input as the payload of a descriptor of `engine`.
+inline KVTransferInfo payload(const char* engine, const std::uint8_t* data, std::size_t size) {
+  return KVTransferInfo{engine, std::vector<std::uint8_t>(data, data + size)};
+}
+
+// A decoded RMA region (ucx, mooncake): it fits its layout, does not wrap
+// the address space, and encodes back to the payload it came from.
+template <typename Region>
+void require_region(const Region& r, const KVTransferInfo& from) {
+  require(r.generation != 0 && r.data_ptr != 0, "zero generation or address accepted");
+  require(r.data_ptr + r.size >= r.data_ptr, "region wraps the address space");
+  require(r.layout.total_bytes() <= r.size, "layout larger than the region accepted");
+  r.layout.validate();
+  require(r.encode() == from, "decode(payload) does not encode back to it");
 }
 
 }  // namespace mstar::kv::fuzz

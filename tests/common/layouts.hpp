@@ -16,16 +16,9 @@ inline KVLayout make_layout(std::uint32_t layers, std::uint32_t pages, std::uint
                             DType dtype = DType::kBFloat16,
                             CacheOrder co = CacheOrder::kLayerMajor,
                             PageOrder po = PageOrder::kNHD) {
-  KVLayout l;
-  l.num_layers = layers;
-  l.num_pages = pages;
-  l.page_size = page_size;
-  l.num_kv_heads = heads;
-  l.head_dim = head_dim;
-  l.dtype = dtype;
-  l.cache_order = co;
-  l.page_order = po;
-  return l;
+  return {.num_layers = layers, .num_pages = pages, .page_size = page_size,
+          .num_kv_heads = heads, .head_dim = head_dim, .dtype = dtype,
+          .cache_order = co, .page_order = po};
 }
 
 // The engine tests' cache: 4 layers, `pages` pages of 16 tokens, 2 heads x

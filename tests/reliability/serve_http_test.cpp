@@ -30,29 +30,14 @@
 #include <thread>
 #include <vector>
 
-#include "testkit/child.hpp"
-
-#ifndef MSTAR_KV_CLI_PATH
-#error "MSTAR_KV_CLI_PATH must name the mstar-kv executable"
-#endif
+#include "common/cli_process.hpp"
 
 namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-// A mstar-kv process with stdout+stderr on a pipe; killed and reaped by the
-// destructor if it still runs.
-class Proc : public mstar::kv::testkit::Child {
- public:
-  explicit Proc(const std::vector<std::string>& args) : Child(with_cli(args)) {}
-
- private:
-  static std::vector<std::string> with_cli(std::vector<std::string> args) {
-    args.insert(args.begin(), MSTAR_KV_CLI_PATH);
-    return args;
-  }
-};
+using Proc = mstar::kv::testing::CliProcess;
 
 int random_port() {
   std::random_device rd;

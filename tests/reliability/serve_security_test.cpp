@@ -25,7 +25,8 @@
 
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/status.hpp"
-#include "testkit/child.hpp"
+#include "common/cli_process.hpp"
+#include "testkit/ports.hpp"
 
 #ifndef MSTAR_KV_CLI_PATH
 #error "MSTAR_KV_CLI_PATH must name the mstar-kv executable"
@@ -37,18 +38,6 @@ namespace {
 using namespace std::chrono_literals;
 
 constexpr int kDefaultHttpPort = 23480;  // `mstar-kv serve` without --listen
-
-// A `mstar-kv serve` process; killed and reaped by the destructor.
-class Server : public testkit::Child {
- public:
-  explicit Server(const std::vector<std::string>& args) : Child(with_serve(args)) {}
-
- private:
-  static std::vector<std::string> with_serve(std::vector<std::string> args) {
-    args.insert(args.begin(), {MSTAR_KV_CLI_PATH, "serve"});
-    return args;
-  }
-};
 
 // One HTTP/1.0 request to 127.0.0.1:port; the status code and body.
 std::pair<int, std::string> http(int port, const std::string& method, const std::string& path) {
@@ -76,30 +65,10 @@ std::pair<int, std::string> http(int port, const std::string& method, const std:
   return {status, body == std::string::npos ? "" : resp.substr(body + 4)};
 }
 
-// Local IPv4 addresses (hex, as /proc/net/tcp writes them) of sockets
-// listening on `port`, plus "v6" for each IPv6 listener.
-std::vector<std::string> listeners(int port) {
-  std::vector<std::string> out;
-  for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    std::ifstream in(file);
-    std::string line;
-    std::getline(in, line);  // header
-    while (std::getline(in, line)) {
-      std::istringstream ss(line);
-      std::string sl, local, remote, st;
-      ss >> sl >> local >> remote >> st;
-      const auto colon = local.rfind(':');
-      if (st != "0A" || colon == std::string::npos) continue;  // LISTEN only
-      if (std::stoi(local.substr(colon + 1), nullptr, 16) != port) continue;
-      out.push_back(std::string(file).find('6') != std::string::npos ? "v6:" + local
-                                                                       : local.substr(0, colon));
-    }
-  }
-  return out;
-}
+using testkit::tcp_listeners;
 
 bool serve_built() {
-  Server s({"--help"});
+  testing::CliProcess s({"serve", "--help"});
   s.wait_for_output("usage", 10s);
   return s.output().find("usage: mstar-kv serve") != std::string::npos;
 }
@@ -108,7 +77,7 @@ class ServeSecurity : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!serve_built()) GTEST_SKIP() << "mstar-kv serve is not built (cpp-httplib missing)";
-    if (!listeners(kDefaultHttpPort).empty() || !listeners(kDefaultHttpPort + 1).empty()) {
+    if (!tcp_listeners(kDefaultHttpPort).empty() || !tcp_listeners(kDefaultHttpPort + 1).empty()) {
       GTEST_SKIP() << "port " << kDefaultHttpPort << " or " << kDefaultHttpPort + 1
                    << " is in use: cannot start serve on its defaults";
     }
@@ -116,7 +85,7 @@ class ServeSecurity : public ::testing::Test {
 };
 
 void expect_loopback_only(int port) {
-  const auto l = listeners(port);
+  const auto l = tcp_listeners(port);
   EXPECT_FALSE(l.empty()) << "nothing listens on port " << port;
   for (const std::string& addr : l) {
     EXPECT_EQ(addr, "0100007F") << "port " << port << " listens on " << addr
@@ -128,7 +97,7 @@ TEST_F(ServeSecurity, DefaultsBindToLoopbackAndUnknownSequencesAre404) {
   std::string checked;
   for (const std::string eng : {"shm", "ucx"}) {
     SCOPED_TRACE(eng);
-    Server s({"--engine", eng, "--sequences", "2", "--tokens", "40", "--layers", "2",
+    testing::CliProcess s({"serve", "--engine", eng, "--sequences", "2", "--tokens", "40", "--layers", "2",
               "--kv-heads", "2", "--head-dim", "64"});
     if (!s.wait_for_output("http://", 30s)) {
       if (s.output().find("not built") != std::string::npos) continue;  // engine absent

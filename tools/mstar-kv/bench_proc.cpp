@@ -65,35 +65,6 @@ std::string last_lines(const std::string& text, int n) {
   return out.size() > 400 ? out.substr(out.size() - 400) : out;
 }
 
-bool tcp_port_listening(int port) {
-  for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    std::ifstream in(file);
-    std::string line;
-    std::getline(in, line);  // header
-    while (std::getline(in, line)) {
-      std::istringstream ls(line);
-      std::string slot, local, remote, state;
-      ls >> slot >> local >> remote >> state;
-      const auto colon = local.rfind(':');
-      if (colon == std::string::npos) continue;
-      const long p = std::strtol(local.c_str() + colon + 1, nullptr, 16);
-      if (p == port && state == "0A") return true;  // 0A = LISTEN
-    }
-  }
-  return false;
-}
-
-int pick_port() {
-  std::random_device rd;
-  std::mt19937 gen(rd());
-  std::uniform_int_distribution<int> dist(20000, 29999);
-  for (int i = 0; i < 100; ++i) {
-    const int p = dist(gen);
-    if (!tcp_port_listening(p)) return p;
-  }
-  return dist(gen);
-}
-
 bool write_all(int fd, const void* data, std::size_t n) {
   const auto* p = static_cast<const char*>(data);
   while (n > 0) {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "testkit/child.hpp"
+#include "testkit/ports.hpp"
 
 namespace mstar::kv::cli::bench {
 
@@ -39,11 +40,8 @@ std::string read_file(const std::string& path);
 std::string temp_file(const std::string& stem);
 // The last `n` non-empty lines of `text` joined by " | ", at most 400 chars.
 std::string last_lines(const std::string& text, int n);
-// True when some socket listens on TCP `port` (any address), per /proc/net/tcp.
-bool tcp_port_listening(int port);
-// A random TCP port in [20000, 30000) that nothing listens on (outside the
-// kernel's ephemeral range, as the project's rules ask).
-int pick_port();
+using testkit::pick_port;
+using testkit::tcp_port_listening;
 
 // Blocking I/O on pipes, with a deadline; false on EOF, error or timeout.
 bool write_all(int fd, const void* data, std::size_t n);

@@ -12,7 +12,7 @@
 // allocates sequence 1000, fills all its layers with the poison byte 0xEE,
 // publishes it with 0 layers ready and prints its "SEQ"; then a thread, for
 // each of the first n layers, sleeps <ms>, writes the layer's pattern, marks
-// it ready and prints "MARKED <layer> <steady-clock ns>". "rawready <v>"
+// it ready and prints "MARKED <layer> <steady-clock ns of the mark>". "rawready <v>"
 // stamps v on the stream's readiness words behind the pool's back (a broken
 // owner); "reuse" releases the stream's sequence, allocates 1001 on the same
 // pages, fills and publishes it (a new generation) and prints its "SEQ".
@@ -74,8 +74,10 @@ int main(int argc, char** argv) {
           for (std::uint32_t l = 0; l < n; ++l) {
             std::this_thread::sleep_for(ms);
             fill_pattern_layers(*cache, seed, pages, 0, tokens, l, l + 1);
-            pool.mark_layers_ready(id, l + 1);
+            // The time is taken before the mark: a reader may see the
+            // layer (and finish it) before this thread runs again.
             const auto t = std::chrono::steady_clock::now().time_since_epoch();
+            pool.mark_layers_ready(id, l + 1);
             say("MARKED " + std::to_string(l) + " " +
                 std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(t).count()));
           }

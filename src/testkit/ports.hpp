@@ -1,0 +1,22 @@
+// Copyright mstar-kv authors.
+//
+// TCP ports as the kernel lists them (/proc/net/tcp, tcp6): who listens
+// where, and a free port for a benchmark server.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace mstar::kv::testkit {
+
+// The sockets listening on TCP `port`: for IPv4 the local address as the
+// kernel writes it (hex, e.g. "0100007F" for 127.0.0.1), for IPv6
+// "v6:" + address:port.
+std::vector<std::string> tcp_listeners(int port);
+// True when some socket listens on TCP `port` (any address).
+bool tcp_port_listening(int port);
+// A random TCP port in [20000, 30000) that nothing listens on (outside the
+// kernel's ephemeral range).
+int pick_port();
+
+}  // namespace mstar::kv::testkit
