@@ -11,134 +11,25 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <dlfcn.h>
 #include <thread>
 #include <tuple>
 
+#include "engine_suite.hpp"
 #include "mstar/kv/kv.hpp"
-#include "common/managers.hpp"
-#include "common/peer_process.hpp"
-#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
 
-using testing::small_layout;
-
 using namespace std::chrono_literals;
+using testing::kSeed;
+using testing::kSentinel;
 using testing::PeerProcess;
-using testing::PeerSpec;
 using testing::small_layout;
 
-struct EngineCase {
-  std::string label;
-  std::string engine;
-  std::map<std::string, std::string> env;    // for both processes
-  std::map<std::string, std::string> extra;  // EngineOptions.extra
-  std::string skip_reason;                   // non-empty: cannot run here
-  // The reader's engine wrapped in a FaultInjectingEngine injecting nothing
-  // (fault_injection.hpp): the wrapper must keep every engine invariant.
-  bool fault_wrapper = false;
-};
-
-// Keeps gtest from printing the struct as raw bytes.
-void PrintTo(const EngineCase& c, std::ostream* os) { *os << c.label; }
-
-bool built(const std::string& name) {
-  const auto b = built_engines();
-  return std::find(b.begin(), b.end(), name) != b.end();
-}
-
-std::vector<EngineCase> engine_cases() {
-  std::vector<EngineCase> cases;
-  auto add = [&](EngineCase c) {
-    if (c.skip_reason.empty() && !built(c.engine)) {
-      c.skip_reason = "engine '" + c.engine + "' is not built";
-    }
-    cases.push_back(std::move(c));
-  };
-  add({"shm", "shm", {}, {}, ""});
-  add({"fault_shm", "shm", {}, {}, "", /*fault_wrapper=*/true});
-  add({"ucx_tcp", "ucx", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}, {}, ""});
-  add({"ucx_shm", "ucx", {{"UCX_TLS", "sm,self,tcp"}, {"UCX_NET_DEVICES", "lo"}}, {}, ""});
-  EngineCase mc{"mooncake", "mooncake", {}, {}, ""};
-  const char* lib = std::getenv("MSTAR_KV_MOONCAKE_LIB");
-  if (lib == nullptr || *lib == '\0') {
-    mc.skip_reason =
-        "MSTAR_KV_MOONCAKE_LIB is not set: no Mooncake library with the C API here "
-        "(the PyPI wheel carries none)";
-  } else if (void* h = ::dlopen(lib, RTLD_NOW | RTLD_LOCAL); h == nullptr) {
-    mc.skip_reason = std::string("cannot load MSTAR_KV_MOONCAKE_LIB: ") + ::dlerror();
-  } else {
-    ::dlclose(h);
-    mc.extra["mooncake_lib"] = lib;
-  }
-  add(mc);
-  return cases;
-}
-
-constexpr std::byte kSentinel{0xA5};
-constexpr std::uint64_t kSeed = 1234;
-
-class Conformance : public ::testing::TestWithParam<EngineCase> {
- protected:
-  void SetUp() override {
-    const EngineCase& c = GetParam();
-    if (!c.skip_reason.empty()) GTEST_SKIP() << c.skip_reason;
-    for (const auto& [k, v] : c.env) ::setenv(k.c_str(), v.c_str(), 1);
-  }
-
-  PeerSpec peer_spec(const KVLayout& layout, std::uint64_t tokens) const {
-    PeerSpec s;
-    s.engine = GetParam().engine;
-    s.layout = layout;
-    s.tokens = tokens;
-    s.seed = kSeed;
-    s.env = GetParam().env;
-    s.extra = GetParam().extra;
-    return s;
-  }
-
-  std::unique_ptr<KVTransferManager> manager(std::shared_ptr<KVCache> cache,
-                                             std::chrono::milliseconds timeout = 5000ms) {
-    EngineOptions o;
-    o.timeout = timeout;
-    o.extra = GetParam().extra;
-    return testing::make_manager(TransferEngineInfo{"decode", "", GetParam().engine, o},
-                                 std::move(cache), GetParam().fault_wrapper);
-  }
-
-  std::shared_ptr<KVCache> local_cache(const KVLayout& l) {
-    auto c = make_kv_cache(l, MemoryKind::kHost);
-    std::memset(c->base(), static_cast<int>(kSentinel), l.total_bytes());
-    return c;
-  }
-
-  // Every byte outside the destination spans of `reads` still holds the
-  // sentinel.
-  static void expect_only_named_bytes_written(const KVCache& local, const KVLayout& remote,
-                                              const std::vector<KVReadInfo>& reads) {
-    std::vector<std::uint8_t> named(local.layout().total_bytes(), 0);
-    if (!reads.empty()) {
-      for (const CopySpan& s : plan_copies(local.layout(), remote, reads).spans) {
-        std::fill_n(named.begin() + static_cast<std::ptrdiff_t>(s.local_offset), s.length, 1);
-      }
-    }
-    std::uint64_t touched = 0;
-    for (std::size_t i = 0; i < named.size(); ++i) {
-      touched += (!named[i] && local.base()[i] != kSentinel);
-    }
-    EXPECT_EQ(touched, 0u) << "bytes outside the read were written";
-  }
-
-  static std::vector<std::uint32_t> local_pages(std::size_t n, std::uint32_t first = 3) {
-    std::vector<std::uint32_t> v(n);
-    for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::uint32_t>((first + i * 5) % 64);
-    return v;
-  }
-};
+class Conformance : public testing::EngineSuite {};
 
 TEST_P(Conformance, FullPullMovesEveryByte) {
+  MSTAR_KV_NEED_REMOTE();
   const KVLayout l = small_layout();
   PeerProcess peer(peer_spec(l, 300));  // last page partial (300 = 18*16 + 12)
   auto cache = local_cache(l);
@@ -148,13 +39,14 @@ TEST_P(Conformance, FullPullMovesEveryByte) {
   const std::uint64_t bytes = m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices,
                                                seq.kv_transfer_info);
   EXPECT_EQ(bytes, 300u * l.token_bytes() * 2 * l.num_layers);
-  auto v = verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+  auto v = testing::verify_pattern_any(*cache, kSeed, lp, 0, seq.num_tokens);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
   expect_only_named_bytes_written(
       *cache, l, plan_reads(l, 0, seq.num_tokens, lp, seq.page_indices));
 }
 
 TEST_P(Conformance, PrefixHitPullsOnlyTheTail) {
+  MSTAR_KV_NEED_REMOTE();
   const KVLayout l = small_layout();
   PeerProcess peer(peer_spec(l, 256));
   auto cache = local_cache(l);
@@ -166,13 +58,14 @@ TEST_P(Conformance, PrefixHitPullsOnlyTheTail) {
                                    seq.kv_transfer_info);
   ASSERT_TRUE(f.has_value());
   EXPECT_EQ(f->get(), (256u - start) * l.token_bytes() * 2 * l.num_layers);
-  auto v = verify_pattern(*cache, kSeed, lp, start, seq.num_tokens);
+  auto v = testing::verify_pattern_any(*cache, kSeed, lp, start, seq.num_tokens);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
   expect_only_named_bytes_written(
       *cache, l, plan_reads(l, start, seq.num_tokens, lp, seq.page_indices));
 }
 
 TEST_P(Conformance, OrdersMayDifferBetweenTheTwoCaches) {
+  MSTAR_KV_NEED_REMOTE();
   const KVLayout remote = small_layout(CacheOrder::kPageMajor, PageOrder::kHND);
   for (auto [co, po] : {std::pair{CacheOrder::kLayerMajor, PageOrder::kNHD},
                         std::pair{CacheOrder::kPageMajor, PageOrder::kHND},
@@ -184,7 +77,7 @@ TEST_P(Conformance, OrdersMayDifferBetweenTheTwoCaches) {
     const auto& seq = peer.sequence();
     const auto lp = local_pages(seq.page_indices.size());
     m->sync_retrieve(5, 90, lp, seq.page_indices, seq.kv_transfer_info);
-    auto v = verify_pattern(*cache, kSeed, lp, 5, 90);
+    auto v = testing::verify_pattern_any(*cache, kSeed, lp, 5, 90);
     EXPECT_TRUE(v.ok()) << l.to_string() << ": " << v.first_mismatch;
     expect_only_named_bytes_written(*cache, remote, plan_reads(l, 5, 90, lp, seq.page_indices));
   }
@@ -192,18 +85,52 @@ TEST_P(Conformance, OrdersMayDifferBetweenTheTwoCaches) {
 
 TEST_P(Conformance, NothingToReadReturnsNoFuture) {
   const KVLayout l = small_layout();
-  PeerProcess peer(peer_spec(l, 32));
   auto cache = local_cache(l);
   auto m = manager(cache);
+  if (!remote_reads()) {
+    // The local engine's one valid read: nothing, of no remote cache.
+    EXPECT_FALSE(m->start_async_retrieve(32, 32, local_pages(2), local_pages(2), KVTransferInfo{})
+                     .has_value());
+    expect_only_named_bytes_written(*cache, l, {});
+    return;
+  }
+  PeerProcess peer(peer_spec(l, 32));
   const auto& seq = peer.sequence();
   EXPECT_FALSE(m->start_async_retrieve(32, 32, local_pages(2), seq.page_indices,
                                        seq.kv_transfer_info)
                    .has_value());
+  expect_only_named_bytes_written(*cache, l, {});
+}
+
+// A descriptor of any other engine (bytes it might even decode) is refused,
+// naming that engine, before any byte moves; for every engine, local too.
+TEST_P(Conformance, AnotherEnginesDescriptorIsRefusedBeforeAnyByteMoves) {
+  const KVLayout l = small_layout();
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  for (const EngineTraits& other : engine_table()) {
+    if (other.name == engine() || !other.crosses_processes) continue;
+    SCOPED_TRACE("a '" + other.name + "' descriptor");
+    KVTransferInfo d;
+    d.engine = other.name;
+    d.payload.assign(96, 0x5A);
+    for (const std::uint64_t end : {0u, 64u}) {
+      try {
+        m->start_async_retrieve(0, end, local_pages(4), local_pages(4), d);
+        ADD_FAILURE() << "read " << end << " tokens through it";
+      } catch (const Error& e) {
+        EXPECT_NE(e.code(), StatusCode::kOk);
+        EXPECT_NE(std::string(e.what()).find(other.name), std::string::npos) << e.what();
+      }
+    }
+  }
+  expect_only_named_bytes_written(*cache, l, {});
 }
 
 // An empty range is validated as a non-empty one is (manager.hpp): the
 // descriptor, the layouts and the page tables, with the same errors.
 TEST_P(Conformance, EmptyRangeIsValidatedFirst) {
+  MSTAR_KV_NEED_REMOTE();
   const KVLayout l = small_layout();
   PeerProcess peer(peer_spec(l, 64));
   auto cache = local_cache(l);
@@ -268,6 +195,7 @@ TEST_P(Conformance, EmptyRangeIsValidatedFirst) {
 }
 
 TEST_P(Conformance, IncompatibleLayoutIsRejectedBeforeAnyByteMoves) {
+  MSTAR_KV_NEED_REMOTE();
   PeerProcess peer(peer_spec(small_layout(), 64));
   KVLayout l = small_layout();
   l.head_dim = 32;
@@ -285,6 +213,7 @@ TEST_P(Conformance, IncompatibleLayoutIsRejectedBeforeAnyByteMoves) {
 }
 
 TEST_P(Conformance, OutOfRangeRemotePageIsRejectedBeforeAnyByteMoves) {
+  MSTAR_KV_NEED_REMOTE();
   const KVLayout l = small_layout();
   PeerProcess peer(peer_spec(l, 64));
   auto cache = local_cache(l);
@@ -307,6 +236,7 @@ TEST_P(Conformance, OutOfRangeRemotePageIsRejectedBeforeAnyByteMoves) {
 }
 
 TEST_P(Conformance, CorruptDescriptorIsRejectedBeforeAnyByteMoves) {
+  MSTAR_KV_NEED_REMOTE();
   const KVLayout l = small_layout();
   PeerProcess peer(peer_spec(l, 64));
   auto cache = local_cache(l);
@@ -330,6 +260,7 @@ TEST_P(Conformance, CorruptDescriptorIsRejectedBeforeAnyByteMoves) {
 }
 
 TEST_P(Conformance, DescriptorOfARestartedPeerIsRejected) {
+  MSTAR_KV_NEED_REMOTE();
   const KVLayout l = small_layout();
   auto cache = local_cache(l);
   auto m = manager(cache, 3000ms);
@@ -343,7 +274,7 @@ TEST_P(Conformance, DescriptorOfARestartedPeerIsRejected) {
     m->sync_retrieve(0, 64, local_pages(4), remote_pages, stale);
     first.kill_now();
   }
-  std::memset(cache->base(), static_cast<int>(kSentinel), l.total_bytes());
+  testing::fill_bytes(*cache, kSentinel);
   PeerProcess second(peer_spec(l, 64));
   const auto t0 = std::chrono::steady_clock::now();
   bool failed = false;
@@ -362,14 +293,15 @@ TEST_P(Conformance, DescriptorOfARestartedPeerIsRejected) {
   const auto& seq = second.sequence();
   const auto lp = local_pages(seq.page_indices.size());
   m->sync_retrieve(0, 64, lp, seq.page_indices, seq.kv_transfer_info);
-  EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 0, 64).ok());
+  EXPECT_TRUE(testing::verify_pattern_any(*cache, kSeed, lp, 0, 64).ok());
 }
 
 TEST_P(Conformance, PeerKilledDuringReadResolvesInBoundedTime) {
+  MSTAR_KV_NEED_REMOTE();
   KVLayout l = small_layout();
   l.num_pages = 2048;  // 64 MiB
   PeerProcess peer(peer_spec(l, 2048 * 16));
-  auto cache = make_kv_cache(l, MemoryKind::kHost);
+  auto cache = local_cache(l);
   auto m = manager(cache, 3000ms);
   const auto& seq = peer.sequence();
   std::vector<std::uint32_t> lp(seq.page_indices.size());
@@ -387,7 +319,7 @@ TEST_P(Conformance, PeerKilledDuringReadResolvesInBoundedTime) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
   if (f->status().is_ok()) {
     // Completed before or despite the death: then every byte must be right.
-    auto v = verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+    auto v = testing::verify_pattern_any(*cache, kSeed, lp, 0, seq.num_tokens);
     EXPECT_TRUE(v.ok()) << "success reported with wrong bytes: " << v.first_mismatch;
   } else {
     EXPECT_NE(f->status().code(), StatusCode::kOk);
@@ -398,14 +330,15 @@ TEST_P(Conformance, PeerKilledDuringReadResolvesInBoundedTime) {
   auto m2 = manager(cache2);
   m2->sync_retrieve(0, 64, local_pages(4), again.sequence().page_indices,
                     again.sequence().kv_transfer_info);
-  EXPECT_TRUE(verify_pattern(*cache2, kSeed, local_pages(4), 0, 64).ok());
+  EXPECT_TRUE(testing::verify_pattern_any(*cache2, kSeed, local_pages(4), 0, 64).ok());
 }
 
 TEST_P(Conformance, ShutdownResolvesEveryReadInFlight) {
+  MSTAR_KV_NEED_REMOTE();
   KVLayout l = small_layout();
   l.num_pages = 1024;
   PeerProcess peer(peer_spec(l, 1024 * 16));
-  auto cache = make_kv_cache(l, MemoryKind::kHost);
+  auto cache = local_cache(l);
   auto m = manager(cache, 20000ms);
   const auto& seq = peer.sequence();
   std::vector<TransferFuture> futures;
@@ -423,7 +356,8 @@ TEST_P(Conformance, ShutdownResolvesEveryReadInFlight) {
   const auto t0 = std::chrono::steady_clock::now();
   m->cleanup();
   for (auto& f : futures) {
-    ASSERT_TRUE(f.wait_for(10s)) << "a read in flight did not resolve after shutdown";
+    // engine.hpp: shutdown() resolves every read in flight before it returns.
+    ASSERT_TRUE(f.ready()) << "cleanup() returned with a read unresolved";
     const StatusCode c = f.status().code();
     EXPECT_TRUE(c == StatusCode::kOk || c == StatusCode::kShutdown || c == StatusCode::kCancelled)
         << f.status().to_string();
@@ -436,9 +370,91 @@ TEST_P(Conformance, ShutdownResolvesEveryReadInFlight) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kShutdown) << e.what();
   }
+  expect_quiet_after(*cache, futures.back());
+  m->cleanup();  // idempotent
+}
+
+// 32 MiB in 1024 scattered pages: long enough for a cancel or a 1 ms
+// deadline to land mid-read on a host (a device copies it in tens of
+// microseconds: there cuda_ipc_engine_test queues 65,536 copies instead).
+struct LongRead {
+  KVLayout layout = small_layout(1024);
+  std::vector<std::uint32_t> local_pages = std::vector<std::uint32_t>(1024);
+  LongRead() {
+    for (std::uint32_t i = 0; i < 1024; ++i) local_pages[i] = (i * 7) % 1024;
+  }
+};
+
+// A cancelled read resolves kCancelled (or kOk, when it had finished), and
+// only once no byte of it can land; the engine keeps working.
+TEST_P(Conformance, CancelResolvesOnlyOnceNothingLandsAfter) {
+  MSTAR_KV_NEED_REMOTE();
+  const LongRead r;
+  PeerProcess peer(peer_spec(r.layout, 1024 * 16));
+  const auto& seq = peer.sequence();
+  auto cache = local_cache(r.layout);
+  auto m = manager(cache, 20000ms);
+  int cancelled = 0;
+  for (int i = 0; i < 10; ++i) {
+    auto f = m->start_async_retrieve(0, seq.num_tokens, r.local_pages, seq.page_indices,
+                                     seq.kv_transfer_info);
+    ASSERT_TRUE(f.has_value());
+    f->cancel();
+    expect_quiet_after(*cache, *f);
+    const StatusCode c = f->status().code();
+    EXPECT_TRUE(c == StatusCode::kCancelled || c == StatusCode::kOk) << f->status().to_string();
+    cancelled += c == StatusCode::kCancelled;
+  }
+  if (GetParam().traits.reader_memory != MemoryKind::kDevice) {
+    EXPECT_GT(cancelled, 0) << "10 cancels of a 32 MiB read all came after it finished";
+  }
+  m->sync_retrieve(0, seq.num_tokens, r.local_pages, seq.page_indices, seq.kv_transfer_info);
+  auto v = testing::verify_pattern_any(*cache, kSeed, r.local_pages, 0, seq.num_tokens);
+  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+}
+
+// A read past the engine's timeout (1 ms) fails kTimeout, saying so, and
+// only once no byte of it can land; a read that made it is byte-exact. A
+// deadline that hits while connecting fails the same way, before any byte.
+TEST_P(Conformance, TimeoutResolvesOnlyOnceNothingLandsAfter) {
+  MSTAR_KV_NEED_REMOTE();
+  const LongRead r;
+  PeerProcess peer(peer_spec(r.layout, 1024 * 16));
+  const auto& seq = peer.sequence();
+  auto cache = local_cache(r.layout);
+  auto m = manager(cache, 1ms);
+  int timeouts = 0;
+  for (int i = 0; i < 20 && timeouts < 2; ++i) {
+    testing::fill_bytes(*cache, kSentinel);
+    std::optional<TransferFuture> f;
+    try {
+      f = m->start_async_retrieve(0, seq.num_tokens, r.local_pages, seq.page_indices,
+                                  seq.kv_transfer_info);
+    } catch (const Error& e) {
+      ASSERT_EQ(e.code(), StatusCode::kTimeout) << e.what();
+      expect_only_named_bytes_written(*cache, r.layout, {});
+      ++timeouts;
+      continue;
+    }
+    ASSERT_TRUE(f.has_value());
+    expect_quiet_after(*cache, *f);
+    if (f->status().code() == StatusCode::kTimeout) {
+      ++timeouts;
+      EXPECT_NE(f->status().message().find("did not finish in 1 ms"), std::string::npos)
+          << f->status().message();
+    } else {
+      ASSERT_TRUE(f->status().is_ok()) << f->status().to_string();
+      auto v = testing::verify_pattern_any(*cache, kSeed, r.local_pages, 0, seq.num_tokens);
+      EXPECT_TRUE(v.ok()) << v.first_mismatch;
+    }
+  }
+  if (GetParam().traits.reader_memory != MemoryKind::kDevice) {
+    EXPECT_GT(timeouts, 0) << "a 32 MiB read never took more than 1 ms";
+  }
 }
 
 TEST_P(Conformance, ConcurrentPullsFromManyThreads) {
+  MSTAR_KV_NEED_REMOTE();
   KVLayout l = small_layout();
   l.num_pages = 256;
   PeerProcess peer(peer_spec(l, 256 * 16));
@@ -476,7 +492,7 @@ TEST_P(Conformance, ConcurrentPullsFromManyThreads) {
       table[t * kPagesEach + i] = t * kPagesEach + (i * 7) % kPagesEach;
     }
   }
-  auto v = verify_pattern(*cache, kSeed, table, 0, kThreads * kPagesEach * 16);
+  auto v = testing::verify_pattern_any(*cache, kSeed, table, 0, kThreads * kPagesEach * 16);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
 }
 
@@ -497,6 +513,7 @@ KVLayout geometry(std::uint32_t page_size, std::uint32_t heads, std::uint32_t fi
 }
 
 TEST_P(Conformance, MixedGeometriesPullByteExact) {
+  MSTAR_KV_NEED_REMOTE();
   // The owner: all 8 heads, 16-token HND pages, page-major.
   const KVLayout owner = geometry(16, 8, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
   PeerProcess peer(peer_spec(owner, 300));
@@ -522,7 +539,7 @@ TEST_P(Conformance, MixedGeometriesPullByteExact) {
     std::vector<std::uint32_t> lp(n);
     for (std::size_t i = 0; i < n; ++i) lp[i] = static_cast<std::uint32_t>((i * 3 + 1) % c.local.num_pages);
     m->sync_retrieve(c.start, 300, lp, seq.page_indices, seq.kv_transfer_info);
-    auto v = verify_pattern(*cache, kSeed, lp, c.start, 300);
+    auto v = testing::verify_pattern_any(*cache, kSeed, lp, c.start, 300);
     EXPECT_TRUE(v.ok()) << v.first_mismatch;
     expect_only_named_bytes_written(
         *cache, owner, plan_reads(c.local, owner, c.start, 300, lp, seq.page_indices));
@@ -551,6 +568,7 @@ TEST_P(Conformance, MixedGeometriesPullByteExact) {
 // TP 2 -> 1: one decode cache from two prefill ranks, each holding half the
 // heads in its own page size; one future for the whole.
 TEST_P(Conformance, TensorParallelMergeFromTwoPeers) {
+  MSTAR_KV_NEED_REMOTE();
   const KVLayout r0 = geometry(16, 4, 0, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 64);
   const KVLayout r1 = geometry(32, 4, 4, 8, PageOrder::kHND, CacheOrder::kPageMajor, 32);
   PeerProcess p0(peer_spec(r0, 200));
@@ -565,10 +583,10 @@ TEST_P(Conformance, TensorParallelMergeFromTwoPeers) {
   auto f = m->start_async_retrieve(0, 200, lp, shards);
   ASSERT_TRUE(f.has_value());
   EXPECT_EQ(f->get(), 200u * l.token_bytes() * 2 * l.num_layers);
-  auto v = verify_pattern(*cache, kSeed, lp, 0, 200);
+  auto v = testing::verify_pattern_any(*cache, kSeed, lp, 0, 200);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
   // Without the second rank, heads 4-7 are held by nobody: refused.
-  std::memset(cache->base(), static_cast<int>(kSentinel), l.total_bytes());
+  testing::fill_bytes(*cache, kSentinel);
   try {
     m->start_async_retrieve(0, 200, lp, std::span(shards).first(1));
     ADD_FAILURE() << "half the heads accepted";
@@ -581,8 +599,8 @@ TEST_P(Conformance, TensorParallelMergeFromTwoPeers) {
   expect_only_named_bytes_written(*cache, r0, {});
 }
 
-INSTANTIATE_TEST_SUITE_P(Engines, Conformance, ::testing::ValuesIn(engine_cases()),
-                         [](const ::testing::TestParamInfo<EngineCase>& p) {
+INSTANTIATE_TEST_SUITE_P(Engines, Conformance, ::testing::ValuesIn(testing::engine_cases()),
+                         [](const ::testing::TestParamInfo<testing::EngineCase>& p) {
                            return p.param.label;
                          });
 

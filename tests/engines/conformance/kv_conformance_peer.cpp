@@ -36,10 +36,7 @@ int main(int argc, char** argv) {
     const KVLayout& layout = a.layout;
     const std::uint64_t tokens = a.tokens;
     const std::uint64_t seed = a.seed;
-    const MemoryKind kind = a.engine == "shm"        ? MemoryKind::kSharedHost
-                            : a.engine == "cuda_ipc" ? MemoryKind::kDevice
-                                                     : MemoryKind::kHost;
-    auto cache = make_kv_cache(layout, kind);
+    auto cache = make_kv_cache(layout, engine_traits(a.engine).memory);
     KVTransferManager manager(TransferEngineInfo{"peer", "", a.engine, a.options}, cache);
     auto pool_ptr = std::make_shared<KVCachePool>(cache, manager.get_kv_transfer_info(), a.scatter,
                                                   a.lease.value_or(KVCachePool::kDefaultLease));

@@ -13,50 +13,17 @@
 #include <mutex>
 #include <thread>
 
+#include "engine_suite.hpp"
 #include "mstar/kv/kv.hpp"
-#include "common/managers.hpp"
-#include "common/peer_process.hpp"
-#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
 
-using testing::small_layout;
-
 using namespace std::chrono_literals;
+using testing::kSeed;
+using testing::kSentinel;
 using testing::PeerProcess;
-using testing::PeerSpec;
 using testing::small_layout;
-
-struct StreamCase {
-  std::string label;
-  std::string engine;
-  std::map<std::string, std::string> env;
-  bool has_readiness = false;
-  // What a stream whose owner was killed fails with: shm sees the owner's
-  // process gone (kNotFound), a networked engine its connection (kPeerFailure).
-  StatusCode owner_gone = StatusCode::kNotFound;
-  // The reader's engine wrapped in a FaultInjectingEngine injecting nothing.
-  bool fault_wrapper = false;
-};
-void PrintTo(const StreamCase& c, std::ostream* os) { *os << c.label; }
-
-bool built(const std::string& name) {
-  const auto b = built_engines();
-  return std::find(b.begin(), b.end(), name) != b.end();
-}
-
-std::vector<StreamCase> stream_cases() {
-  return {{"shm", "shm", {}, true, StatusCode::kNotFound},
-          {"fault_shm", "shm", {}, true, StatusCode::kNotFound, /*fault_wrapper=*/true},
-          {"ucx_tcp", "ucx", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}, true,
-           StatusCode::kPeerFailure},
-          {"ucx_sm", "ucx", {{"UCX_TLS", "sm,tcp"}, {"UCX_NET_DEVICES", "lo"}}, true,
-           StatusCode::kPeerFailure}};
-}
-
-constexpr std::byte kSentinel{0xA5};
-constexpr std::uint64_t kSeed = 1234;
 
 std::int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -64,55 +31,32 @@ std::int64_t now_ns() {
       .count();
 }
 
-class Streaming : public ::testing::TestWithParam<StreamCase> {
+class Streaming : public testing::EngineSuite {
  protected:
-  void SetUp() override {
-    const StreamCase& c = GetParam();
-    if (!built(c.engine)) GTEST_SKIP() << "engine '" << c.engine << "' is not built";
-    for (const auto& [k, v] : c.env) ::setenv(k.c_str(), v.c_str(), 1);
-  }
   void need_readiness() {
-    if (!GetParam().has_readiness) {
-      GTEST_SKIP() << "the " << GetParam().engine
+    if (!remote_reads()) GTEST_SKIP() << "the local engine reads no remote cache";
+    if (!GetParam().traits.layer_readiness) {
+      GTEST_SKIP() << "the " << engine()
                    << " engine has no readiness channel yet: its refusal is "
                       "RefusedWithoutAReadinessChannel";
     }
   }
+  // What a stream whose owner was killed fails with: shm sees the owner's
+  // process gone (kNotFound), a networked engine its connection (kPeerFailure).
+  StatusCode owner_gone() const {
+    return GetParam().traits.crosses_hosts ? StatusCode::kPeerFailure : StatusCode::kNotFound;
+  }
 
-  PeerSpec spec(const KVLayout& l, std::uint64_t tokens) const {
-    PeerSpec s;
-    s.engine = GetParam().engine;
-    s.layout = l;
-    s.tokens = tokens;
-    s.seed = kSeed;
-    s.env = GetParam().env;
-    return s;
-  }
-  std::unique_ptr<KVTransferManager> manager(std::shared_ptr<KVCache> cache,
-                                             std::chrono::milliseconds timeout = 5000ms) {
-    EngineOptions o;
-    o.timeout = timeout;
-    return testing::make_manager(TransferEngineInfo{"decode", "", GetParam().engine, o},
-                                 std::move(cache), GetParam().fault_wrapper);
-  }
-  static std::shared_ptr<KVCache> local_cache(const KVLayout& l) {
-    auto c = make_kv_cache(l, MemoryKind::kHost);
-    std::memset(c->base(), static_cast<int>(kSentinel), l.total_bytes());
-    return c;
-  }
-  static std::vector<std::uint32_t> local_pages(std::size_t n) {
-    std::vector<std::uint32_t> v(n);
-    for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::uint32_t>((3 + i * 5) % 64);
-    return v;
-  }
   // Starts the slow owner's stream: returns the unfinished sequence.
   static SequenceInfo start_owner_stream(PeerProcess& peer, int ms_per_layer, int layers) {
     peer.send("stream " + std::to_string(ms_per_layer) + " " + std::to_string(layers));
     return peer.read_sequence();
   }
   // Every byte of layer `layer` in `pages` still holds the sentinel.
-  static bool layer_untouched(const KVCache& c, std::uint32_t layer,
+  static bool layer_untouched(const KVCache& cache, std::uint32_t layer,
                               const std::vector<std::uint32_t>& pages) {
+    const auto host = testing::download(cache);
+    const KVCache& c = *host;
     for (std::uint32_t kv = 0; kv < c.layout().num_kv(); ++kv) {
       for (std::uint32_t p : pages) {
         auto b = c.block(layer, static_cast<KV>(kv), p);
@@ -138,18 +82,19 @@ class Streaming : public ::testing::TestWithParam<StreamCase> {
 };
 
 TEST_P(Streaming, RefusedWithoutAReadinessChannel) {
-  if (GetParam().has_readiness) GTEST_SKIP() << GetParam().engine << " has a readiness channel";
+  MSTAR_KV_NEED_REMOTE();
+  if (GetParam().traits.layer_readiness) GTEST_SKIP() << engine() << " has a readiness channel";
   const KVLayout l = small_layout();
-  PeerProcess peer(spec(l, 64));
+  PeerProcess peer(peer_spec(l, 64));
   auto cache = local_cache(l);
   auto m = manager(cache);
   const auto& seq = peer.sequence();
   try {
     m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices, seq.kv_transfer_info);
-    FAIL() << "streaming over " << GetParam().engine << " was accepted";
+    FAIL() << "streaming over " << engine() << " was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kUnavailable) << e.what();
-    EXPECT_NE(std::string(e.what()).find("'" + GetParam().engine + "'"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("'" + engine() + "'"), std::string::npos)
         << e.what();
   }
   EXPECT_TRUE(layer_untouched(*cache, 0, local_pages(4)));
@@ -159,7 +104,7 @@ TEST_P(Streaming, EachLayerArrivesAfterTheOwnerMarksItAndBeforeTheNext) {
   need_readiness();
   if (IsSkipped()) return;
   const KVLayout l = small_layout();
-  PeerProcess peer(spec(l, 300));  // 19 pages, the last partial
+  PeerProcess peer(peer_spec(l, 300));  // 19 pages, the last partial
   auto cache = local_cache(l);
   auto m = manager(cache);
   const SequenceInfo seq = start_owner_stream(peer, 150, 4);
@@ -195,7 +140,7 @@ TEST_P(Streaming, EachLayerArrivesAfterTheOwnerMarksItAndBeforeTheNext) {
     }
   }
   // Byte-exact: no poison was ever copied.
-  auto v = verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+  auto v = testing::verify_pattern_any(*cache, kSeed, lp, 0, seq.num_tokens);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
   // One read in the statistics (recorded by a callback just after waking us).
   for (int i = 0; i < 1000 && m->stats().total.reads_succeeded == 0; ++i) {
@@ -208,7 +153,7 @@ TEST_P(Streaming, PrefixHitAndDifferentOrdersStreamLikeAPull) {
   need_readiness();
   if (IsSkipped()) return;
   const KVLayout remote = small_layout(CacheOrder::kPageMajor, PageOrder::kHND);
-  PeerProcess peer(spec(remote, 90));
+  PeerProcess peer(peer_spec(remote, 90));
   const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
   auto cache = local_cache(l);
   auto m = manager(cache);
@@ -217,10 +162,11 @@ TEST_P(Streaming, PrefixHitAndDifferentOrdersStreamLikeAPull) {
   auto s = m->start_streaming_retrieve(37, 90, lp, seq.page_indices, seq.kv_transfer_info);
   ASSERT_TRUE(s.has_value());
   EXPECT_EQ(s->future().get(), (90u - 37u) * l.token_bytes() * 2 * l.num_layers);
-  auto v = verify_pattern(*cache, kSeed, lp, 37, 90);
+  auto v = testing::verify_pattern_any(*cache, kSeed, lp, 37, 90);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
   // Tokens before the prefix hit were not touched (page 2 holds 32..47).
-  const auto b = cache->block(0, KV::kKey, lp[2]);
+  const auto host = testing::download(*cache);
+  const auto b = host->block(0, KV::kKey, lp[2]);
   EXPECT_EQ(b[0], kSentinel);
   EXPECT_FALSE(m->start_streaming_retrieve(90, 90, lp, seq.page_indices, seq.kv_transfer_info)
                    .has_value());
@@ -231,9 +177,8 @@ TEST_P(Streaming, LayersOverAMebibyteGoThroughTheEnginesWorkers) {
   if (IsSkipped()) return;
   KVLayout l = small_layout();
   l.num_pages = 1024;  // 512 pages x 2 x 4 KiB = 4 MiB per layer: not an inline copy
-  PeerProcess peer(spec(l, 512 * 16));
-  auto cache = make_kv_cache(l, MemoryKind::kHost);
-  std::memset(cache->base(), static_cast<int>(kSentinel), l.total_bytes());
+  PeerProcess peer(peer_spec(l, 512 * 16));
+  auto cache = local_cache(l);
   auto m = manager(cache, 20000ms);  // sanitizer builds copy slowly
   const SequenceInfo seq = start_owner_stream(peer, 40, 4);
   std::vector<std::uint32_t> lp(seq.page_indices.size());
@@ -245,7 +190,7 @@ TEST_P(Streaming, LayersOverAMebibyteGoThroughTheEnginesWorkers) {
   ASSERT_TRUE(s.has_value());
   ASSERT_TRUE(s->wait_for_layer(0, 30s).is_ok());
   EXPECT_EQ(s->future().get(), 512u * 16 * l.token_bytes() * 2 * l.num_layers);
-  auto v = verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
+  auto v = testing::verify_pattern_any(*cache, kSeed, lp, 0, seq.num_tokens);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
 }
 
@@ -265,7 +210,7 @@ TEST_P(Streaming, AnotherGeometryStreamsLikeAPull) {
   local.first_kv_head = 4;
   local.total_kv_heads = 8;
   local.head_dim = 32;
-  PeerProcess peer(spec(owner, 300));
+  PeerProcess peer(peer_spec(owner, 300));
   auto cache = local_cache(local);
   auto m = manager(cache);
   const SequenceInfo seq = start_owner_stream(peer, 20, 4);
@@ -273,7 +218,7 @@ TEST_P(Streaming, AnotherGeometryStreamsLikeAPull) {
   auto s = m->start_streaming_retrieve(37, 300, lp, seq.page_indices, seq.kv_transfer_info);
   ASSERT_TRUE(s.has_value());
   EXPECT_GT(s->future().get(), 0u);
-  auto v = verify_pattern(*cache, kSeed, lp, 37, 300);
+  auto v = testing::verify_pattern_any(*cache, kSeed, lp, 37, 300);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
 }
 
@@ -281,7 +226,7 @@ TEST_P(Streaming, AFinishedSequenceStreamsAsOneRead) {
   need_readiness();
   if (IsSkipped()) return;
   const KVLayout l = small_layout();
-  PeerProcess peer(spec(l, 200));  // published by publish(seq): every layer ready
+  PeerProcess peer(peer_spec(l, 200));  // published by publish(seq): every layer ready
   auto cache = local_cache(l);
   auto m = manager(cache);
   const auto& seq = peer.sequence();
@@ -290,14 +235,14 @@ TEST_P(Streaming, AFinishedSequenceStreamsAsOneRead) {
   ASSERT_TRUE(s.has_value());
   EXPECT_EQ(s->future().get(), 200u * l.token_bytes() * 2 * l.num_layers);
   EXPECT_EQ(s->layers_done(), l.num_layers);
-  EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 0, 200).ok());
+  EXPECT_TRUE(testing::verify_pattern_any(*cache, kSeed, lp, 0, 200).ok());
 }
 
 TEST_P(Streaming, ALayerNeverMarkedTimesOut) {
   need_readiness();
   if (IsSkipped()) return;
   const KVLayout l = small_layout();
-  PeerProcess peer(spec(l, 64));
+  PeerProcess peer(peer_spec(l, 64));
   auto cache = local_cache(l);
   auto m = manager(cache, 800ms);
   const SequenceInfo seq = start_owner_stream(peer, 0, 2);  // layers 2, 3 never
@@ -327,7 +272,7 @@ TEST_P(Streaming, CancelMidStreamStopsIssuingAndResolvesOnceNothingIsInFlight) {
   need_readiness();
   if (IsSkipped()) return;
   const KVLayout l = small_layout();
-  PeerProcess peer(spec(l, 128));
+  PeerProcess peer(peer_spec(l, 128));
   auto cache = local_cache(l);
   auto m = manager(cache);
   const SequenceInfo seq = start_owner_stream(peer, 300, 4);
@@ -352,7 +297,7 @@ TEST_P(Streaming, CancellingTheFutureCancelsTheStream) {
   need_readiness();
   if (IsSkipped()) return;
   const KVLayout l = small_layout();
-  PeerProcess peer(spec(l, 64));
+  PeerProcess peer(peer_spec(l, 64));
   auto cache = local_cache(l);
   auto m = manager(cache);
   const SequenceInfo seq = start_owner_stream(peer, 0, 0);
@@ -368,7 +313,7 @@ TEST_P(Streaming, ReadinessBeyondTheLayerCountIsRejected) {
   need_readiness();
   if (IsSkipped()) return;
   const KVLayout l = small_layout();
-  PeerProcess peer(spec(l, 64));
+  PeerProcess peer(peer_spec(l, 64));
   auto cache = local_cache(l);
   auto m = manager(cache);
   const SequenceInfo seq = start_owner_stream(peer, 0, 0);
@@ -388,7 +333,7 @@ TEST_P(Streaming, ReadinessGoingBackwardsIsRejected) {
   need_readiness();
   if (IsSkipped()) return;
   const KVLayout l = small_layout();
-  PeerProcess peer(spec(l, 64));
+  PeerProcess peer(peer_spec(l, 64));
   auto cache = local_cache(l);
   auto m = manager(cache);
   const SequenceInfo seq = start_owner_stream(peer, 0, 2);
@@ -411,7 +356,7 @@ TEST_P(Streaming, ANewGenerationOfThePagesIsRejected) {
   need_readiness();
   if (IsSkipped()) return;
   const KVLayout l = small_layout();
-  PeerProcess peer(spec(l, 64));
+  PeerProcess peer(peer_spec(l, 64));
   auto cache = local_cache(l);
   auto m = manager(cache);
   const SequenceInfo seq = start_owner_stream(peer, 0, 1);
@@ -433,7 +378,7 @@ TEST_P(Streaming, AnOwnerThatDiesMidStreamFailsTheStreamWithinTheTimeout) {
   need_readiness();
   if (IsSkipped()) return;
   const KVLayout l = small_layout();
-  PeerProcess peer(spec(l, 64));
+  PeerProcess peer(peer_spec(l, 64));
   auto cache = local_cache(l);
   auto m = manager(cache, 5000ms);
   const SequenceInfo seq = start_owner_stream(peer, 100, 4);
@@ -446,7 +391,7 @@ TEST_P(Streaming, AnOwnerThatDiesMidStreamFailsTheStreamWithinTheTimeout) {
   ASSERT_TRUE(s->future().wait_for(10s));
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s) << "the owner's death went unseen";
   const Status st = s->future().status();
-  EXPECT_EQ(st.code(), GetParam().owner_gone) << st.to_string();
+  EXPECT_EQ(st.code(), owner_gone()) << st.to_string();
   EXPECT_TRUE(layer_untouched(*cache, 2, lp));
   EXPECT_TRUE(layer_untouched(*cache, 3, lp));
 }
@@ -455,7 +400,7 @@ TEST_P(Streaming, ShutdownResolvesAStreamWaitingForTheOwner) {
   need_readiness();
   if (IsSkipped()) return;
   const KVLayout l = small_layout();
-  PeerProcess peer(spec(l, 64));
+  PeerProcess peer(peer_spec(l, 64));
   auto cache = local_cache(l);
   auto m = manager(cache);
   const SequenceInfo seq = start_owner_stream(peer, 0, 1);
@@ -478,7 +423,7 @@ TEST_P(Streaming, BadArgumentsAreRejectedBeforeAnyByteMoves) {
   need_readiness();
   if (IsSkipped()) return;
   const KVLayout l = small_layout();
-  PeerProcess peer(spec(l, 64));
+  PeerProcess peer(peer_spec(l, 64));
   auto cache = local_cache(l);
   auto m = manager(cache);
   const auto& seq = peer.sequence();
@@ -522,8 +467,8 @@ TEST_P(Streaming, BadArgumentsAreRejectedBeforeAnyByteMoves) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Engines, Streaming, ::testing::ValuesIn(stream_cases()),
-                         [](const ::testing::TestParamInfo<StreamCase>& p) {
+INSTANTIATE_TEST_SUITE_P(Engines, Streaming, ::testing::ValuesIn(testing::engine_cases()),
+                         [](const ::testing::TestParamInfo<testing::EngineCase>& p) {
                            return p.param.label;
                          });
 

@@ -231,17 +231,6 @@ TEST_F(CudaIpcEngine, LocalWrapOfAPyTorchLikeTensor) {
   EXPECT_THROW(wrap_device_memory(nullptr, 16, 0), Error);
 }
 
-TEST_F(CudaIpcEngine, NothingToReadReturnsNoFuture) {
-  const KVLayout l = small_layout();
-  OwnerProcess owner(spec(l, 32));
-  auto cache = local_cache(l);
-  auto m = manager(cache);
-  const auto& seq = owner.sequence();
-  EXPECT_FALSE(m->start_async_retrieve(32, 32, local_pages(2), seq.page_indices,
-                                       seq.kv_transfer_info)
-                   .has_value());
-}
-
 TEST_F(CudaIpcEngine, BadReadsAreRejectedBeforeAnyByteMoves) {
   const KVLayout l = small_layout();
   OwnerProcess owner(spec(l, 64));
@@ -495,42 +484,23 @@ TEST_F(CudaIpcEngine, DeadOwnerIsRefused) {
   EXPECT_TRUE(testing::verify_pattern_any(*cache, kSeed, local_pages(4), 0, 64).ok());
 }
 
-TEST_F(CudaIpcEngine, ShutdownResolvesEveryReadInFlight) {
+// What every engine does at shutdown is the conformance suite's; here, that
+// no IPC handle stays open once the reads in flight resolved.
+TEST_F(CudaIpcEngine, ShutdownClosesEveryHandle) {
   KVLayout l = small_layout();
   l.num_pages = 2048;  // 64 MiB
   OwnerProcess owner(spec(l, 2048 * 16));
   auto cache = local_cache(l);
   auto m = manager(cache, 20000ms);
   const auto& seq = owner.sequence();
-  std::vector<TransferFuture> futures;
-  for (std::uint32_t part = 0; part < 4; ++part) {
-    std::vector<std::uint32_t> lp(512);
-    std::vector<std::uint32_t> rp(512);
-    for (std::uint32_t i = 0; i < 512; ++i) {
-      lp[i] = part * 512 + i;
-      rp[i] = seq.page_indices[part * 512 + i];
-    }
-    auto f = m->start_async_retrieve(0, 512 * 16, lp, rp, seq.kv_transfer_info);
-    ASSERT_TRUE(f.has_value());
-    futures.push_back(*f);
-  }
-  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::uint32_t> lp(seq.page_indices.size());
+  for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>(i);
+  auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
+  ASSERT_TRUE(f.has_value());
   m->cleanup();
-  for (auto& f : futures) {
-    ASSERT_TRUE(f.wait_for(10s)) << "a read in flight did not resolve after shutdown";
-    const StatusCode c = f.status().code();
-    EXPECT_TRUE(c == StatusCode::kOk || c == StatusCode::kShutdown) << f.status().to_string();
-  }
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  ASSERT_TRUE(f->ready()) << "cleanup() returned with a read unresolved";
   expect_quiescent(*cache);
   EXPECT_EQ(dynamic_cast<CudaIpcKVTransferEngine&>(m->engine()).open_handles(), 0u);
-  try {
-    m->start_async_retrieve(0, 16, std::vector<std::uint32_t>{0}, std::vector<std::uint32_t>{0},
-                            seq.kv_transfer_info);
-    FAIL() << "a read after shutdown was accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kShutdown) << e.what();
-  }
 }
 
 TEST_F(CudaIpcEngine, CancelAndTimeoutResolveOnlyAfterTheCopiesDrain) {
@@ -563,47 +533,6 @@ TEST_F(CudaIpcEngine, CancelAndTimeoutResolveOnlyAfterTheCopiesDrain) {
       expect_quiescent(*cache);
     }
   }
-}
-
-TEST_F(CudaIpcEngine, ConcurrentPullsFromManyThreads) {
-  KVLayout l = small_layout();
-  l.num_pages = 256;
-  OwnerProcess owner(spec(l, 256 * 16));
-  auto cache = local_cache(l);
-  auto m = manager(cache);
-  const auto& seq = owner.sequence();
-  constexpr int kThreads = 4;
-  constexpr std::uint32_t kPagesEach = 64;
-  std::atomic<int> failures{0};
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      try {
-        for (int rep = 0; rep < 3; ++rep) {
-          std::vector<std::uint32_t> lp(kPagesEach);
-          std::vector<std::uint32_t> rp(kPagesEach);
-          for (std::uint32_t i = 0; i < kPagesEach; ++i) {
-            lp[i] = static_cast<std::uint32_t>(t) * kPagesEach + (i * 7) % kPagesEach;
-            rp[i] = seq.page_indices[static_cast<std::uint32_t>(t) * kPagesEach + i];
-          }
-          m->sync_retrieve(0, kPagesEach * 16, lp, rp, seq.kv_transfer_info);
-        }
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "thread " << t << ": " << e.what();
-        failures.fetch_add(1, std::memory_order_relaxed);
-      }
-    });
-  }
-  for (auto& th : threads) th.join();
-  ASSERT_EQ(failures.load(), 0);
-  std::vector<std::uint32_t> table(kThreads * kPagesEach);
-  for (std::uint32_t t = 0; t < kThreads; ++t) {
-    for (std::uint32_t i = 0; i < kPagesEach; ++i) {
-      table[t * kPagesEach + i] = t * kPagesEach + (i * 7) % kPagesEach;
-    }
-  }
-  auto v = testing::verify_pattern_any(*cache, kSeed, table, 0, kThreads * kPagesEach * 16);
-  EXPECT_TRUE(v.ok()) << v.first_mismatch;
 }
 
 TEST_F(CudaIpcEngine, BatchedAndPlainCopiesAgree) {

@@ -265,35 +265,6 @@ TEST_F(MooncakeEngine, HungPeerCostsTheEngineNeverALateWrite) {
   }
 }
 
-TEST_F(MooncakeEngine, ShutdownWithReadsInFlightResolvesEveryFuture) {
-  const KVLayout l = layout(4096);
-  PeerProcess peer(spec(l, 4096 * 16));
-  const auto& seq = peer.sequence();
-  auto c = cache(l);
-  auto m = manager(c, 20000ms);
-  std::vector<TransferFuture> futures;
-  for (std::uint32_t part = 0; part < 8; ++part) {
-    std::vector<std::uint32_t> rp(seq.page_indices.begin() + part * 512,
-                                  seq.page_indices.begin() + (part + 1) * 512);
-    auto f = m->start_async_retrieve(0, 512 * 16, iota_pages(512, part * 512), rp,
-                                     seq.kv_transfer_info);
-    ASSERT_TRUE(f.has_value());
-    futures.push_back(*f);
-  }
-  const auto t0 = std::chrono::steady_clock::now();
-  m->cleanup();
-  for (auto& f : futures) {
-    ASSERT_TRUE(f.ready()) << "cleanup() returned with a read unresolved";
-    const StatusCode code = f.status().code();
-    EXPECT_TRUE(code == StatusCode::kOk || code == StatusCode::kShutdown)
-        << f.status().to_string();
-  }
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
-  EXPECT_THROW(m->start_async_retrieve(0, 16, iota_pages(1), iota_pages(1),
-                                       seq.kv_transfer_info),
-               Error);
-}
-
 // ---- everywhere: no Mooncake needed ------------------------------------------
 
 TEST(MooncakeEngineAnywhere, AbsentLibraryIsUnavailableNamingThePath) {

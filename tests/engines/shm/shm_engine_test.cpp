@@ -121,21 +121,6 @@ TEST(ShmEngine, FullPullFromAnotherProcessMovesEveryByteAndNothingElse) {
             0u);
 }
 
-TEST(ShmEngine, PrefixHitPullsOnlyTheTail) {
-  const KVLayout l = small_layout();
-  Owner owner(l, 256);
-  auto cache = sentinel_cache(l);
-  auto m = shm_manager(cache);
-  const auto lp = spread_pages(16, 64);
-  const std::uint64_t prefix = 192 + 5;  // 75% and then some: starts mid-page
-  fill_pattern(*cache, kSeed, lp, 0, prefix);  // the locally cached prefix
-  const auto bytes =
-      m->sync_retrieve(prefix, 256, lp, owner.seq.page_indices, owner.seq.kv_transfer_info);
-  EXPECT_EQ(bytes, (256u - prefix) * l.token_bytes() * 2 * l.num_layers);
-  auto v = verify_pattern(*cache, kSeed, lp, 0, 256);
-  EXPECT_TRUE(v.ok()) << v.first_mismatch;
-}
-
 TEST(ShmEngine, PartialPagesInBothInPageOrders) {
   for (auto lpo : {PageOrder::kNHD, PageOrder::kHND}) {
     for (auto rpo : {PageOrder::kNHD, PageOrder::kHND}) {
@@ -154,22 +139,6 @@ TEST(ShmEngine, PartialPagesInBothInPageOrders) {
                 0u)
           << to_string(lpo) << " <- " << to_string(rpo);
     }
-  }
-}
-
-TEST(ShmEngine, LocalAndRemoteCacheOrdersMayDiffer) {
-  for (auto [lco, rco] : {std::pair{CacheOrder::kLayerMajor, CacheOrder::kPageMajor},
-                          std::pair{CacheOrder::kPageMajor, CacheOrder::kLayerMajor},
-                          std::pair{CacheOrder::kPageMajor, CacheOrder::kPageMajor}}) {
-    const KVLayout remote = small_layout(rco, PageOrder::kHND);
-    const KVLayout local = small_layout(lco, PageOrder::kNHD, 40);  // fewer pages here
-    Owner owner(remote, 200);
-    auto cache = sentinel_cache(local);
-    auto m = shm_manager(cache);
-    const auto lp = spread_pages(13, 40);
-    m->sync_retrieve(0, 200, lp, owner.seq.page_indices, owner.seq.kv_transfer_info);
-    auto v = verify_pattern(*cache, kSeed, lp, 0, 200);
-    EXPECT_TRUE(v.ok()) << to_string(lco) << " <- " << to_string(rco) << ": " << v.first_mismatch;
   }
 }
 
@@ -422,97 +391,22 @@ TEST(ShmEngine, OwnerKilledDuringReadsNeverCrashesHangsOrLies) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 20s);
 }
 
-TEST(ShmEngine, ShutdownResolvesEveryReadInFlight) {
+// What every engine does at shutdown is the conformance suite's; here, that
+// the peers' caches are unmapped once the reads in flight resolved.
+TEST(ShmEngine, ShutdownUnmapsEveryPeersCache) {
   const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 512);  // 16 MiB
   Owner owner(l, 512 * 16);
   auto cache = make_kv_cache(l, MemoryKind::kHost);
   auto m = shm_manager(cache, 20000ms, 2);
-  std::vector<TransferFuture> futures;
-  for (std::uint32_t part = 0; part < 8; ++part) {
-    std::vector<std::uint32_t> lp(64);
-    std::vector<std::uint32_t> rp(64);
-    for (std::uint32_t i = 0; i < 64; ++i) {
-      lp[i] = part * 64 + i;
-      rp[i] = owner.seq.page_indices[part * 64 + i];
-    }
-    futures.push_back(*m->start_async_retrieve(0, 64 * 16, lp, rp, owner.seq.kv_transfer_info));
-  }
+  const auto lp = spread_pages(512, 512);
+  auto f = m->start_async_retrieve(0, 512 * 16, lp, owner.seq.page_indices,
+                                   owner.seq.kv_transfer_info);
   auto& engine = static_cast<ShmKVTransferEngine&>(m->engine());
   EXPECT_EQ(engine.cached_mappings(), 1u);
   m->cleanup();
-  int shut = 0;
-  for (auto& f : futures) {
-    // cleanup() returns only after every future resolved.
-    ASSERT_TRUE(f.ready()) << "a read in flight was left unresolved by shutdown";
-    const StatusCode c = f.status().code();
-    EXPECT_TRUE(c == StatusCode::kOk || c == StatusCode::kShutdown) << f.status().to_string();
-    shut += c == StatusCode::kShutdown;
-  }
+  ASSERT_TRUE(f->ready()) << "cleanup() returned with a read unresolved";
   EXPECT_EQ(engine.cached_mappings(), 0u);
-  try {
-    m->start_async_retrieve(0, 16, std::vector<std::uint32_t>{0},
-                            std::vector<std::uint32_t>{owner.seq.page_indices[0]},
-                            owner.seq.kv_transfer_info);
-    FAIL() << "a read after shutdown was accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kShutdown) << e.what();
-  }
   m->cleanup();  // idempotent
-}
-
-// After a future resolves as failed, no byte of its read may land.
-void expect_quiet_after(const KVCache& cache, const TransferFuture& f) {
-  ASSERT_TRUE(f.wait_for(10s));
-  std::vector<std::byte> snap(cache.base(), cache.base() + cache.size_bytes());
-  std::this_thread::sleep_for(50ms);
-  EXPECT_EQ(std::memcmp(snap.data(), cache.base(), snap.size()), 0)
-      << "bytes landed after the future resolved with " << f.status().to_string();
-}
-
-TEST(ShmEngine, TimeoutResolvesOnlyOnceNoWorkerWrites) {
-  const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 1024);  // 32 MiB
-  Owner owner(l, 1024 * 16);
-  auto cache = sentinel_cache(l);
-  auto m = shm_manager(cache, 1ms, 1);
-  std::vector<std::uint32_t> lp(1024);
-  for (std::uint32_t i = 0; i < 1024; ++i) lp[i] = i;
-  int timeouts = 0;
-  for (int i = 0; i < 20 && timeouts == 0; ++i) {
-    auto f = m->start_async_retrieve(0, 1024 * 16, lp, owner.seq.page_indices,
-                                     owner.seq.kv_transfer_info);
-    expect_quiet_after(*cache, *f);
-    if (f->status().code() == StatusCode::kTimeout) {
-      ++timeouts;
-      EXPECT_NE(f->status().message().find("did not finish in 1 ms"), std::string::npos)
-          << f->status().message();
-    } else {
-      EXPECT_TRUE(f->status().is_ok()) << f->status().to_string();
-    }
-  }
-  EXPECT_GT(timeouts, 0) << "32 MiB never took more than 1 ms";
-}
-
-TEST(ShmEngine, CancelStopsBetweenPieces) {
-  const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 1024);
-  Owner owner(l, 1024 * 16);
-  auto cache = sentinel_cache(l);
-  auto m = shm_manager(cache, 10000ms, 1);
-  std::vector<std::uint32_t> lp(1024);
-  for (std::uint32_t i = 0; i < 1024; ++i) lp[i] = i;
-  int cancelled = 0;
-  for (int i = 0; i < 10; ++i) {
-    auto f = m->start_async_retrieve(0, 1024 * 16, lp, owner.seq.page_indices,
-                                     owner.seq.kv_transfer_info);
-    f->cancel();
-    expect_quiet_after(*cache, *f);
-    const StatusCode c = f->status().code();
-    EXPECT_TRUE(c == StatusCode::kCancelled || c == StatusCode::kOk) << f->status().to_string();
-    cancelled += c == StatusCode::kCancelled;
-  }
-  EXPECT_GT(cancelled, 0);
-  // The engine is still fine.
-  m->sync_retrieve(0, 1024 * 16, lp, owner.seq.page_indices, owner.seq.kv_transfer_info);
-  EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 0, 1024 * 16).ok());
 }
 
 std::set<std::string> dir_entries(const char* path) {
@@ -628,7 +522,6 @@ TEST(ShmMemory, PrivateCacheReadsButPublishesNothing) {
   EXPECT_THROW(ShmKVTransferEngine(cache, ShmEngineOptions{0, 1000ms}), Error);
   EXPECT_THROW(ShmKVTransferEngine(nullptr), Error);
 }
-
 
 // Found by an adopter: timeout = 0 ms was accepted by shm (large reads then
 // failed at once) and refused by cuda_ipc: one rule, >= 1 ms, for all.

@@ -301,55 +301,6 @@ TEST_P(UcxEngine, KilledPeerFailsInTimeOthersKeepWorkingAndANewPeerServes) {
   EXPECT_TRUE(verify_pattern(*cache, kSeed, {lp.data(), 4}, 0, 64).ok());
 }
 
-TEST_P(UcxEngine, ShutdownWithReadsInFlightResolvesEveryFuture) {
-  const KVLayout l = small_layout(2048);
-  PeerProcess peer(spec(l, 2048 * 16));
-  auto cache = local_cache(l);
-  auto m = manager(cache, 20000ms);
-  const auto& seq = peer.sequence();
-  const auto lp = iota_pages(seq.page_indices.size());
-  std::vector<TransferFuture> fs;
-  for (int i = 0; i < 8; ++i) {
-    fs.push_back(*m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices,
-                                          seq.kv_transfer_info));
-  }
-  const auto t0 = std::chrono::steady_clock::now();
-  m->cleanup();
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
-  for (auto& f : fs) {
-    ASSERT_TRUE(f.ready()) << "cleanup returned with a future unresolved";
-    EXPECT_TRUE(f.status().is_ok() || f.status().code() == StatusCode::kShutdown)
-        << f.status().to_string();
-  }
-  EXPECT_THROW(m->start_async_retrieve(0, 16, lp, seq.page_indices, seq.kv_transfer_info),
-               Error);
-}
-
-TEST_P(UcxEngine, CancelAndTimeoutResolveWithoutLateBytes) {
-  const KVLayout l = small_layout(2048);
-  PeerProcess peer(spec(l, 2048 * 16));
-  auto cache = local_cache(l);
-  auto m = manager(cache, 20000ms);
-  const auto& seq = peer.sequence();
-  const auto lp = iota_pages(seq.page_indices.size());
-  auto f = *m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices,
-                                    seq.kv_transfer_info);
-  f.cancel();
-  ASSERT_TRUE(f.wait_for(5s));
-  if (!f.status().is_ok()) {
-    EXPECT_EQ(f.status().code(), StatusCode::kCancelled) << f.status().to_string();
-    // Nothing may land after the resolution: snapshot, wait, compare.
-    std::vector<std::byte> snap(cache->base(), cache->base() + cache->size_bytes());
-    std::this_thread::sleep_for(300ms);
-    EXPECT_EQ(std::memcmp(snap.data(), cache->base(), snap.size()), 0)
-        << "bytes landed after the cancelled read resolved";
-  }
-  // The engine still pulls afterwards (reconnecting if the cancel closed
-  // the endpoint).
-  m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
-  EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens).ok());
-}
-
 TEST_P(UcxEngine, NewOwnerAtTheSameAddressIsReachedAfresh) {
   // Both owners live in this process (separate UCX contexts, real loopback
   // traffic); the second listens where the first did.

@@ -1,0 +1,116 @@
+// Copyright mstar-kv authors.
+#include "engine_suite.hpp"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+namespace mstar::kv::testing {
+
+namespace {
+
+// Why `t`'s run-time needs are missing here ("" when they are not): the
+// library it loads (Mooncake: MSTAR_KV_MOONCAKE_LIB) or a CUDA device.
+std::string missing_runtime(const EngineTraits& t, std::map<std::string, std::string>& extra) {
+  if (!t.library_option.empty()) {
+    const char* lib = std::getenv("MSTAR_KV_MOONCAKE_LIB");
+    if (lib == nullptr || *lib == '\0') {
+      return "MSTAR_KV_MOONCAKE_LIB is not set: no Mooncake library with the C API here "
+             "(the PyPI wheel carries none)";
+    }
+    void* h = ::dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+    if (h == nullptr) return std::string("cannot load MSTAR_KV_MOONCAKE_LIB: ") + ::dlerror();
+    ::dlclose(h);
+    extra[t.library_option] = lib;
+  }
+  if (t.memory == MemoryKind::kDevice || t.reader_memory == MemoryKind::kDevice) {
+    // MSTAR_KV_REQUIRE_GPU=1 (scripts/gpu-check): run, and fail without one.
+    if (!gpu_required()) return no_device_reason();
+  }
+  return "";
+}
+
+std::string label_of(std::string name) {
+  std::replace(name.begin(), name.end(), '-', '_');
+  return name;
+}
+
+}  // namespace
+
+std::vector<EngineCase> engine_cases() {
+  std::vector<EngineCase> cases;
+  for (const EngineTraits& t : engine_table()) {
+    for (const LoopbackSetup& setup : t.loopback) {
+      EngineCase c{label_of(setup.name), t, setup.env, {}, "", false};
+      if (!t.built) {
+        c.skip_reason = "engine '" + t.name + "' is not built";
+      } else {
+        c.skip_reason = missing_runtime(t, c.extra);
+      }
+      cases.push_back(c);
+      if (t.name == "shm") {  // one wrapped engine: the wrapper is engine-agnostic
+        c.label = "fault_shm";
+        c.fault_wrapper = true;
+        cases.push_back(c);
+      }
+    }
+  }
+  return cases;
+}
+
+void EngineSuite::SetUp() {
+  const EngineCase& c = GetParam();
+  if (!c.skip_reason.empty()) GTEST_SKIP() << c.skip_reason;
+  for (const auto& [k, v] : c.env) ::setenv(k.c_str(), v.c_str(), 1);
+}
+
+PeerSpec EngineSuite::peer_spec(const KVLayout& layout, std::uint64_t tokens) const {
+  PeerSpec s;
+  s.engine = engine();
+  s.layout = layout;
+  s.tokens = tokens;
+  s.seed = kSeed;
+  s.env = GetParam().env;
+  s.extra = GetParam().extra;
+  return s;
+}
+
+std::unique_ptr<KVTransferManager> EngineSuite::manager(std::shared_ptr<KVCache> cache,
+                                                        std::chrono::milliseconds timeout) const {
+  EngineOptions o;
+  o.timeout = timeout;
+  o.extra = GetParam().extra;
+  return make_manager(TransferEngineInfo{"decode", "", engine(), o}, std::move(cache),
+                      GetParam().fault_wrapper);
+}
+
+std::shared_ptr<KVCache> EngineSuite::local_cache(const KVLayout& l) const {
+  auto c = make_kv_cache(l, GetParam().traits.reader_memory);
+  fill_bytes(*c, kSentinel);
+  return c;
+}
+
+std::vector<std::uint32_t> EngineSuite::local_pages(std::size_t n, std::uint32_t first) {
+  std::vector<std::uint32_t> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::uint32_t>((first + i * 5) % 64);
+  return v;
+}
+
+void EngineSuite::expect_only_named_bytes_written(const KVCache& local, const KVLayout& remote,
+                                                  std::span<const KVReadInfo> reads) {
+  EXPECT_EQ(bytes_written_outside(local, remote, reads, kSentinel), 0u)
+      << "bytes outside the read were written";
+}
+
+void EngineSuite::expect_quiet_after(const KVCache& cache, const TransferFuture& f) {
+  ASSERT_TRUE(f.wait_for(std::chrono::seconds(10))) << "the read did not resolve in 10 s";
+  const auto before = download(cache);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto after = download(cache);
+  EXPECT_EQ(std::memcmp(before->base(), after->base(), cache.size_bytes()), 0)
+      << "bytes landed after the read resolved with " << f.status().to_string();
+}
+
+}  // namespace mstar::kv::testing
