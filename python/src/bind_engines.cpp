@@ -79,6 +79,21 @@ std::optional<TransferFuture> read_release_gil(KVTransferEngine& e, const KVTran
   return e.read_batched_async(info, reads);
 }
 
+// The native retrieve paths: `read(engine, local layout)` without the GIL,
+// counted in the engine's stats.
+template <typename Read>
+std::optional<TransferFuture> retrieve_tracked(PyEngine& e, Read&& read) {
+  KVTransferEngine& eng = e.get("start_async_retrieve");
+  if (!e.cache) {
+    throw Error(StatusCode::kInvalidArgument,
+                "a local-only engine without a cache cannot retrieve");
+  }
+  nb::gil_scoped_release release;
+  const KVLayout& layout = e.cache->layout();
+  return TransferStatsRecorder::track(
+      e.stats, [&]() -> std::optional<TransferFuture> { return read(eng, layout); });
+}
+
 std::vector<KVReadInfo> to_reads(nb::handle seq) {
   std::vector<KVReadInfo> out;
   const std::size_t n = nb::len(seq);
@@ -279,15 +294,8 @@ void bind_engines(nb::module_& m) {
              nb::handle remote_pages, nb::handle remote) -> std::optional<TransferFuture> {
             const auto lp = to_pages(local_pages, "local_page_indices");
             const auto rp = to_pages(remote_pages, "remote_page_indices");
-            KVTransferInfo info = to_transfer_info(remote);
-            KVTransferEngine& eng = e.get("start_async_retrieve");
-            if (!e.cache) {
-              throw Error(StatusCode::kInvalidArgument,
-                          "a local-only engine without a cache cannot retrieve");
-            }
-            nb::gil_scoped_release release;
-            const KVLayout& layout = e.cache->layout();
-            return TransferStatsRecorder::track(e.stats, [&]() -> std::optional<TransferFuture> {
+            const KVTransferInfo info = to_transfer_info(remote);
+            return retrieve_tracked(e, [&](KVTransferEngine& eng, const KVLayout& layout) {
               return eng.read_batched_async(
                   info, plan_retrieve(eng, layout, start_len, end_len, lp, rp, info));
             });
@@ -312,14 +320,7 @@ void bind_engines(nb::module_& m) {
               }
               rs.push_back({to_pages(item[0], "remote_page_indices"), to_transfer_info(item[1])});
             }
-            KVTransferEngine& eng = e.get("start_async_retrieve");
-            if (!e.cache) {
-              throw Error(StatusCode::kInvalidArgument,
-                          "a local-only engine without a cache cannot retrieve");
-            }
-            nb::gil_scoped_release release;
-            const KVLayout& layout = e.cache->layout();
-            return TransferStatsRecorder::track(e.stats, [&]() -> std::optional<TransferFuture> {
+            return retrieve_tracked(e, [&](KVTransferEngine& eng, const KVLayout& layout) {
               return retrieve_shards(eng, layout, start_len, end_len, lp, rs);
             });
           },

@@ -45,18 +45,17 @@ KVLayout make_layout(std::uint32_t num_layers, std::uint32_t num_pages, std::uin
                      std::uint32_t num_kv_heads, std::uint32_t head_dim, const std::string& dtype,
                      bool has_v, const std::string& cache_order, const std::string& page_order,
                      std::uint32_t total_kv_heads, std::uint32_t first_kv_head) {
-  KVLayout l;
-  l.total_kv_heads = total_kv_heads;
-  l.first_kv_head = first_kv_head;
-  l.num_layers = num_layers;
-  l.num_pages = num_pages;
-  l.page_size = page_size;
-  l.num_kv_heads = num_kv_heads;
-  l.head_dim = head_dim;
-  l.dtype = parse_dtype(dtype);
-  l.has_v = has_v;
-  l.cache_order = parse_cache_order(cache_order);
-  l.page_order = parse_page_order(page_order);
+  const KVLayout l{.num_layers = num_layers,
+                   .num_pages = num_pages,
+                   .page_size = page_size,
+                   .num_kv_heads = num_kv_heads,
+                   .head_dim = head_dim,
+                   .dtype = parse_dtype(dtype),
+                   .has_v = has_v,
+                   .cache_order = parse_cache_order(cache_order),
+                   .page_order = parse_page_order(page_order),
+                   .total_kv_heads = total_kv_heads,
+                   .first_kv_head = first_kv_head};
   l.validate();
   return l;
 }

@@ -12,13 +12,8 @@ namespace mstar::kv {
 
 namespace {
 
-[[noreturn]] void invalid(const std::string& msg) {
-  throw Error(StatusCode::kInvalidArgument, msg);
-}
-
-std::string range(std::uint64_t lo, std::uint64_t hi) {
-  return "[" + std::to_string(lo) + ", " + std::to_string(hi) + ")";
-}
+using detail::invalid;
+using detail::range;
 
 // Open-addressing set of (layer, local page) keys, sized for n inserts.
 // Linear in the number of reads, unlike a bitmap over the whole cache.

@@ -10,8 +10,18 @@
 #include "mstar/kv/layout.hpp"
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/read_info.hpp"
+#include "mstar/kv/status.hpp"
 
 namespace mstar::kv::detail {
+
+[[noreturn]] inline void invalid(const std::string& msg) {
+  throw Error(StatusCode::kInvalidArgument, msg);
+}
+
+// "[lo, hi)".
+inline std::string range(std::uint64_t lo, std::uint64_t hi) {
+  return "[" + std::to_string(lo) + ", " + std::to_string(hi) + ")";
+}
 
 // Appends spans to a plan, merging each with the previous one when both
 // sides continue it.

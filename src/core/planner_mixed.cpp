@@ -17,13 +17,8 @@ namespace mstar::kv {
 
 namespace {
 
-[[noreturn]] void invalid(const std::string& msg) {
-  throw Error(StatusCode::kInvalidArgument, msg);
-}
-
-std::string range(std::uint64_t lo, std::uint64_t hi) {
-  return "[" + std::to_string(lo) + ", " + std::to_string(hi) + ")";
-}
+using detail::invalid;
+using detail::range;
 
 std::uint64_t pages_for(std::uint64_t tokens, std::uint64_t page_size) {
   return tokens / page_size + (tokens % page_size != 0 ? 1 : 0);

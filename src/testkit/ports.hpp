@@ -1,7 +1,7 @@
 // Copyright mstar-kv authors.
 //
 // TCP ports as the kernel lists them (/proc/net/tcp, tcp6): who listens
-// where, and a free port for a benchmark server.
+// where, a free port for a benchmark server, a client connection.
 #pragma once
 
 #include <string>
@@ -18,5 +18,8 @@ bool tcp_port_listening(int port);
 // A random TCP port in [20000, 30000) that nothing listens on (outside the
 // kernel's ephemeral range).
 int pick_port();
+// A TCP connection to 127.0.0.1:port (TCP_NODELAY, receives time out after
+// `recv_timeout_s`); -1 when it cannot connect.
+int connect_loopback(int port, int recv_timeout_s = 5);
 
 }  // namespace mstar::kv::testkit

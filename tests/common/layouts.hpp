@@ -34,4 +34,18 @@ inline KVLayout small_layout(std::uint32_t pages, CacheOrder co = CacheOrder::kL
   return small_layout(co, po, pages);
 }
 
+// A head shard of small_layout()'s shape with 32-wide heads: `heads` of the
+// model's `total` KV heads from `first`, pages of `page_size` tokens.
+inline KVLayout shard_layout(std::uint32_t page_size, std::uint32_t heads, std::uint32_t first,
+                             std::uint32_t total, PageOrder po, CacheOrder co,
+                             std::uint32_t pages) {
+  KVLayout l = small_layout(co, po, pages);
+  l.page_size = page_size;
+  l.num_kv_heads = heads;
+  l.first_kv_head = first;
+  l.total_kv_heads = total;
+  l.head_dim = 32;
+  return l;
+}
+
 }  // namespace mstar::kv::testing

@@ -83,68 +83,51 @@ TEST(Descriptor, WrongKindVersionAndMagic) {
   expect_corrupt(v2, "unsupported version 2");
 }
 
-TEST(Descriptor, OversizedFieldsAreRejected) {
+// A SequenceInfo payload's head: seq_id, num_tokens, page_size, page count.
+codec::ByteWriter head(std::uint64_t seq_id, std::uint64_t tokens, std::uint32_t page_size,
+                       std::uint32_t pages) {
   codec::ByteWriter w;
-  w.u64(1);
-  w.u64(10);
-  w.u32(16);  // page_size
-  w.u32(0xFFFFFFFFu);  // page count far over the limit
+  w.u64(seq_id);
+  w.u64(tokens);
+  w.u32(page_size);
+  w.u32(pages);
+  return w;
+}
+
+TEST(Descriptor, OversizedFieldsAreRejected) {
+  codec::ByteWriter w = head(1, 10, 16, 0xFFFFFFFFu);  // page count far over the limit
   expect_corrupt(frame(w), "exceed the limit");
 
-  codec::ByteWriter w2;
-  w2.u64(1);
-  w2.u64(10);
-  w2.u32(16);  // page_size
-  w2.u32(1000);  // claims 1000 pages, carries none
+  codec::ByteWriter w2 = head(1, 10, 16, 1000);  // claims 1000 pages, carries none
   expect_corrupt(frame(w2), "truncated: 1000 pages need 4000 bytes");
 
-  codec::ByteWriter w3;
-  w3.u64(1);
-  w3.u64(1);
-  w3.u32(16);  // page_size
-  w3.u32(1);
+  codec::ByteWriter w3 = head(1, 1, 16, 1);
   w3.u32(0);
   w3.u32(1u << 30);  // engine name length
   expect_corrupt(frame(w3), "length 1073741824 exceeds limit 64");
 }
 
 TEST(Descriptor, InconsistentFieldsAreRejected) {
-  codec::ByteWriter w;
-  w.u64(1);
-  w.u64(5);  // 5 tokens
-  w.u32(16);  // page_size
-  w.u32(0);  // no pages
+  codec::ByteWriter w = head(1, 5, 16, 0);  // 5 tokens, no pages
   w.str("");
   w.bytes({});
   expect_corrupt(frame(w), "0 pages for 5 tokens of page size 16: expected 1");
 
-  codec::ByteWriter w2;
-  w2.u64(1);
-  w2.u64(1);
-  w2.u32(16);  // page_size
-  w2.u32(1);
+  codec::ByteWriter w2 = head(1, 1, 16, 1);
   w2.u32(0);
   w2.str("");
   const std::uint8_t junk[] = {1};
   w2.bytes(junk);
   expect_corrupt(frame(w2), "local-only (empty) transfer info carries 1 payload bytes");
 
-  codec::ByteWriter w3;
-  w3.u64(1);
-  w3.u64(1);
-  w3.u32(16);  // page_size
-  w3.u32(1);
+  codec::ByteWriter w3 = head(1, 1, 16, 1);
   w3.u32(0);
   w3.str("../etc");
   w3.bytes({});
   expect_corrupt(frame(w3), "engine name must be");
 
   auto trailing = sample().encode();
-  codec::ByteWriter w4;
-  w4.u64(1);
-  w4.u64(0);
-  w4.u32(16);  // page_size
-  w4.u32(0);
+  codec::ByteWriter w4 = head(1, 0, 16, 0);
   w4.str("");
   w4.bytes({});
   w4.u64(0);  // epoch

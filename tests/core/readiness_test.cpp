@@ -38,9 +38,14 @@ std::string message_of(const std::function<void()>& fn, StatusCode want) {
   return "";
 }
 
-TEST(LayerReadiness, PublishOfAFinishedSequenceMarksEveryLayer) {
-  auto c = cache(4, 8);
-  KVCachePool pool(c, descriptor());
+// An owner's cache of 4 layers and 8 pages and its pool.
+class LayerReadiness : public ::testing::Test {
+ protected:
+  std::shared_ptr<KVCache> c = cache(4, 8);
+  KVCachePool pool{c, descriptor()};
+};
+
+TEST_F(LayerReadiness, PublishOfAFinishedSequenceMarksEveryLayer) {
   const auto pages = pool.allocate(1, 40);
   for (auto p : pages) EXPECT_EQ(c->readiness().load(p), 0u);
   pool.publish(1);
@@ -48,9 +53,7 @@ TEST(LayerReadiness, PublishOfAFinishedSequenceMarksEveryLayer) {
   for (auto p : pages) EXPECT_EQ(c->readiness().load(p), 4u);
 }
 
-TEST(LayerReadiness, EarlyPublishThenMarkLayerByLayer) {
-  auto c = cache(4, 8);
-  KVCachePool pool(c, descriptor());
+TEST_F(LayerReadiness, EarlyPublishThenMarkLayerByLayer) {
   const auto pages = pool.allocate(1, 40);
   const SequenceInfo info = pool.publish(1, 0);
   EXPECT_NE(info.kv_transfer_info.epoch, 0u);
@@ -67,9 +70,7 @@ TEST(LayerReadiness, EarlyPublishThenMarkLayerByLayer) {
   EXPECT_EQ(pool.layers_ready(1), 4u);
 }
 
-TEST(LayerReadiness, GoingBackwardsOrBeyondTheLayersIsRefusedNamingBothValues) {
-  auto c = cache(4, 8);
-  KVCachePool pool(c, descriptor());
+TEST_F(LayerReadiness, GoingBackwardsOrBeyondTheLayersIsRefusedNamingBothValues) {
   const auto pages = pool.allocate(1, 40);
   pool.publish(1, 0);
   pool.mark_layers_ready(1, 3);
@@ -85,9 +86,7 @@ TEST(LayerReadiness, GoingBackwardsOrBeyondTheLayersIsRefusedNamingBothValues) {
   for (auto p : pages) EXPECT_EQ(c->readiness().load(p), 3u);
 }
 
-TEST(LayerReadiness, ANewOwnerOfThePagesStartsAtZeroUnderANewEpoch) {
-  auto c = cache(4, 8);
-  KVCachePool pool(c, descriptor());
+TEST_F(LayerReadiness, ANewOwnerOfThePagesStartsAtZeroUnderANewEpoch) {
   const auto pages = pool.allocate(1, 40);
   const SequenceInfo old = pool.publish(1);
   pool.release(1);
@@ -101,9 +100,7 @@ TEST(LayerReadiness, ANewOwnerOfThePagesStartsAtZeroUnderANewEpoch) {
   EXPECT_EQ(s.code(), StatusCode::kStaleDescriptor) << s.to_string();
 }
 
-TEST(LayerReadiness, TheReaderRefusesValuesBeyondTheLayersOrGoingBackwards) {
-  auto c = cache(4, 8);
-  KVCachePool pool(c, descriptor());
+TEST_F(LayerReadiness, TheReaderRefusesValuesBeyondTheLayersOrGoingBackwards) {
   const auto pages = pool.allocate(1, 40);
   const auto epoch = pool.publish(1, 2).kv_transfer_info.epoch;
   std::uint32_t got = 0;
@@ -125,8 +122,7 @@ TEST(LayerReadiness, TheReaderRefusesValuesBeyondTheLayersOrGoingBackwards) {
   EXPECT_EQ(got, 1u);
 }
 
-TEST(LayerReadiness, TheLocalOnlyEngineRefusesToStreamNamingItself) {
-  auto c = cache(4, 8);
+TEST_F(LayerReadiness, TheLocalOnlyEngineRefusesToStreamNamingItself) {
   KVTransferManager m(std::nullopt, c);
   const std::vector<std::uint32_t> pages{0, 1};
   EXPECT_FALSE(m.start_streaming_retrieve(5, 5, pages, pages, KVTransferInfo{}).has_value());
@@ -141,18 +137,17 @@ TEST(LayerReadiness, TheLocalOnlyEngineRefusesToStreamNamingItself) {
 
 // The cost the owner pays per layer of a forward pass (printed; the issue
 // asks for it): 256 pages is a 4096-token request of 16-token pages.
-TEST(LayerReadiness, MarkingCostsMicrosecondsPerLayer) {
-  auto c = cache(4096, 256);  // 512 MiB of untouched address space
-  KVCachePool pool(c, descriptor());
-  pool.allocate(1, 4096);
-  pool.publish(1, 0);
+TEST_F(LayerReadiness, MarkingCostsMicrosecondsPerLayer) {
+  KVCachePool big(cache(4096, 256), descriptor());  // 512 MiB of untouched address space
+  big.allocate(1, 4096);
+  big.publish(1, 0);
   const auto t0 = std::chrono::steady_clock::now();
-  for (std::uint32_t l = 1; l <= 4096; ++l) pool.mark_layers_ready(1, l);
+  for (std::uint32_t l = 1; l <= 4096; ++l) big.mark_layers_ready(1, l);
   const double us =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() /
       4096;
   std::printf("mark_layers_ready: %.3f us per layer (256 pages)\n", us);
-  EXPECT_EQ(pool.layers_ready(1), 4096u);
+  EXPECT_EQ(big.layers_ready(1), 4096u);
 }
 
 }  // namespace

@@ -312,21 +312,30 @@ TEST(FaultWrapper, ShutdownResolvesEveryBatchAndRejectsLaterReads) {
   e->shutdown();  // idempotent
 }
 
+// Random faults with these odds (FaultConfig's p_*), at most `max_delay`
+// of random delay, dropped batches timing out after `drop_timeout`.
+FaultConfig random_faults(double delay, double drop, double fail_after, double kill,
+                          double duplicate, double cancel, std::chrono::milliseconds max_delay,
+                          std::chrono::milliseconds drop_timeout) {
+  FaultConfig cfg;
+  cfg.p_delay = delay;
+  cfg.p_drop = drop;
+  cfg.p_fail_after = fail_after;
+  cfg.p_kill = kill;
+  cfg.p_duplicate = duplicate;
+  cfg.p_cancel = cancel;
+  cfg.max_random_delay = max_delay;
+  cfg.drop_timeout = drop_timeout;
+  return cfg;
+}
+
 // Many batches with random faults, one after another: every invariant holds
 // after every one, and the same seed draws the same faults.
 TEST(FaultWrapper, RandomFaultsKeepEveryInvariant) {
   FaultCounters first;
   for (int run = 0; run < 2; ++run) {
     Rig rig;
-    FaultConfig cfg;
-    cfg.p_delay = 0.15;
-    cfg.p_drop = 0.1;
-    cfg.p_fail_after = 0.15;
-    cfg.p_kill = 0.1;
-    cfg.p_duplicate = 0.1;
-    cfg.p_cancel = 0.15;
-    cfg.max_random_delay = 10ms;
-    cfg.drop_timeout = 50ms;
+    FaultConfig cfg = random_faults(0.15, 0.1, 0.15, 0.1, 0.1, 0.15, 10ms, 50ms);
     cfg.seed = 7;
     std::atomic<int> kills{0};
     auto e = rig.wrap(cfg, /*pause=*/0ms, [&] { kills.fetch_add(1); });
@@ -364,14 +373,7 @@ TEST(FaultWrapper, ConcurrentCallersWithRandomFaults) {
   l.num_pages = 64;
   auto local = KVCache::create_host(l);
   auto remote = KVCache::create_host(l);
-  FaultConfig cfg;
-  cfg.p_delay = 0.2;
-  cfg.p_drop = 0.05;
-  cfg.p_fail_after = 0.1;
-  cfg.p_duplicate = 0.1;
-  cfg.p_cancel = 0.1;
-  cfg.max_random_delay = 5ms;
-  cfg.drop_timeout = 30ms;
+  const FaultConfig cfg = random_faults(0.2, 0.05, 0.1, 0, 0.1, 0.1, 5ms, 30ms);
   FaultInjectingEngine e(std::make_unique<InProcessEngine>(local, remote), l, cfg);
   constexpr int kThreads = 4;
   std::atomic<int> unresolved{0}, corrupt{0}, ok{0};

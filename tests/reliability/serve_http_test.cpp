@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common/cli_process.hpp"
+#include "testkit/ports.hpp"
 
 namespace {
 
@@ -44,23 +45,7 @@ int random_port() {
   return 24000 + static_cast<int>(rd() % 4000) * 2;  // even; +1 would be a data port
 }
 
-int connect_to(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<std::uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  timeval tv{5, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  const int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
-}
+int connect_to(int port) { return mstar::kv::testkit::connect_loopback(port); }
 
 struct Reply {
   int status = -1;  // -1: closed (or timed out) before a status line

@@ -41,17 +41,8 @@ constexpr int kDefaultHttpPort = 23480;  // `mstar-kv serve` without --listen
 
 // One HTTP/1.0 request to 127.0.0.1:port; the status code and body.
 std::pair<int, std::string> http(int port, const std::string& method, const std::string& path) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<std::uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  timeval tv{5, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    ::close(fd);
-    return {-1, ""};
-  }
+  const int fd = mstar::kv::testkit::connect_loopback(port);
+  if (fd < 0) return {-1, ""};
   const std::string req = method + " " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n";
   ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
   std::string resp;

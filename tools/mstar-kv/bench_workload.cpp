@@ -244,16 +244,16 @@ std::vector<EngineVariant> engine_variants(const std::vector<EngineTraits>& engi
   for (const EngineTraits& e : engines) {
     if (!e.built) continue;
     for (const LoopbackSetup& setup : e.loopback) {
-      EngineVariant v;
-      v.name = setup.name;
-      v.engine = e.name;
-      v.remote_kind = e.memory;
-      v.local_kind = e.reader_memory;
-      v.remote_in_child = e.crosses_processes;
-      v.crosses_hosts = e.crosses_hosts;
-      v.over_tcp = setup.over_tcp;
-      v.env = setup.env;
-      out.push_back(v);
+      out.push_back({.name = setup.name,
+                     .engine = e.name,
+                     .remote_kind = e.memory,
+                     .local_kind = e.reader_memory,
+                     .remote_in_child = e.crosses_processes,
+                     .env = setup.env,
+                     .extra = {},
+                     .memcpy_baseline = true,
+                     .crosses_hosts = e.crosses_hosts,
+                     .over_tcp = setup.over_tcp});
     }
   }
   return out;

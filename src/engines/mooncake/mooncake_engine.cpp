@@ -76,31 +76,13 @@ MooncakeOptions MooncakeOptions::parse(const EngineOptions& options, bool shared
 }
 
 KVTransferInfo MooncakeKVTransferInfo::encode() const {
-  rma::RmaRegionInfo r;
-  r.entity_id = entity_id;
-  r.session_id = session_id;
-  r.data_ptr = data_ptr;
-  r.size = size;
-  r.layout = layout;
-  r.generation = generation;
-  r.backend_blob = mooncake::encode_blob({identity_ptr, epochs_ptr});
-  return KVTransferInfo{kEngineName, r.encode()};
+  return KVTransferInfo{
+      kEngineName, rma::region_of(*this, mooncake::encode_blob({identity_ptr, epochs_ptr})).encode()};
 }
 
 MooncakeKVTransferInfo MooncakeKVTransferInfo::decode(const KVTransferInfo& info) {
-  if (info.engine != kEngineName) {
-    throw Error(StatusCode::kInvalidArgument,
-                "descriptor of engine '" + info.engine + "' is not a Mooncake descriptor");
-  }
-  const rma::RmaRegionInfo r = rma::RmaRegionInfo::decode(info.payload);
   MooncakeKVTransferInfo out;
-  out.entity_id = r.entity_id;
-  out.session_id = r.session_id;
-  out.data_ptr = r.data_ptr;
-  out.layout = r.layout;
-  out.size = r.size;
-  out.generation = r.generation;
-  const auto blob = mooncake::decode_blob(r.backend_blob);
+  const auto blob = mooncake::decode_blob(rma::decode_region(info, kEngineName, "Mooncake", out));
   out.identity_ptr = blob.identity_ptr;
   out.epochs_ptr = blob.epochs_ptr;
   if (out.epochs_ptr + std::uint64_t{out.layout.num_pages} * 8 < out.epochs_ptr) {

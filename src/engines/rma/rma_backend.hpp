@@ -32,6 +32,7 @@
 #include <string_view>
 #include <vector>
 
+#include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/layout.hpp"
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/readiness.hpp"
@@ -67,6 +68,35 @@ struct RmaRegionInfo {
 
   bool operator==(const RmaRegionInfo&) const = default;
 };
+
+// An engine's typed descriptor (UcxKVTransferInfo, MooncakeKVTransferInfo:
+// entity_id, session_id, data_ptr, size, layout, generation) to and from the
+// region fields; the backend's own part travels in backend_blob.
+template <typename Typed>
+RmaRegionInfo region_of(const Typed& d, std::vector<std::uint8_t> backend_blob) {
+  return RmaRegionInfo{d.entity_id, d.session_id, d.data_ptr,  d.size,
+                       d.layout,    d.generation, std::move(backend_blob)};
+}
+// Decodes `info` as `engine`'s descriptor into `out`'s region fields and
+// returns the backend blob. Throws Error(kInvalidArgument) for another
+// engine's descriptor ("... is not a <display> descriptor"),
+// Error(kCorruptDescriptor) as RmaRegionInfo::decode.
+template <typename Typed>
+std::vector<std::uint8_t> decode_region(const KVTransferInfo& info, const std::string& engine,
+                                        const std::string& display, Typed& out) {
+  if (info.engine != engine) {
+    throw Error(StatusCode::kInvalidArgument, "descriptor of engine '" + info.engine +
+                                                  "' is not a " + display + " descriptor");
+  }
+  RmaRegionInfo r = RmaRegionInfo::decode(info.payload);
+  out.entity_id = std::move(r.entity_id);
+  out.session_id = std::move(r.session_id);
+  out.data_ptr = r.data_ptr;
+  out.size = r.size;
+  out.layout = r.layout;
+  out.generation = r.generation;
+  return std::move(r.backend_blob);
+}
 
 // Compares what a descriptor claims (`claimed`) with what the peer serves now
 // (`served`, learned from the peer itself) and throws, before any read is

@@ -24,32 +24,13 @@ std::unique_ptr<KVTransferEngine> make_ucx_engine(std::shared_ptr<KVCache> cache
 }  // namespace engines
 
 UcxKVTransferInfo UcxKVTransferInfo::decode(const KVTransferInfo& info) {
-  if (info.engine != "ucx") {
-    throw Error(StatusCode::kInvalidArgument,
-                "descriptor of engine '" + info.engine + "' is not a ucx descriptor");
-  }
-  const rma::RmaRegionInfo r = rma::RmaRegionInfo::decode(info.payload);
   UcxKVTransferInfo u;
-  u.entity_id = r.entity_id;
-  u.session_id = r.session_id;
-  u.data_ptr = r.data_ptr;
-  u.size = r.size;
-  u.layout = r.layout;
-  u.generation = r.generation;
-  u.rkey = r.backend_blob;
+  u.rkey = rma::decode_region(info, "ucx", "ucx", u);
   return u;
 }
 
 KVTransferInfo UcxKVTransferInfo::encode() const {
-  rma::RmaRegionInfo r;
-  r.entity_id = entity_id;
-  r.session_id = session_id;
-  r.data_ptr = data_ptr;
-  r.size = size;
-  r.layout = layout;
-  r.generation = generation;
-  r.backend_blob = rkey;
-  return KVTransferInfo{"ucx", r.encode()};
+  return KVTransferInfo{"ucx", rma::region_of(*this, rkey).encode()};
 }
 
 }  // namespace mstar::kv

@@ -17,24 +17,34 @@
 #include "engine_suite.hpp"
 #include "mstar/kv/kv.hpp"
 
-namespace mstar::kv {
+namespace mstar::kv::testing {
 namespace {
 
 using namespace std::chrono_literals;
-using testing::kSeed;
-using testing::kSentinel;
-using testing::PeerProcess;
-using testing::small_layout;
 
-class Conformance : public testing::EngineSuite {};
+class Conformance : public EngineSuite {
+ protected:
+  // The common start of a case: a peer publishing `tokens` tokens of
+  // `layout`, a reader's cache of the same layout and its manager.
+  struct Pull {
+    KVLayout layout;
+    std::unique_ptr<PeerProcess> peer;
+    std::shared_ptr<KVCache> cache;
+    std::unique_ptr<KVTransferManager> m;
+  };
+  Pull pull_setup(const KVLayout& layout, std::uint64_t tokens,
+                  std::chrono::milliseconds timeout = 5000ms) const {
+    auto peer = std::make_unique<PeerProcess>(peer_spec(layout, tokens));
+    auto cache = local_cache(layout);
+    auto m = manager(cache, timeout);
+    return {layout, std::move(peer), std::move(cache), std::move(m)};
+  }
+};
 
 TEST_P(Conformance, FullPullMovesEveryByte) {
   MSTAR_KV_NEED_REMOTE();
-  const KVLayout l = small_layout();
-  PeerProcess peer(peer_spec(l, 300));  // last page partial (300 = 18*16 + 12)
-  auto cache = local_cache(l);
-  auto m = manager(cache);
-  const auto& seq = peer.sequence();
+  auto [l, peer, cache, m] = pull_setup(small_layout(), 300);  // last page partial (300 = 18*16 + 12)
+  const auto& seq = peer->sequence();
   const auto lp = local_pages(seq.page_indices.size());
   const std::uint64_t bytes = m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices,
                                                seq.kv_transfer_info);
@@ -47,11 +57,8 @@ TEST_P(Conformance, FullPullMovesEveryByte) {
 
 TEST_P(Conformance, PrefixHitPullsOnlyTheTail) {
   MSTAR_KV_NEED_REMOTE();
-  const KVLayout l = small_layout();
-  PeerProcess peer(peer_spec(l, 256));
-  auto cache = local_cache(l);
-  auto m = manager(cache);
-  const auto& seq = peer.sequence();
+  auto [l, peer, cache, m] = pull_setup(small_layout(), 256);
+  const auto& seq = peer->sequence();
   const auto lp = local_pages(seq.page_indices.size());
   const std::uint64_t start = 197;  // inside page 12
   auto f = m->start_async_retrieve(start, seq.num_tokens, lp, seq.page_indices,
@@ -131,11 +138,8 @@ TEST_P(Conformance, AnotherEnginesDescriptorIsRefusedBeforeAnyByteMoves) {
 // descriptor, the layouts and the page tables, with the same errors.
 TEST_P(Conformance, EmptyRangeIsValidatedFirst) {
   MSTAR_KV_NEED_REMOTE();
-  const KVLayout l = small_layout();
-  PeerProcess peer(peer_spec(l, 64));
-  auto cache = local_cache(l);
-  auto m = manager(cache);
-  const auto& seq = peer.sequence();
+  auto [l, peer, cache, m] = pull_setup(small_layout(), 64);
+  const auto& seq = peer->sequence();
   const auto& good = seq.kv_transfer_info;
   auto code_of = [&](std::uint64_t at, std::span<const std::uint32_t> lp,
                      const KVTransferInfo& info, KVTransferManager& mgr) {
@@ -237,11 +241,8 @@ TEST_P(Conformance, OutOfRangeRemotePageIsRejectedBeforeAnyByteMoves) {
 
 TEST_P(Conformance, CorruptDescriptorIsRejectedBeforeAnyByteMoves) {
   MSTAR_KV_NEED_REMOTE();
-  const KVLayout l = small_layout();
-  PeerProcess peer(peer_spec(l, 64));
-  auto cache = local_cache(l);
-  auto m = manager(cache);
-  const auto& seq = peer.sequence();
+  auto [l, peer, cache, m] = pull_setup(small_layout(), 64);
+  const auto& seq = peer->sequence();
   // Truncated payloads and flipped bytes: every one is an Error thrown now
   // (or, where a flipped byte still decodes, a read that fails cleanly).
   const auto& good = seq.kv_transfer_info;
@@ -298,12 +299,8 @@ TEST_P(Conformance, DescriptorOfARestartedPeerIsRejected) {
 
 TEST_P(Conformance, PeerKilledDuringReadResolvesInBoundedTime) {
   MSTAR_KV_NEED_REMOTE();
-  KVLayout l = small_layout();
-  l.num_pages = 2048;  // 64 MiB
-  PeerProcess peer(peer_spec(l, 2048 * 16));
-  auto cache = local_cache(l);
-  auto m = manager(cache, 3000ms);
-  const auto& seq = peer.sequence();
+  auto [l, peer, cache, m] = pull_setup(small_layout(2048), 2048 * 16, 3000ms);  // 64 MiB
+  const auto& seq = peer->sequence();
   std::vector<std::uint32_t> lp(seq.page_indices.size());
   for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>(i);
   const auto t0 = std::chrono::steady_clock::now();
@@ -313,7 +310,7 @@ TEST_P(Conformance, PeerKilledDuringReadResolvesInBoundedTime) {
   } catch (const Error& e) {
     FAIL() << e.what();
   }
-  peer.kill_now();
+  peer->kill_now();
   ASSERT_TRUE(f.has_value());
   ASSERT_TRUE(f->wait_for(15s)) << "no resolution 15 s after the peer died";
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
@@ -335,12 +332,8 @@ TEST_P(Conformance, PeerKilledDuringReadResolvesInBoundedTime) {
 
 TEST_P(Conformance, ShutdownResolvesEveryReadInFlight) {
   MSTAR_KV_NEED_REMOTE();
-  KVLayout l = small_layout();
-  l.num_pages = 1024;
-  PeerProcess peer(peer_spec(l, 1024 * 16));
-  auto cache = local_cache(l);
-  auto m = manager(cache, 20000ms);
-  const auto& seq = peer.sequence();
+  auto [l, peer, cache, m] = pull_setup(small_layout(1024), 1024 * 16, 20000ms);
+  const auto& seq = peer->sequence();
   std::vector<TransferFuture> futures;
   for (std::uint32_t part = 0; part < 4; ++part) {
     std::vector<std::uint32_t> lp(256);
@@ -390,10 +383,8 @@ struct LongRead {
 TEST_P(Conformance, CancelResolvesOnlyOnceNothingLandsAfter) {
   MSTAR_KV_NEED_REMOTE();
   const LongRead r;
-  PeerProcess peer(peer_spec(r.layout, 1024 * 16));
-  const auto& seq = peer.sequence();
-  auto cache = local_cache(r.layout);
-  auto m = manager(cache, 20000ms);
+  auto [l, peer, cache, m] = pull_setup(r.layout, 1024 * 16, 20000ms);
+  const auto& seq = peer->sequence();
   int cancelled = 0;
   for (int i = 0; i < 10; ++i) {
     auto f = m->start_async_retrieve(0, seq.num_tokens, r.local_pages, seq.page_indices,
@@ -419,10 +410,8 @@ TEST_P(Conformance, CancelResolvesOnlyOnceNothingLandsAfter) {
 TEST_P(Conformance, TimeoutResolvesOnlyOnceNothingLandsAfter) {
   MSTAR_KV_NEED_REMOTE();
   const LongRead r;
-  PeerProcess peer(peer_spec(r.layout, 1024 * 16));
-  const auto& seq = peer.sequence();
-  auto cache = local_cache(r.layout);
-  auto m = manager(cache, 1ms);
+  auto [l, peer, cache, m] = pull_setup(r.layout, 1024 * 16, 1ms);
+  const auto& seq = peer->sequence();
   int timeouts = 0;
   for (int i = 0; i < 20 && timeouts < 2; ++i) {
     testing::fill_bytes(*cache, kSentinel);
@@ -455,12 +444,8 @@ TEST_P(Conformance, TimeoutResolvesOnlyOnceNothingLandsAfter) {
 
 TEST_P(Conformance, ConcurrentPullsFromManyThreads) {
   MSTAR_KV_NEED_REMOTE();
-  KVLayout l = small_layout();
-  l.num_pages = 256;
-  PeerProcess peer(peer_spec(l, 256 * 16));
-  auto cache = local_cache(l);
-  auto m = manager(cache, 10000ms);
-  const auto& seq = peer.sequence();
+  auto [l, peer, cache, m] = pull_setup(small_layout(256), 256 * 16, 10000ms);
+  const auto& seq = peer->sequence();
   constexpr int kThreads = 4;
   constexpr std::uint32_t kPagesEach = 64;
   std::atomic<int> failures{0};
@@ -500,22 +485,10 @@ TEST_P(Conformance, ConcurrentPullsFromManyThreads) {
 // another page size, in-page order, cache order and head shard than the
 // owner's, byte-exact by the pattern (keyed by model head and token
 // position); bytes the read does not name keep the sentinel.
-KVLayout geometry(std::uint32_t page_size, std::uint32_t heads, std::uint32_t first,
-                  std::uint32_t total, PageOrder po, CacheOrder co, std::uint32_t pages) {
-  KVLayout l = small_layout(co, po);
-  l.num_pages = pages;
-  l.page_size = page_size;
-  l.num_kv_heads = heads;
-  l.first_kv_head = first;
-  l.total_kv_heads = total;
-  l.head_dim = 32;
-  return l;
-}
-
 TEST_P(Conformance, MixedGeometriesPullByteExact) {
   MSTAR_KV_NEED_REMOTE();
   // The owner: all 8 heads, 16-token HND pages, page-major.
-  const KVLayout owner = geometry(16, 8, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
+  const KVLayout owner = shard_layout(16, 8, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
   PeerProcess peer(peer_spec(owner, 300));
   const auto& seq = peer.sequence();
   struct Case {
@@ -525,11 +498,11 @@ TEST_P(Conformance, MixedGeometriesPullByteExact) {
   };
   const Case cases[] = {
       {"TP 1 -> 2, rank 1, 64-token NHD pages",
-       geometry(64, 4, 4, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 16), 0},
+       shard_layout(64, 4, 4, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 16), 0},
       {"TP 1 -> 8, rank 5, 24-token pages, prefix hit mid-page",
-       geometry(24, 1, 5, 8, PageOrder::kNHD, CacheOrder::kPageMajor, 20), 37},
+       shard_layout(24, 1, 5, 8, PageOrder::kNHD, CacheOrder::kPageMajor, 20), 37},
       {"all heads, 128-token HND pages",
-       geometry(128, 8, 0, 8, PageOrder::kHND, CacheOrder::kLayerMajor, 4), 0},
+       shard_layout(128, 8, 0, 8, PageOrder::kHND, CacheOrder::kLayerMajor, 4), 0},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
@@ -546,8 +519,8 @@ TEST_P(Conformance, MixedGeometriesPullByteExact) {
   }
   // A shard that does not hold the local heads is refused before any byte moves.
   {
-    const KVLayout l = geometry(16, 4, 4, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 32);
-    const KVLayout half = geometry(16, 4, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
+    const KVLayout l = shard_layout(16, 4, 4, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 32);
+    const KVLayout half = shard_layout(16, 4, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
     PeerProcess low(peer_spec(half, 100));
     auto cache = local_cache(l);
     auto m = manager(cache);
@@ -569,11 +542,11 @@ TEST_P(Conformance, MixedGeometriesPullByteExact) {
 // heads in its own page size; one future for the whole.
 TEST_P(Conformance, TensorParallelMergeFromTwoPeers) {
   MSTAR_KV_NEED_REMOTE();
-  const KVLayout r0 = geometry(16, 4, 0, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 64);
-  const KVLayout r1 = geometry(32, 4, 4, 8, PageOrder::kHND, CacheOrder::kPageMajor, 32);
+  const KVLayout r0 = shard_layout(16, 4, 0, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 64);
+  const KVLayout r1 = shard_layout(32, 4, 4, 8, PageOrder::kHND, CacheOrder::kPageMajor, 32);
   PeerProcess p0(peer_spec(r0, 200));
   PeerProcess p1(peer_spec(r1, 200));
-  const KVLayout l = geometry(64, 8, 0, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 16);
+  const KVLayout l = shard_layout(64, 8, 0, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 16);
   auto cache = local_cache(l);
   auto m = manager(cache);
   const std::vector<std::uint32_t> lp{9, 2, 14, 5};
@@ -599,10 +572,10 @@ TEST_P(Conformance, TensorParallelMergeFromTwoPeers) {
   expect_only_named_bytes_written(*cache, r0, {});
 }
 
-INSTANTIATE_TEST_SUITE_P(Engines, Conformance, ::testing::ValuesIn(testing::engine_cases()),
-                         [](const ::testing::TestParamInfo<testing::EngineCase>& p) {
+INSTANTIATE_TEST_SUITE_P(Engines, Conformance, ::testing::ValuesIn(engine_cases()),
+                         [](const ::testing::TestParamInfo<EngineCase>& p) {
                            return p.param.label;
                          });
 
 }  // namespace
-}  // namespace mstar::kv
+}  // namespace mstar::kv::testing

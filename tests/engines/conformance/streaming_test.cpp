@@ -16,14 +16,10 @@
 #include "engine_suite.hpp"
 #include "mstar/kv/kv.hpp"
 
-namespace mstar::kv {
+namespace mstar::kv::testing {
 namespace {
 
 using namespace std::chrono_literals;
-using testing::kSeed;
-using testing::kSentinel;
-using testing::PeerProcess;
-using testing::small_layout;
 
 std::int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -31,7 +27,7 @@ std::int64_t now_ns() {
       .count();
 }
 
-class Streaming : public testing::EngineSuite {
+class Streaming : public EngineSuite {
  protected:
   void need_readiness() {
     if (!remote_reads()) GTEST_SKIP() << "the local engine reads no remote cache";
@@ -67,6 +63,27 @@ class Streaming : public testing::EngineSuite {
     }
     return true;
   }
+  // The common start of a case: a slow owner of small_layout() streaming
+  // `tokens` tokens ("stream <ms> <layers>"), the reader's cache and manager,
+  // and a stream over all of it (lp: the local pages).
+  void stream_from_owner(int ms, int layers, std::uint64_t tokens = 64,
+                         std::chrono::milliseconds timeout = 5000ms) {
+    owner_ = std::make_unique<PeerProcess>(peer_spec(l_, tokens));
+    cache_ = local_cache(l_);
+    m_ = manager(cache_, timeout);
+    seq_ = start_owner_stream(*owner_, ms, layers);
+    lp_ = local_pages(seq_.page_indices.size());
+    s_ = m_->start_streaming_retrieve(0, tokens, lp_, seq_.page_indices, seq_.kv_transfer_info);
+    ASSERT_TRUE(s_.has_value());
+  }
+  const KVLayout l_ = small_layout();
+  std::unique_ptr<PeerProcess> owner_;
+  std::shared_ptr<KVCache> cache_;
+  std::unique_ptr<KVTransferManager> m_;
+  SequenceInfo seq_;
+  std::vector<std::uint32_t> lp_;
+  std::optional<LayerStream> s_;
+
   // Reads "MARKED <layer> <ns>" lines (skipping others) until `count` seen.
   static std::vector<std::int64_t> read_marks(PeerProcess& peer, std::uint32_t count) {
     std::vector<std::int64_t> t(count, 0);
@@ -199,17 +216,8 @@ TEST_P(Streaming, AnotherGeometryStreamsLikeAPull) {
   if (IsSkipped()) return;
   // The owner: 8 heads, 16-token HND pages, page-major; the reader: tensor
   // parallel rank 1 of 2 (heads 4..7), 64-token NHD pages, layer-major.
-  KVLayout owner = small_layout(CacheOrder::kPageMajor, PageOrder::kHND);
-  owner.num_kv_heads = 8;
-  owner.total_kv_heads = 8;
-  owner.head_dim = 32;
-  KVLayout local = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
-  local.num_pages = 16;
-  local.page_size = 64;
-  local.num_kv_heads = 4;
-  local.first_kv_head = 4;
-  local.total_kv_heads = 8;
-  local.head_dim = 32;
+  const KVLayout owner = shard_layout(16, 8, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
+  const KVLayout local = shard_layout(64, 4, 4, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 16);
   PeerProcess peer(peer_spec(owner, 300));
   auto cache = local_cache(local);
   auto m = manager(cache);
@@ -271,148 +279,106 @@ TEST_P(Streaming, ALayerNeverMarkedTimesOut) {
 TEST_P(Streaming, CancelMidStreamStopsIssuingAndResolvesOnceNothingIsInFlight) {
   need_readiness();
   if (IsSkipped()) return;
-  const KVLayout l = small_layout();
-  PeerProcess peer(peer_spec(l, 128));
-  auto cache = local_cache(l);
-  auto m = manager(cache);
-  const SequenceInfo seq = start_owner_stream(peer, 300, 4);
-  const auto lp = local_pages(seq.page_indices.size());
-  auto s = m->start_streaming_retrieve(0, 128, lp, seq.page_indices, seq.kv_transfer_info);
-  ASSERT_TRUE(s.has_value());
-  ASSERT_TRUE(s->wait_for_layer(0, 10s).is_ok());
+  stream_from_owner(300, 4, 128);
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(s_->wait_for_layer(0, 10s).is_ok());
   const auto t0 = std::chrono::steady_clock::now();
-  s->cancel();
-  ASSERT_TRUE(s->future().wait_for(2s));
+  s_->cancel();
+  ASSERT_TRUE(s_->future().wait_for(2s));
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 250ms);
-  EXPECT_EQ(s->future().status().code(), StatusCode::kCancelled) << s->future().status().to_string();
-  EXPECT_EQ(s->wait_for_layer(1, 0s).code(), StatusCode::kCancelled);
-  // The owner goes on marking; nothing more lands here.
-  read_marks(peer, 4);
+  EXPECT_EQ(s_->future().status().code(), StatusCode::kCancelled) << s_->future().status().to_string();
+  EXPECT_EQ(s_->wait_for_layer(1, 0s).code(), StatusCode::kCancelled);
+  // The owner_ goes on marking; nothing more lands here.
+  read_marks(*owner_, 4);
   for (std::uint32_t layer = 1; layer < 4; ++layer) {
-    EXPECT_TRUE(layer_untouched(*cache, layer, lp)) << "layer " << layer << " after cancel";
+    EXPECT_TRUE(layer_untouched(*cache_, layer, lp_)) << "layer " << layer << " after cancel";
   }
 }
 
 TEST_P(Streaming, CancellingTheFutureCancelsTheStream) {
   need_readiness();
   if (IsSkipped()) return;
-  const KVLayout l = small_layout();
-  PeerProcess peer(peer_spec(l, 64));
-  auto cache = local_cache(l);
-  auto m = manager(cache);
-  const SequenceInfo seq = start_owner_stream(peer, 0, 0);
-  auto s = m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices,
-                                       seq.kv_transfer_info);
-  ASSERT_TRUE(s.has_value());
-  s->future().cancel();
-  ASSERT_TRUE(s->future().wait_for(2s));
-  EXPECT_EQ(s->future().status().code(), StatusCode::kCancelled);
+  stream_from_owner(0, 0);
+  if (HasFatalFailure()) return;
+  s_->future().cancel();
+  ASSERT_TRUE(s_->future().wait_for(2s));
+  EXPECT_EQ(s_->future().status().code(), StatusCode::kCancelled);
 }
 
 TEST_P(Streaming, ReadinessBeyondTheLayerCountIsRejected) {
   need_readiness();
   if (IsSkipped()) return;
-  const KVLayout l = small_layout();
-  PeerProcess peer(peer_spec(l, 64));
-  auto cache = local_cache(l);
-  auto m = manager(cache);
-  const SequenceInfo seq = start_owner_stream(peer, 0, 0);
-  const auto lp = local_pages(seq.page_indices.size());
-  auto s = m->start_streaming_retrieve(0, 64, lp, seq.page_indices, seq.kv_transfer_info);
-  ASSERT_TRUE(s.has_value());
-  peer.send("rawready 9");
-  ASSERT_TRUE(s->future().wait_for(5s));
-  const Status st = s->future().status();
+  stream_from_owner(0, 0);
+  if (HasFatalFailure()) return;
+  owner_->send("rawready 9");
+  ASSERT_TRUE(s_->future().wait_for(5s));
+  const Status st = s_->future().status();
   EXPECT_EQ(st.code(), StatusCode::kCorruptDescriptor) << st.to_string();
   EXPECT_NE(st.message().find("says 9 layers"), std::string::npos) << st.message();
   EXPECT_NE(st.message().find("4 layers"), std::string::npos) << st.message();
-  for (std::uint32_t layer = 0; layer < 4; ++layer) EXPECT_TRUE(layer_untouched(*cache, layer, lp));
+  for (std::uint32_t layer = 0; layer < 4; ++layer) EXPECT_TRUE(layer_untouched(*cache_, layer, lp_));
 }
 
 TEST_P(Streaming, ReadinessGoingBackwardsIsRejected) {
   need_readiness();
   if (IsSkipped()) return;
-  const KVLayout l = small_layout();
-  PeerProcess peer(peer_spec(l, 64));
-  auto cache = local_cache(l);
-  auto m = manager(cache);
-  const SequenceInfo seq = start_owner_stream(peer, 0, 2);
-  const auto lp = local_pages(seq.page_indices.size());
-  auto s = m->start_streaming_retrieve(0, 64, lp, seq.page_indices, seq.kv_transfer_info);
-  ASSERT_TRUE(s.has_value());
-  ASSERT_TRUE(s->wait_for_layer(1, 10s).is_ok());
-  read_marks(peer, 2);
-  peer.send("rawready 1");
-  ASSERT_TRUE(s->future().wait_for(5s));
-  const Status st = s->future().status();
+  stream_from_owner(0, 2);
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(s_->wait_for_layer(1, 10s).is_ok());
+  read_marks(*owner_, 2);
+  owner_->send("rawready 1");
+  ASSERT_TRUE(s_->future().wait_for(5s));
+  const Status st = s_->future().status();
   EXPECT_EQ(st.code(), StatusCode::kCorruptDescriptor) << st.to_string();
   EXPECT_NE(st.message().find("went backwards: 1 layers ready, 2 were ready before"),
             std::string::npos)
       << st.message();
-  EXPECT_TRUE(layer_untouched(*cache, 2, lp));
+  EXPECT_TRUE(layer_untouched(*cache_, 2, lp_));
 }
 
 TEST_P(Streaming, ANewGenerationOfThePagesIsRejected) {
   need_readiness();
   if (IsSkipped()) return;
-  const KVLayout l = small_layout();
-  PeerProcess peer(peer_spec(l, 64));
-  auto cache = local_cache(l);
-  auto m = manager(cache);
-  const SequenceInfo seq = start_owner_stream(peer, 0, 1);
-  const auto lp = local_pages(seq.page_indices.size());
-  auto s = m->start_streaming_retrieve(0, 64, lp, seq.page_indices, seq.kv_transfer_info);
-  ASSERT_TRUE(s.has_value());
-  ASSERT_TRUE(s->wait_for_layer(0, 10s).is_ok());
-  read_marks(peer, 1);
-  peer.send("reuse");  // same pages, new epoch, every layer "ready"
-  const SequenceInfo next = peer.read_sequence();
-  EXPECT_EQ(next.page_indices, seq.page_indices);
-  ASSERT_TRUE(s->future().wait_for(5s));
-  const Status st = s->future().status();
+  stream_from_owner(0, 1);
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(s_->wait_for_layer(0, 10s).is_ok());
+  read_marks(*owner_, 1);
+  owner_->send("reuse");  // same pages, new epoch, every layer "ready"
+  const SequenceInfo next = owner_->read_sequence();
+  EXPECT_EQ(next.page_indices, seq_.page_indices);
+  ASSERT_TRUE(s_->future().wait_for(5s));
+  const Status st = s_->future().status();
   EXPECT_EQ(st.code(), StatusCode::kStaleDescriptor) << st.to_string();
-  for (std::uint32_t layer = 1; layer < 4; ++layer) EXPECT_TRUE(layer_untouched(*cache, layer, lp));
+  for (std::uint32_t layer = 1; layer < 4; ++layer) EXPECT_TRUE(layer_untouched(*cache_, layer, lp_));
 }
 
 TEST_P(Streaming, AnOwnerThatDiesMidStreamFailsTheStreamWithinTheTimeout) {
   need_readiness();
   if (IsSkipped()) return;
-  const KVLayout l = small_layout();
-  PeerProcess peer(peer_spec(l, 64));
-  auto cache = local_cache(l);
-  auto m = manager(cache, 5000ms);
-  const SequenceInfo seq = start_owner_stream(peer, 100, 4);
-  const auto lp = local_pages(seq.page_indices.size());
-  auto s = m->start_streaming_retrieve(0, 64, lp, seq.page_indices, seq.kv_transfer_info);
-  ASSERT_TRUE(s.has_value());
-  ASSERT_TRUE(s->wait_for_layer(0, 10s).is_ok());
-  peer.kill_now();
+  stream_from_owner(100, 4);
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(s_->wait_for_layer(0, 10s).is_ok());
+  owner_->kill_now();
   const auto t0 = std::chrono::steady_clock::now();
-  ASSERT_TRUE(s->future().wait_for(10s));
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s) << "the owner's death went unseen";
-  const Status st = s->future().status();
+  ASSERT_TRUE(s_->future().wait_for(10s));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s) << "the owner_'s_ death went unseen";
+  const Status st = s_->future().status();
   EXPECT_EQ(st.code(), owner_gone()) << st.to_string();
-  EXPECT_TRUE(layer_untouched(*cache, 2, lp));
-  EXPECT_TRUE(layer_untouched(*cache, 3, lp));
+  EXPECT_TRUE(layer_untouched(*cache_, 2, lp_));
+  EXPECT_TRUE(layer_untouched(*cache_, 3, lp_));
 }
 
 TEST_P(Streaming, ShutdownResolvesAStreamWaitingForTheOwner) {
   need_readiness();
   if (IsSkipped()) return;
-  const KVLayout l = small_layout();
-  PeerProcess peer(peer_spec(l, 64));
-  auto cache = local_cache(l);
-  auto m = manager(cache);
-  const SequenceInfo seq = start_owner_stream(peer, 0, 1);
-  auto s = m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices,
-                                       seq.kv_transfer_info);
-  ASSERT_TRUE(s.has_value());
-  ASSERT_TRUE(s->wait_for_layer(0, 10s).is_ok());
-  m->cleanup();
-  ASSERT_TRUE(s->future().ready());
-  EXPECT_EQ(s->future().status().code(), StatusCode::kShutdown);
+  stream_from_owner(0, 1);
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(s_->wait_for_layer(0, 10s).is_ok());
+  m_->cleanup();
+  ASSERT_TRUE(s_->future().ready());
+  EXPECT_EQ(s_->future().status().code(), StatusCode::kShutdown);
   try {
-    m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices, seq.kv_transfer_info);
+    m_->start_streaming_retrieve(0, 64, local_pages(4), seq_.page_indices, seq_.kv_transfer_info);
     FAIL() << "a stream after cleanup was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kShutdown) << e.what();
@@ -467,10 +433,10 @@ TEST_P(Streaming, BadArgumentsAreRejectedBeforeAnyByteMoves) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Engines, Streaming, ::testing::ValuesIn(testing::engine_cases()),
-                         [](const ::testing::TestParamInfo<testing::EngineCase>& p) {
+INSTANTIATE_TEST_SUITE_P(Engines, Streaming, ::testing::ValuesIn(engine_cases()),
+                         [](const ::testing::TestParamInfo<EngineCase>& p) {
                            return p.param.label;
                          });
 
 }  // namespace
-}  // namespace mstar::kv
+}  // namespace mstar::kv::testing

@@ -117,66 +117,31 @@ TEST_F(CudaIpcEngine, DescriptorDescribesTheAllocation) {
   EXPECT_TRUE(std::all_of(b, b + l.total_bytes(), [](std::uint8_t x) { return x == 0; }));
 }
 
-TEST_F(CudaIpcEngine, FullPullMovesEveryByte) {
+// Byte-exact pulls are the conformance suite's; here, that one IPC handle
+// is opened per owner, reused by the next read and closed at shutdown.
+TEST_F(CudaIpcEngine, OneHandlePerOwnerReusedAndClosedAtShutdown) {
   const KVLayout l = small_layout();
-  OwnerProcess owner(spec(l, 300));  // last page partial (300 = 18*16 + 12)
+  OwnerProcess owner(spec(l, 300));
   auto cache = local_cache(l);
   auto m = manager(cache);
   const auto& seq = owner.sequence();
   ASSERT_EQ(seq.kv_transfer_info.engine, "cuda_ipc");
   const auto lp = local_pages(seq.page_indices.size());
-  const std::uint64_t bytes =
-      m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
-  EXPECT_EQ(bytes, 300u * l.token_bytes() * 2 * l.num_layers);
-  auto v = testing::verify_pattern_any(*cache, kSeed, lp, 0, seq.num_tokens);
-  EXPECT_TRUE(v.ok()) << v.first_mismatch;
-  expect_only_named_bytes_written(*cache, l,
-                                  plan_reads(l, 0, seq.num_tokens, lp, seq.page_indices));
-  // One handle, opened once, reused by a second read.
   auto& engine = dynamic_cast<CudaIpcKVTransferEngine&>(m->engine());
-  EXPECT_EQ(engine.open_handles(), 1u);
-  m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
-  EXPECT_EQ(engine.open_handles(), 1u);
+  for (int i = 0; i < 2; ++i) {
+    m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
+    EXPECT_EQ(engine.open_handles(), 1u);
+  }
   m->cleanup();
   EXPECT_EQ(engine.open_handles(), 0u);
 }
 
-TEST_F(CudaIpcEngine, PrefixHitPullsOnlyTheTail) {
-  const KVLayout l = small_layout();
-  OwnerProcess owner(spec(l, 256));
-  auto cache = local_cache(l);
-  auto m = manager(cache);
-  const auto& seq = owner.sequence();
-  const auto lp = local_pages(seq.page_indices.size());
-  const std::uint64_t start = 197;  // inside page 12
-  auto f = m->start_async_retrieve(start, seq.num_tokens, lp, seq.page_indices,
-                                   seq.kv_transfer_info);
-  ASSERT_TRUE(f.has_value());
-  EXPECT_EQ(f->get(), (256u - start) * l.token_bytes() * 2 * l.num_layers);
-  auto v = testing::verify_pattern_any(*cache, kSeed, lp, start, seq.num_tokens);
-  EXPECT_TRUE(v.ok()) << v.first_mismatch;
-  expect_only_named_bytes_written(*cache, l,
-                                  plan_reads(l, start, seq.num_tokens, lp, seq.page_indices));
-}
-
-TEST_F(CudaIpcEngine, PartialPagesAndOrdersThatDiffer) {
+// Other orders are the conformance suite's; here, one partial page read
+// through the engine directly: tokens [3, 11) of one page, every layer.
+TEST_F(CudaIpcEngine, APartialPageThroughTheEngineDirectly) {
   const KVLayout remote = small_layout(CacheOrder::kPageMajor, PageOrder::kHND);
   OwnerProcess owner(spec(remote, 90));
   const auto& seq = owner.sequence();
-  for (auto [co, po] : {std::pair{CacheOrder::kLayerMajor, PageOrder::kNHD},
-                        std::pair{CacheOrder::kPageMajor, PageOrder::kHND},
-                        std::pair{CacheOrder::kLayerMajor, PageOrder::kHND}}) {
-    const KVLayout l = small_layout(co, po);
-    auto cache = local_cache(l);
-    auto m = manager(cache);
-    const auto lp = local_pages(seq.page_indices.size());
-    m->sync_retrieve(5, 90, lp, seq.page_indices, seq.kv_transfer_info);  // both ends partial
-    auto v = testing::verify_pattern_any(*cache, kSeed, lp, 5, 90);
-    EXPECT_TRUE(v.ok()) << l.to_string() << ": " << v.first_mismatch;
-    expect_only_named_bytes_written(*cache, remote, plan_reads(l, 5, 90, lp, seq.page_indices));
-  }
-  // A single partial page through the engine directly: tokens [3, 11) of
-  // one page, every layer.
   const KVLayout l = small_layout();
   auto cache = local_cache(l);
   CudaIpcKVTransferEngine engine(cache, 2u);

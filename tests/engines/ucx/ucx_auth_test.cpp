@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "common/layouts.hpp"
 #include "mstar/kv/kv.hpp"
 #include "ucx/ucx_wire.hpp"
 
@@ -157,12 +158,7 @@ class UcxAuth : public ::testing::Test {
     if (std::find(b.begin(), b.end(), "ucx") == b.end()) GTEST_SKIP() << "ucx engine not built";
     ::setenv("UCX_TLS", "tcp", 1);
     ::setenv("UCX_NET_DEVICES", "lo", 1);
-    KVLayout l;
-    l.num_layers = 2;
-    l.num_pages = 8;
-    l.page_size = 16;
-    l.num_kv_heads = 1;
-    l.head_dim = 64;
+    const KVLayout l = testing::make_layout(2, 8, 16, 1, 64);
     cache_ = make_kv_cache(l, MemoryKind::kHost);
     std::memset(cache_->base(), 0x3c, cache_->size_bytes());
     EngineOptions o;
