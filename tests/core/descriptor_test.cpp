@@ -6,6 +6,7 @@
 #include "core/codec.hpp"
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/status.hpp"
+#include "common/expect_error.hpp"
 #include "common/layouts.hpp"
 
 namespace mstar::kv {
@@ -22,13 +23,8 @@ SequenceInfo sample() {
 }
 
 void expect_corrupt(std::span<const std::uint8_t> bytes, const std::string& needle) {
-  try {
-    SequenceInfo::decode(bytes);
-    FAIL() << "expected CorruptDescriptor containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kCorruptDescriptor) << e.what();
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
+  testing::expect_error([&] { SequenceInfo::decode(bytes); }, StatusCode::kCorruptDescriptor,
+                        {needle});
 }
 
 // Re-frames a hand-built payload with a valid checksum, to reach the checks
@@ -175,13 +171,8 @@ TEST(Descriptor, LayoutDecodingValidates) {
   codec::ByteWriter w2;
   w2.layout(l);
   codec::ByteReader r2(w2.data(), "test");
-  try {
-    r2.layout("layout");
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kCorruptDescriptor);
-    EXPECT_NE(std::string(e.what()).find("page_size 0 out of range"), std::string::npos);
-  }
+  testing::expect_error([&] { r2.layout("layout"); }, StatusCode::kCorruptDescriptor,
+                        {"page_size 0 out of range"});
   auto raw = w.data();
   raw[20] = 9;  // dtype byte
   codec::ByteReader r3(raw, "test");

@@ -102,12 +102,17 @@ TEST(FaultWrapper, DelayIssuesTheBatchLater) {
   EXPECT_EQ(e->counters().delayed, 1u);
 }
 
-TEST(FaultWrapper, DroppedBatchTimesOutAndWritesNothing) {
-  Rig rig;
+// Every batch dropped: its future fails kTimeout after `timeout`.
+FaultConfig dropping(std::chrono::milliseconds timeout) {
   FaultConfig cfg;
   cfg.drop = true;
-  cfg.drop_timeout = 300ms;
-  auto e = rig.wrap(cfg);
+  cfg.drop_timeout = timeout;
+  return cfg;
+}
+
+TEST(FaultWrapper, DroppedBatchTimesOutAndWritesNothing) {
+  Rig rig;
+  auto e = rig.wrap(dropping(300ms));
   ReadChecker check(*rig.local, rig.layout, rig.reads);
   auto f = e->read_batched_async(rig.info, rig.reads);
   ASSERT_TRUE(f);
@@ -121,10 +126,7 @@ TEST(FaultWrapper, DroppedBatchTimesOutAndWritesNothing) {
 
 TEST(FaultWrapper, DroppedBatchResolvesEarlyWhenCancelled) {
   Rig rig;
-  FaultConfig cfg;
-  cfg.drop = true;
-  cfg.drop_timeout = 20s;
-  auto e = rig.wrap(cfg);
+  auto e = rig.wrap(dropping(20s));
   auto f = e->read_batched_async(rig.info, rig.reads);
   ASSERT_TRUE(f);
   f->cancel();
@@ -288,10 +290,7 @@ TEST(FaultWrapper, ShutdownResolvesEveryBatchAndRejectsLaterReads) {
   cfg.delay = 20s;
   e->set_config(cfg);
   futures.push_back(*e->read_batched_async(rig.info, rig.reads));  // waits to be issued
-  cfg = {};
-  cfg.drop = true;
-  cfg.drop_timeout = 20s;
-  e->set_config(cfg);
+  e->set_config(dropping(20s));
   futures.push_back(*e->read_batched_async(rig.info, rig.reads));  // dropped
   e->set_config({});
   futures.push_back(*e->read_batched_async(rig.info, rig.reads));  // in flight, slow

@@ -20,11 +20,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr std::uint64_t kSeed = 0x5eed0015;
 
-// Both processes read the same CLOCK_MONOTONIC (steady_clock on Linux).
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
-      .count();
-}
 
 std::vector<std::uint8_t> pack(std::int64_t a, std::int64_t b) {
   std::vector<std::uint8_t> v(16);

@@ -20,9 +20,17 @@
 namespace mstar::kv::cli::demo {
 
 // Throws Error(kUnavailable) naming `engine` when its readers cannot see the
-// owner's layer readiness (only shm streams yet): the one place the CLI's
+// owner's layer readiness (the engine traits' layer_readiness): the one place the CLI's
 // --layerwise checks it (demo, serve, pull), before anything starts.
 void require_layer_readiness(const std::string& engine);
+
+// CLOCK_MONOTONIC (steady_clock on Linux) in ns: the clock both processes
+// of a layer-wise run read.
+inline std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 // Rounds alternate: even rounds stream, odd ones pull after the prefill.
 inline bool streaming_round(std::uint32_t r) { return r % 2 == 0; }

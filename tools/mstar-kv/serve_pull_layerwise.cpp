@@ -12,13 +12,10 @@ namespace mstar::kv::cli {
 
 namespace {
 
+using demo::now_ns;
 using Clock = std::chrono::steady_clock;
 constexpr std::uint8_t kPoison = 0xA5;
 
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
-      .count();
-}
 
 void poison(const KVCache& cache, std::span<const std::uint32_t> pages) {
   const KVLayout& l = cache.layout();

@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "engine_suite.hpp"
+#include "common/expect_error.hpp"
 #include "mstar/kv/kv.hpp"
 
 namespace mstar::kv::testing {
@@ -186,15 +187,9 @@ TEST_P(Conformance, EmptyRangeIsValidatedFirst) {
   // The remote table too, where the engine can tell the remote layout.
   std::vector<std::uint32_t> remote = seq.page_indices;
   remote[2] = 64;
-  try {
-    m->start_async_retrieve(40, 40, local_pages(4), remote, good);
-    ADD_FAILURE() << "remote page 64 accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find("remote page 64 (table entry 2) out of range [0, 64)"),
-              std::string::npos)
-        << e.what();
-  }
+  testing::expect_error([&] { m->start_async_retrieve(40, 40, local_pages(4), remote, good); },
+                        StatusCode::kInvalidArgument,
+                        {"remote page 64 (table entry 2) out of range [0, 64)"});
   expect_only_named_bytes_written(*cache, l, {});
 }
 
@@ -206,13 +201,11 @@ TEST_P(Conformance, IncompatibleLayoutIsRejectedBeforeAnyByteMoves) {
   auto cache = local_cache(l);
   auto m = manager(cache);
   const auto& seq = peer.sequence();
-  try {
-    m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, seq.kv_transfer_info);
-    FAIL() << "expected IncompatibleLayout";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kIncompatibleLayout) << e.what();
-    EXPECT_NE(std::string(e.what()).find("head_dim"), std::string::npos) << e.what();
-  }
+  testing::expect_error(
+      [&] {
+        m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, seq.kv_transfer_info);
+      },
+      StatusCode::kIncompatibleLayout, {"head_dim"});
   expect_only_named_bytes_written(*cache, l, {});
 }
 
@@ -356,13 +349,12 @@ TEST_P(Conformance, ShutdownResolvesEveryReadInFlight) {
         << f.status().to_string();
   }
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
-  try {
-    m->start_async_retrieve(0, 16, std::vector<std::uint32_t>{0}, std::vector<std::uint32_t>{0},
-                            seq.kv_transfer_info);
-    FAIL() << "a read after shutdown was accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kShutdown) << e.what();
-  }
+  testing::expect_error(
+      [&] {
+        m->start_async_retrieve(0, 16, std::vector<std::uint32_t>{0}, std::vector<std::uint32_t>{0},
+                                seq.kv_transfer_info);
+      },
+      StatusCode::kShutdown);
   expect_quiet_after(*cache, futures.back());
   m->cleanup();  // idempotent
 }
@@ -524,16 +516,13 @@ TEST_P(Conformance, MixedGeometriesPullByteExact) {
     PeerProcess low(peer_spec(half, 100));
     auto cache = local_cache(l);
     auto m = manager(cache);
-    try {
-      const std::vector<std::uint32_t> lp{0, 1, 2, 3, 4, 5, 6};
-      m->start_async_retrieve(0, 100, lp, low.sequence().page_indices,
-                              low.sequence().kv_transfer_info);
-      ADD_FAILURE() << "heads 4-7 read from a cache holding 0-3";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), StatusCode::kIncompatibleLayout) << e.what();
-      EXPECT_NE(std::string(e.what()).find("holds KV heads [0, 4) of 8"), std::string::npos)
-          << e.what();
-    }
+    testing::expect_error(
+        [&] {
+          const std::vector<std::uint32_t> lp{0, 1, 2, 3, 4, 5, 6};
+          m->start_async_retrieve(0, 100, lp, low.sequence().page_indices,
+                                  low.sequence().kv_transfer_info);
+        },
+        StatusCode::kIncompatibleLayout, {"holds KV heads [0, 4) of 8"});
     expect_only_named_bytes_written(*cache, half, {});
   }
 }
@@ -560,15 +549,9 @@ TEST_P(Conformance, TensorParallelMergeFromTwoPeers) {
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
   // Without the second rank, heads 4-7 are held by nobody: refused.
   testing::fill_bytes(*cache, kSentinel);
-  try {
-    m->start_async_retrieve(0, 200, lp, std::span(shards).first(1));
-    ADD_FAILURE() << "half the heads accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kIncompatibleLayout) << e.what();
-    EXPECT_NE(std::string(e.what()).find("local KV heads [4, 8) of 8 are held by none"),
-              std::string::npos)
-        << e.what();
-  }
+  testing::expect_error([&] { m->start_async_retrieve(0, 200, lp, std::span(shards).first(1)); },
+                        StatusCode::kIncompatibleLayout,
+                        {"local KV heads [4, 8) of 8 are held by none"});
   expect_only_named_bytes_written(*cache, r0, {});
 }
 

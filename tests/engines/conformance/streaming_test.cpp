@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "engine_suite.hpp"
+#include "common/expect_error.hpp"
 #include "mstar/kv/kv.hpp"
 
 namespace mstar::kv::testing {
@@ -377,12 +378,12 @@ TEST_P(Streaming, ShutdownResolvesAStreamWaitingForTheOwner) {
   m_->cleanup();
   ASSERT_TRUE(s_->future().ready());
   EXPECT_EQ(s_->future().status().code(), StatusCode::kShutdown);
-  try {
-    m_->start_streaming_retrieve(0, 64, local_pages(4), seq_.page_indices, seq_.kv_transfer_info);
-    FAIL() << "a stream after cleanup was accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kShutdown) << e.what();
-  }
+  testing::expect_error(
+      [&] {
+        m_->start_streaming_retrieve(0, 64, local_pages(4), seq_.page_indices,
+                                     seq_.kv_transfer_info);
+      },
+      StatusCode::kShutdown);
 }
 
 TEST_P(Streaming, BadArgumentsAreRejectedBeforeAnyByteMoves) {

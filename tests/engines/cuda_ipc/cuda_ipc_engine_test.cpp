@@ -21,6 +21,7 @@
 #include "cuda_ipc_test_util.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
+#include "common/expect_error.hpp"
 #include "common/layouts.hpp"
 
 namespace mstar::kv {
@@ -205,27 +206,20 @@ TEST_F(CudaIpcEngine, BadReadsAreRejectedBeforeAnyByteMoves) {
     other.head_dim = 32;
     auto cache = local_cache(other);
     auto m = manager(cache);
-    try {
-      m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, seq.kv_transfer_info);
-      FAIL() << "expected IncompatibleLayout";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), StatusCode::kIncompatibleLayout) << e.what();
-    }
+    testing::expect_error(
+        [&] {
+          m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, seq.kv_transfer_info);
+        },
+        StatusCode::kIncompatibleLayout);
     expect_only_named_bytes_written(*cache, other, {});
   }
   auto cache = local_cache(l);
   auto m = manager(cache);
   auto remote = seq.page_indices;
   remote[2] = 64;
-  try {
-    m->start_async_retrieve(0, 64, local_pages(4), remote, seq.kv_transfer_info);
-    FAIL() << "expected InvalidArgument";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find("remote page 64 out of range [0, 64)"),
-              std::string::npos)
-        << e.what();
-  }
+  testing::expect_error(
+      [&] { m->start_async_retrieve(0, 64, local_pages(4), remote, seq.kv_transfer_info); },
+      StatusCode::kInvalidArgument, {"remote page 64 out of range [0, 64)"});
   const auto& good = seq.kv_transfer_info;
   for (std::size_t n = 0; n < good.payload.size(); n += 7) {
     KVTransferInfo bad = good;
@@ -242,12 +236,9 @@ TEST_F(CudaIpcEngine, BadReadsAreRejectedBeforeAnyByteMoves) {
   forged.cuda_share.allocation_bytes += std::uint64_t{1} << 40;
   forged.offset = static_cast<std::int64_t>((std::uint64_t{1} << 40) / l.element_size());
   forged.generation ^= 1;  // not the generation opened above
-  try {
-    m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, forged.encode());
-    FAIL() << "a view past the real allocation was accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kCorruptDescriptor) << e.what();
-  }
+  testing::expect_error(
+      [&] { m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, forged.encode()); },
+      StatusCode::kCorruptDescriptor);
   expect_only_named_bytes_written(*cache, l, {});
 }
 
@@ -271,12 +262,9 @@ TEST_F(CudaIpcEngine, StaleGenerationIsRefused) {
   EXPECT_EQ(engine.open_handles(), 1u) << "the replaced generation's handle stayed open";
 
   testing::fill_bytes(*cache, std::byte{kSentinel});
-  try {
-    m->start_async_retrieve(0, 64, lp, first.page_indices, first.kv_transfer_info);
-    FAIL() << "a replaced generation was read";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kStaleDescriptor) << e.what();
-  }
+  testing::expect_error(
+      [&] { m->start_async_retrieve(0, 64, lp, first.page_indices, first.kv_transfer_info); },
+      StatusCode::kStaleDescriptor);
   expect_only_named_bytes_written(*cache, l, {});
 }
 
@@ -302,16 +290,14 @@ TEST_F(CudaIpcEngine, ReusedPagesFailStaleNeverAsAnotherRequest) {
   std::sort(b.begin(), b.end());
   ASSERT_EQ(a, b) << "the owner did not reuse the pages";
   ASSERT_NE(second.kv_transfer_info.epoch, first.kv_transfer_info.epoch);
-  try {
-    auto f = m->start_async_retrieve(0, first.num_tokens, lp, first.page_indices,
-                                     first.kv_transfer_info);
-    ASSERT_TRUE(f.has_value());
-    f->get();
-    FAIL() << "a read of reused pages reported success";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kStaleDescriptor) << e.what();
-    EXPECT_NE(std::string(e.what()).find("changed owner"), std::string::npos) << e.what();
-  }
+  testing::expect_error(
+      [&] {
+        auto f = m->start_async_retrieve(0, first.num_tokens, lp, first.page_indices,
+                                         first.kv_transfer_info);
+        ASSERT_TRUE(f.has_value());
+        f->get();
+      },
+      StatusCode::kStaleDescriptor, {"changed owner"});
   m->sync_retrieve(0, second.num_tokens, lp, second.page_indices, second.kv_transfer_info);
   EXPECT_TRUE(testing::verify_pattern_any(*cache, kSeed + 1, lp, 0, second.num_tokens).ok());
 
@@ -383,13 +369,9 @@ TEST_F(CudaIpcEngine, AnEpochWithoutATableIsRefused) {
   info.epoch_pages = 0;
   KVTransferInfo bare = info.encode();
   bare.epoch = seq.kv_transfer_info.epoch;
-  try {
-    m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, bare);
-    FAIL() << "accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find("no epoch table"), std::string::npos) << e.what();
-  }
+  testing::expect_error(
+      [&] { m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, bare); },
+      StatusCode::kInvalidArgument, {"no epoch table"});
   expect_only_named_bytes_written(*cache, l, {});
 }
 
@@ -434,12 +416,8 @@ TEST_F(CudaIpcEngine, DeadOwnerIsRefused) {
     owner.kill_now();
   }
   testing::fill_bytes(*cache, std::byte{kSentinel});
-  try {
-    m->start_async_retrieve(0, 64, local_pages(4), pages, stale);
-    FAIL() << "a dead owner's descriptor was read";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kNotFound) << e.what();
-  }
+  testing::expect_error([&] { m->start_async_retrieve(0, 64, local_pages(4), pages, stale); },
+                        StatusCode::kNotFound);
   EXPECT_EQ(engine.open_handles(), 0u);
   expect_only_named_bytes_written(*cache, l, {});
   // A new owner works.
@@ -530,12 +508,8 @@ TEST_F(CudaIpcEngine, OwnCacheIsReadableInProcessOthersAreNot) {
   ASSERT_TRUE(f.has_value());
   f->get();
   EXPECT_TRUE(testing::verify_pattern_any(*a, kSeed, dst, 0, 32).ok());
-  try {
-    ea.read_batched_async(eb.get_kv_transfer_info(), reads);
-    FAIL() << "another cache of this process was accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-  }
+  testing::expect_error([&] { ea.read_batched_async(eb.get_kv_transfer_info(), reads); },
+                        StatusCode::kInvalidArgument);
 }
 
 // ---- memory legacy IPC cannot share is refused -----------------------------
@@ -606,12 +580,7 @@ TEST_F(CudaIpcEngine, MemoryPoolAllocationsAreRefused) {
     GTEST_SKIP() << "cudaMallocAsync unsupported here: " << cudaGetErrorName(err);
   }
   ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-  try {
-    wrap_device_memory(p, 1 << 20, 0);
-    ADD_FAILURE() << "pool memory was accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-  }
+  testing::expect_error([&] { wrap_device_memory(p, 1 << 20, 0); }, StatusCode::kInvalidArgument);
   EXPECT_EQ(cudaFreeAsync(p, s), cudaSuccess);
   EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);

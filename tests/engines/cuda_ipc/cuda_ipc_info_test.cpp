@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/codec.hpp"
+#include "common/expect_error.hpp"
 #include "common/layouts.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
@@ -92,13 +93,8 @@ struct Raw {
 };
 
 void expect_corrupt(const KVTransferInfo& info, const std::string& needle) {
-  try {
-    CudaIpcKVTransferInfo::decode(info);
-    FAIL() << "expected CorruptDescriptor containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kCorruptDescriptor) << e.what();
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
+  testing::expect_error([&] { CudaIpcKVTransferInfo::decode(info); },
+                        StatusCode::kCorruptDescriptor, {needle});
 }
 
 TEST(CudaIpcInfo, RoundTripsEveryLayoutOrder) {
@@ -338,50 +334,33 @@ TEST(CudaIpcInfo, ZeroGenerationPidAndWildDevicesAreRejected) {
 TEST(CudaIpcInfo, OtherEnginesDescriptorsAreInvalidArguments) {
   KVTransferInfo t = sample().encode();
   t.engine = "shm";
-  try {
-    CudaIpcKVTransferInfo::decode(t);
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-  }
+  testing::expect_error([&] { CudaIpcKVTransferInfo::decode(t); }, StatusCode::kInvalidArgument);
   EXPECT_THROW(CudaIpcKVTransferInfo::decode(KVTransferInfo{}), Error);
 }
 
 TEST(CudaIpcInfo, EncodeRefusesInvalidInfos) {
   auto info = sample();
   info.requires_grad = true;
-  try {
-    info.encode();
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-  }
+  testing::expect_error([&] { info.encode(); }, StatusCode::kInvalidArgument);
 }
 
 // Runs anywhere: what this build does with device memory when no GPU is
 // visible, and that the engine refuses host caches before touching CUDA.
 TEST(CudaIpcInfo, EngineRefusesHostCaches) {
   auto host = make_kv_cache(small_layout(), MemoryKind::kHost);
-  try {
-    KVTransferManager m(TransferEngineInfo{"d", "", "cuda_ipc", {}}, host);
-    FAIL() << "a host cache was accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find("device cache"), std::string::npos) << e.what();
-  }
+  testing::expect_error(
+      [&] {
+        KVTransferManager m(TransferEngineInfo{"d", "", "cuda_ipc", {}}, host);
+      },
+      StatusCode::kInvalidArgument, {"device cache"});
 }
 
 TEST(CudaIpcInfo, DeviceCacheWithoutAGpuIsUnavailableWithTheCudaError) {
   const std::string why = cuda_unavailable_reason();
   if (why.empty()) GTEST_SKIP() << "a CUDA device is visible; this case is for hosts without one";
   std::cout << "[ INFO     ] no CUDA device here: " << why << std::endl;
-  try {
-    make_kv_cache(small_layout(), MemoryKind::kDevice);
-    FAIL() << "device memory allocated without a device";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kUnavailable) << e.what();
-    EXPECT_NE(std::string(e.what()).find("cudaError"), std::string::npos) << e.what();
-  }
+  testing::expect_error([&] { make_kv_cache(small_layout(), MemoryKind::kDevice); },
+                        StatusCode::kUnavailable, {"cudaError"});
 }
 
 }  // namespace

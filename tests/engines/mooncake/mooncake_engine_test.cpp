@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/expect_error.hpp"
 #include "common/peer_process.hpp"
 #include "engines/mooncake/mooncake_test_util.hpp"
 #include "engines/mooncake/read_error.hpp"
@@ -256,13 +257,9 @@ TEST_F(MooncakeEngine, HungPeerCostsTheEngineNeverALateWrite) {
   EXPECT_EQ(std::memcmp(snapshot.data(), c->base(), snapshot.size()), 0)
       << "bytes landed after the future resolved";
   // The engine was torn down: it says so instead of hanging again.
-  try {
-    m->start_async_retrieve(0, 16, iota_pages(1), iota_pages(1), seq.kv_transfer_info);
-    ADD_FAILURE() << "a torn-down engine accepted a read";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kUnavailable) << e.what();
-    EXPECT_NE(std::string(e.what()).find("hangs"), std::string::npos) << e.what();
-  }
+  testing::expect_error(
+      [&] { m->start_async_retrieve(0, 16, iota_pages(1), iota_pages(1), seq.kv_transfer_info); },
+      StatusCode::kUnavailable, {"hangs"});
 }
 
 // ---- everywhere: no Mooncake needed ------------------------------------------
@@ -270,15 +267,12 @@ TEST_F(MooncakeEngine, HungPeerCostsTheEngineNeverALateWrite) {
 TEST(MooncakeEngineAnywhere, AbsentLibraryIsUnavailableNamingThePath) {
   EngineOptions o;
   o.extra["mooncake_lib"] = "/no/such/libtransfer_engine.so";
-  try {
-    KVTransferManager m(TransferEngineInfo{"me", "", "mooncake", o},
-                        make_kv_cache(layout(), MemoryKind::kHost));
-    FAIL() << "engine created without a library";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kUnavailable) << e.what();
-    EXPECT_NE(std::string(e.what()).find("/no/such/libtransfer_engine.so"), std::string::npos)
-        << e.what();
-  }
+  testing::expect_error(
+      [&] {
+        KVTransferManager m(TransferEngineInfo{"me", "", "mooncake", o},
+                            make_kv_cache(layout(), MemoryKind::kHost));
+      },
+      StatusCode::kUnavailable, {"/no/such/libtransfer_engine.so"});
 }
 
 EngineOptions with_extra(std::map<std::string, std::string> extra) {
@@ -299,12 +293,11 @@ TEST(MooncakeEngineAnywhere, OptionsAreCheckedByName) {
            {"mooncake_abort_grace_ms", "0"},
            {"mooncake_abort_grace_ms", "12x"},
            {"mooncake_protocol", ""}}) {
-    try {
-      MooncakeOptions::parse(with_extra({{k, v}}));
-      ADD_FAILURE() << k << "=" << v << " accepted";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-    }
+    testing::expect_error(
+        [&] {
+          MooncakeOptions::parse(with_extra({{k, v}}));
+        },
+        StatusCode::kInvalidArgument);
   }
 }
 
@@ -327,12 +320,8 @@ TEST(MooncakeEngineAnywhere, DescriptorRoundTripsAndRejectsUntrustedBytes) {
   for (std::size_t n = 0; n < info.payload.size(); ++n) {
     KVTransferInfo cut = info;
     cut.payload.resize(n);
-    try {
-      MooncakeKVTransferInfo::decode(cut);
-      ADD_FAILURE() << "payload truncated to " << n << " bytes decoded";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), StatusCode::kCorruptDescriptor) << e.what();
-    }
+    testing::expect_error([&] { MooncakeKVTransferInfo::decode(cut); },
+                          StatusCode::kCorruptDescriptor);
   }
   auto bad = [&](auto mutate) {
     MooncakeKVTransferInfo f = d;

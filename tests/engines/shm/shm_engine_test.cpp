@@ -21,6 +21,7 @@
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/shm.hpp"
 #include "engines/shm/shm_mapping.hpp"  // the engine's own mapping
+#include "common/expect_error.hpp"
 #include "common/layouts.hpp"
 #include "common/peer.hpp"
 #include "common/wire.hpp"
@@ -530,14 +531,8 @@ TEST(ShmEngine, ZeroTimeoutIsRefusedAsByEveryEngine) {
   auto c = make_kv_cache(l, MemoryKind::kSharedHost);
   TransferEngineInfo info{"me", "", "shm", {}};
   info.options.timeout = std::chrono::milliseconds(0);
-  try {
-    KVTransferManager m(info, c);
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("timeout 0 ms out of range [1"), std::string::npos)
-        << e.what();
-  }
+  testing::expect_error([&] { KVTransferManager m(info, c); }, StatusCode::kInvalidArgument,
+                        {"timeout 0 ms out of range [1"});
   info.options.timeout = std::chrono::milliseconds(1);
   EXPECT_NO_THROW(KVTransferManager(info, c));
 }

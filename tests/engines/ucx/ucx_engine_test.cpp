@@ -7,6 +7,7 @@
 #include <thread>
 #include <unistd.h>
 
+#include "common/expect_error.hpp"
 #include "ucx_fixture.hpp"
 
 namespace mstar::kv::ucx_test {
@@ -110,13 +111,12 @@ TEST_P(UcxEngine, ForgedDescriptorsAreRejectedBeforeAnyRead) {
   {
     auto f = good;
     f.layout.num_pages = 63;  // claims a slightly smaller cache
-    try {
-      const std::vector<std::uint32_t> rp{0, 1, 2, 3};
-      m->start_async_retrieve(0, 64, iota_pages(4), rp, f.encode());
-      ADD_FAILURE() << "wrong layout (pages): accepted";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), StatusCode::kIncompatibleLayout) << e.what();
-    }
+    testing::expect_error(
+        [&] {
+          const std::vector<std::uint32_t> rp{0, 1, 2, 3};
+          m->start_async_retrieve(0, 64, iota_pages(4), rp, f.encode());
+        },
+        StatusCode::kIncompatibleLayout);
     EXPECT_TRUE(untouched(*cache));
   }
   {
@@ -362,15 +362,8 @@ TEST(UcxOptions, UnknownUcxKeyIsRejectedListingTheKnownOnes) {
   auto c = make_kv_cache(l, MemoryKind::kHost);
   TransferEngineInfo info{"me", "127.0.0.1:0", "ucx", {}};
   info.options.extra = {{"ucx_mdoe", "am"}};
-  try {
-    KVTransferManager m(info, c);
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("unknown UCX option 'ucx_mdoe' (known: ucx_mode"),
-              std::string::npos)
-        << e.what();
-  }
+  testing::expect_error([&] { KVTransferManager m(info, c); }, StatusCode::kInvalidArgument,
+                        {"unknown UCX option 'ucx_mdoe' (known: ucx_mode"});
 }
 
 }  // namespace
