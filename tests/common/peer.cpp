@@ -110,4 +110,12 @@ void say(const std::string& line) {
 
 void say_sequence(const SequenceInfo& seq) { say(seq_line(seq)); }
 
+DeadPeer read_then_kill(Peer& peer, KVTransferManager& m, std::uint64_t tokens,
+                        const std::vector<std::uint32_t>& local_pages) {
+  DeadPeer d{peer.sequence().kv_transfer_info, peer.sequence().page_indices};
+  m.sync_retrieve(0, tokens, local_pages, d.pages, d.descriptor);
+  peer.kill_now();
+  return d;
+}
+
 }  // namespace mstar::kv::testing

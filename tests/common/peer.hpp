@@ -71,6 +71,17 @@ class Peer {
   SequenceInfo seq_;
 };
 
+// What a reader keeps of a peer once the peer is dead: its descriptor and
+// page table. read_then_kill reads `tokens` tokens of the peer's sequence
+// into `local_pages` through `m` (so that the engine caches whatever it
+// caches per peer), then SIGKILLs the peer.
+struct DeadPeer {
+  KVTransferInfo descriptor;
+  std::vector<std::uint32_t> pages;
+};
+DeadPeer read_then_kill(Peer& peer, KVTransferManager& m, std::uint64_t tokens,
+                        const std::vector<std::uint32_t>& local_pages);
+
 // ---- the peer's side ------------------------------------------------------------
 
 // The arguments every peer takes, "--key value" each: --engine, --layout

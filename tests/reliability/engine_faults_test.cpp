@@ -13,6 +13,7 @@
 #include <map>
 #include <thread>
 
+#include "common/engine_cases.hpp"
 #include "common/peer_process.hpp"
 #include "mstar/kv/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
@@ -29,12 +30,7 @@ using testing::PeerProcess;
 using testing::PeerSpec;
 using testing::ReadChecker;
 
-struct EngineCase {
-  std::string label;
-  std::string engine;
-  std::map<std::string, std::string> env;
-};
-void PrintTo(const EngineCase& c, std::ostream* os) { *os << c.label; }
+using testing::EngineCase;
 
 enum class Fault {
   kNone,
@@ -63,24 +59,19 @@ std::string fault_name(Fault f) {
   return "?";
 }
 
-bool built(const std::string& name) {
-  const auto b = built_engines();
-  return std::find(b.begin(), b.end(), name) != b.end();
-}
-
 constexpr auto kEngineTimeout = 3000ms;
 
 class EngineFaults : public ::testing::TestWithParam<std::tuple<EngineCase, Fault>> {
  protected:
   void SetUp() override {
     const EngineCase& c = std::get<0>(GetParam());
-    if (!built(c.engine)) GTEST_SKIP() << "engine '" << c.engine << "' is not built";
+    if (!c.skip_reason.empty()) GTEST_SKIP() << c.skip_reason;
     for (const auto& [k, v] : c.env) ::setenv(k.c_str(), v.c_str(), 1);
   }
 
   PeerSpec spec(std::uint64_t tokens, std::uint64_t seed) const {
     PeerSpec s;
-    s.engine = std::get<0>(GetParam()).engine;
+    s.engine = std::get<0>(GetParam()).traits.name;
     s.layout = small_layout();
     s.tokens = tokens;
     s.seed = seed;
@@ -91,7 +82,7 @@ class EngineFaults : public ::testing::TestWithParam<std::tuple<EngineCase, Faul
   std::unique_ptr<KVTransferEngine> inner(std::shared_ptr<KVCache> cache) const {
     EngineOptions o;
     o.timeout = kEngineTimeout;
-    return make_engine(TransferEngineInfo{"decode", "", std::get<0>(GetParam()).engine, o},
+    return make_engine(TransferEngineInfo{"decode", "", std::get<0>(GetParam()).traits.name, o},
                        std::move(cache));
   }
 };
@@ -218,16 +209,9 @@ TEST_P(EngineFaults, InvariantsHoldAfterTheFaultAndOtherPeersAreStillServed) {
   EXPECT_LE(after.fds, before.fds) << after.leaks_since(before);
 }
 
-std::vector<EngineCase> engine_cases() {
-  return {
-      {"shm", "shm", {}},
-      {"ucx_tcp", "ucx", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}},
-  };
-}
-
 INSTANTIATE_TEST_SUITE_P(
     All, EngineFaults,
-    ::testing::Combine(::testing::ValuesIn(engine_cases()),
+    ::testing::Combine(::testing::ValuesIn(testing::self_contained_cases(/*one_setup_each=*/true)),
                        ::testing::Values(Fault::kNone, Fault::kDelay, Fault::kDrop,
                                          Fault::kFailAfterBytes, Fault::kKillBeforeIssue,
                                          Fault::kKillAfterIssue, Fault::kKillDuringRead,

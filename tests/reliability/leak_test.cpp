@@ -12,6 +12,7 @@
 #include <map>
 #include <thread>
 
+#include "common/engine_cases.hpp"
 #include "common/peer_process.hpp"
 #include "mstar/kv/kv.hpp"
 #include "reliability/invariants.hpp"
@@ -24,21 +25,11 @@ using namespace std::chrono_literals;
 using testing::PeerProcess;
 using testing::PeerSpec;
 
-struct Case {
-  std::string label;
-  std::string engine;
-  std::map<std::string, std::string> env;
-};
-void PrintTo(const Case& c, std::ostream* os) { *os << c.label; }
-
-class NothingLeftBehind : public ::testing::TestWithParam<Case> {};
+class NothingLeftBehind : public ::testing::TestWithParam<testing::EngineCase> {};
 
 TEST_P(NothingLeftBehind, AfterPullsAndKilledPeers) {
-  const Case& c = GetParam();
-  const auto b = built_engines();
-  if (std::find(b.begin(), b.end(), c.engine) == b.end()) {
-    GTEST_SKIP() << "engine '" << c.engine << "' is not built";
-  }
+  const testing::EngineCase& c = GetParam();
+  if (!c.skip_reason.empty()) GTEST_SKIP() << c.skip_reason;
   for (const auto& [k, v] : c.env) ::setenv(k.c_str(), v.c_str(), 1);
   const KVLayout l = testing::small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 512);
   const auto before = testing::ResourceSnapshot::take();
@@ -46,10 +37,10 @@ TEST_P(NothingLeftBehind, AfterPullsAndKilledPeers) {
     auto cache = make_kv_cache(l, MemoryKind::kHost);
     EngineOptions o;
     o.timeout = 3000ms;
-    auto engine = make_engine(TransferEngineInfo{"decode", "", c.engine, o}, cache);
+    auto engine = make_engine(TransferEngineInfo{"decode", "", c.traits.name, o}, cache);
     for (int round = 0; round < 3; ++round) {
       PeerSpec s;
-      s.engine = c.engine;
+      s.engine = c.traits.name;
       s.layout = l;
       s.tokens = 512 * 16;
       s.seed = 3 + static_cast<std::uint64_t>(round);
@@ -76,11 +67,8 @@ TEST_P(NothingLeftBehind, AfterPullsAndKilledPeers) {
 
 INSTANTIATE_TEST_SUITE_P(
     Engines, NothingLeftBehind,
-    ::testing::Values(Case{"shm", "shm", {}},
-                      Case{"ucx_tcp", "ucx", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}},
-                      Case{"ucx_shm", "ucx",
-                           {{"UCX_TLS", "sm,self,tcp"}, {"UCX_NET_DEVICES", "lo"}}}),
-    [](const ::testing::TestParamInfo<Case>& p) { return p.param.label; });
+    ::testing::ValuesIn(testing::self_contained_cases()),
+    [](const ::testing::TestParamInfo<testing::EngineCase>& p) { return p.param.label; });
 
 }  // namespace
 }  // namespace mstar::kv

@@ -187,7 +187,7 @@ TEST_P(Conformance, EmptyRangeIsValidatedFirst) {
   // The remote table too, where the engine can tell the remote layout.
   std::vector<std::uint32_t> remote = seq.page_indices;
   remote[2] = 64;
-  testing::expect_error([&] { m->start_async_retrieve(40, 40, local_pages(4), remote, good); },
+  expect_error([&] { m->start_async_retrieve(40, 40, local_pages(4), remote, good); },
                         StatusCode::kInvalidArgument,
                         {"remote page 64 (table entry 2) out of range [0, 64)"});
   expect_only_named_bytes_written(*cache, l, {});
@@ -201,7 +201,7 @@ TEST_P(Conformance, IncompatibleLayoutIsRejectedBeforeAnyByteMoves) {
   auto cache = local_cache(l);
   auto m = manager(cache);
   const auto& seq = peer.sequence();
-  testing::expect_error(
+  expect_error(
       [&] {
         m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, seq.kv_transfer_info);
       },
@@ -211,24 +211,17 @@ TEST_P(Conformance, IncompatibleLayoutIsRejectedBeforeAnyByteMoves) {
 
 TEST_P(Conformance, OutOfRangeRemotePageIsRejectedBeforeAnyByteMoves) {
   MSTAR_KV_NEED_REMOTE();
-  const KVLayout l = small_layout();
-  PeerProcess peer(peer_spec(l, 64));
-  auto cache = local_cache(l);
-  auto m = manager(cache);
-  auto remote = peer.sequence().page_indices;
+  auto [l, peer, cache, m] = pull_setup(small_layout(), 64);
+  auto remote = peer->sequence().page_indices;
   remote[2] = 64;  // one past the remote cache
-  try {
-    m->start_async_retrieve(0, 64, local_pages(4), remote, peer.sequence().kv_transfer_info);
-    FAIL() << "expected InvalidArgument";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-    // Named by the caller's table entry, not an index into the plan.
-    EXPECT_NE(std::string(e.what()).find(
-                  "remote page 64 (table entry 2) out of range [0, 64) in remote cache"),
-              std::string::npos)
-        << e.what();
-    EXPECT_EQ(std::string(e.what()).find("read"), std::string::npos) << e.what();
-  }
+  // Named by the caller's table entry, not an index into the plan.
+  const std::string what = expect_error(
+      [&] {
+        m->start_async_retrieve(0, 64, local_pages(4), remote, peer->sequence().kv_transfer_info);
+      },
+      StatusCode::kInvalidArgument,
+      {"remote page 64 (table entry 2) out of range [0, 64) in remote cache"});
+  EXPECT_EQ(what.find("read"), std::string::npos) << what;
   expect_only_named_bytes_written(*cache, l, {});
 }
 
@@ -258,16 +251,10 @@ TEST_P(Conformance, DescriptorOfARestartedPeerIsRejected) {
   const KVLayout l = small_layout();
   auto cache = local_cache(l);
   auto m = manager(cache, 3000ms);
-  KVTransferInfo stale;
-  std::vector<std::uint32_t> remote_pages;
-  {
-    PeerProcess first(peer_spec(l, 64));
-    stale = first.sequence().kv_transfer_info;
-    remote_pages = first.sequence().page_indices;
-    // A first successful read caches whatever the engine caches per peer.
-    m->sync_retrieve(0, 64, local_pages(4), remote_pages, stale);
-    first.kill_now();
-  }
+  PeerProcess first(peer_spec(l, 64));
+  const DeadPeer dead = read_then_kill(first, *m, 64, local_pages(4));
+  const KVTransferInfo& stale = dead.descriptor;
+  const std::vector<std::uint32_t>& remote_pages = dead.pages;
   testing::fill_bytes(*cache, kSentinel);
   PeerProcess second(peer_spec(l, 64));
   const auto t0 = std::chrono::steady_clock::now();
@@ -349,7 +336,7 @@ TEST_P(Conformance, ShutdownResolvesEveryReadInFlight) {
         << f.status().to_string();
   }
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
-  testing::expect_error(
+  expect_error(
       [&] {
         m->start_async_retrieve(0, 16, std::vector<std::uint32_t>{0}, std::vector<std::uint32_t>{0},
                                 seq.kv_transfer_info);
@@ -516,7 +503,7 @@ TEST_P(Conformance, MixedGeometriesPullByteExact) {
     PeerProcess low(peer_spec(half, 100));
     auto cache = local_cache(l);
     auto m = manager(cache);
-    testing::expect_error(
+    expect_error(
         [&] {
           const std::vector<std::uint32_t> lp{0, 1, 2, 3, 4, 5, 6};
           m->start_async_retrieve(0, 100, lp, low.sequence().page_indices,
@@ -549,7 +536,7 @@ TEST_P(Conformance, TensorParallelMergeFromTwoPeers) {
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
   // Without the second rank, heads 4-7 are held by nobody: refused.
   testing::fill_bytes(*cache, kSentinel);
-  testing::expect_error([&] { m->start_async_retrieve(0, 200, lp, std::span(shards).first(1)); },
+  expect_error([&] { m->start_async_retrieve(0, 200, lp, std::span(shards).first(1)); },
                         StatusCode::kIncompatibleLayout,
                         {"local KV heads [4, 8) of 8 are held by none"});
   expect_only_named_bytes_written(*cache, r0, {});

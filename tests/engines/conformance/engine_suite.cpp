@@ -1,64 +1,11 @@
 // Copyright mstar-kv authors.
 #include "engine_suite.hpp"
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <cstring>
 #include <thread>
 
 namespace mstar::kv::testing {
-
-namespace {
-
-// Why `t`'s run-time needs are missing here ("" when they are not): the
-// library it loads (Mooncake: MSTAR_KV_MOONCAKE_LIB) or a CUDA device.
-std::string missing_runtime(const EngineTraits& t, std::map<std::string, std::string>& extra) {
-  if (!t.library_option.empty()) {
-    const char* lib = std::getenv("MSTAR_KV_MOONCAKE_LIB");
-    if (lib == nullptr || *lib == '\0') {
-      return "MSTAR_KV_MOONCAKE_LIB is not set: no Mooncake library with the C API here "
-             "(the PyPI wheel carries none)";
-    }
-    void* h = ::dlopen(lib, RTLD_NOW | RTLD_LOCAL);
-    if (h == nullptr) return std::string("cannot load MSTAR_KV_MOONCAKE_LIB: ") + ::dlerror();
-    ::dlclose(h);
-    extra[t.library_option] = lib;
-  }
-  if (t.memory == MemoryKind::kDevice || t.reader_memory == MemoryKind::kDevice) {
-    // MSTAR_KV_REQUIRE_GPU=1 (scripts/gpu-check): run, and fail without one.
-    if (!gpu_required()) return no_device_reason();
-  }
-  return "";
-}
-
-std::string label_of(std::string name) {
-  std::replace(name.begin(), name.end(), '-', '_');
-  return name;
-}
-
-}  // namespace
-
-std::vector<EngineCase> engine_cases() {
-  std::vector<EngineCase> cases;
-  for (const EngineTraits& t : engine_table()) {
-    for (const LoopbackSetup& setup : t.loopback) {
-      EngineCase c{label_of(setup.name), t, setup.env, {}, "", false};
-      if (!t.built) {
-        c.skip_reason = "engine '" + t.name + "' is not built";
-      } else {
-        c.skip_reason = missing_runtime(t, c.extra);
-      }
-      cases.push_back(c);
-      if (t.name == "shm") {  // one wrapped engine: the wrapper is engine-agnostic
-        c.label = "fault_shm";
-        c.fault_wrapper = true;
-        cases.push_back(c);
-      }
-    }
-  }
-  return cases;
-}
 
 void EngineSuite::SetUp() {
   const EngineCase& c = GetParam();

@@ -1,8 +1,7 @@
 // Copyright mstar-kv authors.
 //
-// What the conformance and streaming suites share: the cases (every engine of
-// the engine table, each way it runs between two processes of this host,
-// plus the fault wrapper around shm) and a fixture that makes the reader's
+// What the conformance and streaming suites share: the cases
+// (common/engine_cases.hpp) and a fixture that makes the reader's
 // cache in the memory the engine reads into, filled and checked through the
 // cache probe (host, shared and device caches alike), the peer's spec and
 // the reader's manager.
@@ -25,6 +24,7 @@
 #include <vector>
 
 #include "common/cache_probe.hpp"
+#include "common/engine_cases.hpp"
 #include "common/layouts.hpp"
 #include "common/managers.hpp"
 #include "common/peer_process.hpp"
@@ -32,21 +32,6 @@
 #include "mstar/kv/kv.hpp"
 
 namespace mstar::kv::testing {
-
-struct EngineCase {
-  std::string label;  // the gtest parameter name: "shm", "ucx_tcp", "fault_shm"
-  EngineTraits traits;
-  std::map<std::string, std::string> env;    // for both processes
-  std::map<std::string, std::string> extra;  // EngineOptions.extra
-  std::string skip_reason;                   // non-empty: cannot run here
-  // The reader's engine wrapped in a FaultInjectingEngine injecting nothing
-  // (fault_injection.hpp): the wrapper must keep every engine invariant.
-  bool fault_wrapper = false;
-};
-inline void PrintTo(const EngineCase& c, std::ostream* os) { *os << c.label; }
-
-// Every engine in engine_table() order, one case per loopback setup.
-std::vector<EngineCase> engine_cases();
 
 inline constexpr std::byte kSentinel{0xA5};
 inline constexpr std::uint64_t kSeed = 1234;

@@ -406,15 +406,10 @@ TEST_F(CudaIpcEngine, DeadOwnerIsRefused) {
   auto cache = local_cache(l);
   auto m = manager(cache);
   auto& engine = dynamic_cast<CudaIpcKVTransferEngine&>(m->engine());
-  KVTransferInfo stale;
-  std::vector<std::uint32_t> pages;
-  {
-    OwnerProcess owner(spec(l, 64));
-    stale = owner.sequence().kv_transfer_info;
-    pages = owner.sequence().page_indices;
-    m->sync_retrieve(0, 64, local_pages(4), pages, stale);
-    owner.kill_now();
-  }
+  OwnerProcess owner(spec(l, 64));
+  const testing::DeadPeer dead = testing::read_then_kill(owner, *m, 64, local_pages(4));
+  const KVTransferInfo& stale = dead.descriptor;
+  const std::vector<std::uint32_t>& pages = dead.pages;
   testing::fill_bytes(*cache, std::byte{kSentinel});
   testing::expect_error([&] { m->start_async_retrieve(0, 64, local_pages(4), pages, stale); },
                         StatusCode::kNotFound);

@@ -167,15 +167,10 @@ TEST_F(MooncakeEngine, DescriptorOfARestartedPeerIsRejected) {
   const KVLayout l = layout();
   auto c = cache(l);
   auto m = manager(c, 3000ms);
-  KVTransferInfo old;
-  std::vector<std::uint32_t> pages;
-  {
-    PeerProcess first(spec(l, 64));
-    old = first.sequence().kv_transfer_info;
-    pages = first.sequence().page_indices;
-    m->sync_retrieve(0, 64, iota_pages(4), pages, old);
-    first.kill_now();
-  }
+  PeerProcess first(spec(l, 64));
+  const testing::DeadPeer dead = testing::read_then_kill(first, *m, 64, iota_pages(4));
+  const KVTransferInfo& old = dead.descriptor;
+  const std::vector<std::uint32_t>& pages = dead.pages;
   std::memset(c->base(), static_cast<int>(kSentinel), c->size_bytes());
   PeerProcess second(spec(l, 64));
   // The engine still holds a connection to the dead owner: the read is either

@@ -201,6 +201,12 @@ class ShmRejects : public ::testing::Test {
   void TearDown() override {
     EXPECT_TRUE(all_sentinel(*cache_)) << "a rejected read wrote local bytes";
   }
+  // A read through `bad` fails with `code`, its message naming `needle`.
+  void expect_refused(const ShmKVTransferInfo& bad, StatusCode code, const std::string& needle) {
+    std::string what;
+    EXPECT_EQ(read_with(bad, &what), code) << what;
+    EXPECT_NE(what.find(needle), std::string::npos) << what;
+  }
   StatusCode read_with(const ShmKVTransferInfo& info, std::string* what = nullptr) {
     return code_of_read(*m_, owner_->seq, info.encode(), 64, what);
   }
@@ -246,25 +252,19 @@ TEST_F(ShmRejects, CacheFreedAndReallocatedByALiveOwner) {
 TEST_F(ShmRejects, StaleGeneration) {
   ShmKVTransferInfo bad = good_;
   bad.nonce ^= 1;
-  std::string what;
-  EXPECT_EQ(read_with(bad, &what), StatusCode::kStaleDescriptor) << what;
-  EXPECT_NE(what.find("generation"), std::string::npos) << what;
+  expect_refused(bad, StatusCode::kStaleDescriptor, "generation");
 }
 
 TEST_F(ShmRejects, RestartedOwnerPid) {
   ShmKVTransferInfo bad = good_;
   bad.start_time += 1;
-  std::string what;
-  EXPECT_EQ(read_with(bad, &what), StatusCode::kStaleDescriptor) << what;
-  EXPECT_NE(what.find("restarted"), std::string::npos) << what;
+  expect_refused(bad, StatusCode::kStaleDescriptor, "restarted");
 }
 
 TEST_F(ShmRejects, AnotherUsersCache) {
   ShmKVTransferInfo bad = good_;
   bad.uid += 1;
-  std::string what;
-  EXPECT_EQ(read_with(bad, &what), StatusCode::kPermissionDenied) << what;
-  EXPECT_NE(what.find("same user"), std::string::npos) << what;
+  expect_refused(bad, StatusCode::kPermissionDenied, "same user");
   // Also when a mapping of the genuine descriptor is already cached.
   auto scratch = sentinel_cache(l_);
   auto m2 = shm_manager(scratch);
