@@ -143,51 +143,6 @@ TEST(ShmEngine, PartialPagesInBothInPageOrders) {
   }
 }
 
-TEST(ShmEngine, ConcurrentPullsFromManyThreadsIntoOneManager) {
-  const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 128);
-  Owner owner(l, 128 * 16);
-  auto cache = sentinel_cache(l);
-  auto m = shm_manager(cache, 10000ms);
-  constexpr std::uint32_t kThreads = 8;
-  constexpr std::uint32_t kPages = 16;
-  std::vector<std::thread> threads;
-  std::atomic<int> failures{0};
-  for (std::uint32_t t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      try {
-        std::vector<std::uint32_t> lp(kPages);
-        std::vector<std::uint32_t> rp(kPages);
-        for (std::uint32_t i = 0; i < kPages; ++i) {
-          lp[i] = t * kPages + (i * 3) % kPages;
-          rp[i] = owner.seq.page_indices[t * kPages + i];
-        }
-        for (int rep = 0; rep < 10; ++rep) {
-          // Async, several in flight per thread over disjoint halves.
-          auto f1 = m->start_async_retrieve(0, kPages * 8, lp, rp, owner.seq.kv_transfer_info);
-          std::vector<std::uint32_t> lp2(lp.begin() + kPages / 2, lp.end());
-          std::vector<std::uint32_t> rp2(rp.begin() + kPages / 2, rp.end());
-          auto f2 = m->start_async_retrieve(0, kPages * 8, lp2, rp2, owner.seq.kv_transfer_info);
-          f1->get();
-          f2->get();
-        }
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "thread " << t << ": " << e.what();
-        ++failures;
-      }
-    });
-  }
-  for (auto& th : threads) th.join();
-  ASSERT_EQ(failures.load(), 0);
-  // Sequence page t*16+i went to local page t*16 + (i*3)%16.
-  std::vector<std::uint32_t> table(kThreads * kPages);
-  for (std::uint32_t t = 0; t < kThreads; ++t) {
-    for (std::uint32_t i = 0; i < kPages; ++i) table[t * kPages + i] = t * kPages + (i * 3) % kPages;
-  }
-  auto v = verify_pattern(*cache, kSeed, table, 0, kThreads * kPages * 16);
-  EXPECT_TRUE(v.ok()) << v.first_mismatch;
-  EXPECT_EQ(static_cast<ShmKVTransferEngine&>(m->engine()).cached_mappings(), 1u);
-}
-
 // ---- descriptors that must not be read --------------------------------------
 
 class ShmRejects : public ::testing::Test {

@@ -101,6 +101,22 @@ class UcxFixture : public ::testing::TestWithParam<UcxCase> {
     const auto* p = c.base();
     return std::all_of(p, p + c.size_bytes(), [](std::byte b) { return b == kSentinel; });
   }
+
+  // After their peer died: every future resolves within 10 s, each failure
+  // kPeerFailure or kTimeout. True when any failed.
+  static bool any_failed_after_peer_death(std::vector<TransferFuture>& fs) {
+    bool any_failed = false;
+    for (auto& f : fs) {
+      EXPECT_TRUE(f.wait_for(std::chrono::seconds(10))) << "no resolution after the peer died";
+      if (f.ready() && !f.status().is_ok()) {
+        any_failed = true;
+        EXPECT_TRUE(f.status().code() == StatusCode::kPeerFailure ||
+                    f.status().code() == StatusCode::kTimeout)
+            << f.status().to_string();
+      }
+    }
+    return any_failed;
+  }
 };
 
 // Every transport and read mode the engine has on loopback.
