@@ -233,6 +233,8 @@ class CudaIpcKVTransferEngine final : public KVTransferEngine {
   // the handle cannot be made.
   explicit CudaIpcKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
                                    const EngineOptions& options = {});
+  // Every engine's shape (what make_engine calls): info.options as above.
+  CudaIpcKVTransferEngine(std::shared_ptr<KVCache> kv_cache, const TransferEngineInfo& info);
   // The spec's CudaIpcKVTransferEngine(kv_cache, max_workers=3).
   CudaIpcKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
                           std::uint32_t max_workers);

@@ -249,9 +249,8 @@ class MooncakeKVTransferEngine final : public KVTransferEngine {
   MooncakeKVTransferEngine(const MooncakeKVTransferEngine&) = delete;
   MooncakeKVTransferEngine& operator=(const MooncakeKVTransferEngine&) = delete;
 
+  // Typed as for every engine: MooncakeKVTransferInfo::decode() of it.
   KVTransferInfo get_kv_transfer_info() const override;
-  // The same descriptor, decoded.
-  MooncakeKVTransferInfo mooncake_transfer_info() const;
   // The spec's TransferEngineInfo.my_session_id as Mooncake reports it
   // (P2P mode: getLocalIpAndPort, "HOST:PORT"; a shared handle: see above).
   const std::string& session_id() const noexcept { return session_id_; }

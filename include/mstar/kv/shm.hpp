@@ -135,6 +135,9 @@ class ShmKVTransferEngine final : public KVTransferEngine {
   // Throws Error(kInvalidArgument) for a null or device cache or
   // max_workers outside [1, 256].
   ShmKVTransferEngine(std::shared_ptr<KVCache> kv_cache, ShmEngineOptions options = {});
+  // Every engine's shape (what make_engine calls): the options parsed from
+  // info.options (ShmEngineOptions::parse).
+  ShmKVTransferEngine(std::shared_ptr<KVCache> kv_cache, const TransferEngineInfo& info);
   ~ShmKVTransferEngine() override;
 
   ShmKVTransferEngine(const ShmKVTransferEngine&) = delete;

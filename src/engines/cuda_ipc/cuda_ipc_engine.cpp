@@ -321,6 +321,10 @@ CudaIpcKVTransferEngine::CudaIpcKVTransferEngine(std::shared_ptr<KVCache> kv_cac
     : impl_(std::make_unique<Impl>(std::move(kv_cache), options)) {}
 
 CudaIpcKVTransferEngine::CudaIpcKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
+                                                 const TransferEngineInfo& info)
+    : CudaIpcKVTransferEngine(std::move(kv_cache), info.options) {}
+
+CudaIpcKVTransferEngine::CudaIpcKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
                                                  std::uint32_t max_workers)
     : CudaIpcKVTransferEngine(std::move(kv_cache), [&] {
         EngineOptions o;
@@ -354,7 +358,7 @@ namespace engines {
 
 std::unique_ptr<KVTransferEngine> make_cuda_ipc_engine(std::shared_ptr<KVCache> cache,
                                                        const TransferEngineInfo& info) {
-  return std::make_unique<CudaIpcKVTransferEngine>(std::move(cache), info.options);
+  return std::make_unique<CudaIpcKVTransferEngine>(std::move(cache), info);
 }
 
 }  // namespace engines

@@ -158,10 +158,6 @@ KVTransferInfo MooncakeKVTransferEngine::get_kv_transfer_info() const {
   return impl_->get_kv_transfer_info();
 }
 
-MooncakeKVTransferInfo MooncakeKVTransferEngine::mooncake_transfer_info() const {
-  return MooncakeKVTransferInfo::decode(impl_->get_kv_transfer_info());
-}
-
 std::optional<KVLayout> MooncakeKVTransferEngine::remote_layout(
     const KVTransferInfo& remote) const {
   return impl_->remote_layout(remote);

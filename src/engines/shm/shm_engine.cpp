@@ -119,6 +119,10 @@ ShmKVTransferEngine::ShmKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
                                          ShmEngineOptions options)
     : impl_(std::make_unique<Impl>(checked_cache(std::move(kv_cache), options), options)) {}
 
+ShmKVTransferEngine::ShmKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
+                                         const TransferEngineInfo& info)
+    : ShmKVTransferEngine(std::move(kv_cache), ShmEngineOptions::parse(info.options)) {}
+
 ShmKVTransferEngine::~ShmKVTransferEngine() { shutdown(); }
 
 std::optional<ShmKVTransferInfo> ShmKVTransferEngine::shm_info() const {
@@ -261,8 +265,7 @@ namespace mstar::kv::engines {
 
 std::unique_ptr<KVTransferEngine> make_shm_engine(std::shared_ptr<KVCache> cache,
                                                   const TransferEngineInfo& info) {
-  return std::make_unique<ShmKVTransferEngine>(std::move(cache),
-                                               ShmEngineOptions::parse(info.options));
+  return std::make_unique<ShmKVTransferEngine>(std::move(cache), info);
 }
 
 }  // namespace mstar::kv::engines

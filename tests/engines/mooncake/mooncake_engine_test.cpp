@@ -72,7 +72,7 @@ TEST_F(MooncakeEngine, SessionIdIsMooncakesHostAndPort) {
   auto c = cache(layout());
   MooncakeKVTransferEngine e(c, TransferEngineInfo{"me", "", "mooncake", {}});
   EXPECT_EQ(e.session_id().rfind("127.0.0.1:", 0), 0u) << e.session_id();
-  const MooncakeKVTransferInfo info = e.mooncake_transfer_info();
+  const MooncakeKVTransferInfo info = MooncakeKVTransferInfo::decode(e.get_kv_transfer_info());
   EXPECT_EQ(info.entity_id, "me");
   EXPECT_EQ(info.session_id, e.session_id());
   EXPECT_EQ(info.data_ptr, reinterpret_cast<std::uintptr_t>(c->base()));

@@ -92,8 +92,8 @@ TEST_F(MooncakeSharedHandle, SharedHandlesInTwoProcessesPullEveryByte) {
   auto e = std::make_unique<MooncakeKVTransferEngine>(c, "decode", app.handle(), o);
   // The session is the application's engine's.
   EXPECT_EQ(e->session_id(), app.ip_port());
-  EXPECT_EQ(e->mooncake_transfer_info().session_id, app.ip_port());
-  EXPECT_EQ(e->mooncake_transfer_info().data_ptr, reinterpret_cast<std::uintptr_t>(c->base()));
+  EXPECT_EQ(MooncakeKVTransferInfo::decode(e->get_kv_transfer_info()).session_id, app.ip_port());
+  EXPECT_EQ(MooncakeKVTransferInfo::decode(e->get_kv_transfer_info()).data_ptr, reinterpret_cast<std::uintptr_t>(c->base()));
   KVTransferManager m(c, std::move(e));
 
   // Forged descriptors are refused via the peer's identity page first.

@@ -481,6 +481,23 @@ TEST(ShmMemory, PrivateCacheReadsButPublishesNothing) {
 
 // Found by an adopter: timeout = 0 ms was accepted by shm (large reads then
 // failed at once) and refused by cuda_ipc: one rule, >= 1 ms, for all.
+// The constructor every engine has, (cache, TransferEngineInfo), parses the
+// options as make_engine does: a misspelt shm_ key is refused by name.
+TEST(ShmEngine, TheFactoryShapeParsesTheOptionsAsMakeEngineDoes) {
+  auto c = make_kv_cache(testing::make_layout(1, 4, 16, 1, 8), MemoryKind::kSharedHost);
+  TransferEngineInfo info{"me", "", "shm", {}};
+  info.options.extra = {{"shm_wrokers", "2"}};
+  const std::string direct = testing::expect_error([&] { ShmKVTransferEngine e(c, info); },
+                                                   StatusCode::kInvalidArgument, {"shm_wrokers"});
+  const std::string made = testing::expect_error([&] { make_engine(info, c); },
+                                                 StatusCode::kInvalidArgument, {"shm_wrokers"});
+  EXPECT_EQ(direct, made);
+  info.options.extra.clear();
+  info.options.timeout = std::chrono::milliseconds(250);
+  ShmKVTransferEngine e(c, info);
+  EXPECT_FALSE(e.get_kv_transfer_info().empty());
+}
+
 TEST(ShmEngine, ZeroTimeoutIsRefusedAsByEveryEngine) {
   const KVLayout l = testing::make_layout(1, 4, 16, 1, 8);
   auto c = make_kv_cache(l, MemoryKind::kSharedHost);
