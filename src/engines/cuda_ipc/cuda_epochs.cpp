@@ -9,7 +9,7 @@
 
 #include "cuda_util.hpp"
 
-namespace mstar::kv::cuda {
+namespace mstar::kv::cuda_ipc {
 
 namespace {
 
@@ -110,4 +110,4 @@ Status check_device_epochs(const std::uint64_t* device_table, std::uint32_t num_
   return check_page_epochs(scratch.data(), num_pages, pages, expect, when, after_copy);
 }
 
-}  // namespace mstar::kv::cuda
+}  // namespace mstar::kv::cuda_ipc

@@ -22,7 +22,7 @@
 #include "mstar/kv/epochs.hpp"
 #include "mstar/kv/status.hpp"
 
-namespace mstar::kv::cuda {
+namespace mstar::kv::cuda_ipc {
 
 class DeviceEpochTable final : public EpochMirror {
  public:
@@ -69,4 +69,4 @@ Status check_device_epochs(const std::uint64_t* device_table, std::uint32_t num_
                            std::string_view when, bool after_copy, cudaStream_t stream,
                            std::vector<std::uint64_t>& scratch);
 
-}  // namespace mstar::kv::cuda
+}  // namespace mstar::kv::cuda_ipc

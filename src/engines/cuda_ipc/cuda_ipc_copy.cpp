@@ -19,7 +19,7 @@ cudaEvent_t CudaIpcKVTransferEngine::Impl::take_event(Status* status) {
   cudaEvent_t e = nullptr;
   const cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
   if (err != cudaSuccess) {
-    *status = Status(StatusCode::kInternal, "cudaEventCreateWithFlags: " + cuda::error_text(err));
+    *status = Status(StatusCode::kInternal, "cudaEventCreateWithFlags: " + cuda_ipc::error_text(err));
     return nullptr;
   }
   return e;
@@ -38,7 +38,7 @@ Status CudaIpcKVTransferEngine::Impl::enqueue_stream(
     if (err != cudaSuccess) {
       return Status(StatusCode::kInternal, "cudaMemcpy2DAsync of " + std::to_string(s->rows) +
                                                " rows of " + std::to_string(s->length) +
-                                               " bytes: " + cuda::error_text(err));
+                                               " bytes: " + cuda_ipc::error_text(err));
     }
   }
 #if CUDART_VERSION >= 13000
@@ -68,7 +68,7 @@ Status CudaIpcKVTransferEngine::Impl::enqueue_stream(
         // The runtime or driver cannot batch these: fall back to one call
         // per span from now on. Re-issuing copies the batch may have queued
         // writes the same bytes to the same places, so it is harmless.
-        (void)cuda::error_text(err);
+        (void)cuda_ipc::error_text(err);
         batch_.store(false, std::memory_order_relaxed);
         ok = false;
       }
@@ -83,7 +83,7 @@ Status CudaIpcKVTransferEngine::Impl::enqueue_stream(
     if (err != cudaSuccess) {
       return Status(StatusCode::kInternal,
                     "cudaMemcpyAsync of " + std::to_string(s->length) + " bytes: " +
-                        cuda::error_text(err));
+                        cuda_ipc::error_text(err));
     }
   }
   return Status::ok();
@@ -112,7 +112,7 @@ Status CudaIpcKVTransferEngine::Impl::enqueue(const std::vector<CopySpan>& spans
     read.events.push_back(ev);
     const cudaError_t err = cudaEventRecord(ev, stream);
     if (err != cudaSuccess) {
-      status = Status(StatusCode::kInternal, "cudaEventRecord: " + cuda::error_text(err));
+      status = Status(StatusCode::kInternal, "cudaEventRecord: " + cuda_ipc::error_text(err));
     }
   }
   if (!status.is_ok()) {
@@ -138,8 +138,8 @@ Status CudaIpcKVTransferEngine::Impl::check_epochs(const Read& r, std::string_vi
   }
   std::lock_guard lk(epoch_mu_);
   try {
-    cuda::DeviceGuard guard(device_);
-    return cuda::check_device_epochs(r.mapping->epochs(), r.epoch_pages, r.pages, r.epoch, when,
+    cuda_ipc::DeviceGuard guard(device_);
+    return cuda_ipc::check_device_epochs(r.mapping->epochs(), r.epoch_pages, r.pages, r.epoch, when,
                                      after_copy, epoch_stream_, epoch_scratch_);
   } catch (const Error& e) {
     return e.status();

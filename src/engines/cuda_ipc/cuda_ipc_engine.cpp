@@ -28,7 +28,7 @@ CudaIpcKVTransferEngine::Impl::Impl(std::shared_ptr<KVCache> cache,
   // Options first: a typo is named before anything touches the device.
   engines::reject_unknown_keys(options_.extra, "cuda_ipc", "cuda_ipc_",
                                {"cuda_ipc_batch", "cuda_ipc_check_owner_pid"});
-  memory_ = dynamic_cast<const cuda::DeviceMemory*>(&cache_->memory());
+  memory_ = dynamic_cast<const cuda_ipc::DeviceMemory*>(&cache_->memory());
   if (cache_->memory_kind() != MemoryKind::kDevice || memory_ == nullptr) {
     throw Error(StatusCode::kInvalidArgument,
                 "cuda_ipc engine needs a device cache (make_kv_cache(layout, "
@@ -65,27 +65,27 @@ CudaIpcKVTransferEngine::Impl::Impl(std::shared_ptr<KVCache> cache,
   info_.layout = layout;
   info_.generation = memory_->generation();
   info_.owner_pid = self_pid_;
-  if (const cuda::DeviceEpochTable* t = memory_->epoch_table(); t != nullptr) {
+  if (const cuda_ipc::DeviceEpochTable* t = memory_->epoch_table(); t != nullptr) {
     info_.has_epoch_table = true;
     info_.epoch_handle = t->handle();
     info_.epoch_pages = t->num_pages();
   }
   encoded_ = info_.encode();
 
-  cuda::DeviceGuard guard(device_);
+  cuda_ipc::DeviceGuard guard(device_);
   for (std::uint32_t i = 0; i < options_.max_workers; ++i) {
     cudaStream_t s = nullptr;
     const cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
     if (err != cudaSuccess) {
       for (cudaStream_t t : streams_) (void)cudaStreamDestroy(t);
-      cuda::fail(StatusCode::kUnavailable, "cudaStreamCreateWithFlags", err);
+      cuda_ipc::fail(StatusCode::kUnavailable, "cudaStreamCreateWithFlags", err);
     }
     streams_.push_back(s);
   }
   const cudaError_t err = cudaStreamCreateWithFlags(&epoch_stream_, cudaStreamNonBlocking);
   if (err != cudaSuccess) {
     for (cudaStream_t t : streams_) (void)cudaStreamDestroy(t);
-    cuda::fail(StatusCode::kUnavailable, "cudaStreamCreateWithFlags", err);
+    cuda_ipc::fail(StatusCode::kUnavailable, "cudaStreamCreateWithFlags", err);
   }
   completer_ = std::thread([this] { completion_loop(); });
 }
@@ -164,7 +164,7 @@ std::optional<TransferFuture> CudaIpcKVTransferEngine::Impl::read(
   read->promise.mark_planned(read->spans);
   read->promise.set_peer("pid " + std::to_string(remote.owner_pid));
 
-  cuda::DeviceGuard guard(device_);
+  cuda_ipc::DeviceGuard guard(device_);
   const Status status = enqueue(spans, strided, src, cache_->base(), *read);
   if (!status.is_ok()) return make_failed_future(status);
   read->promise.mark_posted();  // every copy is enqueued
@@ -187,7 +187,7 @@ void CudaIpcKVTransferEngine::Impl::resolve(Read& r) {
                            std::to_string(r.spans) + " copies";
   if (r.error != cudaSuccess) {
     r.promise.fail(Status(StatusCode::kInternal,
-                          what + " failed on the GPU: " + cuda::error_text(r.error)));
+                          what + " failed on the GPU: " + cuda_ipc::error_text(r.error)));
   } else if (r.timed_out) {
     r.promise.fail(Status(StatusCode::kTimeout,
                           what + " did not finish in " + std::to_string(options_.timeout.count()) +
@@ -285,7 +285,7 @@ void CudaIpcKVTransferEngine::Impl::shutdown() {
   // withdrawn, and nothing may land after the futures resolve or after the
   // handles close.
   try {
-    cuda::DeviceGuard guard(device_);
+    cuda_ipc::DeviceGuard guard(device_);
     for (cudaStream_t s : streams_) {
       if (cudaStreamSynchronize(s) != cudaSuccess) (void)cudaGetLastError();
     }
@@ -303,7 +303,7 @@ void CudaIpcKVTransferEngine::Impl::shutdown() {
     current_gen_.clear();
   }
   try {
-    cuda::DeviceGuard guard(device_);
+    cuda_ipc::DeviceGuard guard(device_);
     std::lock_guard lk(mu_);
     for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
     free_events_.clear();

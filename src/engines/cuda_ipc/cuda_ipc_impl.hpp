@@ -64,7 +64,7 @@ class RemoteMapping {
   RemoteMapping(void* base, int device) : base_(static_cast<std::byte*>(base)), device_(device) {}
   ~RemoteMapping() {
     try {
-      cuda::DeviceGuard guard(device_);
+      cuda_ipc::DeviceGuard guard(device_);
       if (cudaIpcCloseMemHandle(base_) != cudaSuccess) (void)cudaGetLastError();
       if (epochs_ != nullptr && cudaIpcCloseMemHandle(epochs_) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -148,7 +148,7 @@ class CudaIpcKVTransferEngine::Impl {
   void completion_loop();
 
   std::shared_ptr<KVCache> cache_;
-  const cuda::DeviceMemory* memory_;
+  const cuda_ipc::DeviceMemory* memory_;
   int device_;
   EngineOptions options_;
   std::atomic<bool> batch_{true};

@@ -13,7 +13,7 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
   const auto key = std::make_pair(pid, remote.generation);
   std::lock_guard lk(map_mu_);
   const std::string lineage = std::to_string(pid) + " " +
-                              cuda::uuid_string(remote.cuda_share.device_uuid.data()) + " " +
+                              cuda_ipc::uuid_string(remote.cuda_share.device_uuid.data()) + " " +
                               remote.layout.to_string();
   if (retired_.count(key) != 0) {
     const auto cur = current_gen_.find(lineage);
@@ -42,11 +42,11 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
   if (auto it = mappings_.find(key); it != mappings_.end()) return it->second;
 
   // The owner's GPU must be visible here and reachable from ours.
-  const int owner_dev = cuda::device_with_uuid(remote.cuda_share.device_uuid.data());
+  const int owner_dev = cuda_ipc::device_with_uuid(remote.cuda_share.device_uuid.data());
   if (owner_dev < 0) {
     throw Error(StatusCode::kInvalidArgument,
                 "cuda_ipc descriptor names GPU " +
-                    cuda::uuid_string(remote.cuda_share.device_uuid.data()) +
+                    cuda_ipc::uuid_string(remote.cuda_share.device_uuid.data()) +
                     " (device " + std::to_string(remote.cuda_share.device) +
                     " of pid " + std::to_string(pid) +
                     "), which is not visible in this process (check CUDA_VISIBLE_DEVICES)");
@@ -56,7 +56,7 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
     const cudaError_t err = cudaDeviceCanAccessPeer(&can, device_, owner_dev);
     if (err != cudaSuccess) {
       throw Error(StatusCode::kPeerFailure,
-                       "cudaDeviceCanAccessPeer: " + cuda::error_text(err));
+                       "cudaDeviceCanAccessPeer: " + cuda_ipc::error_text(err));
     }
     if (can == 0) {
       throw Error(StatusCode::kInvalidArgument,
@@ -70,12 +70,12 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
   std::memcpy(handle.reserved, remote.cuda_share.handle.data(), CudaIpcShare::kHandleBytes);
   void* base = nullptr;
   {
-    cuda::DeviceGuard guard(device_);
+    cuda_ipc::DeviceGuard guard(device_);
     const cudaError_t err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {
       throw Error(StatusCode::kPeerFailure,
                        "cudaIpcOpenMemHandle for " + gen_string(pid, remote.generation) +
-                           " failed: " + cuda::error_text(err));
+                           " failed: " + cuda_ipc::error_text(err));
     }
   }
   auto mapping = std::make_shared<RemoteMapping>(base, device_);
@@ -83,20 +83,20 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
     cudaIpcMemHandle_t eh{};
     std::memcpy(eh.reserved, remote.epoch_handle.data(), CudaIpcShare::kHandleBytes);
     void* ep = nullptr;
-    cuda::DeviceGuard guard(device_);
+    cuda_ipc::DeviceGuard guard(device_);
     const cudaError_t err = cudaIpcOpenMemHandle(&ep, eh, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {
       throw Error(StatusCode::kPeerFailure,
                        "cudaIpcOpenMemHandle of the page epoch table of " +
                            gen_string(pid, remote.generation) + " failed: " +
-                           cuda::error_text(err));
+                           cuda_ipc::error_text(err));
     }
     mapping->set_epochs(ep);
     // Untrusted length: the table must hold epoch_pages words.
-    cuda::AddressRange er;
+    cuda_ipc::AddressRange er;
     bool eknown = false;
     try {
-      eknown = cuda::allocation_range(ep, &er);
+      eknown = cuda_ipc::allocation_range(ep, &er);
     } catch (const Error&) {
       eknown = false;
     }
@@ -110,10 +110,10 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
   }
   // The descriptor's sizes are untrusted: check the view against what the
   // handle really maps, so that no copy can run past the mapping.
-  cuda::AddressRange range;
+  cuda_ipc::AddressRange range;
   bool known = false;
   try {
-    known = cuda::allocation_range(base, &range);
+    known = cuda_ipc::allocation_range(base, &range);
   } catch (const Error&) {
     known = false;  // the driver cannot say; the descriptor checks stand alone
   }

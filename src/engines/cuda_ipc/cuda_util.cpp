@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <cstring>
 
-namespace mstar::kv::cuda {
+namespace mstar::kv::cuda_ipc {
 
 std::string error_text(cudaError_t err) {
   const char* name = cudaGetErrorName(err);
@@ -140,4 +140,4 @@ int legacy_ipc_capable(const void* ptr) {
   return value != 0 ? 1 : 0;
 }
 
-}  // namespace mstar::kv::cuda
+}  // namespace mstar::kv::cuda_ipc

@@ -14,7 +14,7 @@
 
 #include "mstar/kv/status.hpp"
 
-namespace mstar::kv::cuda {
+namespace mstar::kv::cuda_ipc {
 
 // "cudaErrorNoDevice (no CUDA-capable device is detected)". Clears the
 // runtime's last-error slot, which a handled failure would otherwise leave
@@ -67,4 +67,4 @@ bool allocation_range(const void* ptr, AddressRange* out);
 // Returns -1 when the driver cannot answer, else 0 or 1.
 int legacy_ipc_capable(const void* ptr);
 
-}  // namespace mstar::kv::cuda
+}  // namespace mstar::kv::cuda_ipc

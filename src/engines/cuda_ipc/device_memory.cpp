@@ -12,7 +12,7 @@
 
 namespace mstar::kv {
 
-namespace cuda {
+namespace cuda_ipc {
 
 namespace {
 
@@ -158,11 +158,11 @@ DeviceMemory::~DeviceMemory() {
   }
 }
 
-}  // namespace cuda
+}  // namespace cuda_ipc
 
 std::unique_ptr<KVMemory> wrap_device_memory(void* device_ptr, std::size_t size_bytes,
                                              int device) {
-  return cuda::DeviceMemory::wrap(device_ptr, size_bytes, device);
+  return cuda_ipc::DeviceMemory::wrap(device_ptr, size_bytes, device);
 }
 
 std::shared_ptr<KVCache> wrap_device_cache(const KVLayout& layout, void* device_ptr,
@@ -174,7 +174,7 @@ std::shared_ptr<KVCache> wrap_device_cache(const KVLayout& layout, void* device_
 std::string cuda_unavailable_reason() {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) return "cudaGetDeviceCount: " + cuda::error_text(err);
+  if (err != cudaSuccess) return "cudaGetDeviceCount: " + cuda_ipc::error_text(err);
   if (count <= 0) return "cudaGetDeviceCount: 0 CUDA devices visible";
   return {};
 }
@@ -182,7 +182,7 @@ std::string cuda_unavailable_reason() {
 namespace engines {
 
 std::unique_ptr<KVMemory> allocate_device_memory(std::size_t size, int device) {
-  return cuda::DeviceMemory::allocate(size, device);
+  return cuda_ipc::DeviceMemory::allocate(size, device);
 }
 
 }  // namespace engines

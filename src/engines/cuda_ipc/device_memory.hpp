@@ -14,7 +14,7 @@
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
 
-namespace mstar::kv::cuda {
+namespace mstar::kv::cuda_ipc {
 
 class DeviceEpochTable;  // cuda_epochs.hpp
 
@@ -59,4 +59,4 @@ class DeviceMemory final : public KVMemory {
   std::unique_ptr<DeviceEpochTable> epochs_;
 };
 
-}  // namespace mstar::kv::cuda
+}  // namespace mstar::kv::cuda_ipc

@@ -9,7 +9,7 @@
 
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/manager.hpp"
-#include "rma/rma_backend.hpp"
+#include "engines/rma/rma_backend.hpp"
 
 namespace mstar::kv::ucx {
 

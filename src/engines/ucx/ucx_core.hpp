@@ -38,7 +38,7 @@
 
 #include "core/auth.hpp"
 #include "mstar/kv/epochs.hpp"
-#include "rma/rma_engine.hpp"
+#include "engines/rma/rma_engine.hpp"
 #include "ucx_address.hpp"
 #include "ucx_auth.hpp"
 #include "ucx_callback.hpp"

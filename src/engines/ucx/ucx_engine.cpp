@@ -5,7 +5,7 @@
 
 #include "engine_makers.hpp"
 #include "mstar/kv/ucx.hpp"
-#include "rma/rma_engine.hpp"
+#include "engines/rma/rma_engine.hpp"
 #include "ucx_backend.hpp"
 
 namespace mstar::kv {

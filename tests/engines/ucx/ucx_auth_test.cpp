@@ -20,7 +20,7 @@
 
 #include "common/layouts.hpp"
 #include "mstar/kv/kv.hpp"
-#include "ucx/ucx_wire.hpp"
+#include "engines/ucx/ucx_wire.hpp"
 
 namespace mstar::kv::ucx {
 namespace {
