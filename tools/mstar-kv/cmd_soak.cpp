@@ -60,73 +60,6 @@ static_assert(std::atomic<bool>::is_always_lock_free);
 
 extern "C" void on_soak_signal(int) { g_interrupted.store(true, std::memory_order_relaxed); }
 
-std::vector<std::string> layout_flags(const KVLayout& l) {
-  return {"--layers",      std::to_string(l.num_layers),
-          "--kv-heads",    std::to_string(l.num_kv_heads),
-          "--head-dim",    std::to_string(l.head_dim),
-          "--dtype",       std::string(to_string(l.dtype)),
-          "--page-size",   std::to_string(l.page_size),
-          "--pages",       std::to_string(l.num_pages),
-          "--cache-order", l.cache_order == CacheOrder::kPageMajor ? "page" : "layer",
-          "--page-order",  l.page_order == PageOrder::kHND ? "hnd" : "nhd"};
-}
-
-// The soak's default geometry is small (4 layers, 2 heads x 64) so that many
-// requests fit in a short run; the layout flags override it.
-KVLayout soak_layout(const Args& args, std::uint32_t pages) {
-  KVLayout l = layout_from_args(args, pages);
-  if (!args.has("model")) {
-    l.num_layers = static_cast<std::uint32_t>(args.u64("layers", 4));
-    l.num_kv_heads = static_cast<std::uint32_t>(args.u64("kv-heads", 2));
-    l.head_dim = static_cast<std::uint32_t>(args.u64("head-dim", 64));
-  }
-  l.validate();
-  return l;
-}
-
-// ---- the prefill role -------------------------------------------------------
-
-// Publishes `sequences` sequences filled with their pattern, one
-// "SEQ <hex>" line each, then "READY", and serves until stdin closes.
-int run_prefill(const Args& args) {
-  const std::string engine = args.str("engine", "shm");
-  const std::uint64_t gen = args.u64("gen", 1);
-  const std::uint64_t sequences = args.u64("sequences", 6);
-  const std::uint64_t max_tokens = args.u64("max-tokens", 256);
-  const KVLayout l = soak_layout(args, 256);
-  auto cache = make_kv_cache(l, engine_traits(engine).memory);
-  EngineOptions o;
-  o.timeout = std::chrono::milliseconds(args.u64("timeout-ms", 2000));
-  KVTransferManager m(TransferEngineInfo{"soak-prefill-" + std::to_string(gen), "", engine, o},
-                      cache);
-  KVCachePool pool(cache, m.get_kv_transfer_info(), gen,
-                   std::chrono::milliseconds(args.u64("lease-ms", 1000)));
-  std::mt19937_64 rng(gen * 7919);
-  std::vector<std::uint64_t> live;
-  for (std::uint64_t i = 0; i < sequences; ++i) {
-    const std::uint64_t seq_id = gen * 1000 + i;
-    const std::uint64_t tokens = std::uniform_int_distribution<std::uint64_t>(1, max_tokens)(rng);
-    const auto pages = pool.allocate(seq_id, tokens);
-    fill_pattern(*cache, pattern_seed(seq_id), pages, 0, tokens);
-    std::printf("%s\n", testkit::seq_line(pool.publish(seq_id)).c_str());
-    live.push_back(seq_id);
-  }
-  std::printf("READY\n");
-  std::fflush(stdout);
-  PrefillChurn churn;
-  churn.reuse = std::chrono::milliseconds(args.u64("reuse-ms", 50));
-  churn.gen = gen;
-  churn.max_tokens = max_tokens;
-  churn.first_free_id = sequences;
-  serve_prefill_with_churn(pool, *cache, std::move(live), churn, pattern_seed,
-                           [](const SequenceInfo& s) {
-                             std::printf("%s\n", testkit::seq_line(s).c_str());
-                             std::fflush(stdout);
-                           });
-  m.cleanup();
-  return 0;
-}
-
 const char* kHelp =
     "usage: mstar-kv soak [--seconds N] [options] [layout options]\n"
     "Decode threads pull requests from prefill processes that are SIGKILLed and\n"
@@ -167,7 +100,7 @@ int cmd_soak(int argc, char** argv) {
   // UCX is pinned to loopback (its error log shows the peers dying).
   ::setenv("UCX_TLS", args.str("ucx-tls", "tcp").c_str(), 0);
   ::setenv("UCX_NET_DEVICES", "lo", 0);
-  if (args.str("role", "") == "prefill") return run_prefill(args);
+  if (args.str("role", "") == "prefill") return run_soak_prefill(args);
   if (args.has("role")) throw Error(StatusCode::kInvalidArgument, "unknown --role");
 
   const auto seconds = args.u64("seconds", 10);
@@ -188,44 +121,7 @@ int cmd_soak(int argc, char** argv) {
     throw Error(StatusCode::kInvalidArgument, "--fault-rate must be in [0, 1]");
   }
 
-  std::vector<std::string> engines;
-  {
-    // The soak runs the engines that move host pages between processes with
-    // nothing beyond their build.
-    std::vector<std::string> soakable;
-    for (const EngineTraits& t : engine_table()) {
-      if (t.crosses_processes && t.self_contained && t.memory != MemoryKind::kDevice) {
-        soakable.push_back(t.name);
-      }
-    }
-    const auto is_soakable = [&](const std::string& e) {
-      return std::find(soakable.begin(), soakable.end(), e) != soakable.end();
-    };
-    const auto built = built_engines();
-    std::string list = args.str("engines", "");
-    if (list.empty()) {
-      for (const std::string& e : built) {
-        if (is_soakable(e)) engines.push_back(e);
-      }
-    } else {
-      for (std::size_t pos = 0; pos <= list.size();) {
-        const std::size_t comma = std::min(list.find(',', pos), list.size());
-        const std::string e = list.substr(pos, comma - pos);
-        if (!is_soakable(e)) {
-          throw Error(StatusCode::kInvalidArgument,
-                      "--engines: '" + e + "' is not " + joined(soakable, " or "));
-        }
-        if (std::find(built.begin(), built.end(), e) == built.end()) {
-          throw Error(StatusCode::kUnavailable, "--engines: engine '" + e + "' is not built");
-        }
-        engines.push_back(e);
-        pos = comma + 1;
-      }
-    }
-    if (engines.empty()) {
-      throw Error(StatusCode::kUnavailable, "none of " + joined(soakable, ", ") + " is built");
-    }
-  }
+  const std::vector<std::string> engines = soak_engines(args.str("engines", ""));
 
   // Geometry: each prefill holds `sequences` sequences of up to max_tokens;
   // each decode thread owns enough pages for the longest one, and 4 guard
@@ -301,22 +197,10 @@ int cmd_soak(int argc, char** argv) {
     cache = make_kv_cache(local_layout, MemoryKind::kHost);
     std::map<std::string, KVTransferEngine*> by_name;
     for (const std::string& e : engines) {
-      EngineOptions o;
-      o.timeout = dcfg.timeout;
-      FaultConfig fc;
-      fc.p_delay = fault_rate * 0.25;
-      fc.p_drop = fault_rate * 0.1;
-      fc.p_fail_after = fault_rate * 0.2;
-      fc.p_kill = fault_rate * 0.05;
-      fc.p_duplicate = fault_rate * 0.2;
-      fc.p_cancel = fault_rate * 0.2;
-      fc.max_random_delay = 20ms;
-      fc.drop_timeout = dcfg.timeout;
-      fc.seed = seed * 31 + decode_engines.size();
-      auto inner = make_engine(TransferEngineInfo{"soak-decode", "", e, o}, cache);
-      auto wrapped = std::make_unique<FaultInjectingEngine>(
-          std::move(inner), local_layout, fc,
-          [&shared, r = std::make_shared<std::mt19937_64>(seed + 99)] { shared.kill_random((*r)()); });
+      auto wrapped = make_decode_engine(e, cache, dcfg, fault_rate, seed * 31 + decode_engines.size(),
+                                        [&shared, r = std::make_shared<std::mt19937_64>(seed + 99)] {
+                                          shared.kill_random((*r)());
+                                        });
       by_name[e] = wrapped.get();
       decode_engines.push_back(std::move(wrapped));
     }
@@ -385,15 +269,7 @@ int cmd_soak(int argc, char** argv) {
   for (auto& th : threads) th.join();
   for (auto& e : decode_engines) {
     e->shutdown();
-    const FaultCounters c = e->counters();
-    faults.batches += c.batches;
-    faults.delayed += c.delayed;
-    faults.dropped += c.dropped;
-    faults.failed_after_bytes += c.failed_after_bytes;
-    faults.kills += c.kills;
-    faults.duplicates += c.duplicates;
-    faults.duplicates_ignored += c.duplicates_ignored;
-    faults.cancels += c.cancels;
+    add_counters(faults, e->counters());
   }
   cleanup_children();
   ::sigaction(SIGINT, &old_int, nullptr);
@@ -403,58 +279,20 @@ int cmd_soak(int argc, char** argv) {
     stats.corruption("a duplicate completion changed a resolved future");
   }
 
-  const std::uint64_t injected = faults.total() + kills;
-  std::printf("soak: %llu s, %zu prefill processes (%s), %zu decode threads, seed %llu%s\n",
-              static_cast<unsigned long long>(seconds), n_prefill,
-              [&] {
-                std::string s;
-                for (const auto& p : prefills) s += (s.empty() ? "" : ", ") + p.engine;
-                return s;
-              }().c_str(),
-              n_threads, static_cast<unsigned long long>(seed),
-              g_interrupted.load() ? " (interrupted)" : "");
-  std::printf("requests: %llu (ok %llu, failed %llu, rejected before any byte %llu)\n",
-              static_cast<unsigned long long>(stats.requests.load()),
-              static_cast<unsigned long long>(stats.ok.load()),
-              static_cast<unsigned long long>(stats.failed.load()),
-              static_cast<unsigned long long>(stats.rejected.load()));
-  std::printf("bytes verified: %llu (%.2f GiB)\n",
-              static_cast<unsigned long long>(stats.bytes_verified.load()),
-              static_cast<double>(stats.bytes_verified.load()) / (1 << 30));
-  std::printf("faults injected: %llu (prefill kills %llu, kill-hook kills %llu, delays %llu, "
-              "drops %llu, fail-after-bytes %llu, duplicate completions %llu, cancels %llu; "
-              "prefill restarts %llu, of which after kill-hook deaths %llu)\n",
-              static_cast<unsigned long long>(injected), static_cast<unsigned long long>(kills),
-              static_cast<unsigned long long>(faults.kills),
-              static_cast<unsigned long long>(faults.delayed),
-              static_cast<unsigned long long>(faults.dropped),
-              static_cast<unsigned long long>(faults.failed_after_bytes),
-              static_cast<unsigned long long>(faults.duplicates),
-              static_cast<unsigned long long>(faults.cancels),
-              static_cast<unsigned long long>(restarts),
-              static_cast<unsigned long long>(deaths));
-  {
-    std::lock_guard<std::mutex> lock(stats.mu);
-    std::string by;
-    for (const auto& [code, count] : stats.failures_by_code) {
-      by += (by.empty() ? "" : ", ") + code + " " + std::to_string(count);
-    }
-    std::printf("pages reused: %llu new sequences published on freed pages (page reuse every "
-              "~%llu ms per prefill, lease %llu ms)\n",
-              static_cast<unsigned long long>(republished),
-              static_cast<unsigned long long>(args.u64("reuse-ms", 50)),
-              static_cast<unsigned long long>(args.u64("lease-ms", 1000)));
-  std::printf("failures reported (expected): %llu (%s)\n",
-                static_cast<unsigned long long>(stats.failed.load()) +
-                    static_cast<unsigned long long>(stats.rejected.load()),
-                by.empty() ? "none" : by.c_str());
-    std::printf("corruptions: %llu\n", static_cast<unsigned long long>(stats.corruptions.load()));
-    std::printf("wrong-sequence reads: %llu\n",
-                static_cast<unsigned long long>(stats.wrong_sequence.load()));
-    if (!stats.first_corruption.empty()) {
-      std::printf("first corruption: %s\n", stats.first_corruption.c_str());
-    }
-  }
+  SoakRun run;
+  run.seconds = seconds;
+  for (const auto& p : prefills) run.prefill_engines.push_back(p.engine);
+  run.threads = n_threads;
+  run.seed = seed;
+  run.interrupted = g_interrupted.load();
+  run.kills = kills;
+  run.restarts = restarts;
+  run.deaths = deaths;
+  run.republished = republished;
+  run.reuse_ms = args.u64("reuse-ms", 50);
+  run.lease_ms = args.u64("lease-ms", 1000);
+  run.faults = faults;
+  print_soak_report(run, stats);
   std::fflush(stdout);
   if (stats.corruptions.load() != 0 || stats.wrong_sequence.load() != 0) rc = 1;
   if (stats.ok.load() == 0) {

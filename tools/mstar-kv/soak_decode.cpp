@@ -84,4 +84,26 @@ void decode_thread(std::size_t t, const DecodeConfig& cfg, const KVCache& cache,
   }
 }
 
+std::unique_ptr<FaultInjectingEngine> make_decode_engine(const std::string& engine,
+                                                         std::shared_ptr<KVCache> cache,
+                                                         const DecodeConfig& cfg,
+                                                         double fault_rate, std::uint64_t seed,
+                                                         FaultInjectingEngine::KillHook kill) {
+  EngineOptions o;
+  o.timeout = cfg.timeout;
+  FaultConfig fc;
+  fc.p_delay = fault_rate * 0.25;
+  fc.p_drop = fault_rate * 0.1;
+  fc.p_fail_after = fault_rate * 0.2;
+  fc.p_kill = fault_rate * 0.05;
+  fc.p_duplicate = fault_rate * 0.2;
+  fc.p_cancel = fault_rate * 0.2;
+  fc.max_random_delay = std::chrono::milliseconds(20);
+  fc.drop_timeout = cfg.timeout;
+  fc.seed = seed;
+  const KVLayout layout = cache->layout();
+  auto inner = make_engine(TransferEngineInfo{"soak-decode", "", engine, o}, cache);
+  return std::make_unique<FaultInjectingEngine>(std::move(inner), layout, fc, std::move(kill));
+}
+
 }  // namespace mstar::kv::cli::soak

@@ -5,9 +5,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <random>
 
-#include "mstar/kv/pattern.hpp"
+#include "layout_args.hpp"
+#include "mstar/kv/kv.hpp"
+#include "soak_shared.hpp"
+#include "testkit/seq_line.hpp"
 
 namespace mstar::kv::cli {
 
@@ -50,6 +54,71 @@ void serve_prefill_with_churn(KVCachePool& pool, const KVCache& cache,
       add_one();  // LIFO free list: it gets the pages just freed
     }
   }
+}
+
+std::vector<std::string> layout_flags(const KVLayout& l) {
+  return {"--layers",      std::to_string(l.num_layers),
+          "--kv-heads",    std::to_string(l.num_kv_heads),
+          "--head-dim",    std::to_string(l.head_dim),
+          "--dtype",       std::string(to_string(l.dtype)),
+          "--page-size",   std::to_string(l.page_size),
+          "--pages",       std::to_string(l.num_pages),
+          "--cache-order", l.cache_order == CacheOrder::kPageMajor ? "page" : "layer",
+          "--page-order",  l.page_order == PageOrder::kHND ? "hnd" : "nhd"};
+}
+
+// The soak's default geometry is small (4 layers, 2 heads x 64) so that many
+// requests fit in a short run; the layout flags override it.
+KVLayout soak_layout(const Args& args, std::uint32_t pages) {
+  KVLayout l = layout_from_args(args, pages);
+  if (!args.has("model")) {
+    l.num_layers = static_cast<std::uint32_t>(args.u64("layers", 4));
+    l.num_kv_heads = static_cast<std::uint32_t>(args.u64("kv-heads", 2));
+    l.head_dim = static_cast<std::uint32_t>(args.u64("head-dim", 64));
+  }
+  l.validate();
+  return l;
+}
+
+// Publishes `sequences` sequences filled with their pattern, one
+// "SEQ <hex>" line each, then "READY", and serves until stdin closes.
+int run_soak_prefill(const Args& args) {
+  const std::string engine = args.str("engine", "shm");
+  const std::uint64_t gen = args.u64("gen", 1);
+  const std::uint64_t sequences = args.u64("sequences", 6);
+  const std::uint64_t max_tokens = args.u64("max-tokens", 256);
+  const KVLayout l = soak_layout(args, 256);
+  auto cache = make_kv_cache(l, engine_traits(engine).memory);
+  EngineOptions o;
+  o.timeout = std::chrono::milliseconds(args.u64("timeout-ms", 2000));
+  KVTransferManager m(TransferEngineInfo{"soak-prefill-" + std::to_string(gen), "", engine, o},
+                      cache);
+  KVCachePool pool(cache, m.get_kv_transfer_info(), gen,
+                   std::chrono::milliseconds(args.u64("lease-ms", 1000)));
+  std::mt19937_64 rng(gen * 7919);
+  std::vector<std::uint64_t> live;
+  for (std::uint64_t i = 0; i < sequences; ++i) {
+    const std::uint64_t seq_id = gen * 1000 + i;
+    const std::uint64_t tokens = std::uniform_int_distribution<std::uint64_t>(1, max_tokens)(rng);
+    const auto pages = pool.allocate(seq_id, tokens);
+    fill_pattern(*cache, soak::pattern_seed(seq_id), pages, 0, tokens);
+    std::printf("%s\n", testkit::seq_line(pool.publish(seq_id)).c_str());
+    live.push_back(seq_id);
+  }
+  std::printf("READY\n");
+  std::fflush(stdout);
+  PrefillChurn churn;
+  churn.reuse = std::chrono::milliseconds(args.u64("reuse-ms", 50));
+  churn.gen = gen;
+  churn.max_tokens = max_tokens;
+  churn.first_free_id = sequences;
+  serve_prefill_with_churn(pool, *cache, std::move(live), churn, soak::pattern_seed,
+                           [](const SequenceInfo& s) {
+                             std::printf("%s\n", testkit::seq_line(s).c_str());
+                             std::fflush(stdout);
+                           });
+  m.cleanup();
+  return 0;
 }
 
 }  // namespace mstar::kv::cli

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "mstar/kv/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/thread_annotations.hpp"
 #include "testkit/child.hpp"
@@ -110,5 +111,37 @@ void decode_thread(std::size_t t, const DecodeConfig& cfg, const KVCache& cache,
                    const KVLayout& remote_layout, std::vector<std::uint32_t> region,
                    std::map<std::string, KVTransferEngine*> engines, Shared& shared, Stats& stats,
                    const std::atomic<bool>& stop);
+
+// The decode side's engine for `engine`: made by the factory over `cache`,
+// wrapped in a FaultInjectingEngine injecting faults at `fault_rate` in all
+// (delays, drops, partial reads, kill-hook calls, duplicate completions,
+// cancels) from `seed`; `kill` kills a random prefill process.
+std::unique_ptr<FaultInjectingEngine> make_decode_engine(const std::string& engine,
+                                                         std::shared_ptr<KVCache> cache,
+                                                         const DecodeConfig& cfg,
+                                                         double fault_rate, std::uint64_t seed,
+                                                         FaultInjectingEngine::KillHook kill);
+
+// The engines to soak: `list` (comma-separated) checked, or, when empty,
+// every built engine that moves host pages between processes with nothing
+// beyond its build. Throws Error(kInvalidArgument / kUnavailable) naming them.
+std::vector<std::string> soak_engines(const std::string& list);
+
+// What a run did, for the report.
+struct SoakRun {
+  std::uint64_t seconds = 0;
+  std::vector<std::string> prefill_engines;  // one per prefill process
+  std::size_t threads = 0;
+  std::uint64_t seed = 0;
+  bool interrupted = false;
+  std::uint64_t kills = 0, restarts = 0, deaths = 0, republished = 0;
+  std::uint64_t reuse_ms = 0, lease_ms = 0;
+  FaultCounters faults;
+};
+// `sum` += `c`, counter by counter.
+void add_counters(FaultCounters& sum, const FaultCounters& c);
+// Prints the run's totals (requests, bytes verified, faults injected,
+// failures, corruptions).
+void print_soak_report(const SoakRun& run, Stats& stats);
 
 }  // namespace mstar::kv::cli::soak

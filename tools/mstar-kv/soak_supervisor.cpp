@@ -5,6 +5,7 @@
 // they publish.
 #include <algorithm>
 
+#include "args.hpp"
 #include "soak_shared.hpp"
 #include "testkit/seq_line.hpp"
 
@@ -61,6 +62,45 @@ std::size_t take_published(Prefill& p, std::size_t i, std::size_t keep, Shared& 
   }
   shared.slots[i] = std::move(pub);
   return fresh.size();
+}
+
+std::vector<std::string> soak_engines(const std::string& list) {
+  std::vector<std::string> engines;
+  // The soak runs the engines that move host pages between processes with
+  // nothing beyond their build.
+  std::vector<std::string> soakable;
+  for (const EngineTraits& t : engine_table()) {
+    if (t.crosses_processes && t.self_contained && t.memory != MemoryKind::kDevice) {
+      soakable.push_back(t.name);
+    }
+  }
+  const auto is_soakable = [&](const std::string& e) {
+    return std::find(soakable.begin(), soakable.end(), e) != soakable.end();
+  };
+  const auto built = built_engines();
+  if (list.empty()) {
+    for (const std::string& e : built) {
+      if (is_soakable(e)) engines.push_back(e);
+    }
+  } else {
+    for (std::size_t pos = 0; pos <= list.size();) {
+      const std::size_t comma = std::min(list.find(',', pos), list.size());
+      const std::string e = list.substr(pos, comma - pos);
+      if (!is_soakable(e)) {
+        throw Error(StatusCode::kInvalidArgument,
+                    "--engines: '" + e + "' is not " + cli::joined(soakable, " or "));
+      }
+      if (std::find(built.begin(), built.end(), e) == built.end()) {
+        throw Error(StatusCode::kUnavailable, "--engines: engine '" + e + "' is not built");
+      }
+      engines.push_back(e);
+      pos = comma + 1;
+    }
+  }
+  if (engines.empty()) {
+    throw Error(StatusCode::kUnavailable, "none of " + cli::joined(soakable, ", ") + " is built");
+  }
+  return engines;
 }
 
 }  // namespace mstar::kv::cli::soak
