@@ -1,10 +1,11 @@
 // Copyright mstar-kv authors.
 //
 // Constructors of the engines that are built, for the factory
-// (src/engines/factory.cpp) only. Each is defined in its engine's folder.
+// (src/engines/factory.cpp) only.
 #pragma once
 
 #include <memory>
+#include <utility>
 
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/engine.hpp"
@@ -12,14 +13,16 @@
 
 namespace mstar::kv::engines {
 
-std::unique_ptr<KVTransferEngine> make_shm_engine(std::shared_ptr<KVCache> cache,
-                                                  const TransferEngineInfo& info);
+// An engine class with every engine's constructor shape,
+// Engine(cache, TransferEngineInfo) (shm, cuda_ipc, mooncake).
+template <typename Engine>
+std::unique_ptr<KVTransferEngine> make(std::shared_ptr<KVCache> cache,
+                                       const TransferEngineInfo& info) {
+  return std::make_unique<Engine>(std::move(cache), info);
+}
+// The UCX engine has no public class: an RMA engine over the UCX backend.
 std::unique_ptr<KVTransferEngine> make_ucx_engine(std::shared_ptr<KVCache> cache,
                                                   const TransferEngineInfo& info);
-std::unique_ptr<KVTransferEngine> make_mooncake_engine(std::shared_ptr<KVCache> cache,
-                                                       const TransferEngineInfo& info);
-std::unique_ptr<KVTransferEngine> make_cuda_ipc_engine(std::shared_ptr<KVCache> cache,
-                                                       const TransferEngineInfo& info);
 
 // Memory providers, for make_kv_cache().
 std::unique_ptr<KVMemory> allocate_shared_memory(std::size_t size, std::uint32_t num_pages);

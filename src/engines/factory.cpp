@@ -9,6 +9,15 @@
 #include <string>
 
 #include "engine_makers.hpp"
+#if MSTAR_KV_HAVE_SHM
+#include "mstar/kv/shm.hpp"
+#endif
+#if MSTAR_KV_HAVE_MOONCAKE
+#include "mstar/kv/mooncake.hpp"
+#endif
+#if MSTAR_KV_HAVE_CUDA_IPC
+#include "mstar/kv/cuda_ipc.hpp"
+#endif
 #include "mstar/kv/local_only.hpp"
 #include "mstar/kv/manager.hpp"
 #include "mstar/kv/stats.hpp"
@@ -43,7 +52,7 @@ std::vector<Entry> entries() {
     e.layer_readiness = true;
     e.loopback = {{"shm", {}, false}};
 #if MSTAR_KV_HAVE_SHM
-    t.push_back({e, &engines::make_shm_engine});
+    t.push_back({e, &engines::make<ShmKVTransferEngine>});
 #else
     t.push_back({e, nullptr});
 #endif
@@ -70,7 +79,7 @@ std::vector<Entry> entries() {
     // Mooncake's INFO lines would bury a benchmark's table.
     e.loopback = {{"mooncake", {{"GLOG_minloglevel", "1"}}, true}};
 #if MSTAR_KV_HAVE_MOONCAKE
-    t.push_back({e, &engines::make_mooncake_engine});
+    t.push_back({e, &engines::make<MooncakeKVTransferEngine>});
 #else
     t.push_back({e, nullptr});
 #endif
@@ -83,7 +92,7 @@ std::vector<Entry> entries() {
     e.self_contained = false;  // needs a CUDA device
     e.loopback = {{"cuda_ipc", {}, false}};
 #if MSTAR_KV_HAVE_CUDA_IPC
-    t.push_back({e, &engines::make_cuda_ipc_engine});
+    t.push_back({e, &engines::make<CudaIpcKVTransferEngine>});
 #else
     t.push_back({e, nullptr});
 #endif

@@ -354,13 +354,4 @@ void CudaIpcKVTransferEngine::shutdown() { impl_->shutdown(); }
 
 std::size_t CudaIpcKVTransferEngine::open_handles() const { return impl_->open_handles(); }
 
-namespace engines {
-
-std::unique_ptr<KVTransferEngine> make_cuda_ipc_engine(std::shared_ptr<KVCache> cache,
-                                                       const TransferEngineInfo& info) {
-  return std::make_unique<CudaIpcKVTransferEngine>(std::move(cache), info);
-}
-
-}  // namespace engines
-
 }  // namespace mstar::kv

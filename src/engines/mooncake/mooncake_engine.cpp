@@ -5,7 +5,6 @@
 #include <string>
 #include <utility>
 
-#include "engines/engine_makers.hpp"
 #include "mooncake_api.hpp"
 #include "mooncake_backend.hpp"
 #include "mstar/kv/mooncake.hpp"
@@ -170,12 +169,4 @@ std::optional<TransferFuture> MooncakeKVTransferEngine::read_batched_async(
 
 void MooncakeKVTransferEngine::shutdown() { impl_->shutdown(); }
 
-namespace engines {
-
-std::unique_ptr<KVTransferEngine> make_mooncake_engine(std::shared_ptr<KVCache> cache,
-                                                       const TransferEngineInfo& info) {
-  return std::make_unique<MooncakeKVTransferEngine>(std::move(cache), info);
-}
-
-}  // namespace engines
 }  // namespace mstar::kv

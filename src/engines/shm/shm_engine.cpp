@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "copy_pool.hpp"
-#include "engines/engine_makers.hpp"
 #include "engines/option_keys.hpp"
 #include "mstar/kv/shm.hpp"
 #include "shm_mapping.hpp"
@@ -260,12 +259,3 @@ std::size_t ShmKVTransferEngine::cached_mappings() const {
 }
 
 }  // namespace mstar::kv
-
-namespace mstar::kv::engines {
-
-std::unique_ptr<KVTransferEngine> make_shm_engine(std::shared_ptr<KVCache> cache,
-                                                  const TransferEngineInfo& info) {
-  return std::make_unique<ShmKVTransferEngine>(std::move(cache), info);
-}
-
-}  // namespace mstar::kv::engines

@@ -3,7 +3,7 @@
 // make_ucx_engine (for the factory) and the public UcxKVTransferInfo.
 #include <memory>
 
-#include "engine_makers.hpp"
+#include "engines/engine_makers.hpp"
 #include "mstar/kv/ucx.hpp"
 #include "engines/rma/rma_engine.hpp"
 #include "ucx_backend.hpp"

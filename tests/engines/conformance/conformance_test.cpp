@@ -350,6 +350,11 @@ struct LongRead {
   LongRead() {
     for (std::uint32_t i = 0; i < 1024; ++i) local_pages[i] = (i * 7) % 1024;
   }
+  // The whole of `seq` (the peer's 1024 * 16 tokens) into local_pages.
+  std::optional<TransferFuture> start(KVTransferManager& m, const SequenceInfo& seq) const {
+    return m.start_async_retrieve(0, seq.num_tokens, local_pages, seq.page_indices,
+                                  seq.kv_transfer_info);
+  }
 };
 
 // A cancelled read resolves kCancelled (or kOk, when it had finished), and
@@ -361,8 +366,7 @@ TEST_P(Conformance, CancelResolvesOnlyOnceNothingLandsAfter) {
   const auto& seq = peer->sequence();
   int cancelled = 0;
   for (int i = 0; i < 10; ++i) {
-    auto f = m->start_async_retrieve(0, seq.num_tokens, r.local_pages, seq.page_indices,
-                                     seq.kv_transfer_info);
+    auto f = r.start(*m, seq);
     ASSERT_TRUE(f.has_value());
     f->cancel();
     expect_quiet_after(*cache, *f);
@@ -391,8 +395,7 @@ TEST_P(Conformance, TimeoutResolvesOnlyOnceNothingLandsAfter) {
     testing::fill_bytes(*cache, kSentinel);
     std::optional<TransferFuture> f;
     try {
-      f = m->start_async_retrieve(0, seq.num_tokens, r.local_pages, seq.page_indices,
-                                  seq.kv_transfer_info);
+      f = r.start(*m, seq);
     } catch (const Error& e) {
       ASSERT_EQ(e.code(), StatusCode::kTimeout) << e.what();
       expect_only_named_bytes_written(*cache, r.layout, {});
