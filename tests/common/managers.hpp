@@ -6,13 +6,27 @@
 // invariant).
 #pragma once
 
+#include <chrono>
+#include <map>
 #include <memory>
+#include <string>
 #include <utility>
 
 #include "mstar/kv/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
 
 namespace mstar::kv::testing {
+
+// A reader's manager over `engine` with this timeout and these options.
+inline std::unique_ptr<KVTransferManager> reader_manager(
+    const std::string& engine, std::shared_ptr<KVCache> cache, std::chrono::milliseconds timeout,
+    std::map<std::string, std::string> extra = {}) {
+  EngineOptions o;
+  o.timeout = timeout;
+  o.extra = std::move(extra);
+  return std::make_unique<KVTransferManager>(TransferEngineInfo{"decode", "", engine, o},
+                                             std::move(cache));
+}
 
 inline std::unique_ptr<KVTransferManager> make_manager(const TransferEngineInfo& info,
                                                        std::shared_ptr<KVCache> cache,

@@ -21,6 +21,7 @@
 #include "cuda_ipc_test_util.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
+#include "common/managers.hpp"
 #include "common/expect_error.hpp"
 #include "common/layouts.hpp"
 
@@ -73,11 +74,7 @@ class CudaIpcEngine : public ::testing::Test {
   static std::unique_ptr<KVTransferManager> manager(std::shared_ptr<KVCache> cache,
                                                     std::chrono::milliseconds timeout = 10000ms,
                                                     std::map<std::string, std::string> extra = {}) {
-    EngineOptions o;
-    o.timeout = timeout;
-    o.extra = std::move(extra);
-    return std::make_unique<KVTransferManager>(TransferEngineInfo{"decode", "", "cuda_ipc", o},
-                                               std::move(cache));
+    return testing::reader_manager("cuda_ipc", std::move(cache), timeout, std::move(extra));
   }
 
   // Every byte outside the destination spans of `reads` still holds the

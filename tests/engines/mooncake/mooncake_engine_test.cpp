@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/managers.hpp"
 #include "common/expect_error.hpp"
 #include "common/peer_process.hpp"
 #include "engines/mooncake/mooncake_test_util.hpp"
@@ -59,11 +60,7 @@ class MooncakeEngine : public ::testing::Test {
   static std::unique_ptr<KVTransferManager> manager(std::shared_ptr<KVCache> c,
                                                     std::chrono::milliseconds timeout = 5000ms,
                                                     std::map<std::string, std::string> extra = {}) {
-    EngineOptions o;
-    o.timeout = timeout;
-    o.extra = std::move(extra);
-    return std::make_unique<KVTransferManager>(
-        TransferEngineInfo{"decode", "", "mooncake", o}, std::move(c));
+    return testing::reader_manager("mooncake", std::move(c), timeout, std::move(extra));
   }
 
 };
