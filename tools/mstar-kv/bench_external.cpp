@@ -13,6 +13,7 @@
 
 #include "bench_proc.hpp"
 #include "mstar/kv/status.hpp"
+#include "nixl_peer_script.hpp"  // generated from nixl_peer.py
 
 namespace mstar::kv::cli::bench {
 
@@ -259,6 +260,44 @@ ExternalResult run_mooncake_bench(const std::string& binary, std::uint64_t block
   // Its GB/s is 1e9 bytes per second (batches x batch x block / seconds).
   r.gbps = std::stod(m[1]);
   r.ok = true;
+  return r;
+}
+
+ExternalResult run_nixl_peer(const std::string& tls, std::uint64_t block, std::uint32_t count,
+                             std::uint32_t iters) {
+  ExternalResult r;
+  if (find_program("python3").empty()) {
+    r.error = "python3 not found";
+    return r;
+  }
+  TempFiles tmp;
+  SpawnOptions so;
+  so.argv = {"python3",          "-c",
+             kNixlPeerScript,    "initiator",
+             std::to_string(block), std::to_string(count),
+             std::to_string(iters)};
+  // UCX_MODULES=^ib: the wheel's bundled libnl crashes processes at exit
+  // otherwise (and there is no InfiniBand here).
+  so.env = {{"UCX_TLS", tls}, {"UCX_NET_DEVICES", "lo"}, {"UCX_MODULES", "^ib"},
+            {"MSTAR_KV_NIXL_SCRIPT", kNixlPeerScript}};
+  so.output_file = tmp.make("nixl");
+  r.command = "UCX_TLS=" + tls + " nixl_peer.py initiator " + std::to_string(block) + " " +
+              std::to_string(count) + " " + std::to_string(iters);
+  Child peer(so);
+  const auto rc = peer.wait_for(milliseconds(120000));
+  const std::string out = read_file(so.output_file);
+  static const std::regex gbps("GBPS ([0-9.]+)");
+  static const std::regex error("ERROR ([^\n]*)");
+  std::smatch m;
+  if (rc && *rc == 0 && std::regex_search(out, m, gbps)) {
+    r.gbps = std::stod(m[1]);
+    r.ok = true;
+  } else if (std::regex_search(out, m, error)) {
+    r.error = "NIXL: " + std::string(m[1]);
+  } else {
+    r.error = std::string(rc ? "nixl_peer.py failed" : "nixl_peer.py timed out after 120 s") +
+              ": " + last_lines(out, 3);
+  }
   return r;
 }
 

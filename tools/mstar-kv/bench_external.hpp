@@ -39,4 +39,12 @@ std::string find_mooncake_bench(std::string* why_not);
 ExternalResult run_mooncake_bench(const std::string& binary, std::uint64_t block_bytes,
                                   std::uint32_t batch, std::uint32_t threads, int seconds);
 
+// NVIDIA NIXL's READ of `count` scattered blocks of `block` bytes between
+// two processes on loopback (nixl_peer.py, embedded; PyPI's nixl-cu12 wheel,
+// UCX backend with UCX_TLS=tls, DRAM), the descriptors prepared once and the
+// transfer re-posted `iters` times, the bytes of the last one verified.
+// Not ok, with the reason, when python3 or NIXL is missing or it fails.
+ExternalResult run_nixl_peer(const std::string& tls, std::uint64_t block, std::uint32_t count,
+                             std::uint32_t iters);
+
 }  // namespace mstar::kv::cli::bench

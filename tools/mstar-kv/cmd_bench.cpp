@@ -428,7 +428,8 @@ int cmd_bench(int argc, char** argv) {
           c.extra["iperf3_tcp"] = ip.gbps;
         }
       }
-      // Mooncake's transfer_engine_bench at the raw cases' block and batch sizes.
+      // The peers (Mooncake's transfer_engine_bench, NIXL) at the raw cases'
+      // block and batch sizes (--mooncake-sizes).
       std::set<std::pair<std::uint64_t, std::uint32_t>> sizes;
       if (mc_sizes != "none") sizes.insert({65536, 128});
       if (mc_sizes == "all") {
@@ -441,19 +442,18 @@ int cmd_bench(int argc, char** argv) {
       if (!sizes.empty() && te.empty()) {
         report.references.push_back({"Mooncake transfer_engine_bench", false, 0, why_not});
       }
-      for (const auto& [block, batch] : sizes) {
-        if (te.empty()) break;
-        const Workload w = raw_workload(block, batch, "piece");
-        progress.set_label("Mooncake transfer_engine_bench " + w.name);
+      // A peer's row at a raw case's block and batch, beside ucx_perftest over
+      // TCP, and the ratio of each of our TCP cases of that size to it.
+      auto peer_row = [&](const std::string& peer, const std::string& what, std::uint64_t block,
+                          std::uint32_t batch, const ExternalResult& er) {
         CaseResult r;
-        r.engine = "mooncake_te_bench";
-        r.workload = w;
-        const ExternalResult er = run_mooncake_bench(te, block, batch, 1, mc_duration);
+        r.engine = peer;
+        r.workload = raw_workload(block, batch, "piece");
         if (!er.ok) {
           r.error = er.error;
           r.skipped = true;  // a reference that did not run, not a failure of ours
           report.cases.push_back(r);
-          continue;
+          return;
         }
         r.ok = true;
         r.gbps = Stat{er.gbps, er.gbps, er.gbps};
@@ -461,28 +461,38 @@ int cmd_bench(int argc, char** argv) {
         r.piece_bytes = block;
         r.reads = batch;
         r.copies = batch;
-        r.extra["mooncake_te_bench"] = er.gbps;
-        if (const auto s = ucx_perf("tcp", block)) {
+        r.extra[peer] = er.gbps;
+        if (const auto st = ucx_perf("tcp", block)) {
           r.baseline_name = "ucx_perftest stream_bw tcp " + size_name(block);
-          r.baseline_gbps = *s;
-          r.ratio = r.gbps.median / s->median;
+          r.baseline_gbps = *st;
+          r.ratio = r.gbps.median / st->median;
         }
-        report.notes.push_back("transfer_engine_bench: " + er.command + " -> " +
-                               std::to_string(er.gbps) + " GB/s (1 run, " +
-                               std::to_string(mc_duration) + " s)");
+        report.notes.push_back(what + ": " + er.command + " -> " + std::to_string(er.gbps) +
+                               " GB/s");
         for (CaseResult& c : report.cases) {
-          if (c.ok && c.engine != "mooncake_te_bench" && c.workload.model == "raw" &&
-              c.workload.piece_bytes == block && c.workload.batch == batch) {
-            c.extra["mooncake_te_bench"] = er.gbps;
-            if (over_tcp.count(c.engine) != 0) {
-              char buf[160];
-              std::snprintf(buf, sizeof buf, "%s %s: %.2fx Mooncake transfer_engine_bench",
-                            c.engine.c_str(), c.workload.name.c_str(), c.gbps.median / er.gbps);
-              report.notes.push_back(buf);
-            }
+          if (c.ok && c.engine != peer && c.workload.model == "raw" &&
+              c.workload.piece_bytes == block && c.workload.batch == batch &&
+              over_tcp.count(c.engine) != 0) {
+            c.extra[peer] = er.gbps;
+            char buf[160];
+            std::snprintf(buf, sizeof buf, "%s %s: %.2fx %s", c.engine.c_str(),
+                          c.workload.name.c_str(), c.gbps.median / er.gbps, what.c_str());
+            report.notes.push_back(buf);
           }
         }
         report.cases.push_back(r);
+      };
+      for (const auto& [block, batch] : sizes) {
+        if (te.empty()) break;
+        progress.set_label("Mooncake transfer_engine_bench " + size_name(block));
+        peer_row("mooncake_te_bench", "Mooncake transfer_engine_bench", block, batch,
+                 run_mooncake_bench(te, block, batch, 1, mc_duration));
+      }
+      // NVIDIA NIXL (PyPI wheel, UCX backend, DRAM) over the same TCP.
+      for (const auto& [block, batch] : sizes) {
+        progress.set_label("NIXL READ over UCX tcp " + size_name(block));
+        peer_row("nixl_ucx_tcp", "NIXL over UCX tcp", block, batch,
+                 run_nixl_peer("tcp", block, batch, 200));
       }
     }
   }
