@@ -242,6 +242,9 @@ struct FaultInjectingEngine::Impl {
       }
     }
     if (f) {
+      // A cancel of the outer future reaches the inner one at once, on the
+      // cancelling thread (the loop below forwards it too, a poll later).
+      b->promise.on_cancel([inner = *f] { inner.cancel(); });
       std::lock_guard<std::mutex> lock(mu);
       b->inner = std::move(f);
     }

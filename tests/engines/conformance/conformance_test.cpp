@@ -364,8 +364,10 @@ TEST_P(Conformance, CancelResolvesOnlyOnceNothingLandsAfter) {
   const LongRead r;
   auto [l, peer, cache, m] = pull_setup(r.layout, 1024 * 16, 20000ms);
   const auto& seq = peer->sequence();
+  // Up to 40 tries, until 3 cancels landed mid-read (on a loaded machine a
+  // read may finish before the cancel gets a core).
   int cancelled = 0;
-  for (int i = 0; i < 10; ++i) {
+  for (int i = 0; i < 40 && cancelled < 3; ++i) {
     auto f = r.start(*m, seq);
     ASSERT_TRUE(f.has_value());
     f->cancel();
@@ -375,7 +377,7 @@ TEST_P(Conformance, CancelResolvesOnlyOnceNothingLandsAfter) {
     cancelled += c == StatusCode::kCancelled;
   }
   if (GetParam().traits.reader_memory != MemoryKind::kDevice) {
-    EXPECT_GT(cancelled, 0) << "10 cancels of a 32 MiB read all came after it finished";
+    EXPECT_GT(cancelled, 0) << "40 cancels of a 32 MiB read all came after it finished";
   }
   m->sync_retrieve(0, seq.num_tokens, r.local_pages, seq.page_indices, seq.kv_transfer_info);
   auto v = testing::verify_pattern_any(*cache, kSeed, r.local_pages, 0, seq.num_tokens);
@@ -391,7 +393,7 @@ TEST_P(Conformance, TimeoutResolvesOnlyOnceNothingLandsAfter) {
   auto [l, peer, cache, m] = pull_setup(r.layout, 1024 * 16, 1ms);
   const auto& seq = peer->sequence();
   int timeouts = 0;
-  for (int i = 0; i < 20 && timeouts < 2; ++i) {
+  for (int i = 0; i < 40 && timeouts < 2; ++i) {
     testing::fill_bytes(*cache, kSentinel);
     std::optional<TransferFuture> f;
     try {
@@ -415,7 +417,7 @@ TEST_P(Conformance, TimeoutResolvesOnlyOnceNothingLandsAfter) {
     }
   }
   if (GetParam().traits.reader_memory != MemoryKind::kDevice) {
-    EXPECT_GT(timeouts, 0) << "a 32 MiB read never took more than 1 ms";
+    EXPECT_GT(timeouts, 0) << "a 32 MiB read never took more than 1 ms in 40 tries";
   }
 }
 
