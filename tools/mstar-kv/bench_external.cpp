@@ -1,19 +1,26 @@
 // Copyright mstar-kv authors.
 #include "bench_external.hpp"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <regex>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include "bench_proc.hpp"
 #include "mstar/kv/status.hpp"
 #include "nixl_peer_script.hpp"  // generated from nixl_peer.py
+#include "testkit/ports.hpp"
 
 namespace mstar::kv::cli::bench {
 
@@ -297,6 +304,61 @@ ExternalResult run_nixl_peer(const std::string& tls, std::uint64_t block, std::u
   } else {
     r.error = std::string(rc ? "nixl_peer.py failed" : "nixl_peer.py timed out after 120 s") +
               ": " + last_lines(out, 3);
+  }
+  return r;
+}
+
+RttResult run_tcp_round_trip(std::uint64_t reply_bytes, std::uint32_t iters) {
+  RttResult r;
+  const int lfd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t alen = sizeof a;
+  if (lfd < 0 || ::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::listen(lfd, 1) != 0 || ::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &alen) != 0) {
+    r.error = std::string("tcp round trip: cannot listen: ") + std::strerror(errno);
+    if (lfd >= 0) ::close(lfd);
+    return r;
+  }
+  const int one = 1;
+  // The server: a 1-byte request in, reply_bytes out, until the client closes.
+  std::thread server([&] {
+    const int fd = ::accept(lfd, nullptr, nullptr);
+    if (fd < 0) return;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    std::vector<char> reply(reply_bytes, 'x');
+    char req = 0;
+    while (::recv(fd, &req, 1, MSG_WAITALL) == 1) {
+      if (!write_all(fd, reply.data(), reply.size())) break;
+    }
+    ::close(fd);
+  });
+  const int fd = testkit::connect_loopback(ntohs(a.sin_port), 10);
+  std::vector<double> us;
+  if (fd >= 0) {
+    std::vector<char> buf(reply_bytes);
+    for (std::uint32_t i = 0; i < iters + 10; ++i) {
+      const auto t0 = Clock::now();
+      const char req = 'r';
+      if (::send(fd, &req, 1, MSG_NOSIGNAL) != 1 ||
+          ::recv(fd, buf.data(), buf.size(), MSG_WAITALL) != static_cast<ssize_t>(buf.size())) {
+        r.error = std::string("tcp round trip failed: ") + std::strerror(errno);
+        break;
+      }
+      if (i >= 10) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+    ::close(fd);
+  } else {
+    r.error = "tcp round trip: cannot connect";
+  }
+  ::shutdown(lfd, SHUT_RDWR);
+  ::close(lfd);
+  server.join();
+  if (us.size() == iters) {
+    std::nth_element(us.begin(), us.begin() + static_cast<std::ptrdiff_t>(us.size() / 2), us.end());
+    r.p50_us = us[us.size() / 2];
+    r.ok = true;
   }
   return r;
 }

@@ -420,6 +420,24 @@ int cmd_bench(int argc, char** argv) {
       c.baseline_gbps = *s;
       c.ratio = s->median > 0 ? std::optional<double>(c.gbps.median / s->median) : std::nullopt;
     }
+    // Small requests over TCP: their p50 beside one TCP round trip that
+    // carries the same bytes back (the latency floor of a request).
+    std::map<std::uint64_t, RttResult> rtt;
+    for (const CaseResult& c : report.cases) {
+      const std::uint64_t bytes = c.workload.bytes_per_request();
+      if (!c.ok || over_tcp.count(c.engine) == 0 || bytes > (8u << 20)) continue;
+      if (rtt.count(bytes) == 0) {
+        progress.set_label("tcp round trip " + size_name(bytes));
+        rtt[bytes] = run_tcp_round_trip(bytes, 200);
+        if (!rtt[bytes].ok) report.notes.push_back("no tcp round trip: " + rtt[bytes].error);
+      }
+      if (!rtt[bytes].ok) continue;
+      char buf[200];
+      std::snprintf(buf, sizeof buf, "%s %s: p50 %.0f us = %.2fx a TCP round trip of its %s (%.0f us)",
+                    c.engine.c_str(), c.workload.name.c_str(), c.p50_us,
+                    c.p50_us / rtt[bytes].p50_us, size_name(bytes).c_str(), rtt[bytes].p50_us);
+      report.notes.push_back(buf);
+    }
     if (peers) {
       progress.set_label("iperf3 tcp loopback");
       const ExternalResult ip = run_iperf3(2.0);
