@@ -17,15 +17,9 @@ namespace {
 // library it loads (Mooncake: MSTAR_KV_MOONCAKE_LIB) or a CUDA device.
 std::string missing_runtime(const EngineTraits& t, std::map<std::string, std::string>& extra) {
   if (!t.library_option.empty()) {
-    const char* lib = std::getenv("MSTAR_KV_MOONCAKE_LIB");
-    if (lib == nullptr || *lib == '\0') {
-      return "MSTAR_KV_MOONCAKE_LIB is not set: no Mooncake library with the C API here "
-             "(the PyPI wheel carries none)";
-    }
-    void* h = ::dlopen(lib, RTLD_NOW | RTLD_LOCAL);
-    if (h == nullptr) return std::string("cannot load MSTAR_KV_MOONCAKE_LIB: ") + ::dlerror();
-    ::dlclose(h);
-    extra[t.library_option] = lib;
+    std::string why = mooncake_skip_reason();
+    if (!why.empty()) return why;
+    extra[t.library_option] = std::getenv("MSTAR_KV_MOONCAKE_LIB");
   }
   if (t.memory == MemoryKind::kDevice || t.reader_memory == MemoryKind::kDevice) {
     // MSTAR_KV_REQUIRE_GPU=1 (scripts/gpu-check): run, and fail without one.
@@ -40,6 +34,20 @@ std::string label_of(std::string name) {
 }
 
 }  // namespace
+
+std::string mooncake_skip_reason() {
+  const char* lib = std::getenv("MSTAR_KV_MOONCAKE_LIB");
+  if (lib == nullptr || *lib == '\0') {
+    return "MSTAR_KV_MOONCAKE_LIB is not set: no Mooncake library with the C API here (the "
+           "PyPI wheel mooncake-transfer-engine-non-cuda carries none; build "
+           "libtransfer_engine.so from Mooncake's source)";
+  }
+  void* h = ::dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+  if (h == nullptr) return std::string("cannot load MSTAR_KV_MOONCAKE_LIB: ") + ::dlerror();
+  const bool has = ::dlsym(h, "createTransferEngine") != nullptr;
+  ::dlclose(h);
+  return has ? "" : std::string("MSTAR_KV_MOONCAKE_LIB has no Mooncake C API: ") + lib;
+}
 
 std::vector<EngineCase> engine_cases() {
   std::vector<EngineCase> cases;

@@ -29,6 +29,10 @@ struct EngineCase {
 };
 inline void PrintTo(const EngineCase& c, std::ostream* os) { *os << c.label; }
 
+// Why Mooncake cannot run here ("" when it can): MSTAR_KV_MOONCAKE_LIB unset,
+// not loadable, or without Mooncake's C API.
+std::string mooncake_skip_reason();
+
 // Every engine in engine_table() order, one case per loopback setup.
 std::vector<EngineCase> engine_cases();
 // The cases that need nothing beyond the build and a peer process (engines

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "mstar/kv/layout.hpp"
 
@@ -46,6 +47,13 @@ inline KVLayout shard_layout(std::uint32_t page_size, std::uint32_t heads, std::
   l.total_kv_heads = total;
   l.head_dim = 32;
   return l;
+}
+
+// Pages first, first + 1, ..., n of them.
+inline std::vector<std::uint32_t> iota_pages(std::size_t n, std::uint32_t first = 0) {
+  std::vector<std::uint32_t> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = first + static_cast<std::uint32_t>(i);
+  return v;
 }
 
 }  // namespace mstar::kv::testing

@@ -6,7 +6,7 @@
 #include "core/codec.hpp"
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/status.hpp"
-#include "common/expect_error.hpp"
+#include "common/expectations.hpp"
 #include "common/layouts.hpp"
 
 namespace mstar::kv {

@@ -11,6 +11,7 @@
 #include "mstar/kv/pool.hpp"
 #include "mstar/kv/readiness.hpp"
 #include "mstar/kv/status.hpp"
+#include "common/expectations.hpp"
 #include "common/layouts.hpp"
 
 namespace mstar::kv {
@@ -25,17 +26,6 @@ KVTransferInfo descriptor() {
   d.engine = "test";
   d.payload = {1};
   return d;
-}
-
-std::string message_of(const std::function<void()>& fn, StatusCode want) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), want) << e.what();
-    return e.status().message();
-  }
-  ADD_FAILURE() << "no Error thrown";
-  return "";
 }
 
 // An owner's cache of 4 layers and 8 pages and its pool.
@@ -74,13 +64,13 @@ TEST_F(LayerReadiness, GoingBackwardsOrBeyondTheLayersIsRefusedNamingBothValues)
   const auto pages = pool.allocate(1, 40);
   pool.publish(1, 0);
   pool.mark_layers_ready(1, 3);
-  auto m = message_of([&] { pool.mark_layers_ready(1, 2); }, StatusCode::kInvalidArgument);
+  auto m = testing::expect_error([&] { pool.mark_layers_ready(1, 2); }, StatusCode::kInvalidArgument);
   EXPECT_NE(m.find("2 layers ready would go backwards from 3"), std::string::npos) << m;
-  m = message_of([&] { pool.mark_layers_ready(1, 5); }, StatusCode::kInvalidArgument);
+  m = testing::expect_error([&] { pool.mark_layers_ready(1, 5); }, StatusCode::kInvalidArgument);
   EXPECT_NE(m.find("5 layers ready is beyond the layout's 4 layers"), std::string::npos) << m;
-  m = message_of([&] { pool.publish(1, 1); }, StatusCode::kInvalidArgument);
+  m = testing::expect_error([&] { pool.publish(1, 1); }, StatusCode::kInvalidArgument);
   EXPECT_NE(m.find("from 3"), std::string::npos) << m;
-  message_of([&] { pool.mark_layers_ready(7, 1); }, StatusCode::kNotFound);
+  testing::expect_error([&] { pool.mark_layers_ready(7, 1); }, StatusCode::kNotFound);
   // A call that throws changes nothing.
   EXPECT_EQ(pool.layers_ready(1), 3u);
   for (auto p : pages) EXPECT_EQ(c->readiness().load(p), 3u);
@@ -126,12 +116,12 @@ TEST_F(LayerReadiness, TheLocalOnlyEngineRefusesToStreamNamingItself) {
   KVTransferManager m(std::nullopt, c);
   const std::vector<std::uint32_t> pages{0, 1};
   EXPECT_FALSE(m.start_streaming_retrieve(5, 5, pages, pages, KVTransferInfo{}).has_value());
-  const auto msg = message_of(
+  const auto msg = testing::expect_error(
       [&] { m.start_streaming_retrieve(0, 20, pages, pages, KVTransferInfo{}); },
       StatusCode::kUnavailable);
   EXPECT_NE(msg.find("'local'"), std::string::npos) << msg;
   m.cleanup();
-  message_of([&] { m.start_streaming_retrieve(0, 20, pages, pages, KVTransferInfo{}); },
+  testing::expect_error([&] { m.start_streaming_retrieve(0, 20, pages, pages, KVTransferInfo{}); },
              StatusCode::kShutdown);
 }
 

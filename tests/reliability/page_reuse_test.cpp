@@ -80,13 +80,6 @@ class PageReuse : public ::testing::TestWithParam<ReuseCase> {
   }
 };
 
-// Local pages 0 .. n-1.
-std::vector<std::uint32_t> first_pages(std::uint32_t n) {
-  std::vector<std::uint32_t> v(n);
-  std::iota(v.begin(), v.end(), 0u);
-  return v;
-}
-
 // The outcome of one pull: the status (OK or the error), whether thrown
 // before any byte moved or through the future.
 Status pull(KVTransferManager& m, const SequenceInfo& seq, std::span<const std::uint32_t> local) {
@@ -107,7 +100,7 @@ TEST_P(PageReuse, EveryReadVerifiesAsItsSequenceOrFailsStale) {
   PeerProcess peer(spec());
   auto cache = make_kv_cache(reuse_layout(GetParam()), MemoryKind::kHost);
   auto m = reader(cache);
-  std::vector<std::uint32_t> local = first_pages(8);
+  std::vector<std::uint32_t> local = testing::iota_pages(8);
   std::mt19937_64 rng(42);
   std::uint64_t ok = 0, stale = 0, stale_old = 0, wrong = 0, iterations = 0;
   std::string first_wrong;
@@ -163,7 +156,7 @@ TEST_P(PageReuse, ExpiredLeaseFreesTheSequenceAndALatePullFailsStale) {
   PeerProcess peer(spec(/*lease_ms=*/200));
   auto cache = make_kv_cache(reuse_layout(GetParam()), MemoryKind::kHost);
   auto m = reader(cache);
-  std::vector<std::uint32_t> local = first_pages(8);
+  std::vector<std::uint32_t> local = testing::iota_pages(8);
   const SequenceInfo seq = peer.sequence();
   const auto now_ms = static_cast<std::uint64_t>(
       std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -187,7 +180,7 @@ TEST_P(PageReuse, DoneNoticeFreesTheSequenceOverTheEnginesChannel) {
   PeerProcess peer(spec());
   auto cache = make_kv_cache(reuse_layout(GetParam()), MemoryKind::kHost);
   auto m = reader(cache);
-  std::vector<std::uint32_t> local = first_pages(8);
+  std::vector<std::uint32_t> local = testing::iota_pages(8);
   const SequenceInfo seq = peer.sequence();
   ASSERT_TRUE(pull(*m, seq, local).is_ok());
   if (GetParam().engine != "ucx") {

@@ -48,7 +48,6 @@ struct Batch {
   // wrapper's thread then leaves it alone), and the inner future once issued.
   bool issuing = false;
   std::optional<TransferFuture> inner;
-  bool cancel_forwarded = false;  // wrapper thread only
 };
 
 enum class TaskKind : std::uint8_t { kIssue, kDropTimeout, kKill, kCancel };
@@ -243,7 +242,7 @@ struct FaultInjectingEngine::Impl {
     }
     if (f) {
       // A cancel of the outer future reaches the inner one at once, on the
-      // cancelling thread (the loop below forwards it too, a poll later).
+      // cancelling thread (here, when it came before this line).
       b->promise.on_cancel([inner = *f] { inner.cancel(); });
       std::lock_guard<std::mutex> lock(mu);
       b->inner = std::move(f);
@@ -315,8 +314,9 @@ struct FaultInjectingEngine::Impl {
     }
   }
 
-  // The wrapper's thread: runs due timers and resolves outer futures whose
-  // inner futures resolved, forwarding cancellation inward.
+  // The wrapper's thread: runs due timers, resolves outer futures whose
+  // inner futures resolved and cancels batches not issued yet (issued ones
+  // forward a cancel themselves: issue()).
   void loop() {
     internal::UniqueLock lock(mu);
     for (;;) {
@@ -331,7 +331,6 @@ struct FaultInjectingEngine::Impl {
       }
       // Look at every batch in flight (copies: finish() runs unlocked).
       std::vector<std::shared_ptr<Batch>> done;
-      std::vector<std::shared_ptr<Batch>> to_cancel;
       std::vector<std::shared_ptr<Batch>> cancel_unissued;
       for (auto it = batches.begin(); it != batches.end();) {
         Batch& b = **it;
@@ -345,10 +344,6 @@ struct FaultInjectingEngine::Impl {
             it = batches.erase(it);
             continue;
           }
-          if (!b.cancel_forwarded && b.promise.cancel_requested()) {
-            b.cancel_forwarded = true;
-            to_cancel.push_back(*it);
-          }
         } else if (b.promise.resolved()) {
           it = batches.erase(it);
           continue;
@@ -360,9 +355,8 @@ struct FaultInjectingEngine::Impl {
         }
         ++it;
       }
-      if (!done.empty() || !to_cancel.empty() || !cancel_unissued.empty()) {
+      if (!done.empty() || !cancel_unissued.empty()) {
         lock.unlock();
-        for (auto& b : to_cancel) b->inner->cancel();
         for (auto& b : done) finish(*b, b->inner->status(), b->inner->bytes());
         for (auto& b : cancel_unissued) {
           b->promise.fail({StatusCode::kCancelled, "cancelled before the batch was issued"});

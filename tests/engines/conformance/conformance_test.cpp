@@ -15,7 +15,7 @@
 #include <tuple>
 
 #include "engine_suite.hpp"
-#include "common/expect_error.hpp"
+#include "common/expectations.hpp"
 #include "mstar/kv/kv.hpp"
 
 namespace mstar::kv::testing {

@@ -10,7 +10,7 @@
 // Mooncake without MSTAR_KV_MOONCAKE_LIB, CUDA IPC without a device (the CUDA
 // error; with MSTAR_KV_REQUIRE_GPU=1 it runs and fails instead). The local
 // engine reads no remote cache: the cases that need a peer skip for it
-// (need_remote()), the others run.
+// (MSTAR_KV_NEED_REMOTE()), the others run.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -25,6 +25,7 @@
 
 #include "common/cache_probe.hpp"
 #include "common/engine_cases.hpp"
+#include "common/expectations.hpp"
 #include "common/layouts.hpp"
 #include "common/managers.hpp"
 #include "common/peer_process.hpp"

@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "engine_suite.hpp"
-#include "common/expect_error.hpp"
+#include "common/expectations.hpp"
 #include "mstar/kv/kv.hpp"
 
 namespace mstar::kv::testing {

@@ -22,7 +22,7 @@
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
 #include "common/managers.hpp"
-#include "common/expect_error.hpp"
+#include "common/expectations.hpp"
 #include "common/layouts.hpp"
 
 namespace mstar::kv {
@@ -85,14 +85,6 @@ class CudaIpcEngine : public ::testing::Test {
         << "bytes outside the read were written";
   }
 
-  // Two snapshots 50 ms apart are equal: nothing lands any more.
-  static void expect_quiescent(const KVCache& local) {
-    auto a = testing::download(local);
-    std::this_thread::sleep_for(50ms);
-    auto b = testing::download(local);
-    EXPECT_EQ(std::memcmp(a->base(), b->base(), local.layout().total_bytes()), 0)
-        << "bytes landed after the future resolved";
-  }
 };
 
 TEST_F(CudaIpcEngine, DescriptorDescribesTheAllocation) {
@@ -434,7 +426,7 @@ TEST_F(CudaIpcEngine, ShutdownClosesEveryHandle) {
   ASSERT_TRUE(f.has_value());
   m->cleanup();
   ASSERT_TRUE(f->ready()) << "cleanup() returned with a read unresolved";
-  expect_quiescent(*cache);
+  testing::expect_quiet(*cache, 50ms);
   EXPECT_EQ(dynamic_cast<CudaIpcKVTransferEngine&>(m->engine()).open_handles(), 0u);
 }
 
@@ -465,7 +457,7 @@ TEST_F(CudaIpcEngine, CancelAndTimeoutResolveOnlyAfterTheCopiesDrain) {
     } else {
       EXPECT_EQ(c, cancel ? StatusCode::kCancelled : StatusCode::kTimeout)
           << f->status().to_string();
-      expect_quiescent(*cache);
+      testing::expect_quiet(*cache, 50ms);
     }
   }
 }

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/codec.hpp"
-#include "common/expect_error.hpp"
+#include "common/expectations.hpp"
 #include "common/layouts.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "common/managers.hpp"
-#include "common/expect_error.hpp"
+#include "common/expectations.hpp"
 #include "common/peer_process.hpp"
 #include "engines/mooncake/mooncake_test_util.hpp"
 #include "engines/mooncake/read_error.hpp"

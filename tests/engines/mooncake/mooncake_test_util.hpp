@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "common/engine_cases.hpp"
 #include "common/cache_probe.hpp"
 #include "common/layouts.hpp"
 #include "mstar/kv/kv.hpp"
@@ -27,30 +28,9 @@ namespace mstar::kv::testing {
 inline constexpr std::byte kSentinel{0x5A};
 inline constexpr std::uint64_t kSeed = 99;
 
-// Why Mooncake cannot run here, or "" when it can.
-inline std::string mooncake_skip_reason() {
-  const char* lib = std::getenv("MSTAR_KV_MOONCAKE_LIB");
-  if (lib == nullptr || *lib == '\0') {
-    return "MSTAR_KV_MOONCAKE_LIB is not set: no Mooncake library with the C API here (the "
-           "PyPI wheel mooncake-transfer-engine-non-cuda carries none; build "
-           "libtransfer_engine.so from Mooncake's source)";
-  }
-  void* h = ::dlopen(lib, RTLD_NOW | RTLD_LOCAL);
-  if (h == nullptr) return std::string("cannot load MSTAR_KV_MOONCAKE_LIB: ") + ::dlerror();
-  const bool has = ::dlsym(h, "createTransferEngine") != nullptr;
-  ::dlclose(h);
-  return has ? "" : std::string("MSTAR_KV_MOONCAKE_LIB has no Mooncake C API: ") + lib;
-}
-
 // 2 layers, `pages` pages of 16 tokens, 2 heads x 64 bf16: 4 KiB blocks.
 inline KVLayout mooncake_test_layout(std::uint32_t pages = 256) {
   return make_layout(2, pages, 16, 2, 64);
-}
-
-inline std::vector<std::uint32_t> iota_pages(std::size_t n, std::uint32_t first = 0) {
-  std::vector<std::uint32_t> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = first + static_cast<std::uint32_t>(i);
-  return v;
 }
 
 // A host cache filled with kSentinel.

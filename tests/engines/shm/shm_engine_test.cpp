@@ -21,7 +21,7 @@
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/shm.hpp"
 #include "engines/shm/shm_mapping.hpp"  // the engine's own mapping
-#include "common/expect_error.hpp"
+#include "common/expectations.hpp"
 #include "common/layouts.hpp"
 #include "common/peer.hpp"
 #include "common/wire.hpp"

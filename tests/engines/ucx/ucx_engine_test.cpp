@@ -7,7 +7,7 @@
 #include <thread>
 #include <unistd.h>
 
-#include "common/expect_error.hpp"
+#include "common/expectations.hpp"
 #include "ucx_fixture.hpp"
 
 namespace mstar::kv::ucx_test {

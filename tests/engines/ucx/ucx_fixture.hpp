@@ -43,13 +43,8 @@ inline KVLayout layout(std::uint32_t pages = 64, CacheOrder co = CacheOrder::kLa
                        PageOrder po = PageOrder::kNHD) {
   return testing::small_layout(pages, co, po);
 }
+using testing::iota_pages;
 using testing::small_layout;
-
-inline std::vector<std::uint32_t> iota_pages(std::size_t n) {
-  std::vector<std::uint32_t> p(n);
-  for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<std::uint32_t>(i);
-  return p;
-}
 
 class UcxFixture : public ::testing::TestWithParam<UcxCase> {
  protected:
