@@ -215,6 +215,26 @@ CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
   return plan;
 }
 
+std::vector<CopySpan> strided_rows(std::span<const StridedSpan> spans) {
+  std::uint64_t rows = 0;
+  for (const StridedSpan& s : spans) rows += s.rows;
+  std::vector<CopySpan> out;
+  out.reserve(rows);
+  for (const StridedSpan& s : spans) {
+    for (std::uint64_t r = 0; r < s.rows; ++r) {
+      const CopySpan row{s.local_offset + r * s.local_stride,
+                         s.remote_offset + r * s.remote_stride, s.length};
+      if (!out.empty() && out.back().local_offset + out.back().length == row.local_offset &&
+          out.back().remote_offset + out.back().length == row.remote_offset) {
+        out.back().length += row.length;
+      } else {
+        out.push_back(row);
+      }
+    }
+  }
+  return out;
+}
+
 std::vector<CopySpan> split_spans(std::span<const CopySpan> spans,
                                   std::uint64_t max_bytes) {
   if (max_bytes == 0) invalid("split_spans: max_bytes must be > 0");

@@ -122,7 +122,13 @@ void check_pull(const KVLayout& local_layout, std::uint64_t start, std::uint64_t
       EXPECT_EQ(plan.total_bytes, flat.total_bytes);
       EXPECT_LE(plan.spans.size(), flat.spans.size());
       spans += plan.spans.size();
+      // What an engine without a strided form posts: the rows, the same bytes.
+      const std::vector<CopySpan> rows = strided_rows(plan.spans);
+      EXPECT_LE(rows.size(), flat.spans.size());
+      Side by_rows = local;
+      apply(CopyPlan{rows, plan.total_bytes, 0}, remote, by_rows);
       apply(plan, remote, local);
+      EXPECT_TRUE(by_rows.bytes == local.bytes) << "strided_rows moved other bytes";
     } else {
       const CopyPlan plan = plan_copies(local.layout, remote.layout, reads);
       spans += plan.spans.size();

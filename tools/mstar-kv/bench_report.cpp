@@ -124,6 +124,22 @@ void Progress::finish() {
 
 // ---- table ---------------------------------------------------------------------
 
+void note_plain_twins(Report& report) {
+  for (CaseResult& c : report.cases) {
+    if (!c.ok || !c.workload.mixed_geometry()) continue;
+    for (const CaseResult& t : report.cases) {
+      if (!t.ok || t.engine != c.engine || t.workload.name != c.workload.name + "/plain") continue;
+      c.extra["plain_gbps"] = t.gbps.median;
+      char buf[256];
+      std::snprintf(buf, sizeof buf,
+                    "%s %s: %.2f GB/s = %.2f of the same request without conversion (%.2f GB/s)",
+                    c.engine.c_str(), c.workload.name.c_str(), c.gbps.median,
+                    t.gbps.median > 0 ? c.gbps.median / t.gbps.median : 0.0, t.gbps.median);
+      report.notes.push_back(buf);
+    }
+  }
+}
+
 void print_table(std::FILE* out, const Report& r) {
   std::fprintf(out, "mstar-kv bench  %s  %u cores  suite %s  threads %u  repeat %u\n",
                r.date.c_str(), r.nproc, r.suite.c_str(), r.threads, r.repeat);

@@ -59,6 +59,11 @@ class Progress {
   std::string status_;
 };
 
+// For every measured case of mixed geometry whose plain twin (NAME/plain,
+// plain_twin) ran on the same engine: a note with the ratio of the two, and
+// the twin's GB/s in the case's extra["plain_gbps"].
+void note_plain_twins(Report& report);
+
 void print_table(std::FILE* out, const Report& report);
 void write_json(std::FILE* out, const Report& report);
 void write_csv(std::FILE* out, const Report& report);

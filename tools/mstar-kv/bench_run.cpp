@@ -72,12 +72,14 @@ struct Side {
 // Per-phase durations of the engine's requests (ns), from the futures' stamps.
 struct Phases {
   std::vector<double> prep, post, transfer;
+  std::uint64_t copies = 0;  // what the engine planned (strided spans count once)
 
   void add(Clock::time_point called, Clock::time_point returned, const TransferTiming& t) {
     const std::array<double, 3> s = phase_seconds(t, called, returned);
     prep.push_back(s[0] * 1e9);
     post.push_back(s[1] * 1e9);
     transfer.push_back(s[2] * 1e9);
+    copies = t.copies;
   }
 };
 
@@ -284,6 +286,7 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
     r.prep_us = percentile(phases.prep, 0.5) / 1e3;
     r.post_us = percentile(phases.post, 0.5) / 1e3;
     r.transfer_us = percentile(phases.transfer, 0.5) / 1e3;
+    if (phases.copies != 0) r.copies = phases.copies;
   }
   if (baseline) {
     const Stat b = make_stat(base_side.gbps);

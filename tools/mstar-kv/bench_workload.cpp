@@ -82,6 +82,13 @@ bool Workload::mixed_geometry() const {
   return !local.same_geometry(remote) || local.page_order != remote.page_order;
 }
 
+Workload plain_twin(const Workload& w) {
+  Workload t = w;
+  t.remote = w.local;
+  t.name = w.name + "/plain";
+  return t;
+}
+
 void set_geometry(Workload& w, const Geometry& g) {
   w.name += apply_geometry(w.local, w.remote, g, w.tokens);
   w.piece_bytes = w.local.block_bytes();

@@ -46,6 +46,10 @@ struct Workload {
   bool mixed_geometry() const;
 };
 
+// The same request between two caches of the local geometry (`NAME/plain`):
+// what a mixed-geometry case costs against moving the same bytes unconverted.
+Workload plain_twin(const Workload& w);
+
 // Applies a remote geometry (layout_args.hpp) to a model workload.
 void set_geometry(Workload& w, const Geometry& g);
 
@@ -107,7 +111,7 @@ struct CaseResult {
   std::optional<double> prep_us, post_us, transfer_us;
   std::uint64_t requests = 0;  // measured (not counting warm-up)
   std::uint64_t reads = 0;     // KVReadInfo per request
-  std::uint64_t copies = 0;    // copy spans after coalescing
+  std::uint64_t copies = 0;    // spans the engine planned (a strided span counts once)
   std::uint64_t uncoalesced = 0;
   std::uint64_t piece_bytes = 0;  // median copy span
   bool verified = false;

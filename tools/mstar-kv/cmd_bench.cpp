@@ -79,6 +79,9 @@ const char* kHelp =
     "  --epoch-ab          also pull with page epoch checks off, alternating with the\n"
     "                      checked pulls in the same case (measures what they cost)\n"
     "  --epoch-ab-control  the same with checks on for both sides: the method's bias\n"
+    "  --with-plain        before each case of mixed geometry, the same request between\n"
+    "                      caches of the local geometry (NAME/plain); a note gives the\n"
+    "                      ratio of the two\n"
     "\n"
     "output:\n"
     "  --json FILE|-       every case with ratio_to_baseline\n"
@@ -175,6 +178,14 @@ std::vector<Workload> select_workloads(const Args& args) {
   } else {
     ws = suite(args.str("suite", "default"));
   }
+  if (args.flag("with-plain")) {
+    std::vector<Workload> with;
+    for (auto& w : ws) {
+      if (w.mixed_geometry()) with.push_back(plain_twin(w));
+      with.push_back(std::move(w));
+    }
+    ws = std::move(with);
+  }
   if (args.has("case")) {
     const std::string sub = args.str("case", "");
     std::vector<Workload> kept;
@@ -246,7 +257,8 @@ int cmd_bench(int argc, char** argv) {
     return serve_main(argc - 1, argv + 1);
   }
   Args args(argc, argv,
-            {"help", "quiet", "no-external", "no-verify", "epoch-ab", "epoch-ab-control"},
+            {"help", "quiet", "no-external", "no-verify", "epoch-ab", "epoch-ab-control",
+             "with-plain"},
             {"suite", "engine", "case", "model", "tokens", "page-size", "table", "prefix-hit",
              "cache-order", "page-order", "remote-cache-order", "remote-page-order", "piece",
              "remote-page-size", "local-tp", "local-rank", "remote-tp",
@@ -373,6 +385,9 @@ int cmd_bench(int argc, char** argv) {
       progress.step();
     }
   }
+
+  // Mixed geometry beside the same request unconverted (--with-plain).
+  note_plain_twins(report);
 
   // ---- the transports' own best and the peers --------------------------------------
   if (external) {

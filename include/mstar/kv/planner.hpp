@@ -124,6 +124,13 @@ struct StridedPlan {
 StridedPlan plan_strided_copies(const KVLayout& local, const KVLayout& remote,
                                 std::span<const KVReadInfo> reads);
 
+// The rows of strided spans as contiguous copies, in order (span by span,
+// row by row), merging a row into the one before when both sides continue
+// it: what an engine without a strided form posts (plan_copies' spans for
+// the same reads, up to that merging). Deterministic, so two ends that
+// expand the same spans number the same rows.
+std::vector<CopySpan> strided_rows(std::span<const StridedSpan> spans);
+
 // Splits spans longer than max_bytes (> 0) into pieces of at most max_bytes,
 // e.g. to spread one large copy over several workers.
 std::vector<CopySpan> split_spans(std::span<const CopySpan> spans,

@@ -41,7 +41,12 @@
 //            and answers with active-message sends straight from its
 //            registered pages (rendezvous, zero-copy on the owner, for
 //            replies of 64 KiB and more; eager below); the reader lands them
-//            in its own registered pages.
+//            in its own registered pages. Many small spans (a change of
+//            in-page order or head shard) are planned as strided spans
+//            (planner.hpp) and cross as such, one per (page, layer, k|v,
+//            head) at worst; the owner gathers their rows from its pages
+//            into messages of up to 1 MiB (an iov, no copy on its side) and
+//            the reader scatters them into its rows.
 //     get    one-sided ucp_get_nbx with the peer's remote key, on a second
 //            endpoint opened to the owner's worker address (UCX 1.13 gives
 //            client/server endpoints only the connection manager's

@@ -168,6 +168,16 @@ class RmaPeer {
                                                    RmaCompletion done,
                                                    RmaEpochCheck check) = 0;
 
+  // The same for strided spans (planner.hpp), posted only to peers of a
+  // backend whose strided_reads() is true: "N rows of L bytes, strides A and
+  // B" stays one span on the way to the peer. The default posts the spans'
+  // rows (strided_rows) with post_reads.
+  virtual std::shared_ptr<RmaOperation> post_strided_reads(std::vector<StridedSpan> spans,
+                                                           RmaCompletion done,
+                                                           RmaEpochCheck check) {
+    return post_reads(strided_rows(spans), std::move(done), std::move(check));
+  }
+
   // Queues a done notice for sequence seq_id published with `epoch` to the
   // owner (leases, pool.hpp); never waits for it. Backends without a channel
   // to the owner throw Error(kUnavailable) (the default).
@@ -212,6 +222,11 @@ class RmaBackend {
   // The engine then calls verify() on the result.
   virtual std::shared_ptr<RmaPeer> connect(const RmaRegionInfo& remote,
                                            std::chrono::milliseconds timeout) = 0;
+
+  // True when the backend's peers move strided spans natively
+  // (RmaPeer::post_strided_reads): the engine then plans with
+  // plan_strided_copies, else with plan_copies. Default: false.
+  virtual bool strided_reads() const noexcept { return false; }
 
   // Stops the backend: every batch still outstanding completes (its callback
   // has run when this returns), connections close, memory is deregistered.

@@ -141,19 +141,29 @@ std::optional<TransferFuture> RmaKVTransferEngine::read_batched_async(
   // Nothing to read: the descriptor is still validated (engine.hpp).
   cache_->layout().check_same_model(remote.layout);
   if (read_info.empty()) return std::nullopt;
-  CopyPlan plan = plan_copies(cache_->layout(), remote.layout, read_info);
+  // Strided spans where the backend moves them natively, else rows.
+  const bool strided = backend_->strided_reads();
+  StridedPlan strided_plan;
+  CopyPlan plan;
+  if (strided) {
+    strided_plan = plan_strided_copies(cache_->layout(), remote.layout, read_info);
+  } else {
+    plan = plan_copies(cache_->layout(), remote.layout, read_info);
+  }
+  const std::uint64_t total_bytes = strided ? strided_plan.total_bytes : plan.total_bytes;
+  const std::size_t nspans = strided ? strided_plan.spans.size() : plan.spans.size();
   auto peer = peer_for(remote);
 
   auto entry = std::make_shared<InFlight>();
   entry->deadline = Clock::now() + timeout_;
-  entry->bytes = plan.total_bytes;
+  entry->bytes = total_bytes;
   entry->session_id = remote.session_id;
   entry->peer = peer.get();
-  entry->what = "read of " + std::to_string(plan.total_bytes) + " bytes in " +
-                std::to_string(plan.spans.size()) + " spans from '" + remote.entity_id +
+  entry->what = "read of " + std::to_string(total_bytes) + " bytes in " +
+                std::to_string(nspans) + " spans from '" + remote.entity_id +
                 "' at " + remote.session_id;
   // Validating and planning include connecting to (and verifying) the peer.
-  entry->promise.mark_planned(plan.spans.size());
+  entry->promise.mark_planned(nspans);
   entry->promise.set_peer(remote.entity_id + "@" + remote.session_id);
   TransferFuture future = entry->promise.future();
   std::uint64_t id = 0;
@@ -173,9 +183,10 @@ std::optional<TransferFuture> RmaKVTransferEngine::read_batched_async(
       check.epoch = remote_kv_info.epoch;
       check.pages = remote_pages_of(read_info, remote.layout.num_pages);
     }
-    op = peer->post_reads(std::move(plan.spans),
-                          [this, id](Status st) { on_done(id, std::move(st)); },
-                          std::move(check));
+    RmaCompletion done = [this, id](Status st) { on_done(id, std::move(st)); };
+    op = strided ? peer->post_strided_reads(std::move(strided_plan.spans), std::move(done),
+                                            std::move(check))
+                 : peer->post_reads(std::move(plan.spans), std::move(done), std::move(check));
   } catch (...) {
     std::lock_guard<std::mutex> lk(mu_);
     inflight_.erase(id);

@@ -9,7 +9,8 @@
 //   2. decodes the payload as RmaRegionInfo (untrusted: kCorruptDescriptor);
 //   3. plans the byte copies with plan_copies (layout compatibility, every
 //      page and token range, duplicate destinations) against the local
-//      layout and the descriptor's layout;
+//      layout and the descriptor's layout, or with plan_strided_copies when
+//      the backend moves strided spans itself (RmaBackend::strided_reads);
 //   4. takes the cached connection to the peer (session_id), connecting when
 //      there is none or the cached one failed, bounded by options.timeout;
 //   5. RmaPeer::verify: generation, region, remote key and layout must be

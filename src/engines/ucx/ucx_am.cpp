@@ -57,11 +57,15 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       std::memcpy(&h, header, sizeof h);
       ucp_ep_h ep = param->reply_ep;
       const bool check_only = (h.flags & kReqCheckOnly) != 0;
+      const bool strided = (h.flags & kReqStrided) != 0;
+      const std::size_t span_bytes = strided ? sizeof(WireStrided) : sizeof(WireSpan);
       // Untrusted: the counts must match the length exactly, pages only
-      // come with an epoch, a check-only request has no spans.
+      // come with an epoch, a check-only request has no spans, strided
+      // spans come gathered.
       if ((check_only ? h.nspans != 0 : (h.nspans == 0 || h.nspans > kMaxSpansPerRequest)) ||
           h.npages > kMaxSpansPerRequest || (h.epoch == 0 && (h.npages != 0 || check_only)) ||
-          length != h.nspans * sizeof(WireSpan) + h.npages * sizeof(std::uint32_t)) {
+          (strided && (check_only || (h.flags & kReqGather) == 0)) ||
+          length != h.nspans * span_bytes + h.npages * sizeof(std::uint32_t)) {
         deferred_.push_back([this, ep, h] {
           send_err(ep, h.batch_id,
                    Status(StatusCode::kInvalidArgument, "malformed read request"));
@@ -76,13 +80,21 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
         });
         return UCS_OK;
       }
-      std::vector<WireSpan> spans(h.nspans);
       std::vector<std::uint32_t> pages(h.npages);
-      if (h.nspans) std::memcpy(spans.data(), data, h.nspans * sizeof(WireSpan));
       if (h.npages) {
-        std::memcpy(pages.data(), static_cast<const std::byte*>(data) + h.nspans * sizeof(WireSpan),
+        std::memcpy(pages.data(), static_cast<const std::byte*>(data) + h.nspans * span_bytes,
                     h.npages * sizeof(std::uint32_t));
       }
+      if (strided) {
+        std::vector<WireStrided> spans(h.nspans);
+        std::memcpy(spans.data(), data, h.nspans * sizeof(WireStrided));
+        deferred_.push_back([this, ep, h, s = std::move(spans), p = std::move(pages)]() mutable {
+          serve_strided(ep, h, s, std::move(p));
+        });
+        return UCS_OK;
+      }
+      std::vector<WireSpan> spans(h.nspans);
+      if (h.nspans) std::memcpy(spans.data(), data, h.nspans * sizeof(WireSpan));
       if (check_only) {
         deferred_.push_back([this, ep, h, p = std::move(pages)] {
           if (dead_eps_.count(ep) != 0) return;

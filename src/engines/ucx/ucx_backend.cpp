@@ -66,12 +66,37 @@ class UcxPeer final : public rma::RmaPeer {
   std::shared_ptr<rma::RmaOperation> post_reads(std::vector<rma::RmaRead> reads,
                                                 rma::RmaCompletion done,
                                                 rma::RmaEpochCheck check) override {
+    auto b = new_batch(std::move(done), std::move(check));
+    b->chunks = split_spans(reads, core_->options().chunk_bytes);
+    return start(b);
+  }
+  // Many small rows in fewer strided spans (a change of in-page order or
+  // head shard): one request names the spans, the owner gathers their rows
+  // (kReqStrided). Otherwise, or over gets, the rows as post_reads posts them.
+  std::shared_ptr<rma::RmaOperation> post_strided_reads(std::vector<StridedSpan> spans,
+                                                        rma::RmaCompletion done,
+                                                        rma::RmaEpochCheck check) override {
+    std::vector<rma::RmaRead> rows = strided_rows(spans);
+    if (spans.size() >= rows.size() || rows.size() > kMaxSpansPerRequest ||
+        !gathers(rows)) {
+      return post_reads(std::move(rows), std::move(done), std::move(check));
+    }
+    auto b = new_batch(std::move(done), std::move(check));
+    b->chunks = std::move(rows);
+    b->strided = std::move(spans);
+    return start(b);
+  }
+
+ private:
+  std::shared_ptr<Batch> new_batch(rma::RmaCompletion done, rma::RmaEpochCheck check) {
     auto b = std::make_shared<Batch>();
     b->check = std::move(check);
     b->id = core_->next_batch.fetch_add(1, std::memory_order_relaxed);
     b->conn = conn_;
     b->done = std::move(done);
-    b->chunks = split_spans(reads, core_->options().chunk_bytes);
+    return b;
+  }
+  std::shared_ptr<rma::RmaOperation> start(const std::shared_ptr<Batch>& b) {
     UcxCore* c = core_.get();
     if (!c->post([c, b] { c->start_batch(b); })) {
       throw Error(StatusCode::kShutdown, "the ucx engine is shut down");
@@ -79,7 +104,6 @@ class UcxPeer final : public rma::RmaPeer {
     return std::make_shared<UcxOperation>(core_, b->id);
   }
 
- private:
   std::shared_ptr<UcxCore> core_;
   std::shared_ptr<Conn> conn_;
 };

@@ -47,6 +47,7 @@ class UcxBackend final : public rma::RmaBackend {
   rma::RmaRegionInfo local_region() const override;
   std::shared_ptr<rma::RmaPeer> connect(const rma::RmaRegionInfo& remote,
                                         std::chrono::milliseconds timeout) override;
+  bool strided_reads() const noexcept override { return true; }
   void shutdown() noexcept override;
   void set_done_handler(std::function<void(std::uint64_t, std::uint64_t)> handler) override;
 

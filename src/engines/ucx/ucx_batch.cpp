@@ -131,6 +131,10 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
   c->batches.insert(b->id);
   if (c->mode == Mode::kGet) {
     b->get = true;
+    if (!b->strided.empty()) {  // gets move rows
+      b->strided.clear();
+      b->chunks = split_spans(b->chunks, options_.chunk_bytes);
+    }
     if (b->check.epoch != 0) {  // the gets wait for the owner's first check
       b->get_phase = 0;
       send_epoch_check(b);
@@ -140,29 +144,38 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
     maybe_finish(b);
     return;
   }
-  std::vector<WireSpan> spans;
-  spans.reserve(b->chunks.size());
-  std::uint64_t total = 0;
-  for (const rma::RmaRead& r : b->chunks) {
-    spans.push_back({r.remote_offset, r.length, r.local_offset});
-    total += r.length;
-  }
   // Many small spans (rows of a layout change): gathered replies.
-  b->gather = spans.size() >= kGatherMinSpans && total / spans.size() < kGatherBelowBytes;
+  b->gather = !b->strided.empty() || gathers(b->chunks);
   if (b->gather) {
-    b->got.assign(spans.size(), 0);
+    b->got.assign(b->chunks.size(), 0);
   } else {
     for (const rma::RmaRead& r : b->chunks) b->pending.emplace(r.local_offset, r.length);
   }
-  const std::uint64_t flags =
-      (c->am_on_data ? kReqEagerOnly : 0) | (b->gather ? kReqGather : 0);
-  const ReadReqHdr hdr{b->id, c->served.generation, spans.size(), flags, b->check.epoch,
+  const std::uint64_t flags = (c->am_on_data ? kReqEagerOnly : 0) |
+                              (b->gather ? kReqGather : 0) |
+                              (b->strided.empty() ? 0 : kReqStrided);
+  std::vector<std::uint8_t> body;
+  std::size_t nspans = 0;
+  if (b->strided.empty()) {
+    nspans = b->chunks.size();
+    body.resize(nspans * sizeof(WireSpan));
+    auto* out = reinterpret_cast<WireSpan*>(body.data());
+    for (const rma::RmaRead& r : b->chunks) *out++ = {r.remote_offset, r.length, r.local_offset};
+  } else {
+    nspans = b->strided.size();
+    body.resize(nspans * sizeof(WireStrided));
+    auto* out = reinterpret_cast<WireStrided*>(body.data());
+    for (const StridedSpan& s : b->strided) {
+      *out++ = {s.remote_offset, s.length, s.local_offset, s.rows, s.remote_stride,
+                s.local_stride};
+    }
+  }
+  const ReadReqHdr hdr{b->id, c->served.generation, nspans, flags, b->check.epoch,
                        b->check.pages.size(), c->ticket};
-  std::vector<std::uint8_t> body(spans.size() * sizeof(WireSpan) +
-                                 b->check.pages.size() * sizeof(std::uint32_t));
-  std::memcpy(body.data(), spans.data(), spans.size() * sizeof(WireSpan));
   if (!b->check.pages.empty()) {
-    std::memcpy(body.data() + spans.size() * sizeof(WireSpan), b->check.pages.data(),
+    const std::size_t at = body.size();
+    body.resize(at + b->check.pages.size() * sizeof(std::uint32_t));
+    std::memcpy(body.data() + at, b->check.pages.data(),
                 b->check.pages.size() * sizeof(std::uint32_t));
   }
   send_small(c->am_on_data ? c->data_ep.get() : c->ep.get(), kAmReadReq, &hdr, sizeof hdr, body.data(),

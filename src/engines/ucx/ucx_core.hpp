@@ -55,6 +55,15 @@ constexpr std::uint64_t kMaxSpansPerRequest = 1u << 22;
 // average fewer bytes than this.
 constexpr std::size_t kGatherMinSpans = 64;
 constexpr std::uint64_t kGatherBelowBytes = 16u << 10;
+
+// Whether a read of these spans gets gathered replies (kReqGather): many,
+// and small on average.
+inline bool gathers(const std::vector<CopySpan>& spans) {
+  if (spans.size() < kGatherMinSpans) return false;
+  std::uint64_t total = 0;
+  for (const CopySpan& s : spans) total += s.length;
+  return total / spans.size() < kGatherBelowBytes;
+}
 // Gets in flight per read. Small enough that an aborted read drains in
 // microseconds on shared memory, large enough to keep a NIC busy.
 constexpr std::size_t kGetWindow = 16;
@@ -119,6 +128,9 @@ struct Batch {
   bool gather = false;
   std::vector<std::uint8_t> got;
   std::size_t got_count = 0;
+  // kReqStrided: the spans as planned; chunks are their rows (strided_rows,
+  // unsplit), which the owner numbers the same way.
+  std::vector<StridedSpan> strided;
 };
 
 // The user_data of a UCX request, owned by an InFlight<> of the core from
@@ -301,6 +313,10 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   bool ticket_valid(std::uint64_t ticket) const {
     return options_.auth_token.empty() || (ticket != 0 && tickets_.count(ticket) != 0);
   }
+  // A kReqStrided request: validates every span against the region, then
+  // serves its rows as serve_read does.
+  void serve_strided(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<WireStrided>& spans,
+                     std::vector<std::uint32_t> pages);
   void serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<WireSpan>& spans,
                   std::vector<std::uint32_t> pages);
   void serve_done(const std::shared_ptr<ServeState>& st);

@@ -154,6 +154,51 @@ Status UcxCore::check_served_epochs(std::uint64_t epoch,
                            /*after_copy=*/true);
 }
 
+void UcxCore::serve_strided(ucp_ep_h ep, const ReadReqHdr& h,
+                            const std::vector<WireStrided>& spans,
+                            std::vector<std::uint32_t> pages) {
+  if (dead_eps_.count(ep) != 0) return;
+  // Untrusted: every row of every span inside the region, and no more rows
+  // in all than a request of single spans may name, before any expansion.
+  std::vector<StridedSpan> planned;
+  planned.reserve(spans.size());
+  std::uint64_t rows = 0;
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const WireStrided& s = spans[i];
+    const std::uint64_t size = region_.size;
+    // The last row starts at remote_offset + (rows - 1) * remote_stride.
+    const bool shape_ok = s.length != 0 && s.rows != 0 && s.rows <= kMaxSpansPerRequest &&
+                          rows + s.rows <= kMaxSpansPerRequest;
+    const bool inside =
+        shape_ok && s.remote_offset <= size && s.length <= size - s.remote_offset &&
+        (s.rows == 1 ||
+         (s.remote_stride <= (size - s.remote_offset - s.length) / (s.rows - 1)));
+    if (!inside) {
+      send_err(ep, h.batch_id,
+               Status(shape_ok ? StatusCode::kPermissionDenied : StatusCode::kInvalidArgument,
+                      "strided span " + std::to_string(i) + " (" + std::to_string(s.rows) +
+                          " rows of " + std::to_string(s.length) + " bytes from " +
+                          std::to_string(s.remote_offset) + ", stride " +
+                          std::to_string(s.remote_stride) +
+                          (shape_ok ? ") is outside the registered region of " +
+                                          std::to_string(size) + " bytes"
+                                    : ") names no bytes or more than " +
+                                          std::to_string(kMaxSpansPerRequest) +
+                                          " rows in all")));
+      return;
+    }
+    rows += s.rows;
+    planned.push_back({s.local_offset, s.remote_offset, s.length, s.rows, s.local_stride,
+                       s.remote_stride});
+  }
+  std::vector<WireSpan> flat;
+  flat.reserve(rows);
+  for (const CopySpan& r : strided_rows(planned)) {
+    flat.push_back({r.remote_offset, r.length, r.local_offset});
+  }
+  serve_read(ep, h, flat, std::move(pages));
+}
+
 void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<WireSpan>& spans,
                          std::vector<std::uint32_t> pages) {
   const std::uint64_t batch_id = h.batch_id;

@@ -98,8 +98,15 @@ inline constexpr std::uint64_t kReqEagerOnly = 1;
 // (one copy), instead of one message per span.
 inline constexpr std::uint64_t kReqGather = 4;
 inline constexpr std::uint64_t kGatherBytes = 1024u << 10;
+// With kReqGather: the spans are WireStrided, "rows of length bytes, strides
+// apart on each side" (planner.hpp's StridedSpan), not WireSpan; both ends
+// number the rows as strided_rows does, and GatherHdr counts rows. A change
+// of in-page order then costs one span per (page, layer, k|v, head) on the
+// wire, not one per (token, head).
+inline constexpr std::uint64_t kReqStrided = 8;
 inline constexpr std::uint64_t kGatherMaxSpans = 4096;
-// Spans [first, first + count) of the request, `length` bytes in order.
+// Spans (rows, with kReqStrided) [first, first + count) of the request,
+// `length` bytes in order.
 struct GatherHdr {
   std::uint64_t batch_id;
   std::uint64_t first;
@@ -129,6 +136,14 @@ struct WireSpan {
   std::uint64_t remote_offset;
   std::uint64_t length;
   std::uint64_t local_offset;
+};
+struct WireStrided {
+  std::uint64_t remote_offset;
+  std::uint64_t length;  // of one row
+  std::uint64_t local_offset;
+  std::uint64_t rows;
+  std::uint64_t remote_stride;
+  std::uint64_t local_stride;
 };
 struct DataHdr {
   std::uint64_t batch_id;

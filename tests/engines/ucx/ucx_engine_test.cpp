@@ -166,8 +166,18 @@ TEST_P(UcxEngine, LayoutChangesGatherManySmallRows) {
     auto m = manager(cache, 20000ms);
     std::vector<std::uint32_t> lp = iota_pages(seq.page_indices.size());
     std::reverse(lp.begin(), lp.end());
-    EXPECT_EQ(m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info),
-              l.total_bytes());
+    auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices,
+                                     seq.kv_transfer_info);
+    ASSERT_TRUE(f.has_value());
+    EXPECT_EQ(f->get(), l.total_bytes());
+    // Planned as strided spans (kReqStrided on the wire): NHD <- HND one per
+    // (page, layer, k|v, head), not one per (token, head) row. (The head
+    // split is one contiguous run per page either way: one head, HND.)
+    const auto reads = plan_reads(l, owner, 0, seq.num_tokens, lp, seq.page_indices);
+    EXPECT_EQ(f->timing().copies, plan_strided_copies(l, owner, reads).spans.size());
+    if (!split) {
+      EXPECT_LE(f->timing().copies * 16, plan_copies(l, owner, reads).spans.size());
+    }
     const auto v = verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
     EXPECT_TRUE(v.ok()) << (split ? "head split: " : "nhd <- hnd: ") << v.first_mismatch;
   }

@@ -1,0 +1,148 @@
+// Copyright mstar-kv authors.
+//
+// A bare UCP client speaking the ucx engine's wire format (ucx_wire.hpp) to
+// an owner, as an attacker or a broken reader would: one worker, one
+// client/server endpoint to the owner's listener, a handler that records
+// every active message that arrives. For the tests of what the owner
+// accepts (ucx_auth_test, ucx_strided_wire_test).
+#pragma once
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <ucp/api/ucp.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "engines/ucx/ucx_wire.hpp"
+
+namespace mstar::kv::testing {
+
+struct Received {
+  unsigned id;
+  std::vector<std::uint8_t> header;
+  std::vector<std::uint8_t> data;
+};
+
+class RawClient {
+ public:
+  explicit RawClient(const std::string& host, std::uint16_t port) {
+    ucp_config_t* config = nullptr;
+    EXPECT_EQ(ucp_config_read(nullptr, nullptr, &config), UCS_OK);
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_AM;
+    EXPECT_EQ(ucp_init(&params, config, &context_), UCS_OK);
+    ucp_config_release(config);
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    EXPECT_EQ(ucp_worker_create(context_, &wp, &worker_), UCS_OK);
+    for (unsigned id = 1; id <= ucx::kAmMaxId; ++id) {
+      ucp_am_handler_param_t hp{};
+      hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                      UCP_AM_HANDLER_PARAM_FIELD_ARG;
+      hp.id = id;
+      // One handler per id; the id is recovered from a per-id trampoline arg.
+      ids_.push_back(std::make_unique<Tag>(Tag{this, id}));
+      hp.arg = ids_.back().get();
+      hp.cb = [](void* arg, const void* header, std::size_t hlen, void* data, std::size_t len,
+                 const ucp_am_recv_param_t* param) -> ucs_status_t {
+        auto* tag = static_cast<Tag*>(arg);
+        Received r;
+        r.id = tag->id;
+        r.header.assign(static_cast<const std::uint8_t*>(header),
+                        static_cast<const std::uint8_t*>(header) + hlen);
+        if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0 && data != nullptr) {
+          r.data.assign(static_cast<std::uint8_t*>(data), static_cast<std::uint8_t*>(data) + len);
+        } else {
+          r.data.resize(len);
+        }
+        tag->self->got_.push_back(std::move(r));
+        return UCS_OK;
+      };
+      EXPECT_EQ(ucp_worker_set_am_recv_handler(worker_, &hp), UCS_OK);
+    }
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(port);
+    inet_pton(AF_INET, host.c_str(), &sa.sin_addr);
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
+    ep.sockaddr.addrlen = sizeof sa;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    EXPECT_EQ(ucp_ep_create(worker_, &ep, &ep_), UCS_OK);
+  }
+  ~RawClient() {
+    if (ep_) {
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      ucs_status_ptr_t sp = ucp_ep_close_nbx(ep_, &rp);
+      while (UCS_PTR_IS_PTR(sp) && ucp_request_check_status(sp) == UCS_INPROGRESS) {
+        ucp_worker_progress(worker_);
+      }
+      if (UCS_PTR_IS_PTR(sp)) ucp_request_free(sp);
+    }
+    if (worker_) ucp_worker_destroy(worker_);
+    if (context_) ucp_cleanup(context_);
+  }
+
+  void send(unsigned id, const void* header, std::size_t hlen, const void* data = nullptr,
+            std::size_t len = 0) {
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t sp = ucp_am_send_nbx(ep_, id, header, hlen, data, len, &rp);
+    while (UCS_PTR_IS_PTR(sp) && ucp_request_check_status(sp) == UCS_INPROGRESS) {
+      ucp_worker_progress(worker_);
+    }
+    if (UCS_PTR_IS_PTR(sp)) ucp_request_free(sp);
+  }
+  // Progresses until `id` arrives or `for_how_long` passed; everything that
+  // arrived is in got().
+  bool wait_for(unsigned id, std::chrono::milliseconds for_how_long) {
+    const auto end = std::chrono::steady_clock::now() + for_how_long;
+    while (std::chrono::steady_clock::now() < end) {
+      ucp_worker_progress(worker_);
+      for (const Received& r : got_) {
+        if (r.id == id) return true;
+      }
+    }
+    return false;
+  }
+  const std::vector<Received>& got() const { return got_; }
+  bool got_any(unsigned id) const {
+    for (const Received& r : got_) {
+      if (r.id == id) return true;
+    }
+    return false;
+  }
+  const Received& first(unsigned id) const {
+    for (const Received& r : got_) {
+      if (r.id == id) return r;
+    }
+    throw std::runtime_error("no message " + std::to_string(id));
+  }
+
+ private:
+  struct Tag {
+    RawClient* self;
+    unsigned id;
+  };
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  ucp_ep_h ep_ = nullptr;
+  std::vector<std::unique_ptr<Tag>> ids_;
+  std::vector<Received> got_;
+};
+
+}  // namespace mstar::kv::testing

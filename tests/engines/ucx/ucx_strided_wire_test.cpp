@@ -1,0 +1,170 @@
+// Copyright mstar-kv authors.
+//
+// Strided read requests (kReqStrided, ucx_wire.hpp) as untrusted input: a
+// raw UCP client names rows with strides; the owner serves exactly those
+// rows, gathered, and refuses every span that names no bytes, too many rows
+// or any byte outside its region (offsets and strides chosen to overflow),
+// before it sends anything.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/layouts.hpp"
+#include "engines/ucx/raw_client.hpp"
+#include "mstar/kv/kv.hpp"
+#include "mstar/kv/ucx.hpp"
+
+namespace mstar::kv::ucx {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::RawClient;
+using testing::Received;
+
+std::uint8_t pattern(std::uint64_t i) { return static_cast<std::uint8_t>((i * 7 + 3) % 251); }
+
+class UcxStridedWire : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto b = built_engines();
+    if (std::find(b.begin(), b.end(), "ucx") == b.end()) GTEST_SKIP() << "ucx engine not built";
+    ::setenv("UCX_TLS", "tcp", 1);
+    ::setenv("UCX_NET_DEVICES", "lo", 1);
+    cache_ = make_kv_cache(testing::make_layout(2, 8, 16, 1, 64), MemoryKind::kHost);
+    for (std::uint64_t i = 0; i < cache_->size_bytes(); ++i) {
+      reinterpret_cast<std::uint8_t*>(cache_->base())[i] = pattern(i);
+    }
+    for (int attempt = 0; attempt < 40 && !owner_; ++attempt) {
+      port_ = static_cast<std::uint16_t>(30000 + (::getpid() * 17 + attempt * 131) % 9000);
+      try {
+        owner_ = std::make_unique<KVTransferManager>(
+            TransferEngineInfo{"owner", "127.0.0.1:" + std::to_string(port_), "ucx", {}},
+            cache_);
+      } catch (const Error&) {
+      }
+    }
+    ASSERT_TRUE(owner_) << "no free port";
+    generation_ = UcxKVTransferInfo::decode(owner_->get_kv_transfer_info()).generation;
+    client_ = std::make_unique<RawClient>("127.0.0.1", port_);
+    HelloHdr h{};
+    h.conn_id = 5;
+    client_->send(kAmHello, &h, sizeof h);
+    ASSERT_TRUE(client_->wait_for(kAmHelloReply, 5s)) << "no hello reply";
+  }
+
+  // Sends one strided request (gathered, as the engine sends it unless
+  // `flags` says otherwise) and waits for its answer.
+  void send(const std::vector<WireStrided>& spans, std::uint64_t flags = kReqGather | kReqStrided) {
+    ReadReqHdr r{};
+    r.batch_id = ++batch_;
+    r.generation = generation_;
+    r.nspans = spans.size();
+    r.flags = flags;
+    client_->send(kAmReadReq, &r, sizeof r, spans.data(), spans.size() * sizeof(WireStrided));
+  }
+  // The refusal of the last request: its code and message.
+  std::pair<std::uint32_t, std::string> refusal() {
+    const auto end = std::chrono::steady_clock::now() + 5s;
+    while (std::chrono::steady_clock::now() < end) {
+      client_->wait_for(kAmReadErr, 50ms);
+      for (const Received& r : client_->got()) {
+        if (r.id != kAmReadErr) continue;
+        ErrHdr e;
+        std::memcpy(&e, r.header.data(), sizeof e);
+        if (e.batch_id == batch_) return {e.code, std::string(r.data.begin(), r.data.end())};
+      }
+    }
+    ADD_FAILURE() << "request " << batch_ << " was not refused";
+    return {0, ""};
+  }
+
+  std::shared_ptr<KVCache> cache_;
+  std::unique_ptr<KVTransferManager> owner_;
+  std::unique_ptr<RawClient> client_;
+  std::uint16_t port_ = 0;
+  std::uint64_t generation_ = 0;
+  std::uint64_t batch_ = 0;
+};
+
+TEST_F(UcxStridedWire, ServesExactlyTheNamedRowsGathered) {
+  // 5 rows of 48 bytes 1000 apart, then one contiguous span of 100 bytes.
+  send({{4096, 48, 0, 5, 1000, 48}, {64, 100, 240, 1, 0, 0}});
+  ASSERT_TRUE(client_->wait_for(kAmGatherData, 5s)) << "nothing served";
+  const Received& got = client_->first(kAmGatherData);
+  GatherHdr g;
+  ASSERT_EQ(got.header.size(), sizeof g);
+  std::memcpy(&g, got.header.data(), sizeof g);
+  EXPECT_EQ(g.first, 0u);
+  EXPECT_EQ(g.count, 6u) << "rows are numbered one by one";
+  ASSERT_EQ(g.length, 5u * 48 + 100);
+  ASSERT_EQ(got.data.size(), g.length);
+  std::vector<std::uint8_t> want;
+  for (std::uint64_t r = 0; r < 5; ++r) {
+    for (std::uint64_t b = 0; b < 48; ++b) want.push_back(pattern(4096 + r * 1000 + b));
+  }
+  for (std::uint64_t b = 0; b < 100; ++b) want.push_back(pattern(64 + b));
+  EXPECT_TRUE(got.data == want) << "the gathered bytes are not the named rows";
+  EXPECT_FALSE(client_->got_any(kAmReadErr));
+}
+
+TEST_F(UcxStridedWire, SpansOutsideTheRegionOrOfNoBytesAreRefusedBeforeAnyByte) {
+  const std::uint64_t size = cache_->size_bytes();
+  const std::uint64_t big = ~std::uint64_t{0};
+  struct Case {
+    WireStrided span;
+    StatusCode code;
+    const char* says;
+  };
+  const std::vector<Case> cases = {
+      // The last row ends one byte past the region.
+      {{size - 2 * 64, 64, 0, 3, 64, 64}, StatusCode::kPermissionDenied, "outside the registered region"},
+      // A stride that wraps around 2^64 back into the region.
+      {{0, 64, 0, 3, big / 2 + 1, 64}, StatusCode::kPermissionDenied, "outside the registered region"},
+      {{0, 64, 0, 2, big - 63, 64}, StatusCode::kPermissionDenied, "outside the registered region"},
+      // Offset + length overflowing.
+      {{big - 10, 64, 0, 1, 0, 0}, StatusCode::kPermissionDenied, "outside the registered region"},
+      // No rows, no bytes, more rows than a request may name.
+      {{0, 64, 0, 0, 64, 64}, StatusCode::kInvalidArgument, "names no bytes"},
+      {{0, 0, 0, 4, 64, 64}, StatusCode::kInvalidArgument, "names no bytes"},
+      {{0, 1, 0, std::uint64_t{1} << 40, 0, 1}, StatusCode::kInvalidArgument, "rows in all"},
+  };
+  for (const Case& c : cases) {
+    // A good span first: nothing of a request goes out unless all of it is good.
+    send({{0, 64, 0, 2, 128, 64}, c.span});
+    const auto [code, message] = refusal();
+    EXPECT_EQ(code, static_cast<std::uint32_t>(c.code)) << message;
+    EXPECT_NE(message.find("strided span 1"), std::string::npos) << message;
+    EXPECT_NE(message.find(c.says), std::string::npos) << message;
+  }
+  client_->wait_for(kAmGatherData, 200ms);
+  EXPECT_FALSE(client_->got_any(kAmGatherData)) << "a refused request was served";
+  EXPECT_FALSE(client_->got_any(kAmReadData)) << "a refused request was served";
+}
+
+TEST_F(UcxStridedWire, MalformedStridedRequestsAreRefused) {
+  // Strided spans only come gathered.
+  send({{0, 64, 0, 2, 128, 64}}, kReqStrided);
+  auto [code, message] = refusal();
+  EXPECT_EQ(code, static_cast<std::uint32_t>(StatusCode::kInvalidArgument)) << message;
+  // A body that is not a whole number of strided spans.
+  ReadReqHdr r{};
+  r.batch_id = ++batch_;
+  r.generation = generation_;
+  r.nspans = 2;
+  r.flags = kReqGather | kReqStrided;
+  const std::vector<WireSpan> flat(2, WireSpan{0, 64, 0});  // WireSpan's size, not WireStrided's
+  client_->send(kAmReadReq, &r, sizeof r, flat.data(), flat.size() * sizeof(WireSpan));
+  std::tie(code, message) = refusal();
+  EXPECT_EQ(code, static_cast<std::uint32_t>(StatusCode::kInvalidArgument)) << message;
+  EXPECT_NE(message.find("malformed"), std::string::npos) << message;
+  client_->wait_for(kAmGatherData, 200ms);
+  EXPECT_FALSE(client_->got_any(kAmGatherData));
+}
+
+}  // namespace
+}  // namespace mstar::kv::ucx
