@@ -21,33 +21,6 @@ constexpr auto kPollPeriod = std::chrono::milliseconds(10);
 
 }  // namespace
 
-void copy_span(std::byte* dst, const std::byte* src, const StridedSpan& s) noexcept {
-  if (s.rows == 1) {
-    std::memcpy(dst + s.local_offset, src + s.remote_offset, s.length);
-    return;
-  }
-  std::byte* d = dst + s.local_offset;
-  const std::byte* r = src + s.remote_offset;
-  // The common row lengths of KV heads (64-256 bytes of head_dim) as
-  // constants: the compiler unrolls them into a few vector moves.
-  switch (s.length) {
-    case 128:
-      for (std::uint64_t i = 0; i < s.rows; ++i, d += s.local_stride, r += s.remote_stride) {
-        std::memcpy(d, r, 128);
-      }
-      return;
-    case 256:
-      for (std::uint64_t i = 0; i < s.rows; ++i, d += s.local_stride, r += s.remote_stride) {
-        std::memcpy(d, r, 256);
-      }
-      return;
-    default:
-      for (std::uint64_t i = 0; i < s.rows; ++i, d += s.local_stride, r += s.remote_stride) {
-        std::memcpy(d, r, s.length);
-      }
-  }
-}
-
 std::vector<StridedSpan> split_strided(std::span<const StridedSpan> spans,
                                        std::uint64_t max_bytes) {
   std::vector<StridedSpan> out;
@@ -128,7 +101,9 @@ struct CopyPool::Job {
       if (i < pieces) {
         const StridedSpan* s = spec.spans.data() + piece_begin[i];
         const StridedSpan* e = spec.spans.data() + piece_begin[i + 1];
-        for (; s != e; ++s) copy_span(spec.dst_base, spec.src_base, *s);
+        const bool streaming = spec.total_bytes >= kStreamBytes;
+        for (; s != e; ++s) copy_span(spec.dst_base, spec.src_base, *s, streaming);
+        if (streaming) stream_fence();  // before the count publishes the piece
         if (done_pieces.fetch_add(1, std::memory_order_acq_rel) + 1 == pieces) {
           Status v = spec.verify ? spec.verify() : Status::ok();
           if (v.is_ok()) {

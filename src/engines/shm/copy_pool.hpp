@@ -25,6 +25,7 @@
 
 #include "mstar/kv/future.hpp"
 #include "mstar/kv/planner.hpp"
+#include "span_copy.hpp"
 #include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::shm {
@@ -43,8 +44,6 @@ struct CopyJobSpec {
   std::function<Status()> verify;
 };
 
-// Copies one span's rows from src + remote offsets to dst + local offsets.
-void copy_span(std::byte* dst, const std::byte* src, const StridedSpan& s) noexcept;
 // Splits spans of more than max_bytes (> 0): contiguous ones by bytes,
 // strided ones by whole rows.
 std::vector<StridedSpan> split_strided(std::span<const StridedSpan> spans,

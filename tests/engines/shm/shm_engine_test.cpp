@@ -18,6 +18,7 @@
 #include <set>
 #include <thread>
 
+#include "engines/shm/span_copy.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/shm.hpp"
 #include "engines/shm/shm_mapping.hpp"  // the engine's own mapping
@@ -140,6 +141,30 @@ TEST(ShmEngine, PartialPagesInBothInPageOrders) {
                 0u)
           << to_string(lpo) << " <- " << to_string(rpo);
     }
+  }
+}
+
+// Reads of at least kStreamBytes copy with streaming stores and prefetching
+// (span_copy.hpp): byte-exact too, in the plain and the NHD <- HND layout,
+// a partial last page, nothing else written.
+TEST(ShmEngine, PullsLargeEnoughToStreamAreByteExact) {
+  for (auto rpo : {PageOrder::kNHD, PageOrder::kHND}) {
+    const KVLayout remote = small_layout(CacheOrder::kLayerMajor, rpo, 1200);
+    const KVLayout local = small_layout(CacheOrder::kPageMajor, PageOrder::kNHD, 1200);
+    const std::uint64_t tokens = 1100 * 16 + 5;
+    Owner owner(remote, tokens);
+    auto cache = sentinel_cache(local);
+    auto m = shm_manager(cache);
+    const auto lp = spread_pages(owner.seq.page_indices.size(), 1200);
+    const auto bytes =
+        m->sync_retrieve(0, tokens, lp, owner.seq.page_indices, owner.seq.kv_transfer_info);
+    ASSERT_GE(bytes, shm::kStreamBytes) << "too small to stream";
+    auto v = verify_pattern(*cache, kSeed, lp, 0, tokens);
+    EXPECT_TRUE(v.ok()) << to_string(rpo) << ": " << v.first_mismatch;
+    EXPECT_EQ(bytes_written_outside(*cache, remote,
+                                    plan_reads(local, 0, tokens, lp, owner.seq.page_indices)),
+              0u)
+        << to_string(rpo);
   }
 }
 
