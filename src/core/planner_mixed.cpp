@@ -190,24 +190,31 @@ std::vector<Resolved> resolve_reads(const KVLayout& local, const KVLayout& remot
   // tokens or heads of it (a 64-token page from four 16-token ones); never
   // the same bytes twice.
   {
-    std::vector<std::size_t> order(rs.size());
-    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-      const Resolved &x = rs[a], &y = rs[b];
-      return std::tie(x.layer, x.lpage, x.ts) < std::tie(y.layer, y.lpage, y.ts);
-    });
+    // Sorted by (layer, local page, first token): a compact key per read,
+    // compared directly (an index sort through rs costs 5x more).
+    struct Key {
+      std::uint64_t page;  // layer * num_pages + local page
+      std::uint32_t ts;
+      std::uint32_t index;
+      bool operator<(const Key& o) const noexcept {
+        return page != o.page ? page < o.page : ts < o.ts;
+      }
+    };
+    std::vector<Key> order(rs.size());
+    for (std::size_t i = 0; i < rs.size(); ++i) {
+      order[i] = {std::uint64_t{rs[i].layer} * local.num_pages + rs[i].lpage, rs[i].ts,
+                  static_cast<std::uint32_t>(i)};
+    }
+    std::sort(order.begin(), order.end());
     for (std::size_t i = 0; i < order.size();) {
       std::size_t j = i + 1;
-      while (j < order.size() && rs[order[j]].layer == rs[order[i]].layer &&
-             rs[order[j]].lpage == rs[order[i]].lpage) {
-        ++j;
-      }
+      while (j < order.size() && order[j].page == order[i].page) ++j;
       for (std::size_t a = i; a < j; ++a) {
         for (std::size_t b = a + 1; b < j; ++b) {
-          const Resolved &x = rs[order[a]], &y = rs[order[b]];
+          const Resolved &x = rs[order[a].index], &y = rs[order[b].index];
           if (y.ts >= x.te) break;  // sorted by ts: no later one overlaps x's tokens
           if (x.hs < y.he && y.hs < x.he) {
-            invalid(detail::read_name(order[b]) + ": duplicate destination: layer " +
+            invalid(detail::read_name(order[b].index) + ": duplicate destination: layer " +
                     std::to_string(y.layer) + " local page " + std::to_string(y.lpage) +
                     " tokens " + range(y.ts, y.te) + " overlap another read's " +
                     range(x.ts, x.te) + " in one batch");
@@ -316,6 +323,8 @@ StridedPlan plan_strided_copies(const KVLayout& local, const KVLayout& remote,
     return out;
   }
   const std::vector<Resolved> rs = detail::resolve_reads(local, remote, reads);
+  // One span per (read, k|v) in most layouts (per head more for NHD <-> HND).
+  out.spans.reserve(rs.size() * local.num_kv());
   detail::StridedSink sink{out};
   detail::emit_reads(local, remote, rs, sink);
   return out;
