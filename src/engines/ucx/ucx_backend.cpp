@@ -134,12 +134,18 @@ UcxOptions UcxOptions::parse(const EngineOptions& options) {
                     "ucx_chunk_bytes '" + value + "' is not in [4096, 2^30]");
       }
       o.chunk_bytes = v;
+    } else if (key == "ucx_progress") {
+      if (value == "adaptive") o.progress = Progress::kAdaptive;
+      else if (value == "busy") o.progress = Progress::kBusy;
+      else if (value == "event") o.progress = Progress::kEvent;
+      else throw Error(StatusCode::kInvalidArgument,
+                       "ucx_progress '" + value + "' is not one of adaptive, busy, event");
     } else if (key == auth::kTokenKey) {
       o.auth_token = auth::token_from(options.extra);
     } else if (key.rfind("ucx_", 0) == 0) {
       throw Error(StatusCode::kInvalidArgument,
                   "unknown UCX option '" + key + "' (known: ucx_mode, ucx_am_proto, "
-                  "ucx_chunk_bytes)");
+                  "ucx_chunk_bytes, ucx_progress)");
     }
     // Keys of other engines are ignored: one EngineOptions may serve several.
   }

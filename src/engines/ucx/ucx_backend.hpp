@@ -15,6 +15,8 @@ namespace mstar::kv::ucx {
 
 // See include/mstar/kv/ucx.hpp ("ucx_mode").
 enum class Mode : std::uint8_t { kAuto, kGet, kAm, kAmShm };
+// See include/mstar/kv/ucx.hpp ("ucx_progress").
+enum class Progress : std::uint8_t { kAdaptive, kBusy, kEvent };
 
 struct UcxOptions {
   Mode mode = Mode::kAuto;
@@ -23,6 +25,7 @@ struct UcxOptions {
   // eager below (no handshake per small span).
   std::uint64_t rndv_bytes = 64u << 10;
   std::uint64_t chunk_bytes = 4u << 20;
+  Progress progress = Progress::kAdaptive;
   // extra["auth_token"]: the shared secret of the connect handshake
   // (ucx_auth.hpp); empty: no authentication.
   std::string auth_token;

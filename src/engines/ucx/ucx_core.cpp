@@ -289,19 +289,22 @@ void UcxCore::run() {
       std::lock_guard<std::mutex> lk(mu_);
       if (!commands_.empty()) continue;
     }
-    // Idle: spin a little (yielding: the machine may be shared), then sleep
-    // on the worker's event fd. While reads or data replies are in flight
-    // the sleep is 1 ms at most: shared-memory transports raise no event
-    // when the peer frees room in a fifo or a get completes.
+    // Idle (ucx_progress): adaptive spins a little (yielding: the machine
+    // may be shared), then sleeps on the worker's event fd; event sleeps at
+    // once; busy never sleeps. While reads or data replies are in flight the
+    // sleep is 1 ms at most: shared-memory transports raise no event when
+    // the peer frees room in a fifo or a get completes.
+    if (options_.progress == Progress::kBusy) continue;
     const bool busy = !batches_.empty() || !sends_.empty();
-    if (!ready_holds_.empty() && idle >= 32) {
+    const int spins = options_.progress == Progress::kEvent ? 0 : (busy ? 32 : 256);
+    if (!ready_holds_.empty() && idle >= std::min(spins, 32)) {
       // Held readiness requests: the owner's pool marks layers with plain
       // stores (no event), so look again every 20 us.
       idle = 0;
       std::this_thread::sleep_for(std::chrono::microseconds(20));
       continue;
     }
-    if (++idle < (busy ? 32 : 256) || efd_ < 0) {
+    if (++idle < spins || efd_ < 0) {
       if (efd_ < 0 && idle >= 256) std::this_thread::sleep_for(std::chrono::microseconds(50));
       std::this_thread::yield();
       continue;

@@ -29,6 +29,39 @@ TEST_P(UcxEngine, BigScatteredPullMovesEveryByte) {
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
 }
 
+// ucx_progress: however the progress threads wait when idle (both sides the
+// same, then each against the other), every byte arrives, in a large
+// scattered pull and in small ones whose replies come while a side sleeps.
+TEST_P(UcxEngine, EveryProgressPolicyPullsEveryByte) {
+  const KVLayout big = small_layout(512);
+  for (const char* owner_policy : {"adaptive", "busy", "event"}) {
+    PeerSpec s = spec(big, 512 * 16);
+    s.extra["ucx_progress"] = owner_policy;
+    PeerProcess peer(s);
+    const auto& seq = peer.sequence();
+    for (const char* reader_policy : {"adaptive", "busy", "event"}) {
+      SCOPED_TRACE(std::string("owner ") + owner_policy + ", reader " + reader_policy);
+      auto cache = local_cache(big);
+      EngineOptions o;
+      o.timeout = 20000ms;
+      o.extra = extra();
+      o.extra["ucx_progress"] = reader_policy;
+      KVTransferManager m(TransferEngineInfo{"decode", "", "ucx", o}, cache);
+      std::vector<std::uint32_t> lp = iota_pages(seq.page_indices.size());
+      std::reverse(lp.begin(), lp.end());
+      EXPECT_EQ(m.sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info),
+                big.total_bytes());
+      EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens).ok());
+      for (int small = 0; small < 20; ++small) {  // one page of 4 layers, then idle a while
+        const std::uint64_t end = 16u * static_cast<std::uint64_t>(small + 1);
+        m.sync_retrieve(end - 16, end, lp, seq.page_indices, seq.kv_transfer_info);
+        if (small % 5 == 0) std::this_thread::sleep_for(5ms);
+      }
+      EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens).ok());
+    }
+  }
+}
+
 TEST_P(UcxEngine, PartialPagesInBothOrdersTouchOnlyTheirTokens) {
   for (auto co : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor}) {
     for (auto po : {PageOrder::kNHD, PageOrder::kHND}) {
@@ -365,6 +398,9 @@ TEST(UcxOptions, UnknownUcxKeyIsRejectedListingTheKnownOnes) {
   info.options.extra = {{"ucx_mdoe", "am"}};
   testing::expect_error([&] { KVTransferManager m(info, c); }, StatusCode::kInvalidArgument,
                         {"unknown UCX option 'ucx_mdoe' (known: ucx_mode"});
+  info.options.extra = {{"ucx_progress", "spin"}};
+  testing::expect_error([&] { KVTransferManager m(info, c); }, StatusCode::kInvalidArgument,
+                        {"ucx_progress 'spin' is not one of adaptive, busy, event"});
 }
 
 }  // namespace
