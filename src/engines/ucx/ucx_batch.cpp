@@ -156,28 +156,31 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
                               (b->strided.empty() ? 0 : kReqStrided);
   std::vector<std::uint8_t> body;
   std::size_t nspans = 0;
+  auto append = [&body](const auto& wire) {
+    if (wire.empty()) return;
+    const std::size_t at = body.size();
+    body.resize(at + wire.size() * sizeof(wire[0]));
+    std::memcpy(body.data() + at, wire.data(), wire.size() * sizeof(wire[0]));
+  };
   if (b->strided.empty()) {
-    nspans = b->chunks.size();
-    body.resize(nspans * sizeof(WireSpan));
-    auto* out = reinterpret_cast<WireSpan*>(body.data());
-    for (const rma::RmaRead& r : b->chunks) *out++ = {r.remote_offset, r.length, r.local_offset};
+    std::vector<WireSpan> wire;
+    wire.reserve(b->chunks.size());
+    for (const rma::RmaRead& r : b->chunks) wire.push_back({r.remote_offset, r.length, r.local_offset});
+    nspans = wire.size();
+    append(wire);
   } else {
-    nspans = b->strided.size();
-    body.resize(nspans * sizeof(WireStrided));
-    auto* out = reinterpret_cast<WireStrided*>(body.data());
+    std::vector<WireStrided> wire;
+    wire.reserve(b->strided.size());
     for (const StridedSpan& s : b->strided) {
-      *out++ = {s.remote_offset, s.length, s.local_offset, s.rows, s.remote_stride,
-                s.local_stride};
+      wire.push_back({s.remote_offset, s.length, s.local_offset, s.rows, s.remote_stride,
+                      s.local_stride});
     }
+    nspans = wire.size();
+    append(wire);
   }
   const ReadReqHdr hdr{b->id, c->served.generation, nspans, flags, b->check.epoch,
                        b->check.pages.size(), c->ticket};
-  if (!b->check.pages.empty()) {
-    const std::size_t at = body.size();
-    body.resize(at + b->check.pages.size() * sizeof(std::uint32_t));
-    std::memcpy(body.data() + at, b->check.pages.data(),
-                b->check.pages.size() * sizeof(std::uint32_t));
-  }
+  append(b->check.pages);
   send_small(c->am_on_data ? c->data_ep.get() : c->ep.get(), kAmReadReq, &hdr, sizeof hdr, body.data(),
              body.size(), true);
 }
