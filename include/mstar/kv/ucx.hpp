@@ -102,12 +102,14 @@
 //                                           eager for am_shm readers)
 //   ucx_chunk_bytes bytes per get / am reply, in [4096, 2^30] (default 4 MiB)
 //   ucx_progress    adaptive | busy | event   how the progress thread waits
-//                   when UCX has nothing to do: adaptive (default) spins 32
-//                   rounds while reads or replies are in flight, 256 otherwise
-//                   (yielding the core between rounds), then sleeps on the
-//                   worker's event fd; event sleeps at once (least CPU);
-//                   busy never sleeps (a core per engine, as ucx_perftest
-//                   does). Measured in bench/README.md ("UCX progress").
+//                   when UCX has nothing to do: adaptive (default) keeps
+//                   polling, yielding the core between rounds, while reads
+//                   or replies are in flight (a read of a hung owner polls
+//                   until its timeout) and sleeps on the worker's event fd
+//                   after 256 idle rounds otherwise; event sleeps at once
+//                   (least CPU, slowest); busy never sleeps, idle or not (a
+//                   core per engine, as ucx_perftest does). Measured in
+//                   bench/README.md ("UCX progress policies").
 //   auth_token      a shared secret of at least 16 bytes (default none). With
 //                   it, connecting is a mutual challenge-response (HMAC-SHA-256
 //                   over fresh nonces from both sides; the secret never

@@ -289,23 +289,28 @@ void UcxCore::run() {
       std::lock_guard<std::mutex> lk(mu_);
       if (!commands_.empty()) continue;
     }
-    // Idle (ucx_progress): adaptive spins a little (yielding: the machine
-    // may be shared), then sleeps on the worker's event fd; event sleeps at
-    // once; busy never sleeps. While reads or data replies are in flight the
-    // sleep is 1 ms at most: shared-memory transports raise no event when
+    // Idle (ucx_progress): adaptive keeps polling (yielding the core: the
+    // machine may be shared) while reads or data replies are in flight and
+    // sleeps on the worker's event fd after 256 idle rounds otherwise; event
+    // sleeps at once; busy never sleeps. An event sleep with transfers in
+    // flight is 1 ms at most: shared-memory transports raise no event when
     // the peer frees room in a fifo or a get completes.
-    if (options_.progress == Progress::kBusy) continue;
     const bool busy = !batches_.empty() || !sends_.empty();
-    const int spins = options_.progress == Progress::kEvent ? 0 : (busy ? 32 : 256);
-    if (!ready_holds_.empty() && idle >= std::min(spins, 32)) {
+    if (options_.progress == Progress::kBusy) continue;
+    const bool event = options_.progress == Progress::kEvent;
+    if (!ready_holds_.empty() && (event || idle >= 32)) {
       // Held readiness requests: the owner's pool marks layers with plain
       // stores (no event), so look again every 20 us.
       idle = 0;
       std::this_thread::sleep_for(std::chrono::microseconds(20));
       continue;
     }
-    if (++idle < spins || efd_ < 0) {
-      if (efd_ < 0 && idle >= 256) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (efd_ < 0) {  // no event fd: poll, resting 50 us per round once idle a while
+      if (!busy && ++idle >= 256) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      std::this_thread::yield();
+      continue;
+    }
+    if (!event && (busy || ++idle < 256)) {
       std::this_thread::yield();
       continue;
     }
