@@ -12,6 +12,9 @@
 #include <netinet/in.h>
 #include <ucp/api/ucp.h>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -20,6 +23,7 @@
 #include <vector>
 
 #include "engines/ucx/ucx_wire.hpp"
+#include "mstar/kv/kv.hpp"
 
 namespace mstar::kv::testing {
 
@@ -144,5 +148,26 @@ class RawClient {
   std::vector<std::unique_ptr<Tag>> ids_;
   std::vector<Received> got_;
 };
+
+// A ucx owner of `cache` on loopback tcp, listening on 127.0.0.1 at a free
+// port (*port), or null when the engine is not built or no port was free.
+inline std::unique_ptr<KVTransferManager> tcp_ucx_owner(std::shared_ptr<KVCache> cache,
+                                                        const EngineOptions& options,
+                                                        std::uint16_t* port) {
+  const auto built = built_engines();
+  if (std::find(built.begin(), built.end(), "ucx") == built.end()) return nullptr;
+  ::setenv("UCX_TLS", "tcp", 1);
+  ::setenv("UCX_NET_DEVICES", "lo", 1);
+  for (int attempt = 0; attempt < 40; ++attempt) {
+    *port = static_cast<std::uint16_t>(30000 + (::getpid() * 13 + attempt * 151) % 9000);
+    try {
+      return std::make_unique<KVTransferManager>(
+          TransferEngineInfo{"owner", "127.0.0.1:" + std::to_string(*port), "ucx", options},
+          cache);
+    } catch (const Error&) {
+    }
+  }
+  return nullptr;
+}
 
 }  // namespace mstar::kv::testing

@@ -30,21 +30,12 @@ class UcxAuth : public ::testing::Test {
   void SetUp() override {
     const auto b = built_engines();
     if (std::find(b.begin(), b.end(), "ucx") == b.end()) GTEST_SKIP() << "ucx engine not built";
-    ::setenv("UCX_TLS", "tcp", 1);
-    ::setenv("UCX_NET_DEVICES", "lo", 1);
     const KVLayout l = testing::make_layout(2, 8, 16, 1, 64);
     cache_ = make_kv_cache(l, MemoryKind::kHost);
     std::memset(cache_->base(), 0x3c, cache_->size_bytes());
     EngineOptions o;
     o.extra = {{"auth_token", "the-owners-secret-0123"}};
-    for (int attempt = 0; attempt < 40 && !owner_; ++attempt) {
-      port_ = static_cast<std::uint16_t>(30000 + (::getpid() * 13 + attempt * 151) % 9000);
-      try {
-        owner_ = std::make_unique<KVTransferManager>(
-            TransferEngineInfo{"owner", "127.0.0.1:" + std::to_string(port_), "ucx", o}, cache_);
-      } catch (const Error&) {
-      }
-    }
+    owner_ = testing::tcp_ucx_owner(cache_, o, &port_);
     ASSERT_TRUE(owner_) << "no free port";
   }
 

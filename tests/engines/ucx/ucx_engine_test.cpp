@@ -42,19 +42,15 @@ TEST_P(UcxEngine, EveryProgressPolicyPullsEveryByte) {
     for (const char* reader_policy : {"adaptive", "busy", "event"}) {
       SCOPED_TRACE(std::string("owner ") + owner_policy + ", reader " + reader_policy);
       auto cache = local_cache(big);
-      EngineOptions o;
-      o.timeout = 20000ms;
-      o.extra = extra();
-      o.extra["ucx_progress"] = reader_policy;
-      KVTransferManager m(TransferEngineInfo{"decode", "", "ucx", o}, cache);
+      auto m = manager(cache, 20000ms, {{"ucx_progress", reader_policy}});
       std::vector<std::uint32_t> lp = iota_pages(seq.page_indices.size());
       std::reverse(lp.begin(), lp.end());
-      EXPECT_EQ(m.sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info),
+      EXPECT_EQ(m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info),
                 big.total_bytes());
       EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens).ok());
       for (int small = 0; small < 20; ++small) {  // one page of 4 layers, then idle a while
         const std::uint64_t end = 16u * static_cast<std::uint64_t>(small + 1);
-        m.sync_retrieve(end - 16, end, lp, seq.page_indices, seq.kv_transfer_info);
+        m->sync_retrieve(end - 16, end, lp, seq.page_indices, seq.kv_transfer_info);
         if (small % 5 == 0) std::this_thread::sleep_for(5ms);
       }
       EXPECT_TRUE(verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens).ok());
@@ -251,13 +247,11 @@ TEST_P(UcxEngine, AuthTokenIsProvedBothWaysBeforeAnyByteMoves) {
   auto refused = [&](const std::string& reader_token, const std::string& want,
                      const KVTransferInfo& info, const std::vector<std::uint32_t>& rp) {
     auto cache = local_cache(l);
-    EngineOptions o;
-    o.timeout = 5000ms;
-    o.extra = extra();
-    if (!reader_token.empty()) o.extra["auth_token"] = reader_token;
-    KVTransferManager m(TransferEngineInfo{"decode", "", "ucx", o}, cache);
+    std::map<std::string, std::string> more;
+    if (!reader_token.empty()) more["auth_token"] = reader_token;
+    auto m = manager(cache, 5000ms, more);
     try {
-      auto f = m.start_async_retrieve(0, 64, iota_pages(4), rp, info);
+      auto f = m->start_async_retrieve(0, 64, iota_pages(4), rp, info);
       if (f) f->wait_for(5s);
       ADD_FAILURE() << "reader token '" << reader_token << "': accepted";
     } catch (const Error& e) {
@@ -274,12 +268,8 @@ TEST_P(UcxEngine, AuthTokenIsProvedBothWaysBeforeAnyByteMoves) {
   {
     // The right token pulls every byte.
     auto cache = local_cache(l);
-    EngineOptions o;
-    o.timeout = 5000ms;
-    o.extra = extra();
-    o.extra["auth_token"] = token;
-    KVTransferManager m(TransferEngineInfo{"decode", "", "ucx", o}, cache);
-    EXPECT_EQ(m.sync_retrieve(0, 64, iota_pages(4), seq.page_indices, seq.kv_transfer_info),
+    auto m = manager(cache, 5000ms, {{"auth_token", token}});
+    EXPECT_EQ(m->sync_retrieve(0, 64, iota_pages(4), seq.page_indices, seq.kv_transfer_info),
               4 * l.page_bytes_all_layers());
     EXPECT_TRUE(verify_pattern(*cache, kSeed, iota_pages(4), 0, 64).ok());
   }

@@ -77,11 +77,14 @@ class UcxFixture : public ::testing::TestWithParam<UcxCase> {
     return s;
   }
 
+  // A reader over this case's transport; `more` adds or overrides options.
   std::unique_ptr<KVTransferManager> manager(std::shared_ptr<KVCache> cache,
-                                             std::chrono::milliseconds timeout = 5000ms) {
+                                             std::chrono::milliseconds timeout = 5000ms,
+                                             const std::map<std::string, std::string>& more = {}) {
     EngineOptions o;
     o.timeout = timeout;
     o.extra = extra();
+    for (const auto& [k, v] : more) o.extra[k] = v;
     return std::make_unique<KVTransferManager>(
         TransferEngineInfo{"decode", "", "ucx", o}, std::move(cache));
   }

@@ -33,21 +33,11 @@ class UcxStridedWire : public ::testing::Test {
   void SetUp() override {
     const auto b = built_engines();
     if (std::find(b.begin(), b.end(), "ucx") == b.end()) GTEST_SKIP() << "ucx engine not built";
-    ::setenv("UCX_TLS", "tcp", 1);
-    ::setenv("UCX_NET_DEVICES", "lo", 1);
     cache_ = make_kv_cache(testing::make_layout(2, 8, 16, 1, 64), MemoryKind::kHost);
     for (std::uint64_t i = 0; i < cache_->size_bytes(); ++i) {
       reinterpret_cast<std::uint8_t*>(cache_->base())[i] = pattern(i);
     }
-    for (int attempt = 0; attempt < 40 && !owner_; ++attempt) {
-      port_ = static_cast<std::uint16_t>(30000 + (::getpid() * 17 + attempt * 131) % 9000);
-      try {
-        owner_ = std::make_unique<KVTransferManager>(
-            TransferEngineInfo{"owner", "127.0.0.1:" + std::to_string(port_), "ucx", {}},
-            cache_);
-      } catch (const Error&) {
-      }
-    }
+    owner_ = testing::tcp_ucx_owner(cache_, {}, &port_);
     ASSERT_TRUE(owner_) << "no free port";
     generation_ = UcxKVTransferInfo::decode(owner_->get_kv_transfer_info()).generation;
     client_ = std::make_unique<RawClient>("127.0.0.1", port_);
