@@ -8,17 +8,6 @@
 
 namespace mstar::kv {
 
-std::size_t dtype_size(DType dtype) noexcept {
-  switch (dtype) {
-    case DType::kFloat32: return 4;
-    case DType::kFloat16:
-    case DType::kBFloat16: return 2;
-    case DType::kFloat8E4M3:
-    case DType::kFloat8E5M2: return 1;
-  }
-  return 0;
-}
-
 std::string_view to_string(DType dtype) noexcept {
   switch (dtype) {
     case DType::kFloat32: return "fp32";
@@ -119,26 +108,6 @@ void KVLayout::validate() const {
                               : std::to_string(total) + " bytes") +
                     ", limit " + std::to_string(LayoutLimits::kMaxTotalBytes));
   }
-}
-
-std::uint64_t KVLayout::block_offset(std::uint32_t layer, KV kv,
-                                     std::uint32_t page) const noexcept {
-  const std::uint64_t k = static_cast<std::uint64_t>(kv);
-  std::uint64_t index = 0;
-  if (cache_order == CacheOrder::kLayerMajor) {
-    index = (std::uint64_t{layer} * num_kv() + k) * num_pages + page;
-  } else {
-    index = (std::uint64_t{page} * num_layers + layer) * num_kv() + k;
-  }
-  return index * block_bytes();
-}
-
-std::uint64_t KVLayout::in_block_offset(std::uint32_t token,
-                                        std::uint32_t head) const noexcept {
-  if (page_order == PageOrder::kNHD) {
-    return (std::uint64_t{token} * num_kv_heads + head) * head_bytes();
-  }
-  return (std::uint64_t{head} * page_size + token) * head_bytes();
 }
 
 namespace {

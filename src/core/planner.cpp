@@ -132,17 +132,14 @@ void check_remote_pages(const KVLayout& local, const KVLayout& remote,
   }
 }
 
-CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
-                     std::span<const KVReadInfo> reads) {
-  // Caches of different geometry, or reads that name remote positions or
-  // heads, take the general path (planner_mixed.cpp).
-  bool plain = local.same_geometry(remote);
-  for (std::size_t i = 0; plain && i < reads.size(); ++i) plain = reads[i].plain();
-  if (!plain) return detail::plan_copies_mixed(local, remote, reads);
+namespace {
+
+// plan_copies between caches of one geometry, for plain reads: validates
+// every read, then emits the copies into `sink` (add(local, remote, len)).
+template <typename Sink>
+void plan_plain(const KVLayout& local, const KVLayout& remote,
+                std::span<const KVReadInfo> reads, Sink& sink) {
   local.check_compatible(remote);
-  CopyPlan plan;
-  plan.spans.reserve(reads.size() * local.num_kv());
-  detail::SpanSink sink(plan);
   KeySet seen(reads.size());
   const bool same_order = local.page_order == remote.page_order;
   const std::uint64_t hb = local.head_bytes();
@@ -212,8 +209,34 @@ CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
   detail::emit_in_cache_order(
       local, reads.size(), [&](std::size_t i) { return reads[i].layer_idx; },
       [&](std::size_t i, KV kv) { emit(reads[i], kv); });
+}
+
+}  // namespace
+
+CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
+                     std::span<const KVReadInfo> reads) {
+  // Caches of different geometry, or reads that name remote positions or
+  // heads, take the general path (planner_mixed.cpp).
+  bool plain = local.same_geometry(remote);
+  for (std::size_t i = 0; plain && i < reads.size(); ++i) plain = reads[i].plain();
+  if (!plain) return detail::plan_copies_mixed(local, remote, reads);
+  CopyPlan plan;
+  plan.spans.reserve(reads.size() * local.num_kv());
+  detail::SpanSink sink(plan);
+  plan_plain(local, remote, reads, sink);
   return plan;
 }
+
+namespace detail {
+
+void plan_plain_strided(const KVLayout& local, const KVLayout& remote,
+                        std::span<const KVReadInfo> reads, StridedPlan& out) {
+  out.spans.reserve(reads.size() * local.num_kv());
+  StridedSink sink{out};
+  plan_plain(local, remote, reads, sink);
+}
+
+}  // namespace detail
 
 std::vector<CopySpan> strided_rows(std::span<const StridedSpan> spans) {
   std::uint64_t rows = 0;

@@ -46,6 +46,30 @@ class SpanSink {
   CopyPlan& plan_;
 };
 
+// Keeps strided runs whole; contiguous ones coalesce as in SpanSink.
+struct StridedSink {
+  StridedPlan& plan;
+  void add(std::uint64_t l, std::uint64_t r, std::uint64_t len) { add_rows(l, r, len, 1, 0, 0); }
+  void add_rows(std::uint64_t l, std::uint64_t r, std::uint64_t len, std::uint64_t rows,
+                std::uint64_t ls, std::uint64_t rs) {
+    plan.uncoalesced_spans += rows;
+    plan.total_bytes += len * rows;
+    if (rows > 1 && ls == len && rs == len) {  // the rows touch: one run
+      len *= rows;
+      rows = 1;
+    }
+    if (rows == 1 && !plan.spans.empty()) {
+      StridedSpan& last = plan.spans.back();
+      if (last.rows == 1 && last.local_offset + last.length == l &&
+          last.remote_offset + last.length == r) {
+        last.length += len;
+        return;
+      }
+    }
+    plan.spans.push_back({l, r, len, rows, rows > 1 ? ls : 0, rows > 1 ? rs : 0});
+  }
+};
+
 // How errors name a read: its index in the caller's read_info
 // ("read_info[3]"); KVTransferManager checks the page tables first, naming
 // table entries, so its own reads never get here.
@@ -73,6 +97,11 @@ void emit_in_cache_order(const KVLayout& local, std::size_t n, LayerOf layer_of,
     begin = end;
   }
 }
+
+// plan_copies for caches of one geometry and plain reads, into a strided
+// plan (every span rows 1): what plan_strided_copies returns for them.
+void plan_plain_strided(const KVLayout& local, const KVLayout& remote,
+                        std::span<const KVReadInfo> reads, StridedPlan& out);
 
 CopyPlan plan_copies_mixed(const KVLayout& local, const KVLayout& remote,
                            std::span<const KVReadInfo> reads);

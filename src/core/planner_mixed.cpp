@@ -272,29 +272,6 @@ struct FlatSink {
   }
 };
 
-// Keeps strided runs whole; contiguous ones coalesce as in SpanSink.
-struct StridedSink {
-  StridedPlan& plan;
-  void add_rows(std::uint64_t l, std::uint64_t r, std::uint64_t len, std::uint64_t rows,
-                std::uint64_t ls, std::uint64_t rs) {
-    plan.uncoalesced_spans += rows;
-    plan.total_bytes += len * rows;
-    if (rows > 1 && ls == len && rs == len) {  // the rows touch: one run
-      len *= rows;
-      rows = 1;
-    }
-    if (rows == 1 && !plan.spans.empty()) {
-      StridedSpan& last = plan.spans.back();
-      if (last.rows == 1 && last.local_offset + last.length == l &&
-          last.remote_offset + last.length == r) {
-        last.length += len;
-        return;
-      }
-    }
-    plan.spans.push_back({l, r, len, rows, rows > 1 ? ls : 0, rows > 1 ? rs : 0});
-  }
-};
-
 }  // namespace
 
 CopyPlan plan_copies_mixed(const KVLayout& local, const KVLayout& remote,
@@ -314,12 +291,8 @@ StridedPlan plan_strided_copies(const KVLayout& local, const KVLayout& remote,
   StridedPlan out;
   bool plain = local.same_geometry(remote) && local.page_order == remote.page_order;
   for (std::size_t i = 0; plain && i < reads.size(); ++i) plain = reads[i].plain();
-  if (plain) {  // nothing strided to gain: the coalescing planner as it is
-    CopyPlan p = plan_copies(local, remote, reads);
-    out.total_bytes = p.total_bytes;
-    out.uncoalesced_spans = p.uncoalesced_spans;
-    out.spans.reserve(p.spans.size());
-    for (const CopySpan& c : p.spans) out.spans.push_back({c.local_offset, c.remote_offset, c.length});
+  if (plain) {  // nothing strided to gain: the coalescing planner, into strided spans
+    detail::plan_plain_strided(local, remote, reads, out);
     return out;
   }
   const std::vector<Resolved> rs = detail::resolve_reads(local, remote, reads);

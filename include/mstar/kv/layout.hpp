@@ -34,7 +34,18 @@ enum class CacheOrder : std::uint8_t { kLayerMajor = 0, kPageMajor = 1 };
 enum class PageOrder : std::uint8_t { kNHD = 0, kHND = 1 };
 enum class KV : std::uint8_t { kKey = 0, kValue = 1 };
 
-std::size_t dtype_size(DType dtype) noexcept;
+// Bytes of one element; 0 for a value outside the enum. Inline: the planner
+// computes offsets with it per copy.
+constexpr std::size_t dtype_size(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::kFloat32: return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16: return 2;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2: return 1;
+  }
+  return 0;
+}
 std::string_view to_string(DType dtype) noexcept;
 std::string_view to_string(CacheOrder order) noexcept;
 std::string_view to_string(PageOrder order) noexcept;
@@ -107,12 +118,20 @@ struct KVLayout {
 
   // Byte offset of block (layer, kv, page) from the cache base. Unchecked:
   // callers validate indices first (KVCache::block does).
-  std::uint64_t block_offset(std::uint32_t layer, KV kv,
-                             std::uint32_t page) const noexcept;
+  std::uint64_t block_offset(std::uint32_t layer, KV kv, std::uint32_t page) const noexcept {
+    const auto k = static_cast<std::uint64_t>(kv);
+    const std::uint64_t index = cache_order == CacheOrder::kLayerMajor
+                                    ? (std::uint64_t{layer} * num_kv() + k) * num_pages + page
+                                    : (std::uint64_t{page} * num_layers + layer) * num_kv() + k;
+    return index * block_bytes();
+  }
 
   // Byte offset inside a block of (token, head, dim 0).
-  std::uint64_t in_block_offset(std::uint32_t token,
-                                std::uint32_t head) const noexcept;
+  std::uint64_t in_block_offset(std::uint32_t token, std::uint32_t head) const noexcept {
+    return page_order == PageOrder::kNHD
+               ? (std::uint64_t{token} * num_kv_heads + head) * head_bytes()
+               : (std::uint64_t{head} * page_size + token) * head_bytes();
+  }
 
   // Throws Error(kIncompatibleLayout) naming the first field that differs
   // between *this (local) and `remote` among those a read needs to match:
