@@ -102,7 +102,9 @@ struct CopyPool::Job {
         const StridedSpan* s = spec.spans.data() + piece_begin[i];
         const StridedSpan* e = spec.spans.data() + piece_begin[i + 1];
         const bool streaming = spec.total_bytes >= kStreamBytes;
-        for (; s != e; ++s) copy_span(spec.dst_base, spec.src_base, *s, streaming);
+        for (; s != e; ++s) {
+          copy_span(spec.dst_base, spec.src_base, *s, streaming, s + 1 != e ? s + 1 : nullptr);
+        }
         if (streaming) stream_fence();  // before the count publishes the piece
         if (done_pieces.fetch_add(1, std::memory_order_acq_rel) + 1 == pieces) {
           Status v = spec.verify ? spec.verify() : Status::ok();

@@ -28,8 +28,10 @@ namespace mstar::kv::shm {
 inline constexpr std::uint64_t kStreamBytes = 32u << 20;
 
 // Copies one span's rows from src + remote offsets to dst + local offsets.
+// Streaming, `next` (the span copied after this one, if any) lets the rows
+// prefetched ahead run on into it.
 void copy_span(std::byte* dst, const std::byte* src, const StridedSpan& s,
-               bool streaming = false) noexcept;
+               bool streaming = false, const StridedSpan* next = nullptr) noexcept;
 
 // Orders the streaming stores of this thread before its later stores (an
 // sfence on x86-64; nothing elsewhere).

@@ -17,7 +17,7 @@ namespace {
 
 constexpr std::byte kSentinel{0xA5};
 
-void check(const StridedSpan& s, bool streaming) {
+void check(const StridedSpan& s, bool streaming, const StridedSpan* next = nullptr) {
   const std::uint64_t src_size = s.remote_offset + (s.rows - 1) * s.remote_stride + s.length;
   const std::uint64_t dst_size = s.local_offset + (s.rows - 1) * s.local_stride + s.length + 64;
   std::vector<std::byte> src(src_size), dst(dst_size, kSentinel), want(dst_size, kSentinel);
@@ -27,7 +27,7 @@ void check(const StridedSpan& s, bool streaming) {
       want[s.local_offset + r * s.local_stride + b] = src[s.remote_offset + r * s.remote_stride + b];
     }
   }
-  copy_span(dst.data(), src.data(), s, streaming);
+  copy_span(dst.data(), src.data(), s, streaming, next);
   stream_fence();
   std::uint64_t bad = 0;
   for (std::uint64_t i = 0; i < dst_size; ++i) bad += dst[i] != want[i];
@@ -60,6 +60,10 @@ TEST(SpanCopy, RowsApartOnEitherSide) {
         for (std::uint64_t rows : {2u, 9u, 33u}) {
           const std::uint64_t local = (rng() % 4) * 64 + (st[0] % 64 != 0 ? 8 : 0);
           check({local, rng() % 100, length, rows, st[0], st[1]}, streaming);
+          // Prefetching on into a next span (rows apart on the remote side)
+          // changes no byte, wherever that span lies.
+          const StridedSpan next{0, length * 3, length, 40, length, 2048};
+          check({local, rng() % 100, length, rows, st[0], st[1]}, streaming, &next);
         }
       }
     }
