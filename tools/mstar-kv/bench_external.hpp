@@ -47,15 +47,5 @@ ExternalResult run_mooncake_bench(const std::string& binary, std::uint64_t block
 ExternalResult run_nixl_peer(const std::string& tls, std::uint64_t block, std::uint32_t count,
                              std::uint32_t iters);
 
-// The latency floor of a small request: one TCP round trip on loopback that
-// carries `reply_bytes` back (a 1-byte request, the reply read whole;
-// TCP_NODELAY both ways), two threads of this process, `iters` trips after
-// 10 of warm-up. gbps holds nothing; p50_us the median trip.
-struct RttResult {
-  bool ok = false;
-  double p50_us = 0;
-  std::string error;
-};
-RttResult run_tcp_round_trip(std::uint64_t reply_bytes, std::uint32_t iters);
 
 }  // namespace mstar::kv::cli::bench

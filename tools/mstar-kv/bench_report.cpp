@@ -124,6 +124,12 @@ void Progress::finish() {
 
 // ---- table ---------------------------------------------------------------------
 
+std::string size_name(std::uint64_t b) {
+  if (b >= (1u << 20) && b % (1u << 20) == 0) return std::to_string(b >> 20) + " MiB";
+  if (b >= 1024 && b % 1024 == 0) return std::to_string(b >> 10) + " KiB";
+  return std::to_string(b) + " B";
+}
+
 void note_plain_twins(Report& report) {
   for (CaseResult& c : report.cases) {
     if (!c.ok || !c.workload.mixed_geometry()) continue;

@@ -64,6 +64,9 @@ class Progress {
 // the twin's GB/s in the case's extra["plain_gbps"].
 void note_plain_twins(Report& report);
 
+// "64 KiB", "2 MiB", "100 B": a byte count as the notes write it.
+std::string size_name(std::uint64_t bytes);
+
 void print_table(std::FILE* out, const Report& report);
 void write_json(std::FILE* out, const Report& report);
 void write_csv(std::FILE* out, const Report& report);

@@ -17,6 +17,7 @@
 
 #include "args.hpp"
 #include "bench_external.hpp"
+#include "bench_tcp.hpp"
 #include "bench_report.hpp"
 #include "bench_run.hpp"
 #include "bench_server.hpp"
@@ -238,11 +239,6 @@ std::vector<EngineVariant> select_variants(const Args& args, bool* peers, Report
   return out;
 }
 
-std::string size_name(std::uint64_t b) {
-  if (b >= (1u << 20) && b % (1u << 20) == 0) return std::to_string(b >> 20) + " MiB";
-  if (b >= 1024 && b % 1024 == 0) return std::to_string(b >> 10) + " KiB";
-  return std::to_string(b) + " B";
-}
 
 // ucx_perftest runs at the case's message size, up to this (a contiguous
 // request is one 512 MiB span; at that size the tool only measures TCP).
@@ -435,24 +431,9 @@ int cmd_bench(int argc, char** argv) {
       c.baseline_gbps = *s;
       c.ratio = s->median > 0 ? std::optional<double>(c.gbps.median / s->median) : std::nullopt;
     }
-    // Small requests over TCP: their p50 beside one TCP round trip that
-    // carries the same bytes back (the latency floor of a request).
-    std::map<std::uint64_t, RttResult> rtt;
-    for (const CaseResult& c : report.cases) {
-      const std::uint64_t bytes = c.workload.bytes_per_request();
-      if (!c.ok || over_tcp.count(c.engine) == 0 || bytes > (8u << 20)) continue;
-      if (rtt.count(bytes) == 0) {
-        progress.set_label("tcp round trip " + size_name(bytes));
-        rtt[bytes] = run_tcp_round_trip(bytes, 200);
-        if (!rtt[bytes].ok) report.notes.push_back("no tcp round trip: " + rtt[bytes].error);
-      }
-      if (!rtt[bytes].ok) continue;
-      char buf[200];
-      std::snprintf(buf, sizeof buf, "%s %s: p50 %.0f us = %.2fx a TCP round trip of its %s (%.0f us)",
-                    c.engine.c_str(), c.workload.name.c_str(), c.p50_us,
-                    c.p50_us / rtt[bytes].p50_us, size_name(bytes).c_str(), rtt[bytes].p50_us);
-      report.notes.push_back(buf);
-    }
+    // Beside plain TCP: small requests against one round trip of their
+    // bytes, large ones against one stream of them (bench_tcp.hpp).
+    note_tcp_floors(report, over_tcp, progress);
     if (peers) {
       progress.set_label("iperf3 tcp loopback");
       const ExternalResult ip = run_iperf3(2.0);

@@ -40,7 +40,7 @@
 //            validates them against its registered region and generation
 //            and answers with active-message sends straight from its
 //            registered pages (rendezvous, zero-copy on the owner, for
-//            replies of 64 KiB and more; eager below); the reader lands them
+//            replies of 32 KiB and more; eager below); the reader lands them
 //            in its own registered pages. Many small spans (a change of
 //            in-page order or head shard) are planned as strided spans
 //            (planner.hpp) and cross as such, one per (page, layer, k|v,
@@ -98,7 +98,7 @@
 //   ucx_mode        auto | get | am | am_shm   (default auto)
 //   ucx_am_proto    auto | eager | rndv    how this engine, as an owner,
 //                                           sends am replies (default auto:
-//                                           rendezvous from 64 KiB; always
+//                                           rendezvous from 32 KiB; always
 //                                           eager for am_shm readers)
 //   ucx_chunk_bytes bytes per get / am reply, in [4096, 2^30] (default 4 MiB)
 //   ucx_progress    adaptive | busy | event   how the progress thread waits

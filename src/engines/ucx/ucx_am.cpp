@@ -106,7 +106,7 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
         return UCS_OK;
       }
       deferred_.push_back([this, ep, h, s = std::move(spans), p = std::move(pages)]() mutable {
-        serve_read(ep, h, s, std::move(p));
+        serve_read(ep, h, std::move(s), std::move(p));
       });
       return UCS_OK;
     }

@@ -123,7 +123,7 @@ UcxOptions UcxOptions::parse(const EngineOptions& options) {
     } else if (key == "ucx_am_proto") {
       if (value == "eager") o.rndv_bytes = ~std::uint64_t{0};
       else if (value == "rndv") o.rndv_bytes = 0;
-      else if (value == "auto") o.rndv_bytes = 64u << 10;
+      else if (value == "auto") o.rndv_bytes = kAutoRndvBytes;
       else throw Error(StatusCode::kInvalidArgument,
                        "ucx_am_proto '" + value + "' is not one of auto, eager, rndv");
     } else if (key == "ucx_chunk_bytes") {

@@ -54,7 +54,7 @@ constexpr std::uint64_t kMaxSpansPerRequest = 1u << 22;
 // A read gathers (kReqGather) when it has at least this many spans of on
 // average fewer bytes than this.
 constexpr std::size_t kGatherMinSpans = 64;
-constexpr std::uint64_t kGatherBelowBytes = 16u << 10;
+constexpr std::uint64_t kGatherBelowBytes = 32u << 10;
 
 // Whether a read of these spans gets gathered replies (kReqGather): many,
 // and small on average.
@@ -160,8 +160,29 @@ struct ServeState {
   bool failed = false;
 };
 
+// One served read's replies not yet posted: the owner keeps at most
+// kSendWindow of them in flight per read and posts the next as each
+// completes. UCX over tcp slows down with thousands of outstanding sends:
+// 64 KiB x 4096 ran at 1.55 GB/s with every reply posted at once, 2.7-2.8
+// with 16-64 in flight, 2.1 with 256 (bench/README.md, "UCX send window").
+struct SendQueue {
+  ucp_ep_h ep = nullptr;
+  std::uint64_t batch_id = 0;
+  std::uint64_t flags = 0;
+  std::vector<WireSpan> spans;
+  // kReqGather: groups of spans [first, first + count), one message each.
+  std::vector<std::pair<std::size_t, std::size_t>> groups;
+  std::shared_ptr<ServeState> serve;  // null when no epoch is checked
+  std::size_t next = 0;       // the next span (or group) to post
+  std::size_t in_flight = 0;  // posted, not completed
+  bool done_posting = false;
+  std::size_t total() const noexcept { return groups.empty() ? spans.size() : groups.size(); }
+};
+inline constexpr std::size_t kSendWindow = 32;
+
 struct SendCtx : Pending {  // a data reply (its header must outlive the send)
   DataHdr hdr{};
+  std::shared_ptr<SendQueue> queue;   // the read it belongs to
   std::shared_ptr<ServeState> serve;  // null when no epoch is checked
   GatherHdr gather{};                 // gathered replies (kReqGather)
   std::vector<ucp_dt_iov_t> iov;      // their rows in the registered pages
@@ -298,10 +319,12 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // when ctx->iov is set) for batch b, which then waits for it.
   ucs_status_t post_recv(const std::shared_ptr<Batch>& b, void* data, void* buffer,
                          std::size_t count, ReqCtx* ctx);
-  // Owner: sends spans [first, first + count) as one gathered eager message.
-  bool send_gathered(ucp_ep_h ep, std::uint64_t batch_id, const std::vector<WireSpan>& spans,
-                     std::size_t first, std::size_t count, std::uint64_t flags,
-                     const std::shared_ptr<ServeState>& serve);
+  // Owner: posts the queue's next replies, up to kSendWindow in flight; one
+  // span, or a group of spans as one gathered message (kReqGather).
+  void pump(const std::shared_ptr<SendQueue>& q);
+  bool send_span(const std::shared_ptr<SendQueue>& q, const WireSpan& s);
+  bool send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t first, std::size_t count);
+  bool posted(const std::shared_ptr<SendQueue>& q, SendCtx* ctx, ucs_status_ptr_t sp);
   // The handshake (ucx_wire.hpp): owner and reader halves.
   void on_hello(ucp_ep_h ep, const HelloHdr& h);
   void on_auth(ucp_ep_h ep, const AuthHdr& h);
@@ -317,7 +340,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // serves its rows as serve_read does.
   void serve_strided(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<WireStrided>& spans,
                      std::vector<std::uint32_t> pages);
-  void serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<WireSpan>& spans,
+  void serve_read(ucp_ep_h ep, const ReadReqHdr& h, std::vector<WireSpan> spans,
                   std::vector<std::uint32_t> pages);
   void serve_done(const std::shared_ptr<ServeState>& st);
   Status check_served_epochs(std::uint64_t epoch, const std::vector<std::uint32_t>& pages,

@@ -196,10 +196,10 @@ void UcxCore::serve_strided(ucp_ep_h ep, const ReadReqHdr& h,
   for (const CopySpan& r : strided_rows(planned)) {
     flat.push_back({r.remote_offset, r.length, r.local_offset});
   }
-  serve_read(ep, h, flat, std::move(pages));
+  serve_read(ep, h, std::move(flat), std::move(pages));
 }
 
-void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<WireSpan>& spans,
+void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, std::vector<WireSpan> spans,
                          std::vector<std::uint32_t> pages) {
   const std::uint64_t batch_id = h.batch_id;
   const std::uint64_t flags = h.flags;
@@ -244,63 +244,90 @@ void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<Wir
     serve->batch_id = batch_id;
     serve->epoch = h.epoch;
     serve->pages = std::move(pages);
-    serve->left = spans.size() + 1;
   }
+  auto q = std::make_shared<SendQueue>();
+  q->ep = ep;
+  q->batch_id = batch_id;
+  q->flags = flags;
+  q->serve = serve;
+  q->spans = std::move(spans);
   if ((flags & kReqGather) != 0) {
-    // Groups of consecutive spans, each one eager message (kAmGatherData).
-    std::vector<std::pair<std::size_t, std::size_t>> groups;
-    for (std::size_t i = 0; i < spans.size();) {
+    // Groups of consecutive spans, each one message (kAmGatherData).
+    for (std::size_t i = 0; i < q->spans.size();) {
       std::size_t j = i;
       std::uint64_t bytes = 0;
-      while (j < spans.size() && j - i < kGatherMaxSpans &&
-             (j == i || bytes + spans[j].length <= kGatherBytes)) {
-        bytes += spans[j].length;
+      while (j < q->spans.size() && j - i < kGatherMaxSpans &&
+             (j == i || bytes + q->spans[j].length <= kGatherBytes)) {
+        bytes += q->spans[j].length;
         ++j;
       }
-      groups.emplace_back(i, j - i);
+      q->groups.emplace_back(i, j - i);
       i = j;
     }
-    if (serve) serve->left = groups.size() + 1;
-    for (const auto& [first, count] : groups) {
-      if (!send_gathered(ep, batch_id, spans, first, count, flags, serve)) return;
-    }
-    if (serve && --serve->left == 0) serve_done(serve);
+  }
+  if (serve) serve->left = q->total() + 1;
+  pump(q);
+}
+
+void UcxCore::pump(const std::shared_ptr<SendQueue>& q) {
+  if (q->done_posting) return;
+  // The reader's endpoint went away (it fails by itself) or we stop: the
+  // rest of the read is never sent.
+  if (dead_eps_.count(q->ep) != 0 || stop_requested_.load(std::memory_order_acquire)) {
+    q->done_posting = true;
     return;
   }
-  for (const WireSpan& s : spans) {
-    auto owned = std::make_unique<SendCtx>();
-    owned->core = this;
-    owned->hdr = DataHdr{batch_id, s.local_offset, s.length};
-    owned->serve = serve;
-    SendCtx* ctx = sends_.add(std::move(owned));
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
-                      UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
-    rp.flags = (flags & kReqEagerOnly) == 0 && s.length >= options_.rndv_bytes
-                   ? UCP_AM_SEND_FLAG_RNDV
-                   : UCP_AM_SEND_FLAG_EAGER;
-    rp.memh = memh_.get();
-    rp.cb.send = trampoline<&UcxCore::on_data_sent, RequestGuard>;
-    rp.user_data = static_cast<Pending*>(ctx);
-    ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmReadData, &ctx->hdr, sizeof ctx->hdr,
-                                          cache_->base() + s.remote_offset, s.length, &rp);
-    if (!UCS_PTR_IS_PTR(sp)) {
-      sends_.take(ctx);
-      if (serve) --serve->left;
+  while (q->in_flight < kSendWindow && q->next < q->total()) {
+    const std::size_t k = q->next++;
+    const bool ok = q->groups.empty() ? send_span(q, q->spans[k])
+                                      : send_gathered(q, q->groups[k].first, q->groups[k].second);
+    if (!ok) {  // the endpoint failed; its error handler closes it
+      q->done_posting = true;
+      return;
     }
-    if (UCS_PTR_IS_ERR(sp)) return;  // the endpoint failed; its error handler closes it
   }
-  if (serve && --serve->left == 0) serve_done(serve);
+  if (q->next == q->total()) {
+    q->done_posting = true;
+    if (q->serve && --q->serve->left == 0) serve_done(q->serve);
+  }
+}
+
+bool UcxCore::send_span(const std::shared_ptr<SendQueue>& q, const WireSpan& s) {
+  auto owned = std::make_unique<SendCtx>();
+  owned->core = this;
+  owned->hdr = DataHdr{q->batch_id, s.local_offset, s.length};
+  owned->serve = q->serve;
+  owned->queue = q;
+  SendCtx* ctx = sends_.add(std::move(owned));
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                    UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+  rp.flags = (q->flags & kReqEagerOnly) == 0 && s.length >= options_.rndv_bytes
+                 ? UCP_AM_SEND_FLAG_RNDV
+                 : UCP_AM_SEND_FLAG_EAGER;
+  rp.memh = memh_.get();
+  rp.cb.send = trampoline<&UcxCore::on_data_sent, RequestGuard>;
+  rp.user_data = static_cast<Pending*>(ctx);
+  ucs_status_ptr_t sp = ucp_am_send_nbx(q->ep, kAmReadData, &ctx->hdr, sizeof ctx->hdr,
+                                        cache_->base() + s.remote_offset, s.length, &rp);
+  return posted(q, ctx, sp);
 }
 
 // Completion of a data reply (one span's, or a gathered group's): the
-// served read's epoch verdict goes out once its last send completed.
+// read's next replies go out, and its epoch verdict once its last send
+// completed.
 void UcxCore::on_data_sent(void* req, ucs_status_t st, void* ud) {
   const Request freed(req);
   auto* raw = context_of<SendCtx>(ud);
   UcxCore* core = raw->core;
   const std::unique_ptr<SendCtx> c = core->sends_.take(raw);
-  if (c && c->serve) {
+  if (!c) return;
+  if (c->queue) {
+    --c->queue->in_flight;
+    if (st != UCS_OK) c->queue->done_posting = true;
+    if (!c->queue->done_posting) core->deferred_.push_back([core, q = c->queue] { core->pump(q); });
+  }
+  if (c->serve) {
     if (st != UCS_OK) c->serve->failed = true;
     if (--c->serve->left == 0) {
       core->deferred_.push_back([core, sv = c->serve] { core->serve_done(sv); });
@@ -308,23 +335,22 @@ void UcxCore::on_data_sent(void* req, ucs_status_t st, void* ud) {
   }
 }
 
-bool UcxCore::send_gathered(ucp_ep_h ep, std::uint64_t batch_id,
-                            const std::vector<WireSpan>& spans, std::size_t first,
-                            std::size_t count, std::uint64_t flags,
-                            const std::shared_ptr<ServeState>& serve) {
+bool UcxCore::send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t first,
+                            std::size_t count) {
   auto owned = std::make_unique<SendCtx>();
   owned->core = this;
-  owned->serve = serve;
+  owned->serve = q->serve;
+  owned->queue = q;
   owned->iov.resize(count);
   SendCtx* ctx = owned.get();
   std::uint64_t bytes = 0;
   for (std::size_t k = 0; k < count; ++k) {
-    const WireSpan& s = spans[first + k];
+    const WireSpan& s = q->spans[first + k];
     ctx->iov[k].buffer = cache_->base() + s.remote_offset;
     ctx->iov[k].length = s.length;
     bytes += s.length;
   }
-  ctx->gather = GatherHdr{batch_id, first, count, bytes};
+  ctx->gather = GatherHdr{q->batch_id, first, count, bytes};
   sends_.add(std::move(owned));
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
@@ -332,18 +358,27 @@ bool UcxCore::send_gathered(ucp_ep_h ep, std::uint64_t batch_id,
   // Rendezvous for big groups (UCX moves the rows from our pages into the
   // reader's, an iov on both sides), eager otherwise (the reader scatters
   // from its receive buffer); eager only for readers that ask for it.
-  rp.flags = (flags & kReqEagerOnly) == 0 && bytes >= options_.rndv_bytes ? UCP_AM_SEND_FLAG_RNDV
-                                                                        : UCP_AM_SEND_FLAG_EAGER;
+  rp.flags = (q->flags & kReqEagerOnly) == 0 && bytes >= options_.rndv_bytes
+                 ? UCP_AM_SEND_FLAG_RNDV
+                 : UCP_AM_SEND_FLAG_EAGER;
   rp.datatype = ucp_dt_make_iov();
   rp.cb.send = trampoline<&UcxCore::on_data_sent, RequestGuard>;
   rp.user_data = static_cast<Pending*>(ctx);
-  ucs_status_ptr_t sp = ucp_am_send_nbx(ep, kAmGatherData, &ctx->gather, sizeof ctx->gather,
+  ucs_status_ptr_t sp = ucp_am_send_nbx(q->ep, kAmGatherData, &ctx->gather, sizeof ctx->gather,
                                         ctx->iov.data(), ctx->iov.size(), &rp);
-  if (!UCS_PTR_IS_PTR(sp)) {
-    sends_.take(ctx);
-    if (serve) --serve->left;
+  return posted(q, ctx, sp);
+}
+
+// After ucp_am_send_nbx of ctx: in flight (the callback completes it), or
+// done or failed at once. False when the endpoint failed.
+bool UcxCore::posted(const std::shared_ptr<SendQueue>& q, SendCtx* ctx, ucs_status_ptr_t sp) {
+  if (UCS_PTR_IS_PTR(sp)) {
+    ++q->in_flight;
+    return true;
   }
-  return !UCS_PTR_IS_ERR(sp);  // the endpoint failed: its error handler closes it
+  sends_.take(ctx);
+  if (q->serve) --q->serve->left;
+  return !UCS_PTR_IS_ERR(sp);
 }
 
 void UcxCore::serve_done(const std::shared_ptr<ServeState>& st) {
