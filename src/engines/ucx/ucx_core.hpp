@@ -52,9 +52,12 @@ namespace mstar::kv::ucx {
 
 constexpr std::uint64_t kMaxSpansPerRequest = 1u << 22;
 // A read gathers (kReqGather) when it has at least this many spans of on
-// average fewer bytes than this.
+// average fewer bytes than this: the owner then sends groups of spans as
+// messages of up to 1 MiB (kGatherBytes). Over tcp with 64 KiB segments a
+// group beat one message per span at every size up to 128 KiB (64 KiB x 128:
+// 3.2 -> 4.0-4.6 GB/s, 4 KiB x 4096: 1.8 -> 3.8).
 constexpr std::size_t kGatherMinSpans = 64;
-constexpr std::uint64_t kGatherBelowBytes = 32u << 10;
+constexpr std::uint64_t kGatherBelowBytes = 256u << 10;
 
 // Whether a read of these spans gets gathered replies (kReqGather): many,
 // and small on average.

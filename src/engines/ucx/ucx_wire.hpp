@@ -91,11 +91,11 @@ inline constexpr std::uint64_t kReqCheckOnly = 2;
 // and UCX 1.13 aborts the reading process when the owner dies mid-transfer
 // (measured); eager data only ever sits in the reader's own fifo.
 inline constexpr std::uint64_t kReqEagerOnly = 1;
-// Many small spans (a change of in-page order or head shard makes rows of a
-// few hundred bytes): the owner gathers consecutive spans from its
-// registered pages into one eager message (an iov datatype, no copy on its
-// side) of at most kGatherBytes, and the reader scatters it into its pages
-// (one copy), instead of one message per span.
+// Many spans (a change of in-page order or head shard makes rows of a few
+// hundred bytes; a scattered page table blocks of 4-128 KiB): the owner
+// gathers consecutive spans from its registered pages into one message (an
+// iov datatype, no copy on its side) of at most kGatherBytes, and the reader
+// scatters it into its pages, instead of one message per span.
 inline constexpr std::uint64_t kReqGather = 4;
 inline constexpr std::uint64_t kGatherBytes = 1024u << 10;
 // With kReqGather: the spans are WireStrided, "rows of length bytes, strides
