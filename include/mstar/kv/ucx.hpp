@@ -41,12 +41,15 @@
 //            and answers with active-message sends straight from its
 //            registered pages (rendezvous, zero-copy on the owner, for
 //            replies of 32 KiB and more; eager below); the reader lands them
-//            in its own registered pages. Many small spans (a change of
-//            in-page order or head shard) are planned as strided spans
-//            (planner.hpp) and cross as such, one per (page, layer, k|v,
-//            head) at worst; the owner gathers their rows from its pages
-//            into messages of up to 1 MiB (an iov, no copy on its side) and
-//            the reader scatters them into its rows.
+//            in its own registered pages. Many spans of under 256 KiB on
+//            average (a scattered page table's blocks; the rows of a change
+//            of in-page order or head shard, planned as strided spans,
+//            planner.hpp, and crossing as such, one per (page, layer, k|v,
+//            head) at worst) are gathered by the owner from its pages into
+//            messages of up to 1 MiB (an iov, no copy on its side) that the
+//            reader scatters into its pages. The owner keeps at most 32
+//            replies of a read in flight. TCP segments are 64 KiB unless
+//            UCX_TCP_TX_SEG_SIZE / UCX_TCP_RX_SEG_SIZE are set.
 //     get    one-sided ucp_get_nbx with the peer's remote key, on a second
 //            endpoint opened to the owner's worker address (UCX 1.13 gives
 //            client/server endpoints only the connection manager's
