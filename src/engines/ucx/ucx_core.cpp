@@ -46,7 +46,8 @@ void UcxCore::init_ucp(const std::string& session_id) {
   // A tuning only: a UCX that refuses the key keeps its own segment size.
   for (const char* key : {"TX_SEG_SIZE", "RX_SEG_SIZE"}) {
     if (std::getenv(("UCX_TCP_" + std::string(key)).c_str()) != nullptr) continue;
-    if (ucp_config_modify(config.get(), key, "64k") != UCS_OK && std::getenv("MSTAR_KV_UCX_DEBUG")) {
+    const bool taken = ucp_config_modify(config.get(), key, "64k") == UCS_OK;
+    if (!taken && std::getenv("MSTAR_KV_UCX_DEBUG") != nullptr) {
       std::fprintf(stderr, "mstar-kv ucx: UCX keeps its %s\n", key);
     }
   }
