@@ -93,8 +93,6 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
         });
         return UCS_OK;
       }
-      std::vector<WireSpan> spans(h.nspans);
-      if (h.nspans) std::memcpy(spans.data(), data, h.nspans * sizeof(WireSpan));
       if (check_only) {
         deferred_.push_back([this, ep, h, p = std::move(pages)] {
           if (dead_eps_.count(ep) != 0) return;
@@ -105,8 +103,15 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
         });
         return UCS_OK;
       }
-      deferred_.push_back([this, ep, h, s = std::move(spans), p = std::move(pages)]() mutable {
-        serve_read(ep, h, std::move(s), std::move(p));
+      // The rows as the planner writes them, checked by serve_read.
+      std::vector<CopySpan> rows(h.nspans);
+      for (std::size_t i = 0; i < h.nspans; ++i) {
+        WireSpan w;
+        std::memcpy(&w, static_cast<const std::byte*>(data) + i * sizeof w, sizeof w);
+        rows[i] = {w.local_offset, w.remote_offset, w.length};
+      }
+      deferred_.push_back([this, ep, h, r = std::move(rows), p = std::move(pages)]() mutable {
+        serve_read(ep, h, std::move(r), std::move(p), /*rows_checked=*/false);
       });
       return UCS_OK;
     }

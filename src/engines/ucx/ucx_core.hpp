@@ -172,7 +172,7 @@ struct SendQueue {
   ucp_ep_h ep = nullptr;
   std::uint64_t batch_id = 0;
   std::uint64_t flags = 0;
-  std::vector<WireSpan> spans;
+  std::vector<CopySpan> spans;  // rows checked against the region
   // kReqGather: groups of spans [first, first + count), one message each.
   std::vector<std::pair<std::size_t, std::size_t>> groups;
   std::shared_ptr<ServeState> serve;  // null when no epoch is checked
@@ -325,7 +325,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // Owner: posts the queue's next replies, up to kSendWindow in flight; one
   // span, or a group of spans as one gathered message (kReqGather).
   void pump(const std::shared_ptr<SendQueue>& q);
-  bool send_span(const std::shared_ptr<SendQueue>& q, const WireSpan& s);
+  bool send_span(const std::shared_ptr<SendQueue>& q, const CopySpan& s);
   bool send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t first, std::size_t count);
   bool posted(const std::shared_ptr<SendQueue>& q, SendCtx* ctx, ucs_status_ptr_t sp);
   // The handshake (ucx_wire.hpp): owner and reader halves.
@@ -343,8 +343,10 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // serves its rows as serve_read does.
   void serve_strided(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<WireStrided>& spans,
                      std::vector<std::uint32_t> pages);
-  void serve_read(ucp_ep_h ep, const ReadReqHdr& h, std::vector<WireSpan> spans,
-                  std::vector<std::uint32_t> pages);
+  // Serves a read's rows (checked against the region here unless
+  // rows_checked: serve_strided did it span by span).
+  void serve_read(ucp_ep_h ep, const ReadReqHdr& h, std::vector<CopySpan> spans,
+                  std::vector<std::uint32_t> pages, bool rows_checked);
   void serve_done(const std::shared_ptr<ServeState>& st);
   Status check_served_epochs(std::uint64_t epoch, const std::vector<std::uint32_t>& pages,
                              const char* when) const;

@@ -191,16 +191,12 @@ void UcxCore::serve_strided(ucp_ep_h ep, const ReadReqHdr& h,
     planned.push_back({s.local_offset, s.remote_offset, s.length, s.rows, s.local_stride,
                        s.remote_stride});
   }
-  std::vector<WireSpan> flat;
-  flat.reserve(rows);
-  for (const CopySpan& r : strided_rows(planned)) {
-    flat.push_back({r.remote_offset, r.length, r.local_offset});
-  }
-  serve_read(ep, h, std::move(flat), std::move(pages));
+  // Every row is inside the region now: serve_read need not look again.
+  serve_read(ep, h, strided_rows(planned), std::move(pages), /*rows_checked=*/true);
 }
 
-void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, std::vector<WireSpan> spans,
-                         std::vector<std::uint32_t> pages) {
+void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, std::vector<CopySpan> spans,
+                         std::vector<std::uint32_t> pages, bool rows_checked) {
   const std::uint64_t batch_id = h.batch_id;
   const std::uint64_t flags = h.flags;
   // The reply endpoint is one of our listener's endpoints or one UCX made
@@ -217,8 +213,8 @@ void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, std::vector<WireSpan>
                         std::to_string(region_.generation)));
     return;
   }
-  for (std::size_t i = 0; i < spans.size(); ++i) {
-    const WireSpan& s = spans[i];
+  for (std::size_t i = 0; !rows_checked && i < spans.size(); ++i) {
+    const CopySpan& s = spans[i];
     if (s.length == 0 || s.remote_offset > region_.size ||
         s.length > region_.size - s.remote_offset) {
       send_err(ep, batch_id,
@@ -292,7 +288,7 @@ void UcxCore::pump(const std::shared_ptr<SendQueue>& q) {
   }
 }
 
-bool UcxCore::send_span(const std::shared_ptr<SendQueue>& q, const WireSpan& s) {
+bool UcxCore::send_span(const std::shared_ptr<SendQueue>& q, const CopySpan& s) {
   auto owned = std::make_unique<SendCtx>();
   owned->core = this;
   owned->hdr = DataHdr{q->batch_id, s.local_offset, s.length};
@@ -345,7 +341,7 @@ bool UcxCore::send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t fir
   SendCtx* ctx = owned.get();
   std::uint64_t bytes = 0;
   for (std::size_t k = 0; k < count; ++k) {
-    const WireSpan& s = q->spans[first + k];
+    const CopySpan& s = q->spans[first + k];
     ctx->iov[k].buffer = cache_->base() + s.remote_offset;
     ctx->iov[k].length = s.length;
     bytes += s.length;
