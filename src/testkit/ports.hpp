@@ -18,6 +18,9 @@ bool tcp_port_listening(int port);
 // A random TCP port in [20000, 30000) that nothing listens on (outside the
 // kernel's ephemeral range).
 int pick_port();
+// A socket listening on 127.0.0.1 at a port the kernel picks (*port); -1
+// (errno set) when it cannot.
+int listen_loopback(int* port);
 // A TCP connection to 127.0.0.1:port (TCP_NODELAY, receives time out after
 // `recv_timeout_s`); -1 when it cannot connect.
 int connect_loopback(int port, int recv_timeout_s = 5);

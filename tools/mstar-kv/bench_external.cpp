@@ -1,10 +1,6 @@
 // Copyright mstar-kv authors.
 #include "bench_external.hpp"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>

@@ -1,7 +1,6 @@
 // Copyright mstar-kv authors.
 #include "bench_tcp.hpp"
 
-#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -25,20 +24,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// A listening socket on 127.0.0.1 at a free port, or -1 (and *error).
-int listen_loopback(sockaddr_in* a, std::string* error) {
-  const int lfd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  *a = sockaddr_in{};
-  a->sin_family = AF_INET;
-  a->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t alen = sizeof *a;
-  if (lfd < 0 || ::bind(lfd, reinterpret_cast<sockaddr*>(a), sizeof *a) != 0 ||
-      ::listen(lfd, 1) != 0 || ::getsockname(lfd, reinterpret_cast<sockaddr*>(a), &alen) != 0) {
-    *error = std::string("cannot listen: ") + std::strerror(errno);
-    if (lfd >= 0) ::close(lfd);
-    return -1;
-  }
-  return lfd;
+// A listener on loopback for `what` ("tcp stream"), or -1 with *error set.
+int listen_for(const char* what, int* port, std::string* error) {
+  const int fd = testkit::listen_loopback(port);
+  if (fd < 0) *error = std::string(what) + ": cannot listen: " + std::strerror(errno);
+  return fd;
 }
 
 constexpr std::uint64_t kWriteBytes = 1u << 20;
@@ -48,12 +38,9 @@ constexpr std::uint64_t kRoundTripMaxBytes = 8u << 20;
 
 RttResult run_tcp_round_trip(std::uint64_t reply_bytes, std::uint32_t iters) {
   RttResult r;
-  sockaddr_in a{};
-  const int lfd = listen_loopback(&a, &r.error);
-  if (lfd < 0) {
-    r.error = "tcp round trip: " + r.error;
-    return r;
-  }
+  int port = 0;
+  const int lfd = listen_for("tcp round trip", &port, &r.error);
+  if (lfd < 0) return r;
   const int one = 1;
   // The server: a 1-byte request in, reply_bytes out, until the client closes.
   std::thread server([&] {
@@ -67,7 +54,7 @@ RttResult run_tcp_round_trip(std::uint64_t reply_bytes, std::uint32_t iters) {
     }
     ::close(fd);
   });
-  const int fd = testkit::connect_loopback(ntohs(a.sin_port), 10);
+  const int fd = testkit::connect_loopback(port, 10);
   std::vector<double> us;
   if (fd >= 0) {
     std::vector<char> buf(reply_bytes);
@@ -98,12 +85,9 @@ RttResult run_tcp_round_trip(std::uint64_t reply_bytes, std::uint32_t iters) {
 
 StreamResult run_tcp_stream(std::uint64_t bytes, std::uint32_t reps) {
   StreamResult r;
-  sockaddr_in a{};
-  const int lfd = listen_loopback(&a, &r.error);
-  if (lfd < 0) {
-    r.error = "tcp stream: " + r.error;
-    return r;
-  }
+  int port = 0;
+  const int lfd = listen_for("tcp stream", &port, &r.error);
+  if (lfd < 0) return r;
   // The sender: `reps` times every byte of its buffer, in 1 MiB writes.
   std::thread sender([&] {
     const int fd = ::accept(lfd, nullptr, nullptr);
@@ -118,7 +102,7 @@ StreamResult run_tcp_stream(std::uint64_t bytes, std::uint32_t reps) {
     }
     ::close(fd);
   });
-  const int fd = testkit::connect_loopback(ntohs(a.sin_port), 10);
+  const int fd = testkit::connect_loopback(port, 10);
   std::vector<double> gbps;
   if (fd >= 0) {
     std::vector<char> dst(bytes, 'y');
