@@ -239,7 +239,6 @@ std::vector<EngineVariant> select_variants(const Args& args, bool* peers, Report
   return out;
 }
 
-
 // ucx_perftest runs at the case's message size, up to this (a contiguous
 // request is one 512 MiB span; at that size the tool only measures TCP).
 constexpr std::uint64_t kMaxPerftestMessage = 16u << 20;
