@@ -22,21 +22,34 @@ struct TransferState {
   std::uint64_t bytes = 0;
   std::atomic<bool> resolved{false};
   std::atomic<bool> cancel{false};
-  // Guarded by mu; taken (emptied) by the resolving thread.
+  // Guarded by mu; taken (emptied) by the resolving thread: observers
+  // (on_resolving) before waiters wake, callbacks (on_resolved) after.
+  std::vector<TransferFuture::Callback> observers;
   std::vector<TransferFuture::Callback> callbacks;
+  // Set under mu with status and bytes when resolution starts (observers
+  // run), before `resolved` is released to waiters.
+  bool settling MSTAR_KV_GUARDED_BY(mu) = false;
   std::vector<std::function<void()>> cancel_hooks MSTAR_KV_GUARDED_BY(mu);  // run once
   TransferTiming timing MSTAR_KV_GUARDED_BY(mu);
 
   TransferState() { timing.created = timing.planned = timing.posted = TransferTiming::Clock::now(); }
 
   bool resolve(Status s, std::uint64_t b) noexcept {
-    std::vector<TransferFuture::Callback> run;
+    std::vector<TransferFuture::Callback> first;
     {
       std::lock_guard<std::mutex> lock(mu);
-      if (resolved.load(std::memory_order_relaxed)) return false;
+      if (settling) return false;
+      settling = true;
       status = std::move(s);
       bytes = b;
       timing.resolved = TransferTiming::Clock::now();
+      first.swap(observers);
+    }
+    // What a waiter must find done once it wakes (statistics).
+    for (auto& cb : first) invoke(cb);
+    std::vector<TransferFuture::Callback> run;
+    {
+      std::lock_guard<std::mutex> lock(mu);
       run.swap(callbacks);
       resolved.store(true, std::memory_order_release);
     }
@@ -174,6 +187,18 @@ TransferFuture join_futures(std::vector<TransferFuture> parts) {
   return promise.future();
 }
 
+void TransferFuture::on_resolving(Callback callback) const {
+  if (!state_ || !callback) return;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (!state_->settling) {
+      state_->observers.push_back(std::move(callback));
+      return;
+    }
+  }
+  state_->invoke(callback);  // status and bytes are final once settling
+}
+
 void TransferFuture::on_resolved(Callback callback) const {
   if (!state_ || !callback) return;
   {
@@ -196,7 +221,7 @@ void TransferPromise::mark_planned(std::uint64_t copies,
                                    TransferTiming::Clock::time_point when) noexcept {
   std::lock_guard<std::mutex> lock(state_->mu);
   TransferTiming& t = state_->timing;
-  if (t.planned_marked || state_->resolved.load(std::memory_order_relaxed)) return;
+  if (t.planned_marked || state_->settling) return;
   t.planned_marked = true;
   t.planned = t.posted = when;
   t.copies = copies;
@@ -205,7 +230,7 @@ void TransferPromise::mark_planned(std::uint64_t copies,
 void TransferPromise::mark_posted() noexcept {
   std::lock_guard<std::mutex> lock(state_->mu);
   TransferTiming& t = state_->timing;
-  if (t.posted_marked || state_->resolved.load(std::memory_order_relaxed)) return;
+  if (t.posted_marked || state_->settling) return;
   t.posted_marked = true;
   t.posted = TransferTiming::Clock::now();
   if (!t.planned_marked) {

@@ -99,7 +99,8 @@ std::optional<TransferFuture> TransferStatsRecorder::track(
   const auto returned = Clock::now();
   rec->started(future->timing().peer);
   // Planning before the engine's call (from t0) counts as the plan phase.
-  future->on_resolved([rec, f = *future, t0, returned](const Status& s, std::uint64_t bytes) {
+  // Before waiters wake: stats() right after get() counts this read.
+  future->on_resolving([rec, f = *future, t0, returned](const Status& s, std::uint64_t bytes) {
     rec->finished(f.timing(), t0, returned, s, bytes);
   });
   return future;

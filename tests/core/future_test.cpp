@@ -1,6 +1,8 @@
 // Copyright mstar-kv authors.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <stdexcept>
 #include <thread>
 #include <utility>
@@ -109,6 +111,41 @@ TEST(TransferFuture, OnResolvedAfterResolutionRunsOnTheCaller) {
   TransferFuture invalid;
   invalid.on_resolved([&](const Status&, std::uint64_t) { ++calls; });
   EXPECT_EQ(calls, 1);
+}
+
+// on_resolving runs before any waiter wakes (what stats() after get() sees),
+// on_resolved after; one registered after resolution runs at once; neither
+// runs twice when a second resolution is refused.
+TEST(TransferFuture, OnResolvingRunsBeforeWaitersWake) {
+  TransferPromise p;
+  TransferFuture f = p.future();
+  std::atomic<int> observed{0};
+  std::atomic<std::uint64_t> observed_bytes{0};
+  f.on_resolving([&](const Status& s, std::uint64_t bytes) {
+    EXPECT_TRUE(s.is_ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // a slow observer
+    observed_bytes = bytes;
+    ++observed;
+  });
+  std::atomic<int> seen_by_waiter{-1};
+  std::thread waiter([&] {
+    f.wait();
+    seen_by_waiter = observed.load();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));  // the waiter waits
+  EXPECT_TRUE(p.complete(7));
+  waiter.join();
+  EXPECT_EQ(seen_by_waiter.load(), 1) << "a waiter woke before the observer ran";
+  EXPECT_EQ(observed_bytes.load(), 7u);
+  EXPECT_FALSE(p.fail(Status(StatusCode::kTimeout, "late")));
+  EXPECT_EQ(observed.load(), 1);
+  int late = 0;
+  f.on_resolving([&](const Status& s, std::uint64_t bytes) {
+    EXPECT_TRUE(s.is_ok());
+    EXPECT_EQ(bytes, 7u);
+    ++late;
+  });
+  EXPECT_EQ(late, 1);
 }
 
 TEST(Status, ScopesGroupWhatMustBeTornDown) {

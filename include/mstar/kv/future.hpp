@@ -81,6 +81,11 @@ class TransferFuture {
   // on an invalid future.
   using Callback = std::function<void(const Status& status, std::uint64_t bytes)>;
   void on_resolved(Callback callback) const;
+  // The same, but run before waiters are woken (and before on_resolved
+  // callbacks): bookkeeping a thread must find done once wait() or get()
+  // returned (the manager's statistics). Same rules; keep it short, every
+  // waiter waits for it.
+  void on_resolving(Callback callback) const;
 
   // The phase stamps so far (see TransferTiming). Final once resolved.
   TransferTiming timing() const;

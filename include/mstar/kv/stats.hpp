@@ -90,7 +90,7 @@ class TransferStatsRecorder {
   void refused(const std::string& peer, StatusCode code, double plan_seconds);
   // A read the engine accepted; `returned` is when its call returned (the
   // phase stamps the engine did not set default to it). Call finished() from
-  // the future's on_resolved.
+  // the future's on_resolving (before its waiters wake).
   void started(const std::string& peer);
   void finished(const TransferTiming& timing, TransferTiming::Clock::time_point called,
                 TransferTiming::Clock::time_point returned, const Status& status,
