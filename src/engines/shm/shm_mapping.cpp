@@ -14,6 +14,7 @@
 #include <string>
 #include <utility>
 
+#include "core/posix_fd.hpp"
 #include "mstar/kv/shm.hpp"
 #include "shm_mapping.hpp"
 #include "shm_memory.hpp"
@@ -35,38 +36,9 @@ std::string owner_name(const ShmKVTransferInfo& info) {
          ")";
 }
 
-// A descriptor-table lookup: pidfd_open(2) pins the exact process, immune to
-// pid reuse. -1 with errno when unavailable.
-int open_pidfd(std::uint32_t pid) noexcept {
-#ifdef SYS_pidfd_open
-  return static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0u));
-#else
-  (void)pid;
-  errno = ENOSYS;
-  return -1;
-#endif
-}
-
-// A pidfd becomes readable when its process exits.
-bool pidfd_exited(int pidfd) noexcept {
-  pollfd p{pidfd, POLLIN, 0};
-  return ::poll(&p, 1, 0) > 0;
-}
-
-class Fd {
- public:
-  explicit Fd(int fd) noexcept : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const noexcept { return fd_; }
-  int release() noexcept { return std::exchange(fd_, -1); }
-
- private:
-  int fd_;
-};
+using posix::Fd;
+using posix::open_pidfd;
+using posix::pidfd_exited;
 
 }  // namespace
 
