@@ -171,8 +171,8 @@ class KVTransferManager:
         (KVCachePool.mark_layers_ready), in order. Returns a LayerStream, or
         None when start_len == end_len. Validates everything first and raises
         before any byte moves; UnavailableError naming the engine when it has no
-        readiness channel (mooncake, cuda_ipc, local-only, Python engines; shm and
-        ucx stream).
+        readiness channel (mooncake, local-only, Python engines; shm, ucx and
+        cuda_ipc stream).
         ``ready_timeout``: seconds a layer may stay unmarked after the previous
         one before the stream fails with TransferTimeoutError (None: the
         engine's timeout)."""
@@ -385,6 +385,23 @@ class KVCachePool:
         one beyond the layout's layers raises InvalidArgumentError naming both;
         an unknown sequence NotFoundError."""
         self._pool.mark_layers_ready(seq_id, layers_done)
+
+    def mark_layers_ready_after(self, seq_id: int, layers_done: int, stream=None) -> None:
+        """mark_layers_ready, enqueued on a CUDA stream (a device cache over
+        the cuda_ipc engine): the mark lands once the kernels enqueued on
+        ``stream`` before it have completed, so readers never copy a layer
+        still being written, and the forward pass never waits. ``stream`` is a
+        ``torch.cuda.Stream`` (anything with ``cuda_stream``), a raw
+        cudaStream_t as an int, or None for the legacy default stream. Returns
+        at once; a mark the pool refuses by then (sequence freed, going
+        backwards) is logged and dropped. Keep this pool alive until the
+        stream got there. Raises UnavailableError without the cuda_ipc engine."""
+        mark = getattr(_core, "_mark_layers_ready_after", None)
+        if mark is None:
+            raise UnavailableError("mark_layers_ready_after needs the cuda_ipc engine, which "
+                                   "is not built into this mstar_kv")
+        handle = 0 if stream is None else int(getattr(stream, "cuda_stream", stream))
+        mark(self._pool, seq_id, layers_done, handle)
 
     def layers_ready(self, seq_id: int) -> int:
         """What mark_layers_ready (or publish) last stamped."""

@@ -20,8 +20,10 @@ Reader (decode)::
 Readiness reaches the reader over the engine's own channel: shm reads the
 owner's readiness words in the memory it maps; ucx asks the owner, which
 answers with a notice as soon as more layers are ready (one request
-outstanding per stream); the engines without such a channel yet (mooncake,
-cuda_ipc) raise UnavailableError. Every layer's
+outstanding per stream); cuda_ipc reads the owner's readiness words in a
+small memfd of the owner's (the owner marks a layer after its kernels
+completed, e.g. KVCachePool.mark_layers_ready_after on its stream); the
+engines without such a channel yet (mooncake) raise UnavailableError. Every layer's
 read is an ordinary read of the engine (epochs, timeouts, in-flight limits).
 """
 from __future__ import annotations

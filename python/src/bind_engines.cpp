@@ -429,6 +429,20 @@ void bind_engines(nb::module_& m) {
       },
       "Empty when a CUDA device is usable here, else why not (with the CUDA error name).");
 
+#if MSTAR_KV_PY_HAVE_CUDA_IPC
+  m.def(
+      "_mark_layers_ready_after",
+      [](nb::handle pool, std::uint64_t seq_id, std::uint32_t layers, std::uintptr_t stream) {
+        // Not owning: the Python KVCachePool keeps the pool alive (its
+        // docstring says until the stream passed the mark); a decref on
+        // CUDA's callback thread would need the GIL there.
+        std::shared_ptr<KVCachePool> p(nb::cast<KVCachePool*>(pool), [](KVCachePool*) {});
+        mark_layers_ready_after(std::move(p), seq_id, layers, reinterpret_cast<void*>(stream));
+      },
+      nb::arg("pool"), nb::arg("seq_id"), nb::arg("layers"), nb::arg("stream"),
+      "KVCachePool.mark_layers_ready once `stream` (a cudaStream_t as an int) gets there.");
+#endif
+
   m.def(
       "plan_reads",
       [](const KVLayout& local, std::uint64_t start_len, std::uint64_t end_len,

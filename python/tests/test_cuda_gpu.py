@@ -71,3 +71,73 @@ def test_two_processes_torch_share_cuda():
     finally:
         owner.stdin.close()
         owner.wait(timeout=60)
+
+
+STREAM_OWNER = r'''
+import sys, time, torch, mstar_kv as kv
+layout = kv.KVLayout(4, 64, 16, 8, 128)
+shape = [4, 2, 64, 16, 8, 128]
+expect = (torch.arange(layout.total_bytes // 2, device="cuda", dtype=torch.int64) % 30011) \
+        .to(torch.int16).view(torch.bfloat16).reshape(shape)
+t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+t.view(torch.int16).fill_(-4370)  # poison (0xEEEE) in every layer not yet written
+torch.cuda.synchronize()
+cache = kv.KVCache.from_dlpack(t, layout)
+mgr = kv.KVTransferManager(kv.CudaIpcKVTransferEngine(cache, max_workers=3), cache)
+pool = kv.KVCachePool(cache, mgr)
+pages = pool.allocate(1, 60)
+seq = pool.publish(1, layers_ready=0)
+sys.stdout.write(seq.to_bytes().hex() + "\n"); sys.stdout.flush()
+stream = torch.cuda.Stream()
+for layer in range(4):
+    time.sleep(0.15)  # compute
+    with torch.cuda.stream(stream):
+        # A large write the mark must wait for: the layer's bytes, then the
+        # mark enqueued behind them (the forward pass does not wait).
+        for _ in range(20):
+            t[layer, :, pages] = expect[layer, :, pages] * 2
+        t[layer, :, pages] = expect[layer, :, pages]
+    pool.mark_layers_ready_after(1, layer + 1, stream)
+stream.synchronize()
+sys.stdout.write("DONE\n"); sys.stdout.flush()
+sys.stdin.readline()
+'''
+
+
+def test_streaming_from_a_torch_owner_marking_on_its_stream():
+    """The owner writes each layer on a torch stream and marks it with
+    mark_layers_ready_after; the reader streams layer by layer. Not-ready
+    layers hold poison: a layer copied before its mark fails the compare."""
+    import time
+    import torch
+    owner = subprocess.Popen([sys.executable, "-c", STREAM_OWNER], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        seq = kv.SequenceInfo.from_bytes(bytes.fromhex(owner.stdout.readline()))
+        layout = kv.KVLayout(4, 64, 16, 8, 128)
+        shape = [4, 2, 64, 16, 8, 128]
+        dst = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+        cache = kv.KVCache.from_dlpack(dst, layout)
+        mgr = kv.KVTransferManager(kv.CudaIpcKVTransferEngine(cache, max_workers=3), cache)
+        local = [10 + i for i in range(len(seq.page_indices))]
+        s = mgr.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
+                                         seq.kv_transfer_info, ready_timeout=10.0)
+        t0 = time.monotonic()
+        arrivals = []
+        for layer in range(4):
+            assert s.wait_for_layer(layer, timeout=10)
+            arrivals.append(time.monotonic() - t0)
+        assert s.future.result(timeout=10) == 4 * 2 * 60 * layout.token_bytes
+        assert arrivals[0] < arrivals[3] - 0.3, arrivals  # layer by layer, not at the end
+        expect = (torch.arange(layout.total_bytes // 2, device="cuda", dtype=torch.int64)
+                  % 30011).to(torch.int16).view(torch.bfloat16).reshape(shape)
+        for i, (lp, rp) in enumerate(zip(local, seq.page_indices)):
+            toks = 16 if i < 3 else 12
+            assert torch.equal(dst[:, :, lp, :toks], expect[:, :, rp, :toks]), f"page {i}"
+            assert torch.count_nonzero(dst[:, :, lp, toks:].view(torch.int16)) == 0
+        assert torch.count_nonzero(dst[:, :, :10].view(torch.int16)) == 0
+        mgr.cleanup()
+        assert owner.stdout.readline().strip() == "DONE"
+    finally:
+        owner.stdin.close()
+        owner.wait(timeout=60)

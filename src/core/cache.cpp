@@ -65,12 +65,14 @@ KVCache::KVCache(const KVLayout& layout, std::unique_ptr<KVMemory> memory)
                     " bytes is smaller than the layout's " +
                     std::to_string(layout_.total_bytes()) + " bytes");
   }
+  // The mirror first: a memory may make its host tables with it (cuda_ipc).
+  const EpochMirror* mirror = memory_->epoch_mirror(layout_.num_pages);
   std::uint64_t* words = memory_->epoch_words(layout_.num_pages);
   if (words == nullptr) {
     epoch_memory_ = allocate_host_memory(std::size_t{layout_.num_pages} * 8);
     words = reinterpret_cast<std::uint64_t*>(epoch_memory_->data());
   }
-  epochs_ = PageEpochs(words, layout_.num_pages, memory_->epoch_mirror(layout_.num_pages));
+  epochs_ = PageEpochs(words, layout_.num_pages, mirror);
   std::uint32_t* ready = memory_->ready_words(layout_.num_pages);
   if (ready == nullptr) {
     ready_memory_ = allocate_host_memory(std::size_t{layout_.num_pages} * 4);

@@ -90,6 +90,7 @@ std::vector<Entry> entries() {
     e.memory = MemoryKind::kDevice;
     e.reader_memory = MemoryKind::kDevice;
     e.self_contained = false;  // needs a CUDA device
+    e.layer_readiness = true;  // the owner's host tables (cuda_ipc.hpp)
     e.loopback = {{"cuda_ipc", {}, false}};
 #if MSTAR_KV_HAVE_CUDA_IPC
     t.push_back({e, &engines::make<CudaIpcKVTransferEngine>});

@@ -41,6 +41,37 @@ void fill_pattern_any(const KVCache& c, std::uint64_t seed, std::span<const std:
   upload(*host, c);
 }
 
+void fill_pattern_layers_any(const KVCache& c, std::uint64_t seed,
+                             std::span<const std::uint32_t> pages, std::uint64_t start,
+                             std::uint64_t end, std::uint32_t layer_begin,
+                             std::uint32_t layer_end) {
+  if (c.memory_kind() != MemoryKind::kDevice) {
+    return fill_pattern_layers(c, seed, pages, start, end, layer_begin, layer_end);
+  }
+  auto host = download(c);
+  fill_pattern_layers(*host, seed, pages, start, end, layer_begin, layer_end);
+  upload(*host, c);
+}
+
+void fill_pages_any(const KVCache& c, std::span<const std::uint32_t> pages, std::byte value) {
+  std::shared_ptr<KVCache> copy;
+  const KVCache* host = &c;
+  if (c.memory_kind() == MemoryKind::kDevice) {
+    copy = download(c);
+    host = copy.get();
+  }
+  const KVLayout& l = c.layout();
+  for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
+    for (std::uint32_t kv = 0; kv < l.num_kv(); ++kv) {
+      for (std::uint32_t p : pages) {
+        auto b = host->block(layer, static_cast<KV>(kv), p);
+        std::memset(b.data(), static_cast<int>(value), b.size());
+      }
+    }
+  }
+  if (copy) upload(*copy, c);
+}
+
 VerifyResult verify_pattern_any(const KVCache& c, std::uint64_t seed,
                                 std::span<const std::uint32_t> pages, std::uint64_t start,
                                 std::uint64_t end) {

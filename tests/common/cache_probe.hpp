@@ -36,6 +36,13 @@ void upload(const KVCache& host, const KVCache& c);
 // [start, end) of `pages` keep their value.
 void fill_pattern_any(const KVCache& c, std::uint64_t seed, std::span<const std::uint32_t> pages,
                       std::uint64_t start, std::uint64_t end);
+// fill_pattern_layers (pattern.hpp) on any cache.
+void fill_pattern_layers_any(const KVCache& c, std::uint64_t seed,
+                             std::span<const std::uint32_t> pages, std::uint64_t start,
+                             std::uint64_t end, std::uint32_t layer_begin,
+                             std::uint32_t layer_end);
+// Every byte of every layer of `pages` set to `value`, on any cache.
+void fill_pages_any(const KVCache& c, std::span<const std::uint32_t> pages, std::byte value);
 VerifyResult verify_pattern_any(const KVCache& c, std::uint64_t seed,
                                 std::span<const std::uint32_t> pages, std::uint64_t start,
                                 std::uint64_t end);

@@ -46,7 +46,9 @@ class KVMemory {
   }
   // Where the epochs must also be written for readers that cannot see host
   // memory (device memory: cuda_ipc), made for `num_pages` pages when the
-  // cache binds this memory; nullptr when none is needed. May throw.
+  // cache binds this memory, before epoch_words and ready_words are asked
+  // (a memory may make its host tables here); nullptr when none is needed.
+  // May throw.
   virtual const EpochMirror* epoch_mirror(std::uint32_t num_pages) {
     (void)num_pages;
     return nullptr;

@@ -19,6 +19,23 @@
 // torch cuda_share) cannot be read with an epoch (kInvalidArgument). Not
 // run on a GPU in this project's CI (no device there): the tests skip.
 //
+// Layer readiness (readiness.hpp, streaming.hpp). A device cache's host
+// tables, its page epochs and layer readiness words, live in a small sealed
+// memfd of the owner (host_tables.hpp), named in the descriptor (fd, uid);
+// a streaming reader on the same host maps it read-only through
+// /proc/<owner pid>/fd/<fd> and polls the words with plain loads: no CUDA
+// call and no syscall per poll on either side. The owner marks a layer once
+// its bytes are in device memory, i.e. after the kernels that wrote it
+// completed: KVCachePool::mark_layers_ready after synchronising the stream
+// (or an event recorded after the layer's kernels), or
+// mark_layers_ready_after(pool, seq_id, layers, stream) below, which enqueues
+// the mark on the stream itself (cudaLaunchHostFunc) so that the forward
+// pass never waits. A reader copies a layer only after it saw the mark, so
+// its copies (on its own streams) read finished bytes. Where the owner could
+// not make the tables (no memfd), or owner and reader live in different pid
+// namespaces, streaming is refused (kUnavailable, kNotFound) and a pull of
+// the finished request still works.
+//
 // Authentication is the driver's: a CUDA IPC handle opens only on the same
 // host, in a process that can use the device, so extra["auth_token"] is
 // accepted and ignored here.
@@ -60,6 +77,8 @@
 #include "mstar/kv/engine_options.hpp"
 
 namespace mstar::kv {
+
+class KVCachePool;  // pool.hpp
 
 // The spec's cuda_share: the legacy IPC handle of the allocation plus the
 // device it lives on. Value type.
@@ -114,6 +133,14 @@ struct CudaIpcKVTransferInfo {
   bool has_epoch_table = false;
   std::array<std::uint8_t, CudaIpcShare::kHandleBytes> epoch_handle{};
   std::uint32_t epoch_pages = 0;
+  // The owner's host tables ("Layer readiness" below): its page epochs and
+  // layer readiness words in a sealed memfd, open in the owner as fd
+  // `host_tables_fd`, owned by uid `host_tables_uid`. Needs an epoch table;
+  // absent (false, zeros) where the owner could not make them or the
+  // descriptor came from a bare torch cuda_share: streaming is then refused.
+  bool has_host_tables = false;
+  std::uint32_t host_tables_fd = 0;
+  std::uint32_t host_tables_uid = 0;
 
   // The contiguous view (size, stride) of `layout`, in elements.
   static std::vector<std::int64_t> view_size(const KVLayout& layout);
@@ -160,6 +187,17 @@ std::string cuda_unavailable_reason();
 std::unique_ptr<KVMemory> wrap_device_memory(void* device_ptr,
                                              std::size_t size_bytes,
                                              int device);
+// Marks layers [0, layers) of sequence seq_id ready (KVCachePool::
+// mark_layers_ready) once the work enqueued so far on `cuda_stream` (a
+// cudaStream_t; nullptr: the legacy default stream) has completed, through
+// cudaLaunchHostFunc: returns at once, the mark runs on CUDA's callback
+// thread. The pool must outlive the stream's progress to that point (it is
+// held by shared_ptr until then). A mark the pool refuses there (sequence
+// freed meanwhile, layers going backwards) is logged and dropped: readers
+// then time out or see the sequence's pages change owner. Throws
+// Error(kInternal) naming the CUDA error when the mark cannot be enqueued.
+void mark_layers_ready_after(std::shared_ptr<KVCachePool> pool, std::uint64_t seq_id,
+                             std::uint32_t layers, void* cuda_stream);
 // A cache over wrapped memory (make_kv_cache for memory owned elsewhere).
 std::shared_ptr<KVCache> wrap_device_cache(const KVLayout& layout,
                                            void* device_ptr,
@@ -254,6 +292,11 @@ class CudaIpcKVTransferEngine final : public KVTransferEngine {
       std::span<const KVReadInfo> read_info) override;
 
   void shutdown() override;
+  // Layer-wise streaming ("Layer readiness" above): a watch on the owner's
+  // readiness words in its host tables. Throws as a read would, and
+  // Error(kUnavailable) when the descriptor carries no host tables.
+  std::unique_ptr<LayerWatch> watch_layers(const KVTransferInfo& remote_kv_info,
+                                           std::span<const KVReadInfo> read_info) override;
 
   // Remote allocations currently open (for tests and tools).
   std::size_t open_handles() const;

@@ -76,8 +76,9 @@ class KVTransferEngine {
   // (throwing the same Errors, before any byte moves) and returns a watch on
   // the owner's layer readiness for the remote pages of those reads, over
   // the engine's own channel (shm: the readiness words in the mapped owner
-  // memory; ucx: notices from the owner, ucx_wire.hpp). The default, for
-  // engines without such a channel yet (mooncake, cuda_ipc, local), throws
+  // memory; ucx: notices from the owner, ucx_wire.hpp; cuda_ipc: the
+  // owner's host tables, cuda_ipc.hpp). The default, for
+  // engines without such a channel yet (mooncake, local), throws
   // Error(kUnavailable) naming the engine: pull after the owner finished
   // instead.
   virtual std::unique_ptr<LayerWatch> watch_layers(const KVTransferInfo& remote_kv_info,

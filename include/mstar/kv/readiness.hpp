@@ -12,9 +12,10 @@
 // sequence after the model wrote layer n - 1 (a few relaxed-ordered release
 // stores under the pool's mutex: no syscall). Where the words live is the
 // memory's business, like the epochs: after the epoch table in the shm file
-// (readers map them read-only), private host memory otherwise (the owner's
-// engine reads them there and tells readers: ucx; the engines without a
-// readiness channel refuse streaming).
+// (readers map them read-only), in a small memfd beside a device cache
+// (cuda_ipc: readers map it read-only too), private host memory otherwise
+// (the owner's engine reads them there and tells readers: ucx; the engines
+// without a readiness channel refuse streaming).
 //
 // A readiness word is meaningful only together with its page's epoch: the
 // reader checks the epochs before and after it loads the words (the same

@@ -70,6 +70,11 @@ CudaIpcKVTransferEngine::Impl::Impl(std::shared_ptr<KVCache> cache,
     info_.epoch_handle = t->handle();
     info_.epoch_pages = t->num_pages();
   }
+  if (const cuda_ipc::HostTables* h = memory_->host_tables(); h != nullptr) {
+    info_.has_host_tables = true;
+    info_.host_tables_fd = static_cast<std::uint32_t>(h->fd());
+    info_.host_tables_uid = h->uid();
+  }
   encoded_ = info_.encode();
 
   cuda_ipc::DeviceGuard guard(device_);
@@ -351,6 +356,11 @@ std::optional<TransferFuture> CudaIpcKVTransferEngine::read_batched_async(
 }
 
 void CudaIpcKVTransferEngine::shutdown() { impl_->shutdown(); }
+
+std::unique_ptr<LayerWatch> CudaIpcKVTransferEngine::watch_layers(
+    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
+  return impl_->watch_layers(remote_kv_info, read_info);
+}
 
 std::size_t CudaIpcKVTransferEngine::open_handles() const { return impl_->open_handles(); }
 

@@ -28,6 +28,7 @@
 #include "cuda_epochs.hpp"
 #include "cuda_util.hpp"
 #include "device_memory.hpp"
+#include "host_tables.hpp"
 #include "engines/engine_makers.hpp"
 #include "engines/option_keys.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
@@ -104,6 +105,8 @@ class CudaIpcKVTransferEngine::Impl {
   std::optional<TransferFuture> read(const KVTransferInfo& remote_kv_info,
                                      std::span<const KVReadInfo> reads);
   void shutdown();
+  std::unique_ptr<LayerWatch> watch_layers(const KVTransferInfo& remote_kv_info,
+                                           std::span<const KVReadInfo> reads);
   std::size_t open_handles() const {
     std::lock_guard lk(map_mu_);
     return mappings_.size();

@@ -14,9 +14,10 @@ namespace mstar::kv {
 
 namespace {
 
-constexpr std::uint16_t kPayloadVersion = 2;  // 2: the page epoch table
+constexpr std::uint16_t kPayloadVersion = 3;  // 2: the page epoch table; 3: host tables
 constexpr std::size_t kMaxDtypeName = 32;
 constexpr std::int32_t kMaxDevice = 1024;
+constexpr std::uint32_t kMaxFd = 0x7fffffff;
 
 [[noreturn]] void corrupt(std::string_view field, const std::string& why) {
   throw Error(StatusCode::kCorruptDescriptor,
@@ -120,6 +121,16 @@ void CudaIpcKVTransferInfo::validate() const {
        std::any_of(epoch_handle.begin(), epoch_handle.end(), [](std::uint8_t b) { return b; }))) {
     corrupt("epoch_handle", "set without an epoch table");
   }
+  if (has_host_tables && !has_epoch_table) {
+    corrupt("has_host_tables", "host tables without an epoch table");
+  }
+  if (has_host_tables && host_tables_fd > kMaxFd) {
+    corrupt("host_tables_fd", "fd " + std::to_string(host_tables_fd) + " out of range [0, " +
+                                  std::to_string(kMaxFd) + "]");
+  }
+  if (!has_host_tables && (host_tables_fd != 0 || host_tables_uid != 0)) {
+    corrupt("host_tables_fd", "set without host tables");
+  }
 }
 
 KVTransferInfo CudaIpcKVTransferInfo::encode() const {
@@ -148,6 +159,11 @@ KVTransferInfo CudaIpcKVTransferInfo::encode() const {
   if (has_epoch_table) {
     w.bytes(epoch_handle);
     w.u32(epoch_pages);
+  }
+  w.boolean(has_host_tables);
+  if (has_host_tables) {
+    w.u32(host_tables_fd);
+    w.u32(host_tables_uid);
   }
   return KVTransferInfo{kEngineName, w.take()};
 }
@@ -215,6 +231,11 @@ CudaIpcKVTransferInfo CudaIpcKVTransferInfo::decode(const KVTransferInfo& info) 
     }
     std::copy(eh.begin(), eh.end(), out.epoch_handle.begin());
     out.epoch_pages = r.u32("epoch_pages");
+  }
+  out.has_host_tables = r.boolean("has_host_tables");
+  if (out.has_host_tables) {
+    out.host_tables_fd = r.u32("host_tables_fd");
+    out.host_tables_uid = r.u32("host_tables_uid");
   }
   r.expect_end();
   out.validate();

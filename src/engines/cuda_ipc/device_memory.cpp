@@ -7,6 +7,7 @@
 
 #include "cuda_epochs.hpp"
 #include "cuda_util.hpp"
+#include "host_tables.hpp"
 #include "engines/engine_makers.hpp"
 #include "mstar/kv/status.hpp"
 
@@ -142,12 +143,30 @@ const EpochMirror* DeviceMemory::epoch_mirror(std::uint32_t num_pages) {
                     std::to_string(epochs_->num_pages()) + " pages, not " +
                     std::to_string(num_pages) + ": one cache per memory");
   }
-  if (!epochs_) epochs_ = std::make_unique<DeviceEpochTable>(num_pages, share_.device);
+  if (!epochs_) {
+    epochs_ = std::make_unique<DeviceEpochTable>(num_pages, share_.device);
+    try {
+      host_ = std::make_unique<HostTables>(num_pages, generation_);
+    } catch (const Error& e) {
+      host_error_ = e.status().message();
+    }
+  }
   return epochs_.get();
+}
+
+std::uint64_t* DeviceMemory::epoch_words(std::uint32_t num_pages) const noexcept {
+  (void)num_pages;  // epoch_mirror checked it
+  return host_ ? host_->epochs() : nullptr;
+}
+
+std::uint32_t* DeviceMemory::ready_words(std::uint32_t num_pages) const noexcept {
+  (void)num_pages;
+  return host_ ? host_->ready() : nullptr;
 }
 
 DeviceMemory::~DeviceMemory() {
   epochs_.reset();
+  host_.reset();
   if (owned_ && data_ != nullptr) {
     try {
       DeviceGuard guard(share_.device);

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
@@ -17,6 +18,7 @@
 namespace mstar::kv::cuda_ipc {
 
 class DeviceEpochTable;  // cuda_epochs.hpp
+class HostTables;        // host_tables.hpp
 
 class DeviceMemory final : public KVMemory {
  public:
@@ -44,8 +46,16 @@ class DeviceMemory final : public KVMemory {
 
   // The device copy of the cache's page epochs, made when a cache binds
   // this memory (KVCache's constructor); null before.
+  // Also makes the cache's host tables (host_tables.hpp) where it can: a
+  // memfd that readers map to see the owner's layer readiness. Where it
+  // cannot, the cache keeps private tables and host_tables_error() says why
+  // (streaming from this cache is then refused with that reason).
   const EpochMirror* epoch_mirror(std::uint32_t num_pages) override;
   const DeviceEpochTable* epoch_table() const noexcept { return epochs_.get(); }
+  std::uint64_t* epoch_words(std::uint32_t num_pages) const noexcept override;
+  std::uint32_t* ready_words(std::uint32_t num_pages) const noexcept override;
+  const HostTables* host_tables() const noexcept { return host_.get(); }
+  const std::string& host_tables_error() const noexcept { return host_error_; }
 
  private:
   DeviceMemory() = default;
@@ -57,6 +67,8 @@ class DeviceMemory final : public KVMemory {
   bool owned_ = false;
   CudaIpcShare share_;
   std::unique_ptr<DeviceEpochTable> epochs_;
+  std::unique_ptr<HostTables> host_;
+  std::string host_error_;
 };
 
 }  // namespace mstar::kv::cuda_ipc

@@ -58,19 +58,12 @@ int main(int argc, char** argv) {
         if (marker.joinable()) marker.join();
         stream_id = 1000;
         stream_pages = pool.allocate(stream_id, tokens);
-        for (std::uint32_t l = 0; l < layout.num_layers; ++l) {
-          for (std::uint32_t kv = 0; kv < layout.num_kv(); ++kv) {
-            for (std::uint32_t p : stream_pages) {
-              auto b = cache->block(l, static_cast<KV>(kv), p);
-              std::memset(b.data(), 0xEE, b.size());
-            }
-          }
-        }
+        testing::fill_pages_any(*cache, stream_pages, std::byte{0xEE});
         say_sequence(pool.publish(stream_id, 0));
         marker = std::thread([&, ms, n, id = stream_id, pages = stream_pages] {
           for (std::uint32_t l = 0; l < n; ++l) {
             std::this_thread::sleep_for(ms);
-            fill_pattern_layers(*cache, seed, pages, 0, tokens, l, l + 1);
+            testing::fill_pattern_layers_any(*cache, seed, pages, 0, tokens, l, l + 1);
             // The time is taken before the mark: a reader may see the
             // layer (and finish it) before this thread runs again.
             const auto t = std::chrono::steady_clock::now().time_since_epoch();
@@ -92,7 +85,7 @@ int main(int argc, char** argv) {
         pool.release(stream_id);
         stream_id = 1001;
         stream_pages = pool.allocate(stream_id, tokens);
-        fill_pattern(*cache, seed, stream_pages, 0, tokens);
+        testing::fill_pattern_any(*cache, seed, stream_pages, 0, tokens);
         say_sequence(pool.publish(stream_id));
         continue;
       }

@@ -10,6 +10,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -101,10 +102,51 @@ TEST_F(CudaIpcEngine, DescriptorDescribesTheAllocation) {
   EXPECT_EQ(info.requires_grad, false);
   EXPECT_NE(info.cuda_share.handle, (std::array<std::uint8_t, 64>{}));
   EXPECT_EQ(CudaIpcKVTransferInfo::decode(engine.get_kv_transfer_info()), info);
+  // The host tables readers stream from (cuda_ipc.hpp "Layer readiness").
+  EXPECT_TRUE(info.has_epoch_table);
+  EXPECT_TRUE(info.has_host_tables);
+  EXPECT_EQ(info.host_tables_uid, static_cast<std::uint32_t>(::geteuid()));
+  EXPECT_EQ(::fcntl(static_cast<int>(info.host_tables_fd), F_GETFD) >= 0, true);
   // Zero-filled, as make_kv_cache promises.
   auto host = testing::download(*cache);
   const auto* b = reinterpret_cast<const std::uint8_t*>(host->base());
   EXPECT_TRUE(std::all_of(b, b + l.total_bytes(), [](std::uint8_t x) { return x == 0; }));
+}
+
+// mark_layers_ready_after: the mark waits for the work enqueued before it
+// on the stream. A host function that blocks until the test lets it go
+// holds the stream; the mark must not land before it is released.
+TEST_F(CudaIpcEngine, AMarkEnqueuedOnAStreamLandsOnlyWhenTheStreamGetsThere) {
+  const KVLayout l = small_layout();
+  auto cache = make_kv_cache(l, MemoryKind::kDevice, 0);
+  CudaIpcKVTransferEngine engine(cache, 1u);
+  auto pool = std::make_shared<KVCachePool>(cache, engine.get_kv_transfer_info());
+  const auto pages = pool->allocate(7, 64);
+  (void)pool->publish(7, 0);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  std::atomic<bool> release{false};
+  ASSERT_EQ(cudaLaunchHostFunc(
+                stream,
+                [](void* flag) {
+                  auto* f = static_cast<std::atomic<bool>*>(flag);
+                  while (!f->load()) std::this_thread::sleep_for(1ms);
+                },
+                &release),
+            cudaSuccess);
+  mark_layers_ready_after(pool, 7, 2, stream);
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(cache->readiness().load(pages[0]), 0u) << "marked before the stream got there";
+  release = true;
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  for (std::uint32_t p : pages) EXPECT_EQ(cache->readiness().load(p), 2u);
+  // A mark the pool refuses (backwards) is dropped, not thrown on CUDA's
+  // thread; readiness stays where it was.
+  mark_layers_ready_after(pool, 7, 1, stream);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(cache->readiness().load(pages[0]), 2u);
+  EXPECT_THROW(mark_layers_ready_after(nullptr, 7, 1, stream), Error);
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
 // Byte-exact pulls are the conformance suite's; here, that one IPC handle
@@ -208,7 +250,7 @@ TEST_F(CudaIpcEngine, BadReadsAreRejectedBeforeAnyByteMoves) {
   remote[2] = 64;
   testing::expect_error(
       [&] { m->start_async_retrieve(0, 64, local_pages(4), remote, seq.kv_transfer_info); },
-      StatusCode::kInvalidArgument, {"remote page 64 out of range [0, 64)"});
+      StatusCode::kInvalidArgument, {"remote page 64 (table entry 2)", "out of range [0, 64)"});
   const auto& good = seq.kv_transfer_info;
   for (std::size_t n = 0; n < good.payload.size(); n += 7) {
     KVTransferInfo bad = good;
@@ -356,11 +398,18 @@ TEST_F(CudaIpcEngine, AnEpochWithoutATableIsRefused) {
   info.has_epoch_table = false;
   info.epoch_handle.fill(0);
   info.epoch_pages = 0;
+  info.has_host_tables = false;  // a bare cuda_share has neither
+  info.host_tables_fd = 0;
+  info.host_tables_uid = 0;
   KVTransferInfo bare = info.encode();
   bare.epoch = seq.kv_transfer_info.epoch;
   testing::expect_error(
       [&] { m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, bare); },
       StatusCode::kInvalidArgument, {"no epoch table"});
+  // Nor can it be streamed: no readiness to watch.
+  testing::expect_error(
+      [&] { m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices, bare); },
+      StatusCode::kUnavailable, {"carries no host tables"});
   expect_only_named_bytes_written(*cache, l, {});
 }
 

@@ -41,7 +41,7 @@ CudaIpcKVTransferInfo sample(const KVLayout& l = small_layout()) {
 // The payload format, field by field, so that each field can be made wrong
 // on its own (encode() refuses to write invalid infos).
 struct Raw {
-  std::uint16_t version = 2;
+  std::uint16_t version = 3;
   std::vector<std::uint8_t> handle = std::vector<std::uint8_t>(64, 9);
   std::uint32_t device = 0;
   std::vector<std::uint8_t> uuid = std::vector<std::uint8_t>(16, 1);
@@ -57,6 +57,9 @@ struct Raw {
   std::uint8_t has_epoch_table = 0;
   std::vector<std::uint8_t> epoch_handle = std::vector<std::uint8_t>(64, 5);
   std::uint32_t epoch_pages = 0;
+  std::uint8_t has_host_tables = 0;
+  std::uint32_t host_tables_fd = 0;
+  std::uint32_t host_tables_uid = 0;
   std::vector<std::uint8_t> trailing;
 
   Raw() {
@@ -86,6 +89,11 @@ struct Raw {
     if (has_epoch_table) {
       w.bytes(epoch_handle);
       w.u32(epoch_pages);
+    }
+    w.u8(has_host_tables);
+    if (has_host_tables) {
+      w.u32(host_tables_fd);
+      w.u32(host_tables_uid);
     }
     for (auto b : trailing) w.u8(b);
     return {"cuda_ipc", w.take()};
@@ -156,7 +164,7 @@ TEST(CudaIpcInfo, TrailingBytesAndOtherVersionsAreRejected) {
   EXPECT_NO_THROW(CudaIpcKVTransferInfo::decode(r.encode()));
   r.trailing = {0};
   expect_corrupt(r.encode(), "trailing");
-  for (std::uint16_t version : {1, 3}) {
+  for (std::uint16_t version : {1, 2, 4}) {
     Raw v;
     v.version = version;
     expect_corrupt(v.encode(), "unsupported version " + std::to_string(version));
@@ -206,6 +214,55 @@ TEST(CudaIpcInfo, EpochTableRoundTripsAndBadFormsAreRejected) {
   }
   auto stray = sample(small_layout());
   stray.epoch_pages = 7;  // without a table
+  EXPECT_THROW(stray.encode(), Error);
+}
+
+// The host tables (cuda_ipc.hpp "Layer readiness"): round trip, and every
+// inconsistent form refused naming the field.
+TEST(CudaIpcInfo, HostTablesRoundTripAndBadFormsAreRejected) {
+  auto info = sample(small_layout());
+  info.has_epoch_table = true;
+  info.epoch_pages = info.layout.num_pages;
+  info.has_host_tables = true;
+  info.host_tables_fd = 17;
+  info.host_tables_uid = 1000;
+  EXPECT_EQ(CudaIpcKVTransferInfo::decode(info.encode()), info);
+  auto with_tables = [] {
+    Raw r;
+    r.has_epoch_table = 1;
+    r.epoch_pages = r.layout.num_pages;
+    r.has_host_tables = 1;
+    r.host_tables_fd = 5;
+    r.host_tables_uid = 0;
+    return r;
+  };
+  {
+    const auto d = CudaIpcKVTransferInfo::decode(with_tables().encode());
+    EXPECT_TRUE(d.has_host_tables);
+    EXPECT_EQ(d.host_tables_fd, 5u);
+  }
+  {
+    Raw r = with_tables();
+    r.has_epoch_table = 0;  // tables without the device epoch table
+    expect_corrupt(r.encode(), "has_host_tables");
+  }
+  {
+    Raw r = with_tables();
+    r.host_tables_fd = 0x80000000u;
+    expect_corrupt(r.encode(), "host_tables_fd");
+  }
+  {
+    Raw r = with_tables();
+    r.has_host_tables = 3;  // not a boolean
+    expect_corrupt(r.encode(), "has_host_tables");
+  }
+  {
+    Raw r = with_tables();
+    r.trailing = {1, 2, 3};  // a truncated or padded field
+    expect_corrupt(r.encode(), "trailing");
+  }
+  auto stray = sample(small_layout());
+  stray.host_tables_fd = 3;  // without tables
   EXPECT_THROW(stray.encode(), Error);
 }
 

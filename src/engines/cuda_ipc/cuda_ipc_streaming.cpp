@@ -1,0 +1,83 @@
+// Copyright mstar-kv authors.
+//
+// Layer-wise streaming on the cuda_ipc engine (cuda_ipc.hpp "Layer
+// readiness"): the reader's watch over an owner's host tables, and the
+// owner's mark enqueued on a CUDA stream.
+#include "cuda_ipc_impl.hpp"
+#include "mstar/kv/log.hpp"
+#include "mstar/kv/pool.hpp"
+
+namespace mstar::kv {
+
+std::unique_ptr<LayerWatch> CudaIpcKVTransferEngine::Impl::watch_layers(
+    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> reads) {
+  {
+    std::shared_lock lifecycle(lifecycle_mu_);
+    if (shut_down_) throw Error(StatusCode::kShutdown, "cuda_ipc engine is shut down");
+  }
+  if (reads.empty()) {
+    throw Error(StatusCode::kInvalidArgument, "cuda_ipc layer watch of 0 reads: nothing to watch");
+  }
+  const CudaIpcKVTransferInfo remote = CudaIpcKVTransferInfo::decode(remote_kv_info);
+  cache_->layout().check_same_model(remote.layout);
+  (void)plan_strided_copies(cache_->layout(), remote.layout, reads);  // validates as a read does
+  if (remote_kv_info.epoch == 0) {
+    throw Error(StatusCode::kInvalidArgument,
+                "layer-wise streaming needs a descriptor with a page epoch (published by a "
+                "KVCachePool), got epoch 0");
+  }
+  if (!remote.has_host_tables) {
+    throw Error(StatusCode::kUnavailable,
+                "cuda_ipc descriptor of pid " + std::to_string(remote.owner_pid) +
+                    " carries no host tables (the owner could not make them, or the descriptor "
+                    "came from a bare cuda_share): no layer readiness to watch; pull after the "
+                    "owner finished instead");
+  }
+  const std::uint32_t num_pages = remote.layout.num_pages;
+  auto tables = std::make_shared<const cuda_ipc::HostTablesView>(
+      remote.owner_pid, remote.host_tables_fd, remote.host_tables_uid, remote.generation,
+      num_pages);
+  auto pages = remote_pages_of(reads, num_pages);
+  Status s = check_page_epochs(tables->epochs(), num_pages, pages, remote_kv_info.epoch,
+                               "before the stream", false);
+  if (!s.is_ok()) throw Error(std::move(s));
+  return cuda_ipc::make_layer_watch(std::move(tables), remote.layout.num_layers, std::move(pages),
+                                    remote_kv_info.epoch);
+}
+
+namespace {
+
+struct PendingMark {
+  std::shared_ptr<KVCachePool> pool;
+  std::uint64_t seq_id;
+  std::uint32_t layers;
+};
+
+// CUDA's callback thread: no CUDA call allowed here, none made (the pool
+// stamps host words only).
+void CUDART_CB run_mark(void* arg) noexcept {
+  std::unique_ptr<PendingMark> m(static_cast<PendingMark*>(arg));
+  try {
+    m->pool->mark_layers_ready(m->seq_id, m->layers);
+  } catch (const std::exception& e) {
+    Logger::from_env().warn("mark_layers_ready_after: the mark of " + std::to_string(m->layers) +
+                            " layers of sequence " + std::to_string(m->seq_id) +
+                            " was refused: " + e.what());
+  }
+}
+
+}  // namespace
+
+void mark_layers_ready_after(std::shared_ptr<KVCachePool> pool, std::uint64_t seq_id,
+                             std::uint32_t layers, void* cuda_stream) {
+  if (!pool) throw Error(StatusCode::kInvalidArgument, "mark_layers_ready_after: null pool");
+  auto m = std::make_unique<PendingMark>(PendingMark{std::move(pool), seq_id, layers});
+  const cudaError_t err =
+      cudaLaunchHostFunc(static_cast<cudaStream_t>(cuda_stream), run_mark, m.get());
+  if (err != cudaSuccess) {
+    cuda_ipc::fail(StatusCode::kInternal, "cudaLaunchHostFunc (mark_layers_ready_after)", err);
+  }
+  (void)m.release();  // run_mark owns it now
+}
+
+}  // namespace mstar::kv
