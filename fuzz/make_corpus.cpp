@@ -114,6 +114,7 @@ int main(int argc, char** argv) {
     m.generation = 77 + static_cast<std::uint64_t>(i);
     m.identity_ptr = 0x7f2000000000ULL;
     m.epochs_ptr = 0x7f2000100000ULL;
+    m.ready_ptr = 0x7f2000200000ULL;
     infos.push_back(m.encode());
     write(out / "fuzz_mooncake_info", name, m.encode().payload, false);
 #endif
@@ -134,6 +135,9 @@ int main(int argc, char** argv) {
       c.has_epoch_table = true;
       c.epoch_handle.fill(static_cast<std::uint8_t>(0x30 + i));
       c.epoch_pages = l.num_pages;
+      c.has_host_tables = true;  // and its host tables (layer readiness)
+      c.host_tables_fd = 17;
+      c.host_tables_uid = 1000;
     }
     try {
       infos.push_back(c.encode());

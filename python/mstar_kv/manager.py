@@ -63,6 +63,7 @@ class KVTransferManager:
         self.kv_cache = kv_cache
         self._lock = threading.Lock()
         self._closed = False
+        self._py_streamer = None  # the stream driver over a Python engine
         self.engine = self._make_engine(transfer_engine_info, kv_cache)
         # An engine the caller built is the caller's: garbage collection of the
         # manager leaves it running (cleanup() still shuts it down).
@@ -171,8 +172,9 @@ class KVTransferManager:
         (KVCachePool.mark_layers_ready), in order. Returns a LayerStream, or
         None when start_len == end_len. Validates everything first and raises
         before any byte moves; UnavailableError naming the engine when it has no
-        readiness channel (mooncake, local-only, Python engines; shm, ucx and
-        cuda_ipc stream).
+        readiness channel (local-only, the C++ Mooncake engine, Python engines
+        without ``watch_layers``; shm, ucx, cuda_ipc and the Mooncake wheel
+        engine stream).
         ``ready_timeout``: seconds a layer may stay unmarked after the previous
         one before the stream fails with TransferTimeoutError (None: the
         engine's timeout)."""
@@ -182,18 +184,31 @@ class KVTransferManager:
                 f"local_page_indices has {len(local_page_indices)} entries, "
                 f"remote_page_indices {len(remote_page_indices)}: both page tables must "
                 "cover the same tokens")
-        if not (isinstance(self.engine, NativeKVTransferEngine)
-                and self.engine.kv_cache is not None):
+        from .streaming import LayerStream
+        args = dict(ready_timeout=0.0 if ready_timeout is None else float(ready_timeout),
+                    poll_interval=float(poll_interval),
+                    max_reads_in_flight=int(max_reads_in_flight))
+        if isinstance(self.engine, NativeKVTransferEngine) and self.engine.kv_cache is not None:
+            native = self.engine._native.stream_retrieve(
+                start_len, end_len, local_page_indices, remote_page_indices, kv_transfer_info,
+                **args)
+            return None if native is None else LayerStream(native)
+        if getattr(self.engine, "watch_layers", None) is None:
             if start_len == end_len:
                 return None
             raise UnavailableError(
-                f"layer-wise streaming over {type(self.engine).__name__}: only native engines "
-                "with a readiness channel (shm, ucx) stream")
-        from .streaming import LayerStream
-        native = self.engine._native.stream_retrieve(
-            start_len, end_len, local_page_indices, remote_page_indices, kv_transfer_info,
-            ready_timeout=0.0 if ready_timeout is None else float(ready_timeout),
-            poll_interval=float(poll_interval), max_reads_in_flight=int(max_reads_in_flight))
+                f"layer-wise streaming over {type(self.engine).__name__}: it has no readiness "
+                "channel (watch_layers); shm, ucx, cuda_ipc and the Mooncake wheel engine stream")
+        with self._lock:
+            self._check_open("start_streaming_retrieve")
+            if self._py_streamer is None:
+                # The C++ stream driver over this Python engine (the Mooncake
+                # wheel engine's bounded polls); stopped by cleanup().
+                self._py_streamer = _core._PyEngineStreamer(
+                    self.engine, self.kv_cache, float(getattr(self.engine, "timeout", 30.0)))
+            streamer = self._py_streamer
+        native = streamer.start(start_len, end_len, local_page_indices, remote_page_indices,
+                                kv_transfer_info, **args)
         return None if native is None else LayerStream(native)
 
     def notify_done(self, seq: SequenceInfo) -> None:
@@ -284,6 +299,9 @@ class KVTransferManager:
             if self._closed:
                 return
             self._closed = True
+            streamer, self._py_streamer = self._py_streamer, None
+        if streamer is not None:
+            streamer.stop()  # unfinished streams resolve with ShutdownError
         self.engine.shutdown()
 
     def __enter__(self) -> "KVTransferManager":

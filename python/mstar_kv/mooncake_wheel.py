@@ -38,6 +38,15 @@ the owner before the first batch and again after the last one, and fails
 with StaleDescriptorError if any page no longer carries the sequence's epoch
 (freed, expired or reused), so a reader never reports another request's KV.
 
+Layer-wise streaming (mstar_kv.streaming) by bounded polling: the owner also
+registers its layer readiness words (``ready_ptr``); watch_layers returns a
+watch that reads the epochs, the words and the epochs again of the read's
+pages at most every READY_POLL_INTERVAL seconds (the seqlock of
+readiness.hpp: a page that changed owner is StaleDescriptorError, a word beyond
+the layer count or going backwards CorruptDescriptorError, an owner that no
+longer answers PeerFailureError). KVTransferManager.start_streaming_retrieve
+drives it with the library's one stream driver.
+
 Thread safety: every method is safe from any thread. ``shutdown()`` fails
 reads not yet started (ShutdownError), waits for the batch in flight,
 joins the progress thread and unregisters the memory; idempotent. The
@@ -54,13 +63,94 @@ from typing import Any, Optional
 
 from . import _core
 from .engines import KVTransferEngine, make_native_engine
-from .errors import (InvalidArgumentError, PeerFailureError, ShutdownError,
-                     StaleDescriptorError, TransferTimeoutError, UnavailableError)
+from .errors import (CorruptDescriptorError, InvalidArgumentError, PeerFailureError,
+                     ShutdownError, StaleDescriptorError, TransferTimeoutError,
+                     UnavailableError)
 
 MooncakeKVTransferInfo = _core.MooncakeKVTransferInfo
 _IDENTITY_BYTES = 4096
 _MAX_REQUEST_BYTES = 1 << 20
 _WINDOW = 1024
+
+
+# How often a streaming reader's watch reads the owner's readiness words (the
+# stream driver polls more often and gets the last answer in between): a
+# remote poll is three small synchronous reads, about a round trip each.
+READY_POLL_INTERVAL = 0.0005
+
+
+class _LayerWatch:
+    """The wheel engine's LayerWatch (readiness.hpp): bounded polls of the
+    owner's epochs and readiness words of ``pages``, into one registered
+    scratch buffer, checked as check_layer_readiness checks them."""
+
+    def __init__(self, engine: "MooncakeKVTransferEngine", remote, pages, epoch: int):
+        import numpy as np
+        self._np = np
+        self._engine = engine
+        self._session = remote.session_id
+        self._remote = remote
+        self._epoch = epoch
+        self._layers = remote.layout.num_layers
+        self._lo, hi = pages[0], pages[-1]
+        self._n = hi - self._lo + 1
+        self._index = np.asarray(pages, dtype=np.int64) - self._lo
+        self._pages = pages
+        self._buf = ctypes.create_string_buffer(self._n * 20)  # epochs, words, epochs
+        engine._register(self._buf)
+        self._floor = 0
+        self._next = 0.0
+
+    def poll(self) -> int:
+        now = time.monotonic()
+        if now < self._next:
+            return self._floor
+        self._next = now + READY_POLL_INTERVAL
+        np, n, base = self._np, self._n, ctypes.addressof(self._buf)
+        for offset, addr, size in ((0, self._remote.epochs_ptr + self._lo * 8, n * 8),
+                                   (n * 8, self._remote.ready_ptr + self._lo * 4, n * 4),
+                                   (n * 12, self._remote.epochs_ptr + self._lo * 8, n * 8)):
+            if self._engine._te.transfer_sync_read(self._session, base + offset, addr, size) < 0:
+                raise PeerFailureError(
+                    f"Mooncake read of the layer readiness of {self._session} failed with "
+                    f"{self._floor} of {self._layers} layers seen ready: the owner is gone")
+        before = np.frombuffer(self._buf, dtype=np.uint64, count=n)[self._index]
+        words = np.frombuffer(self._buf, dtype=np.uint32, count=n, offset=n * 8)[self._index]
+        after = np.frombuffer(self._buf, dtype=np.uint64, count=n, offset=n * 12)[self._index]
+        for found in (before, after):
+            bad = np.nonzero(found != np.uint64(self._epoch))[0]
+            if bad.size:
+                raise StaleDescriptorError(
+                    f"remote page {self._pages[int(bad[0])]} changed owner while streaming "
+                    f"(epoch {int(found[bad[0]])}, the descriptor's {self._epoch}): the "
+                    "sequence was freed or its pages reused")
+        beyond = np.nonzero(words > self._layers)[0]
+        if beyond.size:
+            i = int(beyond[0])
+            raise CorruptDescriptorError(
+                f"remote page {self._pages[i]} says {int(words[i])} layers ready, beyond the "
+                f"layout's {self._layers}")
+        ready = int(words.min())
+        if ready < self._floor:
+            i = int(np.argmin(words))
+            raise CorruptDescriptorError(
+                f"remote page {self._pages[i]} readiness went backwards from {self._floor} to "
+                f"{ready}")
+        self._floor = ready
+        return ready
+
+    def close(self) -> None:
+        buf, self._buf = getattr(self, "_buf", None), None
+        if buf is not None:
+            self._engine._release(buf)
+
+    def __del__(self):
+        # The stream driver closes its watch; a registered buffer must never
+        # be freed while Mooncake still knows it.
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 def _epoch_of(obj: Any) -> int:
@@ -153,7 +243,8 @@ class MooncakeKVTransferEngine(KVTransferEngine):
             for addr, size in ((kv_cache.data_ptr, kv_cache.size_bytes),
                                (ctypes.addressof(self._identity), _IDENTITY_BYTES),
                                (ctypes.addressof(self._scratch), _IDENTITY_BYTES),
-                               (kv_cache.epochs_ptr, kv_cache.epochs_bytes)):
+                               (kv_cache.epochs_ptr, kv_cache.epochs_bytes),
+                               (kv_cache.ready_ptr, kv_cache.ready_bytes)):
                 if transfer_engine.register_memory(addr, size, "cpu:0") != 0:
                     raise UnavailableError(
                         f"Mooncake register_memory of {size} bytes at {addr:#x} failed "
@@ -162,7 +253,7 @@ class MooncakeKVTransferEngine(KVTransferEngine):
             self._info = MooncakeKVTransferInfo(
                 entity_id, self.session_id, kv_cache.data_ptr, kv_cache.layout,
                 kv_cache.size_bytes, _core._mooncake_new_generation(),
-                ctypes.addressof(self._identity), kv_cache.epochs_ptr)
+                ctypes.addressof(self._identity), kv_cache.epochs_ptr, kv_cache.ready_ptr)
             page = _core._mooncake_identity_page(self._info)
             ctypes.memmove(self._identity, page, len(page))
         except BaseException:
@@ -177,6 +268,11 @@ class MooncakeKVTransferEngine(KVTransferEngine):
         self._thread = threading.Thread(target=self._progress, name="mstar-kv-mooncake",
                                         daemon=True)
         self._thread.start()
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a read may take (also a stream's default ready timeout)."""
+        return self._timeout
 
     # -- the spec's interface --------------------------------------------
     def get_kv_transfer_info(self):
@@ -220,6 +316,44 @@ class MooncakeKVTransferEngine(KVTransferEngine):
             self._queue.append(read)
             self._lock.notify()
         return future
+
+    def watch_layers(self, remote_kv_info, read_info):
+        """Layer-wise streaming (mstar_kv.streaming), by bounded polling: a
+        watch whose poll() reads the owner's registered page epochs and layer
+        readiness words of the read's pages (epochs, words, epochs again: the
+        seqlock of readiness.hpp) at most once per ``READY_POLL_INTERVAL``
+        seconds and returns how many layers are ready on every page. Validates
+        as read_batched_async does, and raises InvalidArgumentError for a
+        descriptor without a page epoch. The C++ Mooncake engine (no wheel)
+        has no readiness channel yet: UnavailableError."""
+        if self._native is not None:
+            raise UnavailableError("layer-wise streaming over the C++ Mooncake engine (Mooncake's "
+                                   "C library): it has no readiness channel yet; stream with the "
+                                   "wheel's TransferEngine, or pull after the owner finished")
+        if self._closed:
+            raise ShutdownError("MooncakeKVTransferEngine.watch_layers after shutdown()")
+        read_info = list(read_info)
+        if not read_info:
+            raise InvalidArgumentError("mooncake layer watch of 0 reads: nothing to watch")
+        epoch = _epoch_of(remote_kv_info)
+        remote = _as_transfer_info(remote_kv_info)
+        _core.plan_copy_addresses(self.kv_cache.layout, self.kv_cache.data_ptr, remote.layout,
+                                  remote.data_ptr, read_info, _MAX_REQUEST_BYTES)
+        if not epoch:
+            raise InvalidArgumentError("layer-wise streaming needs a descriptor with a page epoch "
+                                       "(published by a KVCachePool), got epoch 0")
+        why = self._failed_peers.get(remote.session_id)
+        if why is not None:
+            raise PeerFailureError(f"peer '{remote.entity_id}' at {remote.session_id} failed "
+                                   f"earlier ({why}); reconnect with a new engine")
+        self._verify(remote)
+        watch = _LayerWatch(self, remote, sorted({r.remote_page_idx for r in read_info}), epoch)
+        try:
+            watch.poll()  # the pages still carry the sequence's epoch, the owner answers
+        except BaseException:
+            watch.close()  # its scratch must leave Mooncake's registry before it is freed
+            raise
+        return watch
 
     def shutdown(self) -> None:
         if self._native is not None:
@@ -332,12 +466,31 @@ class MooncakeKVTransferEngine(KVTransferEngine):
         return PeerFailureError(f"Mooncake read from {read.session} failed: {what}")
 
     def _unregister(self) -> None:
-        for addr in self._regions:
+        lock = getattr(self, "_lock", None)  # none yet when __init__ fails
+        if lock is not None:
+            with lock:
+                regions, self._regions = self._regions, []
+        else:
+            regions, self._regions = self._regions, []
+        for addr in regions:
             try:
                 self._te.unregister_memory(addr)
             except Exception:
                 pass
-        self._regions = []
+
+    def _register(self, buf) -> None:
+        if self._te.register_memory(ctypes.addressof(buf), len(buf), "cpu:0") != 0:
+            raise UnavailableError(f"Mooncake register_memory of a {len(buf)}-byte scratch failed")
+        with self._lock:
+            self._regions.append(ctypes.addressof(buf))
+
+    def _release(self, buf) -> None:
+        addr = ctypes.addressof(buf)
+        with self._lock:
+            if addr not in self._regions:  # shutdown unregistered it already
+                return
+            self._regions.remove(addr)
+        self._te.unregister_memory(addr)
 
     def __repr__(self) -> str:
         kind = "C library" if self._native is not None else "wheel"

@@ -23,7 +23,8 @@ answers with a notice as soon as more layers are ready (one request
 outstanding per stream); cuda_ipc reads the owner's readiness words in a
 small memfd of the owner's (the owner marks a layer after its kernels
 completed, e.g. KVCachePool.mark_layers_ready_after on its stream); the
-engines without such a channel yet (mooncake) raise UnavailableError. Every layer's
+Mooncake wheel engine polls the owner's registered words (bounded: every
+0.5 ms); the C++ Mooncake engine has no such channel yet (UnavailableError). Every layer's
 read is an ordinary read of the engine (epochs, timeouts, in-flight limits).
 """
 from __future__ import annotations

@@ -288,6 +288,17 @@ void bind_cache(nb::module_& m) {
           "memory, written by the KVCachePool over this cache), for engines that register it.")
       .def_prop_ro("epochs_bytes",
                    [](const PyKVCache& c) { return c.cache->epochs().size_bytes(); })
+      .def_prop_ro(
+          "ready_ptr",
+          [](const PyKVCache& c) {
+            return reinterpret_cast<std::uintptr_t>(c.cache->readiness().words());
+          },
+          "Address of the cache's layer readiness words (layout.num_pages 4-byte words of host "
+          "memory, written by the KVCachePool's publish / mark_layers_ready), for engines that "
+          "register them.")
+      .def_prop_ro("ready_bytes", [](const PyKVCache& c) {
+        return std::size_t{c.cache->readiness().num_pages()} * 4;
+      })
       .def_prop_ro("view_shape", [](const PyKVCache& c) { return view_shape(c.cache->layout()); },
                    "Shape of the tensor view (__dlpack__, numpy()).")
       .def(

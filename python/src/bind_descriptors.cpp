@@ -217,14 +217,14 @@ void bind_descriptors(nb::module_& m) {
           [](MooncakeKVTransferInfo* self, const std::string& entity_id,
              const std::string& session_id, std::uint64_t data_ptr, const KVLayout& layout,
              std::uint64_t size, std::uint64_t generation, std::uint64_t identity_ptr,
-             std::uint64_t epochs_ptr) {
+             std::uint64_t epochs_ptr, std::uint64_t ready_ptr) {
             new (self) MooncakeKVTransferInfo{entity_id, session_id, data_ptr, layout,
                                               size ? size : layout.total_bytes(), generation,
-                                              identity_ptr, epochs_ptr};
+                                              identity_ptr, epochs_ptr, ready_ptr};
           },
           nb::arg("entity_id"), nb::arg("session_id"), nb::arg("data_ptr"), nb::arg("layout"),
           nb::arg("size") = 0, nb::arg("generation") = 0, nb::arg("identity_ptr") = 0,
-          nb::arg("epochs_ptr") = 0)
+          nb::arg("epochs_ptr") = 0, nb::arg("ready_ptr") = 0)
       .def_rw("entity_id", &MooncakeKVTransferInfo::entity_id)
       .def_rw("session_id", &MooncakeKVTransferInfo::session_id)
       .def_rw("data_ptr", &MooncakeKVTransferInfo::data_ptr)
@@ -234,6 +234,8 @@ void bind_descriptors(nb::module_& m) {
       .def_rw("identity_ptr", &MooncakeKVTransferInfo::identity_ptr)
       .def_rw("epochs_ptr", &MooncakeKVTransferInfo::epochs_ptr,
               "The owner's registered page epoch table (num_pages 8-byte words).")
+      .def_rw("ready_ptr", &MooncakeKVTransferInfo::ready_ptr,
+              "The owner's registered layer readiness words (num_pages 4-byte words).")
       .def("__repr__", [](const MooncakeKVTransferInfo& i) {
         return "MooncakeKVTransferInfo(entity_id='" + i.entity_id + "', session_id='" +
                i.session_id + "', data_ptr=" + short_hex(i.data_ptr) +

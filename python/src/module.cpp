@@ -19,4 +19,5 @@ NB_MODULE(_core, m) {
   mstar::kv::py::bind_descriptors(m);
   mstar::kv::py::bind_engines(m);
   mstar::kv::py::bind_mooncake(m);
+  mstar::kv::py::bind_py_streaming(m);
 }

@@ -24,6 +24,7 @@ void bind_cache(nb::module_& m);
 void bind_descriptors(nb::module_& m);
 void bind_engines(nb::module_& m);
 void bind_mooncake(nb::module_& m);
+void bind_py_streaming(nb::module_& m);
 
 // The Python-side holder of a cache. The shared_ptr's deleter releases any
 // Python object the memory came from (under the GIL), so an engine that

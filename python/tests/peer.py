@@ -21,6 +21,8 @@ After each command it prints the new READY line, but for these:
               publishes it with 0 layers ready ("STREAM <hex>"), then for each
               of its first N layers sleeps MS ms, writes the layer's pattern
               (SEED + 1000), marks it ready and prints "MARKED <layer>"
+    rawready V  stamps V on the readiness words of the stream's pages behind
+              the pool's back (a broken owner): prints "RAW"
     contains N  prints "CONTAINS 0|1"
 Done notices that reach the engine (UCX) free sequences in the pool.
 """
@@ -133,6 +135,10 @@ def main():
             print("REUSED", pool.publish(current).to_bytes().hex(), flush=True)
         elif cmd.startswith("stream "):
             stream(float(cmd.split()[1]), int(cmd.split()[2]))
+        elif cmd.startswith("rawready "):
+            for p in pool.pages(1000):
+                ctypes.c_uint32.from_address(cache.ready_ptr + 4 * p).value = int(cmd.split()[1])
+            print("RAW", flush=True)
         elif cmd == "expire":
             print("EXPIRED", pool.expire_leases(), flush=True)
         elif cmd.startswith("contains "):

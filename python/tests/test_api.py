@@ -92,7 +92,7 @@ def test_descriptors_round_trip_and_reject_garbage():
 def test_infos_pickle_through_bytes_and_refuse_other_engines():
     layout = local_layout()
     m = kv.MooncakeKVTransferInfo("prefill", "127.0.0.1:1234", 0x10000, layout,
-                                  layout.total_bytes, 77, 0x20000, 0x30000)
+                                  layout.total_bytes, 77, 0x20000, 0x30000, 0x40000)
     assert pickle.loads(pickle.dumps(m)) == m
     assert kv.MooncakeKVTransferInfo.decode(m.encode()) == m
     assert kv.MooncakeKVTransferInfo.from_bytes(m.to_bytes()) == m

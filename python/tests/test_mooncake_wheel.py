@@ -1,5 +1,6 @@
 """Mooncake through the PyPI wheel's TransferEngine: forged descriptors are
 refused before any page is read, and a peer killed mid-pull fails the read."""
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -143,3 +144,125 @@ def test_cpp_engine_reads_a_wheel_owner(peer_factory):
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     assert "PULLED" in r.stdout
+
+
+# Layer-wise streaming over the wheel engine: bounded polls of the owner's
+# registered epochs and readiness words (mooncake_wheel.READY_POLL_INTERVAL),
+# driven by the C++ stream driver. Not-ready layers hold poison (0xEE): a layer
+# read before its mark fails the byte-exact verify.
+STREAM_SEED = SEED + 1000
+
+
+def start_stream(peer, ms, layers):
+    answer = peer.command(f"stream {ms} {layers}")
+    assert answer.startswith("STREAM "), answer
+    return kv.SequenceInfo.from_bytes(bytes.fromhex(answer.split()[1]))
+
+
+def read_marks(peer, n):
+    seen = []
+    while len(seen) < n:
+        line = peer.proc.stdout.readline().strip()
+        if line.startswith("MARKED "):
+            seen.append(int(line.split()[1]))
+    return seen
+
+
+def stream_reader(timeout=10.0):
+    cache = kv.KVCache(local_layout())
+    sentinel_fill(cache)
+    te, engine = reader(cache, timeout=timeout)
+    return cache, te, kv.KVTransferManager(engine, cache)
+
+
+def test_streamed_pull_waits_for_each_layer_and_is_byte_exact(peer_factory):
+    peer = peer_factory("mooncake")
+    seq = start_stream(peer, 150, 4)
+    cache, te, mgr = stream_reader()
+    local = list(range(len(seq.page_indices)))
+    s = mgr.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
+                                     seq.kv_transfer_info)
+    assert s.num_layers == 4
+    t0 = time.monotonic()
+    arrivals = []
+    for layer in range(4):
+        assert s.wait_for_layer(layer, timeout=10)
+        arrivals.append(time.monotonic() - t0)
+    layout = cache.layout
+    assert s.future.result(timeout=10) == layout.num_layers * 2 * seq.num_tokens * layout.token_bytes
+    assert arrivals[0] < arrivals[3] - 0.3, arrivals  # layer by layer, not all at the end
+    assert cache.verify_pattern(STREAM_SEED, local, 0, seq.num_tokens)["ok"], "poison was copied"
+    assert read_marks(peer, 4) == [0, 1, 2, 3]
+    mgr.cleanup()
+
+
+def test_stream_faults_never_marked_corrupt_readiness_and_no_epoch(peer_factory):
+    peer = peer_factory("mooncake")
+    seq = start_stream(peer, 0, 1)  # layers 1..3 never marked
+    assert read_marks(peer, 1) == [0]
+    cache, te, mgr = stream_reader()
+    local = list(range(len(seq.page_indices)))
+    before = raw(cache).copy()
+    s = mgr.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
+                                     seq.kv_transfer_info, ready_timeout=0.5)
+    assert s.wait_for_layer(0, timeout=10)
+    with pytest.raises(kv.TransferTimeoutError, match="layer 1 of 4"):
+        s.future.result(timeout=10)
+    # A descriptor without a page epoch cannot be streamed (nothing moves).
+    bare = kv.KVTransferInfo(seq.kv_transfer_info.engine, seq.kv_transfer_info.payload)
+    cache2, te2, mgr2 = stream_reader()
+    before2 = raw(cache2).copy()
+    with pytest.raises(kv.InvalidArgumentError, match="page epoch"):
+        mgr2.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices, bare)
+    # A readiness word beyond the layer count (a broken owner) is refused.
+    assert peer.command("rawready 9") == "RAW"
+    with pytest.raises(kv.CorruptDescriptorError, match="beyond the layout's 4"):
+        mgr2.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
+                                      seq.kv_transfer_info)
+    assert np.array_equal(raw(cache2), before2)
+    # Going backwards mid-stream is refused too, and stops the stream.
+    assert peer.command("rawready 2") == "RAW"
+    s3 = mgr2.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
+                                       seq.kv_transfer_info)
+    assert s3.wait_for_layer(1, timeout=10)
+    assert peer.command("rawready 1") == "RAW"
+    with pytest.raises(kv.CorruptDescriptorError, match="went backwards from 2 to 1"):
+        s3.future.result(timeout=10)
+    mgr.cleanup()
+    mgr2.cleanup()
+    del before
+
+
+def test_owner_death_mid_stream_fails_the_stream(peer_factory):
+    peer = peer_factory("mooncake")
+    seq = start_stream(peer, 200, 4)
+    cache, te, mgr = stream_reader()
+    local = list(range(len(seq.page_indices)))
+    s = mgr.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
+                                     seq.kv_transfer_info)
+    assert s.wait_for_layer(0, timeout=10)
+    peer.kill()
+    t0 = time.monotonic()
+    with pytest.raises(kv.PeerFailureError):
+        s.future.result(timeout=30)
+    assert time.monotonic() - t0 < 5
+    assert cache.verify_pattern(STREAM_SEED, local, 0, seq.num_tokens)["ok"] is False
+    mgr.cleanup()
+
+
+def test_cancel_and_cleanup_mid_stream(peer_factory):
+    peer = peer_factory("mooncake")
+    seq = start_stream(peer, 300, 4)
+    cache, te, mgr = stream_reader()
+    local = list(range(len(seq.page_indices)))
+    s = mgr.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
+                                     seq.kv_transfer_info)
+    assert s.wait_for_layer(0, timeout=10)
+    s.cancel()
+    with pytest.raises(concurrent.futures.CancelledError):
+        s.future.result(timeout=5)
+    s2 = mgr.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
+                                      seq.kv_transfer_info)
+    mgr.cleanup()  # a stream still waiting resolves with ShutdownError
+    with pytest.raises(kv.ShutdownError):
+        s2.future.result(timeout=5)

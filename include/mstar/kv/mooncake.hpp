@@ -41,6 +41,14 @@
 // through the PyPI wheel's engine, python/mstar_kv/mooncake_wheel.py, which
 // does the same; the C library path runs where MSTAR_KV_MOONCAKE_LIB is set.)
 //
+// Layer readiness (readiness.hpp): the owner registers its layer readiness
+// words too (ready_ptr, descriptor blob v3), so that streaming readers can
+// poll them with ordinary reads (bounded polling: Mooncake has no
+// notification a reader could wait on across every transport). The wheel
+// engine's reader streams that way (mooncake_wheel.py, watch_layers); this
+// C++ reader has no watch yet: start_streaming_retrieve throws
+// Error(kUnavailable), pull after the owner finished.
+//
 // Options, all in EngineOptions::extra (all optional):
 //   "mooncake_lib"       library path (see above)
 //   "mooncake_metadata"  Mooncake's metadata connection string; default
@@ -211,6 +219,10 @@ struct MooncakeKVTransferInfo {
   // The owner's registered page epoch table (epochs.hpp): layout.num_pages
   // 8-byte words a reader fetches before and after its reads.
   std::uint64_t epochs_ptr = 0;
+  // The owner's registered layer readiness words (readiness.hpp):
+  // layout.num_pages 4-byte words a streaming reader polls (bounded: at most
+  // once per poll interval, with the epochs, as a seqlock).
+  std::uint64_t ready_ptr = 0;
 
   // KVTransferInfo{engine = "mooncake", payload}.
   KVTransferInfo encode() const;

@@ -181,8 +181,17 @@ MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
                   "Mooncake registerLocalMemory of the page epoch table failed");
     }
     epochs_registered_ = true;
+    // The layer readiness words, for streaming readers' bounded polls.
+    const PageReadiness& rd = cache_->readiness();
+    if (api_->registerLocalMemory(engine_, rd.words(), std::size_t{rd.num_pages()} * 4,
+                                  options_.location.c_str(), 1) != 0) {
+      throw Error(StatusCode::kUnavailable,
+                  "Mooncake registerLocalMemory of the layer readiness words failed");
+    }
+    ready_registered_ = true;
     region_.backend_blob = encode_blob({reinterpret_cast<std::uintptr_t>(identity_.get()),
-                                        reinterpret_cast<std::uintptr_t>(ep.words())});
+                                        reinterpret_cast<std::uintptr_t>(ep.words()),
+                                        reinterpret_cast<std::uintptr_t>(rd.words())});
     write_identity(identity_.get(), region_);
     if (api_->registerLocalMemory(engine_, identity_.get(), kIdentityBytes,
                                   options_.location.c_str(), 1) != 0) {
@@ -234,7 +243,11 @@ void MooncakeBackend::release_engine() noexcept {
       api_->unregisterLocalMemory(engine_, cache_->epochs().words()) != 0) {
     options_.log.error("mooncake: unregisterLocalMemory of the page epoch table failed");
   }
-  cache_registered_ = identity_registered_ = epochs_registered_ = false;
+  if (ready_registered_ &&
+      api_->unregisterLocalMemory(engine_, cache_->readiness().words()) != 0) {
+    options_.log.error("mooncake: unregisterLocalMemory of the layer readiness words failed");
+  }
+  cache_registered_ = identity_registered_ = epochs_registered_ = ready_registered_ = false;
   // A shared handle is the application's: it stays alive and usable.
   if (!shared_) api_->destroyTransferEngine(engine_);
   engine_ = nullptr;
@@ -476,7 +489,7 @@ void MooncakeBackend::go_dead(const std::string& why) {
       // request of ours can write any more. Registrations go with it.
       api_->destroyTransferEngine(engine_);
       engine_ = nullptr;
-      cache_registered_ = identity_registered_ = epochs_registered_ = false;
+      cache_registered_ = identity_registered_ = epochs_registered_ = ready_registered_ = false;
     }
   }
   std::vector<std::shared_ptr<Batch>> left;

@@ -63,12 +63,14 @@ inline constexpr std::size_t kIdentityBytes = 4096;
 inline constexpr std::uint64_t kMaxRequestBytes = 1u << 20;
 inline constexpr std::uint64_t kIdentityMagic = 0x4449434d564b534dull;  // "MSKVMCID"
 
-// backend_blob of a Mooncake RmaRegionInfo: u16 version (2) | u64
+// backend_blob of a Mooncake RmaRegionInfo: u16 version (3) | u64
 // identity_ptr | u64 epochs_ptr (the owner's registered page epoch table,
-// epochs.hpp: layout.num_pages 8-byte words).
+// epochs.hpp: layout.num_pages 8-byte words) | u64 ready_ptr (its
+// registered layer readiness words, readiness.hpp: 4 bytes a page).
 struct MooncakeBlob {
   std::uint64_t identity_ptr = 0;
   std::uint64_t epochs_ptr = 0;
+  std::uint64_t ready_ptr = 0;
 };
 std::vector<std::uint8_t> encode_blob(const MooncakeBlob& blob);
 // Untrusted: throws Error(kCorruptDescriptor) naming the field.
@@ -166,6 +168,7 @@ class MooncakeBackend final : public rma::RmaBackend {
   bool cache_registered_ = false;     // guarded by api_mu_
   bool identity_registered_ = false;  // guarded by api_mu_
   bool epochs_registered_ = false;    // guarded by api_mu_
+  bool ready_registered_ = false;     // guarded by api_mu_
 
   std::size_t window_ = 1024;  // requests per peer in Mooncake's hands
   std::atomic<bool> dead_{false};

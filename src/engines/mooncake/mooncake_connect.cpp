@@ -23,7 +23,7 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-constexpr std::uint16_t kBlobVersion = 2;
+constexpr std::uint16_t kBlobVersion = 3;  // 3: ready_ptr
 
 void free_page(void* p) { std::free(p); }
 
@@ -47,6 +47,7 @@ std::vector<std::uint8_t> encode_blob(const MooncakeBlob& blob) {
   w.u16(kBlobVersion);
   w.u64(blob.identity_ptr);
   w.u64(blob.epochs_ptr);
+  w.u64(blob.ready_ptr);
   return w.take();
 }
 
@@ -59,15 +60,19 @@ MooncakeBlob decode_blob(std::span<const std::uint8_t> blob) {
   }
   const std::uint64_t ptr = r.u64("identity_ptr");
   const std::uint64_t epochs = r.u64("epochs_ptr");
+  const std::uint64_t ready = r.u64("ready_ptr");
   r.expect_end();
   if (ptr == 0) r.fail("identity_ptr", "null identity page address");
   if (ptr + kIdentityBytes < ptr) r.fail("identity_ptr", hex(ptr) + " + 4096 overflows");
   if (epochs == 0 || epochs % 8 != 0) {
     r.fail("epochs_ptr", "page epoch table address " + hex(epochs) + " is null or unaligned");
   }
-  // Its end (epochs + 8 * num_pages) is checked against the layout by
-  // MooncakeKVTransferInfo::decode.
-  return MooncakeBlob{ptr, epochs};
+  if (ready == 0 || ready % 4 != 0) {
+    r.fail("ready_ptr", "layer readiness table address " + hex(ready) + " is null or unaligned");
+  }
+  // Their ends (epochs + 8 * num_pages, ready + 4 * num_pages) are checked
+  // against the layout by MooncakeKVTransferInfo::decode.
+  return MooncakeBlob{ptr, epochs, ready};
 }
 
 void write_identity(std::byte* page, const rma::RmaRegionInfo& region) {

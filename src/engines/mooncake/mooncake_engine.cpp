@@ -76,7 +76,7 @@ MooncakeOptions MooncakeOptions::parse(const EngineOptions& options, bool shared
 
 KVTransferInfo MooncakeKVTransferInfo::encode() const {
   return KVTransferInfo{
-      kEngineName, rma::region_of(*this, mooncake::encode_blob({identity_ptr, epochs_ptr})).encode()};
+      kEngineName, rma::region_of(*this, mooncake::encode_blob({identity_ptr, epochs_ptr, ready_ptr})).encode()};
 }
 
 MooncakeKVTransferInfo MooncakeKVTransferInfo::decode(const KVTransferInfo& info) {
@@ -84,9 +84,15 @@ MooncakeKVTransferInfo MooncakeKVTransferInfo::decode(const KVTransferInfo& info
   const auto blob = mooncake::decode_blob(rma::decode_region(info, kEngineName, "Mooncake", out));
   out.identity_ptr = blob.identity_ptr;
   out.epochs_ptr = blob.epochs_ptr;
+  out.ready_ptr = blob.ready_ptr;
   if (out.epochs_ptr + std::uint64_t{out.layout.num_pages} * 8 < out.epochs_ptr) {
     throw Error(StatusCode::kCorruptDescriptor,
                 "Mooncake descriptor: epochs_ptr + 8 x " + std::to_string(out.layout.num_pages) +
+                    " pages overflows");
+  }
+  if (out.ready_ptr + std::uint64_t{out.layout.num_pages} * 4 < out.ready_ptr) {
+    throw Error(StatusCode::kCorruptDescriptor,
+                "Mooncake descriptor: ready_ptr + 4 x " + std::to_string(out.layout.num_pages) +
                     " pages overflows");
   }
   return out;

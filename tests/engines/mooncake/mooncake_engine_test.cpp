@@ -303,6 +303,7 @@ TEST(MooncakeEngineAnywhere, DescriptorRoundTripsAndRejectsUntrustedBytes) {
   d.generation = 42;
   d.identity_ptr = 0x7f1000000000;
   d.epochs_ptr = 0x7f1000100000;
+  d.ready_ptr = 0x7f1000200000;
   const KVTransferInfo info = d.encode();
   EXPECT_EQ(info.engine, "mooncake");
   EXPECT_EQ(MooncakeKVTransferInfo::decode(info), d);
@@ -336,6 +337,11 @@ TEST(MooncakeEngineAnywhere, DescriptorRoundTripsAndRejectsUntrustedBytes) {
   EXPECT_NE(bad([](auto& f) { f.epochs_ptr = 0x7f1000100004; }).find("epochs_ptr"),
             std::string::npos);
   EXPECT_NE(bad([](auto& f) { f.epochs_ptr = ~0ull - 7; }).find("epochs_ptr"), std::string::npos);
+  // So is the readiness words' (streaming readers poll them).
+  EXPECT_NE(bad([](auto& f) { f.ready_ptr = 0; }).find("ready_ptr"), std::string::npos);
+  EXPECT_NE(bad([](auto& f) { f.ready_ptr = 0x7f1000200002; }).find("ready_ptr"),
+            std::string::npos);
+  EXPECT_NE(bad([](auto& f) { f.ready_ptr = ~0ull - 3; }).find("ready_ptr"), std::string::npos);
   EXPECT_NE(bad([](auto& f) { f.session_id.clear(); }).find("session_id"), std::string::npos);
   KVTransferInfo other = info;
   other.engine = "ucx";
