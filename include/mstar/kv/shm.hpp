@@ -107,7 +107,11 @@ struct ShmEngineOptions {
 //   for a persistent pool of max_workers threads. It never waits for the
 //   copy, except that a read of at most kInlineCopyBytes (1 MiB) is copied on
 //   the calling thread (tens of microseconds, less than a hand-off to a
-//   worker costs) and returns an already resolved future; the first read of a peer's cache maps it (populating its page
+//   worker costs) and returns an already resolved future, and that for one
+//   of at most kHelpCopyBytes (8 MiB) the calling thread copies pieces
+//   beside the workers until none is left to claim (waking a worker costs
+//   tens of microseconds, a good part of such a copy) and returns while they
+//   finish theirs; the first read of a peer's cache maps it (populating its page
 //   tables, about 0.1 s per GiB, for caches up to 8 GiB) on the calling
 //   thread. Every check happens before the first byte moves and throws Error.
 // * The timeout counts from read_batched_async, queueing included.
@@ -131,6 +135,8 @@ class ShmKVTransferEngine final : public KVTransferEngine {
  public:
   // Reads of at most this many bytes are copied on the calling thread.
   static constexpr std::uint64_t kInlineCopyBytes = 1u << 20;
+  // Reads of at most this many bytes: the calling thread helps the workers.
+  static constexpr std::uint64_t kHelpCopyBytes = 8u << 20;
 
   // Throws Error(kInvalidArgument) for a null or device cache or
   // max_workers outside [1, 256].

@@ -136,7 +136,7 @@ CopyPool::CopyPool(std::uint32_t workers, std::chrono::milliseconds timeout)
 
 CopyPool::~CopyPool() { shutdown(); }
 
-TransferFuture CopyPool::submit(CopyJobSpec spec) {
+TransferFuture CopyPool::submit(CopyJobSpec spec, bool caller_helps) {
   auto job = std::make_shared<Job>();
   job->timeout = timeout_;
   job->deadline = std::chrono::steady_clock::now() + timeout_;
@@ -175,6 +175,10 @@ TransferFuture CopyPool::submit(CopyJobSpec spec) {
   work_cv_.notify_all();
   watch_cv_.notify_one();
   job->promise.mark_posted();  // ignored if the workers already finished it
+  if (caller_helps) {
+    while (job->work_one()) {
+    }
+  }
   return future;
 }
 

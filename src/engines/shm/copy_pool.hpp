@@ -57,9 +57,11 @@ class CopyPool {
   CopyPool(const CopyPool&) = delete;
   CopyPool& operator=(const CopyPool&) = delete;
 
-  // Queues the job; never waits for it. Throws Error(kShutdown) after
-  // shutdown().
-  TransferFuture submit(CopyJobSpec spec);
+  // Queues the job; never waits for it, except that with `caller_helps` the
+  // calling thread copies pieces too until none is left to claim (pieces
+  // the workers took may still be in flight when it returns). Throws
+  // Error(kShutdown) after shutdown().
+  TransferFuture submit(CopyJobSpec spec, bool caller_helps = false);
 
   // Resolves every unfinished job with kShutdown (pieces being copied finish
   // first) and joins the threads. Idempotent, safe from any thread but a

@@ -208,7 +208,8 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
   spec.keep_alive = std::move(mapping);
   spec.planned_at = planned_at;
   spec.peer = std::move(peer);
-  return impl_->pool.submit(std::move(spec));
+  const bool help = spec.total_bytes <= kHelpCopyBytes;
+  return impl_->pool.submit(std::move(spec), help);
 }
 
 ShmEngineOptions ShmEngineOptions::parse(const EngineOptions& options) {

@@ -168,6 +168,34 @@ TEST(ShmEngine, PullsLargeEnoughToStreamAreByteExact) {
   }
 }
 
+// Reads over kInlineCopyBytes and up to kHelpCopyBytes: the calling thread
+// copies pieces beside the workers. Byte-exact, nothing else written, in
+// both in-page orders, the future resolving with every byte.
+TEST(ShmEngine, PullsTheCallerHelpsCopyAreByteExact) {
+  for (auto rpo : {PageOrder::kNHD, PageOrder::kHND}) {
+    const KVLayout remote = small_layout(CacheOrder::kLayerMajor, rpo, 1200);
+    const KVLayout local = small_layout(CacheOrder::kPageMajor, PageOrder::kNHD, 1200);
+    const std::uint64_t per_token = local.token_bytes() * 2 * local.num_layers;
+    const std::uint64_t tokens = (4u << 20) / per_token + 7;  // about 4 MiB
+    Owner owner(remote, tokens);
+    auto cache = sentinel_cache(local);
+    auto m = shm_manager(cache);
+    const auto lp = spread_pages(owner.seq.page_indices.size(), 1200);
+    for (int i = 0; i < 3; ++i) {
+      const auto bytes =
+          m->sync_retrieve(0, tokens, lp, owner.seq.page_indices, owner.seq.kv_transfer_info);
+      ASSERT_GT(bytes, ShmKVTransferEngine::kInlineCopyBytes);
+      ASSERT_LE(bytes, ShmKVTransferEngine::kHelpCopyBytes);
+    }
+    auto v = verify_pattern(*cache, kSeed, lp, 0, tokens);
+    EXPECT_TRUE(v.ok()) << to_string(rpo) << ": " << v.first_mismatch;
+    EXPECT_EQ(bytes_written_outside(*cache, remote,
+                                    plan_reads(local, 0, tokens, lp, owner.seq.page_indices)),
+              0u)
+        << to_string(rpo);
+  }
+}
+
 // ---- descriptors that must not be read --------------------------------------
 
 class ShmRejects : public ::testing::Test {
