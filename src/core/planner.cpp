@@ -19,30 +19,45 @@ using detail::range;
 // Linear in the number of reads, unlike a bitmap over the whole cache.
 class KeySet {
  public:
-  explicit KeySet(std::size_t n)
-      : slots_(std::bit_ceil(n * 2 + 2), kEmpty), mask_(slots_.size() - 1) {}
+  explicit KeySet(std::size_t n) {
+    const std::size_t size = std::bit_ceil(n * 2 + 2);
+    // The table of a thread's last plan is reused (cleared, not freed): a
+    // fresh one of a few hundred KiB costs a page fault per 4 KiB, more than
+    // the planning itself. Tables over kKeepSlots are not kept.
+    std::vector<std::uint64_t>& kept = kept_slots();
+    slots_ = size <= kKeepSlots ? &kept : &own_;
+    slots_->assign(size, kEmpty);
+    mask_ = size - 1;
+  }
 
   // False if the key was already present.
   bool insert(std::uint64_t key) {
+    std::vector<std::uint64_t>& slots = *slots_;
     std::size_t i = mix(key) & mask_;
-    while (slots_[i] != kEmpty) {
-      if (slots_[i] == key) return false;
+    while (slots[i] != kEmpty) {
+      if (slots[i] == key) return false;
       i = (i + 1) & mask_;
     }
-    slots_[i] = key;
+    slots[i] = key;
     return true;
   }
 
  private:
   static constexpr std::uint64_t kEmpty = ~std::uint64_t{0};
+  static constexpr std::size_t kKeepSlots = std::size_t{1} << 20;  // 8 MiB
+  static std::vector<std::uint64_t>& kept_slots() {
+    thread_local std::vector<std::uint64_t> slots;
+    return slots;
+  }
   static std::size_t mix(std::uint64_t x) {
     x ^= x >> 33;
     x *= 0xff51afd7ed558ccdULL;
     x ^= x >> 33;
     return static_cast<std::size_t>(x);
   }
-  std::vector<std::uint64_t> slots_;
-  std::size_t mask_;
+  std::vector<std::uint64_t> own_;
+  std::vector<std::uint64_t>* slots_ = nullptr;
+  std::size_t mask_ = 0;
 };
 
 }  // namespace
@@ -182,16 +197,18 @@ void plan_plain(const KVLayout& local, const KVLayout& remote,
   // Pass 2: emit. K and V of one layer are neighbours in a page-major cache,
   // so emit them per read there; in a layer-major cache all K blocks of a
   // layer are neighbours, so emit every read's K, then every read's V.
+  const detail::BlockStrides lstr(local);
+  const detail::BlockStrides rstr(remote);
+  const bool nhd = local.page_order == PageOrder::kNHD;
+  const std::uint32_t page_size = local.page_size;
   auto emit = [&](const KVReadInfo& r, KV kv) {
     const auto layer = static_cast<std::uint32_t>(r.layer_idx);
     const auto ts = static_cast<std::uint32_t>(r.token_start);
     const auto te = static_cast<std::uint32_t>(r.token_end);
-    const bool full = ts == 0 && te == local.page_size;
-    const std::uint64_t lb =
-        local.block_offset(layer, kv, static_cast<std::uint32_t>(r.local_page_idx));
-    const std::uint64_t rb =
-        remote.block_offset(layer, kv, static_cast<std::uint32_t>(r.remote_page_idx));
-    if (same_order && (full || local.page_order == PageOrder::kNHD)) {
+    const bool full = ts == 0 && te == page_size;
+    const std::uint64_t lb = lstr.offset(layer, kv, static_cast<std::uint32_t>(r.local_page_idx));
+    const std::uint64_t rb = rstr.offset(layer, kv, static_cast<std::uint32_t>(r.remote_page_idx));
+    if (same_order && (full || nhd)) {
       sink.add(lb + ts * tb, rb + ts * tb, std::uint64_t{te - ts} * tb);
     } else if (same_order) {  // partial HND page: one run per head
       for (std::uint32_t h = 0; h < heads; ++h) {

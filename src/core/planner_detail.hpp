@@ -49,7 +49,19 @@ class SpanSink {
 // Keeps strided runs whole; contiguous ones coalesce as in SpanSink.
 struct StridedSink {
   StridedPlan& plan;
-  void add(std::uint64_t l, std::uint64_t r, std::uint64_t len) { add_rows(l, r, len, 1, 0, 0); }
+  void add(std::uint64_t l, std::uint64_t r, std::uint64_t len) {  // add_rows(.., 1, 0, 0)
+    ++plan.uncoalesced_spans;
+    plan.total_bytes += len;
+    if (!plan.spans.empty()) {
+      StridedSpan& last = plan.spans.back();
+      if (last.rows == 1 && last.local_offset + last.length == l &&
+          last.remote_offset + last.length == r) {
+        last.length += len;
+        return;
+      }
+    }
+    plan.spans.push_back({l, r, len, 1, 0, 0});
+  }
   void add_rows(std::uint64_t l, std::uint64_t r, std::uint64_t len, std::uint64_t rows,
                 std::uint64_t ls, std::uint64_t rs) {
     plan.uncoalesced_spans += rows;
@@ -67,6 +79,28 @@ struct StridedSink {
       }
     }
     plan.spans.push_back({l, r, len, rows, rows > 1 ? ls : 0, rows > 1 ? rs : 0});
+  }
+};
+
+// KVLayout::block_offset with the layout's strides computed once: planning
+// calls it twice per span, and the layout recomputes block_bytes() (dtype
+// size included) on every call.
+struct BlockStrides {
+  std::uint64_t layer = 0, kv = 0, page = 0;
+  explicit BlockStrides(const KVLayout& l) {
+    const std::uint64_t bb = l.block_bytes();
+    if (l.cache_order == CacheOrder::kLayerMajor) {
+      page = bb;
+      kv = bb * l.num_pages;
+      layer = kv * l.num_kv();
+    } else {
+      kv = bb;
+      layer = bb * l.num_kv();
+      page = layer * l.num_layers;
+    }
+  }
+  std::uint64_t offset(std::uint32_t l, KV k, std::uint32_t p) const noexcept {
+    return l * layer + static_cast<std::uint64_t>(k) * kv + p * page;
   }
 };
 
