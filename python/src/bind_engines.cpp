@@ -59,6 +59,27 @@ struct PyEngine {
   }
 };
 
+}  // namespace
+
+StreamOptions stream_options(double ready_timeout_s, double poll_interval_s,
+                             std::uint32_t max_reads_in_flight) {
+  if (!(ready_timeout_s >= 0) || ready_timeout_s > 86400 || !(poll_interval_s > 0) ||
+      poll_interval_s > 1) {
+    throw Error(StatusCode::kInvalidArgument,
+                "ready_timeout " + std::to_string(ready_timeout_s) +
+                    " s must be in [0, 86400] and poll_interval " +
+                    std::to_string(poll_interval_s) + " s in (0, 1]");
+  }
+  StreamOptions o;
+  o.ready_timeout = milliseconds(static_cast<std::int64_t>(ready_timeout_s * 1000 + 0.5));
+  o.poll_interval = std::chrono::microseconds(
+      std::max<std::int64_t>(1, static_cast<std::int64_t>(poll_interval_s * 1e6)));
+  o.max_reads_in_flight = max_reads_in_flight;
+  return o;
+}
+
+namespace {
+
 EngineOptions make_options(std::uint32_t max_workers, double timeout_s,
                            const std::map<std::string, std::string>& extra) {
   if (!(timeout_s > 0) || timeout_s > 86400) {
@@ -340,18 +361,8 @@ void bind_engines(nb::module_& m) {
               throw Error(StatusCode::kInvalidArgument,
                           "a local-only engine without a cache cannot stream");
             }
-            if (!(ready_timeout_s >= 0) || ready_timeout_s > 86400 || !(poll_interval_s > 0) ||
-                poll_interval_s > 1) {
-              throw Error(StatusCode::kInvalidArgument,
-                          "ready_timeout " + std::to_string(ready_timeout_s) +
-                              " s must be in [0, 86400] and poll_interval " +
-                              std::to_string(poll_interval_s) + " s in (0, 1]");
-            }
-            StreamOptions o;
-            o.ready_timeout = milliseconds(static_cast<std::int64_t>(ready_timeout_s * 1000 + 0.5));
-            o.poll_interval = std::chrono::microseconds(
-                std::max<std::int64_t>(1, static_cast<std::int64_t>(poll_interval_s * 1e6)));
-            o.max_reads_in_flight = max_reads_in_flight;
+            const StreamOptions o =
+                stream_options(ready_timeout_s, poll_interval_s, max_reads_in_flight);
             if (!e.streamer) e.streamer = std::make_unique<LayerStreamer>(eng, e.cache, e.timeout);
             LayerStreamer& streamer = *e.streamer;
             nb::gil_scoped_release release;

@@ -216,12 +216,8 @@ void bind_py_streaming(nb::module_& m) {
             const auto lp = to_pages(local_pages, "local_page_indices");
             const auto rp = to_pages(remote_pages, "remote_page_indices");
             const KVTransferInfo info = to_transfer_info(remote);
-            StreamOptions o;
-            o.ready_timeout = std::chrono::milliseconds(
-                static_cast<std::int64_t>(ready_timeout_s * 1000 + 0.5));
-            o.poll_interval = std::chrono::microseconds(
-                std::max<std::int64_t>(1, static_cast<std::int64_t>(poll_interval_s * 1e6)));
-            o.max_reads_in_flight = max_reads_in_flight;
+            const StreamOptions o =
+                stream_options(ready_timeout_s, poll_interval_s, max_reads_in_flight);
             nb::gil_scoped_release release;
             return s.streamer->start(start_len, end_len, lp, rp, info, o);
           },

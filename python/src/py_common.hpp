@@ -13,6 +13,7 @@
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/status.hpp"
+#include "mstar/kv/streaming.hpp"
 
 namespace mstar::kv::py {
 
@@ -33,6 +34,11 @@ struct PyKVCache {
   std::shared_ptr<KVCache> cache;
   int device = 0;  // CUDA ordinal of device memory
 };
+
+// StreamOptions from the Python arguments (seconds); throws
+// Error(kInvalidArgument) naming both when out of range.
+StreamOptions stream_options(double ready_timeout_s, double poll_interval_s,
+                             std::uint32_t max_reads_in_flight);
 
 // Page tables from Python: any sequence of ints (list, tuple, range, numpy).
 // Throws Error(kInvalidArgument) naming `what` and the entry outside

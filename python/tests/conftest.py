@@ -114,3 +114,23 @@ def assert_only_pages_written(before, after, layout, written_pages):
                 off = ((layer * layout.num_kv + kvi) * layout.num_pages + page) * bb
                 mask[off:off + bb] = False
     assert np.array_equal(a[mask], b[mask]), "a page outside the read was written"
+
+
+# Layer-wise streaming against peer.py's slow owner ("stream MS N"): the
+# pattern its layers get, the sequence it publishes, and its marks.
+STREAM_SEED = SEED + 1000
+
+
+def start_stream(peer, ms, layers):
+    answer = peer.command(f"stream {ms} {layers}")
+    assert answer.startswith("STREAM "), answer
+    return kv.SequenceInfo.from_bytes(bytes.fromhex(answer.split()[1]))
+
+
+def read_marks(peer, n):
+    seen = []
+    while len(seen) < n:
+        line = peer.proc.stdout.readline().strip()
+        if line.startswith("MARKED "):
+            seen.append(int(line.split()[1]))
+    return seen

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import mstar_kv as kv
-from conftest import SEED, local_layout, sentinel_fill
+from conftest import (SEED, STREAM_SEED, local_layout, read_marks, sentinel_fill,
+                      start_stream)
 
 mooncake_engine = pytest.importorskip(
     "mooncake.engine", reason="the Mooncake wheel (mooncake-transfer-engine-non-cuda) is "
@@ -150,22 +151,6 @@ def test_cpp_engine_reads_a_wheel_owner(peer_factory):
 # registered epochs and readiness words (mooncake_wheel.READY_POLL_INTERVAL),
 # driven by the C++ stream driver. Not-ready layers hold poison (0xEE): a layer
 # read before its mark fails the byte-exact verify.
-STREAM_SEED = SEED + 1000
-
-
-def start_stream(peer, ms, layers):
-    answer = peer.command(f"stream {ms} {layers}")
-    assert answer.startswith("STREAM "), answer
-    return kv.SequenceInfo.from_bytes(bytes.fromhex(answer.split()[1]))
-
-
-def read_marks(peer, n):
-    seen = []
-    while len(seen) < n:
-        line = peer.proc.stdout.readline().strip()
-        if line.startswith("MARKED "):
-            seen.append(int(line.split()[1]))
-    return seen
 
 
 def stream_reader(timeout=10.0):

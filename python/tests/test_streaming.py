@@ -8,28 +8,12 @@ import time
 import pytest
 
 import mstar_kv as kv
-from conftest import SEED, TOKENS, local_layout
+from conftest import STREAM_SEED, TOKENS, local_layout, read_marks, start_stream
 
 os.environ.setdefault("UCX_TLS", "tcp")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-STREAM_SEED = SEED + 1000
 SENTINEL = 0xA5
-
-
-def start_stream(peer, ms, layers):
-    answer = peer.command(f"stream {ms} {layers}")
-    assert answer.startswith("STREAM "), answer
-    return kv.SequenceInfo.from_bytes(bytes.fromhex(answer.split()[1]))
-
-
-def read_marks(peer, n):
-    seen = []
-    while len(seen) < n:
-        line = peer.proc.stdout.readline().strip()
-        if line.startswith("MARKED "):
-            seen.append(int(line.split()[1]))
-    return seen
 
 
 def sentinel_cache():

@@ -8,7 +8,11 @@
 #include "mstar/kv/engine.hpp"
 #include "mstar/kv/epochs.hpp"
 #include "mstar/kv/status.hpp"
+#include "core/mapped_watch.hpp"
 #include "core/shared_word.hpp"
+
+#include <chrono>
+#include <utility>
 
 namespace mstar::kv {
 
@@ -95,6 +99,73 @@ Status check_layer_readiness(const std::uint32_t* ready, const std::uint64_t* ep
   if (!s.is_ok()) return s;
   *layers_ready = pages.empty() ? num_layers : lowest;
   return Status::ok();
+}
+
+}  // namespace mstar::kv
+
+namespace mstar::kv {
+
+namespace {
+
+class MappedLayerWatch final : public LayerWatch {
+ public:
+  MappedLayerWatch(const std::uint32_t* ready, const std::uint64_t* epochs,
+                   std::uint32_t num_pages, std::uint32_t num_layers,
+                   std::vector<std::uint32_t> pages, std::uint64_t epoch,
+                   std::function<Status()> check_owner, std::shared_ptr<const void> keep)
+      : ready_(ready),
+        epochs_(epochs),
+        num_pages_(num_pages),
+        num_layers_(num_layers),
+        pages_(std::move(pages)),
+        epoch_(epoch),
+        check_owner_(std::move(check_owner)),
+        keep_(std::move(keep)) {}
+
+  Status poll(std::uint32_t* layers_ready) override {
+    std::uint32_t r = 0;
+    Status s = check_layer_readiness(ready_, epochs_, num_pages_, pages_, epoch_, num_layers_,
+                                     floor_, &r);
+    if (!s.is_ok()) return s;
+    floor_ = r;
+    // Layers still missing: an owner that died will never mark them.
+    if (r < num_layers_ && check_owner_) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= next_owner_check_) {
+        next_owner_check_ = now + std::chrono::milliseconds(1);
+        Status alive = check_owner_();
+        if (!alive.is_ok()) {
+          return {alive.code(), alive.message() + " with " + std::to_string(r) + " of " +
+                                    std::to_string(num_layers_) + " layers marked ready"};
+        }
+      }
+    }
+    *layers_ready = r;
+    return Status::ok();
+  }
+
+ private:
+  const std::uint32_t* ready_;
+  const std::uint64_t* epochs_;
+  std::uint32_t num_pages_;
+  std::uint32_t num_layers_;
+  std::vector<std::uint32_t> pages_;
+  std::uint64_t epoch_;
+  std::function<Status()> check_owner_;
+  std::shared_ptr<const void> keep_;
+  std::uint32_t floor_ = 0;
+  std::chrono::steady_clock::time_point next_owner_check_{};
+};
+
+}  // namespace
+
+std::unique_ptr<LayerWatch> make_mapped_layer_watch(
+    const std::uint32_t* ready, const std::uint64_t* epochs, std::uint32_t num_pages,
+    std::uint32_t num_layers, std::vector<std::uint32_t> pages, std::uint64_t epoch,
+    std::function<Status()> check_owner, std::shared_ptr<const void> keep) {
+  return std::make_unique<MappedLayerWatch>(ready, epochs, num_pages, num_layers,
+                                            std::move(pages), epoch, std::move(check_owner),
+                                            std::move(keep));
 }
 
 }  // namespace mstar::kv

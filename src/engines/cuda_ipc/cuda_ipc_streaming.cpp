@@ -3,6 +3,7 @@
 // Layer-wise streaming on the cuda_ipc engine (cuda_ipc.hpp "Layer
 // readiness"): the reader's watch over an owner's host tables, and the
 // owner's mark enqueued on a CUDA stream.
+#include "core/mapped_watch.hpp"
 #include "cuda_ipc_impl.hpp"
 #include "mstar/kv/log.hpp"
 #include "mstar/kv/pool.hpp"
@@ -41,8 +42,10 @@ std::unique_ptr<LayerWatch> CudaIpcKVTransferEngine::Impl::watch_layers(
   Status s = check_page_epochs(tables->epochs(), num_pages, pages, remote_kv_info.epoch,
                                "before the stream", false);
   if (!s.is_ok()) throw Error(std::move(s));
-  return cuda_ipc::make_layer_watch(std::move(tables), remote.layout.num_layers, std::move(pages),
-                                    remote_kv_info.epoch);
+  const cuda_ipc::HostTablesView* t = tables.get();
+  return make_mapped_layer_watch(t->ready(), t->epochs(), num_pages, remote.layout.num_layers,
+                                 std::move(pages), remote_kv_info.epoch,
+                                 [t] { return t->check_owner(); }, std::move(tables));
 }
 
 namespace {

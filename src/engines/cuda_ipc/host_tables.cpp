@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <chrono>
 #include <cstring>
 #include <utility>
 
@@ -182,58 +181,6 @@ const std::uint64_t* HostTablesView::epochs() const noexcept {
 const std::uint32_t* HostTablesView::ready() const noexcept {
   return reinterpret_cast<const std::uint32_t*>(base_ + sizeof(Header) +
                                                 std::size_t{num_pages_} * 8);
-}
-
-namespace {
-
-class CudaLayerWatch final : public LayerWatch {
- public:
-  CudaLayerWatch(std::shared_ptr<const HostTablesView> t, std::uint32_t num_layers,
-                 std::vector<std::uint32_t> pages, std::uint64_t epoch)
-      : tables_(std::move(t)),
-        num_layers_(num_layers),
-        pages_(std::move(pages)),
-        epoch_(epoch) {}
-
-  Status poll(std::uint32_t* layers_ready) override {
-    std::uint32_t r = 0;
-    Status s = check_layer_readiness(tables_->ready(), tables_->epochs(), tables_->num_pages(),
-                                     pages_, epoch_, num_layers_, floor_, &r);
-    if (!s.is_ok()) return s;
-    floor_ = r;
-    // Layers still missing: an owner that died will never mark them.
-    if (r < num_layers_) {
-      const auto now = std::chrono::steady_clock::now();
-      if (now >= next_owner_check_) {
-        next_owner_check_ = now + std::chrono::milliseconds(1);
-        Status alive = tables_->check_owner();
-        if (!alive.is_ok()) {
-          return {alive.code(), alive.message() + " with " + std::to_string(r) + " of " +
-                                    std::to_string(num_layers_) + " layers marked ready"};
-        }
-      }
-    }
-    *layers_ready = r;
-    return Status::ok();
-  }
-
- private:
-  std::shared_ptr<const HostTablesView> tables_;
-  std::uint32_t num_layers_;
-  std::vector<std::uint32_t> pages_;
-  std::uint64_t epoch_;
-  std::uint32_t floor_ = 0;
-  std::chrono::steady_clock::time_point next_owner_check_{};
-};
-
-}  // namespace
-
-std::unique_ptr<LayerWatch> make_layer_watch(std::shared_ptr<const HostTablesView> tables,
-                                             std::uint32_t num_layers,
-                                             std::vector<std::uint32_t> pages,
-                                             std::uint64_t epoch) {
-  return std::make_unique<CudaLayerWatch>(std::move(tables), num_layers, std::move(pages),
-                                          epoch);
 }
 
 }  // namespace mstar::kv::cuda_ipc

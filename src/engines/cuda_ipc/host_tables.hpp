@@ -81,13 +81,4 @@ class HostTablesView {
   ino_t ino_ = 0;
 };
 
-// A layer watch over an owner's mapped tables for `pages` of a sequence
-// published with `epoch` (readiness.hpp): check_layer_readiness on every
-// poll; while layers are missing, at most once per millisecond,
-// check_owner() (an owner gone is kNotFound naming how many layers it marked).
-std::unique_ptr<LayerWatch> make_layer_watch(std::shared_ptr<const HostTablesView> tables,
-                                             std::uint32_t num_layers,
-                                             std::vector<std::uint32_t> pages,
-                                             std::uint64_t epoch);
-
 }  // namespace mstar::kv::cuda_ipc

@@ -16,7 +16,7 @@
 #include "mstar/kv/shm.hpp"
 #include "shm_mapping.hpp"
 #include "shm_memory.hpp"
-#include "shm_readiness.hpp"
+#include "core/mapped_watch.hpp"
 #include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv {
@@ -241,7 +241,10 @@ std::unique_ptr<LayerWatch> ShmKVTransferEngine::watch_layers(
   Status s = check_page_epochs(mapping->epochs(), mapping->epoch_pages(), pages,
                                remote_kv_info.epoch, "before the stream", false);
   if (!s.is_ok()) throw Error(std::move(s));
-  return shm::make_layer_watch(std::move(mapping), std::move(pages), remote_kv_info.epoch);
+  const ShmMapping* m = mapping.get();
+  return make_mapped_layer_watch(
+      m->ready_words(), m->epochs(), m->epoch_pages(), info.layout.num_layers, std::move(pages),
+      remote_kv_info.epoch, [m] { return m->check_owner(); }, std::move(mapping));
 }
 
 void ShmKVTransferEngine::shutdown() {

@@ -16,11 +16,21 @@
 #include <gtest/gtest.h>
 
 #include "common/expectations.hpp"
+#include "core/mapped_watch.hpp"
 #include "engines/cuda_ipc/host_tables.hpp"
-#include "mstar/kv/readiness.hpp"
 
 namespace mstar::kv::cuda_ipc {
 namespace {
+
+// The engine's watch over a view (cuda_ipc_streaming.cpp).
+std::unique_ptr<LayerWatch> watch_of(std::shared_ptr<const HostTablesView> view,
+                                     std::uint32_t layers, std::vector<std::uint32_t> pages,
+                                     std::uint64_t epoch) {
+  const HostTablesView* t = view.get();
+  return make_mapped_layer_watch(t->ready(), t->epochs(), t->num_pages(), layers,
+                                 std::move(pages), epoch, [t] { return t->check_owner(); },
+                                 std::move(view));
+}
 
 using namespace std::chrono_literals;
 
@@ -74,7 +84,7 @@ TEST(CudaHostTables, TheWatchFollowsReadinessAndRefusesWhatAnOwnerCannotSay) {
   auto view = std::make_shared<const HostTablesView>(
       kPid, static_cast<std::uint32_t>(owner.fd()), owner.uid(), 42, 8);
   PageReadiness ready(owner.ready(), 8);
-  auto watch = make_layer_watch(view, 4, pages, 5);
+  auto watch = watch_of(view, 4, pages, 5);
   std::uint32_t r = 99;
   ASSERT_TRUE(watch->poll(&r).is_ok());
   EXPECT_EQ(r, 0u);
@@ -87,11 +97,11 @@ TEST(CudaHostTables, TheWatchFollowsReadinessAndRefusesWhatAnOwnerCannotSay) {
   ready.stamp(pages, 1);  // backwards
   EXPECT_EQ(watch->poll(&r).code(), StatusCode::kCorruptDescriptor);
 
-  auto beyond = make_layer_watch(view, 4, pages, 5);
+  auto beyond = watch_of(view, 4, pages, 5);
   ready.stamp(pages, 5);  // beyond 4 layers
   EXPECT_EQ(beyond->poll(&r).code(), StatusCode::kCorruptDescriptor);
 
-  auto stale = make_layer_watch(view, 4, pages, 5);
+  auto stale = watch_of(view, 4, pages, 5);
   ready.stamp(pages, 3);
   ASSERT_TRUE(stale->poll(&r).is_ok());
   EXPECT_EQ(r, 3u);
@@ -125,7 +135,7 @@ TEST(CudaHostTables, AnOwnerKilledMidStreamIsSeenGone) {
   ::close(p[0]);
   auto view = std::make_shared<const HostTablesView>(static_cast<std::uint32_t>(child),
                                                      static_cast<std::uint32_t>(fd), kUid, 9, 4);
-  auto watch = make_layer_watch(view, 2, std::vector<std::uint32_t>{0}, 3);
+  auto watch = watch_of(view, 2, std::vector<std::uint32_t>{0}, 3);
   std::uint32_t r = 0;
   ASSERT_TRUE(watch->poll(&r).is_ok());
   EXPECT_EQ(r, 1u);

@@ -144,21 +144,22 @@ TEST(ShmEngine, PartialPagesInBothInPageOrders) {
   }
 }
 
-// Reads of at least kStreamBytes copy with streaming stores and prefetching
-// (span_copy.hpp): byte-exact too, in the plain and the NHD <- HND layout,
-// a partial last page, nothing else written.
-TEST(ShmEngine, PullsLargeEnoughToStreamAreByteExact) {
+// A pull of `tokens` tokens in both remote in-page orders into a page-major
+// NHD cache of 1200 pages, `times` times: byte-exact, nothing else written,
+// and every pull's byte count passed to `check_bytes`.
+template <typename CheckBytes>
+void pull_in_both_orders(std::uint64_t tokens, int times, CheckBytes check_bytes) {
   for (auto rpo : {PageOrder::kNHD, PageOrder::kHND}) {
     const KVLayout remote = small_layout(CacheOrder::kLayerMajor, rpo, 1200);
     const KVLayout local = small_layout(CacheOrder::kPageMajor, PageOrder::kNHD, 1200);
-    const std::uint64_t tokens = 1100 * 16 + 5;
     Owner owner(remote, tokens);
     auto cache = sentinel_cache(local);
     auto m = shm_manager(cache);
     const auto lp = spread_pages(owner.seq.page_indices.size(), 1200);
-    const auto bytes =
-        m->sync_retrieve(0, tokens, lp, owner.seq.page_indices, owner.seq.kv_transfer_info);
-    ASSERT_GE(bytes, shm::kStreamBytes) << "too small to stream";
+    for (int i = 0; i < times; ++i) {
+      check_bytes(
+          m->sync_retrieve(0, tokens, lp, owner.seq.page_indices, owner.seq.kv_transfer_info));
+    }
     auto v = verify_pattern(*cache, kSeed, lp, 0, tokens);
     EXPECT_TRUE(v.ok()) << to_string(rpo) << ": " << v.first_mismatch;
     EXPECT_EQ(bytes_written_outside(*cache, remote,
@@ -168,32 +169,26 @@ TEST(ShmEngine, PullsLargeEnoughToStreamAreByteExact) {
   }
 }
 
+// Reads of at least kStreamBytes copy with streaming stores and prefetching
+// (span_copy.hpp): byte-exact too, in the plain and the NHD <- HND layout,
+// a partial last page, nothing else written.
+TEST(ShmEngine, PullsLargeEnoughToStreamAreByteExact) {
+  pull_in_both_orders(1100 * 16 + 5, 1, [](std::uint64_t bytes) {
+    ASSERT_GE(bytes, shm::kStreamBytes) << "too small to stream";
+  });
+}
+
 // Reads over kInlineCopyBytes and up to kHelpCopyBytes: the calling thread
 // copies pieces beside the workers. Byte-exact, nothing else written, in
-// both in-page orders, the future resolving with every byte.
+// both in-page orders, the future resolving with every byte, three times on
+// one engine.
 TEST(ShmEngine, PullsTheCallerHelpsCopyAreByteExact) {
-  for (auto rpo : {PageOrder::kNHD, PageOrder::kHND}) {
-    const KVLayout remote = small_layout(CacheOrder::kLayerMajor, rpo, 1200);
-    const KVLayout local = small_layout(CacheOrder::kPageMajor, PageOrder::kNHD, 1200);
-    const std::uint64_t per_token = local.token_bytes() * 2 * local.num_layers;
-    const std::uint64_t tokens = (4u << 20) / per_token + 7;  // about 4 MiB
-    Owner owner(remote, tokens);
-    auto cache = sentinel_cache(local);
-    auto m = shm_manager(cache);
-    const auto lp = spread_pages(owner.seq.page_indices.size(), 1200);
-    for (int i = 0; i < 3; ++i) {
-      const auto bytes =
-          m->sync_retrieve(0, tokens, lp, owner.seq.page_indices, owner.seq.kv_transfer_info);
-      ASSERT_GT(bytes, ShmKVTransferEngine::kInlineCopyBytes);
-      ASSERT_LE(bytes, ShmKVTransferEngine::kHelpCopyBytes);
-    }
-    auto v = verify_pattern(*cache, kSeed, lp, 0, tokens);
-    EXPECT_TRUE(v.ok()) << to_string(rpo) << ": " << v.first_mismatch;
-    EXPECT_EQ(bytes_written_outside(*cache, remote,
-                                    plan_reads(local, 0, tokens, lp, owner.seq.page_indices)),
-              0u)
-        << to_string(rpo);
-  }
+  const KVLayout l = small_layout(CacheOrder::kPageMajor, PageOrder::kNHD, 1200);
+  const std::uint64_t per_token = l.token_bytes() * 2 * l.num_layers;
+  pull_in_both_orders((4u << 20) / per_token + 7, 3, [](std::uint64_t bytes) {  // ~4 MiB
+    ASSERT_GT(bytes, ShmKVTransferEngine::kInlineCopyBytes);
+    ASSERT_LE(bytes, ShmKVTransferEngine::kHelpCopyBytes);
+  });
 }
 
 // ---- descriptors that must not be read --------------------------------------
