@@ -172,9 +172,8 @@ class KVTransferManager:
         (KVCachePool.mark_layers_ready), in order. Returns a LayerStream, or
         None when start_len == end_len. Validates everything first and raises
         before any byte moves; UnavailableError naming the engine when it has no
-        readiness channel (local-only, the C++ Mooncake engine, Python engines
-        without ``watch_layers``; shm, ucx, cuda_ipc and the Mooncake wheel
-        engine stream).
+        readiness channel (local-only, Python engines without ``watch_layers``;
+        shm, ucx, cuda_ipc and mooncake stream).
         ``ready_timeout``: seconds a layer may stay unmarked after the previous
         one before the stream fails with TransferTimeoutError (None: the
         engine's timeout)."""

@@ -45,7 +45,9 @@ pages at most every READY_POLL_INTERVAL seconds (the seqlock of
 readiness.hpp: a page that changed owner is StaleDescriptorError, a word beyond
 the layer count or going backwards CorruptDescriptorError, an owner that no
 longer answers PeerFailureError). KVTransferManager.start_streaming_retrieve
-drives it with the library's one stream driver.
+drives it with the library's one stream driver. (The C++ engine over
+Mooncake's C library polls the same words, mooncake_readiness.hpp; this
+wrapper does not stream over it yet.)
 
 Thread safety: every method is safe from any thread. ``shutdown()`` fails
 reads not yet started (ShutdownError), waits for the batch in flight,
@@ -324,12 +326,13 @@ class MooncakeKVTransferEngine(KVTransferEngine):
         seqlock of readiness.hpp) at most once per ``READY_POLL_INTERVAL``
         seconds and returns how many layers are ready on every page. Validates
         as read_batched_async does, and raises InvalidArgumentError for a
-        descriptor without a page epoch. The C++ Mooncake engine (no wheel)
-        has no readiness channel yet: UnavailableError."""
+        descriptor without a page epoch. Over Mooncake's C library (no
+        wheel) this wrapper does not stream yet: UnavailableError."""
         if self._native is not None:
-            raise UnavailableError("layer-wise streaming over the C++ Mooncake engine (Mooncake's "
-                                   "C library): it has no readiness channel yet; stream with the "
-                                   "wheel's TransferEngine, or pull after the owner finished")
+            raise UnavailableError("layer-wise streaming over Mooncake's C library from Python "
+                                   "is not wired yet (the C++ KVTransferManager streams over it); "
+                                   "stream with the wheel's TransferEngine, or pull after the "
+                                   "owner finished")
         if self._closed:
             raise ShutdownError("MooncakeKVTransferEngine.watch_layers after shutdown()")
         read_info = list(read_info)

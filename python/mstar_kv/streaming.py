@@ -24,7 +24,7 @@ outstanding per stream); cuda_ipc reads the owner's readiness words in a
 small memfd of the owner's (the owner marks a layer after its kernels
 completed, e.g. KVCachePool.mark_layers_ready_after on its stream); the
 Mooncake wheel engine polls the owner's registered words (bounded: every
-0.5 ms); the C++ Mooncake engine has no such channel yet (UnavailableError). Every layer's
+0.5 ms), as the C++ engine over Mooncake's C library does. Every layer's
 read is an ordinary read of the engine (epochs, timeouts, in-flight limits).
 """
 from __future__ import annotations

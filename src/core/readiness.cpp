@@ -59,7 +59,7 @@ std::unique_ptr<LayerWatch> KVTransferEngine::watch_layers(
   const std::string name = remote_kv_info.engine.empty() ? "local" : remote_kv_info.engine;
   throw Error(StatusCode::kUnavailable,
               "layer-wise streaming over the '" + name +
-                  "' engine: it has no readiness channel from the owner yet (only shm has); "
+                  "' engine: it has no readiness channel from the owner; "
                   "pull with start_async_retrieve after the owner finished");
 }
 

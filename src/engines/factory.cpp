@@ -76,6 +76,7 @@ std::vector<Entry> entries() {
     e.crosses_hosts = true;
     e.self_contained = false;
     e.library_option = "mooncake_lib";
+    e.layer_readiness = true;  // bounded polls of the owner's words (mooncake_readiness.hpp)
     // Mooncake's INFO lines would bury a benchmark's table.
     e.loopback = {{"mooncake", {{"GLOG_minloglevel", "1"}}, true}};
 #if MSTAR_KV_HAVE_MOONCAKE

@@ -78,8 +78,8 @@ class KVTransferEngine {
   // the engine's own channel (shm: the readiness words in the mapped owner
   // memory; ucx: notices from the owner, ucx_wire.hpp; cuda_ipc: the
   // owner's host tables, cuda_ipc.hpp). The default, for
-  // engines without such a channel yet (mooncake's C library, local; the
-  // Python Mooncake wheel engine polls, python/mstar_kv), throws
+  // engines without such a channel (local; mooncake polls the owner's
+  // words, mooncake_readiness.hpp), throws
   // Error(kUnavailable) naming the engine: pull after the owner finished
   // instead.
   virtual std::unique_ptr<LayerWatch> watch_layers(const KVTransferInfo& remote_kv_info,

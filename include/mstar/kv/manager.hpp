@@ -121,7 +121,7 @@ class KVTransferManager {
   // ready (KVCachePool::mark_layers_ready). Validates everything first and
   // throws Error before any byte moves: the errors of start_async_retrieve,
   // Error(kUnavailable) naming the engine when it has no readiness channel
-  // (the C++ mooncake engine, local), Error(kInvalidArgument) for a descriptor
+  // (local), Error(kInvalidArgument) for a descriptor
   // without a page epoch (not published by a KVCachePool) or options out of
   // range. std::nullopt when start_len == end_len. The stream's errors
   // (kTimeout for a layer never marked, kStaleDescriptor,

@@ -44,10 +44,13 @@
 // Layer readiness (readiness.hpp): the owner registers its layer readiness
 // words too (ready_ptr, descriptor blob v3), so that streaming readers can
 // poll them with ordinary reads (bounded polling: Mooncake has no
-// notification a reader could wait on across every transport). The wheel
-// engine's reader streams that way (mooncake_wheel.py, watch_layers); this
-// C++ reader has no watch yet: start_streaming_retrieve throws
-// Error(kUnavailable), pull after the owner finished.
+// notification a reader could wait on across every transport): this
+// reader's watch (mooncake_readiness.hpp) reads the epochs, the words and the
+// epochs again of its pages, 128 at a time, at most every 0.5 ms, one round
+// outstanding; the wheel engine's reader (mooncake_wheel.py) does the same.
+// Runs where Mooncake's C library is (MSTAR_KV_MOONCAKE_LIB): the streaming
+// conformance cases cover it there; this project's machines have only the
+// wheel, whose path is tested.
 //
 // Options, all in EngineOptions::extra (all optional):
 //   "mooncake_lib"       library path (see above)

@@ -15,6 +15,7 @@
 #include "core/codec.hpp"
 #include "mstar/kv/epochs.hpp"
 #include "mooncake_backend.hpp"
+#include "mooncake_readiness.hpp"
 #include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::mooncake {
@@ -317,6 +318,15 @@ class MooncakePeer final : public rma::RmaPeer {
     return backend_.post(segment_, "'" + served_.entity_id + "' at " + served_.session_id,
                          served_.data_ptr, local_base_, reads, std::move(done), failed_,
                          nullptr);
+  }
+
+  std::unique_ptr<LayerWatch> watch_layers(std::vector<std::uint32_t> pages, std::uint64_t epoch,
+                                           std::uint32_t num_layers) override {
+    const MooncakeBlob blob = decode_blob(served_.backend_blob);
+    return make_layer_watch(backend_, segment_,
+                            "'" + served_.entity_id + "' at " + served_.session_id,
+                            blob.epochs_ptr, blob.ready_ptr, failed_, std::move(pages), epoch,
+                            num_layers);
   }
 
  private:
