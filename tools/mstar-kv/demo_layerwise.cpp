@@ -50,7 +50,8 @@ void require_layer_readiness(const std::string& engine) {
   if (!traits || !traits->layer_readiness) {
     throw Error(StatusCode::kUnavailable,
                 "--layerwise over engine '" + engine +
-                    "': it has no readiness channel from the owner yet (shm and ucx stream)");
+                    "': it has no readiness channel from the owner (shm, ucx, cuda_ipc and "
+                    "mooncake stream)");
   }
 }
 
