@@ -136,6 +136,14 @@ ShmMapping ShmMapping::open(const ShmKVTransferInfo& info) {
   m.ino_ = st.st_ino;
   shm::Header h;
   std::memcpy(&h, m.base_, sizeof h);
+  // /proc/<tid>/fd of one of the owner's threads names the same memory: a
+  // descriptor naming a thread (or any other pid) is not the owner's.
+  if (h.magic == shm::Header::kMagic && (h.owner_pid != info.pid || h.owner_uid != info.uid)) {
+    throw Error(StatusCode::kStaleDescriptor,
+                who + ": the memory belongs to pid " + std::to_string(h.owner_pid) +
+                    ", not the descriptor's pid " + std::to_string(info.pid) +
+                    " (a thread of the owner, or a forged pid)");
+  }
   if (h.magic != shm::Header::kMagic || h.nonce != info.nonce || h.size != info.size ||
       h.epoch_offset != shm::epoch_table_offset(info.size) ||
       h.epoch_pages != info.layout.num_pages ||

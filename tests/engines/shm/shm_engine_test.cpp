@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <filesystem>
 #include <cstring>
 #include <dirent.h>
 #include <fstream>
@@ -317,6 +318,22 @@ TEST_F(ShmRejects, IncompatibleLayout) {
       << what;
   EXPECT_NE(what.find("head_dim"), std::string::npos) << what;
   EXPECT_TRUE(all_sentinel(*cache));
+}
+
+// /proc/<tid>/fd of one of the owner's threads opens the owner's very
+// memory; a descriptor naming such a tid is not what the owner published
+// (found by a bit flip of the pid that landed on a thread).
+TEST_F(ShmRejects, APidThatIsOneOfTheOwnersThreads) {
+  std::uint32_t tid = 0;
+  for (const auto& e : std::filesystem::directory_iterator(
+           "/proc/" + std::to_string(good_.pid) + "/task")) {
+    const auto t = static_cast<std::uint32_t>(std::stoul(e.path().filename().string()));
+    if (t != good_.pid) tid = t;
+  }
+  ASSERT_NE(tid, 0u) << "the owner runs no thread besides its main one";
+  ShmKVTransferInfo bad = good_;
+  bad.pid = tid;
+  expect_refused(bad, StatusCode::kStaleDescriptor, "not the descriptor's pid");
 }
 
 TEST_F(ShmRejects, CorruptOrForeignBytes) {
