@@ -58,6 +58,13 @@ ShmMapping ShmMapping::open(const ShmKVTransferInfo& info) {
     throw Error(StatusCode::kNotFound,
                 who + ": owner process " + std::to_string(info.pid) + " no longer exists");
   }
+  // A thread id that is not its process's leader: its /proc entry still
+  // opens the process's fds, under another pid than the owner published.
+  if (const std::uint32_t tgid = shm::thread_group_of(info.pid); tgid != 0 && tgid != info.pid) {
+    throw Error(StatusCode::kStaleDescriptor,
+                who + ": pid " + std::to_string(info.pid) + " names a thread of process " +
+                    std::to_string(tgid) + ", not the descriptor's owner process");
+  }
   const std::uint64_t start = shm::process_start_time(static_cast<int>(info.pid));
   if (start == 0) {
     throw Error(StatusCode::kNotFound,

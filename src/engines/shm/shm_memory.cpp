@@ -18,6 +18,21 @@ namespace mstar::kv::shm {
 
 std::string errno_text(int err) { return std::strerror(err); }
 
+std::uint32_t thread_group_of(std::uint32_t pid) noexcept {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%u/status", pid);
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  char buf[2048];
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return 0;
+  buf[n] = '\0';
+  const char* p = std::strstr(buf, "\nTgid:");
+  if (p == nullptr) return 0;
+  return static_cast<std::uint32_t>(std::strtoul(p + 6, nullptr, 10));
+}
+
 std::uint64_t process_start_time(int pid) noexcept {
   char path[64];
   std::snprintf(path, sizeof path, "/proc/%d/stat", pid);

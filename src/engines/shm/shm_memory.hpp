@@ -94,5 +94,8 @@ std::uint64_t process_start_time(int pid) noexcept;
 
 // "open: No such file or directory" style text for errno.
 std::string errno_text(int err);
+// The process (thread group) a pid or thread id belongs to, from
+// /proc/<pid>/status; 0 when it cannot be read.
+std::uint32_t thread_group_of(std::uint32_t pid) noexcept;
 
 }  // namespace mstar::kv::shm

@@ -333,7 +333,7 @@ TEST_F(ShmRejects, APidThatIsOneOfTheOwnersThreads) {
   ASSERT_NE(tid, 0u) << "the owner runs no thread besides its main one";
   ShmKVTransferInfo bad = good_;
   bad.pid = tid;
-  expect_refused(bad, StatusCode::kStaleDescriptor, "not the descriptor's pid");
+  expect_refused(bad, StatusCode::kStaleDescriptor, "names a thread of process");
 }
 
 TEST_F(ShmRejects, CorruptOrForeignBytes) {
