@@ -49,8 +49,23 @@ class SpanSink {
 // Keeps strided runs whole; contiguous ones coalesce as in SpanSink.
 struct StridedSink {
   StridedPlan& plan;
-  void add(std::uint64_t l, std::uint64_t r, std::uint64_t len) {  // add_rows(.., 1, 0, 0)
-    ++plan.uncoalesced_spans;
+  void add(std::uint64_t l, std::uint64_t r, std::uint64_t len) { add_run(l, r, len, 1); }
+  void add_rows(std::uint64_t l, std::uint64_t r, std::uint64_t len, std::uint64_t rows,
+                std::uint64_t ls, std::uint64_t rs) {
+    if (rows == 1 || (ls == len && rs == len)) {  // the rows touch: one run
+      add_run(l, r, len * rows, rows);
+      return;
+    }
+    plan.uncoalesced_spans += rows;
+    plan.total_bytes += len * rows;
+    plan.spans.push_back({l, r, len, rows, ls, rs});
+  }
+
+ private:
+  // A contiguous run of `rows` uncoalesced spans, merged with the previous
+  // run when both sides continue it.
+  void add_run(std::uint64_t l, std::uint64_t r, std::uint64_t len, std::uint64_t rows) {
+    plan.uncoalesced_spans += rows;
     plan.total_bytes += len;
     if (!plan.spans.empty()) {
       StridedSpan& last = plan.spans.back();
@@ -61,24 +76,6 @@ struct StridedSink {
       }
     }
     plan.spans.push_back({l, r, len, 1, 0, 0});
-  }
-  void add_rows(std::uint64_t l, std::uint64_t r, std::uint64_t len, std::uint64_t rows,
-                std::uint64_t ls, std::uint64_t rs) {
-    plan.uncoalesced_spans += rows;
-    plan.total_bytes += len * rows;
-    if (rows > 1 && ls == len && rs == len) {  // the rows touch: one run
-      len *= rows;
-      rows = 1;
-    }
-    if (rows == 1 && !plan.spans.empty()) {
-      StridedSpan& last = plan.spans.back();
-      if (last.rows == 1 && last.local_offset + last.length == l &&
-          last.remote_offset + last.length == r) {
-        last.length += len;
-        return;
-      }
-    }
-    plan.spans.push_back({l, r, len, rows, rows > 1 ? ls : 0, rows > 1 ? rs : 0});
   }
 };
 

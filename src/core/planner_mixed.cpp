@@ -244,11 +244,14 @@ void emit_reads(const KVLayout& local, const KVLayout& remote, const std::vector
   const std::uint64_t rrow = rnhd ? std::uint64_t{remote.num_kv_heads} * hb : hb;
   const std::uint64_t lhead = lnhd ? hb : std::uint64_t{local.page_size} * hb;     // next head
   const std::uint64_t rhead = rnhd ? hb : std::uint64_t{remote.page_size} * hb;
+  const detail::BlockStrides lstr(local);
+  const detail::BlockStrides rstr(remote);
   auto emit = [&](const Resolved& r, KV kv) {
     const std::uint32_t lh = r.hs - local.first_kv_head, rh = r.hs - remote.first_kv_head;
     const std::uint32_t nh = r.he - r.hs, nt = r.te - r.ts;
-    const std::uint64_t l0 = local.block_offset(r.layer, kv, r.lpage) + local.in_block_offset(r.ts, lh);
-    const std::uint64_t r0 = remote.block_offset(r.layer, kv, r.rpage) + remote.in_block_offset(r.rts, rh);
+    // block_offset + in_block_offset, with the strides taken once.
+    const std::uint64_t l0 = lstr.offset(r.layer, kv, r.lpage) + r.ts * lrow + lh * lhead;
+    const std::uint64_t r0 = rstr.offset(r.layer, kv, r.rpage) + r.rts * rrow + rh * rhead;
     if (lnhd && rnhd) {  // per token: its run of heads
       sink.add_rows(l0, r0, std::uint64_t{nh} * hb, nt, lrow, rrow);
     } else if (!lnhd && !rnhd) {  // per head: its run of tokens
