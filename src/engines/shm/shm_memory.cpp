@@ -18,35 +18,39 @@ namespace mstar::kv::shm {
 
 std::string errno_text(int err) { return std::strerror(err); }
 
-std::uint32_t thread_group_of(std::uint32_t pid) noexcept {
+namespace {
+
+// /proc/<pid>/<file> into buf, NUL-terminated: its length, or -1 with errno
+// set (EIO for an empty file).
+ssize_t read_proc_file(int pid, const char* file, char* buf, std::size_t size) noexcept {
   char path[64];
-  std::snprintf(path, sizeof path, "/proc/%u/status", pid);
+  std::snprintf(path, sizeof path, "/proc/%d/%s", pid, file);
   const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return 0;
-  char buf[2048];
-  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  if (fd < 0) return -1;
+  const ssize_t n = ::read(fd, buf, size - 1);
+  const int err = errno;
   ::close(fd);
-  if (n <= 0) return 0;
+  if (n <= 0) {
+    errno = n == 0 ? EIO : err;
+    return -1;
+  }
   buf[n] = '\0';
+  return n;
+}
+
+}  // namespace
+
+std::uint32_t thread_group_of(std::uint32_t pid) noexcept {
+  char buf[2048];
+  if (read_proc_file(static_cast<int>(pid), "status", buf, sizeof buf) < 0) return 0;
   const char* p = std::strstr(buf, "\nTgid:");
   if (p == nullptr) return 0;
   return static_cast<std::uint32_t>(std::strtoul(p + 6, nullptr, 10));
 }
 
 std::uint64_t process_start_time(int pid) noexcept {
-  char path[64];
-  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
-  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return 0;
   char buf[1024];
-  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
-  const int err = errno;
-  ::close(fd);
-  if (n <= 0) {
-    errno = n == 0 ? EIO : err;
-    return 0;
-  }
-  buf[n] = '\0';
+  if (read_proc_file(pid, "stat", buf, sizeof buf) < 0) return 0;
   // The command name (field 2) may hold spaces and parentheses: fields 3..
   // start after the last ')'.
   const char* p = std::strrchr(buf, ')');
