@@ -24,8 +24,9 @@
 
 namespace mstar::kv::shm {
 
-// Jobs of at least this many bytes stream.
-inline constexpr std::uint64_t kStreamBytes = 32u << 20;
+// Jobs of at least this many bytes stream (16 MiB: one layer of a 4096-token
+// Llama-3-8B request, which a layer-wise stream reads on its own; bench/README.md).
+inline constexpr std::uint64_t kStreamBytes = 16u << 20;
 
 // Copies one span's rows from src + remote offsets to dst + local offsets.
 // Streaming, `next` (the span copied after this one, if any) lets the rows
