@@ -111,7 +111,7 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
         rows[i] = {w.local_offset, w.remote_offset, w.length};
       }
       deferred_.push_back([this, ep, h, r = std::move(rows), p = std::move(pages)]() mutable {
-        serve_read(ep, h, std::move(r), std::move(p), /*rows_checked=*/false);
+        serve_read(ep, h, std::move(r), {}, std::move(p));
       });
       return UCS_OK;
     }
@@ -275,13 +275,16 @@ ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t 
   if (it == batches_.end()) return UCS_OK;  // a stopped or unknown read: dropped
   auto b = it->second;
   if (b->aborted || b->failure) return UCS_OK;
-  // Untrusted: a group of this read's spans, each once, with their bytes.
-  bool ok = b->gather && h.count > 0 && h.first < b->chunks.size() &&
-            h.count <= b->chunks.size() - h.first && h.length == length && data != nullptr;
+  // Untrusted: a group of this read's units (spans, or whole strided
+  // spans), each once, with their bytes.
+  const std::size_t units = b->units();
+  const bool strided = !b->strided.empty();
+  bool ok = b->gather && h.count > 0 && h.first < units && h.count <= units - h.first &&
+            h.length == length && data != nullptr;
   std::uint64_t bytes = 0;
   for (std::size_t k = 0; ok && k < h.count; ++k) {
     ok = b->got[h.first + k] == 0;
-    bytes += b->chunks[h.first + k].length;
+    bytes += strided ? b->strided[h.first + k].bytes() : b->chunks[h.first + k].length;
   }
   if (!ok || bytes != length) {
     fail_batch(b, Status(StatusCode::kInternal,
@@ -290,26 +293,35 @@ ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t 
                              " bytes) that the read did not ask for"));
     return UCS_OK;
   }
+  std::fill_n(b->got.begin() + static_cast<std::ptrdiff_t>(h.first), h.count, std::uint8_t{1});
+  b->got_count += h.count;
+  std::byte* base = cache_->base();
   if (rndv) {  // UCX lands the bytes straight in the local rows (an iov)
     auto* ctx = new_ctx(b->id);
-    ctx->iov.resize(h.count);
     for (std::size_t k = 0; k < h.count; ++k) {
-      const rma::RmaRead& r = b->chunks[h.first + k];
-      ctx->iov[k].buffer = cache_->base() + r.local_offset;
-      ctx->iov[k].length = r.length;
-      b->got[h.first + k] = 1;
+      if (strided) {
+        const StridedSpan& s = b->strided[h.first + k];
+        append_rows(ctx->iov, base, s.local_offset, s.local_stride, s.length, s.rows);
+      } else {
+        const rma::RmaRead& r = b->chunks[h.first + k];
+        ctx->iov.push_back({base + r.local_offset, r.length});
+      }
     }
-    b->got_count += h.count;
     return post_recv(b, data, ctx->iov.data(), ctx->iov.size(), ctx);
   }
   const auto* src = static_cast<const std::byte*>(data);
   for (std::size_t k = 0; k < h.count; ++k) {
-    const rma::RmaRead& r = b->chunks[h.first + k];
-    std::memcpy(cache_->base() + r.local_offset, src, r.length);
-    src += r.length;
-    b->got[h.first + k] = 1;
+    if (strided) {
+      const StridedSpan& s = b->strided[h.first + k];
+      for (std::uint64_t r = 0; r < s.rows; ++r, src += s.length) {
+        std::memcpy(base + s.local_offset + r * s.local_stride, src, s.length);
+      }
+    } else {
+      const rma::RmaRead& r = b->chunks[h.first + k];
+      std::memcpy(base + r.local_offset, src, r.length);
+      src += r.length;
+    }
   }
-  b->got_count += h.count;
   maybe_finish(b);
   return UCS_OK;
 }

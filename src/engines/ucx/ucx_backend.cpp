@@ -76,13 +76,19 @@ class UcxPeer final : public rma::RmaPeer {
   std::shared_ptr<rma::RmaOperation> post_strided_reads(std::vector<StridedSpan> spans,
                                                         rma::RmaCompletion done,
                                                         rma::RmaEpochCheck check) override {
-    std::vector<rma::RmaRead> rows = strided_rows(spans);
-    if (spans.size() >= rows.size() || rows.size() > kMaxSpansPerRequest ||
-        !gathers(rows)) {
-      return post_reads(std::move(rows), std::move(done), std::move(check));
+    std::uint64_t rows = 0;
+    std::uint64_t bytes = 0;
+    for (const StridedSpan& s : spans) {
+      rows += s.rows;
+      bytes += s.bytes();
     }
+    if (spans.size() >= rows || rows > kMaxSpansPerRequest || rows < kGatherMinSpans ||
+        bytes / rows >= kGatherBelowBytes) {
+      return post_reads(strided_rows(spans), std::move(done), std::move(check));
+    }
+    // Never expanded here: the owner gathers each message's rows from the
+    // spans, and the reader scatters them span by span (ucx_am.cpp).
     auto b = new_batch(std::move(done), std::move(check));
-    b->chunks = std::move(rows);
     b->strided = std::move(spans);
     return start(b);
   }

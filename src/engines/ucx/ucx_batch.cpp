@@ -41,7 +41,7 @@ void UcxCore::maybe_finish(std::shared_ptr<Batch> b) {
   if (b->outstanding != 0) return;
   const bool stopped = b->aborted || b->failure.has_value();
   if (!stopped && !b->pending.empty()) return;
-  if (!stopped && b->gather && b->got_count < b->chunks.size()) return;
+  if (!stopped && b->gather && b->got_count < b->units()) return;
   if (!stopped && b->get && b->next_chunk < b->chunks.size()) return;
   if (!stopped && b->check.epoch != 0) {
     if (!b->get && !b->fin) return;  // the owner's after-send check is to come
@@ -132,8 +132,8 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
   if (c->mode == Mode::kGet) {
     b->get = true;
     if (!b->strided.empty()) {  // gets move rows
+      b->chunks = split_spans(strided_rows(b->strided), options_.chunk_bytes);
       b->strided.clear();
-      b->chunks = split_spans(b->chunks, options_.chunk_bytes);
     }
     if (b->check.epoch != 0) {  // the gets wait for the owner's first check
       b->get_phase = 0;
@@ -147,7 +147,7 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
   // Many small spans (rows of a layout change): gathered replies.
   b->gather = !b->strided.empty() || gathers(b->chunks);
   if (b->gather) {
-    b->got.assign(b->chunks.size(), 0);
+    b->got.assign(b->units(), 0);
   } else {
     for (const rma::RmaRead& r : b->chunks) b->pending.emplace(r.local_offset, r.length);
   }

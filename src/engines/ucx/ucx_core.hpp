@@ -19,6 +19,7 @@
 #include <poll.h>
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -66,6 +67,26 @@ inline bool gathers(const std::vector<CopySpan>& spans) {
   std::uint64_t total = 0;
   for (const CopySpan& s : spans) total += s.length;
   return total / spans.size() < kGatherBelowBytes;
+}
+
+// Appends `rows` rows of `length` bytes, `stride` apart from base + offset,
+// to an iov, a row that continues the entry before it merged into it (rows
+// of a layout change are often contiguous on one side: the owner's head
+// rows for NHD <- HND, the reader's for a head split).
+inline void append_rows(std::vector<ucp_dt_iov_t>& iov, std::byte* base, std::uint64_t offset,
+                        std::uint64_t stride, std::uint64_t length, std::uint64_t rows) {
+  if (stride == length) {  // one run
+    length *= rows;
+    rows = 1;
+  }
+  for (std::uint64_t r = 0; r < rows; ++r) {
+    std::byte* p = base + offset + r * stride;
+    if (!iov.empty() && static_cast<std::byte*>(iov.back().buffer) + iov.back().length == p) {
+      iov.back().length += length;
+    } else {
+      iov.push_back({p, length});
+    }
+  }
 }
 // Gets in flight per read. Small enough that an aborted read drains in
 // microseconds on shared memory, large enough to keep a NIC busy.
@@ -126,14 +147,16 @@ struct Batch {
   rma::RmaEpochCheck check;
   bool fin = false;
   int get_phase = 1;
-  // kReqGather: the owner sends groups of chunks; got[i] marks chunk i
-  // landed (each exactly once), got_count how many did.
+  // kReqGather: the owner sends groups of units (chunks, or with
+  // kReqStrided whole strided spans); got[i] marks unit i landed (each
+  // exactly once), got_count how many did.
   bool gather = false;
   std::vector<std::uint8_t> got;
   std::size_t got_count = 0;
-  // kReqStrided: the spans as planned; chunks are their rows (strided_rows,
-  // unsplit), which the owner numbers the same way.
+  // kReqStrided: the spans as planned, never expanded into rows (chunks is
+  // empty; over gets they become rows in start_batch).
   std::vector<StridedSpan> strided;
+  std::size_t units() const noexcept { return strided.empty() ? chunks.size() : strided.size(); }
 };
 
 // The user_data of a UCX request, owned by an InFlight<> of the core from
@@ -173,7 +196,10 @@ struct SendQueue {
   std::uint64_t batch_id = 0;
   std::uint64_t flags = 0;
   std::vector<CopySpan> spans;  // rows checked against the region
-  // kReqGather: groups of spans [first, first + count), one message each.
+  // kReqStrided: the strided spans instead (checked, never expanded).
+  std::vector<StridedSpan> strided;
+  // kReqGather: groups of spans (or strided spans) [first, first + count),
+  // one message each.
   std::vector<std::pair<std::size_t, std::size_t>> groups;
   std::shared_ptr<ServeState> serve;  // null when no epoch is checked
   std::size_t next = 0;       // the next span (or group) to post
@@ -340,13 +366,14 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     return options_.auth_token.empty() || (ticket != 0 && tickets_.count(ticket) != 0);
   }
   // A kReqStrided request: validates every span against the region, then
-  // serves its rows as serve_read does.
+  // serves it as serve_read does, gathering each message's rows from the
+  // spans as it goes.
   void serve_strided(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<WireStrided>& spans,
                      std::vector<std::uint32_t> pages);
-  // Serves a read's rows (checked against the region here unless
-  // rows_checked: serve_strided did it span by span).
+  // Serves a read's spans (checked against the region here), or its strided
+  // spans (checked by serve_strided; spans is then empty).
   void serve_read(ucp_ep_h ep, const ReadReqHdr& h, std::vector<CopySpan> spans,
-                  std::vector<std::uint32_t> pages, bool rows_checked);
+                  std::vector<StridedSpan> strided, std::vector<std::uint32_t> pages);
   void serve_done(const std::shared_ptr<ServeState>& st);
   Status check_served_epochs(std::uint64_t epoch, const std::vector<std::uint32_t>& pages,
                              const char* when) const;

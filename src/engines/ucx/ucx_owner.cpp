@@ -192,11 +192,11 @@ void UcxCore::serve_strided(ucp_ep_h ep, const ReadReqHdr& h,
                        s.remote_stride});
   }
   // Every row is inside the region now: serve_read need not look again.
-  serve_read(ep, h, strided_rows(planned), std::move(pages), /*rows_checked=*/true);
+  serve_read(ep, h, {}, std::move(planned), std::move(pages));
 }
 
 void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, std::vector<CopySpan> spans,
-                         std::vector<std::uint32_t> pages, bool rows_checked) {
+                         std::vector<StridedSpan> strided, std::vector<std::uint32_t> pages) {
   const std::uint64_t batch_id = h.batch_id;
   const std::uint64_t flags = h.flags;
   // The reply endpoint is one of our listener's endpoints or one UCX made
@@ -213,7 +213,7 @@ void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, std::vector<CopySpan>
                         std::to_string(region_.generation)));
     return;
   }
-  for (std::size_t i = 0; !rows_checked && i < spans.size(); ++i) {
+  for (std::size_t i = 0; i < spans.size(); ++i) {
     const CopySpan& s = spans[i];
     if (s.length == 0 || s.remote_offset > region_.size ||
         s.length > region_.size - s.remote_offset) {
@@ -247,7 +247,25 @@ void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, std::vector<CopySpan>
   q->flags = flags;
   q->serve = serve;
   q->spans = std::move(spans);
-  if ((flags & kReqGather) != 0) {
+  q->strided = std::move(strided);
+  if (!q->strided.empty()) {
+    // Groups of whole strided spans, each one message of at most
+    // kGatherBytes and kGatherMaxSpans rows (or one span).
+    for (std::size_t i = 0; i < q->strided.size();) {
+      std::size_t j = i;
+      std::uint64_t bytes = 0;
+      std::uint64_t rows = 0;
+      while (j < q->strided.size() &&
+             (j == i || (bytes + q->strided[j].bytes() <= kGatherBytes &&
+                         rows + q->strided[j].rows <= kGatherMaxSpans))) {
+        bytes += q->strided[j].bytes();
+        rows += q->strided[j].rows;
+        ++j;
+      }
+      q->groups.emplace_back(i, j - i);
+      i = j;
+    }
+  } else if ((flags & kReqGather) != 0) {
     // Groups of consecutive spans, each one message (kAmGatherData).
     for (std::size_t i = 0; i < q->spans.size();) {
       std::size_t j = i;
@@ -337,14 +355,22 @@ bool UcxCore::send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t fir
   owned->core = this;
   owned->serve = q->serve;
   owned->queue = q;
-  owned->iov.resize(count);
   SendCtx* ctx = owned.get();
   std::uint64_t bytes = 0;
-  for (std::size_t k = 0; k < count; ++k) {
-    const CopySpan& s = q->spans[first + k];
-    ctx->iov[k].buffer = cache_->base() + s.remote_offset;
-    ctx->iov[k].length = s.length;
-    bytes += s.length;
+  if (q->strided.empty()) {
+    owned->iov.resize(count);
+    for (std::size_t k = 0; k < count; ++k) {
+      const CopySpan& s = q->spans[first + k];
+      ctx->iov[k].buffer = cache_->base() + s.remote_offset;
+      ctx->iov[k].length = s.length;
+      bytes += s.length;
+    }
+  } else {  // the spans' rows, straight from the pages
+    for (std::size_t k = 0; k < count; ++k) {
+      const StridedSpan& s = q->strided[first + k];
+      append_rows(ctx->iov, cache_->base(), s.remote_offset, s.remote_stride, s.length, s.rows);
+      bytes += s.bytes();
+    }
   }
   ctx->gather = GatherHdr{q->batch_id, first, count, bytes};
   sends_.add(std::move(owned));

@@ -99,14 +99,15 @@ inline constexpr std::uint64_t kReqEagerOnly = 1;
 inline constexpr std::uint64_t kReqGather = 4;
 inline constexpr std::uint64_t kGatherBytes = 1024u << 10;
 // With kReqGather: the spans are WireStrided, "rows of length bytes, strides
-// apart on each side" (planner.hpp's StridedSpan), not WireSpan; both ends
-// number the rows as strided_rows does, and GatherHdr counts rows. A change
-// of in-page order then costs one span per (page, layer, k|v, head) on the
-// wire, not one per (token, head).
+// apart on each side" (planner.hpp's StridedSpan), not WireSpan, and
+// GatherHdr counts whole strided spans: the owner gathers a message's rows
+// from its pages span by span, the reader scatters them into its rows, and
+// neither side ever lists the rows. A change of in-page order then costs one
+// span per (page, layer, k|v, head) on the wire, not one per (token, head).
 inline constexpr std::uint64_t kReqStrided = 8;
 inline constexpr std::uint64_t kGatherMaxSpans = 4096;
-// Spans (rows, with kReqStrided) [first, first + count) of the request,
-// `length` bytes in order.
+// Spans (strided spans, with kReqStrided) [first, first + count) of the
+// request, `length` bytes in order.
 struct GatherHdr {
   std::uint64_t batch_id;
   std::uint64_t first;

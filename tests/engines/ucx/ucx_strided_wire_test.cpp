@@ -90,7 +90,7 @@ TEST_F(UcxStridedWire, ServesExactlyTheNamedRowsGathered) {
   ASSERT_EQ(got.header.size(), sizeof g);
   std::memcpy(&g, got.header.data(), sizeof g);
   EXPECT_EQ(g.first, 0u);
-  EXPECT_EQ(g.count, 6u) << "rows are numbered one by one";
+  EXPECT_EQ(g.count, 2u) << "a gathered reply counts whole strided spans";
   ASSERT_EQ(g.length, 5u * 48 + 100);
   ASSERT_EQ(got.data.size(), g.length);
   std::vector<std::uint8_t> want;
@@ -99,6 +99,45 @@ TEST_F(UcxStridedWire, ServesExactlyTheNamedRowsGathered) {
   }
   for (std::uint64_t b = 0; b < 100; ++b) want.push_back(pattern(64 + b));
   EXPECT_TRUE(got.data == want) << "the gathered bytes are not the named rows";
+  EXPECT_FALSE(client_->got_any(kAmReadErr));
+}
+
+TEST_F(UcxStridedWire, MessagesHoldWholeSpansUpToTheRowLimit) {
+  // 2000 + 2000 rows fit one message (at most kGatherMaxSpans rows); the
+  // third span starts the next: a strided span is never cut across messages.
+  static_assert(kGatherMaxSpans == 4096);
+  const std::vector<WireStrided> spans = {
+      {0, 8, 0, 2000, 16, 8}, {8, 8, 16000, 2000, 16, 8}, {0, 8, 32000, 2000, 16, 8}};
+  send(spans);
+  std::vector<std::pair<GatherHdr, std::vector<std::uint8_t>>> msgs;
+  const auto end = std::chrono::steady_clock::now() + 5s;
+  while (msgs.size() < 2 && std::chrono::steady_clock::now() < end) {
+    client_->wait_for(kAmGatherData, 50ms);
+    msgs.clear();
+    for (const Received& r : client_->got()) {
+      if (r.id != kAmGatherData) continue;
+      GatherHdr g;
+      std::memcpy(&g, r.header.data(), sizeof g);
+      if (g.batch_id == batch_) msgs.emplace_back(g, r.data);
+    }
+  }
+  ASSERT_EQ(msgs.size(), 2u) << "expected two gathered messages";
+  const std::uint64_t first[] = {0, 2};
+  const std::uint64_t count[] = {2, 1};
+  for (std::size_t m = 0; m < 2; ++m) {
+    const auto& [g, data] = msgs[m];
+    EXPECT_EQ(g.first, first[m]);
+    ASSERT_EQ(g.count, count[m]);
+    ASSERT_EQ(g.length, count[m] * 2000 * 8);
+    ASSERT_EQ(data.size(), g.length);  // eager: under 32 KiB
+    std::vector<std::uint8_t> want;
+    for (std::uint64_t k = g.first; k < g.first + g.count; ++k) {
+      for (std::uint64_t r = 0; r < 2000; ++r) {
+        for (std::uint64_t b = 0; b < 8; ++b) want.push_back(pattern(spans[k].remote_offset + r * 16 + b));
+      }
+    }
+    EXPECT_TRUE(data == want) << "message " << m << " is not its spans' rows";
+  }
   EXPECT_FALSE(client_->got_any(kAmReadErr));
 }
 
