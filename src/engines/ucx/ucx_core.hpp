@@ -44,6 +44,7 @@
 #include "ucx_auth.hpp"
 #include "ucx_callback.hpp"
 #include "ucx_handles.hpp"
+#include "ucx_rows.hpp"
 #include "ucx_wire.hpp"
 
 #include "ucx_backend.hpp"
@@ -67,26 +68,6 @@ inline bool gathers(const std::vector<CopySpan>& spans) {
   std::uint64_t total = 0;
   for (const CopySpan& s : spans) total += s.length;
   return total / spans.size() < kGatherBelowBytes;
-}
-
-// Appends `rows` rows of `length` bytes, `stride` apart from base + offset,
-// to an iov, a row that continues the entry before it merged into it (rows
-// of a layout change are often contiguous on one side: the owner's head
-// rows for NHD <- HND, the reader's for a head split).
-inline void append_rows(std::vector<ucp_dt_iov_t>& iov, std::byte* base, std::uint64_t offset,
-                        std::uint64_t stride, std::uint64_t length, std::uint64_t rows) {
-  if (stride == length) {  // one run
-    length *= rows;
-    rows = 1;
-  }
-  for (std::uint64_t r = 0; r < rows; ++r) {
-    std::byte* p = base + offset + r * stride;
-    if (!iov.empty() && static_cast<std::byte*>(iov.back().buffer) + iov.back().length == p) {
-      iov.back().length += length;
-    } else {
-      iov.push_back({p, length});
-    }
-  }
 }
 // Gets in flight per read. Small enough that an aborted read drains in
 // microseconds on shared memory, large enough to keep a NIC busy.
@@ -214,7 +195,8 @@ struct SendCtx : Pending {  // a data reply (its header must outlive the send)
   std::shared_ptr<SendQueue> queue;   // the read it belongs to
   std::shared_ptr<ServeState> serve;  // null when no epoch is checked
   GatherHdr gather{};                 // gathered replies (kReqGather)
-  std::vector<ucp_dt_iov_t> iov;      // their rows in the registered pages
+  std::vector<ucp_dt_iov_t> iov;      // their spans in the registered pages
+  RowSource rows;                     // or, kReqStrided, their strided spans' rows
 };
 
 // A control message's bytes (header then data), or the wireup flush of
@@ -442,6 +424,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   Context context_;
   Worker worker_;
   MemReg memh_;
+  RowDatatype rows_dt_;  // strided spans' rows, packed from the pages (ucx_rows.hpp)
   Listener listener_;
   int efd_ = -1;
   rma::RmaRegionInfo region_;

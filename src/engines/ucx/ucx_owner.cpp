@@ -357,7 +357,8 @@ bool UcxCore::send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t fir
   owned->queue = q;
   SendCtx* ctx = owned.get();
   std::uint64_t bytes = 0;
-  if (q->strided.empty()) {
+  const bool strided = !q->strided.empty();
+  if (!strided) {
     owned->iov.resize(count);
     for (std::size_t k = 0; k < count; ++k) {
       const CopySpan& s = q->spans[first + k];
@@ -365,12 +366,9 @@ bool UcxCore::send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t fir
       ctx->iov[k].length = s.length;
       bytes += s.length;
     }
-  } else {  // the spans' rows, straight from the pages
-    for (std::size_t k = 0; k < count; ++k) {
-      const StridedSpan& s = q->strided[first + k];
-      append_rows(ctx->iov, cache_->base(), s.remote_offset, s.remote_stride, s.length, s.rows);
-      bytes += s.bytes();
-    }
+  } else {  // the spans' rows, packed by UCX straight from the pages
+    for (std::size_t k = 0; k < count; ++k) bytes += q->strided[first + k].bytes();
+    ctx->rows = RowSource{cache_->base(), q->strided.data() + first, count, bytes};
   }
   ctx->gather = GatherHdr{q->batch_id, first, count, bytes};
   sends_.add(std::move(owned));
@@ -383,11 +381,14 @@ bool UcxCore::send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t fir
   rp.flags = (q->flags & kReqEagerOnly) == 0 && bytes >= options_.rndv_bytes
                  ? UCP_AM_SEND_FLAG_RNDV
                  : UCP_AM_SEND_FLAG_EAGER;
-  rp.datatype = ucp_dt_make_iov();
+  rp.datatype = strided ? rows_dt_.get() : ucp_dt_make_iov();
   rp.cb.send = trampoline<&UcxCore::on_data_sent, RequestGuard>;
   rp.user_data = static_cast<Pending*>(ctx);
-  ucs_status_ptr_t sp = ucp_am_send_nbx(q->ep, kAmGatherData, &ctx->gather, sizeof ctx->gather,
-                                        ctx->iov.data(), ctx->iov.size(), &rp);
+  ucs_status_ptr_t sp =
+      strided ? ucp_am_send_nbx(q->ep, kAmGatherData, &ctx->gather, sizeof ctx->gather,
+                                &ctx->rows, 1, &rp)
+              : ucp_am_send_nbx(q->ep, kAmGatherData, &ctx->gather, sizeof ctx->gather,
+                                ctx->iov.data(), ctx->iov.size(), &rp);
   return posted(q, ctx, sp);
 }
 

@@ -1,0 +1,83 @@
+// Copyright mstar-kv authors.
+//
+// The rows of strided spans on the wire (kReqStrided, ucx_wire.hpp): the
+// iov the reader receives a gathered message into (append_rows), and the
+// owner's side, where UCX packs a message's rows straight from the
+// registered pages through a generic datatype (RowSource, RowDatatype),
+// fragment by fragment, with the rows ahead prefetched. Rows a few hundred
+// bytes to a few KiB long, apart on the owner's side (a head split), cost
+// the owner's progress thread a third more per byte through an iov than
+// one contiguous run: the hardware prefetchers stop at every row.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "mstar/kv/planner.hpp"
+
+namespace mstar::kv::ucx {
+
+// Appends `rows` rows of `length` bytes, `stride` apart from base + offset,
+// to an iov, a row that continues the entry before it merged into it (rows
+// of a layout change are often contiguous on one side: the owner's head
+// rows for NHD <- HND, the reader's for a head split).
+void append_rows(std::vector<ucp_dt_iov_t>& iov, std::byte* base, std::uint64_t offset,
+                 std::uint64_t stride, std::uint64_t length, std::uint64_t rows);
+
+// The remote side's rows of spans[0, count) in order: what one gathered
+// message carries. The spans were checked against the region; they and the
+// pages must outlive the send.
+struct RowSource {
+  RowSource() = default;
+  RowSource(const std::byte* b, const StridedSpan* s, std::size_t n, std::uint64_t total) noexcept
+      : base(b), spans(s), count(n), bytes(total) {}
+
+  const std::byte* base = nullptr;
+  const StridedSpan* spans = nullptr;
+  std::size_t count = 0;
+  std::uint64_t bytes = 0;  // of every row of every span
+
+  // Copies bytes [offset, offset + max_length) of the rows (fewer at the
+  // end) to dest; returns how many. UCX packs in order: the cursor below
+  // continues, any other offset is found from the start.
+  std::size_t pack(std::uint64_t offset, std::byte* dest, std::size_t max_length) noexcept;
+
+ private:
+  void seek(std::uint64_t offset) noexcept;
+  std::size_t span_ = 0;
+  std::uint64_t row_ = 0;
+  std::uint64_t in_row_ = 0;
+  std::uint64_t at_ = 0;
+};
+
+// A UCP generic datatype whose buffer is one RowSource (count 1), packed
+// by RowSource::pack; pack only (the reader receives into an iov).
+class RowDatatype {
+ public:
+  RowDatatype() = default;
+  RowDatatype(RowDatatype&& o) noexcept : dt_(std::exchange(o.dt_, 0)) {}
+  RowDatatype& operator=(RowDatatype&& o) noexcept {
+    if (this != &o) {
+      reset();
+      dt_ = std::exchange(o.dt_, 0);
+    }
+    return *this;
+  }
+  RowDatatype(const RowDatatype&) = delete;
+  RowDatatype& operator=(const RowDatatype&) = delete;
+  ~RowDatatype() { reset(); }
+
+  // Throws Error(kUnavailable) when UCX refuses to make it.
+  static RowDatatype create();
+  ucp_datatype_t get() const noexcept { return dt_; }
+
+ private:
+  void reset() noexcept;
+  ucp_datatype_t dt_ = 0;
+};
+
+}  // namespace mstar::kv::ucx

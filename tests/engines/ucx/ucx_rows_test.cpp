@@ -1,0 +1,106 @@
+// Copyright mstar-kv authors.
+//
+// The rows of strided spans as the ucx engine moves them (ucx_rows.hpp):
+// the owner's RowSource packs exactly the named rows in order, whatever
+// the fragment sizes UCX asks for and wherever it starts; the reader's iov
+// merges rows that continue each other and nothing else.
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "ucx/ucx_rows.hpp"
+
+namespace mstar::kv::ucx {
+namespace {
+
+std::vector<std::byte> region(std::size_t n) {
+  std::vector<std::byte> r(n);
+  for (std::size_t i = 0; i < n; ++i) r[i] = static_cast<std::byte>((i * 131 + 17) % 251);
+  return r;
+}
+
+// The rows by a plain loop: the reference.
+std::vector<std::byte> expected(const std::vector<std::byte>& base,
+                                const std::vector<StridedSpan>& spans) {
+  std::vector<std::byte> out;
+  for (const StridedSpan& s : spans) {
+    for (std::uint64_t r = 0; r < s.rows; ++r) {
+      const std::byte* p = base.data() + s.remote_offset + r * s.remote_stride;
+      out.insert(out.end(), p, p + s.length);
+    }
+  }
+  return out;
+}
+
+// Head-split rows (apart), NHD <- HND rows (one run on this side), a single
+// row, odd lengths and strides.
+const std::vector<StridedSpan> kSpans = {
+    {0, 0, 1024, 16, 1024, 2048},  {0, 40000, 256, 16, 2048, 256}, {0, 9000, 100, 1, 0, 0},
+    {0, 20000, 37, 9, 37, 101},    {0, 70000, 64, 3, 64, 4096},
+};
+
+TEST(UcxRows, PacksTheNamedRowsInOrderForAnyFragmentSize) {
+  const auto base = region(96 * 1024);
+  const auto want = expected(base, kSpans);
+  std::uint64_t bytes = 0;
+  for (const StridedSpan& s : kSpans) bytes += s.bytes();
+  ASSERT_EQ(bytes, want.size());
+  for (const std::size_t frag : {std::size_t{1}, std::size_t{7}, std::size_t{64},
+                                 std::size_t{1000}, std::size_t{4096}, want.size()}) {
+    RowSource src(base.data(), kSpans.data(), kSpans.size(), bytes);
+    std::vector<std::byte> got(want.size() + 16, std::byte{0xEE});
+    std::uint64_t at = 0;
+    while (at < want.size()) {
+      const std::size_t n = src.pack(at, got.data() + at, frag);
+      ASSERT_GT(n, 0u) << "fragment " << frag << " stalled at " << at;
+      ASSERT_LE(n, frag);
+      at += n;
+    }
+    EXPECT_EQ(src.pack(at, got.data() + at, frag), 0u) << "packed past the end";
+    EXPECT_TRUE(std::equal(want.begin(), want.end(), got.begin())) << "fragment " << frag;
+    for (std::size_t i = want.size(); i < got.size(); ++i) {
+      ASSERT_EQ(got[i], std::byte{0xEE}) << "wrote past the end";
+    }
+  }
+}
+
+TEST(UcxRows, PacksFromAnyOffsetAlsoBackwards) {
+  const auto base = region(96 * 1024);
+  const auto want = expected(base, kSpans);
+  RowSource src(base.data(), kSpans.data(), kSpans.size(), want.size());
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 500; ++i) {
+    const std::uint64_t off = rng() % want.size();
+    const std::size_t max = 1 + rng() % 3000;
+    std::vector<std::byte> got(max);
+    const std::size_t n = src.pack(off, got.data(), max);
+    ASSERT_EQ(n, std::min<std::uint64_t>(max, want.size() - off)) << "offset " << off;
+    ASSERT_TRUE(std::equal(got.begin(), got.begin() + static_cast<std::ptrdiff_t>(n),
+                           want.begin() + static_cast<std::ptrdiff_t>(off)))
+        << "offset " << off << ", " << max << " bytes";
+  }
+}
+
+TEST(UcxRows, AnIovMergesOnlyRowsThatContinueEachOther) {
+  std::vector<std::byte> mem(64 * 1024);
+  std::byte* b = mem.data();
+  std::vector<ucp_dt_iov_t> iov;
+  append_rows(iov, b, 0, 256, 256, 16);  // one run of 16 rows
+  ASSERT_EQ(iov.size(), 1u);
+  EXPECT_EQ(iov[0].length, 4096u);
+  append_rows(iov, b, 4096, 2048, 1024, 3);  // continues the run, then apart
+  ASSERT_EQ(iov.size(), 3u);
+  EXPECT_EQ(iov[0].length, 5120u);
+  EXPECT_EQ(iov[1].buffer, b + 6144);
+  EXPECT_EQ(iov[2].buffer, b + 8192);
+  EXPECT_EQ(iov[2].length, 1024u);
+  std::uint64_t total = 0;
+  for (const ucp_dt_iov_t& e : iov) total += e.length;
+  EXPECT_EQ(total, 16u * 256 + 3 * 1024);
+}
+
+}  // namespace
+}  // namespace mstar::kv::ucx
