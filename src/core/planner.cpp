@@ -149,20 +149,19 @@ void check_remote_pages(const KVLayout& local, const KVLayout& remote,
 
 namespace {
 
-// plan_copies between caches of one geometry, for plain reads: validates
-// every read, then emits the copies into `sink` (add(local, remote, len)).
-template <typename Sink>
-void plan_plain(const KVLayout& local, const KVLayout& remote,
-                std::span<const KVReadInfo> reads, Sink& sink) {
+// plan_copies between caches of one geometry, for plain reads, pass 1:
+// validates every read before anything is emitted; returns their bytes and
+// spans before coalescing.
+detail::PlainTotals check_plain(const KVLayout& local, const KVLayout& remote,
+                                std::span<const KVReadInfo> reads) {
   local.check_compatible(remote);
   KeySet seen(reads.size());
   const bool same_order = local.page_order == remote.page_order;
-  const std::uint64_t hb = local.head_bytes();
+  const bool nhd = local.page_order == PageOrder::kNHD;
   const std::uint64_t tb = local.token_bytes();
-  const std::uint32_t heads = local.num_kv_heads;
+  const std::uint64_t heads = local.num_kv_heads;
   const std::int64_t ps = local.page_size;
-
-  // Pass 1: validate every read before emitting anything.
+  detail::PlainTotals totals;
   for (std::size_t n = 0; n < reads.size(); ++n) {
     const KVReadInfo& r = reads[n];
     // Built only on the error path: planning allocates nothing per read.
@@ -192,9 +191,25 @@ void plan_plain(const KVLayout& local, const KVLayout& remote,
       invalid(where() + "duplicate destination: layer " + std::to_string(layer) +
               " local page " + std::to_string(lpage) + " appears twice in one batch");
     }
+    const auto tokens = static_cast<std::uint64_t>(r.token_end - r.token_start);
+    const bool full = r.token_start == 0 && r.token_end == ps;
+    totals.bytes += tokens * tb * local.num_kv();
+    totals.spans += (same_order && (full || nhd) ? 1 : same_order ? heads : tokens * heads) *
+                    local.num_kv();
   }
+  return totals;
+}
 
-  // Pass 2: emit. K and V of one layer are neighbours in a page-major cache,
+// Pass 2: emits the copies of reads that check_plain accepted into `sink`
+// (add(local, remote, len)).
+template <typename Sink>
+void emit_plain(const KVLayout& local, const KVLayout& remote,
+                std::span<const KVReadInfo> reads, Sink& sink) {
+  const bool same_order = local.page_order == remote.page_order;
+  const std::uint64_t hb = local.head_bytes();
+  const std::uint64_t tb = local.token_bytes();
+  const std::uint32_t heads = local.num_kv_heads;
+  // K and V of one layer are neighbours in a page-major cache,
   // so emit them per read there; in a layer-major cache all K blocks of a
   // layer are neighbours, so emit every read's K, then every read's V.
   const detail::BlockStrides lstr(local);
@@ -228,6 +243,13 @@ void plan_plain(const KVLayout& local, const KVLayout& remote,
       [&](std::size_t i, KV kv) { emit(reads[i], kv); });
 }
 
+template <typename Sink>
+void plan_plain(const KVLayout& local, const KVLayout& remote,
+                std::span<const KVReadInfo> reads, Sink& sink) {
+  check_plain(local, remote, reads);
+  emit_plain(local, remote, reads, sink);
+}
+
 }  // namespace
 
 CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
@@ -251,6 +273,24 @@ void plan_plain_strided(const KVLayout& local, const KVLayout& remote,
   out.spans.reserve(reads.size() * local.num_kv());
   StridedSink sink{out};
   plan_plain(local, remote, reads, sink);
+}
+
+bool plain_same_geometry(const KVLayout& local, const KVLayout& remote,
+                         std::span<const KVReadInfo> reads) noexcept {
+  bool plain = local.same_geometry(remote) && local.page_order == remote.page_order;
+  for (std::size_t i = 0; plain && i < reads.size(); ++i) plain = reads[i].plain();
+  return plain;
+}
+
+PlainTotals check_plain_reads(const KVLayout& local, const KVLayout& remote,
+                              std::span<const KVReadInfo> reads) {
+  return check_plain(local, remote, reads);
+}
+
+void emit_plain_strided(const KVLayout& local, const KVLayout& remote,
+                        std::span<const KVReadInfo> reads, StridedPlan& out) {
+  StridedSink sink{out};
+  emit_plain(local, remote, reads, sink);
 }
 
 }  // namespace detail

@@ -134,6 +134,26 @@ void emit_in_cache_order(const KVLayout& local, std::size_t n, LayerOf layer_of,
 void plan_plain_strided(const KVLayout& local, const KVLayout& remote,
                         std::span<const KVReadInfo> reads, StridedPlan& out);
 
+// Plain reads (KVReadInfo::plain) between caches of one geometry and
+// in-page order: what plan_strided_copies plans with plan_plain_strided.
+bool plain_same_geometry(const KVLayout& local, const KVLayout& remote,
+                         std::span<const KVReadInfo> reads) noexcept;
+
+// Such a plan in two passes, for engines that plan piece by piece on their
+// copy threads: check_plain_reads validates every read exactly as
+// plan_copies does (throws what it throws, before anything is planned) and
+// returns the reads' bytes and spans before coalescing; emit_plain_strided
+// then appends the copies of any run of checked reads to `out` (out's
+// totals count them as plan_copies would; coalesced within the run only).
+struct PlainTotals {
+  std::uint64_t bytes = 0;
+  std::uint64_t spans = 0;
+};
+PlainTotals check_plain_reads(const KVLayout& local, const KVLayout& remote,
+                              std::span<const KVReadInfo> reads);
+void emit_plain_strided(const KVLayout& local, const KVLayout& remote,
+                        std::span<const KVReadInfo> reads, StridedPlan& out);
+
 CopyPlan plan_copies_mixed(const KVLayout& local, const KVLayout& remote,
                            std::span<const KVReadInfo> reads);
 

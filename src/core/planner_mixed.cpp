@@ -292,9 +292,8 @@ CopyPlan plan_copies_mixed(const KVLayout& local, const KVLayout& remote,
 StridedPlan plan_strided_copies(const KVLayout& local, const KVLayout& remote,
                                 std::span<const KVReadInfo> reads) {
   StridedPlan out;
-  bool plain = local.same_geometry(remote) && local.page_order == remote.page_order;
-  for (std::size_t i = 0; plain && i < reads.size(); ++i) plain = reads[i].plain();
-  if (plain) {  // nothing strided to gain: the coalescing planner, into strided spans
+  if (detail::plain_same_geometry(local, remote, reads)) {
+    // Nothing strided to gain: the coalescing planner, into strided spans.
     detail::plan_plain_strided(local, remote, reads, out);
     return out;
   }

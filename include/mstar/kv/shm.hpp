@@ -111,7 +111,12 @@ struct ShmEngineOptions {
 //   of at most kHelpCopyBytes (8 MiB) the calling thread copies pieces
 //   beside the workers until none is left to claim (waking a worker costs
 //   tens of microseconds, a good part of such a copy) and returns while they
-//   finish theirs; the first read of a peer's cache maps it (populating its page
+//   finish theirs; a read of kPiecewiseReads KVReadInfo or more between
+//   caches of one geometry (the plain reads of KVTransferManager) is checked
+//   whole on the calling thread and planned run by run on the workers, each
+//   copying the run it just planned (planning 32,768 pieces of 2 KiB was
+//   10-15 % of such a read, with the workers idle until it was done); the
+//   first read of a peer's cache maps it (populating its page
 //   tables, about 0.1 s per GiB, for caches up to 8 GiB) on the calling
 //   thread. Every check happens before the first byte moves and throws Error.
 // * The timeout counts from read_batched_async, queueing included.
@@ -137,6 +142,9 @@ class ShmKVTransferEngine final : public KVTransferEngine {
   static constexpr std::uint64_t kInlineCopyBytes = 1u << 20;
   // Reads of at most this many bytes: the calling thread helps the workers.
   static constexpr std::uint64_t kHelpCopyBytes = 8u << 20;
+  // Reads of at least this many KVReadInfo between caches of one geometry
+  // are checked on the calling thread and planned on the workers.
+  static constexpr std::size_t kPiecewiseReads = 4096;
 
   // Throws Error(kInvalidArgument) for a null or device cache or
   // max_workers outside [1, 256].

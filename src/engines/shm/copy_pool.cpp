@@ -49,7 +49,7 @@ std::vector<StridedSpan> split_strided(std::span<const StridedSpan> spans,
 struct CopyPool::Job {
   TransferPromise promise;
   CopyJobSpec spec;
-  std::vector<std::uint32_t> piece_begin;  // piece i: spans [begin[i], begin[i+1])
+  std::vector<std::uint32_t> piece_begin;  // piece i: spans (or reads) [begin[i], begin[i+1])
   std::uint32_t pieces = 0;
   std::chrono::steady_clock::time_point deadline;
   std::chrono::milliseconds timeout{0};
@@ -101,6 +101,15 @@ struct CopyPool::Job {
       if (i < pieces) {
         const StridedSpan* s = spec.spans.data() + piece_begin[i];
         const StridedSpan* e = spec.spans.data() + piece_begin[i + 1];
+        if (spec.plan) {  // plan this run of reads first
+          thread_local StridedPlan planned;
+          planned.spans.clear();
+          spec.plan(std::span<const KVReadInfo>(spec.reads).subspan(
+                        piece_begin[i], piece_begin[i + 1] - piece_begin[i]),
+                    planned);
+          s = planned.spans.data();
+          e = s + planned.spans.size();
+        }
         const bool streaming = spec.total_bytes >= kStreamBytes;
         for (; s != e; ++s) {
           copy_span(spec.dst_base, spec.src_base, *s, streaming, s + 1 != e ? s + 1 : nullptr);
@@ -144,20 +153,33 @@ TransferFuture CopyPool::submit(CopyJobSpec spec, bool caller_helps) {
   // pieces of about total / (4 x workers) bytes, within [kMinPiece, kMaxPiece].
   const std::uint64_t target = std::clamp<std::uint64_t>(
       spec.total_bytes / (std::uint64_t{workers_} * 4), kMinPiece, kMaxPiece);
-  job->promise.mark_planned(spec.spans.size(), spec.planned_at);
+  job->promise.mark_planned(spec.plan ? spec.copies : spec.spans.size(), spec.planned_at);
   job->promise.set_peer(spec.peer);
-  bool needs_split = false;
-  for (const StridedSpan& s : spec.spans) needs_split |= s.bytes() > target;
-  if (needs_split) spec.spans = split_strided(spec.spans, target);
   job->piece_begin.reserve(spec.total_bytes / target + 2);
-  std::uint64_t acc = 0;
-  for (std::size_t i = 0; i < spec.spans.size(); ++i) {
-    if (acc == 0) job->piece_begin.push_back(static_cast<std::uint32_t>(i));
-    acc += spec.spans[i].bytes();
-    if (acc >= target) acc = 0;
+  if (spec.plan) {
+    // Runs of reads of about `target` bytes each (reads of one request are
+    // pages of one size, but for the partial first and last ones).
+    const std::size_t n = spec.reads.size();
+    const std::uint64_t pieces = std::clamp<std::uint64_t>(spec.total_bytes / target, 1, n);
+    const std::size_t per = static_cast<std::size_t>((n + pieces - 1) / pieces);
+    for (std::size_t i = 0; i < n; i += per) {
+      job->piece_begin.push_back(static_cast<std::uint32_t>(i));
+    }
+    job->pieces = static_cast<std::uint32_t>(job->piece_begin.size());
+    job->piece_begin.push_back(static_cast<std::uint32_t>(n));
+  } else {
+    bool needs_split = false;
+    for (const StridedSpan& s : spec.spans) needs_split |= s.bytes() > target;
+    if (needs_split) spec.spans = split_strided(spec.spans, target);
+    std::uint64_t acc = 0;
+    for (std::size_t i = 0; i < spec.spans.size(); ++i) {
+      if (acc == 0) job->piece_begin.push_back(static_cast<std::uint32_t>(i));
+      acc += spec.spans[i].bytes();
+      if (acc >= target) acc = 0;
+    }
+    job->pieces = static_cast<std::uint32_t>(job->piece_begin.size());
+    job->piece_begin.push_back(static_cast<std::uint32_t>(spec.spans.size()));
   }
-  job->pieces = static_cast<std::uint32_t>(job->piece_begin.size());
-  job->piece_begin.push_back(static_cast<std::uint32_t>(spec.spans.size()));
   job->spec = std::move(spec);
   TransferFuture future = job->promise.future();
   if (job->pieces == 0) {  // nothing to copy

@@ -4,7 +4,9 @@
 // resolves one TransferFuture per submitted job (private to the shm engine).
 //
 // A job is cut into pieces (contiguous ranges of spans of roughly equal
-// bytes; a span larger than a piece is split, by bytes or by rows); workers claim pieces with one atomic increment, so several workers
+// bytes; a span larger than a piece is split, by bytes or by rows; or runs
+// of reads that the worker plans itself); workers claim pieces with one
+// atomic increment, so several workers
 // share one large job and a piece costs no lock, allocation or syscall.
 // Between pieces a worker checks the job's stop conditions (cancel, deadline,
 // shutdown). A stopped job resolves only once no worker is inside one of its
@@ -25,6 +27,7 @@
 
 #include "mstar/kv/future.hpp"
 #include "mstar/kv/planner.hpp"
+#include "mstar/kv/read_info.hpp"
 #include "span_copy.hpp"
 #include "mstar/kv/thread_annotations.hpp"
 
@@ -42,6 +45,15 @@ struct CopyJobSpec {
   // Run once every byte is copied, before the future resolves: a failure
   // fails the read (the page epochs' after-copy check). May be empty.
   std::function<Status()> verify;
+  // Planned piece by piece on the copy threads instead (many small reads:
+  // planning them is a sizeable share of the read, and the threads are idle
+  // until it is done): `spans` stays empty, the pieces are runs of `reads`
+  // (checked already, by the caller), and a thread plans its run with
+  // `plan` into a buffer of its own, then copies it. `copies` is what the
+  // timing reports (the spans before coalescing).
+  std::vector<KVReadInfo> reads;
+  std::function<void(std::span<const KVReadInfo>, StridedPlan&)> plan;
+  std::uint64_t copies = 0;
 };
 
 // Splits spans of more than max_bytes (> 0): contiguous ones by bytes,

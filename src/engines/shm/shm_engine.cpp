@@ -17,6 +17,7 @@
 #include "shm_mapping.hpp"
 #include "shm_memory.hpp"
 #include "core/mapped_watch.hpp"
+#include "core/planner_detail.hpp"
 #include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv {
@@ -156,7 +157,23 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
   if (read_info.empty()) return std::nullopt;
   // Strided spans: a change of in-page order or head shard costs one span
   // per (read, k|v[, head]), copied by a tight row loop (copy_pool.hpp).
-  StridedPlan plan = plan_strided_copies(local, info.layout, read_info);
+  // Many plain reads are only checked here (planned on the copy threads).
+  const KVLayout remote = info.layout;
+  StridedPlan plan;
+  detail::PlainTotals piecewise;
+  if (read_info.size() >= kPiecewiseReads &&
+      detail::plain_same_geometry(local, remote, read_info)) {
+    piecewise = detail::check_plain_reads(local, remote, read_info);
+    if (piecewise.bytes <= kInlineCopyBytes) {  // copied here: planned here
+      plan.spans.reserve(piecewise.spans);
+      detail::emit_plain_strided(local, remote, read_info, plan);
+      piecewise = {};
+    } else {
+      plan.total_bytes = piecewise.bytes;
+    }
+  } else {
+    plan = plan_strided_copies(local, remote, read_info);
+  }
   std::shared_ptr<const ShmMapping> mapping = impl_->mapping_for(info);
   // Seqlock over the owner's page epochs: every page must carry the
   // sequence's epoch before the copy and still after it.
@@ -196,6 +213,13 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
   spec.src_base = mapping->data();
   spec.total_bytes = plan.total_bytes;
   spec.spans = std::move(plan.spans);
+  if (piecewise.spans != 0) {
+    spec.reads.assign(read_info.begin(), read_info.end());
+    spec.plan = [local, remote](std::span<const KVReadInfo> reads, StridedPlan& out) {
+      detail::emit_plain_strided(local, remote, reads, out);
+    };
+    spec.copies = piecewise.spans;
+  }
   spec.what = "shm read of " + human_bytes(spec.total_bytes) + " (" +
               std::to_string(read_info.size()) + " page reads) from pid " +
               std::to_string(info.pid);

@@ -192,6 +192,79 @@ TEST(ShmEngine, PullsTheCallerHelpsCopyAreByteExact) {
   });
 }
 
+// A read of kPiecewiseReads KVReadInfo or more between caches of one
+// geometry is planned run by run on the workers: byte-exact with a prefix
+// hit mid-page and a partial last page, in both cache orders, nothing else
+// written, the timing naming the spans before coalescing; 1-token pages
+// (the calling thread helps: 2 MiB) and 16-token ones (streamed: 33 MB).
+TEST(ShmEngine, ManyReadsArePlannedOnTheWorkersByteExact) {
+  struct Case {
+    std::uint32_t page_size, pages;
+    std::uint64_t tokens;
+  };
+  for (const Case c : {Case{1, 2048, 1100}, Case{16, 1100, 1030 * 16 + 5}}) {
+    const KVLayout remote = testing::make_layout(4, c.pages, c.page_size, 2, 64);
+    Owner owner(remote, c.tokens);
+    for (auto co : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor}) {
+      const KVLayout local = testing::make_layout(4, c.pages, c.page_size, 2, 64,
+                                                  DType::kBFloat16, co);
+      auto cache = sentinel_cache(local);
+      auto m = shm_manager(cache);
+      const auto lp = spread_pages(owner.seq.page_indices.size(), c.pages);
+      const auto reads = plan_reads(local, 7, c.tokens, lp, owner.seq.page_indices);
+      ASSERT_GE(reads.size(), ShmKVTransferEngine::kPiecewiseReads);
+      auto f = m->start_async_retrieve(7, c.tokens, lp, owner.seq.page_indices,
+                                       owner.seq.kv_transfer_info);
+      ASSERT_TRUE(f.has_value());
+      EXPECT_EQ(f->get(), (c.tokens - 7) * local.token_bytes() * 2 * local.num_layers);
+      EXPECT_EQ(f->timing().copies, plan_copies(local, remote, reads).uncoalesced_spans);
+      auto v = verify_pattern(*cache, kSeed, lp, 7, c.tokens);
+      EXPECT_TRUE(v.ok()) << c.page_size << "-token pages, " << to_string(co) << ": "
+                          << v.first_mismatch;
+      EXPECT_EQ(bytes_written_outside(*cache, remote, reads), 0u)
+          << c.page_size << "-token pages, " << to_string(co);
+    }
+  }
+}
+
+// ... and every one of its reads is checked before any byte moves: a bad
+// last read refuses the whole read, naming it, with nothing written.
+TEST(ShmEngine, ManyReadsAreAllCheckedBeforeAnyByteMoves) {
+  const KVLayout l = testing::make_layout(4, 2048, 1, 2, 64);
+  Owner owner(l, 1100);
+  auto cache = sentinel_cache(l);
+  ShmKVTransferEngine engine(cache);
+  const auto reads =
+      plan_reads(l, 0, 1100, spread_pages(1100, 2048), owner.seq.page_indices);
+  ASSERT_GE(reads.size(), ShmKVTransferEngine::kPiecewiseReads);
+  const std::string last = "read_info[" + std::to_string(reads.size() - 1) + "]";
+  struct Bad {
+    const char* says;
+    void (*mutate)(std::vector<KVReadInfo>&);
+  };
+  const Bad cases[] = {
+      {"duplicate destination", [](auto& r) { r.back().local_page_idx = r.front().local_page_idx;
+                                              r.back().layer_idx = r.front().layer_idx; }},
+      {"remote page", [](auto& r) { r.back().remote_page_idx = 2048; }},
+      {"local page", [](auto& r) { r.back().local_page_idx = -1; }},
+      {"token range", [](auto& r) { r.back().token_end = 2; }},
+      {"layer", [](auto& r) { r.back().layer_idx = 4; }},
+  };
+  for (const Bad& b : cases) {
+    auto bad = reads;
+    b.mutate(bad);
+    try {
+      (void)engine.read_batched_async(owner.seq.kv_transfer_info, bad);
+      ADD_FAILURE() << b.says << ": accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(last), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(b.says), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_TRUE(all_sentinel(*cache)) << "a refused read wrote local bytes";
+}
+
 // ---- descriptors that must not be read --------------------------------------
 
 class ShmRejects : public ::testing::Test {
