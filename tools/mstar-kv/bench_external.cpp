@@ -119,7 +119,7 @@ ExternalResult run_ucx_perftest(const std::string& tls, const std::string& test,
   return r;
 }
 
-ExternalResult run_iperf3(double seconds) {
+ExternalResult run_iperf3(double seconds, std::uint64_t write_bytes) {
   ExternalResult r;
   if (find_program("iperf3").empty()) {
     r.error = "iperf3 not found (Debian package iperf3)";
@@ -138,7 +138,8 @@ ExternalResult run_iperf3(double seconds) {
   char secs[32];
   std::snprintf(secs, sizeof secs, "%.1f", seconds);
   SpawnOptions co;
-  co.argv = {"iperf3", "-c", "127.0.0.1", "-p", std::to_string(port), "-t", secs, "-J"};
+  co.argv = {"iperf3", "-c",  "127.0.0.1", "-p", std::to_string(port), "-t", secs,
+             "-l",     std::to_string(write_bytes), "-J"};
   co.output_file = tmp.make("iperf-client");
   r.command = join(co.argv);
   Child client(co);

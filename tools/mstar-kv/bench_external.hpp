@@ -25,8 +25,9 @@ struct ExternalResult {
 ExternalResult run_ucx_perftest(const std::string& tls, const std::string& test,
                                 std::uint64_t message_bytes);
 
-// iperf3 client against a server, both on 127.0.0.1, for `seconds`.
-ExternalResult run_iperf3(double seconds);
+// iperf3 client against a server, both on 127.0.0.1, for `seconds`, one
+// stream of write_bytes writes.
+ExternalResult run_iperf3(double seconds, std::uint64_t write_bytes);
 
 // Where transfer_engine_bench is: $MSTAR_KV_MOONCAKE_BENCH, else the one
 // inside the installed `mooncake` Python package; "" and the reason when
