@@ -4,11 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
-#if defined(__x86_64__)
-#include <emmintrin.h>
-#include <xmmintrin.h>
-#define MSTAR_KV_STREAMING_STORES 1
-#endif
+#include "core/stream_copy.hpp"
 
 namespace mstar::kv::shm {
 
@@ -24,17 +20,7 @@ constexpr std::uint64_t kRowsAhead = 8;
 constexpr std::uint64_t kPrefetchRowBytes = 512;
 
 #if MSTAR_KV_STREAMING_STORES
-// One cache line, d 64-byte aligned.
-inline void stream_line(std::byte* d, const std::byte* s) noexcept {
-  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
-  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
-  const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
-  _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
-  _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
-  _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
-  _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
-}
+using detail::stream_line;
 
 // n bytes with non-temporal stores, four pages at a time.
 void stream_run(std::byte* d, const std::byte* s, std::uint64_t n) noexcept {
@@ -54,8 +40,7 @@ void stream_run(std::byte* d, const std::byte* s, std::uint64_t n) noexcept {
       }
     }
   }
-  for (; n >= kLine; d += kLine, s += kLine, n -= kLine) stream_line(d, s);
-  std::memcpy(d, s, n);
+  detail::stream_copy(d, s, n);  // the last lines, d aligned
 }
 #endif
 
@@ -148,10 +133,6 @@ void copy_span(std::byte* dst, const std::byte* src, const StridedSpan& s, bool 
   }
 }
 
-void stream_fence() noexcept {
-#if MSTAR_KV_STREAMING_STORES
-  _mm_sfence();
-#endif
-}
+void stream_fence() noexcept { detail::stream_fence(); }
 
 }  // namespace mstar::kv::shm

@@ -247,12 +247,12 @@ ucs_status_t UcxCore::post_recv(const std::shared_ptr<Batch>& b, void* data, voi
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   rp.cb.recv_am = trampoline<&UcxCore::on_recv_done, RequestGuard>;
   rp.user_data = static_cast<Pending*>(ctx);
-  if (ctx->iov.empty()) {  // contiguous, in our registered pages
+  if (!ctx->gathered) {  // contiguous, in our registered pages
     rp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
     rp.memh = memh_.get();
   } else {  // the rows of a gathered reply
     rp.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
-    rp.datatype = ucp_dt_make_iov();
+    rp.datatype = sink_dt_.get();
   }
   ucs_status_ptr_t sp = ucp_am_recv_data_nbx(worker_.get(), data, buffer, count, &rp);
   if (UCS_PTR_IS_PTR(sp)) {
@@ -296,18 +296,22 @@ ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t 
   std::fill_n(b->got.begin() + static_cast<std::ptrdiff_t>(h.first), h.count, std::uint8_t{1});
   b->got_count += h.count;
   std::byte* base = cache_->base();
-  if (rndv) {  // UCX lands the bytes straight in the local rows (an iov)
+  if (rndv) {  // UCX hands the fragments to the local rows (a RowSink)
     auto* ctx = new_ctx(b->id);
-    for (std::size_t k = 0; k < h.count; ++k) {
-      if (strided) {
-        const StridedSpan& s = b->strided[h.first + k];
-        append_rows(ctx->iov, base, s.local_offset, s.local_stride, s.length, s.rows);
-      } else {
+    const StridedSpan* spans = nullptr;
+    if (strided) {
+      spans = b->strided.data() + h.first;
+    } else {
+      ctx->spans.reserve(h.count);
+      for (std::size_t k = 0; k < h.count; ++k) {
         const rma::RmaRead& r = b->chunks[h.first + k];
-        ctx->iov.push_back({base + r.local_offset, r.length});
+        ctx->spans.push_back({r.local_offset, r.remote_offset, r.length, 1, 0, 0});
       }
+      spans = ctx->spans.data();
     }
-    return post_recv(b, data, ctx->iov.data(), ctx->iov.size(), ctx);
+    ctx->gathered = true;
+    ctx->sink = RowSink(base, spans, h.count, length, b->stream);
+    return post_recv(b, data, &ctx->sink, 1, ctx);
   }
   const auto* src = static_cast<const std::byte*>(data);
   for (std::size_t k = 0; k < h.count; ++k) {

@@ -148,6 +148,10 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
   b->gather = !b->strided.empty() || gathers(b->chunks);
   if (b->gather) {
     b->got.assign(b->units(), 0);
+    std::uint64_t bytes = 0;
+    for (const rma::RmaRead& r : b->chunks) bytes += r.length;
+    for (const StridedSpan& s : b->strided) bytes += s.bytes();
+    b->stream = bytes >= kStreamGatheredBytes;
   } else {
     for (const rma::RmaRead& r : b->chunks) b->pending.emplace(r.local_offset, r.length);
   }

@@ -67,7 +67,8 @@ void UcxCore::init_ucp(const std::string& session_id) {
   worker_ = Worker(worker);
   if (ucp_worker_get_efd(worker, &efd_) != UCS_OK) efd_ = -1;  // then poll busily
 
-  rows_dt_ = RowDatatype::create();
+  rows_dt_ = RowDatatype::create_source();
+  sink_dt_ = RowDatatype::create_sink();
   ucp_mem_map_params_t mp{};
   mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   mp.address = cache_->base();

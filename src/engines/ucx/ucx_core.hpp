@@ -60,6 +60,9 @@ constexpr std::uint64_t kMaxSpansPerRequest = 1u << 22;
 // 3.2 -> 4.0-4.6 GB/s, 4 KiB x 4096: 1.8 -> 3.8).
 constexpr std::size_t kGatherMinSpans = 64;
 constexpr std::uint64_t kGatherBelowBytes = 256u << 10;
+// Gathered reads of at least this many bytes land with non-temporal stores
+// (RowSink): far more than the caches keep.
+constexpr std::uint64_t kStreamGatheredBytes = 16u << 20;
 
 // Whether a read of these spans gets gathered replies (kReqGather): many,
 // and small on average.
@@ -138,6 +141,8 @@ struct Batch {
   // empty; over gets they become rows in start_batch).
   std::vector<StridedSpan> strided;
   std::size_t units() const noexcept { return strided.empty() ? chunks.size() : strided.size(); }
+  // A large gathered read: its rows are written with non-temporal stores.
+  bool stream = false;
 };
 
 // The user_data of a UCX request, owned by an InFlight<> of the core from
@@ -154,7 +159,9 @@ T* context_of(void* user_data) noexcept {
 }
 
 struct ReqCtx : Pending {  // a get or a rendezvous receive into local pages
-  std::vector<ucp_dt_iov_t> iov;  // a gathered rendezvous: the local rows
+  std::vector<StridedSpan> spans;  // a gathered rendezvous of plain spans: them
+  RowSink sink;                    // a gathered rendezvous: where its rows land
+  bool gathered = false;
 };
 
 // One served read whose pages are checked once every send completed.
@@ -425,6 +432,7 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   Worker worker_;
   MemReg memh_;
   RowDatatype rows_dt_;  // strided spans' rows, packed from the pages (ucx_rows.hpp)
+  RowDatatype sink_dt_;  // gathered replies, unpacked into the pages
   Listener listener_;
   int efd_ = -1;
   rma::RmaRegionInfo region_;

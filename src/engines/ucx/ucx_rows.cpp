@@ -5,6 +5,8 @@
 #include <cstring>
 #include <string>
 
+
+#include "core/stream_copy.hpp"
 #include "mstar/kv/status.hpp"
 
 namespace mstar::kv::ucx {
@@ -17,6 +19,9 @@ namespace {
 constexpr std::uint64_t kRowsAhead = 4;
 constexpr std::uint64_t kPrefetchRowBytes = 1024;
 constexpr std::uint64_t kLine = 64;
+// Row pieces shorter than this are memcpy'd even when streaming.
+constexpr std::uint64_t kStreamMin = 256;
+
 
 }  // namespace
 
@@ -87,16 +92,61 @@ std::size_t RowSource::pack(std::uint64_t offset, std::byte* dest,
   return n;
 }
 
+void RowSink::seek(std::uint64_t offset) noexcept {
+  span_ = 0;
+  row_ = 0;
+  in_row_ = 0;
+  at_ = 0;
+  while (span_ < count && at_ + spans[span_].bytes() <= offset) at_ += spans[span_++].bytes();
+  if (span_ == count) return;
+  const StridedSpan& s = spans[span_];
+  const std::uint64_t into = offset - at_;
+  const bool run = s.local_stride == s.length;
+  row_ = run ? 0 : into / s.length;
+  in_row_ = run ? into : into % s.length;
+  at_ = offset;
+}
+
+void RowSink::unpack(std::uint64_t offset, const std::byte* src, std::size_t length) noexcept {
+  if (offset != at_) seek(offset);
+  std::size_t n = 0;
+  bool streamed = false;
+  while (n < length && span_ < count) {
+    const StridedSpan& s = spans[span_];
+    const bool run = s.local_stride == s.length || s.rows == 1;
+    const std::uint64_t len = run ? s.bytes() : s.length;
+    const std::uint64_t rows = run ? 1 : s.rows;
+    std::byte* d = base + s.local_offset + row_ * s.local_stride + in_row_;
+    const std::uint64_t c = std::min<std::uint64_t>(len - in_row_, length - n);
+    if (stream && c >= kStreamMin) {
+      detail::stream_copy(d, src + n, c);
+      streamed = true;
+    } else {
+      std::memcpy(d, src + n, c);
+    }
+    n += c;
+    in_row_ += c;
+    if (in_row_ == len) {
+      in_row_ = 0;
+      if (++row_ == rows) {
+        row_ = 0;
+        ++span_;
+      }
+    }
+  }
+  if (streamed) detail::stream_fence();  // before UCX reports the receive done
+  at_ = offset + n;
+}
+
 void RowDatatype::reset() noexcept {
   if (dt_ != 0) ucp_dt_destroy(std::exchange(dt_, 0));
 }
 
-RowDatatype RowDatatype::create() {
+RowDatatype RowDatatype::create_source() {
   static const ucp_generic_dt_ops_t ops = {
       // start_pack: the state is the RowSource itself.
       [](void*, const void* buffer, std::size_t) -> void* { return const_cast<void*>(buffer); },
-      // start_unpack: never received into.
-      [](void*, void*, std::size_t) -> void* { return nullptr; },
+      [](void*, void*, std::size_t) -> void* { return nullptr; },  // never received into
       [](void* state) -> std::size_t { return static_cast<RowSource*>(state)->bytes; },
       [](void* state, std::size_t offset, void* dest, std::size_t max_length) -> std::size_t {
         return static_cast<RowSource*>(state)->pack(offset, static_cast<std::byte*>(dest),
@@ -107,6 +157,28 @@ RowDatatype RowDatatype::create() {
       },
       [](void*) {},
   };
+  return make(ops);
+}
+
+RowDatatype RowDatatype::create_sink() {
+  static const ucp_generic_dt_ops_t ops = {
+      [](void*, const void*, std::size_t) -> void* { return nullptr; },  // never sent from
+      // start_unpack: the state is the RowSink itself.
+      [](void*, void* buffer, std::size_t) -> void* { return buffer; },
+      [](void* state) -> std::size_t { return static_cast<RowSink*>(state)->bytes; },
+      [](void*, std::size_t, void*, std::size_t) -> std::size_t { return 0; },
+      [](void* state, std::size_t offset, const void* src, std::size_t length) -> ucs_status_t {
+        auto* sink = static_cast<RowSink*>(state);
+        if (offset > sink->bytes || length > sink->bytes - offset) return UCS_ERR_MESSAGE_TRUNCATED;
+        sink->unpack(offset, static_cast<const std::byte*>(src), length);
+        return UCS_OK;
+      },
+      [](void*) {},
+  };
+  return make(ops);
+}
+
+RowDatatype RowDatatype::make(const ucp_generic_dt_ops_t& ops) {
   RowDatatype d;
   const ucs_status_t st = ucp_dt_create_generic(&ops, nullptr, &d.dt_);
   if (st != UCS_OK) {

@@ -54,8 +54,36 @@ struct RowSource {
   std::uint64_t at_ = 0;
 };
 
-// A UCP generic datatype whose buffer is one RowSource (count 1), packed
-// by RowSource::pack; pack only (the reader receives into an iov).
+// The local side's rows of spans[0, count) in order: where one gathered
+// message lands on the reader. With `stream` (a large read), rows in whole
+// cache lines are written with non-temporal stores (no read of the
+// destination first).
+struct RowSink {
+  RowSink() = default;
+  RowSink(std::byte* b, const StridedSpan* s, std::size_t n, std::uint64_t total,
+          bool streaming) noexcept
+      : base(b), spans(s), count(n), bytes(total), stream(streaming) {}
+
+  std::byte* base = nullptr;
+  const StridedSpan* spans = nullptr;
+  std::size_t count = 0;
+  std::uint64_t bytes = 0;
+  bool stream = false;
+
+  // Writes src[0, length) as bytes [offset, offset + length) of the rows
+  // (never past them: UCX checked the message's length against `bytes`).
+  void unpack(std::uint64_t offset, const std::byte* src, std::size_t length) noexcept;
+
+ private:
+  void seek(std::uint64_t offset) noexcept;
+  std::size_t span_ = 0;
+  std::uint64_t row_ = 0;
+  std::uint64_t in_row_ = 0;
+  std::uint64_t at_ = 0;
+};
+
+// A UCP generic datatype whose buffer is one RowSource (pack) or one
+// RowSink (unpack), count 1.
 class RowDatatype {
  public:
   RowDatatype() = default;
@@ -72,10 +100,12 @@ class RowDatatype {
   ~RowDatatype() { reset(); }
 
   // Throws Error(kUnavailable) when UCX refuses to make it.
-  static RowDatatype create();
+  static RowDatatype create_source();  // sends from RowSources
+  static RowDatatype create_sink();    // receives into RowSinks
   ucp_datatype_t get() const noexcept { return dt_; }
 
  private:
+  static RowDatatype make(const ucp_generic_dt_ops_t& ops);
   void reset() noexcept;
   ucp_datatype_t dt_ = 0;
 };

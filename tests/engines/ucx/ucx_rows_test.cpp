@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -82,6 +83,69 @@ TEST(UcxRows, PacksFromAnyOffsetAlsoBackwards) {
                            want.begin() + static_cast<std::ptrdiff_t>(off)))
         << "offset " << off << ", " << max << " bytes";
   }
+}
+
+// The reader's side, rows that do not overlap: apart (starting mid-line),
+// one run of rows, a single row in the gaps of the first, odd lengths and
+// strides, rows of whole pages.
+std::vector<StridedSpan> local_rows() {
+  return {{3, 0, 1024, 16, 2048, 0},  {40003, 0, 256, 16, 256, 0}, {1030, 0, 100, 1, 0, 0},
+          {50003, 0, 37, 9, 101, 0},  {60003, 0, 64, 3, 4096, 0},  {90000, 0, 4096, 2, 4096, 0}};
+}
+
+// What the rows should hold after receiving `msg`, and the sentinel
+// everywhere else.
+std::vector<std::byte> landed(std::size_t size, const std::vector<StridedSpan>& spans,
+                              const std::vector<std::byte>& msg) {
+  std::vector<std::byte> out(size, std::byte{0x5A});
+  std::size_t at = 0;
+  for (const StridedSpan& s : spans) {
+    for (std::uint64_t r = 0; r < s.rows; ++r) {
+      std::copy_n(msg.begin() + static_cast<std::ptrdiff_t>(at), s.length,
+                  out.begin() + static_cast<std::ptrdiff_t>(s.local_offset + r * s.local_stride));
+      at += s.length;
+    }
+  }
+  return out;
+}
+
+TEST(UcxRows, ASinkWritesTheRowsAndNothingElseStreamingOrNot) {
+  const auto spans = local_rows();
+  std::uint64_t bytes = 0;
+  for (const StridedSpan& s : spans) bytes += s.bytes();
+  const auto msg = region(bytes);
+  const auto want = landed(128 * 1024, spans, msg);
+  for (const bool stream : {false, true}) {
+    for (const std::size_t frag : {std::size_t{1}, std::size_t{100}, std::size_t{4096},
+                                   std::size_t{65536}, msg.size()}) {
+      std::vector<std::byte> mem(128 * 1024, std::byte{0x5A});
+      RowSink sink(mem.data(), spans.data(), spans.size(), bytes, stream);
+      for (std::size_t at = 0; at < msg.size(); at += frag) {
+        const std::size_t n = std::min(frag, msg.size() - at);
+        sink.unpack(at, msg.data() + at, n);
+      }
+      EXPECT_TRUE(mem == want) << (stream ? "streaming" : "cached") << ", fragments of "
+                               << frag;
+    }
+  }
+}
+
+TEST(UcxRows, ASinkTakesFragmentsInAnyOrder) {
+  const auto spans = local_rows();
+  std::uint64_t bytes = 0;
+  for (const StridedSpan& s : spans) bytes += s.bytes();
+  const auto msg = region(bytes);
+  const auto want = landed(128 * 1024, spans, msg);
+  std::vector<std::size_t> starts;
+  for (std::size_t at = 0; at < msg.size(); at += 777) starts.push_back(at);
+  std::mt19937_64 rng(3);
+  std::shuffle(starts.begin(), starts.end(), rng);
+  std::vector<std::byte> mem(128 * 1024, std::byte{0x5A});
+  RowSink sink(mem.data(), spans.data(), spans.size(), bytes, true);
+  for (const std::size_t at : starts) {
+    sink.unpack(at, msg.data() + at, std::min<std::size_t>(777, msg.size() - at));
+  }
+  EXPECT_TRUE(mem == want);
 }
 
 TEST(UcxRows, AnIovMergesOnlyRowsThatContinueEachOther) {

@@ -1,0 +1,66 @@
+// Copyright mstar-kv authors.
+//
+// Copies with non-temporal stores, for reads far larger than the caches
+// keep: the destination's lines are written without being read first, and
+// the bytes do not evict what the caches hold. Used by the shm engine's
+// copies (span_copy.hpp) and the ucx engine's gathered receives
+// (ucx_rows.hpp). A thread that streamed calls stream_fence() before it
+// publishes that the bytes are there. Elsewhere than x86-64 these are
+// memcpy.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#include <xmmintrin.h>
+#define MSTAR_KV_STREAMING_STORES 1
+#endif
+
+namespace mstar::kv::detail {
+
+inline constexpr std::uint64_t kStreamLine = 64;
+
+#if MSTAR_KV_STREAMING_STORES
+// One cache line, d 64-byte aligned.
+inline void stream_line(std::byte* d, const std::byte* s) noexcept {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
+  const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
+  _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
+}
+#endif
+
+// n bytes: the destination's whole lines with non-temporal stores, a
+// partial first and last line with memcpy.
+inline void stream_copy(std::byte* d, const std::byte* s, std::uint64_t n) noexcept {
+#if MSTAR_KV_STREAMING_STORES
+  const std::uint64_t head = std::min<std::uint64_t>(
+      n, (kStreamLine - (reinterpret_cast<std::uintptr_t>(d) & (kStreamLine - 1))) &
+             (kStreamLine - 1));
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  n -= head;
+  for (; n >= kStreamLine; d += kStreamLine, s += kStreamLine, n -= kStreamLine) {
+    stream_line(d, s);
+  }
+#endif
+  std::memcpy(d, s, n);
+}
+
+// Orders this thread's streaming stores before its later stores.
+inline void stream_fence() noexcept {
+#if MSTAR_KV_STREAMING_STORES
+  _mm_sfence();
+#endif
+}
+
+}  // namespace mstar::kv::detail
