@@ -46,10 +46,12 @@
 //            of in-page order or head shard, planned as strided spans,
 //            planner.hpp, and crossing as such, one per (page, layer, k|v,
 //            head) at worst) are gathered by the owner from its pages into
-//            messages of up to 1 MiB (an iov, no copy on its side) that the
-//            reader scatters into its pages. The owner keeps at most 32
-//            replies of a read in flight. TCP segments are 64 KiB unless
-//            UCX_TCP_TX_SEG_SIZE / UCX_TCP_RX_SEG_SIZE are set.
+//            messages of up to 1 MiB (UCX packs them into its segments, from
+//            an iov; a strided span's rows the owner packs itself, never
+//            listing them), and the reader unpacks each into its pages
+//            (non-temporal stores in reads of 16 MiB and more). The owner
+//            keeps at most 32 replies of a read in flight. TCP segments are
+//            64 KiB unless UCX_TCP_TX_SEG_SIZE / UCX_TCP_RX_SEG_SIZE are set.
 //     get    one-sided ucp_get_nbx with the peer's remote key, on a second
 //            endpoint opened to the owner's worker address (UCX 1.13 gives
 //            client/server endpoints only the connection manager's

@@ -297,20 +297,20 @@ ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t 
   b->got_count += h.count;
   std::byte* base = cache_->base();
   if (rndv) {  // UCX hands the fragments to the local rows (a RowSink)
+    // The group's spans are copied into the request: UCX may call the sink
+    // until the request completes, whatever happens to the read meanwhile.
     auto* ctx = new_ctx(b->id);
-    const StridedSpan* spans = nullptr;
-    if (strided) {
-      spans = b->strided.data() + h.first;
-    } else {
-      ctx->spans.reserve(h.count);
-      for (std::size_t k = 0; k < h.count; ++k) {
+    ctx->spans.reserve(h.count);
+    for (std::size_t k = 0; k < h.count; ++k) {
+      if (strided) {
+        ctx->spans.push_back(b->strided[h.first + k]);
+      } else {
         const rma::RmaRead& r = b->chunks[h.first + k];
         ctx->spans.push_back({r.local_offset, r.remote_offset, r.length, 1, 0, 0});
       }
-      spans = ctx->spans.data();
     }
     ctx->gathered = true;
-    ctx->sink = RowSink(base, spans, h.count, length, b->stream);
+    ctx->sink = RowSink(base, ctx->spans.data(), h.count, length, b->stream);
     return post_recv(b, data, &ctx->sink, 1, ctx);
   }
   const auto* src = static_cast<const std::byte*>(data);

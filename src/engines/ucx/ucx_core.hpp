@@ -159,7 +159,7 @@ T* context_of(void* user_data) noexcept {
 }
 
 struct ReqCtx : Pending {  // a get or a rendezvous receive into local pages
-  std::vector<StridedSpan> spans;  // a gathered rendezvous of plain spans: them
+  std::vector<StridedSpan> spans;  // a gathered rendezvous: its spans (local side)
   RowSink sink;                    // a gathered rendezvous: where its rows land
   bool gathered = false;
 };

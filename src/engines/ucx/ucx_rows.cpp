@@ -25,22 +25,6 @@ constexpr std::uint64_t kStreamMin = 256;
 
 }  // namespace
 
-void append_rows(std::vector<ucp_dt_iov_t>& iov, std::byte* base, std::uint64_t offset,
-                 std::uint64_t stride, std::uint64_t length, std::uint64_t rows) {
-  if (stride == length) {  // one run
-    length *= rows;
-    rows = 1;
-  }
-  for (std::uint64_t r = 0; r < rows; ++r) {
-    std::byte* p = base + offset + r * stride;
-    if (!iov.empty() && static_cast<std::byte*>(iov.back().buffer) + iov.back().length == p) {
-      iov.back().length += length;
-    } else {
-      iov.push_back({p, length});
-    }
-  }
-}
-
 void RowSource::seek(std::uint64_t offset) noexcept {
   span_ = 0;
   row_ = 0;

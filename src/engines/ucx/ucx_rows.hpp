@@ -1,13 +1,12 @@
 // Copyright mstar-kv authors.
 //
-// The rows of strided spans on the wire (kReqStrided, ucx_wire.hpp): the
-// iov the reader receives a gathered message into (append_rows), and the
-// owner's side, where UCX packs a message's rows straight from the
-// registered pages through a generic datatype (RowSource, RowDatatype),
-// fragment by fragment, with the rows ahead prefetched. Rows a few hundred
-// bytes to a few KiB long, apart on the owner's side (a head split), cost
-// the owner's progress thread a third more per byte through an iov than
-// one contiguous run: the hardware prefetchers stop at every row.
+// Gathered replies on the wire (kReqGather, ucx_wire.hpp) through UCP
+// generic datatypes, fragment by fragment: the owner packs a strided
+// message's rows straight from its registered pages (RowSource, with the
+// rows ahead prefetched: rows a few hundred bytes to a few KiB long, apart on
+// the owner's side, cost the owner's progress thread a third more per byte
+// through an iov), and the reader unpacks every gathered reply into its
+// rows (RowSink, with non-temporal stores in large reads).
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -20,13 +19,6 @@
 #include "mstar/kv/planner.hpp"
 
 namespace mstar::kv::ucx {
-
-// Appends `rows` rows of `length` bytes, `stride` apart from base + offset,
-// to an iov, a row that continues the entry before it merged into it (rows
-// of a layout change are often contiguous on one side: the owner's head
-// rows for NHD <- HND, the reader's for a head split).
-void append_rows(std::vector<ucp_dt_iov_t>& iov, std::byte* base, std::uint64_t offset,
-                 std::uint64_t stride, std::uint64_t length, std::uint64_t rows);
 
 // The remote side's rows of spans[0, count) in order: what one gathered
 // message carries. The spans were checked against the region; they and the

@@ -2,12 +2,12 @@
 //
 // The rows of strided spans as the ucx engine moves them (ucx_rows.hpp):
 // the owner's RowSource packs exactly the named rows in order, whatever
-// the fragment sizes UCX asks for and wherever it starts; the reader's iov
-// merges rows that continue each other and nothing else.
+// the fragment sizes UCX asks for and wherever it starts; the reader's
+// RowSink writes exactly the named rows, in any fragment order.
 #include <gtest/gtest.h>
 
-#include <cstddef>
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -146,24 +146,6 @@ TEST(UcxRows, ASinkTakesFragmentsInAnyOrder) {
     sink.unpack(at, msg.data() + at, std::min<std::size_t>(777, msg.size() - at));
   }
   EXPECT_TRUE(mem == want);
-}
-
-TEST(UcxRows, AnIovMergesOnlyRowsThatContinueEachOther) {
-  std::vector<std::byte> mem(64 * 1024);
-  std::byte* b = mem.data();
-  std::vector<ucp_dt_iov_t> iov;
-  append_rows(iov, b, 0, 256, 256, 16);  // one run of 16 rows
-  ASSERT_EQ(iov.size(), 1u);
-  EXPECT_EQ(iov[0].length, 4096u);
-  append_rows(iov, b, 4096, 2048, 1024, 3);  // continues the run, then apart
-  ASSERT_EQ(iov.size(), 3u);
-  EXPECT_EQ(iov[0].length, 5120u);
-  EXPECT_EQ(iov[1].buffer, b + 6144);
-  EXPECT_EQ(iov[2].buffer, b + 8192);
-  EXPECT_EQ(iov[2].length, 1024u);
-  std::uint64_t total = 0;
-  for (const ucp_dt_iov_t& e : iov) total += e.length;
-  EXPECT_EQ(total, 16u * 256 + 3 * 1024);
 }
 
 }  // namespace
