@@ -5,7 +5,6 @@
 #include <cstring>
 #include <string>
 
-
 #include "core/stream_copy.hpp"
 #include "mstar/kv/status.hpp"
 
@@ -22,104 +21,45 @@ constexpr std::uint64_t kLine = 64;
 // Row pieces shorter than this are memcpy'd even when streaming.
 constexpr std::uint64_t kStreamMin = 256;
 
-
 }  // namespace
-
-void RowSource::seek(std::uint64_t offset) noexcept {
-  span_ = 0;
-  row_ = 0;
-  in_row_ = 0;
-  at_ = 0;
-  while (span_ < count && at_ + spans[span_].bytes() <= offset) at_ += spans[span_++].bytes();
-  if (span_ == count) return;
-  const StridedSpan& s = spans[span_];
-  const std::uint64_t into = offset - at_;
-  const bool run = s.remote_stride == s.length;  // pack copies it as one row
-  row_ = run ? 0 : into / s.length;
-  in_row_ = run ? into : into % s.length;
-  at_ = offset;
-}
 
 std::size_t RowSource::pack(std::uint64_t offset, std::byte* dest,
                             std::size_t max_length) noexcept {
-  if (offset != at_) seek(offset);
-  std::size_t n = 0;
-  while (n < max_length && span_ < count) {
-    const StridedSpan& s = spans[span_];
-    const bool run = s.remote_stride == s.length;  // the rows are one run
-    const std::uint64_t length = run ? s.bytes() : s.length;
-    const std::uint64_t rows = run ? 1 : s.rows;
-    const std::byte* p = base + s.remote_offset + row_ * s.remote_stride + in_row_;
-    if (!run && in_row_ == 0) {
-      const std::uint64_t a = row_ + kRowsAhead;
-      const std::byte* q = a < rows                   ? base + s.remote_offset + a * s.remote_stride
-                           : span_ + 1 < count        ? base + spans[span_ + 1].remote_offset
-                                                      : nullptr;
-      if (q != nullptr) {
-        const std::uint64_t ahead = std::min(s.length, kPrefetchRowBytes);
-        for (std::uint64_t b = 0; b < ahead; b += kLine) __builtin_prefetch(q + b, 0, 3);
-      }
-    }
-    const std::uint64_t c = std::min<std::uint64_t>(length - in_row_, max_length - n);
-    std::memcpy(dest + n, p, c);
-    n += c;
-    in_row_ += c;
-    if (in_row_ == length) {
-      in_row_ = 0;
-      if (++row_ == rows) {
-        row_ = 0;
-        ++span_;
-      }
-    }
-  }
-  at_ = offset + n;
-  return n;
-}
-
-void RowSink::seek(std::uint64_t offset) noexcept {
-  span_ = 0;
-  row_ = 0;
-  in_row_ = 0;
-  at_ = 0;
-  while (span_ < count && at_ + spans[span_].bytes() <= offset) at_ += spans[span_++].bytes();
-  if (span_ == count) return;
-  const StridedSpan& s = spans[span_];
-  const std::uint64_t into = offset - at_;
-  const bool run = s.local_stride == s.length;
-  row_ = run ? 0 : into / s.length;
-  in_row_ = run ? into : into % s.length;
-  at_ = offset;
+  return cursor_.walk(base, spans, count, offset, max_length,
+                      [&](const std::byte* p, std::size_t done, std::uint64_t c,
+                          const StridedSpan& s, std::uint64_t row) {
+                        // At a row's start, the rows ahead (on into the next span).
+                        if (p == base + s.remote_offset + row * s.remote_stride &&
+                            !RowCursor<false>::one_run(s)) {
+                          const std::uint64_t a = row + kRowsAhead;
+                          const std::byte* q =
+                              a < s.rows ? base + s.remote_offset + a * s.remote_stride
+                              : &s + 1 < spans + count ? base + (&s + 1)->remote_offset
+                                                       : nullptr;
+                          if (q != nullptr) {
+                            const std::uint64_t ahead = std::min(s.length, kPrefetchRowBytes);
+                            for (std::uint64_t b = 0; b < ahead; b += kLine) {
+                              __builtin_prefetch(q + b, 0, 3);
+                            }
+                          }
+                        }
+                        std::memcpy(dest + done, p, c);
+                      });
 }
 
 void RowSink::unpack(std::uint64_t offset, const std::byte* src, std::size_t length) noexcept {
-  if (offset != at_) seek(offset);
-  std::size_t n = 0;
   bool streamed = false;
-  while (n < length && span_ < count) {
-    const StridedSpan& s = spans[span_];
-    const bool run = s.local_stride == s.length || s.rows == 1;
-    const std::uint64_t len = run ? s.bytes() : s.length;
-    const std::uint64_t rows = run ? 1 : s.rows;
-    std::byte* d = base + s.local_offset + row_ * s.local_stride + in_row_;
-    const std::uint64_t c = std::min<std::uint64_t>(len - in_row_, length - n);
-    if (stream && c >= kStreamMin) {
-      detail::stream_copy(d, src + n, c);
-      streamed = true;
-    } else {
-      std::memcpy(d, src + n, c);
-    }
-    n += c;
-    in_row_ += c;
-    if (in_row_ == len) {
-      in_row_ = 0;
-      if (++row_ == rows) {
-        row_ = 0;
-        ++span_;
-      }
-    }
-  }
+  cursor_.walk(base, spans, count, offset, length,
+               [&](std::byte* p, std::size_t done, std::uint64_t c, const StridedSpan&,
+                   std::uint64_t) {
+                 if (stream && c >= kStreamMin) {
+                   detail::stream_copy(p, src + done, c);
+                   streamed = true;
+                 } else {
+                   std::memcpy(p, src + done, c);
+                 }
+               });
   if (streamed) detail::stream_fence();  // before UCX reports the receive done
-  at_ = offset + n;
 }
 
 void RowDatatype::reset() noexcept {

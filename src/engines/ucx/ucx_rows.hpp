@@ -11,6 +11,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -19,6 +20,71 @@
 #include "mstar/kv/planner.hpp"
 
 namespace mstar::kv::ucx {
+
+// A position in the rows of strided spans on one side (kLocal: their
+// local offsets and strides; else the remote ones), and the walk from it:
+// walk(base, spans, count, offset, n, piece) visits bytes [offset, offset +
+// n) of the rows in order (fewer at the end), calling piece(p, done, c, s,
+// row) for each run of c bytes at p, `done` bytes into the walk, in span s,
+// row `row` (a span whose rows touch on this side is one row). UCX moves a
+// message in order: the cursor continues; any other offset is found from
+// the start.
+template <bool kLocal>
+class RowCursor {
+ public:
+  template <typename Byte, typename Piece>
+  std::size_t walk(Byte* base, const StridedSpan* spans, std::size_t count,
+                   std::uint64_t offset, std::size_t n, Piece&& piece) noexcept {
+    if (offset != at_) seek(spans, count, offset);
+    std::size_t done = 0;
+    while (done < n && span_ < count) {
+      const StridedSpan& s = spans[span_];
+      const bool run = one_run(s);
+      const std::uint64_t length = run ? s.bytes() : s.length;
+      const std::uint64_t c = std::min<std::uint64_t>(length - in_row_, n - done);
+      piece(base + start(s) + row_ * stride(s) + in_row_, done, c, s, row_);
+      done += c;
+      in_row_ += c;
+      if (in_row_ == length) {
+        in_row_ = 0;
+        if (++row_ == (run ? 1 : s.rows)) {
+          row_ = 0;
+          ++span_;
+        }
+      }
+    }
+    at_ = offset + done;
+    return done;
+  }
+
+  static std::uint64_t start(const StridedSpan& s) noexcept {
+    return kLocal ? s.local_offset : s.remote_offset;
+  }
+  static std::uint64_t stride(const StridedSpan& s) noexcept {
+    return kLocal ? s.local_stride : s.remote_stride;
+  }
+  static bool one_run(const StridedSpan& s) noexcept { return s.rows == 1 || stride(s) == s.length; }
+
+ private:
+  void seek(const StridedSpan* spans, std::size_t count, std::uint64_t offset) noexcept {
+    span_ = 0;
+    row_ = 0;
+    in_row_ = 0;
+    at_ = 0;
+    while (span_ < count && at_ + spans[span_].bytes() <= offset) at_ += spans[span_++].bytes();
+    if (span_ == count) return;
+    const StridedSpan& s = spans[span_];
+    const std::uint64_t into = offset - at_;
+    row_ = one_run(s) ? 0 : into / s.length;
+    in_row_ = one_run(s) ? into : into % s.length;
+    at_ = offset;
+  }
+
+  std::size_t span_ = 0;
+  std::uint64_t row_ = 0;
+  std::uint64_t in_row_ = 0;
+  std::uint64_t at_ = 0;
+};
 
 // The remote side's rows of spans[0, count) in order: what one gathered
 // message carries. The spans were checked against the region; they and the
@@ -34,16 +100,11 @@ struct RowSource {
   std::uint64_t bytes = 0;  // of every row of every span
 
   // Copies bytes [offset, offset + max_length) of the rows (fewer at the
-  // end) to dest; returns how many. UCX packs in order: the cursor below
-  // continues, any other offset is found from the start.
+  // end) to dest; returns how many.
   std::size_t pack(std::uint64_t offset, std::byte* dest, std::size_t max_length) noexcept;
 
  private:
-  void seek(std::uint64_t offset) noexcept;
-  std::size_t span_ = 0;
-  std::uint64_t row_ = 0;
-  std::uint64_t in_row_ = 0;
-  std::uint64_t at_ = 0;
+  RowCursor<false> cursor_;
 };
 
 // The local side's rows of spans[0, count) in order: where one gathered
@@ -63,15 +124,11 @@ struct RowSink {
   bool stream = false;
 
   // Writes src[0, length) as bytes [offset, offset + length) of the rows
-  // (never past them: UCX checked the message's length against `bytes`).
+  // (never past them: the datatype checks the fragment against `bytes`).
   void unpack(std::uint64_t offset, const std::byte* src, std::size_t length) noexcept;
 
  private:
-  void seek(std::uint64_t offset) noexcept;
-  std::size_t span_ = 0;
-  std::uint64_t row_ = 0;
-  std::uint64_t in_row_ = 0;
-  std::uint64_t at_ = 0;
+  RowCursor<true> cursor_;
 };
 
 // A UCP generic datatype whose buffer is one RowSource (pack) or one
