@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "engines/ucx/raw_ucp.hpp"
 #include "engines/ucx/ucx_wire.hpp"
 #include "mstar/kv/kv.hpp"
 
@@ -36,17 +37,6 @@ struct Received {
 class RawClient {
  public:
   explicit RawClient(const std::string& host, std::uint16_t port) {
-    ucp_config_t* config = nullptr;
-    EXPECT_EQ(ucp_config_read(nullptr, nullptr, &config), UCS_OK);
-    ucp_params_t params{};
-    params.field_mask = UCP_PARAM_FIELD_FEATURES;
-    params.features = UCP_FEATURE_AM;
-    EXPECT_EQ(ucp_init(&params, config, &context_), UCS_OK);
-    ucp_config_release(config);
-    ucp_worker_params_t wp{};
-    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
-    EXPECT_EQ(ucp_worker_create(context_, &wp, &worker_), UCS_OK);
     for (unsigned id = 1; id <= ucx::kAmMaxId; ++id) {
       ucp_am_handler_param_t hp{};
       hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -70,7 +60,7 @@ class RawClient {
         tag->self->got_.push_back(std::move(r));
         return UCS_OK;
       };
-      EXPECT_EQ(ucp_worker_set_am_recv_handler(worker_, &hp), UCS_OK);
+      EXPECT_EQ(ucp_worker_set_am_recv_handler(ucp_.worker, &hp), UCS_OK);
     }
     sockaddr_in sa{};
     sa.sin_family = AF_INET;
@@ -83,21 +73,10 @@ class RawClient {
     ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
     ep.sockaddr.addrlen = sizeof sa;
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    EXPECT_EQ(ucp_ep_create(worker_, &ep, &ep_), UCS_OK);
+    EXPECT_EQ(ucp_ep_create(ucp_.worker, &ep, &ep_), UCS_OK);
   }
   ~RawClient() {
-    if (ep_) {
-      ucp_request_param_t rp{};
-      rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      ucs_status_ptr_t sp = ucp_ep_close_nbx(ep_, &rp);
-      while (UCS_PTR_IS_PTR(sp) && ucp_request_check_status(sp) == UCS_INPROGRESS) {
-        ucp_worker_progress(worker_);
-      }
-      if (UCS_PTR_IS_PTR(sp)) ucp_request_free(sp);
-    }
-    if (worker_) ucp_worker_destroy(worker_);
-    if (context_) ucp_cleanup(context_);
+    if (ep_) ucp_.close_by_force(ep_);
   }
 
   void send(unsigned id, const void* header, std::size_t hlen, const void* data = nullptr,
@@ -105,18 +84,14 @@ class RawClient {
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     rp.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-    ucs_status_ptr_t sp = ucp_am_send_nbx(ep_, id, header, hlen, data, len, &rp);
-    while (UCS_PTR_IS_PTR(sp) && ucp_request_check_status(sp) == UCS_INPROGRESS) {
-      ucp_worker_progress(worker_);
-    }
-    if (UCS_PTR_IS_PTR(sp)) ucp_request_free(sp);
+    ucp_.wait(ucp_am_send_nbx(ep_, id, header, hlen, data, len, &rp));
   }
   // Progresses until `id` arrives or `for_how_long` passed; everything that
   // arrived is in got().
   bool wait_for(unsigned id, std::chrono::milliseconds for_how_long) {
     const auto end = std::chrono::steady_clock::now() + for_how_long;
     while (std::chrono::steady_clock::now() < end) {
-      ucp_worker_progress(worker_);
+      ucp_worker_progress(ucp_.worker);
       for (const Received& r : got_) {
         if (r.id == id) return true;
       }
@@ -142,8 +117,7 @@ class RawClient {
     RawClient* self;
     unsigned id;
   };
-  ucp_context_h context_ = nullptr;
-  ucp_worker_h worker_ = nullptr;
+  RawUcp ucp_;  // first: released last
   ucp_ep_h ep_ = nullptr;
   std::vector<std::unique_ptr<Tag>> ids_;
   std::vector<Received> got_;

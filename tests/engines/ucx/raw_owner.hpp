@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "engines/rma/rma_backend.hpp"
+#include "engines/ucx/raw_ucp.hpp"
 #include "engines/ucx/ucx_wire.hpp"
 #include "mstar/kv/kv.hpp"
 
@@ -42,17 +43,6 @@ class RawOwner {
   // Serves `region` (its session_id is set to the listener's address).
   RawOwner(rma::RmaRegionInfo region, OnRead on_read)
       : region_(std::move(region)), on_read_(std::move(on_read)) {
-    ucp_config_t* config = nullptr;
-    EXPECT_EQ(ucp_config_read(nullptr, nullptr, &config), UCS_OK);
-    ucp_params_t params{};
-    params.field_mask = UCP_PARAM_FIELD_FEATURES;
-    params.features = UCP_FEATURE_AM;
-    EXPECT_EQ(ucp_init(&params, config, &context_), UCS_OK);
-    ucp_config_release(config);
-    ucp_worker_params_t wp{};
-    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
-    EXPECT_EQ(ucp_worker_create(context_, &wp, &worker_), UCS_OK);
     for (unsigned id : {ucx::kAmHello, ucx::kAmReadReq, ucx::kAmDone}) {
       ucp_am_handler_param_t hp{};
       hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -62,7 +52,7 @@ class RawOwner {
       hp.cb = id == ucx::kAmHello ? &RawOwner::on_hello
               : id == ucx::kAmReadReq ? &RawOwner::on_read_req
                                       : &RawOwner::on_ignored;
-      EXPECT_EQ(ucp_worker_set_am_recv_handler(worker_, &hp), UCS_OK);
+      EXPECT_EQ(ucp_worker_set_am_recv_handler(ucp_.worker, &hp), UCS_OK);
     }
     for (int attempt = 0; attempt < 40 && listener_ == nullptr; ++attempt) {
       port_ = static_cast<std::uint16_t>(40000 + (::getpid() * 17 + attempt * 173) % 9000);
@@ -76,7 +66,7 @@ class RawOwner {
       lp.sockaddr.addrlen = sizeof sa;
       lp.conn_handler.cb = &RawOwner::on_conn;
       lp.conn_handler.arg = this;
-      if (ucp_listener_create(worker_, &lp, &listener_) != UCS_OK) listener_ = nullptr;
+      if (ucp_listener_create(ucp_.worker, &lp, &listener_) != UCS_OK) listener_ = nullptr;
     }
     EXPECT_NE(listener_, nullptr) << "no free port";
     region_.session_id = "127.0.0.1:" + std::to_string(port_);
@@ -85,19 +75,8 @@ class RawOwner {
   ~RawOwner() {
     stop_ = true;
     thread_.join();
-    for (ucp_ep_h ep : eps_) {
-      ucp_request_param_t rp{};
-      rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      ucs_status_ptr_t sp = ucp_ep_close_nbx(ep, &rp);
-      while (UCS_PTR_IS_PTR(sp) && ucp_request_check_status(sp) == UCS_INPROGRESS) {
-        ucp_worker_progress(worker_);
-      }
-      if (UCS_PTR_IS_PTR(sp)) ucp_request_free(sp);
-    }
+    for (ucp_ep_h ep : eps_) ucp_.close_by_force(ep);
     if (listener_) ucp_listener_destroy(listener_);
-    if (worker_) ucp_worker_destroy(worker_);
-    if (context_) ucp_cleanup(context_);
   }
   RawOwner(const RawOwner&) = delete;
   RawOwner& operator=(const RawOwner&) = delete;
@@ -113,11 +92,7 @@ class RawOwner {
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     rp.flags = UCP_AM_SEND_FLAG_EAGER;
-    ucs_status_ptr_t sp = ucp_am_send_nbx(ep, id, header, hlen, data, len, &rp);
-    while (UCS_PTR_IS_PTR(sp) && ucp_request_check_status(sp) == UCS_INPROGRESS) {
-      ucp_worker_progress(worker_);
-    }
-    if (UCS_PTR_IS_PTR(sp)) ucp_request_free(sp);
+    ucp_.wait(ucp_am_send_nbx(ep, id, header, hlen, data, len, &rp));
   }
 
  private:
@@ -130,7 +105,7 @@ class RawOwner {
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = [](void*, ucp_ep_h, ucs_status_t) {};  // the reader went: fine
     ucp_ep_h h = nullptr;
-    if (ucp_ep_create(self->worker_, &ep, &h) == UCS_OK) self->eps_.push_back(h);
+    if (ucp_ep_create(self->ucp_.worker, &ep, &h) == UCS_OK) self->eps_.push_back(h);
   }
   static ucs_status_t on_hello(void* arg, const void* header, std::size_t hlen, void*,
                                std::size_t, const ucp_am_recv_param_t* param) {
@@ -176,7 +151,7 @@ class RawOwner {
   }
   void run() {
     while (!stop_) {
-      ucp_worker_progress(worker_);
+      ucp_worker_progress(ucp_.worker);
       while (!tasks_.empty()) {
         auto t = std::move(tasks_.front());
         tasks_.pop_front();
@@ -185,10 +160,9 @@ class RawOwner {
     }
   }
 
+  RawUcp ucp_;  // first: released last
   rma::RmaRegionInfo region_;
   OnRead on_read_;
-  ucp_context_h context_ = nullptr;
-  ucp_worker_h worker_ = nullptr;
   ucp_listener_h listener_ = nullptr;
   std::uint16_t port_ = 0;
   std::vector<ucp_ep_h> eps_;                  // [progress thread]
