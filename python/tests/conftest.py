@@ -134,3 +134,20 @@ def read_marks(peer, n):
         if line.startswith("MARKED "):
             seen.append(int(line.split()[1]))
     return seen
+
+
+def check_layer_by_layer(stream, num_layers, nbytes, cache, local, num_tokens):
+    """A stream from the slow owner: every layer arrives in order, the first
+    well before the last (about `ms` apart, not all at the end), the read moves
+    `nbytes`, and no poison was copied. Returns the arrival times."""
+    assert stream.num_layers == num_layers
+    t0 = time.monotonic()
+    arrivals = []
+    for layer in range(num_layers):
+        assert stream.wait_for_layer(layer, timeout=10)
+        arrivals.append(time.monotonic() - t0)
+        assert stream.layers_done >= layer + 1
+    assert stream.future.result(timeout=10) == nbytes
+    assert arrivals[0] < arrivals[-1] - 0.3, arrivals
+    assert cache.verify_pattern(STREAM_SEED, local, 0, num_tokens)["ok"], "poison was copied"
+    return arrivals

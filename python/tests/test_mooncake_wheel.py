@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import mstar_kv as kv
-from conftest import (SEED, STREAM_SEED, local_layout, read_marks, sentinel_fill,
-                      start_stream)
+from conftest import (SEED, STREAM_SEED, check_layer_by_layer, local_layout, read_marks,
+                      sentinel_fill, start_stream)
 
 mooncake_engine = pytest.importorskip(
     "mooncake.engine", reason="the Mooncake wheel (mooncake-transfer-engine-non-cuda) is "
@@ -160,36 +160,40 @@ def stream_reader(timeout=10.0):
     return cache, te, kv.KVTransferManager(engine, cache)
 
 
+class Streamed:
+    """A wheel reader streaming from a slow owner that marks `ready` of 4
+    layers `ms` apart (peer.py "stream"): the owner, its sequence, the
+    reader's cache, TransferEngine (kept alive), manager, local pages, and
+    the stream."""
+
+    def __init__(self, peer_factory, ms, ready, **stream_kw):
+        self.peer = peer_factory("mooncake")
+        self.seq = start_stream(self.peer, ms, ready)
+        self.cache, self.te, self.mgr = stream_reader()
+        self.local = list(range(len(self.seq.page_indices)))
+        self.stream = self.start(**stream_kw)
+
+    def start(self, **stream_kw):
+        return self.mgr.start_streaming_retrieve(0, self.seq.num_tokens, self.local,
+                                                 self.seq.page_indices,
+                                                 self.seq.kv_transfer_info, **stream_kw)
+
+
 def test_streamed_pull_waits_for_each_layer_and_is_byte_exact(peer_factory):
-    peer = peer_factory("mooncake")
-    seq = start_stream(peer, 150, 4)
-    cache, te, mgr = stream_reader()
-    local = list(range(len(seq.page_indices)))
-    s = mgr.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
-                                     seq.kv_transfer_info)
-    assert s.num_layers == 4
-    t0 = time.monotonic()
-    arrivals = []
-    for layer in range(4):
-        assert s.wait_for_layer(layer, timeout=10)
-        arrivals.append(time.monotonic() - t0)
-    layout = cache.layout
-    assert s.future.result(timeout=10) == layout.num_layers * 2 * seq.num_tokens * layout.token_bytes
-    assert arrivals[0] < arrivals[3] - 0.3, arrivals  # layer by layer, not all at the end
-    assert cache.verify_pattern(STREAM_SEED, local, 0, seq.num_tokens)["ok"], "poison was copied"
-    assert read_marks(peer, 4) == [0, 1, 2, 3]
-    mgr.cleanup()
+    st = Streamed(peer_factory, 150, 4)
+    layout = st.cache.layout
+    # Layer by layer, not all at the end.
+    check_layer_by_layer(st.stream, 4,
+                         layout.num_layers * 2 * st.seq.num_tokens * layout.token_bytes,
+                         st.cache, st.local, st.seq.num_tokens)
+    assert read_marks(st.peer, 4) == [0, 1, 2, 3]
+    st.mgr.cleanup()
 
 
 def test_stream_faults_never_marked_corrupt_readiness_and_no_epoch(peer_factory):
-    peer = peer_factory("mooncake")
-    seq = start_stream(peer, 0, 1)  # layers 1..3 never marked
+    st = Streamed(peer_factory, 0, 1, ready_timeout=0.5)  # layers 1..3 never marked
+    peer, seq, local, s = st.peer, st.seq, st.local, st.stream
     assert read_marks(peer, 1) == [0]
-    cache, te, mgr = stream_reader()
-    local = list(range(len(seq.page_indices)))
-    before = raw(cache).copy()
-    s = mgr.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
-                                     seq.kv_transfer_info, ready_timeout=0.5)
     assert s.wait_for_layer(0, timeout=10)
     with pytest.raises(kv.TransferTimeoutError, match="layer 1 of 4"):
         s.future.result(timeout=10)
@@ -213,41 +217,30 @@ def test_stream_faults_never_marked_corrupt_readiness_and_no_epoch(peer_factory)
     assert peer.command("rawready 1") == "RAW"
     with pytest.raises(kv.CorruptDescriptorError, match="went backwards from 2 to 1"):
         s3.future.result(timeout=10)
-    mgr.cleanup()
+    st.mgr.cleanup()
     mgr2.cleanup()
-    del before
 
 
 def test_owner_death_mid_stream_fails_the_stream(peer_factory):
-    peer = peer_factory("mooncake")
-    seq = start_stream(peer, 200, 4)
-    cache, te, mgr = stream_reader()
-    local = list(range(len(seq.page_indices)))
-    s = mgr.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
-                                     seq.kv_transfer_info)
-    assert s.wait_for_layer(0, timeout=10)
-    peer.kill()
+    st = Streamed(peer_factory, 200, 4)
+    assert st.stream.wait_for_layer(0, timeout=10)
+    st.peer.kill()
     t0 = time.monotonic()
     with pytest.raises(kv.PeerFailureError):
-        s.future.result(timeout=30)
+        st.stream.future.result(timeout=30)
     assert time.monotonic() - t0 < 5
-    assert cache.verify_pattern(STREAM_SEED, local, 0, seq.num_tokens)["ok"] is False
-    mgr.cleanup()
+    assert st.cache.verify_pattern(STREAM_SEED, st.local, 0, st.seq.num_tokens)["ok"] is False
+    st.mgr.cleanup()
 
 
 def test_cancel_and_cleanup_mid_stream(peer_factory):
-    peer = peer_factory("mooncake")
-    seq = start_stream(peer, 300, 4)
-    cache, te, mgr = stream_reader()
-    local = list(range(len(seq.page_indices)))
-    s = mgr.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
-                                     seq.kv_transfer_info)
+    st = Streamed(peer_factory, 300, 4)
+    s = st.stream
     assert s.wait_for_layer(0, timeout=10)
     s.cancel()
     with pytest.raises(concurrent.futures.CancelledError):
         s.future.result(timeout=5)
-    s2 = mgr.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
-                                      seq.kv_transfer_info)
-    mgr.cleanup()  # a stream still waiting resolves with ShutdownError
+    s2 = st.start()
+    st.mgr.cleanup()  # a stream still waiting resolves with ShutdownError
     with pytest.raises(kv.ShutdownError):
         s2.future.result(timeout=5)
