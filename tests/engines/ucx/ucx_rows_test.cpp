@@ -23,6 +23,12 @@ std::vector<std::byte> region(std::size_t n) {
   return r;
 }
 
+std::uint64_t total_bytes(const std::vector<StridedSpan>& spans) {
+  std::uint64_t n = 0;
+  for (const StridedSpan& s : spans) n += s.bytes();
+  return n;
+}
+
 // The rows by a plain loop: the reference.
 std::vector<std::byte> expected(const std::vector<std::byte>& base,
                                 const std::vector<StridedSpan>& spans) {
@@ -46,8 +52,7 @@ const std::vector<StridedSpan> kSpans = {
 TEST(UcxRows, PacksTheNamedRowsInOrderForAnyFragmentSize) {
   const auto base = region(96 * 1024);
   const auto want = expected(base, kSpans);
-  std::uint64_t bytes = 0;
-  for (const StridedSpan& s : kSpans) bytes += s.bytes();
+  const std::uint64_t bytes = total_bytes(kSpans);
   ASSERT_EQ(bytes, want.size());
   for (const std::size_t frag : {std::size_t{1}, std::size_t{7}, std::size_t{64},
                                  std::size_t{1000}, std::size_t{4096}, want.size()}) {
@@ -109,12 +114,17 @@ std::vector<std::byte> landed(std::size_t size, const std::vector<StridedSpan>& 
   return out;
 }
 
+// A message for the local rows and what the memory should hold after it.
+struct SinkCase {
+  std::vector<StridedSpan> spans = local_rows();
+  std::uint64_t bytes = total_bytes(spans);
+  std::vector<std::byte> msg = region(bytes);
+  std::vector<std::byte> want = landed(128 * 1024, spans, msg);
+};
+
 TEST(UcxRows, ASinkWritesTheRowsAndNothingElseStreamingOrNot) {
-  const auto spans = local_rows();
-  std::uint64_t bytes = 0;
-  for (const StridedSpan& s : spans) bytes += s.bytes();
-  const auto msg = region(bytes);
-  const auto want = landed(128 * 1024, spans, msg);
+  const SinkCase c;
+  const auto& [spans, bytes, msg, want] = c;
   for (const bool stream : {false, true}) {
     for (const std::size_t frag : {std::size_t{1}, std::size_t{100}, std::size_t{4096},
                                    std::size_t{65536}, msg.size()}) {
@@ -131,11 +141,8 @@ TEST(UcxRows, ASinkWritesTheRowsAndNothingElseStreamingOrNot) {
 }
 
 TEST(UcxRows, ASinkTakesFragmentsInAnyOrder) {
-  const auto spans = local_rows();
-  std::uint64_t bytes = 0;
-  for (const StridedSpan& s : spans) bytes += s.bytes();
-  const auto msg = region(bytes);
-  const auto want = landed(128 * 1024, spans, msg);
+  const SinkCase c;
+  const auto& [spans, bytes, msg, want] = c;
   std::vector<std::size_t> starts;
   for (std::size_t at = 0; at < msg.size(); at += 777) starts.push_back(at);
   std::mt19937_64 rng(3);
