@@ -23,6 +23,10 @@
 namespace mstar::kv::detail {
 
 inline constexpr std::uint64_t kStreamLine = 64;
+// Reads of at least this many bytes stream: far more than the caches keep
+// (16 MiB: one layer of a 4096-token Llama-3-8B request, which a layer-wise
+// stream reads on its own; bench/README.md).
+inline constexpr std::uint64_t kStreamReadBytes = 16u << 20;
 
 #if MSTAR_KV_STREAMING_STORES
 // One cache line, d 64-byte aligned.

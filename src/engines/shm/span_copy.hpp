@@ -20,13 +20,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/stream_copy.hpp"
 #include "mstar/kv/planner.hpp"
 
 namespace mstar::kv::shm {
 
-// Jobs of at least this many bytes stream (16 MiB: one layer of a 4096-token
-// Llama-3-8B request, which a layer-wise stream reads on its own; bench/README.md).
-inline constexpr std::uint64_t kStreamBytes = 16u << 20;
+// Jobs of at least this many bytes stream (core/stream_copy.hpp).
+inline constexpr std::uint64_t kStreamBytes = detail::kStreamReadBytes;
 
 // Copies one span's rows from src + remote offsets to dst + local offsets.
 // Streaming, `next` (the span copied after this one, if any) lets the rows

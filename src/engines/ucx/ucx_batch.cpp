@@ -3,6 +3,7 @@
 // UcxCore, the reader's reads (batches): starting one (an am request or
 // gets), its requests' completions, the epoch checks, failing, aborting and
 // finishing it.
+#include "core/stream_copy.hpp"
 #include "ucx_core.hpp"
 
 namespace mstar::kv::ucx {
@@ -151,7 +152,7 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
     std::uint64_t bytes = 0;
     for (const rma::RmaRead& r : b->chunks) bytes += r.length;
     for (const StridedSpan& s : b->strided) bytes += s.bytes();
-    b->stream = bytes >= kStreamGatheredBytes;
+    b->stream = bytes >= detail::kStreamReadBytes;  // lands with non-temporal stores
   } else {
     for (const rma::RmaRead& r : b->chunks) b->pending.emplace(r.local_offset, r.length);
   }

@@ -40,9 +40,6 @@ constexpr std::uint64_t kMaxSpansPerRequest = 1u << 22;
 // 3.2 -> 4.0-4.6 GB/s, 4 KiB x 4096: 1.8 -> 3.8).
 constexpr std::size_t kGatherMinSpans = 64;
 constexpr std::uint64_t kGatherBelowBytes = 256u << 10;
-// Gathered reads of at least this many bytes land with non-temporal stores
-// (RowSink): far more than the caches keep.
-constexpr std::uint64_t kStreamGatheredBytes = 16u << 20;
 
 // Whether a read of these spans gets gathered replies (kReqGather): many,
 // and small on average.
