@@ -168,8 +168,10 @@ class Streamed:
 
     def __init__(self, peer_factory, ms, ready, **stream_kw):
         self.peer = peer_factory("mooncake")
-        self.seq = start_stream(self.peer, ms, ready)
+        # The reader first: making a TransferEngine can take longer than the
+        # owner takes to mark every layer, and then they would all be there.
         self.cache, self.te, self.mgr = stream_reader()
+        self.seq = start_stream(self.peer, ms, ready)
         self.local = list(range(len(self.seq.page_indices)))
         self.stream = self.start(**stream_kw)
 

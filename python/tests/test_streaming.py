@@ -51,10 +51,10 @@ def test_streamed_pull_waits_for_each_layer_and_is_byte_exact(peer_factory, engi
     if engine not in kv.built_engines():
         pytest.skip(f"the {engine} engine is not built")
     peer = peer_factory(engine)
-    seq = start_stream(peer, 150, 4)
     cache = sentinel_cache()
-    local = list(range(len(seq.page_indices)))
-    with manager(cache, engine) as mgr:
+    with manager(cache, engine) as mgr:  # before the owner starts marking
+        seq = start_stream(peer, 150, 4)
+        local = list(range(len(seq.page_indices)))
         stream = mgr.start_streaming_retrieve(0, seq.num_tokens, local, seq.page_indices,
                                               seq.kv_transfer_info)
         # Layer by layer, about 150 ms apart: not all at the end.
