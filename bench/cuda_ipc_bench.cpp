@@ -2,26 +2,35 @@
 //
 // cuda_ipc_bench: pulls one Llama-3-8B request (4096 tokens, scattered
 // pages) device-to-device from another process through the cuda_ipc engine,
-// and measures, in the same run and on the same GPU:
-//   memcpy_d2d    one cudaMemcpyAsync of the request's bytes, contiguous
-//                 (the device's copy bandwidth: the ceiling);
-//   spans_local   the engine's exact copy plan (same spans, same number of
-//                 streams, round-robin) issued with cudaMemcpyAsync from a
-//                 local cache (no IPC, no engine);
-//   engine_plain  the engine, one cudaMemcpyAsync per span;
-//   engine_batch  the engine with cudaMemcpyBatchAsync (CUDA >= 13).
-// For a layer-major cache (vLLM's: one span per (layer, k|v, page)) and a
-// page-major one (one span per page). Every engine pull is verified once.
+// with the copy kernel and with the per-span memcpy path, and measures each,
+// in the same run and on the same GPU, against
+//   memcpy_d2d    one cudaMemcpyAsync of the same number of bytes,
+//                 contiguous (the device's copy bandwidth: the ceiling).
+// Cases (the owner always holds all 8 KV heads in 16-token pages):
+//   layer         layer-major NHD -> layer-major NHD (16,384 spans of 32 KiB)
+//   page          page-major NHD -> page-major NHD (256 spans of 2 MiB)
+//   layer_page    layer_page NHD -> layer_page NHD (upstream mstar's
+//                 [L, P, 2, T, H, D]: one span per (layer, page))
+//   nhd_hnd       layer-major HND owner -> layer-major NHD reader
+//   tp1_2         layer-major NHD owner -> a TP rank holding heads 4-8
+// Per engine run: the median of the timed pulls (GB/s, ratio to
+// memcpy_d2d), the CPU time of read_batched_async per read (the post:
+// planning, the span table, enqueuing) and the process CPU time per read
+// (every thread, the completion thread's polling included). Every engine
+// pull is verified once against the pattern.
 //
-//   cuda_ipc_bench [--tokens 4096] [--iters 20] [--warmup 3] [--workers 3]
-//                  [--json PATH]
+//   cuda_ipc_bench [--tokens 4096] [--iters 5] [--warmup 2] [--workers 3]
+//                  [--cases layer,page,layer_page,nhd_hnd,tp1_2] [--json PATH]
 //   cuda_ipc_bench --probe      exit 0 with a device, 2 with the reason
-// Internal: cuda_ipc_bench --owner --layout ... (the exporting process).
+// Internal: cuda_ipc_bench --owner --pages N --tokens T --order O --hnd B
+// (the exporting process).
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -56,7 +65,7 @@ void check(cudaError_t err, const char* what) {
   }
 }
 
-KVLayout llama3_8b(std::uint32_t pages, CacheOrder order) {
+KVLayout llama3_8b(std::uint32_t pages, CacheOrder order, PageOrder po = PageOrder::kNHD) {
   KVLayout l;
   l.num_layers = 32;
   l.num_pages = pages;
@@ -65,7 +74,7 @@ KVLayout llama3_8b(std::uint32_t pages, CacheOrder order) {
   l.head_dim = 128;
   l.dtype = DType::kBFloat16;
   l.cache_order = order;
-  l.page_order = PageOrder::kNHD;
+  l.page_order = po;
   return l;
 }
 
@@ -83,14 +92,17 @@ int owner_main(int argc, char** argv) {
   std::uint32_t pages = 0;
   std::uint64_t tokens = 0;
   std::string order = "layer";
+  bool hnd = false;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--pages") pages = static_cast<std::uint32_t>(std::stoul(argv[i + 1]));
     if (k == "--tokens") tokens = std::stoull(argv[i + 1]);
     if (k == "--order") order = argv[i + 1];
+    if (k == "--hnd") hnd = std::string(argv[i + 1]) == "1";
   }
   try {
-    const KVLayout l = llama3_8b(pages, parse_cache_order(order));
+    const KVLayout l =
+        llama3_8b(pages, parse_cache_order(order), hnd ? PageOrder::kHND : PageOrder::kNHD);
     auto cache = make_kv_cache(l, MemoryKind::kDevice, 0);
     KVTransferManager manager(TransferEngineInfo{"prefill", "", "cuda_ipc", {}}, cache);
     KVCachePool pool(cache, manager.get_kv_transfer_info(), /*scatter_seed=*/7);
@@ -110,9 +122,9 @@ int owner_main(int argc, char** argv) {
 
 class Owner {
  public:
-  Owner(std::uint32_t pages, std::uint64_t tokens, const std::string& order)
+  Owner(std::uint32_t pages, std::uint64_t tokens, const std::string& order, bool hnd)
       : child_({testkit::self_exe(), "--owner", "--pages", std::to_string(pages), "--tokens",
-                std::to_string(tokens), "--order", order},
+                std::to_string(tokens), "--order", order, "--hnd", hnd ? "1" : "0"},
                {}, /*merge_stderr=*/false) {
     const auto deadline = Clock::now() + std::chrono::seconds(120);
     for (;;) {
@@ -149,115 +161,144 @@ class Owner {
 
 // ---- measurement -------------------------------------------------------------
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+double thread_cpu_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+double process_cpu_s() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  const auto tv = [](const timeval& t) {
+    return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6;
+  };
+  return tv(ru.ru_utime) + tv(ru.ru_stime);
+}
+
 struct Result {
   std::string name;
   std::uint64_t bytes = 0;
   std::vector<double> seconds;
-
-  double median() const {
-    auto s = seconds;
-    std::sort(s.begin(), s.end());
-    return s[s.size() / 2];
-  }
-  double best() const { return *std::min_element(seconds.begin(), seconds.end()); }
-  double gbps(double t) const { return static_cast<double>(bytes) / t / 1e9; }
+  std::vector<double> post_cpu;  // read_batched_async's thread CPU, per read
+  std::vector<double> proc_cpu;  // the process's CPU over the pull, per read
+  double gbps() const { return static_cast<double>(bytes) / median(seconds) / 1e9; }
 };
-
-template <typename Fn>
-Result measure(const std::string& name, std::uint64_t bytes, int warmup, int iters, Fn&& fn) {
-  Result r{name, bytes, {}};
-  for (int i = 0; i < warmup; ++i) fn();
-  for (int i = 0; i < iters; ++i) {
-    const auto t0 = Clock::now();
-    fn();
-    r.seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  return r;
-}
 
 struct Config {
   std::uint64_t tokens = 4096;
-  int iters = 20;
-  int warmup = 3;
+  int iters = 5;
+  int warmup = 2;
   std::uint32_t workers = 3;
+  std::string cases = "layer,page,layer_page,nhd_hnd,tp1_2";
   std::string json;
 };
 
-std::vector<Result> run_order(const Config& cfg, const std::string& order, std::ostream& log,
-                              std::string* plan_note) {
+// One contiguous copy of `bytes` device to device: the ceiling.
+Result memcpy_d2d(const std::string& name, std::uint64_t bytes, const Config& cfg) {
+  void* a = nullptr;
+  void* b = nullptr;
+  check(cudaMalloc(&a, bytes), "cudaMalloc");
+  check(cudaMalloc(&b, bytes), "cudaMalloc");
+  cudaStream_t s = nullptr;
+  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  Result r{name, bytes, {}, {}, {}};
+  for (int i = 0; i < cfg.warmup + cfg.iters; ++i) {
+    const auto t0 = Clock::now();
+    check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s), "memcpy");
+    check(cudaStreamSynchronize(s), "sync");
+    if (i >= cfg.warmup) r.seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  check(cudaStreamDestroy(s), "stream destroy");
+  check(cudaFree(a), "free");
+  check(cudaFree(b), "free");
+  return r;
+}
+
+// The engine on one copy path: timed pulls, then one verified.
+Result engine_pulls(const std::string& name, const std::string& path,
+                    const std::shared_ptr<KVCache>& local, const SequenceInfo& seq,
+                    const std::vector<KVReadInfo>& reads, std::span<const std::uint32_t> lp,
+                    std::uint64_t bytes, const Config& cfg, std::ostream& log) {
+  check(cudaMemset(local->base(), 0, local->layout().total_bytes()), "memset");
+  check(cudaDeviceSynchronize(), "sync");
+  EngineOptions o;
+  o.max_workers = cfg.workers;
+  o.timeout = std::chrono::seconds(60);
+  o.extra["cuda_ipc_copy"] = path;
+  CudaIpcKVTransferEngine engine(local, o);
+  const RemoteHandle remote = engine.open_remote(seq.kv_transfer_info);
+  Result r{name, bytes, {}, {}, {}};
+  for (int i = 0; i < cfg.warmup + cfg.iters; ++i) {
+    const auto t0 = Clock::now();
+    const double p0 = process_cpu_s();
+    const double c0 = thread_cpu_s();
+    auto f = engine.read_batched_async(*remote, reads);
+    const double c1 = thread_cpu_s();
+    if (!f || f->get() != bytes) throw std::runtime_error(name + ": short read");
+    const double p1 = process_cpu_s();
+    if (i < cfg.warmup) continue;
+    r.seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    r.post_cpu.push_back(c1 - c0);
+    r.proc_cpu.push_back(p1 - p0);
+  }
+  auto host = KVCache::create_host(local->layout());
+  check(cudaMemcpy(host->base(), local->base(), local->layout().total_bytes(), cudaMemcpyDeviceToHost),
+        "d2h");
+  const VerifyResult v = verify_pattern(*host, kSeed, lp, 0, cfg.tokens);
+  if (!v.ok()) throw std::runtime_error(name + " delivered wrong bytes: " + v.first_mismatch);
+  log << "   " << name << ": verified " << v.bytes_checked << " bytes" << std::endl;
+  engine.shutdown();
+  return r;
+}
+
+struct CaseResult {
+  std::string name;
+  std::string plan;
+  Result base;
+  std::vector<Result> engine;  // kernel, memcpy
+};
+
+// One case: the owner's layout, the reader's, and both copy paths.
+CaseResult run_case(const Config& cfg, const std::string& name, std::ostream& log) {
   const std::uint32_t seq_pages = static_cast<std::uint32_t>((cfg.tokens + 15) / 16);
   const std::uint32_t pages = seq_pages * 2;  // scattered over a cache twice the request
-  const KVLayout l = llama3_8b(pages, parse_cache_order(order));
-  Owner owner(pages, cfg.tokens, order);
+  const std::string order_name = name == "page" || name == "layer_page" ? name : "layer";
+  const CacheOrder order = parse_cache_order(order_name);
+  const bool owner_hnd = name == "nhd_hnd";
+  const KVLayout remote = llama3_8b(pages, order, owner_hnd ? PageOrder::kHND : PageOrder::kNHD);
+  KVLayout l = llama3_8b(pages, order);
+  if (name == "tp1_2") {  // rank 1 of TP=2: heads 4-8 of 8
+    l.num_kv_heads = 4;
+    l.first_kv_head = 4;
+    l.total_kv_heads = 8;
+  }
+  Owner owner(pages, cfg.tokens, order_name, owner_hnd);
   const SequenceInfo& seq = owner.seq();
-
   auto local = make_kv_cache(l, MemoryKind::kDevice, 0);
   KVCachePool local_pool(local, {}, /*scatter_seed=*/11);
   const auto lp = local_pool.allocate(1, cfg.tokens);
-  const auto reads = plan_reads(l, 0, cfg.tokens, lp, seq.page_indices);
-  const CopyPlan plan = plan_copies(l, l, reads);
-  *plan_note = order + "-major: " + std::to_string(plan.spans.size()) + " spans (" +
-               std::to_string(plan.uncoalesced_spans) + " before coalescing), " +
-               std::to_string(plan.total_bytes) + " bytes";
-  log << "== " << *plan_note << std::endl;
-
-  std::vector<Result> results;
-  // Ceiling: the same bytes, one contiguous copy.
-  {
-    void* a = nullptr;
-    void* b = nullptr;
-    check(cudaMalloc(&a, plan.total_bytes), "cudaMalloc");
-    check(cudaMalloc(&b, plan.total_bytes), "cudaMalloc");
-    cudaStream_t s = nullptr;
-    check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-    results.push_back(measure(order + "/memcpy_d2d", plan.total_bytes, cfg.warmup, cfg.iters, [&] {
-      check(cudaMemcpyAsync(b, a, plan.total_bytes, cudaMemcpyDeviceToDevice, s), "memcpy");
-      check(cudaStreamSynchronize(s), "sync");
-    }));
-    check(cudaStreamDestroy(s), "stream destroy");
-    check(cudaFree(a), "free");
-    check(cudaFree(b), "free");
+  const auto reads = plan_reads(l, remote, 0, cfg.tokens, lp, seq.page_indices);
+  const StridedPlan plan = plan_strided_copies(l, remote, reads);
+  std::uint64_t strided = 0;
+  for (const StridedSpan& s : plan.spans) strided += s.rows > 1;
+  CaseResult c{name, name + ": " + std::to_string(plan.spans.size()) + " spans (" +
+                         std::to_string(strided) + " strided, " +
+                         std::to_string(plan.uncoalesced_spans) + " rows), " +
+                         std::to_string(plan.total_bytes) + " bytes",
+               {}, {}};
+  log << "== " << c.plan << std::endl;
+  c.base = memcpy_d2d(name + "/memcpy_d2d", plan.total_bytes, cfg);
+  for (const char* path : {"kernel", "memcpy"}) {
+    c.engine.push_back(engine_pulls(name + "/engine_" + path, path, local, seq, reads, lp,
+                                    plan.total_bytes, cfg, log));
   }
-  // The engine's spans, no engine, no IPC: a local source cache.
-  {
-    auto src = make_kv_cache(l, MemoryKind::kDevice, 0);
-    std::vector<cudaStream_t> streams(cfg.workers);
-    for (auto& s : streams) check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-    results.push_back(
-        measure(order + "/spans_local", plan.total_bytes, cfg.warmup, cfg.iters, [&] {
-          const std::size_t n = std::min<std::size_t>(streams.size(), plan.spans.size());
-          for (std::size_t i = 0; i < plan.spans.size(); ++i) {
-            const CopySpan& c = plan.spans[i];
-            check(cudaMemcpyAsync(local->base() + c.local_offset, src->base() + c.remote_offset,
-                                  c.length, cudaMemcpyDeviceToDevice, streams[i % n]),
-                  "memcpy");
-          }
-          for (auto s : streams) check(cudaStreamSynchronize(s), "sync");
-        }));
-    for (auto s : streams) check(cudaStreamDestroy(s), "stream destroy");
-  }
-  // The engine, both copy paths, each verified once.
-  for (const char* batch : {"0", "1"}) {
-    check(cudaMemset(local->base(), 0, l.total_bytes()), "memset");
-    check(cudaDeviceSynchronize(), "sync");
-    EngineOptions o;
-    o.max_workers = cfg.workers;
-    o.timeout = std::chrono::seconds(60);
-    o.extra["cuda_ipc_batch"] = batch;
-    CudaIpcKVTransferEngine engine(local, o);
-    const std::string name = order + (batch[0] == '1' ? "/engine_batch" : "/engine_plain");
-    results.push_back(measure(name, plan.total_bytes, cfg.warmup, cfg.iters, [&] {
-      auto f = engine.read_batched_async(seq.kv_transfer_info, reads);
-      if (!f || f->get() != plan.total_bytes) throw std::runtime_error(name + ": short read");
-    }));
-    auto host = KVCache::create_host(l);
-    check(cudaMemcpy(host->base(), local->base(), l.total_bytes(), cudaMemcpyDeviceToHost), "d2h");
-    const VerifyResult v = verify_pattern(*host, kSeed, lp, 0, cfg.tokens);
-    if (!v.ok()) throw std::runtime_error(name + " delivered wrong bytes: " + v.first_mismatch);
-    log << "   " << name << ": verified " << v.bytes_checked << " bytes" << std::endl;
-    engine.shutdown();
-  }
-  return results;
+  return c;
 }
 
 int bench_main(const Config& cfg) {
@@ -275,37 +316,50 @@ int bench_main(const Config& cfg) {
   std::cout << "device 0: " << prop.name << ", CUDA runtime " << runtime << ", driver " << driver
             << std::endl;
   std::cout << "request: Llama-3-8B (32 layers, 8 KV heads x 128, bf16, 16-token pages), "
-            << cfg.tokens << " tokens, scattered pages; " << cfg.workers << " streams; "
+            << cfg.tokens << " tokens, scattered pages; " << cfg.workers << " streams; medians of "
             << cfg.iters << " timed pulls after " << cfg.warmup << " warm-up" << std::endl;
-  std::vector<Result> all;
-  std::vector<std::string> notes;
-  for (const char* order : {"layer", "page"}) {
-    std::string note;
-    auto r = run_order(cfg, order, std::cout, &note);
-    notes.push_back(note);
-    all.insert(all.end(), r.begin(), r.end());
+  std::vector<CaseResult> all;
+  std::stringstream names(cfg.cases);
+  for (std::string name; std::getline(names, name, ',');) {
+    if (name != "layer" && name != "page" && name != "layer_page" && name != "nhd_hnd" &&
+        name != "tp1_2") {
+      throw std::runtime_error("unknown case '" + name +
+                               "' (layer, page, layer_page, nhd_hnd, tp1_2)");
+    }
+    all.push_back(run_case(cfg, name, std::cout));
   }
-  std::printf("\n%-22s %14s %12s %12s %12s\n", "case", "bytes", "median ms", "GB/s (med)",
-              "GB/s (best)");
-  for (const auto& r : all) {
-    std::printf("%-22s %14llu %12.3f %12.1f %12.1f\n", r.name.c_str(),
-                static_cast<unsigned long long>(r.bytes), r.median() * 1e3, r.gbps(r.median()),
-                r.gbps(r.best()));
+  std::printf("\n%-22s %12s %10s %10s %8s %14s %14s\n", "case", "bytes", "median ms", "GB/s",
+              "ratio", "post CPU us", "proc CPU us");
+  for (const CaseResult& c : all) {
+    std::printf("%-22s %12llu %10.3f %10.1f %8s %14s %14s\n", c.base.name.c_str(),
+                static_cast<unsigned long long>(c.base.bytes), median(c.base.seconds) * 1e3,
+                c.base.gbps(), "1", "-", "-");
+    for (const Result& r : c.engine) {
+      std::printf("%-22s %12llu %10.3f %10.1f %8.3f %14.1f %14.1f\n", r.name.c_str(),
+                  static_cast<unsigned long long>(r.bytes), median(r.seconds) * 1e3, r.gbps(),
+                  r.gbps() / c.base.gbps(), median(r.post_cpu) * 1e6, median(r.proc_cpu) * 1e6);
+    }
   }
   if (!cfg.json.empty()) {
     std::ofstream j(cfg.json);
     j << "{\n  \"device\": \"" << prop.name << "\",\n  \"cuda_runtime\": " << runtime
       << ",\n  \"cuda_driver\": " << driver << ",\n  \"tokens\": " << cfg.tokens
       << ",\n  \"streams\": " << cfg.workers << ",\n  \"iters\": " << cfg.iters
-      << ",\n  \"plans\": [";
-    for (std::size_t i = 0; i < notes.size(); ++i) j << (i ? ", " : "") << "\"" << notes[i] << "\"";
-    j << "],\n  \"results\": [\n";
+      << ",\n  \"cases\": [\n";
     for (std::size_t i = 0; i < all.size(); ++i) {
-      const auto& r = all[i];
-      j << "    {\"case\": \"" << r.name << "\", \"bytes\": " << r.bytes
-        << ", \"median_ms\": " << r.median() * 1e3 << ", \"gbps_median\": " << r.gbps(r.median())
-        << ", \"gbps_best\": " << r.gbps(r.best()) << "}" << (i + 1 < all.size() ? "," : "")
-        << "\n";
+      const CaseResult& c = all[i];
+      j << "    {\"case\": \"" << c.name << "\", \"plan\": \"" << c.plan
+        << "\", \"bytes\": " << c.base.bytes << ", \"memcpy_d2d_gbps\": " << c.base.gbps()
+        << ", \"engine\": [";
+      for (std::size_t k = 0; k < c.engine.size(); ++k) {
+        const Result& r = c.engine[k];
+        j << (k ? ", " : "") << "{\"name\": \"" << r.name << "\", \"median_ms\": "
+          << median(r.seconds) * 1e3 << ", \"gbps\": " << r.gbps()
+          << ", \"ratio_to_memcpy_d2d\": " << r.gbps() / c.base.gbps()
+          << ", \"post_cpu_us\": " << median(r.post_cpu) * 1e6
+          << ", \"process_cpu_us\": " << median(r.proc_cpu) * 1e6 << "}";
+      }
+      j << "]}" << (i + 1 < all.size() ? "," : "") << "\n";
     }
     j << "  ]\n}\n";
   }
@@ -336,6 +390,7 @@ int main(int argc, char** argv) {
     }
     const std::string v = argv[++i];
     if (k == "--tokens") cfg.tokens = std::stoull(v);
+    else if (k == "--cases") cfg.cases = v;
     else if (k == "--iters") cfg.iters = std::max(1, std::stoi(v));
     else if (k == "--warmup") cfg.warmup = std::max(0, std::stoi(v));
     else if (k == "--workers") cfg.workers = static_cast<std::uint32_t>(std::stoul(v));

@@ -49,11 +49,12 @@ struct Request {
   std::uint64_t start = 0, end = 0;
 };
 
-// range(0): scattered; range(1): page-major; range(2): in-page case
+// range(0): scattered; range(1): cache order (0 layer, 1 page, 2
+// layer_page); range(2): in-page case
 // (0 NHD, 1 HND, 2 HND with a prefix hit ending mid-page, 3 NHD <- HND).
 Request request(const benchmark::State& state) {
   const bool scattered = state.range(0) != 0;
-  const CacheOrder co = state.range(1) != 0 ? CacheOrder::kPageMajor : CacheOrder::kLayerMajor;
+  const auto co = static_cast<CacheOrder>(state.range(1));
   const int in_page = static_cast<int>(state.range(2));
   // NHD <- HND moves every (token, head) row on its own: 67M spans at 128k
   // tokens would not fit comfortably, so that case plans 4096 tokens.
@@ -157,24 +158,25 @@ void BM_EpochChecks(benchmark::State& state) {
 }
 
 void args(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"scattered", "page_major", "in_page"});
+  b->ArgNames({"scattered", "cache_order", "in_page"});
   for (int scattered : {0, 1}) {
-    for (int page_major : {0, 1}) {
-      for (int in_page : {0, 1, 2}) b->Args({scattered, page_major, in_page});
+    for (int order : {0, 1, 2}) {
+      for (int in_page : {0, 1, 2}) b->Args({scattered, order, in_page});
     }
   }
   b->Unit(benchmark::kMillisecond);
 }
 
 void args_mismatch(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"scattered", "page_major", "in_page"});
+  b->ArgNames({"scattered", "cache_order", "in_page"});
   b->Args({1, 0, 3});
   b->Args({1, 1, 3});
+  b->Args({1, 2, 3});
   b->Unit(benchmark::kMillisecond);
 }
 
 void args_split(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"scattered", "page_major", "in_page"});
+  b->ArgNames({"scattered", "cache_order", "in_page"});
   b->Args({0, 0, 0});
   b->Args({1, 0, 0});
   b->Unit(benchmark::kMillisecond);

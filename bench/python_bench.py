@@ -2,7 +2,7 @@
 """The Python package against the C++ library, and Mooncake through its wheel
 against the wheel's own benchmark: every comparison taken in the same run.
 
-    python3 bench/python_bench.py [--rounds 5] [--cases pull,overhead,mooncake]
+    python3 bench/python_bench.py [--rounds 5] [--cases pull,overhead,mooncake,mooncake-bounce]
                                   [--engines shm,ucx] [--json FILE]
 
 pull      the Llama-3-8B request (32 layers, 8 KV heads, head dim 128, bf16,
@@ -20,6 +20,12 @@ mooncake  the Python Mooncake engine over the wheel's TransferEngine, reading
           peer, wheel engine too), beside the wheel's transfer_engine_bench
           (TCP, P2P handshake, --operation=read --block_size=65536
           --batch_size=128 --threads=1), alternating.
+mooncake-bounce
+          the cost of the wheel engine's bounce buffers (bounce=True, the
+          default: nothing lands in the cache after a failed read) against
+          reading straight into the cache (bounce=False), on the same owner,
+          alternating, for a read of 8 MiB (64 KiB x 128) and one of 128 MiB
+          (64 KiB x 2048); ratio = bounce median / direct.
 Needs: `cmake --preset release && cmake --build build/release` (mstar-kv and
 mstar_kv_retrieve_bench), the package installed (pip install ./python) and,
 for mooncake, the wheel mooncake-transfer-engine-non-cuda.
@@ -104,7 +110,9 @@ def case_pull(engine, rounds, repeat=6):
     os.environ.update(env)
     port = free_port()
     serve = subprocess.Popen([CLI, "serve", "--engine", engine, "--listen", f"127.0.0.1:{port}",
-                              "--tokens", "4096", "--sequences", "1"], stdout=subprocess.PIPE,
+                              "--tokens", "4096", "--sequences", "1",
+                              "--lease-ms", "0"],  # rounds outlast the 60 s default lease
+                             stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, env=env)
     base = f"http://127.0.0.1:{port}/v1/sequences/0"
     try:
@@ -115,7 +123,8 @@ def case_pull(engine, rounds, repeat=6):
                 break
             except Exception:
                 if serve.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"mstar-kv serve did not come up: {serve.stdout.read()}")
+                    raise SystemExit(
+                        f"mstar-kv serve did not come up: {serve.stdout.read()}") from None
                 time.sleep(0.2)
         cpp, py = [], []
         for _ in range(rounds):
@@ -220,13 +229,14 @@ def run_transfer_engine_bench(binary, seconds):
             target.kill()
 
 
-def wheel_engine_gbps(seq, seconds):
+def wheel_engine_gbps(seq, seconds, pages=256, te=None, **engine_kw):
     from mooncake.engine import TransferEngine
-    layout = kv.KVLayout(1, 256, 16, 8, 256)  # blocks of 64 KiB
+    layout = kv.KVLayout(1, pages, 16, 8, 256)  # blocks of 64 KiB
     cache = kv.KVCache(layout)
-    te = TransferEngine()
-    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    engine = kv.MooncakeKVTransferEngine(cache, "bench", te)
+    if te is None:
+        te = TransferEngine()
+        assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    engine = kv.MooncakeKVTransferEngine(cache, "bench", te, **engine_kw)
     mgr = kv.KVTransferManager(engine, cache)
     local = list(range(len(seq.page_indices)))
     mgr.sync_retrieve(0, seq.num_tokens, local, seq.page_indices, seq.kv_transfer_info)
@@ -271,6 +281,39 @@ def case_mooncake(rounds, seconds=2):
             "bench_range": [min(theirs), max(theirs)] if theirs else None}
 
 
+def case_mooncake_bounce(rounds, seconds=2):
+    from mooncake.engine import TransferEngine
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python", "tests"))
+    owner = subprocess.Popen([sys.executable, PEER, "mooncake", "--layers", "1", "--pages",
+                              "2048", "--heads", "8", "--head-dim", "256", "--tokens", "16384"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    out = []
+    try:
+        line = ""
+        while not line.startswith("READY"):
+            line = owner.stdout.readline()
+            if not line:
+                raise SystemExit("the Mooncake owner did not start")
+        big = kv.SequenceInfo.from_bytes(bytes.fromhex(line.split()[1]))
+        small = kv.SequenceInfo(big.seq_id, 1024, big.page_indices[:64], big.kv_transfer_info,
+                               page_size=big.page_size)
+        te = TransferEngine()  # one for every engine: one connection to the owner
+        assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        for name, seq in (("64 KiB x 128", small), ("64 KiB x 2048", big)):
+            on, off = [], []
+            for _ in range(rounds):
+                on.append(wheel_engine_gbps(seq, seconds, 2048, te, bounce=True)[0])
+                off.append(wheel_engine_gbps(seq, seconds, 2048, te, bounce=False)[0])
+            out.append({"case": f"mooncake wheel bounce buffers, TCP, {name}",
+                        "bounce_gbps": median(on), "direct_gbps": median(off),
+                        "ratio": median(on) / median(off), "bounce_range": [min(on), max(on)],
+                        "direct_range": [min(off), max(off)]})
+    finally:
+        owner.stdin.close()
+        owner.wait(timeout=30)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -298,6 +341,13 @@ def main():
         results.append(r)
         print(f"{r['case']}: mstar-kv {r['mstar_kv_gbps']:.2f} GB/s, transfer_engine_bench "
               f"{r['transfer_engine_bench_gbps']:.2f} GB/s, ratio {r['ratio']:.2f}", flush=True)
+    if "mooncake-bounce" in cases:
+        for r in case_mooncake_bounce(args.rounds):
+            results.append(r)
+            print(f"{r['case']}: bounce {r['bounce_gbps']:.2f} GB/s "
+                  f"[{r['bounce_range'][0]:.2f}, {r['bounce_range'][1]:.2f}], direct "
+                  f"{r['direct_gbps']:.2f} GB/s [{r['direct_range'][0]:.2f}, "
+                  f"{r['direct_range'][1]:.2f}], ratio {r['ratio']:.3f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -16,6 +16,7 @@
 #include <memory>
 #include <vector>
 
+#include "mstar/kv/factory.hpp"
 #include "mstar/kv/manager.hpp"
 
 namespace {

@@ -33,6 +33,14 @@ std::uint32_t pick(FuzzedDataProvider& p, std::uint32_t small_max, std::uint32_t
   }
 }
 
+// One of the three cache orders, now and then one past them (which
+// validate() must refuse).
+CacheOrder fuzz_cache_order(FuzzedDataProvider& p) {
+  const bool wild = p.ConsumeIntegralInRange<int>(0, 15) == 0;
+  return static_cast<CacheOrder>(
+      p.ConsumeIntegralInRange<std::uint8_t>(0, static_cast<std::uint8_t>(kMaxCacheOrder + wild)));
+}
+
 KVLayout fuzz_layout(FuzzedDataProvider& p) {
   KVLayout l;
   l.num_layers = pick(p, 4, LayoutLimits::kMaxLayers);
@@ -42,7 +50,7 @@ KVLayout fuzz_layout(FuzzedDataProvider& p) {
   l.head_dim = pick(p, 64, LayoutLimits::kMaxHeadDim);
   l.dtype = static_cast<DType>(p.ConsumeIntegralInRange<std::uint8_t>(0, 4));
   l.has_v = p.ConsumeBool();
-  l.cache_order = p.ConsumeBool() ? CacheOrder::kPageMajor : CacheOrder::kLayerMajor;
+  l.cache_order = fuzz_cache_order(p);
   l.page_order = p.ConsumeBool() ? PageOrder::kHND : PageOrder::kNHD;
   if (p.ConsumeIntegralInRange<int>(0, 3) == 0) {  // a head shard of a bigger model
     l.total_kv_heads = pick(p, 12, LayoutLimits::kMaxHeads);
@@ -57,7 +65,7 @@ KVLayout fuzz_remote(FuzzedDataProvider& p, const KVLayout& local) {
   if (p.ConsumeIntegralInRange<int>(0, 7) == 0) return fuzz_layout(p);
   KVLayout r = local;
   r.num_pages = pick(p, 48, LayoutLimits::kMaxPages);
-  r.cache_order = p.ConsumeBool() ? CacheOrder::kPageMajor : CacheOrder::kLayerMajor;
+  r.cache_order = fuzz_cache_order(p);
   r.page_order = p.ConsumeBool() ? PageOrder::kHND : PageOrder::kNHD;
   if (p.ConsumeBool()) r.page_size = pick(p, 24, LayoutLimits::kMaxPageSize);
   if (p.ConsumeBool()) {
@@ -160,17 +168,27 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (raw_reads) {
     reads.resize(p.ConsumeIntegralInRange<std::size_t>(0, 64));
     for (KVReadInfo& r : reads) {
-      const bool wild = p.ConsumeIntegralInRange<int>(0, 15) == 0;
+      // Wild per field, not per read: one wild field among valid ones
+      // reaches the checks after the first (a wild remote_token_start
+      // overflowed rts + tokens only behind valid layer, pages and tokens).
+      auto wild = [&] { return p.ConsumeIntegralInRange<int>(0, 15) == 0; };
       auto v = [&](std::int64_t hi) {
-        return wild ? p.ConsumeIntegral<std::int64_t>()
-                    : p.ConsumeIntegralInRange<std::int64_t>(0, hi);
+        return wild() ? p.ConsumeIntegral<std::int64_t>()
+                      : p.ConsumeIntegralInRange<std::int64_t>(0, hi);
       };
       r.layer_idx = v(local.num_layers);
       r.local_page_idx = v(local.num_pages);
       r.remote_page_idx = v(remote.num_pages);
       r.token_start = v(local.page_size);
       r.token_end = v(local.page_size);
-      if (p.ConsumeBool()) r.remote_token_start = v(remote.page_size) - 1;
+      // -1 (where the local tokens start) up to the remote page's last
+      // token, or any value when wild (never v() - 1: INT64_MIN - 1
+      // overflowed in the harness, not in the library).
+      if (p.ConsumeBool()) {
+        r.remote_token_start =
+            wild() ? p.ConsumeIntegral<std::int64_t>()
+                   : p.ConsumeIntegralInRange<std::int64_t>(-1, std::int64_t{remote.page_size} - 1);
+      }
       if (p.ConsumeIntegralInRange<int>(0, 3) == 0) {
         r.head_start = v(local.end_kv_head());
         r.head_end = v(local.end_kv_head() + 1);

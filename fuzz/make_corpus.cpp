@@ -69,6 +69,7 @@ int main(int argc, char** argv) {
   };
 #if MSTAR_KV_FUZZ_SHM
   std::vector<ShmKVTransferInfo> shm;
+  // Seeds 0-2: layer-major, page-major, layer_page without V.
   for (int i = 0; i < 3; ++i) {
     ShmKVTransferInfo s;
     s.pid = 1234 + static_cast<std::uint32_t>(i);
@@ -77,18 +78,40 @@ int main(int argc, char** argv) {
     s.start_time = 987654;
     s.nonce = 0x1122334455667788ULL + static_cast<std::uint64_t>(i);
     s.layout = layout(4 + static_cast<std::uint32_t>(i), 64, i != 2,
-                      i == 1 ? CacheOrder::kPageMajor : CacheOrder::kLayerMajor,
+                      i == 1   ? CacheOrder::kPageMajor
+                      : i == 2 ? CacheOrder::kLayerPage
+                               : CacheOrder::kLayerMajor,
                       i == 0 ? PageOrder::kNHD : PageOrder::kHND);
     s.size = s.layout.total_bytes();
     shm.push_back(s);
     infos.push_back(s.encode());
     write(out / "fuzz_shm_info", "seed" + std::to_string(i), s.encode().payload, false);
+    // The same cache private (cross-memory attach): one region, or one per
+    // layer of a layer-major layout.
+    ShmKVTransferInfo c = s;
+    c.access = ShmKVTransferInfo::Access::kCma;
+    c.fd = 0;
+    c.anchor = 0x7f0000000000ULL;
+    c.epochs_addr = 0x7f0000100000ULL;
+    c.ready_addr = 0x7f0000200000ULL;
+    const bool split = c.layout.cache_order != CacheOrder::kPageMajor;
+    c.region_bytes = split ? c.layout.layer_bytes() : c.layout.total_bytes();
+    for (std::uint32_t l = 0; l < (split ? c.layout.num_layers : 1u); ++l) {
+      c.regions.push_back(0x7f1000000000ULL + std::uint64_t{l} * 0x100000000ULL);
+    }
+    c.size = split ? c.layout.total_bytes() : c.region_bytes;
+    infos.push_back(c.encode());
+    write(out / "fuzz_shm_info", "cma" + std::to_string(i), c.encode().payload, false);
   }
 #endif
-  for (int i = 0; i < 3; ++i) {
+  // Seeds 0-3: layer-major, layer-major HND without V, page-major,
+  // layer_page HND.
+  for (int i = 0; i < 4; ++i) {
     const KVLayout l = layout(2 + static_cast<std::uint32_t>(i), 32, i != 1,
-                              i == 2 ? CacheOrder::kPageMajor : CacheOrder::kLayerMajor,
-                              i == 1 ? PageOrder::kHND : PageOrder::kNHD);
+                              i == 2   ? CacheOrder::kPageMajor
+                              : i == 3 ? CacheOrder::kLayerPage
+                                       : CacheOrder::kLayerMajor,
+                              i % 2 == 1 ? PageOrder::kHND : PageOrder::kNHD);
     const std::string name = "seed" + std::to_string(i);
     (void)l;
     (void)name;

@@ -15,9 +15,8 @@ import argparse
 import multiprocessing as mp
 import time
 
-import numpy as np
-
 import mstar_kv as kv
+import numpy as np
 
 # Llama-3-8B: 32 layers, 8 KV heads, head dim 128, bf16, 16-token pages.
 LAYERS, HEADS, DIM, PAGE = 32, 8, 128, 16

@@ -19,21 +19,45 @@ Pull one request (decode side)::
 from __future__ import annotations
 
 from . import _core
-from .errors import (CorruptDescriptorError, IncompatibleLayoutError, InternalError,
-                     InvalidArgumentError, KVTransferError, NotFoundError, PeerFailureError,
-                     PermissionDeniedError, RetryLaterError, ShutdownError, StaleDescriptorError,
-                     StatusCode, TransferCancelledError, TransferTimeoutError, UnavailableError)
-from .futures import TransferFuture
-from .engines import (CudaIpcKVTransferEngine, FaultInjectingKVTransferEngine, KVTransferEngine,
-                      LocalOnlyKVTransferEngine, NativeKVTransferEngine, ShmKVTransferEngine,
-                      UcxKVTransferEngine, make_native_engine)
-from .manager import KVCachePool, KVTransferManager, TransferEngineInfo
-from .streaming import LayerStream
-from .mooncake_wheel import MooncakeKVTransferEngine
 from .cuda_share import CudaIpcKVTransferInfo, parse_cuda_share
+from .engines import (
+                     CudaIpcKVTransferEngine,
+                     FaultInjectingKVTransferEngine,
+                     KVTransferEngine,
+                     LocalOnlyKVTransferEngine,
+                     NativeKVTransferEngine,
+                     ShmKVTransferEngine,
+                     UcxKVTransferEngine,
+                     make_native_engine,
+)
+from .errors import (
+                     CorruptDescriptorError,
+                     IncompatibleLayoutError,
+                     InternalError,
+                     InvalidArgumentError,
+                     KVTransferError,
+                     NotFoundError,
+                     NotSupportedError,
+                     PeerFailureError,
+                     PermissionDeniedError,
+                     RetryLaterError,
+                     ShutdownError,
+                     StaleDescriptorError,
+                     StatusCode,
+                     TransferCancelledError,
+                     TransferTimeoutError,
+                     UnavailableError,
+)
+from .futures import TransferFuture
+from .manager import KVTransferManager, TransferEngineInfo
+from .mooncake_engines import MooncakeKVTransferEngine, MooncakeNativeKVTransferEngine
+from .mooncake_wheel import MooncakeWheelKVTransferEngine
+from .requests import RequestKVTransferInfo
+from .streaming import LayerStream
 
 KVLayout = _core.KVLayout
 KVCache = _core.KVCache
+KVCachePool = _core.KVCachePool
 KVReadInfo = _core.KVReadInfo
 KVTransferInfo = _core.KVTransferInfo
 SequenceInfo = _core.SequenceInfo
@@ -53,8 +77,9 @@ __all__ = [
     "InvalidArgumentError", "KVCache", "KVCachePool", "KVLayout", "KVReadInfo",
     "KVTransferEngine", "KVTransferError", "KVTransferInfo", "KVTransferManager", "LayerStream",
     "LocalOnlyKVTransferEngine", "MooncakeKVTransferEngine", "MooncakeKVTransferInfo",
-    "NativeKVTransferEngine", "NotFoundError", "PeerFailureError", "PermissionDeniedError",
-    "RetryLaterError", "SequenceInfo", "ShmKVTransferEngine", "ShmKVTransferInfo",
+    "MooncakeNativeKVTransferEngine", "MooncakeWheelKVTransferEngine",
+    "NativeKVTransferEngine", "NotFoundError", "NotSupportedError", "PeerFailureError", "PermissionDeniedError",
+    "RequestKVTransferInfo", "RetryLaterError", "SequenceInfo", "ShmKVTransferEngine", "ShmKVTransferInfo",
     "ShutdownError", "StaleDescriptorError", "StatusCode", "TransferCancelledError",
     "TransferEngineInfo", "TransferFuture", "TransferTimeoutError", "UcxKVTransferEngine",
     "UcxKVTransferInfo", "UnavailableError", "built_engines", "cuda_unavailable_reason", "make_native_engine",

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import abc
 import atexit
-import os
 import weakref
 from typing import Any, Mapping, Optional, Sequence
 
 from . import _core
-from .errors import InvalidArgumentError, UnavailableError
+from .errors import UnavailableError
 from .futures import TransferFuture, wrap_native
 
 KVCache = _core.KVCache
@@ -42,11 +41,16 @@ class KVTransferEngine(abc.ABC):
     """Moves pages of a remote cache into this engine's local cache.
 
     Subclass it to plug a transfer of your own into KVTransferManager: the
-    manager plans the reads (KVReadInfo per layer and page, token-clipped)
-    with the C++ planner and calls ``read_batched_async(remote_kv_info,
-    read_info)`` with the descriptor the caller passed, unchanged. Return a
-    concurrent.futures.Future (or None when there is nothing to read) and keep
-    the contract above.
+    manager wraps it into its C++ engine interface once, plans the reads
+    (KVReadInfo per layer and page, token-clipped) and calls
+    ``read_batched_async(remote_kv_info, read_info)`` with the descriptor the
+    caller passed, unchanged. Return a concurrent.futures.Future (or None when
+    there is nothing to read) and keep the contract above. Optional methods
+    the manager uses when present: ``remote_layout`` (below; needed for caches
+    of different geometry and shards), ``watch_layers(remote_kv_info,
+    read_info)`` (an object whose ``poll()`` returns the layers ready, for
+    layer-wise streaming), ``notify_done(remote_kv_info, seq_id)`` (done
+    notices), ``timeout`` (seconds; a stream's default ready timeout).
     """
 
     @abc.abstractmethod
@@ -85,9 +89,11 @@ class NativeKVTransferEngine(KVTransferEngine):
     _native: "_core._Engine"
     kv_cache: Optional[KVCache]
 
-    def _adopt(self, native: "_core._Engine", kv_cache: Optional[KVCache]) -> None:
+    def _adopt(self, native: "_core._Engine", kv_cache: Optional[KVCache],
+               timeout: float = 30.0) -> None:
         self._native = native
         self.kv_cache = kv_cache
+        self._timeout = float(timeout)
         self._info = None
         _live_engines.add(self)
 
@@ -103,12 +109,20 @@ class NativeKVTransferEngine(KVTransferEngine):
     def remote_layout(self, remote_kv_info):
         return self._native.remote_layout(remote_kv_info)
 
-    def _retrieve(self, start_len, end_len, local_pages, remote_pages, info):
-        return wrap_native(self._native.retrieve(start_len, end_len, local_pages,
-                                                 remote_pages, info))
+    def watch_layers(self, remote_kv_info, read_info):
+        """The owner's layer readiness for the remote pages of the reads: an
+        object whose ``poll()`` returns the layers ready on every page."""
+        return self._native.watch_layers(remote_kv_info, list(read_info))
 
-    def _retrieve_shards(self, start_len, end_len, local_pages, shards):
-        return wrap_native(self._native.retrieve_shards(start_len, end_len, local_pages, shards))
+    def notify_done(self, remote_kv_info, seq_id: int) -> None:
+        """Tells the owner of the descriptor this reader is done with seq_id
+        (UCX's channel; NotSupportedError for engines without one)."""
+        self._native.notify_done(remote_kv_info, seq_id)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a read may take (a stream's default ready timeout)."""
+        return self._timeout
 
     def shutdown(self) -> None:
         self._native.shutdown()
@@ -138,7 +152,7 @@ class ShmKVTransferEngine(NativeKVTransferEngine):
 
     def __init__(self, kv_cache: KVCache, max_workers: int = 3, timeout: float = 30.0):
         self._adopt(_core._Engine.make("shm", kv_cache, max_workers=max_workers,
-                                       timeout=timeout), kv_cache)
+                                       timeout=timeout), kv_cache, timeout)
 
 
 class UcxKVTransferEngine(NativeKVTransferEngine):
@@ -157,7 +171,7 @@ class UcxKVTransferEngine(NativeKVTransferEngine):
                  timeout: float = 30.0, options: Optional[Mapping[str, Any]] = None):
         self._adopt(_core._Engine.make("ucx", kv_cache, entity_id=entity_id,
                                        session_id=session_id, timeout=timeout,
-                                       extra=_extra(options)), kv_cache)
+                                       extra=_extra(options)), kv_cache, timeout)
 
     @property
     def session_id(self) -> str:
@@ -178,20 +192,20 @@ class CudaIpcKVTransferEngine(NativeKVTransferEngine):
             raise UnavailableError("transfer engine 'cuda_ipc' is not built into this "
                                    f"mstar_kv (built: {', '.join(_core.built_engines())})")
         self._adopt(_core._Engine.make("cuda_ipc", kv_cache, max_workers=max_workers,
-                                       timeout=timeout, extra=_extra(options)), kv_cache)
+                                       timeout=timeout, extra=_extra(options)), kv_cache, timeout)
 
 
 class FaultInjectingKVTransferEngine(NativeKVTransferEngine):
     """The library's fault injector (a real engine wrapper) around a native
-    engine, which it takes over: every batch is delayed by ``delay`` seconds,
-    or dropped (resolving with TransferTimeoutError after ``drop_timeout``).
-    For tests of timeouts, cancellation and interrupts."""
+    engine, which it shuts down with itself: every batch is delayed by
+    ``delay`` seconds, or dropped (resolving with TransferTimeoutError after
+    ``drop_timeout``). For tests of timeouts, cancellation and interrupts."""
 
     def __init__(self, inner: NativeKVTransferEngine, delay: float = 0.0, drop: bool = False,
                  drop_timeout: float = 1.0):
         native = _core._Engine.fault_injecting(inner._native, delay=delay, drop=drop,
                                                drop_timeout=drop_timeout)
-        self._adopt(native, inner.kv_cache)
+        self._adopt(native, inner.kv_cache, inner.timeout)
 
 
 def make_native_engine(name: str, kv_cache: KVCache, entity_id: str = "", session_id: str = "",
@@ -204,7 +218,7 @@ def make_native_engine(name: str, kv_cache: KVCache, entity_id: str = "", sessio
     engine = NativeKVTransferEngine.__new__(_NamedNativeEngine)
     engine._adopt(_core._Engine.make(name, kv_cache, entity_id=entity_id, session_id=session_id,
                                      max_workers=max_workers, timeout=timeout,
-                                     extra=_extra(options)), kv_cache)
+                                     extra=_extra(options)), kv_cache, timeout)
     engine.name = name
     return engine
 

@@ -64,8 +64,16 @@ class NotFoundError(KVTransferError, LookupError):
 
 
 class UnavailableError(KVTransferError, RuntimeError):
-    """The engine is not built, or its runtime library is missing."""
+    """The engine is not built, or cannot run here (its runtime library or
+    device is missing)."""
     code = StatusCode.UNAVAILABLE
+
+
+class NotSupportedError(KVTransferError, NotImplementedError):
+    """The engine has no such channel: no readiness channel for layer-wise
+    streaming (local-only, a Python engine without watch_layers), no channel
+    back to the owner for done notices (shm, cuda_ipc, mooncake)."""
+    code = StatusCode.NOT_SUPPORTED
 
 
 class PeerFailureError(KVTransferError, ConnectionError):
@@ -99,7 +107,7 @@ _BY_CODE = {
     for cls in (RetryLaterError, InvalidArgumentError, IncompatibleLayoutError,
                 CorruptDescriptorError, StaleDescriptorError, PermissionDeniedError,
                 NotFoundError, UnavailableError, PeerFailureError, TransferTimeoutError,
-                TransferCancelledError, ShutdownError, InternalError)
+                TransferCancelledError, ShutdownError, InternalError, NotSupportedError)
 }
 
 

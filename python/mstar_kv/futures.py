@@ -3,11 +3,12 @@
 The engine's own completion (a worker, progress or completion thread of the
 C++ engine) resolves the future: no Python thread is parked per read.
 ``result()`` / ``exception()`` wait on the engine's future itself with the GIL
-released (in 50 ms slices, so KeyboardInterrupt still arrives); once a done
-callback or ``concurrent.futures.wait`` needs the outcome pushed, the
-library's one callback thread (never an engine thread, which must not wait
-for the GIL) delivers it. The
-future is a real ``concurrent.futures.Future``, so ``result()``,
+released (in 50 ms slices, so KeyboardInterrupt still arrives) and settle it
+on the waiting thread; for everyone else (done callbacks,
+``concurrent.futures.wait``) the library's one callback thread (never an
+engine thread, which must not wait for the GIL) delivers the outcome as soon
+as the read resolves. The future is a real ``concurrent.futures.Future``
+(nothing of its private state is replaced), so ``result()``,
 ``add_done_callback``, ``concurrent.futures.wait`` / ``as_completed`` and
 ``asyncio.wrap_future`` work as usual; ``result()`` is the number of bytes
 read. A failed read raises the KVTransferError subclass of its status code.
@@ -47,32 +48,17 @@ class TransferFuture(concurrent.futures.Future):
         self._native = native
         self._settle_lock = threading.Lock()
         self._settled = False
-        self._pushed = False
-        # concurrent.futures.wait / as_completed append to _waiters: that is
-        # when the engine must push the outcome (see _push).
-        self._waiters = _Waiters(self)
         if native.ready():
             self._settle_from_native()
-
-    def _push(self) -> None:
-        # Ask the engine to deliver the outcome (through the library's callback
-        # thread). Only done when something must be told without waiting in
-        # result(): a done callback (asyncio.wrap_future), or wait/as_completed.
-        # result() itself waits on the native future and settles on its own
-        # thread, which costs no thread hand-off.
-        with self._settle_lock:
-            if self._pushed or self._settled:
-                return
-            self._pushed = True
-        self._native.on_resolved(self._on_resolved)
+        else:
+            # Whoever is not waiting in result() (wait(), as_completed, done
+            # callbacks, asyncio.wrap_future) learns the outcome from the
+            # callback thread; result() settles first on its own thread.
+            native.on_resolved(self._on_resolved)
 
     def _settle_from_native(self) -> None:
         code, message = self._native.status()
         self._on_resolved(code, message, self._native.bytes)
-
-    def add_done_callback(self, fn) -> None:
-        self._push()
-        super().add_done_callback(fn)
 
     def done(self) -> bool:
         if not self._settled and self._native.ready():
@@ -129,18 +115,6 @@ class TransferFuture(concurrent.futures.Future):
     def bytes_read(self) -> int:
         """Bytes read once resolved successfully, else 0."""
         return self._native.bytes
-
-
-class _Waiters(list):
-    """Future._waiters that asks the engine to push once a waiter arrives."""
-
-    def __init__(self, future: TransferFuture):
-        super().__init__()
-        self._future = future
-
-    def append(self, waiter) -> None:
-        super().append(waiter)
-        self._future._push()
 
 
 def wrap_native(native):

@@ -1,16 +1,20 @@
-"""MooncakeKVTransferEngine: the spec's Mooncake engine.
+"""MooncakeWheelKVTransferEngine: the spec's Mooncake engine over the PyPI wheel.
 
-``MooncakeKVTransferEngine(kv_cache, entity_id, transfer_engine)`` where
+``MooncakeKVTransferEngine(kv_cache, entity_id, transfer_engine)`` (the
+spec's entry point, mstar_kv.mooncake_engines) makes one of these when
 ``transfer_engine`` is the application's ``mooncake.engine.TransferEngine``
 (PyPI wheel ``mooncake-transfer-engine-non-cuda``, or Mooncake's own build),
 already initialised, e.g. ``te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp",
 "")``. The engine registers the cache and a 4 KiB identity page with it,
 describes the cache as a MooncakeKVTransferInfo, plans every read with the
-C++ planner and reads through that object. The identity page holds the same
+C++ planner and reads through that object. A cache of one region per layer
+(``KVCache.from_layer_tensors``) is registered region by region and its
+descriptor names each layer's address (``layer_regions``); readers of
+either kind map every copy through them (a copy never crosses a layer). The identity page holds the same
 bytes the C++ Mooncake engine registers, so owners and readers of either kind
-interoperate. With ``transfer_engine=None`` the C++ engine is used instead,
-loading Mooncake's C library (options 'mooncake_lib' etc., see
-include/mstar/kv/mooncake.hpp).
+interoperate. With ``transfer_engine=None`` the entry point makes a
+MooncakeNativeKVTransferEngine instead (the C++ engine over Mooncake's C
+library, options 'mooncake_lib' etc.).
 
 Progress: ``read_batched_async`` validates the descriptor and the reads,
 checks the descriptor against the owner's identity page (once per owner and
@@ -21,15 +25,33 @@ TCP transport's per-peer queue) of at most 1 MiB and waits for each batch in
 ``get_batch_transfer_status`` (which releases the GIL); the future resolves
 from that thread. Timeout and cancel are checked between batches.
 
+Bounce buffers (``bounce=True``, the default): each batch (at most
+BOUNCE_BYTES) lands in one of two registered buffers of the engine, not in
+the cache; only once Mooncake reports the batch complete are its bytes copied
+into the cache's pages (while the next batch is in flight), and a read's last
+batch only after the epoch check that ends it. So nothing lands in the cache
+after a read failed, was cancelled or found stale, and a read of one batch
+that fails leaves the cache as it was. Batches of 4 MiB keep the copy beside
+the transfer: bench/python_bench.py --cases mooncake-bounce measured bounce /
+direct at about 1.0 (medians 1.24 for 8 MiB reads and 0.99 for 128 MiB ones,
+on a loaded 2-core machine; 32 MiB batches cost about 20%, the copy of a
+whole read's last batch exposed). ``bounce=False`` reads straight into the
+cache (see Faults).
+
 Faults: a killed peer fails its requests at once (its sockets reset): the
 read fails with PeerFailureError. A peer that hangs with its connections open
 is bounded by Mooncake's own timeout in ``get_batch_transfer_status``
 (MC_TRANSFER_TIMEOUT, 30 s by default, at least 5 s) rather than this
-engine's; the wheel then frees the batch without a way to withdraw requests
-still queued, so a hung peer that later resumes could still write into that
-read's destination pages. The engine marks such a peer failed and refuses
-further reads from it. (The C++ engine avoids this by destroying its own
-Mooncake engine; the application's wheel object is not ours to destroy.)
+engine's; the wheel then gives up on the batch without a way to withdraw
+requests still queued, so a hung peer that later resumes (a partition that
+heals) can still write where the batch pointed. The engine marks such a peer
+failed and refuses further reads from it. With bounce buffers that is the
+bounce buffer: the engine takes it out of use and never frees it (the
+module's _QUARANTINE keeps it, at most BOUNCE_BYTES per failed batch), so the
+late bytes land in memory nobody reads. With ``bounce=False`` they land in
+the read's destination pages of the cache. (The C++ engine destroys its own
+Mooncake engine instead; the application's wheel object is not ours to
+destroy.)
 
 Page epochs (never the wrong KV): the owner also registers its cache's page
 epoch table and names it in the descriptor (``epochs_ptr``). A read of a
@@ -45,9 +67,9 @@ pages at most every READY_POLL_INTERVAL seconds (the seqlock of
 readiness.hpp: a page that changed owner is StaleDescriptorError, a word beyond
 the layer count or going backwards CorruptDescriptorError, an owner that no
 longer answers PeerFailureError). KVTransferManager.start_streaming_retrieve
-drives it with the library's one stream driver. (The C++ engine over
-Mooncake's C library polls the same words, mooncake_readiness.hpp; this
-wrapper does not stream over it yet.)
+drives it with the library's one stream driver. The words are read and
+checked as the C++ engine over Mooncake's C library does (mooncake_words.hpp,
+bound as _core._MooncakeEpochWords and _MooncakeWatchWords): no numpy.
 
 Thread safety: every method is safe from any thread. ``shutdown()`` fails
 reads not yet started (ShutdownError), waits for the batch in flight,
@@ -64,15 +86,28 @@ import time
 from typing import Any, Optional
 
 from . import _core
-from .engines import KVTransferEngine, make_native_engine
-from .errors import (CorruptDescriptorError, InvalidArgumentError, PeerFailureError,
-                     ShutdownError, StaleDescriptorError, TransferTimeoutError,
-                     UnavailableError)
+from .errors import (
+    InvalidArgumentError,
+    PeerFailureError,
+    ShutdownError,
+    TransferTimeoutError,
+    UnavailableError,
+)
+from .mooncake_engines import MooncakeKVTransferEngine
 
 MooncakeKVTransferInfo = _core.MooncakeKVTransferInfo
 _IDENTITY_BYTES = 4096
 _MAX_REQUEST_BYTES = 1 << 20
 _WINDOW = 1024
+# The bytes of one batch when reads land through bounce buffers (each of the
+# engine's two is at most this big): small, so that copying one batch into
+# the cache overlaps the next batch's transfer and the last one's is short.
+BOUNCE_BYTES = 4 << 20
+
+# Bounce buffers of batches Mooncake gave up on: the wheel cannot withdraw
+# their requests, so its transport may still write into them. Kept for the
+# life of the process, never reused.
+_QUARANTINE: list = []
 
 
 # How often a streaming reader's watch reads the owner's readiness words (the
@@ -86,20 +121,19 @@ class _LayerWatch:
     owner's epochs and readiness words of ``pages``, into one registered
     scratch buffer, checked as check_layer_readiness checks them."""
 
-    def __init__(self, engine: "MooncakeKVTransferEngine", remote, pages, epoch: int):
-        import numpy as np
-        self._np = np
+    def __init__(self, engine: "MooncakeWheelKVTransferEngine", remote, pages, epoch: int):
         self._engine = engine
         self._session = remote.session_id
-        self._remote = remote
-        self._epoch = epoch
         self._layers = remote.layout.num_layers
-        self._lo, hi = pages[0], pages[-1]
-        self._n = hi - self._lo + 1
-        self._index = np.asarray(pages, dtype=np.int64) - self._lo
-        self._pages = pages
-        self._buf = ctypes.create_string_buffer(self._n * 20)  # epochs, words, epochs
+        # The C++ engine's reads and checks (mooncake_words.hpp): the words of
+        # the pages in runs, each phase into its own part of the buffer.
+        self._words = _core._MooncakeWatchWords(pages, epoch, self._layers)
+        self._buf = ctypes.create_string_buffer(self._words.nbytes)
         engine._register(self._buf)
+        base = ctypes.addressof(self._buf)
+        self._phases = [_requests(base, table, self._words.reads(phase))
+                        for phase, table in ((0, remote.epochs_ptr), (1, remote.ready_ptr),
+                                             (2, remote.epochs_ptr))]
         self._floor = 0
         self._next = 0.0
 
@@ -108,38 +142,14 @@ class _LayerWatch:
         if now < self._next:
             return self._floor
         self._next = now + READY_POLL_INTERVAL
-        np, n, base = self._np, self._n, ctypes.addressof(self._buf)
-        for offset, addr, size in ((0, self._remote.epochs_ptr + self._lo * 8, n * 8),
-                                   (n * 8, self._remote.ready_ptr + self._lo * 4, n * 4),
-                                   (n * 12, self._remote.epochs_ptr + self._lo * 8, n * 8)):
-            if self._engine._te.transfer_sync_read(self._session, base + offset, addr, size) < 0:
+        for local, remote, lengths in self._phases:  # one after the other: the seqlock's order
+            if self._engine._te.batch_transfer_sync_read(self._session, local, remote,
+                                                         lengths) < 0:
                 raise PeerFailureError(
                     f"Mooncake read of the layer readiness of {self._session} failed with "
                     f"{self._floor} of {self._layers} layers seen ready: the owner is gone")
-        before = np.frombuffer(self._buf, dtype=np.uint64, count=n)[self._index]
-        words = np.frombuffer(self._buf, dtype=np.uint32, count=n, offset=n * 8)[self._index]
-        after = np.frombuffer(self._buf, dtype=np.uint64, count=n, offset=n * 12)[self._index]
-        for found in (before, after):
-            bad = np.nonzero(found != np.uint64(self._epoch))[0]
-            if bad.size:
-                raise StaleDescriptorError(
-                    f"remote page {self._pages[int(bad[0])]} changed owner while streaming "
-                    f"(epoch {int(found[bad[0]])}, the descriptor's {self._epoch}): the "
-                    "sequence was freed or its pages reused")
-        beyond = np.nonzero(words > self._layers)[0]
-        if beyond.size:
-            i = int(beyond[0])
-            raise CorruptDescriptorError(
-                f"remote page {self._pages[i]} says {int(words[i])} layers ready, beyond the "
-                f"layout's {self._layers}")
-        ready = int(words.min())
-        if ready < self._floor:
-            i = int(np.argmin(words))
-            raise CorruptDescriptorError(
-                f"remote page {self._pages[i]} readiness went backwards from {self._floor} to "
-                f"{ready}")
-        self._floor = ready
-        return ready
+        self._floor = self._words.check(self._buf.raw, self._floor)
+        return self._floor
 
     def close(self) -> None:
         buf, self._buf = getattr(self, "_buf", None), None
@@ -153,6 +163,13 @@ class _LayerWatch:
             self.close()
         except Exception:
             pass
+
+
+def _requests(base: int, table: int, spans):
+    """Mooncake's request lists for word reads: (scratch offset, offset in
+    the owner's table, length) spans into local and remote addresses."""
+    return ([base + local for local, _, _ in spans], [table + remote for _, remote, _ in spans],
+            [length for _, _, length in spans])
 
 
 def _epoch_of(obj: Any) -> int:
@@ -173,19 +190,35 @@ def _as_transfer_info(obj: Any):
         f"remote_kv_info of type {type(obj).__name__} is not a Mooncake descriptor")
 
 
-class _Read:
-    __slots__ = ("future", "session", "local", "remote", "lengths", "deadline", "cancel",
-                 "nbytes", "epoch", "pages", "epochs_ptr")
+def _batches(lengths, max_bytes):
+    """[(first, end, bytes)]: runs of at most _WINDOW requests and, past
+    their first request, at most max_bytes (None: no bound)."""
+    out, i, n = [], 0, len(lengths)
+    while i < n:
+        j, size = i, 0
+        while j < n and j - i < _WINDOW and (
+                max_bytes is None or j == i or size + lengths[j] <= max_bytes):
+            size += lengths[j]
+            j += 1
+        out.append((i, j, size))
+        i = j
+    return out
 
-    def __init__(self, future, session, local, remote, lengths, deadline):
+
+class _Read:
+    __slots__ = ("future", "session", "local", "remote", "lengths", "batches", "deadline",
+                 "cancel", "nbytes", "epoch", "words", "epochs_ptr")
+
+    def __init__(self, future, session, local, remote, lengths, deadline, max_batch_bytes):
         self.future = future
         self.session = session
         self.local, self.remote, self.lengths = local, remote, lengths
+        self.batches = _batches(lengths, max_batch_bytes)
         self.deadline = deadline
         self.cancel = threading.Event()
         self.nbytes = sum(lengths)
-        self.epoch = 0          # != 0: check `pages` in the owner's table at epochs_ptr
-        self.pages = None
+        self.epoch = 0          # != 0: check `words` in the owner's table at epochs_ptr
+        self.words = None       # _core._MooncakeEpochWords of the read's pages
         self.epochs_ptr = 0
 
 
@@ -209,19 +242,20 @@ class _MooncakeFuture(concurrent.futures.Future):
         return self.cancelled()
 
 
-class MooncakeKVTransferEngine(KVTransferEngine):
+class MooncakeWheelKVTransferEngine(MooncakeKVTransferEngine):
     """See the module docstring."""
 
     def __init__(self, kv_cache, entity_id: str, transfer_engine: Any, *,
                  timeout: float = 30.0, session_id: Optional[str] = None,
-                 hostname: str = "127.0.0.1", options: Optional[dict] = None):
+                 hostname: str = "127.0.0.1", bounce: bool = True,
+                 options: Optional[dict] = None):
         self.kv_cache = kv_cache
         self.entity_id = entity_id
-        self._native = None
-        if transfer_engine is None:  # the C++ engine over Mooncake's C library
-            self._native = make_native_engine("mooncake", kv_cache, entity_id, session_id or "",
-                                              timeout=timeout, options=options)
-            return
+        if transfer_engine is None:
+            raise InvalidArgumentError(
+                "MooncakeWheelKVTransferEngine needs the application's mooncake.engine."
+                "TransferEngine; without one use MooncakeNativeKVTransferEngine (Mooncake's C "
+                "library), which MooncakeKVTransferEngine(kv_cache, entity_id, None) picks")
         for name in ("register_memory", "batch_transfer_async_read",
                      "get_batch_transfer_status", "transfer_sync_read", "get_rpc_port"):
             if not hasattr(transfer_engine, name):
@@ -235,14 +269,21 @@ class MooncakeKVTransferEngine(KVTransferEngine):
             raise InvalidArgumentError(f"timeout {timeout} s out of range (0, ...)")
         self._te = transfer_engine
         self._timeout = float(timeout)
+        self._bounce = bool(bounce)
+        self._bounces = [None, None]  # the two bounce buffers (progress thread only)
         port = transfer_engine.get_rpc_port()
         self.session_id = session_id or f"{hostname}:{port}"
         self._identity = ctypes.create_string_buffer(_IDENTITY_BYTES)
         self._scratch = ctypes.create_string_buffer(_IDENTITY_BYTES)
         self._regions = []
         self._epoch_scratch = None   # registered buffer the owner's epochs land in
+        # The cache's regions: one, or one per layer (KVCache.from_layer_tensors),
+        # each registered; the descriptor names the layers' addresses.
+        cache_regions = list(kv_cache.regions)
+        self._local_base = cache_regions[0][0]
+        self._local_regions = [a for a, _ in cache_regions] if len(cache_regions) > 1 else []
         try:
-            for addr, size in ((kv_cache.data_ptr, kv_cache.size_bytes),
+            for addr, size in (*cache_regions,
                                (ctypes.addressof(self._identity), _IDENTITY_BYTES),
                                (ctypes.addressof(self._scratch), _IDENTITY_BYTES),
                                (kv_cache.epochs_ptr, kv_cache.epochs_bytes),
@@ -253,9 +294,10 @@ class MooncakeKVTransferEngine(KVTransferEngine):
                         "(is the TransferEngine initialised?)")
                 self._regions.append(addr)
             self._info = MooncakeKVTransferInfo(
-                entity_id, self.session_id, kv_cache.data_ptr, kv_cache.layout,
+                entity_id, self.session_id, self._local_base, kv_cache.layout,
                 kv_cache.size_bytes, _core._mooncake_new_generation(),
-                ctypes.addressof(self._identity), kv_cache.epochs_ptr, kv_cache.ready_ptr)
+                ctypes.addressof(self._identity), kv_cache.epochs_ptr, kv_cache.ready_ptr,
+                self._local_regions)
             page = _core._mooncake_identity_page(self._info)
             ctypes.memmove(self._identity, page, len(page))
         except BaseException:
@@ -278,25 +320,19 @@ class MooncakeKVTransferEngine(KVTransferEngine):
 
     # -- the spec's interface --------------------------------------------
     def get_kv_transfer_info(self):
-        if self._native is not None:
-            return self._native.get_kv_transfer_info()
         return self._info.encode()
 
     def remote_layout(self, remote_kv_info):
-        if self._native is not None:
-            return self._native.remote_layout(remote_kv_info)
         return _as_transfer_info(remote_kv_info).layout
 
     def read_batched_async(self, remote_kv_info, read_info):
-        if self._native is not None:
-            return self._native.read_batched_async(remote_kv_info, read_info)
         if self._closed:
-            raise ShutdownError("MooncakeKVTransferEngine.read_batched_async after shutdown()")
+            raise ShutdownError("MooncakeWheelKVTransferEngine.read_batched_async after shutdown()")
         epoch = _epoch_of(remote_kv_info)
         remote = _as_transfer_info(remote_kv_info)
         local, remote_addrs, lengths = _core.plan_copy_addresses(
-            self.kv_cache.layout, self.kv_cache.data_ptr, remote.layout, remote.data_ptr,
-            list(read_info), _MAX_REQUEST_BYTES)
+            self.kv_cache.layout, self._local_base, remote.layout, remote.data_ptr,
+            list(read_info), _MAX_REQUEST_BYTES, self._local_regions, list(remote.layer_regions))
         why = self._failed_peers.get(remote.session_id)
         if why is not None:
             raise PeerFailureError(f"peer '{remote.entity_id}' at {remote.session_id} failed "
@@ -306,15 +342,15 @@ class MooncakeKVTransferEngine(KVTransferEngine):
             return None
         future = _MooncakeFuture()
         read = _Read(future, remote.session_id, local, remote_addrs, lengths,
-                     time.monotonic() + self._timeout)
+                     time.monotonic() + self._timeout, BOUNCE_BYTES if self._bounce else None)
         future._read = read
         if epoch:
             read.epoch = epoch
-            read.pages = sorted({r.remote_page_idx for r in read_info})
+            read.words = _core._MooncakeEpochWords([r.remote_page_idx for r in read_info], epoch)
             read.epochs_ptr = remote.epochs_ptr
         with self._lock:
             if self._closed:
-                raise ShutdownError("MooncakeKVTransferEngine.read_batched_async after shutdown()")
+                raise ShutdownError("MooncakeWheelKVTransferEngine.read_batched_async after shutdown()")
             self._queue.append(read)
             self._lock.notify()
         return future
@@ -326,22 +362,17 @@ class MooncakeKVTransferEngine(KVTransferEngine):
         seqlock of readiness.hpp) at most once per ``READY_POLL_INTERVAL``
         seconds and returns how many layers are ready on every page. Validates
         as read_batched_async does, and raises InvalidArgumentError for a
-        descriptor without a page epoch. Over Mooncake's C library (no
-        wheel) this wrapper does not stream yet: UnavailableError."""
-        if self._native is not None:
-            raise UnavailableError("layer-wise streaming over Mooncake's C library from Python "
-                                   "is not wired yet (the C++ KVTransferManager streams over it); "
-                                   "stream with the wheel's TransferEngine, or pull after the "
-                                   "owner finished")
+        descriptor without a page epoch."""
         if self._closed:
-            raise ShutdownError("MooncakeKVTransferEngine.watch_layers after shutdown()")
+            raise ShutdownError("MooncakeWheelKVTransferEngine.watch_layers after shutdown()")
         read_info = list(read_info)
         if not read_info:
             raise InvalidArgumentError("mooncake layer watch of 0 reads: nothing to watch")
         epoch = _epoch_of(remote_kv_info)
         remote = _as_transfer_info(remote_kv_info)
-        _core.plan_copy_addresses(self.kv_cache.layout, self.kv_cache.data_ptr, remote.layout,
-                                  remote.data_ptr, read_info, _MAX_REQUEST_BYTES)
+        _core.plan_copy_addresses(self.kv_cache.layout, self._local_base, remote.layout,
+                                  remote.data_ptr, read_info, _MAX_REQUEST_BYTES,
+                                  self._local_regions, list(remote.layer_regions))
         if not epoch:
             raise InvalidArgumentError("layer-wise streaming needs a descriptor with a page epoch "
                                        "(published by a KVCachePool), got epoch 0")
@@ -359,9 +390,6 @@ class MooncakeKVTransferEngine(KVTransferEngine):
         return watch
 
     def shutdown(self) -> None:
-        if self._native is not None:
-            self._native.shutdown()
-            return
         with self._lock:
             if self._closed:
                 return
@@ -405,11 +433,9 @@ class MooncakeKVTransferEngine(KVTransferEngine):
             self._run(read)
 
     def _check_epochs(self, read: _Read, when: str) -> None:
-        """Fetches the owner's epochs of the read's pages; raises
-        StaleDescriptorError if one changed owner."""
-        import numpy as np
-        lo, hi = read.pages[0], read.pages[-1]
-        nbytes = (hi - lo + 1) * 8
+        """Fetches the owner's epochs of the read's pages (in runs, as the C++
+        engine does); raises StaleDescriptorError if one changed owner."""
+        nbytes = read.words.nbytes
         scratch = self._epoch_scratch
         if scratch is None or len(scratch) < nbytes:
             if scratch is not None:
@@ -421,25 +447,19 @@ class MooncakeKVTransferEngine(KVTransferEngine):
                 raise UnavailableError("Mooncake register_memory of the epoch scratch failed")
             self._regions.append(ctypes.addressof(scratch))
             self._epoch_scratch = scratch
-        rc = self._te.transfer_sync_read(read.session, ctypes.addressof(scratch),
-                                         read.epochs_ptr + lo * 8, nbytes)
-        if rc < 0:
+        local, remote, lengths = _requests(ctypes.addressof(scratch), read.epochs_ptr,
+                                           read.words.reads)
+        if self._te.batch_transfer_sync_read(read.session, local, remote, lengths) < 0:
             raise self._peer_failed(read, "reading the owner's page epochs failed")
-        table = np.frombuffer(scratch, dtype=np.uint64, count=hi - lo + 1)
-        found = table[np.asarray(read.pages, dtype=np.int64) - lo]
-        bad = np.nonzero(found != np.uint64(read.epoch))[0]
-        if bad.size:
-            p = read.pages[int(bad[0])]
-            raise StaleDescriptorError(
-                f"remote page {p} changed owner {when} (epoch {int(found[bad[0]])}, the "
-                f"descriptor's {read.epoch}): the sequence was freed or its pages reused")
+        read.words.check(scratch.raw, when)
 
     def _run(self, read: _Read) -> None:
         n = len(read.lengths)
         try:
             if read.epoch:
                 self._check_epochs(read, "before the copy")
-            for i in range(0, n, _WINDOW):
+            held = None  # (first, end, bounce slot): a batch read, not yet in the cache
+            for k, (i, j, size) in enumerate(read.batches):
                 if read.cancel.is_set():
                     concurrent.futures.Future.cancel(read.future)
                     read.future.set_running_or_notify_cancel()
@@ -450,19 +470,65 @@ class MooncakeKVTransferEngine(KVTransferEngine):
                         f"{self._timeout:g} s")
                 if self._closed:
                     raise ShutdownError("the Mooncake engine shut down with the read in flight")
-                j = min(n, i + _WINDOW)
-                bid = self._te.batch_transfer_async_read(read.session, read.local[i:j],
-                                                         read.remote[i:j], read.lengths[i:j])
+                if self._bounce:
+                    local = self._bounce_addresses(k % 2, read.lengths[i:j], size)
+                else:
+                    local = read.local[i:j]
+                bid = self._te.batch_transfer_async_read(read.session, local, read.remote[i:j],
+                                                         read.lengths[i:j])
                 if bid <= 0:
                     raise self._peer_failed(read, "batch_transfer_async_read refused the batch")
+                if held is not None:  # the batch before, copied while this one moves
+                    self._land(read, *held)
+                    held = None
                 if self._te.get_batch_transfer_status([bid]) != 0:
+                    if self._bounce:
+                        self._quarantine(k % 2)
                     raise self._peer_failed(read, f"requests {i}..{j - 1} failed")
+                if self._bounce:
+                    held = (i, j, k % 2)
             if read.epoch:
                 self._check_epochs(read, "during the copy")
+            if held is not None:
+                self._land(read, *held)
         except BaseException as e:  # resolve with what happened, never leave it pending
             read.future.set_exception(e)
             return
         read.future.set_result(read.nbytes)
+
+    def _bounce_addresses(self, slot: int, lengths, size: int):
+        """Where the batch's requests land in bounce buffer `slot` (made or
+        grown to hold `size` bytes, and registered)."""
+        buf = self._bounces[slot]
+        if buf is None or len(buf) < size:
+            if buf is not None:
+                self._bounces[slot] = None
+                self._release(buf)
+            cap = 1 << 16
+            while cap < size:
+                cap <<= 1
+            buf = ctypes.create_string_buffer(cap)
+            self._register(buf)
+            self._bounces[slot] = buf
+        at, out = ctypes.addressof(buf), []
+        for length in lengths:
+            out.append(at)
+            at += length
+        return out
+
+    def _land(self, read: _Read, first: int, end: int, slot: int) -> None:
+        """Copies a completed batch from its bounce buffer into the cache."""
+        at = ctypes.addressof(self._bounces[slot])
+        for dst, length in zip(read.local[first:end], read.lengths[first:end]):
+            ctypes.memmove(dst, at, length)
+            at += length
+
+    def _quarantine(self, slot: int) -> None:
+        """A batch Mooncake gave up on may still write into its bounce
+        buffer: out of use for good (shutdown unregisters it; never freed)."""
+        buf, self._bounces[slot] = self._bounces[slot], None
+        if buf is not None:
+            _QUARANTINE.append(buf)
 
     def _peer_failed(self, read: _Read, what: str) -> PeerFailureError:
         self._failed_peers[read.session] = what
@@ -496,5 +562,4 @@ class MooncakeKVTransferEngine(KVTransferEngine):
         self._te.unregister_memory(addr)
 
     def __repr__(self) -> str:
-        kind = "C library" if self._native is not None else "wheel"
-        return f"MooncakeKVTransferEngine({self.entity_id!r}, {kind}, {self.kv_cache!r})"
+        return f"MooncakeWheelKVTransferEngine({self.entity_id!r}, {self.kv_cache!r})"

@@ -5,14 +5,15 @@
 // caller's memory (any __dlpack__ object: numpy, torch CPU and CUDA tensors).
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
-#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <string>
 #include <vector>
 
-#include "mstar/kv/manager.hpp"
+#include "cache_tensors.hpp"
+#include "mstar/kv/factory.hpp"
 #include "mstar/kv/pattern.hpp"
 #include "py_common.hpp"
 #if MSTAR_KV_PY_HAVE_CUDA_IPC
@@ -21,28 +22,18 @@
 
 namespace mstar::kv::py {
 
-namespace {
-
 namespace dl = nb::dlpack;
 
-// Host memory owned by someone else (a numpy array, a torch CPU tensor).
-class ForeignHostMemory final : public KVMemory {
- public:
-  ForeignHostMemory(std::byte* data, std::size_t size) : data_(data), size_(size) {}
-  std::byte* data() const noexcept override { return data_; }
-  std::size_t size() const noexcept override { return size_; }
-  MemoryKind kind() const noexcept override { return MemoryKind::kHost; }
-
- private:
-  std::byte* data_;
-  std::size_t size_;
-};
+namespace {
 
 const char* memory_name(MemoryKind k) {
   switch (k) {
-    case MemoryKind::kHost: return "host";
-    case MemoryKind::kSharedHost: return "shared";
-    case MemoryKind::kDevice: return "device";
+    case MemoryKind::kHost:
+      return "host";
+    case MemoryKind::kSharedHost:
+      return "shared";
+    case MemoryKind::kDevice:
+      return "device";
   }
   return "?";
 }
@@ -55,11 +46,17 @@ MemoryKind parse_memory(const std::string& s) {
               "memory '" + s + "' is not one of 'host', 'shared', 'device'");
 }
 
+}  // namespace
+
+// Shared with bind_layer_tensors.cpp (cache_tensors.hpp).
 dl::dtype layout_dtype(DType d) {
   switch (d) {
-    case DType::kFloat32: return {static_cast<std::uint8_t>(dl::dtype_code::Float), 32, 1};
-    case DType::kFloat16: return {static_cast<std::uint8_t>(dl::dtype_code::Float), 16, 1};
-    case DType::kBFloat16: return {static_cast<std::uint8_t>(dl::dtype_code::Bfloat), 16, 1};
+    case DType::kFloat32:
+      return {static_cast<std::uint8_t>(dl::dtype_code::Float), 32, 1};
+    case DType::kFloat16:
+      return {static_cast<std::uint8_t>(dl::dtype_code::Float), 16, 1};
+    case DType::kBFloat16:
+      return {static_cast<std::uint8_t>(dl::dtype_code::Bfloat), 16, 1};
     case DType::kFloat8E4M3:
       return {static_cast<std::uint8_t>(dl::dtype_code::Float8_E4M3FN), 8, 1};
     case DType::kFloat8E5M2:
@@ -69,40 +66,30 @@ dl::dtype layout_dtype(DType d) {
 }
 
 dl::dtype uint_dtype(std::size_t bytes) {
-  return {static_cast<std::uint8_t>(dl::dtype_code::UInt), static_cast<std::uint8_t>(bytes * 8),
-          1};
+  return {static_cast<std::uint8_t>(dl::dtype_code::UInt), static_cast<std::uint8_t>(bytes * 8), 1};
 }
 
 std::string dtype_name(dl::dtype d) {
-  static const char* codes[] = {"int",          "uint",           "float",         "?",
-                                "bfloat",       "complex",        "bool",          "float8_e3m4",
-                                "float8_e4m3",  "float8_e4m3b11fnuz", "float8_e4m3fn",
-                                "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+  static const char* codes[] = {"int",           "uint",
+                                "float",         "?",
+                                "bfloat",        "complex",
+                                "bool",          "float8_e3m4",
+                                "float8_e4m3",   "float8_e4m3b11fnuz",
+                                "float8_e4m3fn", "float8_e4m3fnuz",
+                                "float8_e5m2",   "float8_e5m2fnuz",
                                 "float8_e8m0fnu"};
-  std::string c = d.code < sizeof(codes) / sizeof(codes[0]) ? codes[d.code] : "code" + std::to_string(d.code);
+  std::string c =
+      d.code < sizeof(codes) / sizeof(codes[0]) ? codes[d.code] : "code" + std::to_string(d.code);
   if (c.rfind("float8", 0) == 0) return c;
   return c + std::to_string(d.bits);
 }
 
-// The tensor view of a cache, the one CudaIpcKVTransferInfo describes:
-// layer-major [num_layers, num_kv, num_pages, P0, P1, head_dim], page-major
-// [num_pages, num_layers, num_kv, P0, P1, head_dim], (P0, P1) = (page_size,
-// num_kv_heads) for NHD and (num_kv_heads, page_size) for HND.
+// The tensor view of a cache, the one CudaIpcKVTransferInfo describes
+// (KVLayout::view_shape): layer-major [L, kv, P, P0, P1, D], page-major
+// [P, L, kv, P0, P1, D], layer_page [L, P, kv, P0, P1, D].
 std::vector<std::size_t> view_shape(const KVLayout& l) {
-  const std::size_t p0 = l.page_order == PageOrder::kNHD ? l.page_size : l.num_kv_heads;
-  const std::size_t p1 = l.page_order == PageOrder::kNHD ? l.num_kv_heads : l.page_size;
-  if (l.cache_order == CacheOrder::kLayerMajor) {
-    return {l.num_layers, l.num_kv(), l.num_pages, p0, p1, l.head_dim};
-  }
-  return {l.num_pages, l.num_layers, l.num_kv(), p0, p1, l.head_dim};
-}
-
-std::string view_names(const KVLayout& l) {
-  const std::string p = l.page_order == PageOrder::kNHD ? "page_size, num_kv_heads"
-                                                        : "num_kv_heads, page_size";
-  return l.cache_order == CacheOrder::kLayerMajor
-             ? "[num_layers, num_kv, num_pages, " + p + ", head_dim]"
-             : "[num_pages, num_layers, num_kv, " + p + ", head_dim]";
+  const auto shape = l.view_shape();
+  return {shape.begin(), shape.end()};
 }
 
 std::string shape_str(const std::vector<std::size_t>& s) {
@@ -110,6 +97,8 @@ std::string shape_str(const std::vector<std::size_t>& s) {
   for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
   return out + "]";
 }
+
+namespace {
 
 // Checks `a` against `layout` and returns its bytes, or throws naming the
 // mismatch. Accepted: the layout's dtype (or an unsigned/signed integer of
@@ -142,7 +131,7 @@ std::size_t check_tensor(const nb::ndarray<>& a, const KVLayout& layout) {
     throw Error(StatusCode::kInvalidArgument,
                 "tensor shape " + shape_str(shape) + " does not match the layout " +
                     layout.to_string() + ": expected " + shape_str(want_shape) + " " +
-                    view_names(layout) + " or flat [" + std::to_string(total_items) + "]");
+                    layout.view_axes() + " or flat [" + std::to_string(total_items) + "]");
   }
   // C-contiguous, in elements; axes of extent 1 may carry any stride.
   std::int64_t expect = 1;
@@ -192,9 +181,9 @@ PyKVCache from_dlpack(nb::handle obj, const KVLayout& layout) {
                 "a CUDA tensor needs the cuda_ipc engine, which is not built into this mstar_kv");
 #endif
   } else {
-    throw Error(StatusCode::kInvalidArgument,
-                "tensor on DLPack device type " + std::to_string(dev) +
-                    " is neither host (1, 3) nor CUDA (2) memory");
+    throw Error(StatusCode::kInvalidArgument, "tensor on DLPack device type " +
+                                                  std::to_string(dev) +
+                                                  " is neither host (1, 3) nor CUDA (2) memory");
   }
   auto* keep = new nb::ndarray<>(a);
   KVCache* raw = nullptr;
@@ -212,10 +201,21 @@ PyKVCache from_dlpack(nb::handle obj, const KVLayout& layout) {
                    dev == nb::device::cuda::value ? static_cast<int>(a.device_id()) : 0};
 }
 
+// A cache of one region per layer has no one tensor view.
+void require_one_region(const KVCache& c, const char* what) {
+  if (c.split()) {
+    throw Error(StatusCode::kInvalidArgument,
+                std::string(what) + ": this cache is " + std::to_string(c.num_regions()) +
+                    " regions, one per layer (from_layer_tensors), and has no one tensor view: "
+                    "use the layer tensors it was made from (regions lists their addresses)");
+  }
+}
+
 // A view of the cache for numpy / DLPack, owned by `self` (the Python
 // KVCache), so the memory lives as long as any view.
 nb::ndarray<nb::array_api> as_ndarray(nb::handle self, bool numpy_dtype) {
   const PyKVCache& c = nb::cast<const PyKVCache&>(self);
+  require_one_region(*c.cache, "a tensor view");
   const KVLayout& l = c.cache->layout();
   std::vector<std::size_t> shape = view_shape(l);
   dl::dtype dt = layout_dtype(l.dtype);
@@ -230,8 +230,8 @@ nb::ndarray<nb::array_api> as_ndarray(nb::handle self, bool numpy_dtype) {
     device_id = c.device;
 #endif
   }
-  return nb::ndarray<nb::array_api>(c.cache->base(), shape.size(), shape.data(), self, nullptr,
-                                    dt, device_type, device_id);
+  return nb::ndarray<nb::array_api>(c.cache->base(), shape.size(), shape.data(), self, nullptr, dt,
+                                    device_type, device_id);
 }
 
 std::vector<std::uint32_t> pages_arg(nb::handle pages) { return to_pages(pages, "pages"); }
@@ -255,7 +255,8 @@ void bind_cache(nb::module_& m) {
       "KVCache.from_dlpack(tensor, layout) wraps the caller's memory without a copy and "
       "keeps the tensor alive as long as the cache or any engine using it. The cache is "
       "visible to numpy/torch through __dlpack__ and (host memory) __array_interface__, "
-      "as the 6-D view [L, kv, P, page_size, H, D] (layer-major NHD; see view_shape). "
+      "as the 6-D view [L, kv, P, page_size, H, D] (layer-major NHD; page-major "
+      "[P, L, kv, ...], layer_page [L, P, kv, ...]; HND swaps page_size and H; see view_shape). "
       "Immutable object; its bytes are not synchronised: write pages only while no "
       "transfer reads or writes them.")
       .def(
@@ -273,11 +274,45 @@ void bind_cache(nb::module_& m) {
                   "Wraps a C-contiguous tensor (numpy array, torch tensor, any __dlpack__ "
                   "object) whose dtype and shape match the layout; raises "
                   "InvalidArgumentError naming the mismatch. No copy.")
+      .def_static(
+          "from_layer_tensors", &from_layer_tensors, nb::arg("tensors"), nb::arg("layout"),
+          "A cache of one region per layer over the caller's per-layer tensors (vLLM's "
+          "register_kv_caches): tensors[l] holds layer l, C-contiguous, in the layout's dtype, "
+          "shaped as one layer of the view without its layer axis (layer-major: [num_kv, "
+          "num_pages, page_size, num_kv_heads, head_dim] for NHD) or flat, exactly "
+          "layout.layer_bytes bytes, all on one device. No copy: the regions are the tensors' "
+          "memory, kept alive with the cache. Raises InvalidArgumentError naming the layer and "
+          "the expected against the given shape (or dtype, device, stride, count), and for a "
+          "page-major layout (its layers are not contiguous) or tensors that overlap.")
+      .def_prop_ro(
+          "split", [](const PyKVCache& c) { return c.cache->split(); },
+          "True for a cache of one region per layer (from_layer_tensors).")
+      .def_prop_ro("num_regions", [](const PyKVCache& c) { return c.cache->num_regions(); })
+      .def_prop_ro(
+          "regions",
+          [](const PyKVCache& c) {
+            std::vector<std::tuple<std::uintptr_t, std::size_t>> out;
+            const std::size_t each =
+                c.cache->split() ? c.cache->layout().layer_bytes() : c.cache->size_bytes();
+            for (std::size_t i = 0; i < c.cache->num_regions(); ++i) {
+              out.emplace_back(c.cache->regions().base(i), each);
+            }
+            return out;
+          },
+          "[(address, bytes)] of each region: the whole cache, or one per layer in layer "
+          "order.")
       .def_prop_ro("layout", [](const PyKVCache& c) { return c.cache->layout(); })
-      .def_prop_ro("memory", [](const PyKVCache& c) { return memory_name(c.cache->memory_kind()); },
-                   "'host', 'shared' or 'device'.")
-      .def_prop_ro("data_ptr",
-                   [](const PyKVCache& c) { return reinterpret_cast<std::uintptr_t>(c.cache->base()); })
+      .def_prop_ro(
+          "memory", [](const PyKVCache& c) { return memory_name(c.cache->memory_kind()); },
+          "'host', 'shared' or 'device'.")
+      .def_prop_ro(
+          "data_ptr",
+          [](const PyKVCache& c) {
+            require_one_region(*c.cache, "data_ptr");
+            return reinterpret_cast<std::uintptr_t>(c.cache->base());
+          },
+          "Address of the cache's one region (a cache of one region per layer has none: see "
+          "regions).")
       .def_prop_ro("size_bytes", [](const PyKVCache& c) { return c.cache->size_bytes(); })
       .def_prop_ro(
           "epochs_ptr",
@@ -296,11 +331,12 @@ void bind_cache(nb::module_& m) {
           "Address of the cache's layer readiness words (layout.num_pages 4-byte words of host "
           "memory, written by the KVCachePool's publish / mark_layers_ready), for engines that "
           "register them.")
-      .def_prop_ro("ready_bytes", [](const PyKVCache& c) {
-        return std::size_t{c.cache->readiness().num_pages()} * 4;
-      })
-      .def_prop_ro("view_shape", [](const PyKVCache& c) { return view_shape(c.cache->layout()); },
-                   "Shape of the tensor view (__dlpack__, numpy()).")
+      .def_prop_ro(
+          "ready_bytes",
+          [](const PyKVCache& c) { return std::size_t{c.cache->readiness().num_pages()} * 4; })
+      .def_prop_ro(
+          "view_shape", [](const PyKVCache& c) { return view_shape(c.cache->layout()); },
+          "Shape of the tensor view (__dlpack__, numpy()).")
       .def(
           "__dlpack__",
           [](nb::handle self, nb::kwargs kwargs) {
@@ -308,7 +344,9 @@ void bind_cache(nb::module_& m) {
           },
           nb::arg("kwargs"), "DLPack export of the view (no copy; keeps the cache alive).")
       .def("__dlpack_device__",
-           [](nb::handle self) { return nb::cast(as_ndarray(self, false)).attr("__dlpack_device__")(); })
+           [](nb::handle self) {
+             return nb::cast(as_ndarray(self, false)).attr("__dlpack_device__")();
+           })
       .def(
           "numpy",
           [](nb::handle self) {
@@ -325,9 +363,10 @@ void bind_cache(nb::module_& m) {
               throw Error(StatusCode::kInvalidArgument,
                           "a device cache has no __array_interface__ (use __dlpack__)");
             }
+            require_one_region(*c.cache, "__array_interface__");
             const KVLayout& l = c.cache->layout();
-            const char* typestr = l.dtype == DType::kFloat32   ? "<f4"
-                                  : l.dtype == DType::kFloat16 ? "<f2"
+            const char* typestr = l.dtype == DType::kFloat32    ? "<f4"
+                                  : l.dtype == DType::kFloat16  ? "<f2"
                                   : l.dtype == DType::kBFloat16 ? "<u2"
                                                                 : "|u1";
             nb::list shape;
@@ -344,7 +383,8 @@ void bind_cache(nb::module_& m) {
       .def(
           "fill_pattern",
           [](const PyKVCache& c, std::uint64_t seed, nb::handle pages, std::uint64_t start_len,
-             std::uint64_t end_len, std::optional<std::tuple<std::uint32_t, std::uint32_t>> layers) {
+             std::uint64_t end_len,
+             std::optional<std::tuple<std::uint32_t, std::uint32_t>> layers) {
             require_host(*c.cache, "fill_pattern");
             const auto p = pages_arg(pages);
             nb::gil_scoped_release release;
@@ -385,7 +425,11 @@ void bind_cache(nb::module_& m) {
           "'first_mismatch'}.")
       .def("__repr__", [](const PyKVCache& c) {
         return std::string("KVCache(") + c.cache->layout().to_string() + ", memory='" +
-               memory_name(c.cache->memory_kind()) + "')";
+               memory_name(c.cache->memory_kind()) + "'" +
+               (c.cache->split()
+                    ? ", regions=" + std::to_string(c.cache->num_regions()) + " (one per layer)"
+                    : std::string()) +
+               ")";
       });
 }
 

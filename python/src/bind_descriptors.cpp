@@ -78,9 +78,9 @@ std::vector<std::uint32_t> to_pages(nb::handle seq, const char* what) {
                         ", not an int");
       }
       if (v < 0 || v > 0xffffffffLL) {
-        throw Error(StatusCode::kInvalidArgument,
-                    std::string(what) + "[" + std::to_string(i) + "] = " + std::to_string(v) +
-                        " out of range [0, 2^32)");
+        throw Error(StatusCode::kInvalidArgument, std::string(what) + "[" + std::to_string(i) +
+                                                      "] = " + std::to_string(v) +
+                                                      " out of range [0, 2^32)");
       }
       out.push_back(static_cast<std::uint32_t>(v));
     }
@@ -96,7 +96,8 @@ std::vector<std::uint32_t> to_pages(nb::handle seq, const char* what) {
 
 KVTransferInfo to_transfer_info(nb::handle obj) {
   if (nb::isinstance<KVTransferInfo>(obj)) return nb::cast<KVTransferInfo>(obj);
-  if (nb::isinstance<nb::bytes>(obj)) return KVTransferInfo::decode(from_bytes(nb::cast<nb::bytes>(obj)));
+  if (nb::isinstance<nb::bytes>(obj))
+    return KVTransferInfo::decode(from_bytes(nb::cast<nb::bytes>(obj)));
   if (obj.is_none()) return {};
   if (nb::hasattr(obj, "encode")) {
     nb::object enc = obj.attr("encode")();
@@ -128,8 +129,9 @@ void bind_descriptors(nb::module_& m) {
               "descriptor (reads unchecked).")
       .def_prop_ro("payload", [](const KVTransferInfo& i) { return to_bytes(i.payload); })
       .def("empty", &KVTransferInfo::empty)
-      .def("to_bytes", [](const KVTransferInfo& i) { return to_bytes(i.encode()); },
-           "Versioned, checksummed 'MSKV' frame.")
+      .def(
+          "to_bytes", [](const KVTransferInfo& i) { return to_bytes(i.encode()); },
+          "Versioned, checksummed 'MSKV' frame.")
       .def_static(
           "from_bytes", [](const nb::bytes& b) { return KVTransferInfo::decode(from_bytes(b)); },
           nb::arg("data"),
@@ -155,8 +157,12 @@ void bind_descriptors(nb::module_& m) {
           "__init__",
           [](SequenceInfo* self, std::uint64_t seq_id, std::uint64_t num_tokens,
              nb::handle page_indices, nb::handle kv_transfer_info, std::uint32_t page_size) {
-            new (self) SequenceInfo{seq_id, num_tokens, to_pages(page_indices, "page_indices"),
-                                    to_transfer_info(kv_transfer_info), 0, page_size};
+            new (self) SequenceInfo{seq_id,
+                                    num_tokens,
+                                    to_pages(page_indices, "page_indices"),
+                                    to_transfer_info(kv_transfer_info),
+                                    0,
+                                    page_size};
           },
           nb::arg("seq_id"), nb::arg("num_tokens"), nb::arg("page_indices"),
           nb::arg("kv_transfer_info").none() = nb::none(), nb::kw_only(), nb::arg("page_size"),
@@ -182,8 +188,8 @@ void bind_descriptors(nb::module_& m) {
              return "SequenceInfo(seq_id=" + std::to_string(s.seq_id) +
                     ", num_tokens=" + std::to_string(s.num_tokens) + ", " +
                     std::to_string(s.page_indices.size()) + " pages of " +
-                    std::to_string(s.page_size) + " tokens, engine='" +
-                    s.kv_transfer_info.engine + "')";
+                    std::to_string(s.page_size) + " tokens, engine='" + s.kv_transfer_info.engine +
+                    "')";
            })
       .def("__getstate__", [](const SequenceInfo& s) { return to_bytes(s.encode()); })
       .def("__setstate__", [](SequenceInfo& self, const nb::bytes& b) {
@@ -194,6 +200,17 @@ void bind_descriptors(nb::module_& m) {
       m, "ShmKVTransferInfo",
       "The shm engine's descriptor: owner pid, memfd, uid, start time, nonce, size, layout.");
   shm.def(nb::init<>())
+      .def_prop_ro(
+          "access",
+          [](const ShmKVTransferInfo& i) {
+            return i.access == ShmKVTransferInfo::Access::kCma ? "cma" : "memfd";
+          },
+          "'memfd' (a shared cache, mapped) or 'cma' (a private cache, read with "
+          "process_vm_readv).")
+      .def_rw("regions", &ShmKVTransferInfo::regions,
+              "cma: the owner's region addresses (one, or one per layer).")
+      .def_rw("region_bytes", &ShmKVTransferInfo::region_bytes)
+      .def_rw("anchor", &ShmKVTransferInfo::anchor)
       .def_rw("pid", &ShmKVTransferInfo::pid)
       .def_rw("fd", &ShmKVTransferInfo::fd)
       .def_rw("uid", &ShmKVTransferInfo::uid)
@@ -202,6 +219,11 @@ void bind_descriptors(nb::module_& m) {
       .def_rw("size", &ShmKVTransferInfo::size)
       .def_rw("layout", &ShmKVTransferInfo::layout)
       .def("__repr__", [](const ShmKVTransferInfo& i) {
+        if (i.access == ShmKVTransferInfo::Access::kCma) {
+          return "ShmKVTransferInfo(pid=" + std::to_string(i.pid) + ", cma, " +
+                 std::to_string(i.regions.size()) + " region(s), size=" + std::to_string(i.size) +
+                 ", layout=" + i.layout.to_string() + ")";
+        }
         return "ShmKVTransferInfo(pid=" + std::to_string(i.pid) + ", fd=" + std::to_string(i.fd) +
                ", size=" + std::to_string(i.size) + ", layout=" + i.layout.to_string() + ")";
       });
@@ -217,14 +239,16 @@ void bind_descriptors(nb::module_& m) {
           [](MooncakeKVTransferInfo* self, const std::string& entity_id,
              const std::string& session_id, std::uint64_t data_ptr, const KVLayout& layout,
              std::uint64_t size, std::uint64_t generation, std::uint64_t identity_ptr,
-             std::uint64_t epochs_ptr, std::uint64_t ready_ptr) {
-            new (self) MooncakeKVTransferInfo{entity_id, session_id, data_ptr, layout,
-                                              size ? size : layout.total_bytes(), generation,
-                                              identity_ptr, epochs_ptr, ready_ptr};
+             std::uint64_t epochs_ptr, std::uint64_t ready_ptr,
+             std::vector<std::uint64_t> layer_regions) {
+            new (self) MooncakeKVTransferInfo{
+                entity_id,  session_id,   data_ptr,   layout,    size ? size : layout.total_bytes(),
+                generation, identity_ptr, epochs_ptr, ready_ptr, std::move(layer_regions)};
           },
           nb::arg("entity_id"), nb::arg("session_id"), nb::arg("data_ptr"), nb::arg("layout"),
           nb::arg("size") = 0, nb::arg("generation") = 0, nb::arg("identity_ptr") = 0,
-          nb::arg("epochs_ptr") = 0, nb::arg("ready_ptr") = 0)
+          nb::arg("epochs_ptr") = 0, nb::arg("ready_ptr") = 0,
+          nb::arg("layer_regions") = std::vector<std::uint64_t>{})
       .def_rw("entity_id", &MooncakeKVTransferInfo::entity_id)
       .def_rw("session_id", &MooncakeKVTransferInfo::session_id)
       .def_rw("data_ptr", &MooncakeKVTransferInfo::data_ptr)
@@ -236,6 +260,9 @@ void bind_descriptors(nb::module_& m) {
               "The owner's registered page epoch table (num_pages 8-byte words).")
       .def_rw("ready_ptr", &MooncakeKVTransferInfo::ready_ptr,
               "The owner's registered layer readiness words (num_pages 4-byte words).")
+      .def_rw("layer_regions", &MooncakeKVTransferInfo::layer_regions,
+              "A cache of one region per layer: each layer's address (data_ptr is layer "
+              "0's); empty for one region.")
       .def("__repr__", [](const MooncakeKVTransferInfo& i) {
         return "MooncakeKVTransferInfo(entity_id='" + i.entity_id + "', session_id='" +
                i.session_id + "', data_ptr=" + short_hex(i.data_ptr) +
@@ -257,8 +284,8 @@ void bind_descriptors(nb::module_& m) {
       .def_rw("generation", &UcxKVTransferInfo::generation)
       .def_prop_ro("rkey", [](const UcxKVTransferInfo& i) { return to_bytes(i.rkey); })
       .def("__repr__", [](const UcxKVTransferInfo& i) {
-        return "UcxKVTransferInfo(entity_id='" + i.entity_id + "', session_id='" +
-               i.session_id + "', layout=" + i.layout.to_string() + ")";
+        return "UcxKVTransferInfo(entity_id='" + i.entity_id + "', session_id='" + i.session_id +
+               "', layout=" + i.layout.to_string() + ")";
       });
   ucx.def("encode", &UcxKVTransferInfo::encode)
       .def_static("decode", &UcxKVTransferInfo::decode, nb::arg("info"))
@@ -269,14 +296,13 @@ void bind_descriptors(nb::module_& m) {
             return UcxKVTransferInfo::decode(KVTransferInfo::decode(from_bytes(b)));
           },
           nb::arg("data"))
-      .def("__eq__",
-           [](const UcxKVTransferInfo& a, const UcxKVTransferInfo& b) {
-             return a.encode() == b.encode();
-           })
+      .def("__eq__", [](const UcxKVTransferInfo& a,
+                        const UcxKVTransferInfo& b) { return a.encode() == b.encode(); })
       .def("__eq__", [](const UcxKVTransferInfo&, nb::handle) { return false; })
       .def("__getstate__", [](const UcxKVTransferInfo& i) { return to_bytes(i.encode().encode()); })
       .def("__setstate__", [](UcxKVTransferInfo& self, const nb::bytes& b) {
-        new (&self) UcxKVTransferInfo(UcxKVTransferInfo::decode(KVTransferInfo::decode(from_bytes(b))));
+        new (&self)
+            UcxKVTransferInfo(UcxKVTransferInfo::decode(KVTransferInfo::decode(from_bytes(b))));
       });
 #endif
 
@@ -300,9 +326,9 @@ void bind_descriptors(nb::module_& m) {
                               " bytes, expected " + std::to_string(CudaIpcShare::kHandleBytes));
             }
             if (device_uuid.size() != i.cuda_share.device_uuid.size()) {
-              throw Error(StatusCode::kInvalidArgument,
-                          "device_uuid of " + std::to_string(device_uuid.size()) +
-                              " bytes, expected 16");
+              throw Error(
+                  StatusCode::kInvalidArgument,
+                  "device_uuid of " + std::to_string(device_uuid.size()) + " bytes, expected 16");
             }
             std::memcpy(i.cuda_share.handle.data(), handle.data(), CudaIpcShare::kHandleBytes);
             std::memcpy(i.cuda_share.device_uuid.data(), device_uuid.data(), 16);
@@ -319,10 +345,9 @@ void bind_descriptors(nb::module_& m) {
             i.validate();
             new (self) CudaIpcKVTransferInfo(std::move(i));
           },
-          nb::arg("handle"), nb::arg("device"), nb::arg("device_uuid"),
-          nb::arg("allocation_bytes"), nb::arg("size"), nb::arg("stride"), nb::arg("offset"),
-          nb::arg("dtype"), nb::arg("requires_grad"), nb::arg("layout"), nb::arg("generation"),
-          nb::arg("owner_pid"))
+          nb::arg("handle"), nb::arg("device"), nb::arg("device_uuid"), nb::arg("allocation_bytes"),
+          nb::arg("size"), nb::arg("stride"), nb::arg("offset"), nb::arg("dtype"),
+          nb::arg("requires_grad"), nb::arg("layout"), nb::arg("generation"), nb::arg("owner_pid"))
       .def_prop_ro("handle",
                    [](const CudaIpcKVTransferInfo& i) {
                      return nb::bytes(reinterpret_cast<const char*>(i.cuda_share.handle.data()),
@@ -331,8 +356,9 @@ void bind_descriptors(nb::module_& m) {
       .def_prop_ro("device", [](const CudaIpcKVTransferInfo& i) { return i.cuda_share.device; })
       .def_prop_ro("device_uuid",
                    [](const CudaIpcKVTransferInfo& i) {
-                     return nb::bytes(reinterpret_cast<const char*>(i.cuda_share.device_uuid.data()),
-                                      i.cuda_share.device_uuid.size());
+                     return nb::bytes(
+                         reinterpret_cast<const char*>(i.cuda_share.device_uuid.data()),
+                         i.cuda_share.device_uuid.size());
                    })
       .def_prop_ro("allocation_bytes",
                    [](const CudaIpcKVTransferInfo& i) { return i.cuda_share.allocation_bytes; })

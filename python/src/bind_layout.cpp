@@ -20,25 +20,30 @@ std::string read_info_repr(const KVReadInfo& r) {
          ", remote_page_idx=" + std::to_string(r.remote_page_idx) +
          ", token_start=" + std::to_string(r.token_start) +
          ", token_end=" + std::to_string(r.token_end) +
-         (r.remote_token_start >= 0
-              ? ", remote_token_start=" + std::to_string(r.remote_token_start)
-              : std::string()) +
-         (r.head_start != 0 || r.head_end != 0
-              ? ", head_start=" + std::to_string(r.head_start) +
-                    ", head_end=" + std::to_string(r.head_end)
-              : std::string()) +
+         (r.remote_token_start >= 0 ? ", remote_token_start=" + std::to_string(r.remote_token_start)
+                                    : std::string()) +
+         (r.head_start != 0 || r.head_end != 0 ? ", head_start=" + std::to_string(r.head_start) +
+                                                     ", head_end=" + std::to_string(r.head_end)
+                                               : std::string()) +
          ")";
 }
 
-using LayoutState = std::tuple<std::uint32_t, std::uint32_t, std::uint32_t, std::uint32_t,
-                               std::uint32_t, std::string, bool, std::string, std::string,
-                               std::uint32_t, std::uint32_t>;
+using LayoutState =
+    std::tuple<std::uint32_t, std::uint32_t, std::uint32_t, std::uint32_t, std::uint32_t,
+               std::string, bool, std::string, std::string, std::uint32_t, std::uint32_t>;
 
 LayoutState layout_state(const KVLayout& l) {
-  return {l.num_layers, l.num_pages,   l.page_size,
-          l.num_kv_heads, l.head_dim, std::string(to_string(l.dtype)),
-          l.has_v,      std::string(to_string(l.cache_order)),
-          std::string(to_string(l.page_order)), l.total_kv_heads, l.first_kv_head};
+  return {l.num_layers,
+          l.num_pages,
+          l.page_size,
+          l.num_kv_heads,
+          l.head_dim,
+          std::string(to_string(l.dtype)),
+          l.has_v,
+          std::string(to_string(l.cache_order)),
+          std::string(to_string(l.page_order)),
+          l.total_kv_heads,
+          l.first_kv_head};
 }
 
 KVLayout make_layout(std::uint32_t num_layers, std::uint32_t num_pages, std::uint32_t page_size,
@@ -66,7 +71,9 @@ void bind_layout(nb::module_& m) {
   nb::class_<KVLayout>(m, "KVLayout",
                        "The geometry of one paged KV cache (value type, immutable).\n\n"
                        "cache_order 'layer': [layer][k|v][page][page bytes]; 'page': "
-                       "[page][layer][k|v][page bytes]. page_order 'nhd': [token][head][dim]; "
+                       "[page][layer][k|v][page bytes]; 'layer_page': "
+                       "[layer][page][k|v][page bytes] (torch [L, P, 2, T, H, D]). page_order "
+                       "'nhd': [token][head][dim]; "
                        "'hnd': [head][token][dim]. dtype: fp32, fp16, bf16, fp8_e4m3, fp8_e5m2. "
                        "has_v=False for MLA's single latent. Head shards (tensor parallelism): "
                        "the model has total_kv_heads KV heads (0: num_kv_heads) and this cache "
@@ -101,6 +108,20 @@ void bind_layout(nb::module_& m) {
       .def_prop_ro("block_bytes", &KVLayout::block_bytes,
                    "Bytes of one page of one layer, one of k|v.")
       .def_prop_ro("total_bytes", &KVLayout::total_bytes)
+      .def_prop_ro(
+          "view_shape",
+          [](const KVLayout& l) {
+            const auto s = l.view_shape();
+            return nb::make_tuple(s[0], s[1], s[2], s[3], s[4], s[5]);
+          },
+          "The cache as a C-contiguous 6-D tensor (what KVCache.from_dlpack takes and "
+          "__dlpack__ gives): 'layer' [L, kv, P, T, H, D], 'page' [P, L, kv, T, H, D], "
+          "'layer_page' [L, P, kv, T, H, D]; HND pages swap T and H; kv is num_kv.")
+      .def_prop_ro("layer_bytes", &KVLayout::layer_bytes,
+                   "Bytes of one layer (K and V of every page).")
+      .def_prop_ro("layer_contiguous", &KVLayout::layer_contiguous,
+                   "True when each layer's bytes are one run (every order but page-major): the "
+                   "cache may be one region per layer (KVCache.from_layer_tensors).")
       .def("check_compatible", &KVLayout::check_compatible, nb::arg("remote"),
            "Raises IncompatibleLayoutError naming the first field a read needs to match.")
       .def("is_compatible", &KVLayout::is_compatible, nb::arg("remote"))
@@ -109,10 +130,10 @@ void bind_layout(nb::module_& m) {
       .def("__repr__", [](const KVLayout& l) { return "KVLayout(" + l.to_string() + ")"; })
       .def("__getstate__", &layout_state)
       .def("__setstate__", [](KVLayout& self, const LayoutState& s) {
-        new (&self) KVLayout(make_layout(std::get<0>(s), std::get<1>(s), std::get<2>(s),
-                                         std::get<3>(s), std::get<4>(s), std::get<5>(s),
-                                         std::get<6>(s), std::get<7>(s), std::get<8>(s),
-                                         std::get<9>(s), std::get<10>(s)));
+        new (&self)
+            KVLayout(make_layout(std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s),
+                                 std::get<4>(s), std::get<5>(s), std::get<6>(s), std::get<7>(s),
+                                 std::get<8>(s), std::get<9>(s), std::get<10>(s)));
       });
 
   nb::class_<KVReadInfo>(m, "KVReadInfo",
@@ -126,9 +147,8 @@ void bind_layout(nb::module_& m) {
           [](KVReadInfo* self, std::int64_t layer_idx, std::int64_t local_page_idx,
              std::int64_t remote_page_idx, std::int64_t token_start, std::int64_t token_end,
              std::int64_t remote_token_start, std::int64_t head_start, std::int64_t head_end) {
-            new (self) KVReadInfo{layer_idx,   local_page_idx,     remote_page_idx,
-                                  token_start, token_end,          remote_token_start,
-                                  head_start,  head_end};
+            new (self) KVReadInfo{layer_idx, local_page_idx,     remote_page_idx, token_start,
+                                  token_end, remote_token_start, head_start,      head_end};
           },
           nb::arg("layer_idx"), nb::arg("local_page_idx"), nb::arg("remote_page_idx"),
           nb::arg("token_start"), nb::arg("token_end"), nb::arg("remote_token_start") = -1,
@@ -149,17 +169,15 @@ void bind_layout(nb::module_& m) {
       .def("__repr__", &read_info_repr)
       .def("__getstate__",
            [](const KVReadInfo& r) {
-             return std::make_tuple(r.layer_idx, r.local_page_idx, r.remote_page_idx,
-                                    r.token_start, r.token_end, r.remote_token_start,
-                                    r.head_start, r.head_end);
+             return std::make_tuple(r.layer_idx, r.local_page_idx, r.remote_page_idx, r.token_start,
+                                    r.token_end, r.remote_token_start, r.head_start, r.head_end);
            })
       .def("__setstate__",
            [](KVReadInfo& self,
-              const std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                               std::int64_t, std::int64_t, std::int64_t, std::int64_t>& s) {
-             new (&self) KVReadInfo{std::get<0>(s), std::get<1>(s), std::get<2>(s),
-                                    std::get<3>(s), std::get<4>(s), std::get<5>(s),
-                                    std::get<6>(s), std::get<7>(s)};
+              const std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
+                               std::int64_t, std::int64_t, std::int64_t>& s) {
+             new (&self) KVReadInfo{std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s),
+                                    std::get<4>(s), std::get<5>(s), std::get<6>(s), std::get<7>(s)};
            });
 }
 

@@ -59,7 +59,8 @@ void bind_errors(nb::module_& m) {
       .value("TIMEOUT", StatusCode::kTimeout)
       .value("CANCELLED", StatusCode::kCancelled)
       .value("SHUTDOWN", StatusCode::kShutdown)
-      .value("INTERNAL", StatusCode::kInternal);
+      .value("INTERNAL", StatusCode::kInternal)
+      .value("NOT_SUPPORTED", StatusCode::kNotSupported);
 
   m.def(
       "_set_error_factory",

@@ -17,7 +17,9 @@ NB_MODULE(_core, m) {
   mstar::kv::py::bind_layout(m);
   mstar::kv::py::bind_cache(m);
   mstar::kv::py::bind_descriptors(m);
+  mstar::kv::py::bind_requests(m);
   mstar::kv::py::bind_engines(m);
   mstar::kv::py::bind_mooncake(m);
-  mstar::kv::py::bind_py_streaming(m);
+  mstar::kv::py::bind_pool(m);
+  mstar::kv::py::bind_manager(m);
 }

@@ -5,6 +5,7 @@
 
 #include <nanobind/nanobind.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -12,6 +13,9 @@
 
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/engine.hpp"
+#include "mstar/kv/pool.hpp"
+#include "mstar/kv/read_info.hpp"
 #include "mstar/kv/status.hpp"
 #include "mstar/kv/streaming.hpp"
 
@@ -25,7 +29,9 @@ void bind_cache(nb::module_& m);
 void bind_descriptors(nb::module_& m);
 void bind_engines(nb::module_& m);
 void bind_mooncake(nb::module_& m);
-void bind_py_streaming(nb::module_& m);
+void bind_manager(nb::module_& m);
+void bind_pool(nb::module_& m);
+void bind_requests(nb::module_& m);
 
 // The Python-side holder of a cache. The shared_ptr's deleter releases any
 // Python object the memory came from (under the GIL), so an engine that
@@ -34,6 +40,29 @@ struct PyKVCache {
   std::shared_ptr<KVCache> cache;
   int device = 0;  // CUDA ordinal of device memory
 };
+
+// The Python-side holder of a pool (mstar_kv.KVCachePool) and the Python
+// KVCache it was made over.
+struct PyPool {
+  std::shared_ptr<KVCachePool> pool;
+  nb::object cache;
+};
+
+// The Python-side holder of a native engine (mstar_kv._core._Engine).
+struct PyEngine {
+  std::shared_ptr<KVTransferEngine> engine;
+  std::shared_ptr<KVCache> cache;  // null for the local-only engine
+  std::chrono::milliseconds timeout{30000};
+};
+
+// Seconds from Python as milliseconds: (0, 86400] ([0, ...] with zero_ok),
+// else Error(kInvalidArgument) naming `name`, the value and the range. The
+// one parser of the bindings' durations.
+std::chrono::milliseconds seconds_option(const char* name, double seconds, bool zero_ok = false);
+
+// Read infos from a Python sequence of KVReadInfo; Error(kInvalidArgument)
+// naming the entry that is not one.
+std::vector<KVReadInfo> to_reads(nb::handle seq);
 
 // StreamOptions from the Python arguments (seconds); throws
 // Error(kInvalidArgument) naming both when out of range.

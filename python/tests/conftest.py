@@ -100,6 +100,16 @@ def sentinel_fill(cache, value=0x5A):
     return a
 
 
+def block_offset(layout, layer, kvi, page):
+    """Byte offset of the block (layer, k|v, page) in each cache order
+    (layout.hpp), computed here rather than asked of the library."""
+    L, P, K = layout.num_layers, layout.num_pages, layout.num_kv
+    index = {"layer": (layer * K + kvi) * P + page,
+             "page": (page * L + layer) * K + kvi,
+             "layer_page": (layer * P + page) * K + kvi}[layout.cache_order]
+    return index * layout.block_bytes
+
+
 def assert_only_pages_written(before, after, layout, written_pages):
     """Bytes outside the written local pages are unchanged."""
     import numpy as np
@@ -110,8 +120,7 @@ def assert_only_pages_written(before, after, layout, written_pages):
     for layer in range(layout.num_layers):
         for kvi in range(layout.num_kv):
             for page in written_pages:
-                # layer-major offsets
-                off = ((layer * layout.num_kv + kvi) * layout.num_pages + page) * bb
+                off = block_offset(layout, layer, kvi, page)
                 mask[off:off + bb] = False
     assert np.array_equal(a[mask], b[mask]), "a page outside the read was written"
 

@@ -3,7 +3,12 @@ with the library's pattern, publishes them and serves until told to stop.
 
     python peer.py ENGINE [--layers N --pages N ...]
 
-ENGINE: shm | ucx | mooncake (the PyPI wheel's TransferEngine).
+ENGINE: shm | ucx | mooncake (the PyPI wheel's TransferEngine) | mooncake-c
+(the C++ engine over Mooncake's C library, MSTAR_KV_MOONCAKE_LIB).
+--memory: the cache: shared (a memfd; shm's default) or host (private: the
+other engines' default; shm serves it by cross-memory attach), layers (one
+numpy array per layer, KVCache.from_layer_tensors), torch (one torch tensor,
+from_dlpack), torch-layers (one torch tensor per layer, vLLM's shape).
 Prints one line "READY <hex of SequenceInfo 1> <hex of SequenceInfo 2>",
 then reads commands on stdin, one per line:
     restart   shut the engine down and start a new one on the same cache
@@ -45,8 +50,38 @@ def make_engine(args, cache, te):
         return kv.UcxKVTransferEngine(cache, entity_id="prefill", session_id=args.session,
                                       timeout=args.timeout, options=options)
     if args.engine == "mooncake":
-        return kv.MooncakeKVTransferEngine(cache, "prefill", te, timeout=args.timeout)
+        return kv.MooncakeKVTransferEngine(cache, "prefill", te, timeout=args.timeout,
+                                           hostname=args.host)
+    if args.engine == "mooncake-c":
+        return kv.MooncakeKVTransferEngine(cache, "prefill", None, timeout=args.timeout)
     raise SystemExit(f"unknown engine {args.engine}")
+
+
+def make_cache(layout, memory):
+    """The owner's cache in `memory` (see --memory), and what keeps its
+    tensors alive."""
+    if memory in ("shared", "host"):
+        return kv.KVCache(layout, memory), None
+    shape = [layout.num_kv, layout.num_pages, layout.page_size, layout.num_kv_heads,
+             layout.head_dim]
+    if memory == "layers":
+        import numpy as np
+        arrays = [np.zeros(shape, dtype=np.uint16) for _ in range(layout.num_layers)]
+        return kv.KVCache.from_layer_tensors(arrays, layout), arrays
+    import torch
+    if memory == "torch":
+        t = torch.zeros([layout.num_layers, *shape], dtype=torch.bfloat16)
+        return kv.KVCache.from_dlpack(t, layout), t
+    if memory == "torch-layers":
+        ts = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(layout.num_layers)]
+        return kv.KVCache.from_layer_tensors(ts, layout), ts
+    raise SystemExit(f"unknown memory {memory}")
+
+
+def poison(cache, value):
+    """Every byte of every region of a host cache set to `value`."""
+    for addr, size in cache.regions:
+        ctypes.memset(addr, value, size)
 
 
 def main():
@@ -63,30 +98,33 @@ def main():
     p.add_argument("--tokens", type=int, default=100)
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--session", default="", help="ucx: HOST:PORT to listen on")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="mooncake: the address its TransferEngine serves at")
     p.add_argument("--lease", type=float, default=60.0, help="the pool's lease, seconds")
     p.add_argument("--auth-token", default="", help="ucx: the shared secret readers must prove")
     p.add_argument("--total-heads", type=int, default=0, help="the model's KV heads (shards)")
     p.add_argument("--first-head", type=int, default=0, help="this cache's first model head")
+    p.add_argument("--memory", default="", help="shared | host | layers | torch | torch-layers")
     args = p.parse_args()
+    memory = args.memory or ("shared" if args.engine == "shm" else "host")
 
     layout = kv.KVLayout(args.layers, args.pages, args.page_size, args.heads, args.head_dim,
                          dtype=args.dtype, cache_order=args.cache_order,
                          page_order=args.page_order, total_kv_heads=args.total_heads,
                          first_kv_head=args.first_head)
-    cache = kv.KVCache(layout, "shared" if args.engine == "shm" else "host")
+    cache, keep = make_cache(layout, memory)
     te = None
     if args.engine == "mooncake":
         from mooncake.engine import TransferEngine
         te = TransferEngine()
-        if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        if te.initialize(args.host, "P2PHANDSHAKE", "tcp", "") != 0:
             raise SystemExit("mooncake initialize failed")
     engine = make_engine(args, cache, te)
-    pool = kv.KVCachePool(cache, engine.get_kv_transfer_info(), scatter_seed=7,
-                          lease=args.lease)
-    if getattr(engine, "_native", None) is not None:
-        engine._native.serve_done_notices(pool._pool)
+    owner = kv.KVTransferManager(engine, cache)
+    pool = kv.KVCachePool(cache, owner, scatter_seed=7, lease=args.lease)
+    owner.serve_done_notices(pool)  # no notices arrive over shm or mooncake
     if cache.memory != "device":
-        ctypes.memset(cache.data_ptr, 0xEE, cache.size_bytes)  # poison (see "stream")
+        poison(cache, 0xEE)  # (see "stream")
     for seq_id in (1, 2):
         pool.allocate(seq_id, args.tokens)
         cache.fill_pattern(SEED + seq_id, pool.pages(seq_id), 0, args.tokens)
@@ -115,8 +153,11 @@ def main():
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "restart":
-            engine.shutdown()
-            if args.engine == "shm":  # the shm generation is the memory's: reallocate
+            owner.cleanup()  # shuts the engine down; nothing keeps the old cache then
+            owner = None
+            # A shared cache's generation is the memory's: reallocate (a
+            # private one's is its engine's anchor: a new engine is enough).
+            if args.engine == "shm" and memory == "shared":
                 old_cache, cache = cache, kv.KVCache(layout, "shared")
                 del old_cache
                 for seq_id in (1, 2):

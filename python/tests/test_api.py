@@ -1,12 +1,10 @@
 """The spec's names and value types: construction, equality, repr, pickling,
 and bad input rejected with the value and its limit."""
-import concurrent.futures
 import inspect
 import pickle
 
-import pytest
-
 import mstar_kv as kv
+import pytest
 from conftest import local_layout
 
 
@@ -231,5 +229,8 @@ def test_engine_infos_of_live_engines_pickle():
     s = kv.ShmKVTransferInfo.decode(kv.ShmKVTransferEngine(shared).get_kv_transfer_info())
     assert s.pid == os.getpid() and s.layout == shared.layout
     assert kv.ShmKVTransferInfo.from_bytes(pickle.loads(pickle.dumps(s.to_bytes()))) == s
-    private = kv.ShmKVTransferEngine(kv.KVCache(local_layout(num_pages=8)))
-    assert private.get_kv_transfer_info().empty()  # a private cache is local-only to others
+    # A private cache is served by cross-memory attach (test_regions.py).
+    cache = kv.KVCache(local_layout(num_pages=8))
+    p = kv.ShmKVTransferInfo.decode(kv.ShmKVTransferEngine(cache).get_kv_transfer_info())
+    assert p.access == "cma" and p.regions == [cache.data_ptr] and p.pid == os.getpid()
+    assert kv.ShmKVTransferInfo.from_bytes(pickle.loads(pickle.dumps(p.to_bytes()))) == p

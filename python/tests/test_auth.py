@@ -5,9 +5,8 @@ owner that cannot prove it. Refusals raise PermissionDeniedError before any
 byte lands in the reader's cache."""
 import os
 
-import pytest
-
 import mstar_kv as kv
+import pytest
 from conftest import SEED, TOKENS, local_layout, sentinel_fill
 
 os.environ.setdefault("UCX_TLS", "tcp")

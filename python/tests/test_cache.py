@@ -2,15 +2,14 @@
 seen from numpy / torch without a copy."""
 import sys
 
+import mstar_kv as kv
 import numpy as np
 import pytest
-
-import mstar_kv as kv
 from conftest import local_layout
 
 try:
     import torch
-except ImportError:  # CI installs no torch: PyPI's wheel pulls the whole CUDA stack
+except ImportError:  # ./scripts/test installs it (scripts/lib/pip-packages.txt)
     torch = None
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 

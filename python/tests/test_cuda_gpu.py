@@ -6,9 +6,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import mstar_kv as kv
+import pytest
 
 REQUIRE = os.environ.get("MSTAR_KV_REQUIRE_GPU") == "1"
 
@@ -109,6 +108,7 @@ def test_streaming_from_a_torch_owner_marking_on_its_stream():
     mark_layers_ready_after; the reader streams layer by layer. Not-ready
     layers hold poison: a layer copied before its mark fails the compare."""
     import time
+
     import torch
     owner = subprocess.Popen([sys.executable, "-c", STREAM_OWNER], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)

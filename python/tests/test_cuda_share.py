@@ -3,9 +3,8 @@ GPU from tuples built by hand; the GPU path runs in scripts/gpu-check."""
 import os
 import pickle
 
-import pytest
-
 import mstar_kv as kv
+import pytest
 from conftest import local_layout
 
 needs_cuda_build = pytest.mark.skipif(

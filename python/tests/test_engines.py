@@ -3,10 +3,9 @@ over shm, UCX (tcp) and Mooncake (the PyPI wheel), and every byte is checked."""
 import os
 import time
 
+import mstar_kv as kv
 import numpy as np
 import pytest
-
-import mstar_kv as kv
 from conftest import SEED, TOKENS, assert_only_pages_written, local_layout, sentinel_fill
 
 # UCX over TCP on loopback, in this process and in the peers it starts.

@@ -3,17 +3,15 @@ the GIL released during long reads, KeyboardInterrupt, and a Python
 subclass of KVTransferEngine driven by the manager."""
 import asyncio
 import concurrent.futures
-import os
 import subprocess
 import sys
 import threading
 import time
 
+import mstar_kv as kv
 import numpy as np
 import pytest
-
-import mstar_kv as kv
-from conftest import HERE, local_layout
+from conftest import local_layout
 
 
 def shm_pair(layout, max_workers=1):
@@ -144,6 +142,10 @@ def test_future_outlives_its_manager():
 def test_keyboard_interrupt_cancels_the_read():
     code = r'''
 import os, signal, threading, time, sys
+# A background job of a non-interactive shell inherits SIGINT ignored, and
+# Python then installs no KeyboardInterrupt handler: install it, as a
+# terminal's Python has it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import numpy as np
 import mstar_kv as kv
 layout = kv.KVLayout(4, 64, 16, 2, 64)
@@ -222,5 +224,5 @@ def test_python_subclass_driven_by_the_manager():
     assert reads[0] == kv.KVReadInfo(0, 7, 3, 0, 16)
     assert reads[-1] == kv.KVReadInfo(layout.num_layers - 1, 9, 4, 0, 8)  # clipped last page
     assert mgr.start_async_retrieve(40, 40, [7, 8, 9], [3, 1, 4], info) is None
-    pool = kv.KVCachePool(dst, kv.KVTransferInfo("copy", b""))
+    _pool = kv.KVCachePool(dst, kv.KVTransferInfo("copy", b""))
     mgr.cleanup()

@@ -7,10 +7,8 @@ import subprocess
 import time
 import urllib.request
 
-import numpy as np
-import pytest
-
 import mstar_kv as kv
+import pytest
 from conftest import HERE, SEED, TOKENS, local_layout
 
 CLI = os.path.join(HERE, "..", "..", "build", "release", "tools", "mstar-kv")
@@ -181,3 +179,42 @@ print("FAILED", failed, "STATS", s["reads_started"], sum(s["reads_failed"].value
     lines = [l for l in r.stderr.splitlines() if l.startswith("mstar-kv [warn] ucx peer at")]
     assert len(lines) == 1, r.stderr[-2000:]
     assert "failed: " in lines[0]
+
+
+def test_owner_side_counts_what_it_served():
+    """The owner's stats()["served"]: a UCX owner counts the read and the
+    bytes it sent, its pool the descriptor published and the done notice."""
+    os.environ.setdefault("UCX_TLS", "tcp")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    if "ucx" not in kv.built_engines():
+        pytest.skip("the ucx engine is not built")
+    cache = kv.KVCache(local_layout(), "host")
+    owner = kv.KVTransferManager(kv.TransferEngineInfo("owner", "", "ucx", {"timeout": 10}),
+                                 cache)
+    pool = kv.KVCachePool(cache, owner.get_kv_transfer_info(), scatter_seed=7)
+    owner.serve_done_notices(pool)
+    pool.allocate(1, TOKENS)
+    cache.fill_pattern(SEED + 1, pool.pages(1), 0, TOKENS)
+    served = owner.stats()["served"]
+    assert served == {"reads": 0, "bytes": 0, "reads_refused": 0, "replies_dropped": 0,
+                      "readers_connected": 0, "readers_gone": 0, "descriptors": 0,
+                      "done_notices": 0}
+    seq = pool.publish(1)
+    local_cache = kv.KVCache(local_layout())
+    reader = kv.KVTransferManager(kv.TransferEngineInfo("reader", "", "ucx", {"timeout": 10}),
+                                  local_cache)
+    local = list(range(len(seq.page_indices)))
+    n = reader.sync_retrieve(0, seq.num_tokens, local, seq.page_indices, seq.kv_transfer_info)
+    assert local_cache.verify_pattern(SEED + 1, local, 0, seq.num_tokens)["ok"]
+    reader.notify_done(seq)
+    deadline = time.monotonic() + 10
+    while owner.stats()["served"]["done_notices"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    served = owner.stats()["served"]
+    assert served["reads"] == 1 and served["bytes"] == n
+    assert served["readers_connected"] == 1 and served["replies_dropped"] == 0
+    assert served["descriptors"] == 1 and served["done_notices"] == 1
+    assert 1 not in pool  # the notice freed it
+    assert "mstar_kv_served_bytes_total{engine=\"ucx\"} %d" % n in owner.prometheus_text()
+    reader.cleanup()
+    owner.cleanup()

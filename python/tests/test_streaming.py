@@ -5,9 +5,8 @@ import concurrent.futures
 import os
 import time
 
-import pytest
-
 import mstar_kv as kv
+import pytest
 from conftest import TOKENS, check_layer_by_layer, local_layout, read_marks, start_stream
 
 os.environ.setdefault("UCX_TLS", "tcp")

@@ -4,6 +4,10 @@ set -euo pipefail
 
 MSTAR_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 MSTAR_JOBS=${MSTAR_JOBS:-$(nproc)}
+# No pip download cache: torch with its nvidia-* wheels is about 5 GB
+# installed and as much again cached, and the CI machine's disk is shared
+# (a run once failed with ENOSPC making the vLLM environments).
+export PIP_NO_CACHE_DIR=1
 
 # Debian packages the build and tests use. Each is installed only if absent.
 MSTAR_APT_PACKAGES=(
@@ -12,7 +16,8 @@ MSTAR_APT_PACKAGES=(
   libucx-dev ucx-utils
   libcpp-httplib-dev libmicrohttpd-dev
   iperf3 iproute2
-  clang libclang-rt-14-dev
+  nftables  # the network fault tests' loss, partitions and relay redirect
+  clang libclang-rt-14-dev clang-format
   libc++-14-dev libc++abi-14-dev clang-tidy
 )
 
@@ -35,8 +40,10 @@ ensure_apt() {
 ensure_pip() {
   local py=${PYTHON:-python3}
   for spec in "$@"; do
-    local name=${spec%%[=<>]*}
-    if ! "$py" -m pip show -q "$name" >/dev/null 2>&1; then
+    local name=${spec%%[=<>]*} have
+    have=$("$py" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+    # absent, or not the version a '==' pin names
+    if [ -z "$have" ] || { [[ $spec == *==* ]] && [ "$have" != "${spec##*==}" ]; }; then
       echo "== installing PyPI package: $spec"
       "$py" -m pip install -q "$spec" || echo "== warning: pip could not install $spec; dependent checks will skip"
     fi
@@ -53,10 +60,25 @@ ensure_deps() {
 
 # Builds and installs the Python package from python/ (scikit-build-core +
 # nanobind, installed by ensure_deps) into the current interpreter.
+# The wheel is kept in build/wheels/ so that the vLLM environments
+# (scripts/lib/vllm-envs.sh) install the same build instead of compiling again.
 build_python() {
   local py=${PYTHON:-python3}
-  "$py" -m pip install -q --no-build-isolation "$MSTAR_ROOT/python" \
+  rm -rf "$MSTAR_ROOT/build/wheels"
+  "$py" -m pip wheel -q --no-build-isolation --no-deps -w "$MSTAR_ROOT/build/wheels" \
+    "$MSTAR_ROOT/python" 2> >(grep -v "Running pip as the 'root' user" >&2)
+  "$py" -m pip install -q --no-deps --force-reinstall "$MSTAR_ROOT"/build/wheels/mstar_kv-*.whl \
     2> >(grep -v "Running pip as the 'root' user" >&2)
+}
+
+# The conventions the tools hold: C++ formatted as .clang-format says (the
+# files under include src tools python/src), Python clean under ruff.toml.
+check_conventions() {
+  local py=${PYTHON:-python3}
+  (cd "$MSTAR_ROOT" &&
+     git ls-files -- include src tools python/src | grep -E '\.(hpp|cpp|h|cu|cuh)$' |
+     xargs clang-format --dry-run -Werror)
+  (cd "$MSTAR_ROOT" && "$py" -m ruff check -q python bench)
 }
 
 # build PRESET [extra cmake args...]

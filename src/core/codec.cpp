@@ -66,16 +66,14 @@ void ByteWriter::layout(const KVLayout& l) {
 }
 
 void ByteReader::fail(std::string_view field, const std::string& why) const {
-  throw Error(StatusCode::kCorruptDescriptor,
-              what_ + " field '" + std::string(field) + "' at byte " +
-                  std::to_string(pos_) + ": " + why);
+  throw Error(StatusCode::kCorruptDescriptor, what_ + " field '" + std::string(field) +
+                                                  "' at byte " + std::to_string(pos_) + ": " + why);
 }
 
-std::span<const std::uint8_t> ByteReader::take(std::string_view field,
-                                               std::size_t n) {
+std::span<const std::uint8_t> ByteReader::take(std::string_view field, std::size_t n) {
   if (n > remaining()) {
-    fail(field, "truncated: need " + std::to_string(n) + " bytes, " +
-                    std::to_string(remaining()) + " left");
+    fail(field, "truncated: need " + std::to_string(n) + " bytes, " + std::to_string(remaining()) +
+                    " left");
   }
   auto out = in_.subspan(pos_, n);
   pos_ += n;
@@ -109,12 +107,10 @@ bool ByteReader::boolean(std::string_view field) {
   return v == 1;
 }
 
-std::span<const std::uint8_t> ByteReader::bytes(std::string_view field,
-                                                std::size_t max_len) {
+std::span<const std::uint8_t> ByteReader::bytes(std::string_view field, std::size_t max_len) {
   const std::uint32_t n = u32(field);
   if (n > max_len) {
-    fail(field, "length " + std::to_string(n) + " exceeds limit " +
-                    std::to_string(max_len));
+    fail(field, "length " + std::to_string(n) + " exceeds limit " + std::to_string(max_len));
   }
   return take(field, n);
 }
@@ -139,8 +135,16 @@ KVLayout ByteReader::layout(std::string_view field) {
   l.has_v = boolean(field);
   const std::uint8_t co = u8(field);
   const std::uint8_t po = u8(field);
-  if (co > 1) fail(field, "cache_order " + std::to_string(co) + " out of range [0, 1]");
-  if (po > 1) fail(field, "page_order " + std::to_string(po) + " out of range [0, 1]");
+  // Descriptors from before layer_page (2) hold 0 or 1 and decode as they
+  // did; a build without layer_page refuses a 2 here, by name.
+  if (co > kMaxCacheOrder) {
+    fail(field, "cache_order " + std::to_string(co) + " out of range [0, " +
+                    std::to_string(kMaxCacheOrder) + "] (layer, page, layer_page)");
+  }
+  if (po > kMaxPageOrder) {
+    fail(field, "page_order " + std::to_string(po) + " out of range [0, " +
+                    std::to_string(kMaxPageOrder) + "] (nhd, hnd)");
+  }
   l.cache_order = static_cast<CacheOrder>(co);
   l.page_order = static_cast<PageOrder>(po);
   l.total_kv_heads = u32(field);
@@ -156,13 +160,11 @@ KVLayout ByteReader::layout(std::string_view field) {
 void ByteReader::expect_end() const {
   if (remaining() != 0) {
     throw Error(StatusCode::kCorruptDescriptor,
-                what_ + ": " + std::to_string(remaining()) +
-                    " unexpected trailing bytes");
+                what_ + ": " + std::to_string(remaining()) + " unexpected trailing bytes");
   }
 }
 
-std::vector<std::uint8_t> encode_frame(FrameKind kind,
-                                       std::span<const std::uint8_t> payload) {
+std::vector<std::uint8_t> encode_frame(FrameKind kind, std::span<const std::uint8_t> payload) {
   ByteWriter w;
   for (auto m : kMagic) w.u8(m);
   w.u16(kVersion);
@@ -173,21 +175,19 @@ std::vector<std::uint8_t> encode_frame(FrameKind kind,
   return w.take();
 }
 
-std::span<const std::uint8_t> decode_frame(std::span<const std::uint8_t> bytes,
-                                           FrameKind kind,
+std::span<const std::uint8_t> decode_frame(std::span<const std::uint8_t> bytes, FrameKind kind,
                                            std::string_view what) {
   const std::string name(what);
   if (bytes.size() > DescriptorLimits::kMaxFrameBytes) {
     throw Error(StatusCode::kCorruptDescriptor,
-                name + ": " + std::to_string(bytes.size()) +
-                    " bytes exceed the limit of " +
+                name + ": " + std::to_string(bytes.size()) + " bytes exceed the limit of " +
                     std::to_string(DescriptorLimits::kMaxFrameBytes));
   }
   if (bytes.size() < kHeaderBytes + kTrailerBytes) {
-    throw Error(StatusCode::kCorruptDescriptor,
-                name + ": truncated, " + std::to_string(bytes.size()) +
-                    " bytes is less than the minimum frame of " +
-                    std::to_string(kHeaderBytes + kTrailerBytes));
+    throw Error(StatusCode::kCorruptDescriptor, name + ": truncated, " +
+                                                    std::to_string(bytes.size()) +
+                                                    " bytes is less than the minimum frame of " +
+                                                    std::to_string(kHeaderBytes + kTrailerBytes));
   }
   ByteReader r(bytes, what);
   for (auto m : kMagic) {
@@ -196,8 +196,7 @@ std::span<const std::uint8_t> decode_frame(std::span<const std::uint8_t> bytes,
   const std::uint16_t version = r.u16("version");
   if (version != kVersion) {
     r.fail("version", "unsupported version " + std::to_string(version) +
-                          ", this build reads version " +
-                          std::to_string(kVersion));
+                          ", this build reads version " + std::to_string(kVersion));
   }
   const std::uint16_t got_kind = r.u16("kind");
   if (got_kind != static_cast<std::uint16_t>(kind)) {
@@ -206,8 +205,7 @@ std::span<const std::uint8_t> decode_frame(std::span<const std::uint8_t> bytes,
   }
   const std::uint32_t len = r.u32("length");
   if (len != bytes.size() - kHeaderBytes - kTrailerBytes) {
-    r.fail("length", "payload length " + std::to_string(len) +
-                         " does not match the " +
+    r.fail("length", "payload length " + std::to_string(len) + " does not match the " +
                          std::to_string(bytes.size() - kHeaderBytes - kTrailerBytes) +
                          " bytes present");
   }
@@ -216,9 +214,9 @@ std::span<const std::uint8_t> decode_frame(std::span<const std::uint8_t> bytes,
   std::uint32_t got = 0;
   for (int i = 3; i >= 0; --i) got = (got << 8) | crc_bytes[static_cast<std::size_t>(i)];
   if (got != want) {
-    throw Error(StatusCode::kCorruptDescriptor,
-                name + ": checksum mismatch (stored " + std::to_string(got) +
-                    ", computed " + std::to_string(want) + ")");
+    throw Error(StatusCode::kCorruptDescriptor, name + ": checksum mismatch (stored " +
+                                                    std::to_string(got) + ", computed " +
+                                                    std::to_string(want) + ")");
   }
   return bytes.subspan(kHeaderBytes, len);
 }

@@ -25,6 +25,7 @@ inline constexpr std::uint16_t kVersion = 1;
 enum class FrameKind : std::uint16_t {
   kTransferInfo = 1,
   kSequenceInfo = 2,
+  kRequestInfo = 3,
 };
 
 std::uint32_t crc32c(std::span<const std::uint8_t> bytes) noexcept;
@@ -51,8 +52,7 @@ class ByteWriter {
 class ByteReader {
  public:
   // `what` names the object being decoded in error messages.
-  ByteReader(std::span<const std::uint8_t> in, std::string_view what)
-      : in_(in), what_(what) {}
+  ByteReader(std::span<const std::uint8_t> in, std::string_view what) : in_(in), what_(what) {}
 
   std::uint8_t u8(std::string_view field);
   std::uint16_t u16(std::string_view field);
@@ -60,8 +60,7 @@ class ByteReader {
   std::uint64_t u64(std::string_view field);
   bool boolean(std::string_view field);
   // Length-prefixed; throws when the length exceeds max_len or the input.
-  std::span<const std::uint8_t> bytes(std::string_view field,
-                                      std::size_t max_len);
+  std::span<const std::uint8_t> bytes(std::string_view field, std::size_t max_len);
   std::string str(std::string_view field, std::size_t max_len);
   // Decodes and validates (KVLayout::validate) a layout.
   KVLayout layout(std::string_view field);
@@ -79,11 +78,9 @@ class ByteReader {
   std::string what_;
 };
 
-std::vector<std::uint8_t> encode_frame(FrameKind kind,
-                                       std::span<const std::uint8_t> payload);
+std::vector<std::uint8_t> encode_frame(FrameKind kind, std::span<const std::uint8_t> payload);
 // Checks magic, version, kind, length and CRC; returns the payload.
-std::span<const std::uint8_t> decode_frame(std::span<const std::uint8_t> bytes,
-                                           FrameKind kind,
+std::span<const std::uint8_t> decode_frame(std::span<const std::uint8_t> bytes, FrameKind kind,
                                            std::string_view what);
 
 }  // namespace mstar::kv::codec

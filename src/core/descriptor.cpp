@@ -27,8 +27,7 @@ KVTransferInfo read_transfer_info(codec::ByteReader& r) {
   info.payload.assign(payload.begin(), payload.end());
   if (info.engine.empty() && !info.payload.empty()) {
     r.fail("payload", "a local-only (empty) transfer info carries " +
-                          std::to_string(info.payload.size()) +
-                          " payload bytes, expected 0");
+                          std::to_string(info.payload.size()) + " payload bytes, expected 0");
   }
   info.epoch = r.u64("epoch");
   if (info.engine.empty() && info.epoch != 0) {
@@ -47,8 +46,7 @@ std::vector<std::uint8_t> KVTransferInfo::encode() const {
 }
 
 KVTransferInfo KVTransferInfo::decode(std::span<const std::uint8_t> bytes) {
-  auto payload = codec::decode_frame(bytes, codec::FrameKind::kTransferInfo,
-                                     "KVTransferInfo");
+  auto payload = codec::decode_frame(bytes, codec::FrameKind::kTransferInfo, "KVTransferInfo");
   codec::ByteReader r(payload, "KVTransferInfo");
   KVTransferInfo info = read_transfer_info(r);
   r.expect_end();
@@ -68,8 +66,7 @@ std::vector<std::uint8_t> SequenceInfo::encode() const {
 }
 
 SequenceInfo SequenceInfo::decode(std::span<const std::uint8_t> bytes) {
-  auto payload = codec::decode_frame(bytes, codec::FrameKind::kSequenceInfo,
-                                     "SequenceInfo");
+  auto payload = codec::decode_frame(bytes, codec::FrameKind::kSequenceInfo, "SequenceInfo");
   codec::ByteReader r(payload, "SequenceInfo");
   SequenceInfo s;
   s.seq_id = r.u64("seq_id");
@@ -85,9 +82,9 @@ SequenceInfo SequenceInfo::decode(std::span<const std::uint8_t> bytes) {
                              std::to_string(DescriptorLimits::kMaxPagesPerSequence));
   }
   if (std::size_t{n} * 4 > r.remaining()) {
-    r.fail("page_indices", "truncated: " + std::to_string(n) +
-                               " pages need " + std::to_string(std::size_t{n} * 4) +
-                               " bytes, " + std::to_string(r.remaining()) + " left");
+    r.fail("page_indices", "truncated: " + std::to_string(n) + " pages need " +
+                               std::to_string(std::size_t{n} * 4) + " bytes, " +
+                               std::to_string(r.remaining()) + " left");
   }
   // Exactly the pages the tokens fill: not (t + ps - 1) / ps, which wraps
   // for a num_tokens near 2^64.
@@ -95,8 +92,8 @@ SequenceInfo SequenceInfo::decode(std::span<const std::uint8_t> bytes) {
       s.num_tokens / s.page_size + (s.num_tokens % s.page_size != 0 ? 1 : 0);
   if (needed != n) {
     r.fail("page_count", std::to_string(n) + " pages for " + std::to_string(s.num_tokens) +
-                             " tokens of page size " + std::to_string(s.page_size) +
-                             ": expected " + std::to_string(needed));
+                             " tokens of page size " + std::to_string(s.page_size) + ": expected " +
+                             std::to_string(needed));
   }
   s.page_indices.resize(n);
   for (auto& p : s.page_indices) p = r.u32("page_indices");

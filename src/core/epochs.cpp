@@ -2,6 +2,7 @@
 #include "mstar/kv/epochs.hpp"
 
 #include <algorithm>
+#include <random>
 #include <string>
 
 #include "core/shared_word.hpp"
@@ -17,8 +18,7 @@ std::uint64_t load_word(const std::uint64_t* w) noexcept { return internal::load
 
 }  // namespace
 
-void PageEpochs::stamp(std::span<const std::uint32_t> pages,
-                       std::uint64_t epoch) const noexcept {
+void PageEpochs::stamp(std::span<const std::uint32_t> pages, std::uint64_t epoch) const noexcept {
   if (words_ == nullptr) return;
   for (std::uint32_t p : pages) {
     if (p < num_pages_) {
@@ -37,12 +37,18 @@ std::uint64_t PageEpochs::load(std::uint32_t page) const noexcept {
   return load_word(words_ + page);
 }
 
+std::uint64_t random_first_epoch() {
+  std::random_device rd;
+  const std::uint64_t v = (std::uint64_t{rd()} << 32) ^ rd();
+  return (v & ((std::uint64_t{1} << 62) - 1)) | 1;
+}
+
 Status stale_page_status(std::uint32_t page, std::uint64_t found, std::uint64_t expect,
                          std::string_view when) {
-  return {StatusCode::kStaleDescriptor,
-          "remote page " + std::to_string(page) + " changed owner " + std::string(when) +
-              " (epoch " + std::to_string(found) + ", the descriptor's " +
-              std::to_string(expect) + "): the sequence was freed or its pages reused"};
+  return {StatusCode::kStaleDescriptor, "remote page " + std::to_string(page) + " changed owner " +
+                                            std::string(when) + " (epoch " + std::to_string(found) +
+                                            ", the descriptor's " + std::to_string(expect) +
+                                            "): the sequence was freed or its pages reused"};
 }
 
 bool is_page_epoch_failure(const Status& status) noexcept {

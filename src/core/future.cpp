@@ -32,7 +32,9 @@ struct TransferState {
   std::vector<std::function<void()>> cancel_hooks MSTAR_KV_GUARDED_BY(mu);  // run once
   TransferTiming timing MSTAR_KV_GUARDED_BY(mu);
 
-  TransferState() { timing.created = timing.planned = timing.posted = TransferTiming::Clock::now(); }
+  TransferState() {
+    timing.created = timing.planned = timing.posted = TransferTiming::Clock::now();
+  }
 
   bool resolve(Status s, std::uint64_t b) noexcept {
     std::vector<TransferFuture::Callback> first;
@@ -78,17 +80,14 @@ bool TransferFuture::ready() const noexcept {
 bool TransferFuture::wait_for(std::chrono::nanoseconds timeout) const {
   if (!state_) return false;
   std::unique_lock<std::mutex> lock(state_->mu);
-  return state_->cv.wait_for(lock, timeout, [&] {
-    return state_->resolved.load(std::memory_order_acquire);
-  });
+  return state_->cv.wait_for(lock, timeout,
+                             [&] { return state_->resolved.load(std::memory_order_acquire); });
 }
 
 void TransferFuture::wait() const {
   if (!state_) return;
   std::unique_lock<std::mutex> lock(state_->mu);
-  state_->cv.wait(lock, [&] {
-    return state_->resolved.load(std::memory_order_acquire);
-  });
+  state_->cv.wait(lock, [&] { return state_->resolved.load(std::memory_order_acquire); });
 }
 
 Status TransferFuture::status() const {
@@ -164,15 +163,19 @@ TransferFuture join_futures(std::vector<TransferFuture> parts) {
       std::uint64_t total = 0;
       {
         std::lock_guard<std::mutex> lk(join->mu);
-        if (st.is_ok()) join->bytes += bytes;
-        else if (!join->failure) join->failure = st;
+        if (st.is_ok())
+          join->bytes += bytes;
+        else if (!join->failure)
+          join->failure = st;
         last = --join->left == 0;
         failure = join->failure;
         total = join->bytes;
       }
       if (!last) return;
-      if (failure) promise.fail(*failure);
-      else promise.complete(total);
+      if (failure)
+        promise.fail(*failure);
+      else
+        promise.complete(total);
     });
   }
   // A part that failed early does not resolve the whole before the others

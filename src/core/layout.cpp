@@ -10,17 +10,30 @@ namespace mstar::kv {
 
 std::string_view to_string(DType dtype) noexcept {
   switch (dtype) {
-    case DType::kFloat32: return "fp32";
-    case DType::kFloat16: return "fp16";
-    case DType::kBFloat16: return "bf16";
-    case DType::kFloat8E4M3: return "fp8_e4m3";
-    case DType::kFloat8E5M2: return "fp8_e5m2";
+    case DType::kFloat32:
+      return "fp32";
+    case DType::kFloat16:
+      return "fp16";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kFloat8E4M3:
+      return "fp8_e4m3";
+    case DType::kFloat8E5M2:
+      return "fp8_e5m2";
   }
   return "unknown";
 }
 
 std::string_view to_string(CacheOrder order) noexcept {
-  return order == CacheOrder::kLayerMajor ? "layer" : "page";
+  switch (order) {
+    case CacheOrder::kLayerMajor:
+      return "layer";
+    case CacheOrder::kPageMajor:
+      return "page";
+    case CacheOrder::kLayerPage:
+      return "layer_page";
+  }
+  return "unknown";
 }
 
 std::string_view to_string(PageOrder order) noexcept {
@@ -28,8 +41,8 @@ std::string_view to_string(PageOrder order) noexcept {
 }
 
 DType parse_dtype(std::string_view name) {
-  for (DType d : {DType::kFloat32, DType::kFloat16, DType::kBFloat16,
-                  DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+  for (DType d : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3,
+                  DType::kFloat8E5M2}) {
     if (name == to_string(d)) return d;
   }
   throw Error(StatusCode::kInvalidArgument,
@@ -38,28 +51,27 @@ DType parse_dtype(std::string_view name) {
 }
 
 CacheOrder parse_cache_order(std::string_view name) {
-  if (name == "layer") return CacheOrder::kLayerMajor;
-  if (name == "page") return CacheOrder::kPageMajor;
-  throw Error(StatusCode::kInvalidArgument,
-              "unknown cache order '" + std::string(name) +
-                  "' (expected layer or page)");
+  for (CacheOrder o : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor, CacheOrder::kLayerPage}) {
+    if (name == to_string(o)) return o;
+  }
+  throw Error(StatusCode::kInvalidArgument, "unknown cache order '" + std::string(name) +
+                                                "' (expected layer, page or layer_page)");
 }
 
 PageOrder parse_page_order(std::string_view name) {
   if (name == "nhd") return PageOrder::kNHD;
   if (name == "hnd") return PageOrder::kHND;
   throw Error(StatusCode::kInvalidArgument,
-              "unknown page order '" + std::string(name) +
-                  "' (expected nhd or hnd)");
+              "unknown page order '" + std::string(name) + "' (expected nhd or hnd)");
 }
 
 namespace {
 
 void check_field(const char* name, std::uint64_t value, std::uint64_t max) {
   if (value == 0 || value > max) {
-    throw Error(StatusCode::kInvalidArgument,
-                std::string("layout ") + name + " " + std::to_string(value) +
-                    " out of range [1, " + std::to_string(max) + "]");
+    throw Error(StatusCode::kInvalidArgument, std::string("layout ") + name + " " +
+                                                  std::to_string(value) + " out of range [1, " +
+                                                  std::to_string(max) + "]");
   }
 }
 
@@ -73,8 +85,7 @@ void KVLayout::validate() const {
   check_field("head_dim", head_dim, LayoutLimits::kMaxHeadDim);
   if (static_cast<std::uint8_t>(dtype) > static_cast<std::uint8_t>(DType::kFloat8E5M2)) {
     throw Error(StatusCode::kInvalidArgument,
-                "layout dtype " + std::to_string(static_cast<int>(dtype)) +
-                    " out of range [0, 4]");
+                "layout dtype " + std::to_string(static_cast<int>(dtype)) + " out of range [0, 4]");
   }
   if (total_kv_heads > LayoutLimits::kMaxHeads) {
     throw Error(StatusCode::kInvalidArgument,
@@ -88,25 +99,29 @@ void KVLayout::validate() const {
                     ") out of range [0, " + std::to_string(model_kv_heads()) +
                     ") of the model's total_kv_heads");
   }
-  if (static_cast<std::uint8_t>(cache_order) > 1 ||
-      static_cast<std::uint8_t>(page_order) > 1) {
+  if (static_cast<std::uint8_t>(cache_order) > kMaxCacheOrder) {
     throw Error(StatusCode::kInvalidArgument,
-                "layout cache_order/page_order out of range [0, 1]");
+                "layout cache_order " + std::to_string(static_cast<int>(cache_order)) +
+                    " out of range [0, " + std::to_string(kMaxCacheOrder) + "]");
+  }
+  if (static_cast<std::uint8_t>(page_order) > kMaxPageOrder) {
+    throw Error(StatusCode::kInvalidArgument,
+                "layout page_order " + std::to_string(static_cast<int>(page_order)) +
+                    " out of range [0, " + std::to_string(kMaxPageOrder) + "]");
   }
   // Each factor is bounded, but their product may not fit in 64 bits.
   std::uint64_t total = head_bytes();
-  const bool overflow =
-      __builtin_mul_overflow(total, std::uint64_t{num_kv_heads}, &total) ||
-      __builtin_mul_overflow(total, std::uint64_t{page_size}, &total) ||
-      __builtin_mul_overflow(total, std::uint64_t{num_kv()}, &total) ||
-      __builtin_mul_overflow(total, std::uint64_t{num_layers}, &total) ||
-      __builtin_mul_overflow(total, std::uint64_t{num_pages}, &total);
+  const bool overflow = __builtin_mul_overflow(total, std::uint64_t{num_kv_heads}, &total) ||
+                        __builtin_mul_overflow(total, std::uint64_t{page_size}, &total) ||
+                        __builtin_mul_overflow(total, std::uint64_t{num_kv()}, &total) ||
+                        __builtin_mul_overflow(total, std::uint64_t{num_layers}, &total) ||
+                        __builtin_mul_overflow(total, std::uint64_t{num_pages}, &total);
   if (overflow || total > LayoutLimits::kMaxTotalBytes) {
-    throw Error(StatusCode::kInvalidArgument,
-                "layout total size " +
-                    (overflow ? std::string("overflows 64 bits")
-                              : std::to_string(total) + " bytes") +
-                    ", limit " + std::to_string(LayoutLimits::kMaxTotalBytes));
+    throw Error(
+        StatusCode::kInvalidArgument,
+        "layout total size " +
+            (overflow ? std::string("overflows 64 bits") : std::to_string(total) + " bytes") +
+            ", limit " + std::to_string(LayoutLimits::kMaxTotalBytes));
   }
 }
 
@@ -115,10 +130,9 @@ namespace {
 template <typename T>
 void compare(const char* field, const T& local, const T& remote) {
   if (local != remote) {
-    throw Error(StatusCode::kIncompatibleLayout,
-                std::string("layouts differ in ") + field + ": local " +
-                    std::to_string(local) + ", remote " +
-                    std::to_string(remote));
+    throw Error(StatusCode::kIncompatibleLayout, std::string("layouts differ in ") + field +
+                                                     ": local " + std::to_string(local) +
+                                                     ", remote " + std::to_string(remote));
   }
 }
 
@@ -136,7 +150,8 @@ void KVLayout::check_same_model(const KVLayout& remote) const {
     throw Error(StatusCode::kIncompatibleLayout,
                 "layouts differ in heads: the remote cache holds KV heads [" +
                     std::to_string(remote.first_kv_head) + ", " +
-                    std::to_string(remote.end_kv_head()) + "), none of the local [" +
+                    std::to_string(remote.end_kv_head()) + ") of " +
+                    std::to_string(remote.model_kv_heads()) + ", none of the local [" +
                     std::to_string(first_kv_head) + ", " + std::to_string(end_kv_head()) + ")");
   }
   check_shard(remote, lo, hi);
@@ -152,10 +167,9 @@ void KVLayout::check_shard(const KVLayout& remote, std::uint32_t lo, std::uint32
                     ", remote " + std::string(kv::to_string(remote.dtype)));
   }
   if (has_v != remote.has_v) {
-    throw Error(StatusCode::kIncompatibleLayout,
-                std::string("layouts differ in has_v: local ") +
-                    (has_v ? "true" : "false") + ", remote " +
-                    (remote.has_v ? "true" : "false"));
+    throw Error(StatusCode::kIncompatibleLayout, std::string("layouts differ in has_v: local ") +
+                                                     (has_v ? "true" : "false") + ", remote " +
+                                                     (remote.has_v ? "true" : "false"));
   }
   if (lo < first_kv_head || hi > end_kv_head() || lo >= hi) {
     throw Error(StatusCode::kInvalidArgument,
@@ -180,13 +194,43 @@ bool KVLayout::is_compatible(const KVLayout& remote) const noexcept {
          remote.first_kv_head <= first_kv_head && remote.end_kv_head() >= end_kv_head();
 }
 
+std::array<std::uint64_t, 6> KVLayout::view_shape() const noexcept {
+  const bool nhd = page_order == PageOrder::kNHD;
+  const std::uint64_t p0 = nhd ? page_size : num_kv_heads;
+  const std::uint64_t p1 = nhd ? num_kv_heads : page_size;
+  switch (cache_order) {
+    case CacheOrder::kPageMajor:
+      return {num_pages, num_layers, num_kv(), p0, p1, head_dim};
+    case CacheOrder::kLayerPage:
+      return {num_layers, num_pages, num_kv(), p0, p1, head_dim};
+    case CacheOrder::kLayerMajor:
+      break;
+  }
+  return {num_layers, num_kv(), num_pages, p0, p1, head_dim};
+}
+
+std::string KVLayout::view_axes() const {
+  const std::string p =
+      page_order == PageOrder::kNHD ? "page_size, num_kv_heads" : "num_kv_heads, page_size";
+  switch (cache_order) {
+    case CacheOrder::kPageMajor:
+      return "[num_pages, num_layers, num_kv, " + p + ", head_dim]";
+    case CacheOrder::kLayerPage:
+      return "[num_layers, num_pages, num_kv, " + p + ", head_dim]";
+    case CacheOrder::kLayerMajor:
+      break;
+  }
+  return "[num_layers, num_kv, num_pages, " + p + ", head_dim]";
+}
+
 std::string KVLayout::to_string() const {
-  return std::to_string(num_layers) + "L x " + std::to_string(num_pages) +
-         "P x " + std::to_string(page_size) + "T x " +
-         std::to_string(num_kv_heads) + "H x " + std::to_string(head_dim) +
-         "D " + std::string(kv::to_string(dtype)) + (has_v ? " kv " : " k-only ") +
-         std::string(kv::to_string(cache_order)) + "-major " +
-         std::string(kv::to_string(page_order)) +
+  return std::to_string(num_layers) + "L x " + std::to_string(num_pages) + "P x " +
+         std::to_string(page_size) + "T x " + std::to_string(num_kv_heads) + "H x " +
+         std::to_string(head_dim) + "D " + std::string(kv::to_string(dtype)) +
+         (has_v ? " kv " : " k-only ") +
+         (cache_order == CacheOrder::kLayerPage ? std::string("layer-page")
+                                                : std::string(kv::to_string(cache_order))) +
+         "-major " + std::string(kv::to_string(page_order)) +
          (num_kv_heads != model_kv_heads()
               ? " heads " + std::to_string(first_kv_head) + "-" + std::to_string(end_kv_head()) +
                     " of " + std::to_string(model_kv_heads())

@@ -20,11 +20,16 @@ LogLevel parse_log_level(std::string_view name) {
 
 std::string_view to_string(LogLevel level) noexcept {
   switch (level) {
-    case LogLevel::kOff: return "off";
-    case LogLevel::kError: return "error";
-    case LogLevel::kWarn: return "warn";
-    case LogLevel::kInfo: return "info";
-    case LogLevel::kDebug: return "debug";
+    case LogLevel::kOff:
+      return "off";
+    case LogLevel::kError:
+      return "error";
+    case LogLevel::kWarn:
+      return "warn";
+    case LogLevel::kInfo:
+      return "info";
+    case LogLevel::kDebug:
+      return "debug";
   }
   return "?";
 }
@@ -34,8 +39,7 @@ Logger::Logger(LogLevel level, Sink sink)
 
 Logger Logger::to_stderr(LogLevel level) {
   return Logger(level, [](LogLevel l, const std::string& m) {
-    const std::string line =
-        "mstar-kv [" + std::string(to_string(l)) + "] " + m + "\n";
+    const std::string line = "mstar-kv [" + std::string(to_string(l)) + "] " + m + "\n";
     std::fwrite(line.data(), 1, line.size(), stderr);
   });
 }

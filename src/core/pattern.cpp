@@ -83,22 +83,21 @@ void check_table(const KVCache& cache, std::span<const std::uint32_t> pages,
                  std::uint64_t start_len, std::uint64_t end_len) {
   const KVLayout& l = cache.layout();
   if (start_len > end_len) {
-    throw Error(StatusCode::kInvalidArgument,
-                "start_len " + std::to_string(start_len) +
-                    " is greater than end_len " + std::to_string(end_len));
+    throw Error(StatusCode::kInvalidArgument, "start_len " + std::to_string(start_len) +
+                                                  " is greater than end_len " +
+                                                  std::to_string(end_len));
   }
   const std::uint64_t needed = (end_len + l.page_size - 1) / l.page_size;
   if (pages.size() < needed) {
-    throw Error(StatusCode::kInvalidArgument,
-                "page table has " + std::to_string(pages.size()) +
-                    " entries, " + std::to_string(end_len) + " tokens need " +
-                    std::to_string(needed));
+    throw Error(StatusCode::kInvalidArgument, "page table has " + std::to_string(pages.size()) +
+                                                  " entries, " + std::to_string(end_len) +
+                                                  " tokens need " + std::to_string(needed));
   }
   for (std::uint64_t i = start_len / l.page_size; i < needed; ++i) {
     if (pages[i] >= l.num_pages) {
-      throw Error(StatusCode::kInvalidArgument,
-                  "page " + std::to_string(pages[i]) + " out of range [0, " +
-                      std::to_string(l.num_pages) + ")");
+      throw Error(StatusCode::kInvalidArgument, "page " + std::to_string(pages[i]) +
+                                                    " out of range [0, " +
+                                                    std::to_string(l.num_pages) + ")");
     }
   }
 }
@@ -124,9 +123,8 @@ void for_each_block(const KVLayout& l, std::span<const std::uint32_t> pages,
 
 }  // namespace
 
-void fill_pattern(const KVCache& cache, std::uint64_t seed,
-                  std::span<const std::uint32_t> pages, std::uint64_t start_len,
-                  std::uint64_t end_len) {
+void fill_pattern(const KVCache& cache, std::uint64_t seed, std::span<const std::uint32_t> pages,
+                  std::uint64_t start_len, std::uint64_t end_len) {
   fill_pattern_layers(cache, seed, pages, start_len, end_len, 0, cache.layout().num_layers);
 }
 
@@ -135,33 +133,34 @@ void fill_pattern_layers(const KVCache& cache, std::uint64_t seed,
                          std::uint64_t end_len, std::uint32_t layer_begin,
                          std::uint32_t layer_end) {
   if (layer_begin > layer_end || layer_end > cache.layout().num_layers) {
-    throw Error(StatusCode::kInvalidArgument,
-                "pattern layers [" + std::to_string(layer_begin) + ", " +
-                    std::to_string(layer_end) + ") out of range [0, " +
-                    std::to_string(cache.layout().num_layers) + "]");
+    throw Error(StatusCode::kInvalidArgument, "pattern layers [" + std::to_string(layer_begin) +
+                                                  ", " + std::to_string(layer_end) +
+                                                  ") out of range [0, " +
+                                                  std::to_string(cache.layout().num_layers) + "]");
   }
   check_host(cache);
   check_table(cache, pages, start_len, end_len);
   const KVLayout& l = cache.layout();
   const std::size_t hb = l.head_bytes();
-  for_each_block(l, pages, start_len, end_len,
-                 [&](std::uint32_t layer, std::uint32_t kv, std::uint64_t i,
-                     std::uint32_t page, std::uint32_t t0, std::uint32_t t1) {
-                   std::byte* block = cache.base() + l.block_offset(layer, static_cast<KV>(kv), page);
-                   for (std::uint32_t t = t0; t < t1; ++t) {
-                     const std::uint64_t token = i * l.page_size + t;
-                     for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
-                       make_row(row_key(seed, layer, kv, token, l.first_kv_head + h),
-                                block + l.in_block_offset(t, h), hb);
-                     }
-                   }
-                 },
-                 layer_begin, layer_end);
+  for_each_block(
+      l, pages, start_len, end_len,
+      [&](std::uint32_t layer, std::uint32_t kv, std::uint64_t i, std::uint32_t page,
+          std::uint32_t t0, std::uint32_t t1) {
+        std::byte* block = cache.at(l.block_offset(layer, static_cast<KV>(kv), page));
+        for (std::uint32_t t = t0; t < t1; ++t) {
+          const std::uint64_t token = i * l.page_size + t;
+          for (std::uint32_t h = 0; h < l.num_kv_heads; ++h) {
+            make_row(row_key(seed, layer, kv, token, l.first_kv_head + h),
+                     block + l.in_block_offset(t, h), hb);
+          }
+        }
+      },
+      layer_begin, layer_end);
 }
 
 VerifyResult verify_pattern(const KVCache& cache, std::uint64_t seed,
-                            std::span<const std::uint32_t> pages,
-                            std::uint64_t start_len, std::uint64_t end_len) {
+                            std::span<const std::uint32_t> pages, std::uint64_t start_len,
+                            std::uint64_t end_len) {
   check_host(cache);
   check_table(cache, pages, start_len, end_len);
   const KVLayout& l = cache.layout();
@@ -173,8 +172,7 @@ VerifyResult verify_pattern(const KVCache& cache, std::uint64_t seed,
       l, pages, start_len, end_len,
       [&](std::uint32_t layer, std::uint32_t kv, std::uint64_t i, std::uint32_t page,
           std::uint32_t t0, std::uint32_t t1) {
-        const std::byte* block =
-            cache.base() + l.block_offset(layer, static_cast<KV>(kv), page);
+        const std::byte* block = cache.at(l.block_offset(layer, static_cast<KV>(kv), page));
         Hasher got;
         Hasher want;
         for (std::uint32_t t = t0; t < t1; ++t) {
@@ -193,11 +191,11 @@ VerifyResult verify_pattern(const KVCache& cache, std::uint64_t seed,
         total.feed(tag, 8);
         if (g != want.value()) {
           if (result.mismatched_blocks == 0) {
-            result.first_mismatch =
-                "layer " + std::to_string(layer) + (kv == 0 ? " k" : " v") +
-                " page " + std::to_string(page) + " (sequence page " +
-                std::to_string(i) + ", tokens [" + std::to_string(i * l.page_size + t0) +
-                ", " + std::to_string(i * l.page_size + t1) + ")): checksum mismatch";
+            result.first_mismatch = "layer " + std::to_string(layer) + (kv == 0 ? " k" : " v") +
+                                    " page " + std::to_string(page) + " (sequence page " +
+                                    std::to_string(i) + ", tokens [" +
+                                    std::to_string(i * l.page_size + t0) + ", " +
+                                    std::to_string(i * l.page_size + t1) + ")): checksum mismatch";
           }
           ++result.mismatched_blocks;
         }

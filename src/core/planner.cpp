@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <bit>
 #include <string>
+#include <utility>
 
 #include "mstar/kv/status.hpp"
 #include "planner_detail.hpp"
@@ -62,8 +63,7 @@ class KeySet {
 
 }  // namespace
 
-std::vector<KVReadInfo> plan_reads(const KVLayout& local,
-                                   std::uint64_t start_len,
+std::vector<KVReadInfo> plan_reads(const KVLayout& local, std::uint64_t start_len,
                                    std::uint64_t end_len,
                                    std::span<const std::uint32_t> local_pages,
                                    std::span<const std::uint32_t> remote_pages) {
@@ -78,14 +78,12 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
   // end_len near 2^64 (found by fuzz_plan).
   const std::uint64_t needed = end_len / ps + (end_len % ps != 0 ? 1 : 0);
   if (local_pages.size() < needed) {
-    invalid("local page table has " + std::to_string(local_pages.size()) +
-            " entries, tokens " + range(start_len, end_len) + " need " +
-            std::to_string(needed));
+    invalid("local page table has " + std::to_string(local_pages.size()) + " entries, tokens " +
+            range(start_len, end_len) + " need " + std::to_string(needed));
   }
   if (remote_pages.size() < needed) {
-    invalid("remote page table has " + std::to_string(remote_pages.size()) +
-            " entries, tokens " + range(start_len, end_len) + " need " +
-            std::to_string(needed));
+    invalid("remote page table has " + std::to_string(remote_pages.size()) + " entries, tokens " +
+            range(start_len, end_len) + " need " + std::to_string(needed));
   }
   for (std::uint64_t i = first; i < needed; ++i) {
     if (local_pages[i] >= local.num_pages) {
@@ -101,8 +99,10 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
       if (!seen.insert(local_pages[i])) {
         std::uint64_t j = first;
         while (local_pages[j] != local_pages[i]) ++j;
-        invalid("local page " + std::to_string(local_pages[i]) + " appears twice in the local "
-                "page table (entries " + std::to_string(j) + " and " + std::to_string(i) +
+        invalid("local page " + std::to_string(local_pages[i]) +
+                " appears twice in the local "
+                "page table (entries " +
+                std::to_string(j) + " and " + std::to_string(i) +
                 "): one destination for two pages");
       }
     }
@@ -114,10 +114,10 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
     const std::uint64_t page_start = i * ps;
     const std::uint64_t ts = start_len > page_start ? start_len - page_start : 0;
     const std::uint64_t te = std::min<std::uint64_t>(ps, end_len - page_start);
-    reads.push_back({layer, local_pages[i], remote_pages[i],
-                     static_cast<std::int64_t>(ts), static_cast<std::int64_t>(te)});
+    reads.push_back({layer, local_pages[i], remote_pages[i], static_cast<std::int64_t>(ts),
+                     static_cast<std::int64_t>(te)});
   };
-  if (local.cache_order == CacheOrder::kPageMajor) {
+  if (detail::pages_outer(local)) {
     for (std::uint64_t i = first; i < needed; ++i) {
       for (std::uint32_t layer = 0; layer < local.num_layers; ++layer) emit(layer, i);
     }
@@ -129,11 +129,10 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local,
   return reads;
 }
 
-void check_remote_pages(const KVLayout& local, const KVLayout& remote,
-                        std::uint64_t start_len, std::uint64_t end_len,
-                        std::span<const std::uint32_t> remote_pages) {
+void check_remote_pages(const KVLayout& local, const KVLayout& remote, std::uint64_t start_len,
+                        std::uint64_t end_len, std::span<const std::uint32_t> remote_pages) {
   local.check_compatible(remote);
-  if (start_len > end_len) return;  // plan_reads names it
+  if (start_len > end_len) return;            // plan_reads names it
   const std::uint64_t ps = remote.page_size;  // the remote table is in its own page size
   const std::uint64_t first = start_len / ps;
   const std::uint64_t needed = end_len / ps + (end_len % ps != 0 ? 1 : 0);
@@ -173,28 +172,30 @@ detail::PlainTotals check_plain(const KVLayout& local, const KVLayout& remote,
               range(0, local.num_layers));
     }
     if (r.local_page_idx < 0 || r.local_page_idx >= std::int64_t{local.num_pages}) {
-      invalid(where() + "local page " + std::to_string(r.local_page_idx) +
-              " out of range " + range(0, local.num_pages) + " in local cache");
+      invalid(where() + "local page " + std::to_string(r.local_page_idx) + " out of range " +
+              range(0, local.num_pages) + " in local cache");
     }
     if (r.remote_page_idx < 0 || r.remote_page_idx >= std::int64_t{remote.num_pages}) {
-      invalid(where() + "remote page " + std::to_string(r.remote_page_idx) +
-              " out of range " + range(0, remote.num_pages) + " in remote cache");
+      invalid(where() + "remote page " + std::to_string(r.remote_page_idx) + " out of range " +
+              range(0, remote.num_pages) + " in remote cache");
     }
     if (r.token_start < 0 || r.token_start >= r.token_end || r.token_end > ps) {
       invalid(where() + "token range [" + std::to_string(r.token_start) + ", " +
-              std::to_string(r.token_end) + ") must satisfy 0 <= start < end <= " +
-              std::to_string(ps));
+              std::to_string(r.token_end) +
+              ") must satisfy 0 <= start < end <= " + std::to_string(ps));
     }
     const auto layer = static_cast<std::uint64_t>(r.layer_idx);
     const auto lpage = static_cast<std::uint64_t>(r.local_page_idx);
     if (!seen.insert(layer * local.num_pages + lpage)) {
-      invalid(where() + "duplicate destination: layer " + std::to_string(layer) +
-              " local page " + std::to_string(lpage) + " appears twice in one batch");
+      invalid(where() + "duplicate destination: layer " + std::to_string(layer) + " local page " +
+              std::to_string(lpage) + " appears twice in one batch");
     }
     const auto tokens = static_cast<std::uint64_t>(r.token_end - r.token_start);
     const bool full = r.token_start == 0 && r.token_end == ps;
     totals.bytes += tokens * tb * local.num_kv();
-    totals.spans += (same_order && (full || nhd) ? 1 : same_order ? heads : tokens * heads) *
+    totals.spans += (same_order && (full || nhd) ? 1
+                     : same_order                ? heads
+                                                 : tokens * heads) *
                     local.num_kv();
   }
   return totals;
@@ -203,15 +204,12 @@ detail::PlainTotals check_plain(const KVLayout& local, const KVLayout& remote,
 // Pass 2: emits the copies of reads that check_plain accepted into `sink`
 // (add(local, remote, len)).
 template <typename Sink>
-void emit_plain(const KVLayout& local, const KVLayout& remote,
-                std::span<const KVReadInfo> reads, Sink& sink) {
+void emit_plain(const KVLayout& local, const KVLayout& remote, std::span<const KVReadInfo> reads,
+                Sink& sink) {
   const bool same_order = local.page_order == remote.page_order;
   const std::uint64_t hb = local.head_bytes();
   const std::uint64_t tb = local.token_bytes();
   const std::uint32_t heads = local.num_kv_heads;
-  // K and V of one layer are neighbours in a page-major cache,
-  // so emit them per read there; in a layer-major cache all K blocks of a
-  // layer are neighbours, so emit every read's K, then every read's V.
   const detail::BlockStrides lstr(local);
   const detail::BlockStrides rstr(remote);
   const bool nhd = local.page_order == PageOrder::kNHD;
@@ -221,6 +219,7 @@ void emit_plain(const KVLayout& local, const KVLayout& remote,
     const auto ts = static_cast<std::uint32_t>(r.token_start);
     const auto te = static_cast<std::uint32_t>(r.token_end);
     const bool full = ts == 0 && te == page_size;
+    sink.at_layer(layer);
     const std::uint64_t lb = lstr.offset(layer, kv, static_cast<std::uint32_t>(r.local_page_idx));
     const std::uint64_t rb = rstr.offset(layer, kv, static_cast<std::uint32_t>(r.remote_page_idx));
     if (same_order && (full || nhd)) {
@@ -239,13 +238,16 @@ void emit_plain(const KVLayout& local, const KVLayout& remote,
     }
   };
   detail::emit_in_cache_order(
-      local, reads.size(), [&](std::size_t i) { return reads[i].layer_idx; },
+      local, reads.size(),
+      [&](std::size_t i) {
+        return std::pair{reads[i].layer_idx, reads[i].local_page_idx};
+      },
       [&](std::size_t i, KV kv) { emit(reads[i], kv); });
 }
 
 template <typename Sink>
-void plan_plain(const KVLayout& local, const KVLayout& remote,
-                std::span<const KVReadInfo> reads, Sink& sink) {
+void plan_plain(const KVLayout& local, const KVLayout& remote, std::span<const KVReadInfo> reads,
+                Sink& sink) {
   check_plain(local, remote, reads);
   emit_plain(local, remote, reads, sink);
 }
@@ -261,7 +263,7 @@ CopyPlan plan_copies(const KVLayout& local, const KVLayout& remote,
   if (!plain) return detail::plan_copies_mixed(local, remote, reads);
   CopyPlan plan;
   plan.spans.reserve(reads.size() * local.num_kv());
-  detail::SpanSink sink(plan);
+  detail::SpanSink sink(plan, detail::fence_layers(local, remote));
   plan_plain(local, remote, reads, sink);
   return plan;
 }
@@ -271,7 +273,7 @@ namespace detail {
 void plan_plain_strided(const KVLayout& local, const KVLayout& remote,
                         std::span<const KVReadInfo> reads, StridedPlan& out) {
   out.spans.reserve(reads.size() * local.num_kv());
-  StridedSink sink{out};
+  StridedSink sink{out, fence_layers(local, remote)};
   plan_plain(local, remote, reads, sink);
 }
 
@@ -289,23 +291,24 @@ PlainTotals check_plain_reads(const KVLayout& local, const KVLayout& remote,
 
 void emit_plain_strided(const KVLayout& local, const KVLayout& remote,
                         std::span<const KVReadInfo> reads, StridedPlan& out) {
-  StridedSink sink{out};
+  StridedSink sink{out, fence_layers(local, remote)};
   emit_plain(local, remote, reads, sink);
 }
 
 }  // namespace detail
 
-std::vector<CopySpan> strided_rows(std::span<const StridedSpan> spans) {
+std::vector<CopySpan> strided_rows(std::span<const StridedSpan> spans, LayerBounds bounds) {
   std::uint64_t rows = 0;
   for (const StridedSpan& s : spans) rows += s.rows;
   std::vector<CopySpan> out;
   out.reserve(rows);
   for (const StridedSpan& s : spans) {
     for (std::uint64_t r = 0; r < s.rows; ++r) {
-      const CopySpan row{s.local_offset + r * s.local_stride,
-                         s.remote_offset + r * s.remote_stride, s.length};
+      const CopySpan row{s.local_offset + r * s.local_stride, s.remote_offset + r * s.remote_stride,
+                         s.length};
       if (!out.empty() && out.back().local_offset + out.back().length == row.local_offset &&
-          out.back().remote_offset + out.back().length == row.remote_offset) {
+          out.back().remote_offset + out.back().length == row.remote_offset &&
+          !bounds.starts_layer(row.local_offset, row.remote_offset)) {
         out.back().length += row.length;
       } else {
         out.push_back(row);
@@ -315,15 +318,14 @@ std::vector<CopySpan> strided_rows(std::span<const StridedSpan> spans) {
   return out;
 }
 
-std::vector<CopySpan> split_spans(std::span<const CopySpan> spans,
-                                  std::uint64_t max_bytes) {
+std::vector<CopySpan> split_spans(std::span<const CopySpan> spans, std::uint64_t max_bytes) {
   if (max_bytes == 0) invalid("split_spans: max_bytes must be > 0");
   std::vector<CopySpan> out;
   out.reserve(spans.size());
   for (const CopySpan& s : spans) {
     for (std::uint64_t done = 0; done < s.length; done += max_bytes) {
-      out.push_back({s.local_offset + done, s.remote_offset + done,
-                     std::min(max_bytes, s.length - done)});
+      out.push_back(
+          {s.local_offset + done, s.remote_offset + done, std::min(max_bytes, s.length - done)});
     }
   }
   return out;

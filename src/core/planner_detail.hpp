@@ -23,32 +23,50 @@ inline std::string range(std::uint64_t lo, std::uint64_t hi) {
   return "[" + std::to_string(lo) + ", " + std::to_string(hi) + ")";
 }
 
+// A copy never crosses a layer boundary of a layer-contiguous cache, on
+// either side (such a cache may live in one region per layer: regions.hpp):
+// when either layout is layer-contiguous, the sinks below never merge runs
+// of two layers. The emitters name the layer of the runs they add
+// (at_layer); for two page-major caches nothing is fenced.
+inline bool fence_layers(const KVLayout& local, const KVLayout& remote) noexcept {
+  return local.layer_contiguous() || remote.layer_contiguous();
+}
+
 // Appends spans to a plan, merging each with the previous one when both
-// sides continue it.
+// sides continue it (and, fenced, it is of the same layer).
 class SpanSink {
  public:
-  explicit SpanSink(CopyPlan& plan) : plan_(plan) {}
+  SpanSink(CopyPlan& plan, bool fence) : plan_(plan), fence_(fence) {}
+  void at_layer(std::uint32_t layer) noexcept { layer_ = layer; }
   void add(std::uint64_t local, std::uint64_t remote, std::uint64_t len) {
     ++plan_.uncoalesced_spans;
     plan_.total_bytes += len;
-    if (!plan_.spans.empty()) {
+    if (!plan_.spans.empty() && (!fence_ || layer_ == last_layer_)) {
       CopySpan& last = plan_.spans.back();
-      if (last.local_offset + last.length == local &&
-          last.remote_offset + last.length == remote) {
+      if (last.local_offset + last.length == local && last.remote_offset + last.length == remote) {
         last.length += len;
         return;
       }
     }
     plan_.spans.push_back({local, remote, len});
+    last_layer_ = layer_;
   }
 
  private:
   CopyPlan& plan_;
+  bool fence_ = false;
+  std::uint32_t layer_ = 0;
+  std::uint32_t last_layer_ = 0;
 };
 
 // Keeps strided runs whole; contiguous ones coalesce as in SpanSink.
 struct StridedSink {
   StridedPlan& plan;
+  bool fence = false;  // fence_layers(local, remote)
+  std::uint32_t layer = 0;
+  std::uint32_t last_layer = 0;
+
+  void at_layer(std::uint32_t l) noexcept { layer = l; }
   void add(std::uint64_t l, std::uint64_t r, std::uint64_t len) { add_run(l, r, len, 1); }
   void add_rows(std::uint64_t l, std::uint64_t r, std::uint64_t len, std::uint64_t rows,
                 std::uint64_t ls, std::uint64_t rs) {
@@ -59,6 +77,7 @@ struct StridedSink {
     plan.uncoalesced_spans += rows;
     plan.total_bytes += len * rows;
     plan.spans.push_back({l, r, len, rows, ls, rs});
+    last_layer = layer;
   }
 
  private:
@@ -67,7 +86,7 @@ struct StridedSink {
   void add_run(std::uint64_t l, std::uint64_t r, std::uint64_t len, std::uint64_t rows) {
     plan.uncoalesced_spans += rows;
     plan.total_bytes += len;
-    if (!plan.spans.empty()) {
+    if (!plan.spans.empty() && (!fence || layer == last_layer)) {
       StridedSpan& last = plan.spans.back();
       if (last.rows == 1 && last.local_offset + last.length == l &&
           last.remote_offset + last.length == r) {
@@ -76,6 +95,7 @@ struct StridedSink {
       }
     }
     plan.spans.push_back({l, r, len, 1, 0, 0});
+    last_layer = layer;
   }
 };
 
@@ -86,14 +106,22 @@ struct BlockStrides {
   std::uint64_t layer = 0, kv = 0, page = 0;
   explicit BlockStrides(const KVLayout& l) {
     const std::uint64_t bb = l.block_bytes();
-    if (l.cache_order == CacheOrder::kLayerMajor) {
-      page = bb;
-      kv = bb * l.num_pages;
-      layer = kv * l.num_kv();
-    } else {
-      kv = bb;
-      layer = bb * l.num_kv();
-      page = layer * l.num_layers;
+    switch (l.cache_order) {
+      case CacheOrder::kLayerMajor:
+        page = bb;
+        kv = bb * l.num_pages;
+        layer = kv * l.num_kv();
+        break;
+      case CacheOrder::kPageMajor:
+        kv = bb;
+        layer = bb * l.num_kv();
+        page = layer * l.num_layers;
+        break;
+      case CacheOrder::kLayerPage:
+        kv = bb;
+        page = bb * l.num_kv();
+        layer = page * l.num_pages;
+        break;
     }
   }
   std::uint64_t offset(std::uint32_t l, KV k, std::uint32_t p) const noexcept {
@@ -106,22 +134,33 @@ struct BlockStrides {
 // table entries, so its own reads never get here.
 inline std::string read_name(std::size_t n) { return "read_info[" + std::to_string(n) + "]"; }
 
+// Reads are listed page by page (every layer of a page before the next
+// page) for a page-major local cache, layer by layer for the other two:
+// the order in which neighbouring pages of the local cache follow each
+// other.
+inline bool pages_outer(const KVLayout& local) noexcept {
+  return local.cache_order == CacheOrder::kPageMajor;
+}
+
 // Calls emit(i, kv) for reads 0..n-1 and each of K|V in the order that
-// keeps neighbours of the local cache together: per read in a page-major
-// cache (K and V of a layer are neighbours), per run of reads of one layer
-// K first then V in a layer-major one.
-template <typename LayerOf, typename Emit>
-void emit_in_cache_order(const KVLayout& local, std::size_t n, LayerOf layer_of, Emit emit) {
-  if (local.cache_order == CacheOrder::kPageMajor) {
-    for (std::size_t i = 0; i < n; ++i) {
-      for (std::uint32_t k = 0; k < local.num_kv(); ++k) emit(i, static_cast<KV>(k));
-    }
-    return;
-  }
+// keeps neighbours of the local cache together. Reads come in runs of one
+// destination block row: one layer in a layer-major cache (all K blocks of a
+// layer are neighbours), one (layer, local page) in the other two (K and V
+// of a page are neighbours; a run is longer than one read where several
+// remote pages fill one local page). Each run emits its K first, then its
+// V. key_of(i) is the read's (layer, local page).
+template <typename KeyOf, typename Emit>
+void emit_in_cache_order(const KVLayout& local, std::size_t n, KeyOf key_of, Emit emit) {
+  const bool by_layer = local.cache_order == CacheOrder::kLayerMajor;
+  auto same_run = [&](std::size_t a, std::size_t b) {
+    const auto [la, pa] = key_of(a);
+    const auto [lb, pb] = key_of(b);
+    return la == lb && (by_layer || pa == pb);
+  };
   std::size_t begin = 0;
   while (begin < n) {
     std::size_t end = begin + 1;
-    while (end < n && layer_of(end) == layer_of(begin)) ++end;
+    while (end < n && same_run(end, begin)) ++end;
     for (std::uint32_t k = 0; k < local.num_kv(); ++k) {
       for (std::size_t i = begin; i < end; ++i) emit(i, static_cast<KV>(k));
     }

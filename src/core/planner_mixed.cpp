@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "mstar/kv/planner.hpp"
@@ -57,8 +58,10 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local, const KVLayout& remote
                                    std::span<const std::uint32_t> local_pages,
                                    std::span<const std::uint32_t> remote_pages,
                                    std::uint32_t head_lo, std::uint32_t head_hi) {
-  if (head_lo != 0 || head_hi != 0) local.check_shard(remote, head_lo, head_hi);
-  else local.check_compatible(remote);
+  if (head_lo != 0 || head_hi != 0)
+    local.check_shard(remote, head_lo, head_hi);
+  else
+    local.check_compatible(remote);
   const bool all_heads = (head_lo == 0 && head_hi == 0) ||
                          (head_lo == local.first_kv_head && head_hi == local.end_kv_head());
   if (local.page_size == remote.page_size && all_heads) {
@@ -110,11 +113,11 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local, const KVLayout& remote
   const auto he = static_cast<std::int64_t>(all_heads ? 0 : head_hi);
   reads.reserve(segs.size() * local.num_layers);
   auto emit = [&](std::uint32_t layer, const Segment& s) {
-    reads.push_back({layer, local_pages[s.li], remote_pages[s.ri],
-                     static_cast<std::int64_t>(s.ts), static_cast<std::int64_t>(s.te),
+    reads.push_back({layer, local_pages[s.li], remote_pages[s.ri], static_cast<std::int64_t>(s.ts),
+                     static_cast<std::int64_t>(s.te),
                      lps == rps ? -1 : static_cast<std::int64_t>(s.rts), hs, he});
   };
-  if (local.cache_order == CacheOrder::kPageMajor) {
+  if (detail::pages_outer(local)) {
     for (const Segment& s : segs) {
       for (std::uint32_t layer = 0; layer < local.num_layers; ++layer) emit(layer, s);
     }
@@ -155,15 +158,20 @@ std::vector<Resolved> resolve_reads(const KVLayout& local, const KVLayout& remot
     if (r.token_start < 0 || r.token_start >= r.token_end ||
         r.token_end > std::int64_t{local.page_size}) {
       invalid(where() + "token range [" + std::to_string(r.token_start) + ", " +
-              std::to_string(r.token_end) + ") must satisfy 0 <= start < end <= " +
-              std::to_string(local.page_size));
+              std::to_string(r.token_end) +
+              ") must satisfy 0 <= start < end <= " + std::to_string(local.page_size));
     }
+    // The tokens (1 to the local page size of them, checked above) must fit
+    // the remote page from rts on. Compared without forming rts + count: a
+    // remote_token_start near INT64_MAX overflowed (UB), wrapped negative and
+    // passed, and the read landed outside the remote page (fuzz_plan,
+    // regress-remote-token-start-overflow).
     const std::int64_t rts = r.remote_token_start < 0 ? r.token_start : r.remote_token_start;
-    if (rts + (r.token_end - r.token_start) > std::int64_t{remote.page_size}) {
+    const std::int64_t count = r.token_end - r.token_start;
+    if (rts > std::int64_t{remote.page_size} - count) {
       invalid(where() + "remote tokens [" + std::to_string(rts) + ", " +
-              std::to_string(rts + r.token_end - r.token_start) +
-              ") do not fit in a remote page of " + std::to_string(remote.page_size) +
-              " tokens");
+              std::to_string(static_cast<std::uint64_t>(rts) + static_cast<std::uint64_t>(count)) +
+              ") do not fit in a remote page of " + std::to_string(remote.page_size) + " tokens");
     }
     std::int64_t hs = r.head_start, he = r.head_end;
     if (hs == 0 && he == 0) {
@@ -171,8 +179,9 @@ std::vector<Resolved> resolve_reads(const KVLayout& local, const KVLayout& remot
       he = local.end_kv_head();
     }
     if (hs < 0 || he > std::int64_t{local.end_kv_head()} || hs >= he) {
-      invalid(where() + "heads " + range(static_cast<std::uint64_t>(std::max<std::int64_t>(hs, 0)),
-                                         static_cast<std::uint64_t>(std::max<std::int64_t>(he, 0))) +
+      invalid(where() + "heads " +
+              range(static_cast<std::uint64_t>(std::max<std::int64_t>(hs, 0)),
+                    static_cast<std::uint64_t>(std::max<std::int64_t>(he, 0))) +
               " are not a part of the local cache's heads " +
               range(local.first_kv_head, local.end_kv_head()));
     }
@@ -182,9 +191,14 @@ std::vector<Resolved> resolve_reads(const KVLayout& local, const KVLayout& remot
       checked_lo = lo;
       checked_hi = hi;
     }
-    rs[n] = {static_cast<std::uint32_t>(r.layer_idx), static_cast<std::uint32_t>(r.local_page_idx),
-             static_cast<std::uint32_t>(r.remote_page_idx), static_cast<std::uint32_t>(r.token_start),
-             static_cast<std::uint32_t>(r.token_end), static_cast<std::uint32_t>(rts), lo, hi};
+    rs[n] = {static_cast<std::uint32_t>(r.layer_idx),
+             static_cast<std::uint32_t>(r.local_page_idx),
+             static_cast<std::uint32_t>(r.remote_page_idx),
+             static_cast<std::uint32_t>(r.token_start),
+             static_cast<std::uint32_t>(r.token_end),
+             static_cast<std::uint32_t>(rts),
+             lo,
+             hi};
   }
   // Two reads may share a (layer, local page) when they fill different
   // tokens or heads of it (a 64-token page from four 16-token ones); never
@@ -240,15 +254,16 @@ void emit_reads(const KVLayout& local, const KVLayout& remote, const std::vector
   const bool rnhd = remote.page_order == PageOrder::kNHD;
   // One token's row of every head read is contiguous in NHD, one head's
   // tokens in HND.
-  const std::uint64_t lrow = lnhd ? std::uint64_t{local.num_kv_heads} * hb : hb;   // next token
+  const std::uint64_t lrow = lnhd ? std::uint64_t{local.num_kv_heads} * hb : hb;  // next token
   const std::uint64_t rrow = rnhd ? std::uint64_t{remote.num_kv_heads} * hb : hb;
-  const std::uint64_t lhead = lnhd ? hb : std::uint64_t{local.page_size} * hb;     // next head
+  const std::uint64_t lhead = lnhd ? hb : std::uint64_t{local.page_size} * hb;  // next head
   const std::uint64_t rhead = rnhd ? hb : std::uint64_t{remote.page_size} * hb;
   const detail::BlockStrides lstr(local);
   const detail::BlockStrides rstr(remote);
   auto emit = [&](const Resolved& r, KV kv) {
     const std::uint32_t lh = r.hs - local.first_kv_head, rh = r.hs - remote.first_kv_head;
     const std::uint32_t nh = r.he - r.hs, nt = r.te - r.ts;
+    sink.at_layer(r.layer);
     // block_offset + in_block_offset, with the strides taken once.
     const std::uint64_t l0 = lstr.offset(r.layer, kv, r.lpage) + r.ts * lrow + lh * lhead;
     const std::uint64_t r0 = rstr.offset(r.layer, kv, r.rpage) + r.rts * rrow + rh * rhead;
@@ -262,13 +277,18 @@ void emit_reads(const KVLayout& local, const KVLayout& remote, const std::vector
       }
     }
   };
-  detail::emit_in_cache_order(local, rs.size(), [&](std::size_t i) { return rs[i].layer; },
-                              [&](std::size_t i, KV kv) { emit(rs[i], kv); });
+  detail::emit_in_cache_order(
+      local, rs.size(),
+      [&](std::size_t i) {
+        return std::pair{rs[i].layer, rs[i].lpage};
+      },
+      [&](std::size_t i, KV kv) { emit(rs[i], kv); });
 }
 
 // Takes strided runs one by one (a CopyPlan has no strides).
 struct FlatSink {
   SpanSink& sink;
+  void at_layer(std::uint32_t layer) noexcept { sink.at_layer(layer); }
   void add_rows(std::uint64_t l, std::uint64_t r, std::uint64_t len, std::uint64_t rows,
                 std::uint64_t ls, std::uint64_t rs) {
     for (std::uint64_t i = 0; i < rows; ++i) sink.add(l + i * ls, r + i * rs, len);
@@ -281,7 +301,7 @@ CopyPlan plan_copies_mixed(const KVLayout& local, const KVLayout& remote,
                            std::span<const KVReadInfo> reads) {
   const std::vector<Resolved> rs = resolve_reads(local, remote, reads);
   CopyPlan plan;
-  SpanSink sink(plan);
+  SpanSink sink(plan, fence_layers(local, remote));
   FlatSink flat{sink};
   emit_reads(local, remote, rs, flat);
   return plan;
@@ -300,7 +320,7 @@ StridedPlan plan_strided_copies(const KVLayout& local, const KVLayout& remote,
   const std::vector<Resolved> rs = detail::resolve_reads(local, remote, reads);
   // One span per (read, k|v) in most layouts (per head more for NHD <-> HND).
   out.spans.reserve(rs.size() * local.num_kv());
-  detail::StridedSink sink{out};
+  detail::StridedSink sink{out, detail::fence_layers(local, remote)};
   detail::emit_reads(local, remote, rs, sink);
   return out;
 }

@@ -13,14 +13,6 @@ namespace {
 
 constexpr std::size_t kMaxRememberedExpired = 4096;
 
-// A random start keeps epochs of two pools that ever served the same cache
-// (a restarted pool over a kept cache) apart; 2^62 leaves room to count.
-std::uint64_t random_first_epoch() {
-  std::random_device rd;
-  const std::uint64_t v = (std::uint64_t{rd()} << 32) ^ rd();
-  return (v & ((std::uint64_t{1} << 62) - 1)) | 1;
-}
-
 std::uint64_t unix_ms_now() {
   return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
                                         std::chrono::system_clock::now().time_since_epoch())
@@ -29,16 +21,17 @@ std::uint64_t unix_ms_now() {
 
 }  // namespace
 
-KVCachePool::KVCachePool(std::shared_ptr<KVCache> cache,
-                         KVTransferInfo descriptor, std::uint64_t scatter_seed,
-                         std::chrono::milliseconds lease)
-    : cache_(std::move(cache)), descriptor_(std::move(descriptor)), lease_(lease),
+KVCachePool::KVCachePool(std::shared_ptr<KVCache> cache, KVTransferInfo descriptor,
+                         std::uint64_t scatter_seed, std::chrono::milliseconds lease)
+    : cache_(std::move(cache)),
+      descriptor_(std::move(descriptor)),
+      lease_(lease),
       next_epoch_(random_first_epoch()) {
   if (!cache_) throw Error(StatusCode::kInvalidArgument, "KVCachePool needs a cache");
   if (lease_.count() < 0) {
-    throw Error(StatusCode::kInvalidArgument,
-                "KVCachePool lease " + std::to_string(lease_.count()) +
-                    " ms must be >= 0 (0 = never expire)");
+    throw Error(StatusCode::kInvalidArgument, "KVCachePool lease " +
+                                                  std::to_string(lease_.count()) +
+                                                  " ms must be >= 0 (0 = never expire)");
   }
   descriptor_.epoch = 0;
   const std::uint32_t n = cache_->layout().num_pages;
@@ -54,13 +47,12 @@ KVCachePool::KVCachePool(std::shared_ptr<KVCache> cache,
 
 std::vector<std::uint32_t> KVCachePool::allocate_locked(std::size_t count) {
   if (count > free_.size()) {
-    throw Error(StatusCode::kRetryLater,
-                "KV cache pool exhausted: need " + std::to_string(count) +
-                    " pages, " + std::to_string(free_.size()) + " free of " +
-                    std::to_string(cache_->layout().num_pages));
+    throw Error(StatusCode::kRetryLater, "KV cache pool exhausted: need " + std::to_string(count) +
+                                             " pages, " + std::to_string(free_.size()) +
+                                             " free of " +
+                                             std::to_string(cache_->layout().num_pages));
   }
-  std::vector<std::uint32_t> pages(free_.end() - static_cast<std::ptrdiff_t>(count),
-                                   free_.end());
+  std::vector<std::uint32_t> pages(free_.end() - static_cast<std::ptrdiff_t>(count), free_.end());
   std::reverse(pages.begin(), pages.end());
   free_.resize(free_.size() - count);
   for (std::uint32_t p : pages) in_use_[p] = kLoose;
@@ -83,9 +75,9 @@ void KVCachePool::free_locked(std::span<const std::uint32_t> pages, std::uint8_t
     if (p >= n || in_use_[p] != owner) {
       for (std::size_t j = 0; j < i; ++j) in_use_[pages[j]] = owner;
       if (p >= n) {
-        throw Error(StatusCode::kInvalidArgument,
-                    "free of page " + std::to_string(p) + " out of range [0, " +
-                        std::to_string(n) + ")");
+        throw Error(
+            StatusCode::kInvalidArgument,
+            "free of page " + std::to_string(p) + " out of range [0, " + std::to_string(n) + ")");
       }
       if (in_use_[p] == kOwned) {
         std::string holder = "a live sequence";
@@ -95,12 +87,11 @@ void KVCachePool::free_locked(std::span<const std::uint32_t> pages, std::uint8_t
             break;
           }
         }
-        throw Error(StatusCode::kInvalidArgument,
-                    "free_pages of page " + std::to_string(p) + ", which " + holder +
-                        " holds (release the sequence instead)");
+        throw Error(StatusCode::kInvalidArgument, "free_pages of page " + std::to_string(p) +
+                                                      ", which " + holder +
+                                                      " holds (release the sequence instead)");
       }
-      throw Error(StatusCode::kInvalidArgument,
-                  "double free of page " + std::to_string(p));
+      throw Error(StatusCode::kInvalidArgument, "double free of page " + std::to_string(p));
     }
     in_use_[p] = kFreeing;
   }
@@ -112,8 +103,7 @@ void KVCachePool::free_locked(std::span<const std::uint32_t> pages, std::uint8_t
   }
 }
 
-std::vector<std::uint32_t> KVCachePool::allocate(std::uint64_t seq_id,
-                                                 std::uint64_t num_tokens) {
+std::vector<std::uint32_t> KVCachePool::allocate(std::uint64_t seq_id, std::uint64_t num_tokens) {
   std::lock_guard<std::mutex> lock(mu_);
   expire_locked(Clock::now());
   if (sequences_.count(seq_id) != 0) {
@@ -144,14 +134,71 @@ std::vector<std::uint32_t> KVCachePool::allocate(std::uint64_t seq_id,
   return pages;
 }
 
+void KVCachePool::adopt(std::uint64_t seq_id, std::uint64_t num_tokens,
+                        std::span<const std::uint32_t> pages) {
+  std::lock_guard<std::mutex> lock(mu_);
+  expire_locked(Clock::now());
+  if (sequences_.count(seq_id) != 0) {
+    throw Error(StatusCode::kInvalidArgument,
+                "sequence " + std::to_string(seq_id) + " is already allocated");
+  }
+  const std::uint64_t ps = cache_->layout().page_size;
+  const std::uint64_t count = num_tokens / ps + (num_tokens % ps != 0 ? 1 : 0);
+  if (count != pages.size()) {
+    throw Error(StatusCode::kInvalidArgument,
+                "adopt of sequence " + std::to_string(seq_id) + ": " + std::to_string(num_tokens) +
+                    " tokens need " + std::to_string(count) + " pages of " + std::to_string(ps) +
+                    " tokens, " + std::to_string(pages.size()) + " given");
+  }
+  const std::uint32_t n = cache_->layout().num_pages;
+  // Check everything first (kFreeing marks a page seen in this call), then
+  // undo the marks when one is refused, so that a refused call changes nothing.
+  for (std::size_t i = 0; i < pages.size(); ++i) {
+    const std::uint32_t p = pages[i];
+    if (p >= n || in_use_[p] != kFree) {
+      const std::uint8_t mark = p < n ? in_use_[p] : kFree;
+      for (std::size_t j = 0; j < i; ++j) in_use_[pages[j]] = kFree;
+      const std::string what =
+          "adopt of sequence " + std::to_string(seq_id) + ": page " + std::to_string(p);
+      if (p >= n) {
+        throw Error(StatusCode::kInvalidArgument,
+                    what + " out of range [0, " + std::to_string(n) + ")");
+      }
+      throw Error(StatusCode::kInvalidArgument,
+                  what + (mark == kFreeing ? " is named twice"
+                          : mark == kOwned ? " is held by a live sequence"
+                                           : " is held (allocate_pages)"));
+    }
+    in_use_[p] = kFreeing;
+  }
+  // Off the free list, order kept (a loop, not erase_if: the thread-safety
+  // analysis cannot see that a lambda runs under mu_).
+  std::size_t kept = 0;
+  for (const std::uint32_t p : free_) {
+    if (in_use_[p] != kFreeing) free_[kept++] = p;
+  }
+  free_.resize(kept);
+  for (std::uint32_t p : pages) in_use_[p] = kOwned;
+  const std::uint64_t epoch = next_epoch_++;
+  // No layer of a new owner is ready; the reset is ordered before the epoch.
+  cache_->readiness().reset(pages);
+  cache_->epochs().stamp(pages, epoch);
+  Sequence s;
+  s.num_tokens = num_tokens;
+  s.pages.assign(pages.begin(), pages.end());
+  s.epoch = epoch;
+  sequences_[seq_id] = std::move(s);
+  expired_ids_.erase(seq_id);
+}
+
 void KVCachePool::release(std::uint64_t seq_id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sequences_.find(seq_id);
   if (it == sequences_.end()) {
     if (expired_ids_.erase(seq_id) != 0) return;  // its lease expired: freed already
-    throw Error(StatusCode::kInvalidArgument,
-                "release of unknown sequence " + std::to_string(seq_id) +
-                    " (never allocated or already released)");
+    throw Error(StatusCode::kInvalidArgument, "release of unknown sequence " +
+                                                  std::to_string(seq_id) +
+                                                  " (never allocated or already released)");
   }
   free_locked(it->second.pages, kOwned);
   sequences_.erase(it);
@@ -159,6 +206,7 @@ void KVCachePool::release(std::uint64_t seq_id) {
 
 bool KVCachePool::done(std::uint64_t seq_id, std::uint64_t epoch) {
   std::lock_guard<std::mutex> lock(mu_);
+  ++done_notices_;
   auto it = sequences_.find(seq_id);
   if (it == sequences_.end() || (epoch != 0 && it->second.epoch != epoch)) return false;
   free_locked(it->second.pages, kOwned);
@@ -195,6 +243,16 @@ std::size_t KVCachePool::expire_leases() {
 std::uint64_t KVCachePool::expired_count() const {
   std::lock_guard<std::mutex> lock(mu_);
   return expired_;
+}
+
+std::uint64_t KVCachePool::published_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return published_;
+}
+
+std::uint64_t KVCachePool::done_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_notices_;
 }
 
 bool KVCachePool::contains(std::uint64_t seq_id) const {
@@ -277,8 +335,7 @@ std::uint32_t KVCachePool::layers_ready(std::uint64_t seq_id) const {
   return it->second.layers_ready;
 }
 
-SequenceInfo KVCachePool::publish_locked(std::uint64_t seq_id,
-                                         const std::uint32_t* layers_ready) {
+SequenceInfo KVCachePool::publish_locked(std::uint64_t seq_id, const std::uint32_t* layers_ready) {
   const auto now = Clock::now();
   expire_locked(now);
   auto it = sequences_.find(seq_id);
@@ -295,8 +352,9 @@ SequenceInfo KVCachePool::publish_locked(std::uint64_t seq_id,
     s.expiry_unix_ms = unix_ms_now() + static_cast<std::uint64_t>(lease_.count());
     next_expiry_ = std::min(next_expiry_, s.expiry);
   }
-  SequenceInfo info{seq_id, s.num_tokens, s.pages, descriptor_, s.expiry_unix_ms,
-                    cache_->layout().page_size};
+  SequenceInfo info{seq_id,      s.num_tokens,     s.pages,
+                    descriptor_, s.expiry_unix_ms, cache_->layout().page_size};
+  ++published_;
   if (!info.kv_transfer_info.empty()) info.kv_transfer_info.epoch = s.epoch;
   return info;
 }

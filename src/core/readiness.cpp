@@ -5,11 +5,11 @@
 #include <limits>
 #include <string>
 
+#include "core/mapped_watch.hpp"
+#include "core/shared_word.hpp"
 #include "mstar/kv/engine.hpp"
 #include "mstar/kv/epochs.hpp"
 #include "mstar/kv/status.hpp"
-#include "core/mapped_watch.hpp"
-#include "core/shared_word.hpp"
 
 #include <chrono>
 #include <utility>
@@ -53,16 +53,6 @@ std::uint32_t PageReadiness::load(std::uint32_t page) const noexcept {
 
 // Here, not in streaming.cpp: the engines' vtable needs it, and an engine
 // need not link the stream driver.
-std::unique_ptr<LayerWatch> KVTransferEngine::watch_layers(
-    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
-  (void)read_info;
-  const std::string name = remote_kv_info.engine.empty() ? "local" : remote_kv_info.engine;
-  throw Error(StatusCode::kUnavailable,
-              "layer-wise streaming over the '" + name +
-                  "' engine: it has no readiness channel from the owner; "
-                  "pull with start_async_retrieve after the owner finished");
-}
-
 Status check_layer_readiness(const std::uint32_t* ready, const std::uint64_t* epochs,
                              std::uint32_t num_pages, std::span<const std::uint32_t> pages,
                              std::uint64_t expect_epoch, std::uint32_t num_layers,
@@ -79,23 +69,23 @@ Status check_layer_readiness(const std::uint32_t* ready, const std::uint64_t* ep
   for (std::uint32_t p : pages) {
     const std::uint32_t r = load_ready(ready + p);  // p < num_pages: checked above
     if (r > num_layers) {
-      return {StatusCode::kCorruptDescriptor,
-              "remote page " + std::to_string(p) + " says " + std::to_string(r) +
-                  " layers are ready, beyond the layout's " + std::to_string(num_layers) +
-                  " layers"};
+      return {StatusCode::kCorruptDescriptor, "remote page " + std::to_string(p) + " says " +
+                                                  std::to_string(r) +
+                                                  " layers are ready, beyond the layout's " +
+                                                  std::to_string(num_layers) + " layers"};
     }
     if (r < floor) {
       return {StatusCode::kCorruptDescriptor,
-              "remote page " + std::to_string(p) + " readiness went backwards: " +
-                  std::to_string(r) + " layers ready, " + std::to_string(floor) +
-                  " were ready before"};
+              "remote page " + std::to_string(p) +
+                  " readiness went backwards: " + std::to_string(r) + " layers ready, " +
+                  std::to_string(floor) + " were ready before"};
     }
     lowest = std::min(lowest, r);
   }
   // Epochs again (the seqlock's reader half): a value stamped by a later
   // owner of a page is only visible after that owner's new epoch.
-  s = check_page_epochs(epochs, num_pages, pages, expect_epoch,
-                        "while its readiness was read", true);
+  s = check_page_epochs(epochs, num_pages, pages, expect_epoch, "while its readiness was read",
+                        true);
   if (!s.is_ok()) return s;
   *layers_ready = pages.empty() ? num_layers : lowest;
   return Status::ok();
@@ -109,9 +99,8 @@ namespace {
 
 class MappedLayerWatch final : public LayerWatch {
  public:
-  MappedLayerWatch(const std::uint32_t* ready, const std::uint64_t* epochs,
-                   std::uint32_t num_pages, std::uint32_t num_layers,
-                   std::vector<std::uint32_t> pages, std::uint64_t epoch,
+  MappedLayerWatch(const std::uint32_t* ready, const std::uint64_t* epochs, std::uint32_t num_pages,
+                   std::uint32_t num_layers, std::vector<std::uint32_t> pages, std::uint64_t epoch,
                    std::function<Status()> check_owner, std::shared_ptr<const void> keep)
       : ready_(ready),
         epochs_(epochs),
@@ -124,8 +113,8 @@ class MappedLayerWatch final : public LayerWatch {
 
   Status poll(std::uint32_t* layers_ready) override {
     std::uint32_t r = 0;
-    Status s = check_layer_readiness(ready_, epochs_, num_pages_, pages_, epoch_, num_layers_,
-                                     floor_, &r);
+    Status s =
+        check_layer_readiness(ready_, epochs_, num_pages_, pages_, epoch_, num_layers_, floor_, &r);
     if (!s.is_ok()) return s;
     floor_ = r;
     // Layers still missing: an owner that died will never mark them.
@@ -163,9 +152,8 @@ std::unique_ptr<LayerWatch> make_mapped_layer_watch(
     const std::uint32_t* ready, const std::uint64_t* epochs, std::uint32_t num_pages,
     std::uint32_t num_layers, std::vector<std::uint32_t> pages, std::uint64_t epoch,
     std::function<Status()> check_owner, std::shared_ptr<const void> keep) {
-  return std::make_unique<MappedLayerWatch>(ready, epochs, num_pages, num_layers,
-                                            std::move(pages), epoch, std::move(check_owner),
-                                            std::move(keep));
+  return std::make_unique<MappedLayerWatch>(ready, epochs, num_pages, num_layers, std::move(pages),
+                                            epoch, std::move(check_owner), std::move(keep));
 }
 
 }  // namespace mstar::kv

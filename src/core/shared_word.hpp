@@ -28,4 +28,10 @@ void store_relaxed(T* w, T v) noexcept {
   __atomic_store_n(w, v, __ATOMIC_RELAXED);
 }
 
+template <class T>
+void store_seq_cst(T* w, T v) noexcept {
+  static_assert(std::is_integral_v<T> && (sizeof(T) == 4 || sizeof(T) == 8));
+  __atomic_store_n(w, v, __ATOMIC_SEQ_CST);
+}
+
 }  // namespace mstar::kv::internal

@@ -37,12 +37,22 @@ void PeerStats::merge(const PeerStats& o) noexcept {
   for (std::size_t i = 0; i < latency.size(); ++i) latency[i].merge(o.latency[i]);
 }
 
+void ServedStats::merge(const ServedStats& o) noexcept {
+  reads += o.reads;
+  bytes += o.bytes;
+  reads_refused += o.reads_refused;
+  replies_dropped += o.replies_dropped;
+  readers_connected += o.readers_connected;
+  readers_gone += o.readers_gone;
+  descriptors += o.descriptors;
+  done_notices += o.done_notices;
+}
+
 PeerStats& TransferStatsRecorder::peer_locked(const std::string& peer) {
   return peers_[peer.empty() ? "unknown" : peer];
 }
 
-void TransferStatsRecorder::refused(const std::string& peer, StatusCode code,
-                                    double plan_seconds) {
+void TransferStatsRecorder::refused(const std::string& peer, StatusCode code, double plan_seconds) {
   std::lock_guard<std::mutex> lock(mu_);
   PeerStats& p = peer_locked(peer);
   ++p.reads_started;
@@ -166,8 +176,7 @@ std::string render_prometheus(const std::vector<TransferStats>& stats, const std
       for (std::size_t c = 0; c < p.reads_failed.size(); ++c) {
         if (p.reads_failed[c] == 0) continue;
         o << "mstar_kv_reads_failed_total"
-          << labels(s, peer,
-                    ",code=\"" + std::string(to_string(static_cast<StatusCode>(c))) + "\"")
+          << labels(s, peer, ",code=\"" + std::string(to_string(static_cast<StatusCode>(c))) + "\"")
           << ' ' << p.reads_failed[c] << '\n';
       }
     }
@@ -199,6 +208,30 @@ std::string render_prometheus(const std::vector<TransferStats>& stats, const std
       }
     }
   }
+  // The owner side: one series per snapshot (engine label only).
+  auto served = [&](const char* name, const char* help, std::uint64_t ServedStats::*field) {
+    o << "# HELP " << name << ' ' << help << "\n# TYPE " << name << " counter\n";
+    for (const auto& s : stats) {
+      o << name << "{engine=\"" << escape(s.engine) << "\"} " << s.served.*field << '\n';
+    }
+  };
+  served("mstar_kv_served_reads_total", "Read requests this owner answered with every reply.",
+         &ServedStats::reads);
+  served("mstar_kv_served_bytes_total", "Bytes of replies this owner sent (completed).",
+         &ServedStats::bytes);
+  served("mstar_kv_served_reads_refused_total", "Read requests this owner refused before any byte.",
+         &ServedStats::reads_refused);
+  served("mstar_kv_served_replies_dropped_total",
+         "Replies and verdicts not sent because the reader was gone.",
+         &ServedStats::replies_dropped);
+  served("mstar_kv_served_readers_connected_total", "Reader connections accepted.",
+         &ServedStats::readers_connected);
+  served("mstar_kv_served_readers_gone_total", "Reader connections closed.",
+         &ServedStats::readers_gone);
+  served("mstar_kv_served_descriptors_total",
+         "SequenceInfo descriptors published by the served pool.", &ServedStats::descriptors);
+  served("mstar_kv_served_done_notices_total", "Done notices the served pool took.",
+         &ServedStats::done_notices);
   o << extra;
   return o.str();
 }

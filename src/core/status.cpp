@@ -5,21 +5,38 @@ namespace mstar::kv {
 
 std::string_view to_string(StatusCode code) noexcept {
   switch (code) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kInProgress: return "InProgress";
-    case StatusCode::kRetryLater: return "RetryLater";
-    case StatusCode::kInvalidArgument: return "InvalidArgument";
-    case StatusCode::kIncompatibleLayout: return "IncompatibleLayout";
-    case StatusCode::kCorruptDescriptor: return "CorruptDescriptor";
-    case StatusCode::kStaleDescriptor: return "StaleDescriptor";
-    case StatusCode::kPermissionDenied: return "PermissionDenied";
-    case StatusCode::kNotFound: return "NotFound";
-    case StatusCode::kUnavailable: return "Unavailable";
-    case StatusCode::kPeerFailure: return "PeerFailure";
-    case StatusCode::kTimeout: return "Timeout";
-    case StatusCode::kCancelled: return "Cancelled";
-    case StatusCode::kShutdown: return "Shutdown";
-    case StatusCode::kInternal: return "Internal";
+    case StatusCode::kOk:
+      return "OK";
+    case StatusCode::kInProgress:
+      return "InProgress";
+    case StatusCode::kRetryLater:
+      return "RetryLater";
+    case StatusCode::kInvalidArgument:
+      return "InvalidArgument";
+    case StatusCode::kIncompatibleLayout:
+      return "IncompatibleLayout";
+    case StatusCode::kCorruptDescriptor:
+      return "CorruptDescriptor";
+    case StatusCode::kStaleDescriptor:
+      return "StaleDescriptor";
+    case StatusCode::kPermissionDenied:
+      return "PermissionDenied";
+    case StatusCode::kNotFound:
+      return "NotFound";
+    case StatusCode::kUnavailable:
+      return "Unavailable";
+    case StatusCode::kPeerFailure:
+      return "PeerFailure";
+    case StatusCode::kTimeout:
+      return "Timeout";
+    case StatusCode::kCancelled:
+      return "Cancelled";
+    case StatusCode::kShutdown:
+      return "Shutdown";
+    case StatusCode::kInternal:
+      return "Internal";
+    case StatusCode::kNotSupported:
+      return "NotSupported";
   }
   return "Unknown";
 }
@@ -35,6 +52,7 @@ FailureScope Status::scope() const noexcept {
     case StatusCode::kCorruptDescriptor:
     case StatusCode::kCancelled:
     case StatusCode::kTimeout:
+    case StatusCode::kNotSupported:
       return FailureScope::kTransfer;
     case StatusCode::kStaleDescriptor:
     case StatusCode::kPermissionDenied:
@@ -58,7 +76,6 @@ std::string Status::to_string() const {
   return out;
 }
 
-Error::Error(Status status)
-    : std::runtime_error(status.to_string()), status_(std::move(status)) {}
+Error::Error(Status status) : std::runtime_error(status.to_string()), status_(std::move(status)) {}
 
 }  // namespace mstar::kv

@@ -1,7 +1,9 @@
 // Copyright mstar-kv authors.
 //
-// Constructors of the engines that are built, for the factory
-// (src/engines/factory.cpp) only.
+// What each engine folder gives the factory (src/engines/factory.cpp): its
+// hooks, defined in the engine's own target as engines::hooks_<name>(). The
+// factory calls the hooks of the engines CMake built (the generated
+// engine_registry.inc lists them); it never names an engine's classes.
 #pragma once
 
 #include <memory>
@@ -13,19 +15,28 @@
 
 namespace mstar::kv::engines {
 
+struct EngineHooks {
+  // Makes the engine over `cache` (every engine's shape).
+  std::unique_ptr<KVTransferEngine> (*make)(std::shared_ptr<KVCache> cache,
+                                            const TransferEngineInfo& info) = nullptr;
+  // Zero-filled memory of the kind the engine serves for make_kv_cache()
+  // (shm: shared host memory; cuda_ipc: device memory on `device`); null
+  // when the engine serves caches of any host memory.
+  std::unique_ptr<KVMemory> (*allocate)(const KVLayout& layout, int device) = nullptr;
+};
+
 // An engine class with every engine's constructor shape,
-// Engine(cache, TransferEngineInfo) (shm, cuda_ipc, mooncake).
+// Engine(cache, TransferEngineInfo).
 template <typename Engine>
 std::unique_ptr<KVTransferEngine> make(std::shared_ptr<KVCache> cache,
                                        const TransferEngineInfo& info) {
   return std::make_unique<Engine>(std::move(cache), info);
 }
-// The UCX engine has no public class: an RMA engine over the UCX backend.
-std::unique_ptr<KVTransferEngine> make_ucx_engine(std::shared_ptr<KVCache> cache,
-                                                  const TransferEngineInfo& info);
 
-// Memory providers, for make_kv_cache().
-std::unique_ptr<KVMemory> allocate_shared_memory(std::size_t size, std::uint32_t num_pages);
-std::unique_ptr<KVMemory> allocate_device_memory(std::size_t size, int device);
+// One per engine folder; only those of built engines are defined.
+EngineHooks hooks_shm();
+EngineHooks hooks_ucx();
+EngineHooks hooks_mooncake();
+EngineHooks hooks_cuda_ipc();
 
 }  // namespace mstar::kv::engines

@@ -30,8 +30,8 @@ inline void reject_unknown_keys(const std::map<std::string, std::string>& extra,
     for (std::string_view k : known) list += (list.empty() ? "" : ", ") + std::string(k);
     throw Error(StatusCode::kInvalidArgument,
                 "unknown " + std::string(engine) + " option '" + key + "' = '" + value +
-                    "' (known " + std::string(prefix) + "* options: " +
-                    (list.empty() ? std::string("none") : list) + ")");
+                    "' (known " + std::string(prefix) +
+                    "* options: " + (list.empty() ? std::string("none") : list) + ")");
   }
 }
 

@@ -229,9 +229,9 @@ std::string Child::read_line(std::chrono::milliseconds timeout) {
     }
     const int left = left_ms(deadline);
     if (left <= 0) {
-      throw Error(StatusCode::kTimeout, "no line from child " + std::to_string(pid_) +
-                                            " within " + std::to_string(timeout.count()) +
-                                            " ms (so far: '" + buf_ + "')");
+      throw Error(StatusCode::kTimeout, "no line from child " + std::to_string(pid_) + " within " +
+                                            std::to_string(timeout.count()) + " ms (so far: '" +
+                                            buf_ + "')");
     }
     if (from_child_ < 0) throw Error(StatusCode::kInvalidArgument, "no pipe from the child");
     pollfd p{from_child_, POLLIN, 0};

@@ -29,7 +29,7 @@ std::vector<std::string> tcp_listeners(int port) {
       if (state != "0A" || colon == std::string::npos) continue;  // 0A = LISTEN
       if (std::stoi(local.substr(colon + 1), nullptr, 16) != port) continue;
       out.push_back(std::string(file).find('6') != std::string::npos ? "v6:" + local
-                                                                       : local.substr(0, colon));
+                                                                     : local.substr(0, colon));
     }
   }
   return out;

@@ -45,23 +45,30 @@ Ranges page_ranges(const KVLayout& l, std::span<const std::uint32_t> pages) {
   return merged(std::move(r));
 }
 
+// Ranges are walked region by region (caches of one region per layer).
 void fill_sentinel(const KVCache& c, const Ranges& ranges, std::uint64_t seed) {
   std::uint64_t x = seed * 0x9E3779B97F4A7C15ULL + 0x632BE59BD9B4E019ULL;
   for (const auto& [b, e] : ranges) {
-    std::uint64_t i = b;
-    for (; i + 8 <= e; i += 8) {
-      x ^= x << 13;
-      x ^= x >> 7;
-      x ^= x << 17;
-      std::memcpy(c.base() + i, &x, 8);
-    }
-    for (; i < e; ++i) c.base()[i] = std::byte{0xA5};
+    c.for_each_run(b, e - b, [&](std::byte* p, std::uint64_t, std::uint64_t n) {
+      std::uint64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        std::memcpy(p + i, &x, 8);
+      }
+      for (; i < n; ++i) p[i] = std::byte{0xA5};
+    });
   }
 }
 
 std::vector<std::byte> save(const KVCache& c, const Ranges& ranges) {
   std::vector<std::byte> out;
-  for (const auto& [b, e] : ranges) out.insert(out.end(), c.base() + b, c.base() + e);
+  for (const auto& [b, e] : ranges) {
+    c.for_each_run(b, e - b, [&](std::byte* p, std::uint64_t, std::uint64_t n) {
+      out.insert(out.end(), p, p + n);
+    });
+  }
   return out;
 }
 
@@ -69,7 +76,11 @@ std::optional<std::uint64_t> changed(const KVCache& c, const Ranges& ranges,
                                      std::span<const std::byte> saved, const Ranges& allowed) {
   std::size_t pos = 0;  // of the current range in `saved`
   std::size_t a = 0;    // the first allowed range that may still matter
-  for (const auto& [b, e] : ranges) {
+  for (const auto& range : ranges) {
+    // Not a structured binding: clang 14 (the thread-safety build's) cannot
+    // capture one in the lambda below.
+    const std::uint64_t b = range.first;
+    const std::uint64_t e = range.second;
     std::uint64_t x = b;
     while (x < e) {
       while (a < allowed.size() && allowed[a].second <= x) ++a;
@@ -78,13 +89,18 @@ std::optional<std::uint64_t> changed(const KVCache& c, const Ranges& ranges,
         continue;
       }
       const std::uint64_t stop = a < allowed.size() ? std::min(e, allowed[a].first) : e;
-      const std::byte* now = c.base() + x;
-      const std::byte* was = saved.data() + pos + (x - b);
-      if (std::memcmp(now, was, stop - x) != 0) {
-        for (std::uint64_t i = 0; i < stop - x; ++i) {
-          if (now[i] != was[i]) return x + i;
+      std::optional<std::uint64_t> found;
+      c.for_each_run(x, stop - x, [&](std::byte* now, std::uint64_t off, std::uint64_t n) {
+        const std::byte* was = saved.data() + pos + (off - b);
+        if (found || std::memcmp(now, was, n) == 0) return;
+        for (std::uint64_t i = 0; i < n; ++i) {
+          if (now[i] != was[i]) {
+            found = off + i;
+            return;
+          }
         }
-      }
+      });
+      if (found) return found;
       x = stop;
     }
     pos += e - b;

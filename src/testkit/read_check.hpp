@@ -42,8 +42,7 @@ std::vector<std::byte> save(const KVCache& c, const Ranges& ranges);
 // The first offset inside `ranges` but outside `allowed` (merged) where the
 // cache differs from `saved` (save() of `ranges`); nullopt when none.
 std::optional<std::uint64_t> changed(const KVCache& c, const Ranges& ranges,
-                                     std::span<const std::byte> saved,
-                                     const Ranges& allowed = {});
+                                     std::span<const std::byte> saved, const Ranges& allowed = {});
 
 // Watches one read into `cache`: construct it before issuing the read (it
 // fills the watched bytes with the sentinel and keeps a copy), then call

@@ -29,8 +29,7 @@ std::vector<std::uint8_t> from_hex(std::string_view hex) {
                 "bad hex digit '" + std::string(1, c) + "' at " + std::to_string(at));
   };
   if (hex.size() % 2 != 0) {
-    throw Error(StatusCode::kCorruptDescriptor,
-                "odd hex length " + std::to_string(hex.size()));
+    throw Error(StatusCode::kCorruptDescriptor, "odd hex length " + std::to_string(hex.size()));
   }
   std::vector<std::uint8_t> out(hex.size() / 2);
   for (std::size_t i = 0; i < out.size(); ++i) {

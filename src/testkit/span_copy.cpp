@@ -45,7 +45,7 @@ SpanCopyPool::~SpanCopyPool() {
   for (auto& t : threads_) t.join();
 }
 
-void SpanCopyPool::run(const Partition& p, std::byte* dst, const std::byte* src) {
+void SpanCopyPool::run(const Partition& p, const RegionMap& dst, const RegionMap& src) {
   internal::UniqueLock lock(mu_);
   job_ = &p;
   dst_ = dst;
@@ -64,8 +64,8 @@ void SpanCopyPool::work(unsigned idx) {
   std::uint64_t seen = 0;
   for (;;) {
     const Partition* job = nullptr;
-    std::byte* dst = nullptr;
-    const std::byte* src = nullptr;
+    RegionMap dst;
+    RegionMap src;
     {
       internal::UniqueLock lock(mu_);
       start_cv_.wait(lock, [&] {
@@ -80,7 +80,8 @@ void SpanCopyPool::work(unsigned idx) {
     }
     for (std::size_t i = job->begin[idx]; i < job->begin[idx + 1]; ++i) {
       const CopySpan& s = job->pieces[i];
-      std::memcpy(dst + s.local_offset, src + s.remote_offset, s.length);
+      std::memcpy(dst.pointer(s.local_offset), src.pointer<const std::byte>(s.remote_offset),
+                  s.length);
     }
     {
       std::lock_guard<std::mutex> lock(mu_);

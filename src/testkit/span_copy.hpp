@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "mstar/kv/planner.hpp"
+#include "mstar/kv/regions.hpp"
 #include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::testkit {
@@ -37,7 +38,13 @@ class SpanCopyPool {
   unsigned size() const noexcept { return static_cast<unsigned>(threads_.size()); }
   // Copies p's pieces (cut for size() threads) from src + remote offsets to
   // dst + local offsets; returns when all are copied.
-  void run(const Partition& p, std::byte* dst, const std::byte* src);
+  void run(const Partition& p, std::byte* dst, const std::byte* src) {
+    run(p, RegionMap::contiguous(reinterpret_cast<std::uintptr_t>(dst)),
+        RegionMap::contiguous(reinterpret_cast<std::uintptr_t>(src)));
+  }
+  // The same through region maps (caches of one region per layer: a piece
+  // lies in one region, as the planner's spans do).
+  void run(const Partition& p, const RegionMap& dst, const RegionMap& src);
 
  private:
   void work(unsigned idx);
@@ -50,8 +57,8 @@ class SpanCopyPool {
   unsigned pending_ MSTAR_KV_GUARDED_BY(mu_) = 0;
   bool stop_ MSTAR_KV_GUARDED_BY(mu_) = false;
   const Partition* job_ MSTAR_KV_GUARDED_BY(mu_) = nullptr;
-  std::byte* dst_ MSTAR_KV_GUARDED_BY(mu_) = nullptr;
-  const std::byte* src_ MSTAR_KV_GUARDED_BY(mu_) = nullptr;
+  RegionMap dst_ MSTAR_KV_GUARDED_BY(mu_);
+  RegionMap src_ MSTAR_KV_GUARDED_BY(mu_);
 };
 
 }  // namespace mstar::kv::testkit

@@ -13,9 +13,12 @@ bool gpu_required() {
   return v != nullptr && std::string(v) == "1";
 }
 
+// Host memory is walked region by region (a cache of one region per layer).
 void fill_bytes(const KVCache& c, std::byte value) {
   if (c.memory_kind() == MemoryKind::kDevice) return device_memset(c, value);
-  std::memset(c.base(), static_cast<int>(value), c.size_bytes());
+  c.for_each_run(0, c.size_bytes(), [&](std::byte* p, std::uint64_t, std::uint64_t n) {
+    std::memset(p, static_cast<int>(value), n);
+  });
 }
 
 std::shared_ptr<KVCache> download(const KVCache& c) {
@@ -23,14 +26,18 @@ std::shared_ptr<KVCache> download(const KVCache& c) {
   if (c.memory_kind() == MemoryKind::kDevice) {
     device_to_host(c, host->base());
   } else {
-    std::memcpy(host->base(), c.base(), c.size_bytes());
+    c.for_each_run(0, c.size_bytes(), [&](std::byte* p, std::uint64_t off, std::uint64_t n) {
+      std::memcpy(host->base() + off, p, n);
+    });
   }
   return host;
 }
 
 void upload(const KVCache& host, const KVCache& c) {
   if (c.memory_kind() == MemoryKind::kDevice) return host_to_device(host.base(), c);
-  std::memcpy(c.base(), host.base(), c.size_bytes());
+  c.for_each_run(0, c.size_bytes(), [&](std::byte* p, std::uint64_t off, std::uint64_t n) {
+    std::memcpy(p, host.base() + off, n);
+  });
 }
 
 void fill_pattern_any(const KVCache& c, std::uint64_t seed, std::span<const std::uint32_t> pages,
@@ -83,7 +90,7 @@ std::uint64_t bytes_written_outside(const KVCache& local, const KVLayout& remote
                                     std::span<const KVReadInfo> reads, std::byte sentinel) {
   std::shared_ptr<KVCache> copy;
   const KVCache* host = &local;
-  if (local.memory_kind() == MemoryKind::kDevice) {
+  if (local.memory_kind() == MemoryKind::kDevice || local.split()) {
     copy = download(local);
     host = copy.get();
   }

@@ -53,14 +53,15 @@ std::vector<EngineCase> engine_cases() {
   std::vector<EngineCase> cases;
   for (const EngineTraits& t : engine_table()) {
     for (const LoopbackSetup& setup : t.loopback) {
-      EngineCase c{label_of(setup.name), t, setup.env, {}, "", false};
+      EngineCase c{label_of(setup.name), t, setup.env, {}, "", false, setup};
       if (!t.built) {
         c.skip_reason = "engine '" + t.name + "' is not built";
       } else {
         c.skip_reason = missing_runtime(t, c.extra);
       }
       cases.push_back(c);
-      if (t.name == "shm") {  // one wrapped engine: the wrapper is engine-agnostic
+      if (t.name == "shm" && &setup == &t.loopback.front()) {
+        // One wrapped engine: the wrapper is engine-agnostic.
         c.label = "fault_shm";
         c.fault_wrapper = true;
         cases.push_back(c);

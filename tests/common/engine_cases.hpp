@@ -26,6 +26,9 @@ struct EngineCase {
   // The reader's engine wrapped in a FaultInjectingEngine injecting nothing
   // (fault_injection.hpp): the wrapper must keep every engine invariant.
   bool fault_wrapper = false;
+  // The loopback setup (its caches: the owner's memory, one region per
+  // layer; make_loopback_cache).
+  LoopbackSetup setup;
 };
 inline void PrintTo(const EngineCase& c, std::ostream* os) { *os << c.label; }
 

@@ -20,6 +20,14 @@ std::vector<std::string> peer_args(const PeerSpec& spec) {
     args.push_back("--lease-ms");
     args.push_back(std::to_string(spec.lease_ms));
   }
+  if (spec.setup.owner_memory) {
+    args.push_back("--owner-memory");
+    args.push_back(std::to_string(static_cast<int>(*spec.setup.owner_memory)));
+  }
+  if (spec.setup.layer_regions) {
+    args.push_back("--layer-regions");
+    args.push_back("1");
+  }
   for (const auto& [k, v] : spec.extra) {
     args.push_back("--extra");
     args.push_back(k + "=" + v);

@@ -14,6 +14,7 @@
 #include "common/layouts.hpp"
 #include "common/peer.hpp"
 #include "common/wire.hpp"
+#include "mstar/kv/factory.hpp"
 
 namespace mstar::kv::testing {
 
@@ -26,6 +27,8 @@ struct PeerSpec {
   std::map<std::string, std::string> env;    // extra environment for the child
   std::map<std::string, std::string> extra;  // EngineOptions.extra
   long long lease_ms = -1;                   // >= 0: the pool's lease
+  // The owner's cache: the loopback setup's (make_loopback_cache).
+  LoopbackSetup setup;
 };
 
 // Starts kv_conformance_peer with `spec` and waits (up to `timeout`) for its

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "core/auth.hpp"
+#include "util/auth.hpp"
 #include "mstar/kv/status.hpp"
 
 namespace mstar::kv::auth {

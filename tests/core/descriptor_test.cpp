@@ -1,7 +1,10 @@
 // Copyright mstar-kv authors.
 #include <gtest/gtest.h>
 
+#include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "core/codec.hpp"
 #include "mstar/kv/descriptor.hpp"
@@ -177,6 +180,61 @@ TEST(Descriptor, LayoutDecodingValidates) {
   raw[20] = 9;  // dtype byte
   codec::ByteReader r3(raw, "test");
   EXPECT_THROW(r3.layout("layout"), Error);
+}
+
+// The wire bytes of a layout (codec.cpp) are those every earlier build
+// wrote: descriptors published before layer_page existed decode unchanged.
+TEST(Descriptor, LayoutBytesOfTheFirstTwoOrdersAreUnchanged) {
+  // 2 layers, 4 pages, 16 tokens, 1 head, 64 dims, bf16 (2), has_v, order,
+  // page order, total_kv_heads 0, first_kv_head 0; little-endian.
+  auto golden = [](std::uint8_t order, std::uint8_t page_order) {
+    return std::vector<std::uint8_t>{2, 0, 0, 0, 4, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0,
+                                     64, 0, 0, 0, 2, 1, order, page_order,
+                                     0, 0, 0, 0, 0, 0, 0, 0};
+  };
+  for (auto [co, po] : {std::pair{CacheOrder::kLayerMajor, PageOrder::kNHD},
+                        std::pair{CacheOrder::kPageMajor, PageOrder::kHND}}) {
+    const KVLayout l = testing::make_layout(2, 4, 16, 1, 64, DType::kBFloat16, co, po);
+    const auto bytes = golden(static_cast<std::uint8_t>(co), static_cast<std::uint8_t>(po));
+    codec::ByteWriter w;
+    w.layout(l);
+    EXPECT_EQ(w.data(), bytes) << l.to_string();
+    codec::ByteReader r(bytes, "old descriptor");
+    EXPECT_EQ(r.layout("layout"), l);
+  }
+}
+
+TEST(Descriptor, LayerPageLayoutRoundTrips) {
+  for (auto po : {PageOrder::kNHD, PageOrder::kHND}) {
+    KVLayout l = testing::make_layout(3, 8, 16, 2, 64, DType::kFloat16, CacheOrder::kLayerPage, po);
+    l.total_kv_heads = 4;
+    l.first_kv_head = 2;
+    codec::ByteWriter w;
+    w.layout(l);
+    EXPECT_EQ(w.data()[22], 2u);  // the cache order's byte
+    codec::ByteReader r(w.data(), "test");
+    EXPECT_EQ(r.layout("layout"), l);
+  }
+}
+
+// An order this build does not know is a corrupt descriptor naming the
+// field and the value, not a layout read in some other order.
+TEST(Descriptor, OrderOutOfRangeIsRefusedByName) {
+  codec::ByteWriter w;
+  w.layout(testing::make_layout(2, 4, 16, 1, 64, DType::kBFloat16, CacheOrder::kLayerPage));
+  for (std::uint8_t bad : {3, 7, 255}) {
+    auto raw = w.data();
+    raw[22] = bad;
+    codec::ByteReader r(raw, "ShmKVTransferInfo");
+    testing::expect_error([&] { r.layout("layout"); }, StatusCode::kCorruptDescriptor,
+                          {"ShmKVTransferInfo field 'layout'",
+                           "cache_order " + std::to_string(bad) + " out of range [0, 2]"});
+  }
+  auto raw = w.data();
+  raw[23] = 2;
+  codec::ByteReader r(raw, "test");
+  testing::expect_error([&] { r.layout("layout"); }, StatusCode::kCorruptDescriptor,
+                        {"field 'layout'", "page_order 2 out of range [0, 1]"});
 }
 
 }  // namespace

@@ -2,7 +2,8 @@
 //
 // Caches of different geometry (issue 12): tensor-parallel head splits and
 // merges, MLA, page sizes that differ (also ones that do not divide each
-// other), NHD <-> HND and layer <-> page major, prefix hits mid-page. Each
+// other), NHD <-> HND and every pair of cache orders (layer, page,
+// layer_page), prefix hits mid-page. Each
 // case plans with plan_reads(local, remote, ...) + plan_copies, applies the
 // spans with memcpy between two host buffers, and compares every byte with
 // a reference computed per (layer, k|v, token, head) by a plain loop; bytes
@@ -22,6 +23,8 @@ namespace mstar::kv {
 namespace {
 
 constexpr std::uint8_t kSentinel = 0xEE;
+constexpr CacheOrder kOrders[] = {CacheOrder::kLayerMajor, CacheOrder::kPageMajor,
+                                  CacheOrder::kLayerPage};
 
 KVLayout geo(std::uint32_t page_size, std::uint32_t heads, std::uint32_t first,
              std::uint32_t total, PageOrder po = PageOrder::kNHD,
@@ -181,6 +184,12 @@ TEST(Geometry, TensorParallelSplitsAndMerges) {
   // And with other page sizes and orders at once.
   check_pull(geo(64, 2, 2, 8, PageOrder::kHND), 37, 300,
              {{geo(16, 4, 0, 8, PageOrder::kNHD, CacheOrder::kPageMajor, 40), kAll}});
+  // Upstream mstar's [L, P, 2, T, H, D] on both sides of a split and a merge.
+  check_pull(geo(32, 2, 2, 8, PageOrder::kNHD, CacheOrder::kLayerPage), 5, 200,
+             {{geo(16, 8, 0, 8, PageOrder::kHND, CacheOrder::kLayerPage, 40), kAll}});
+  check_pull(geo(16, 8, 0, 8, PageOrder::kHND, CacheOrder::kLayerPage), 0, 100,
+             {{geo(16, 4, 0, 8, PageOrder::kNHD, CacheOrder::kLayerPage), {0, 4}},
+              {geo(32, 4, 4, 8, PageOrder::kHND, CacheOrder::kPageMajor), {4, 8}}});
 }
 
 TEST(Geometry, LatentCacheIsPulledWholeFromAnyPeer) {
@@ -191,6 +200,17 @@ TEST(Geometry, LatentCacheIsPulledWholeFromAnyPeer) {
   remote.page_size = 64;
   check_pull(mla, 0, 100, {{remote, kAll}});
   check_pull(mla, 18, 100, {{mla, kAll}});
+  // Without V, layer_page is layer-major byte for byte; either reads the other.
+  for (CacheOrder lco : kOrders) {
+    for (CacheOrder rco : kOrders) {
+      KVLayout l = mla, r = remote;
+      l.cache_order = lco;
+      r.cache_order = rco;
+      check_pull(l, 7, 100, {{r, kAll}});
+      r.page_size = l.page_size;
+      check_pull(l, 0, 96, {{r, kAll}});
+    }
+  }
 }
 
 TEST(Geometry, PageSizesThatDifferMapTokensByPosition) {
@@ -205,6 +225,10 @@ TEST(Geometry, PageSizesThatDifferMapTokensByPosition) {
                  {{geo(rps, 2, 0, 2, PageOrder::kHND, CacheOrder::kPageMajor, 60), kAll}});
       check_pull(geo(lps, 2, 0, 2, PageOrder::kHND, CacheOrder::kPageMajor, 60), start, end,
                  {{geo(rps, 2, 0, 2, PageOrder::kHND, CacheOrder::kLayerMajor, 60), kAll}});
+      check_pull(geo(lps, 2, 0, 2, PageOrder::kNHD, CacheOrder::kLayerPage, 60), start, end,
+                 {{geo(rps, 2, 0, 2, PageOrder::kNHD, CacheOrder::kLayerMajor, 60), kAll}});
+      check_pull(geo(lps, 2, 0, 2, PageOrder::kHND, CacheOrder::kLayerMajor, 60), start, end,
+                 {{geo(rps, 2, 0, 2, PageOrder::kNHD, CacheOrder::kLayerPage, 60), kAll}});
     }
   }
 }
@@ -212,11 +236,14 @@ TEST(Geometry, PageSizesThatDifferMapTokensByPosition) {
 TEST(Geometry, InPageAndCacheOrdersInEveryCombination) {
   for (auto lpo : {PageOrder::kNHD, PageOrder::kHND}) {
     for (auto rpo : {PageOrder::kNHD, PageOrder::kHND}) {
-      for (auto lco : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor}) {
-        for (auto rco : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor}) {
+      for (CacheOrder lco : kOrders) {
+        for (CacheOrder rco : kOrders) {
           // Prefix hit mid-page: tokens [20, 90).
           check_pull(geo(16, 4, 4, 8, lpo, lco), 20, 90, {{geo(16, 8, 0, 8, rpo, rco), kAll}});
           check_pull(geo(16, 8, 0, 8, lpo, lco), 20, 90, {{geo(16, 8, 0, 8, rpo, rco), kAll}});
+          // Page sizes that differ, and a whole sequence of full pages.
+          check_pull(geo(32, 8, 0, 8, lpo, lco), 3, 150, {{geo(8, 8, 0, 8, rpo, rco), kAll}});
+          check_pull(geo(16, 8, 0, 8, lpo, lco), 0, 160, {{geo(16, 8, 0, 8, rpo, rco), kAll}});
         }
       }
     }
@@ -234,10 +261,12 @@ TEST(Geometry, StridedPlansMoveTheSameBytes) {
              {{geo(16, 4, 0, 8, PageOrder::kNHD, CacheOrder::kPageMajor, 40), kAll}});
   for (auto lpo : {PageOrder::kNHD, PageOrder::kHND}) {
     for (auto rpo : {PageOrder::kNHD, PageOrder::kHND}) {
-      for (auto lco : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor}) {
-        check_pull(geo(16, 4, 4, 8, lpo, lco), 20, 90, {{geo(16, 8, 0, 8, rpo), kAll}});
-        check_pull(geo(16, 8, 0, 8, lpo, lco), 20, 90, {{geo(24, 8, 0, 8, rpo), kAll}});
-        check_pull(geo(16, 8, 0, 8, lpo, lco), 0, 96, {{geo(16, 8, 0, 8, rpo), kAll}});
+      for (CacheOrder lco : kOrders) {
+        for (CacheOrder rco : kOrders) {
+          check_pull(geo(16, 4, 4, 8, lpo, lco), 20, 90, {{geo(16, 8, 0, 8, rpo, rco), kAll}});
+          check_pull(geo(16, 8, 0, 8, lpo, lco), 20, 90, {{geo(24, 8, 0, 8, rpo, rco), kAll}});
+          check_pull(geo(16, 8, 0, 8, lpo, lco), 0, 96, {{geo(16, 8, 0, 8, rpo, rco), kAll}});
+        }
       }
     }
   }

@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "core/host_port.hpp"
+#include "util/host_port.hpp"
 #include "mstar/kv/status.hpp"
 
 namespace mstar::kv {

@@ -1,6 +1,8 @@
 // Copyright mstar-kv authors.
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/pattern.hpp"
 #include "mstar/kv/status.hpp"
@@ -36,6 +38,22 @@ TEST(Pattern, IsIndependentOfPhysicalPlacementAndOrder) {
   auto vb = verify_pattern(*b, 1, pb, 0, 12);
   EXPECT_TRUE(va.ok() && vb.ok());
   EXPECT_EQ(va.checksum, vb.checksum);
+  // And a layer_page cache: the same rows, where that order puts them (the
+  // V row of token 5, head 2 of layer 1 right after its page's K block).
+  auto c = KVCache::create_host(layout(CacheOrder::kLayerPage, PageOrder::kNHD));
+  const std::vector<std::uint32_t> pc = {6, 2, 3};
+  fill_pattern(*c, 1, pc, 0, 12);
+  auto vc = verify_pattern(*c, 1, pc, 0, 12);
+  EXPECT_TRUE(vc.ok()) << vc.first_mismatch;
+  EXPECT_EQ(vc.checksum, va.checksum);
+  const KVLayout& l = c->layout();
+  const std::uint64_t v_row = (1u * 8 + 2) * 2 * l.block_bytes() + l.block_bytes() +
+                              l.in_block_offset(1, 2);
+  EXPECT_EQ(std::memcmp(c->base() + v_row,
+                        a->base() + a->layout().block_offset(1, KV::kValue, 1) +
+                            a->layout().in_block_offset(1, 2),
+                        l.head_bytes()),
+            0);
 }
 
 TEST(Pattern, OneFlippedByteIsFoundAndNamed) {

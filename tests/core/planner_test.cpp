@@ -3,6 +3,8 @@
 
 #include <cstring>
 #include <numeric>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "mstar/kv/cache.hpp"
@@ -54,6 +56,15 @@ TEST(PlanReads, PageMajorEmitsPageOuter) {
   EXPECT_EQ(reads[0], (KVReadInfo{0, 0, 0, 0, 4}));
   EXPECT_EQ(reads[1], (KVReadInfo{1, 0, 0, 0, 4}));
   EXPECT_EQ(reads[3], (KVReadInfo{0, 1, 1, 0, 4}));
+}
+
+TEST(PlanReads, LayerPageEmitsLayerOuter) {
+  const KVLayout l = layout(CacheOrder::kLayerPage, PageOrder::kNHD);
+  auto reads = plan_reads(l, 0, 8, iota(2), iota(2));
+  ASSERT_EQ(reads.size(), 6u);
+  EXPECT_EQ(reads[0], (KVReadInfo{0, 0, 0, 0, 4}));
+  EXPECT_EQ(reads[1], (KVReadInfo{0, 1, 1, 0, 4}));
+  EXPECT_EQ(reads[2], (KVReadInfo{1, 0, 0, 0, 4}));
 }
 
 TEST(PlanReads, PrefixHitPullsOnlyTheTail) {
@@ -178,6 +189,71 @@ TEST(PlanCopies, LayerMajorContiguousIsOneCopyPerLayerAndKv) {
   EXPECT_EQ(plan.spans.size(), 3u * 2);
 }
 
+// [layer][page][k|v]: K and V of a page are neighbours, and so are the
+// pages of a layer: a contiguous table is one copy per layer, and so is a
+// whole cache (no copy crosses a layer boundary: a layer may be its own
+// region, regions.hpp).
+TEST(PlanCopies, LayerPageContiguousIsOneCopyPerLayer) {
+  const KVLayout l = layout(CacheOrder::kLayerPage, PageOrder::kNHD);
+  auto plan = plan_copies(l, l, plan_reads(l, 0, 32, iota(8, 2), iota(8, 5)));
+  ASSERT_EQ(plan.spans.size(), 3u);
+  EXPECT_EQ(plan.uncoalesced_spans, 8u * 3 * 2);
+  for (std::uint32_t layer = 0; layer < 3; ++layer) {
+    EXPECT_EQ(plan.spans[layer], (CopySpan{l.block_offset(layer, KV::kKey, 2),
+                                           l.block_offset(layer, KV::kKey, 5),
+                                           8 * 2 * l.block_bytes()}));
+  }
+  auto whole = plan_copies(l, l, plan_reads(l, 0, 64, iota(16), iota(16)));
+  ASSERT_EQ(whole.spans.size(), 3u);
+  for (std::uint32_t layer = 0; layer < 3; ++layer) {
+    const std::uint64_t at = layer * l.layer_bytes();
+    EXPECT_EQ(whole.spans[layer], (CopySpan{at, at, l.layer_bytes()}));
+  }
+  // Scattered pages: one copy per (layer, page), K and V together.
+  std::vector<std::uint32_t> lp = {7, 3, 12, 0};
+  std::vector<std::uint32_t> rp = {1, 9, 4, 15};
+  auto scattered = plan_copies(l, l, plan_reads(l, 0, 16, lp, rp));
+  ASSERT_EQ(scattered.spans.size(), 4u * 3);
+  EXPECT_EQ(scattered.spans[0], (CopySpan{l.block_offset(0, KV::kKey, 7),
+                                          l.block_offset(0, KV::kKey, 1), 2 * l.block_bytes()}));
+}
+
+// Without V the order is layer-major's bytes: a whole cache is one copy per
+// layer between the two.
+TEST(PlanCopies, LatentLayerPageAndLayerMajorAreTheSameBytes) {
+  KVLayout lp = layout(CacheOrder::kLayerPage, PageOrder::kNHD);
+  lp.has_v = false;
+  KVLayout lm = lp;
+  lm.cache_order = CacheOrder::kLayerMajor;
+  for (auto [a, b] : {std::pair{lp, lm}, std::pair{lm, lp}}) {
+    auto plan = plan_copies(a, b, plan_reads(a, 0, 64, iota(16), iota(16)));
+    ASSERT_EQ(plan.spans.size(), 3u) << a.to_string() << " <- " << b.to_string();
+    for (std::uint32_t layer = 0; layer < 3; ++layer) {
+      const std::uint64_t at = layer * lp.layer_bytes();
+      EXPECT_EQ(plan.spans[layer], (CopySpan{at, at, lp.layer_bytes()}));
+    }
+  }
+}
+
+// Several remote pages filling one local layer_page page: the K runs of the
+// page go first, then its V runs, so that they merge where the remote's
+// pages are neighbours too (layer-major's K blocks of a layer are).
+TEST(PlanCopies, LayerPageFilledFromSmallerPagesMergesItsKAndVRuns) {
+  const KVLayout local = layout(CacheOrder::kLayerPage, PageOrder::kNHD);  // 4-token pages
+  KVLayout remote = local;
+  remote.page_size = 2;
+  remote.num_pages = 32;
+  remote.cache_order = CacheOrder::kLayerMajor;
+  const std::vector<std::uint32_t> lp{9}, rp{6, 7};
+  auto plan = plan_copies(local, remote, plan_reads(local, remote, 0, 4, lp, rp));
+  ASSERT_EQ(plan.spans.size(), 3u * 2);  // per layer: its K run, its V run
+  EXPECT_EQ(plan.total_bytes, 3u * 2 * local.block_bytes());
+  EXPECT_EQ(plan.spans[0], (CopySpan{local.block_offset(0, KV::kKey, 9),
+                                     remote.block_offset(0, KV::kKey, 6), local.block_bytes()}));
+  EXPECT_EQ(plan.spans[1], (CopySpan{local.block_offset(0, KV::kValue, 9),
+                                     remote.block_offset(0, KV::kValue, 6), local.block_bytes()}));
+}
+
 TEST(PlanCopies, ScatteredPagesAreOneCopyPerBlock) {
   const KVLayout l = layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
   std::vector<std::uint32_t> lp = {7, 3, 12, 0};
@@ -251,12 +327,23 @@ TEST_P(CopyThroughPlanner, MovesExactlyTheNamedTokens) {
   EXPECT_EQ(nonzero_rows * ll.head_bytes(), plan.total_bytes);
 }
 
+// "layer_page_nhd_from_page_hnd".
+std::string orders_name(
+    const ::testing::TestParamInfo<std::tuple<CacheOrder, PageOrder, CacheOrder, PageOrder>>& p) {
+  const auto& [lco, lpo, rco, rpo] = p.param;
+  return std::string(to_string(lco)) + "_" + std::string(to_string(lpo)) + "_from_" +
+         std::string(to_string(rco)) + "_" + std::string(to_string(rpo));
+}
+
 INSTANTIATE_TEST_SUITE_P(
     AllOrders, CopyThroughPlanner,
-    ::testing::Combine(::testing::Values(CacheOrder::kLayerMajor, CacheOrder::kPageMajor),
+    ::testing::Combine(::testing::Values(CacheOrder::kLayerMajor, CacheOrder::kPageMajor,
+                                         CacheOrder::kLayerPage),
                      ::testing::Values(PageOrder::kNHD, PageOrder::kHND),
-                     ::testing::Values(CacheOrder::kLayerMajor, CacheOrder::kPageMajor),
-                     ::testing::Values(PageOrder::kNHD, PageOrder::kHND)));
+                     ::testing::Values(CacheOrder::kLayerMajor, CacheOrder::kPageMajor,
+                                       CacheOrder::kLayerPage),
+                     ::testing::Values(PageOrder::kNHD, PageOrder::kHND)),
+    orders_name);
 
 }  // namespace
 }  // namespace mstar::kv

@@ -230,5 +230,63 @@ TEST(KVCachePool, UnknownSequenceErrorsMatchTheHeader) {
   }
 }
 
+// adopt: a sequence over the caller's pages (vLLM's blocks), stamped with a
+// fresh epoch; the pages leave the free list; a refused call changes nothing.
+TEST(KVCachePool, AdoptTakesTheCallersPagesWithAFreshEpoch) {
+  auto c = cache(8);
+  KVCachePool pool(c, {});
+  const std::vector<std::uint32_t> pages = {5, 2, 7};
+  pool.adopt(1, 40, pages);  // 3 pages of 16
+  EXPECT_EQ(pool.pages(1), pages);
+  EXPECT_EQ(pool.free_page_count(), 5u);
+  const std::uint64_t e = c->epochs().load(5);
+  EXPECT_NE(e, 0u);
+  EXPECT_EQ(c->epochs().load(2), e);
+  EXPECT_EQ(c->epochs().load(0), 0u);
+  for (std::uint32_t p : pool.allocate(2, 16 * 5)) {  // the other five, never 2, 5, 7
+    EXPECT_TRUE(p != 2 && p != 5 && p != 7) << p;
+  }
+  EXPECT_NE(c->epochs().load(0), e);
+  EXPECT_TRUE(pool.done(1, e));
+  EXPECT_EQ(c->epochs().load(5), 0u);
+  EXPECT_EQ(pool.free_page_count(), 3u);
+  pool.adopt(3, 0, std::vector<std::uint32_t>{});
+  EXPECT_TRUE(pool.contains(3));
+}
+
+TEST(KVCachePool, AdoptRefusesBadPagesAndChangesNothing) {
+  auto c = cache(8);
+  KVCachePool pool(c, {});
+  const auto held = pool.allocate(1, 16);          // page 0
+  const auto loose = pool.allocate_pages(1);       // page 1
+  struct Case {
+    std::vector<std::uint32_t> pages;
+    std::uint64_t tokens;
+    const char* says;
+  };
+  const Case cases[] = {
+      {{3, 4}, 40, "40 tokens need 3 pages of 16 tokens, 2 given"},
+      {{3, 8}, 32, "page 8 out of range [0, 8)"},
+      {{3, 3}, 32, "page 3 is named twice"},
+      {{3, held[0]}, 32, "is held by a live sequence"},
+      {{3, loose[0]}, 32, "is held (allocate_pages)"},
+  };
+  for (const Case& k : cases) {
+    try {
+      pool.adopt(2, k.tokens, k.pages);
+      FAIL() << k.says;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(k.says), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(pool.contains(2));
+    EXPECT_EQ(pool.free_page_count(), 6u);
+    EXPECT_EQ(c->epochs().load(3), 0u);
+  }
+  EXPECT_THROW(pool.adopt(1, 16, std::vector<std::uint32_t>{5}), Error);  // id taken
+  pool.adopt(2, 32, std::vector<std::uint32_t>{3, 4});  // the pages are still free
+  EXPECT_EQ(pool.free_page_count(), 4u);
+}
+
 }  // namespace
 }  // namespace mstar::kv

@@ -118,7 +118,7 @@ TEST_F(LayerReadiness, TheLocalOnlyEngineRefusesToStreamNamingItself) {
   EXPECT_FALSE(m.start_streaming_retrieve(5, 5, pages, pages, KVTransferInfo{}).has_value());
   const auto msg = testing::expect_error(
       [&] { m.start_streaming_retrieve(0, 20, pages, pages, KVTransferInfo{}); },
-      StatusCode::kUnavailable);
+      StatusCode::kNotSupported);
   EXPECT_NE(msg.find("'local'"), std::string::npos) << msg;
   m.cleanup();
   testing::expect_error([&] { m.start_streaming_retrieve(0, 20, pages, pages, KVTransferInfo{}); },

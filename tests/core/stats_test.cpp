@@ -34,9 +34,12 @@ TEST(LatencyHistogram, BucketsByUpperBound) {
 class HandEngine final : public KVTransferEngine {
  public:
   KVTransferInfo get_kv_transfer_info() const override { return {"hand", {}}; }
-  std::optional<TransferFuture> read_batched_async(const KVTransferInfo& info,
-                                                   std::span<const KVReadInfo> reads) override {
+  RemoteHandle open_remote(const KVTransferInfo& info) const override {
     if (info.engine != "hand") throw Error(StatusCode::kInvalidArgument, "not a hand descriptor");
+    return std::make_shared<RemoteCache>(info, std::nullopt);
+  }
+  std::optional<TransferFuture> read_batched_async(const RemoteCache& /*remote*/,
+                                                   std::span<const KVReadInfo> reads) override {
     if (reads.empty()) return std::nullopt;
     TransferPromise p;
     p.set_peer("peer-a");

@@ -35,12 +35,16 @@ class InProcessEngine final : public KVTransferEngine {
 
   KVTransferInfo get_kv_transfer_info() const override { return {"inproc", {}}; }
 
-  std::optional<TransferFuture> read_batched_async(const KVTransferInfo& remote_kv_info,
-                                                   std::span<const KVReadInfo> reads) override {
+  RemoteHandle open_remote(const KVTransferInfo& remote_kv_info) const override {
     if (remote_kv_info.engine != "inproc") {
       throw Error(StatusCode::kInvalidArgument,
                   "descriptor for engine '" + remote_kv_info.engine + "', expected 'inproc'");
     }
+    return std::make_shared<RemoteCache>(remote_kv_info, remote_->layout());
+  }
+
+  std::optional<TransferFuture> read_batched_async(const RemoteCache& /*remote*/,
+                                                   std::span<const KVReadInfo> reads) override {
     if (reads.empty()) return std::nullopt;
     Job job;
     job.spans = plan_copies(local_->layout(), remote_->layout(), reads).spans;

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "mstar/kv/status.hpp"
+#include "util/parse.hpp"
 
 namespace mstar::kv::cli {
 
@@ -18,8 +19,7 @@ std::string known_list(const std::set<std::string>& a, const std::set<std::strin
 
 }  // namespace
 
-Args::Args(int argc, char** argv, std::set<std::string> flags,
-           std::set<std::string> options) {
+Args::Args(int argc, char** argv, std::set<std::string> flags, std::set<std::string> options) {
   for (int i = 0; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--", 0) != 0) {
@@ -60,29 +60,13 @@ std::string Args::str(const std::string& name, const std::string& def) const {
 std::uint64_t Args::u64(const std::string& name, std::uint64_t def) const {
   auto it = values_.find(name);
   if (it == values_.end()) return def;
-  try {
-    std::size_t used = 0;
-    const unsigned long long v = std::stoull(it->second, &used, 0);
-    if (used != it->second.size() || it->second[0] == '-') throw std::invalid_argument("x");
-    return v;
-  } catch (const std::exception&) {
-    throw Error(StatusCode::kInvalidArgument,
-                "option --" + name + " wants a non-negative integer, got '" + it->second + "'");
-  }
+  return util::parse_u64(it->second, "option --" + name);
 }
 
 double Args::f64(const std::string& name, double def) const {
   auto it = values_.find(name);
   if (it == values_.end()) return def;
-  try {
-    std::size_t used = 0;
-    const double v = std::stod(it->second, &used);
-    if (used != it->second.size()) throw std::invalid_argument("x");
-    return v;
-  } catch (const std::exception&) {
-    throw Error(StatusCode::kInvalidArgument,
-                "option --" + name + " wants a number, got '" + it->second + "'");
-  }
+  return util::parse_f64(it->second, "option --" + name);
 }
 
 std::string joined(const std::vector<std::string>& names, const std::string& sep) {

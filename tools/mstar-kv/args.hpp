@@ -16,8 +16,7 @@ namespace mstar::kv::cli {
 class Args {
  public:
   // `flags` take no value; `options` take one. Throws Error on a bad argv.
-  Args(int argc, char** argv, std::set<std::string> flags,
-       std::set<std::string> options);
+  Args(int argc, char** argv, std::set<std::string> flags, std::set<std::string> options);
 
   bool flag(const std::string& name) const { return flags_.count(name) != 0; }
   bool has(const std::string& name) const { return values_.count(name) != 0; }

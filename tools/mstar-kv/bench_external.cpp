@@ -68,8 +68,7 @@ ExternalResult run_ucx_perftest(const std::string& tls, const std::string& test,
   }
   // About 64 MiB of traffic: long enough to settle, short enough to repeat.
   const std::uint64_t iters =
-      std::clamp<std::uint64_t>((64u << 20) / std::max<std::uint64_t>(1, message_bytes), 20,
-                                20000);
+      std::clamp<std::uint64_t>((64u << 20) / std::max<std::uint64_t>(1, message_bytes), 20, 20000);
   const std::map<std::string, std::string> env = {{"UCX_TLS", tls}, {"UCX_NET_DEVICES", "lo"}};
   TempFiles tmp;
   for (int attempt = 0; attempt < 3; ++attempt) {
@@ -85,8 +84,10 @@ ExternalResult run_ucx_perftest(const std::string& tls, const std::string& test,
       continue;
     }
     SpawnOptions co;
-    co.argv = {"ucx_perftest", "127.0.0.1",     "-p", std::to_string(port),
-               "-t",           test,            "-s", std::to_string(message_bytes),
+    co.argv = {"ucx_perftest", "127.0.0.1",
+               "-p",           std::to_string(port),
+               "-t",           test,
+               "-s",           std::to_string(message_bytes),
                "-n",           std::to_string(iters)};
     co.env = env;
     co.output_file = tmp.make("ucx-client");
@@ -138,8 +139,16 @@ ExternalResult run_iperf3(double seconds, std::uint64_t write_bytes) {
   char secs[32];
   std::snprintf(secs, sizeof secs, "%.1f", seconds);
   SpawnOptions co;
-  co.argv = {"iperf3", "-c",  "127.0.0.1", "-p", std::to_string(port), "-t", secs,
-             "-l",     std::to_string(write_bytes), "-J"};
+  co.argv = {"iperf3",
+             "-c",
+             "127.0.0.1",
+             "-p",
+             std::to_string(port),
+             "-t",
+             secs,
+             "-l",
+             std::to_string(write_bytes),
+             "-J"};
   co.output_file = tmp.make("iperf-client");
   r.command = join(co.argv);
   Child client(co);
@@ -196,9 +205,9 @@ ExternalResult run_mooncake_bench(const std::string& binary, std::uint64_t block
                                   std::uint32_t batch, std::uint32_t threads, int seconds) {
   ExternalResult r;
   TempFiles tmp;
-  const std::vector<std::string> common = {
-      "--metadata_server=P2PHANDSHAKE", "--protocol=tcp", "--local_server_name=127.0.0.1",
-      "--buffer_size=268435456", "--logtostderr=1"};
+  const std::vector<std::string> common = {"--metadata_server=P2PHANDSHAKE", "--protocol=tcp",
+                                           "--local_server_name=127.0.0.1",
+                                           "--buffer_size=268435456", "--logtostderr=1"};
   if (block_bytes * batch * threads > 268435456ull) {
     r.error = "block x batch x threads exceeds the 256 MiB buffer";
     return r;
@@ -276,13 +285,18 @@ ExternalResult run_nixl_peer(const std::string& tls, std::uint64_t block, std::u
   }
   TempFiles tmp;
   SpawnOptions so;
-  so.argv = {"python3",          "-c",
-             kNixlPeerScript,    "initiator",
-             std::to_string(block), std::to_string(count),
+  so.argv = {"python3",
+             "-c",
+             kNixlPeerScript,
+             "initiator",
+             std::to_string(block),
+             std::to_string(count),
              std::to_string(iters)};
   // UCX_MODULES=^ib: the wheel's bundled libnl crashes processes at exit
   // otherwise (and there is no InfiniBand here).
-  so.env = {{"UCX_TLS", tls}, {"UCX_NET_DEVICES", "lo"}, {"UCX_MODULES", "^ib"},
+  so.env = {{"UCX_TLS", tls},
+            {"UCX_NET_DEVICES", "lo"},
+            {"UCX_MODULES", "^ib"},
             {"MSTAR_KV_NIXL_SCRIPT", kNixlPeerScript}};
   so.output_file = tmp.make("nixl");
   r.command = "UCX_TLS=" + tls + " nixl_peer.py initiator " + std::to_string(block) + " " +

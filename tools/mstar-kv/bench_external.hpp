@@ -48,5 +48,4 @@ ExternalResult run_mooncake_bench(const std::string& binary, std::uint64_t block
 ExternalResult run_nixl_peer(const std::string& tls, std::uint64_t block, std::uint32_t count,
                              std::uint32_t iters);
 
-
 }  // namespace mstar::kv::cli::bench

@@ -81,7 +81,8 @@ bool read_exact(int fd, void* data, std::size_t n, std::chrono::milliseconds tim
   auto* p = static_cast<char*>(data);
   const auto deadline = Clock::now() + timeout;
   while (n > 0) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) return false;
     pollfd pfd{fd, POLLIN, 0};
     const int pr = ::poll(&pfd, 1, static_cast<int>(left.count()));

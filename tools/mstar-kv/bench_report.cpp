@@ -29,15 +29,23 @@ std::string escaped(const std::string& s, Escape escape) {
 }
 
 std::string json_str(const std::string& s) {
-  return "\"" + escaped(s, [](char c) -> const char* {
-           switch (c) {
-             case '"': return "\\\"";
-             case '\\': return "\\\\";
-             case '\n': return "\\n";
-             case '\t': return "\\t";
-             default: return nullptr;
-           }
-         }) + "\"";
+  return "\"" +
+         escaped(s,
+                 [](char c) -> const char* {
+                   switch (c) {
+                     case '"':
+                       return "\\\"";
+                     case '\\':
+                       return "\\\\";
+                     case '\n':
+                       return "\\n";
+                     case '\t':
+                       return "\\t";
+                     default:
+                       return nullptr;
+                   }
+                 }) +
+         "\"";
 }
 
 std::string num(double v) {
@@ -52,13 +60,20 @@ std::string num(double v) {
 std::string xml(const std::string& s) {
   return escaped(s, [](char c) -> const char* {
     switch (c) {
-      case '<': return "&lt;";
-      case '>': return "&gt;";
-      case '&': return "&amp;";
-      case '"': return "&quot;";
-      case '\n': return "\n";
-      case '\t': return "\t";
-      default: return nullptr;
+      case '<':
+        return "&lt;";
+      case '>':
+        return "&gt;";
+      case '&':
+        return "&amp;";
+      case '"':
+        return "&quot;";
+      case '\n':
+        return "\n";
+      case '\t':
+        return "\t";
+      default:
+        return nullptr;
     }
   });
 }
@@ -186,9 +201,9 @@ void print_table(std::FILE* out, const Report& r) {
       epoch_header = true;
     }
     const auto cost = c.extra.find("epoch_check_cost_pct");
-    std::fprintf(out, "  %-18s %-*s on %.2f GB/s, off %.2f GB/s: cost %+.2f%%\n",
-                 c.engine.c_str(), static_cast<int>(cw), c.workload.name.c_str(),
-                 c.gbps.median, off->second, cost == c.extra.end() ? 0.0 : cost->second);
+    std::fprintf(out, "  %-18s %-*s on %.2f GB/s, off %.2f GB/s: cost %+.2f%%\n", c.engine.c_str(),
+                 static_cast<int>(cw), c.workload.name.c_str(), c.gbps.median, off->second,
+                 cost == c.extra.end() ? 0.0 : cost->second);
   }
   bool header = false;
   for (const auto& c : r.cases) {
@@ -217,8 +232,8 @@ void print_table(std::FILE* out, const Report& r) {
 void write_json(std::FILE* out, const Report& r) {
   std::fprintf(out, "{\n  \"tool\": \"mstar-kv bench\",\n  \"date\": %s,\n  \"nproc\": %u,\n",
                json_str(r.date).c_str(), r.nproc);
-  std::fprintf(out, "  \"suite\": %s,\n  \"threads\": %u,\n  \"repeat\": %u,\n", json_str(r.suite).c_str(),
-               r.threads, r.repeat);
+  std::fprintf(out, "  \"suite\": %s,\n  \"threads\": %u,\n  \"repeat\": %u,\n",
+               json_str(r.suite).c_str(), r.threads, r.repeat);
   std::fprintf(out, "  \"min_time_s\": %s,\n  \"engines_built\": [", num(r.min_time_s).c_str());
   for (std::size_t i = 0; i < r.engines_built.size(); ++i) {
     std::fprintf(out, "%s%s", i ? ", " : "", json_str(r.engines_built[i]).c_str());
@@ -231,35 +246,33 @@ void write_json(std::FILE* out, const Report& r) {
                  json_str(c.engine).c_str(), json_str(w.name).c_str(),
                  json_str(status_of(c)).c_str());
     first = false;
-    std::fprintf(out,
-                 ", \"workload\": {\"group\": %s, \"model\": %s, \"tokens\": %llu, \"start_len\": %llu"
-                 ", \"page_size\": %u, \"page_table\": %s, \"layout\": %s, \"remote_layout\": %s"
-                 ", \"piece_bytes\": %llu, \"batch\": %u, \"bytes_per_request\": %llu}",
-                 json_str(w.group).c_str(), json_str(w.model).c_str(),
-                 static_cast<unsigned long long>(w.tokens),
-                 static_cast<unsigned long long>(w.start_len), w.local.page_size,
-                 json_str(to_string(w.table)).c_str(), json_str(w.local.to_string()).c_str(),
-                 json_str(w.remote.to_string()).c_str(),
-                 static_cast<unsigned long long>(w.piece_bytes), w.batch,
-                 static_cast<unsigned long long>(w.bytes_per_request()));
+    std::fprintf(
+        out,
+        ", \"workload\": {\"group\": %s, \"model\": %s, \"tokens\": %llu, \"start_len\": %llu"
+        ", \"page_size\": %u, \"page_table\": %s, \"layout\": %s, \"remote_layout\": %s"
+        ", \"piece_bytes\": %llu, \"batch\": %u, \"bytes_per_request\": %llu}",
+        json_str(w.group).c_str(), json_str(w.model).c_str(),
+        static_cast<unsigned long long>(w.tokens), static_cast<unsigned long long>(w.start_len),
+        w.local.page_size, json_str(to_string(w.table)).c_str(),
+        json_str(w.local.to_string()).c_str(), json_str(w.remote.to_string()).c_str(),
+        static_cast<unsigned long long>(w.piece_bytes), w.batch,
+        static_cast<unsigned long long>(w.bytes_per_request()));
     if (!c.ok) std::fprintf(out, ", \"error\": %s", json_str(c.error).c_str());
     if (c.ok) {
-      std::fprintf(out,
-                   ", \"gbps\": {\"median\": %s, \"min\": %s, \"max\": %s}, \"requests_per_s\": %s"
-                   ", \"latency_us\": {\"p50\": %s, \"p99\": %s}, \"requests\": %llu"
-                   ", \"reads\": %llu, \"copies\": %llu, \"copies_uncoalesced\": %llu"
-                   ", \"median_copy_bytes\": %llu, \"verified\": %s",
-                   num(c.gbps.median).c_str(), num(c.gbps.min).c_str(), num(c.gbps.max).c_str(),
-                   num(c.requests_per_s).c_str(), num(c.p50_us).c_str(), num(c.p99_us).c_str(),
-                   static_cast<unsigned long long>(c.requests),
-                   static_cast<unsigned long long>(c.reads),
-                   static_cast<unsigned long long>(c.copies),
-                   static_cast<unsigned long long>(c.uncoalesced),
-                   static_cast<unsigned long long>(c.piece_bytes), c.verified ? "true" : "false");
+      std::fprintf(
+          out,
+          ", \"gbps\": {\"median\": %s, \"min\": %s, \"max\": %s}, \"requests_per_s\": %s"
+          ", \"latency_us\": {\"p50\": %s, \"p99\": %s}, \"requests\": %llu"
+          ", \"reads\": %llu, \"copies\": %llu, \"copies_uncoalesced\": %llu"
+          ", \"median_copy_bytes\": %llu, \"verified\": %s",
+          num(c.gbps.median).c_str(), num(c.gbps.min).c_str(), num(c.gbps.max).c_str(),
+          num(c.requests_per_s).c_str(), num(c.p50_us).c_str(), num(c.p99_us).c_str(),
+          static_cast<unsigned long long>(c.requests), static_cast<unsigned long long>(c.reads),
+          static_cast<unsigned long long>(c.copies), static_cast<unsigned long long>(c.uncoalesced),
+          static_cast<unsigned long long>(c.piece_bytes), c.verified ? "true" : "false");
       if (c.prep_us) {
         std::fprintf(out, ", \"phases_us\": {\"prep\": %s, \"post\": %s, \"transfer\": %s}",
-                     num(*c.prep_us).c_str(), num(*c.post_us).c_str(),
-                     num(*c.transfer_us).c_str());
+                     num(*c.prep_us).c_str(), num(*c.post_us).c_str(), num(*c.transfer_us).c_str());
       }
     }
     std::fprintf(out, ", \"wall_s\": %s, \"baseline\": ", num(c.wall_s).c_str());
@@ -311,12 +324,11 @@ void write_csv(std::FILE* out, const Report& r) {
                  to_string(w.table), static_cast<unsigned long long>(w.piece_bytes), w.batch,
                  static_cast<unsigned long long>(w.bytes_per_request()));
     if (c.ok) {
-      std::fprintf(out, "%llu,%llu,%llu,%s,%s,%s,%s,%s,%s,",
-                   static_cast<unsigned long long>(c.reads),
-                   static_cast<unsigned long long>(c.copies),
-                   static_cast<unsigned long long>(c.uncoalesced), num(c.gbps.median).c_str(),
-                   num(c.gbps.min).c_str(), num(c.gbps.max).c_str(),
-                   num(c.requests_per_s).c_str(), num(c.p50_us).c_str(), num(c.p99_us).c_str());
+      std::fprintf(
+          out, "%llu,%llu,%llu,%s,%s,%s,%s,%s,%s,", static_cast<unsigned long long>(c.reads),
+          static_cast<unsigned long long>(c.copies), static_cast<unsigned long long>(c.uncoalesced),
+          num(c.gbps.median).c_str(), num(c.gbps.min).c_str(), num(c.gbps.max).c_str(),
+          num(c.requests_per_s).c_str(), num(c.p50_us).c_str(), num(c.p99_us).c_str());
     } else {
       std::fprintf(out, ",,,,,,,,,");
     }
@@ -332,7 +344,7 @@ void write_svg(std::FILE* out, const Report& r) {
   struct Point {
     double x, y;
   };
-  std::map<std::string, std::vector<Point>> lines;     // engine -> (piece, GB/s)
+  std::map<std::string, std::vector<Point>> lines;      // engine -> (piece, GB/s)
   std::map<std::string, std::vector<Point>> baselines;  // engine -> (piece, baseline GB/s)
   std::map<std::string, std::string> baseline_names;
   std::vector<std::string> order;
@@ -349,9 +361,9 @@ void write_svg(std::FILE* out, const Report& r) {
       baselines[c.engine].push_back({x, c.baseline_gbps->median});
       // One legend entry per engine: drop the per-case message size.
       const std::string& n = c.baseline_name;
-      baseline_names[c.engine] =
-          n.rfind("ucx_perftest", 0) == 0 ? n.substr(0, n.rfind(' ', n.rfind(' ') - 1)) + ", same size"
-                                          : n;
+      baseline_names[c.engine] = n.rfind("ucx_perftest", 0) == 0
+                                     ? n.substr(0, n.rfind(' ', n.rfind(' ') - 1)) + ", same size"
+                                     : n;
       ymax = std::max(ymax, c.baseline_gbps->median);
     }
   }
@@ -366,8 +378,8 @@ void write_svg(std::FILE* out, const Report& r) {
                "(%s, %u cores, %u threads)</text>\n",
                L, xml(r.date).c_str(), r.nproc, r.threads);
   if (lines.empty()) {
-    std::fprintf(out, "<text x=\"%g\" y=\"%g\">no piece-size sweep cases were measured</text>\n",
-                 L, H / 2);
+    std::fprintf(out, "<text x=\"%g\" y=\"%g\">no piece-size sweep cases were measured</text>\n", L,
+                 H / 2);
     std::fprintf(out, "</svg>\n");
     return;
   }
@@ -384,7 +396,9 @@ void write_svg(std::FILE* out, const Report& r) {
   }
   const double ytop = std::ceil(ymax * 1.05 / step) * step;
   const double pw = W - L - R, ph = H - T - B;
-  auto X = [&](double x) { return L + pw * (std::log2(x) - std::log2(xmin)) / (std::log2(xmax) - std::log2(xmin)); };
+  auto X = [&](double x) {
+    return L + pw * (std::log2(x) - std::log2(xmin)) / (std::log2(xmax) - std::log2(xmin));
+  };
   auto Y = [&](double y) { return T + ph * (1 - y / ytop); };
   // Axes and grid.
   for (double y = 0; y <= ytop + 1e-9; y += step) {
@@ -403,9 +417,9 @@ void write_svg(std::FILE* out, const Report& r) {
                  "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>\n",
                  X(x), T, X(x), T + ph, X(x), T + ph + 18, size_label(x).c_str());
   }
-  std::fprintf(out,
-               "<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"none\" stroke=\"#333\"/>\n",
-               L, T, pw, ph);
+  std::fprintf(
+      out, "<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"none\" stroke=\"#333\"/>\n",
+      L, T, pw, ph);
   std::fprintf(out,
                "<text x=\"%g\" y=\"%g\" text-anchor=\"middle\">piece size (bytes per read, "
                "log scale)</text>\n",
@@ -422,26 +436,30 @@ void write_svg(std::FILE* out, const Report& r) {
     const char* col = kColors[i % 8];
     auto poly = [&](std::vector<Point> pts, const char* dash) {
       std::sort(pts.begin(), pts.end(), [](const Point& a, const Point& b) { return a.x < b.x; });
-      std::fprintf(out, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\"%s points=\"", col, dash);
+      std::fprintf(out, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\"%s points=\"", col,
+                   dash);
       for (const auto& p : pts) std::fprintf(out, "%.1f,%.1f ", X(p.x), Y(p.y));
       std::fprintf(out, "\"/>\n");
       return pts;
     };
     for (const auto& p : poly(lines[e], "")) {
-      std::fprintf(out, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3.5\" fill=\"%s\"/>\n", X(p.x), Y(p.y), col);
+      std::fprintf(out, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3.5\" fill=\"%s\"/>\n", X(p.x), Y(p.y),
+                   col);
     }
-    std::fprintf(out,
-                 "<line x1=\"%g\" y1=\"%.1f\" x2=\"%g\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2\"/>"
-                 "<text x=\"%g\" y=\"%.1f\">%s</text>\n",
-                 W - R + 15, ly, W - R + 45, ly, col, W - R + 52, ly + 4, xml(e).c_str());
+    std::fprintf(
+        out,
+        "<line x1=\"%g\" y1=\"%.1f\" x2=\"%g\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2\"/>"
+        "<text x=\"%g\" y=\"%.1f\">%s</text>\n",
+        W - R + 15, ly, W - R + 45, ly, col, W - R + 52, ly + 4, xml(e).c_str());
     ly += 18;
     if (baselines.count(e)) {
       poly(baselines[e], " stroke-dasharray=\"6 4\"");
-      std::fprintf(out,
-                   "<line x1=\"%g\" y1=\"%.1f\" x2=\"%g\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2\" "
-                   "stroke-dasharray=\"6 4\"/><text x=\"%g\" y=\"%.1f\">%s baseline (%s)</text>\n",
-                   W - R + 15, ly, W - R + 45, ly, col, W - R + 52, ly + 4, xml(e).c_str(),
-                   xml(baseline_names[e]).c_str());
+      std::fprintf(
+          out,
+          "<line x1=\"%g\" y1=\"%.1f\" x2=\"%g\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2\" "
+          "stroke-dasharray=\"6 4\"/><text x=\"%g\" y=\"%.1f\">%s baseline (%s)</text>\n",
+          W - R + 15, ly, W - R + 45, ly, col, W - R + 52, ly + 4, xml(e).c_str(),
+          xml(baseline_names[e]).c_str());
       ly += 18;
     }
   }

@@ -23,7 +23,7 @@ struct Reference {
 };
 
 struct Report {
-  std::string date;      // UTC, ISO 8601
+  std::string date;  // UTC, ISO 8601
   unsigned nproc = 0;
   std::string suite;
   std::uint32_t threads = 0;

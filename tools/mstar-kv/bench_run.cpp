@@ -4,8 +4,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -16,9 +16,9 @@
 
 #include "bench_proc.hpp"
 #include "bench_server.hpp"
-#include "testkit/span_copy.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/thread_annotations.hpp"
+#include "testkit/span_copy.hpp"
 
 namespace mstar::kv::cli::bench {
 
@@ -119,6 +119,9 @@ std::uint64_t median_span(const CopyPlan& plan) {
 }
 
 std::shared_ptr<KVCache> make_local_cache(const EngineVariant& v, const KVLayout& l) {
+  if (v.layer_regions && v.local_kind == MemoryKind::kHost && l.layer_contiguous()) {
+    return KVCache::create_host_layers(l);
+  }
   return make_kv_cache(l, v.local_kind);
 }
 
@@ -138,8 +141,7 @@ void wait_ok(const std::optional<TransferFuture>& f, std::chrono::milliseconds t
   }
 }
 
-void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions& o,
-                    CaseResult& r) {
+void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions& o, CaseResult& r) {
   const std::uint64_t bytes = w.bytes_per_request();
   const std::vector<std::uint32_t> lp = local_page_table(w);
   const std::vector<std::uint32_t> rp_planned = remote_page_table(w);
@@ -172,7 +174,7 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
     request = [&] {
       const auto reads = plan_reads(w.local, w.remote, w.start_len, w.tokens, lp, rp);
       const CopyPlan plan = plan_copies(w.local, w.remote, reads);
-      pool.run(partition(plan.spans, pool.size()), local->base(), src->base());
+      pool.run(partition(plan.spans, pool.size()), local->regions(), src->regions());
     };
   } else {
     progress("starting server");
@@ -191,14 +193,14 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
     // port on 127.0.0.1; Mooncake: 127.0.0.1 with the P2P handshake).
     const std::string me = "bench-client-" + std::to_string(::getpid());
     try {
-      manager = std::make_unique<KVTransferManager>(
-          TransferEngineInfo{me, "", v.engine, eo}, local);
+      manager =
+          std::make_unique<KVTransferManager>(TransferEngineInfo{me, "", v.engine, eo}, local);
     } catch (const Error& e) {
       // Some engines want their own cache in shared memory too.
       if (e.code() != StatusCode::kInvalidArgument || v.local_kind != MemoryKind::kHost) throw;
       local = make_kv_cache(w.local, MemoryKind::kSharedHost);
-      manager = std::make_unique<KVTransferManager>(
-          TransferEngineInfo{me, "", v.engine, eo}, local);
+      manager =
+          std::make_unique<KVTransferManager>(TransferEngineInfo{me, "", v.engine, eo}, local);
     }
     request = [&] {
       const auto called = Clock::now();
@@ -231,10 +233,16 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
   // The baseline copies the plan's spans, or, between caches of different
   // geometry (page size, heads, in-page order), the same number of bytes laid
   // out contiguously: what the conversion costs against moving the bytes.
-  const std::vector<CopySpan> contiguous{{0, 0, bytes}};
-  const Partition part = partition(
-      w.mixed_geometry() ? std::span<const CopySpan>(contiguous) : std::span<const CopySpan>(plan.spans),
-      pool.size());
+  // (A local cache of one region per layer takes them layer by layer.)
+  std::vector<CopySpan> contiguous;
+  for (std::uint64_t at = 0; at < bytes;) {
+    const std::uint64_t n = local->regions().run_bytes(at, bytes - at);
+    contiguous.push_back({at, at, n});
+    at += n;
+  }
+  const Partition part = partition(w.mixed_geometry() ? std::span<const CopySpan>(contiguous)
+                                                      : std::span<const CopySpan>(plan.spans),
+                                   pool.size());
   if (src && v.remote_in_child) {
     // Touch the source so that the baseline does not read the zero page.
     for (const CopySpan& s : plan.spans) std::memset(src->base() + s.remote_offset, 0x5a, s.length);
@@ -249,13 +257,13 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
     if (!vr.ok()) {
       throw Error(StatusCode::kInternal,
                   "verification failed: " + std::to_string(vr.mismatched_blocks) + " of " +
-                      std::to_string(vr.blocks_checked) + " blocks differ, first: " +
-                      vr.first_mismatch);
+                      std::to_string(vr.blocks_checked) +
+                      " blocks differ, first: " + vr.first_mismatch);
     }
     r.verified = true;
   }
   const bool baseline = src != nullptr && v.memcpy_baseline;
-  if (baseline) pool.run(part, local->base(), src->base());  // warm the baseline too
+  if (baseline) pool.run(part, local->regions(), src->regions());  // warm the baseline too
 
   for (std::uint32_t i = 0; i < o.repeat; ++i) {
     progress("rep " + std::to_string(i + 1) + "/" + std::to_string(o.repeat));
@@ -264,7 +272,7 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
     repetition(o, bytes, engine_side, request);
     if (request_off && i % 2 == 0) repetition(o, bytes, off_side, request_off);
     if (baseline) {
-      repetition(o, bytes, base_side, [&] { pool.run(part, local->base(), src->base()); });
+      repetition(o, bytes, base_side, [&] { pool.run(part, local->regions(), src->regions()); });
     }
   }
   manager_off.reset();

@@ -17,13 +17,13 @@
 namespace mstar::kv::cli::bench {
 
 struct RunOptions {
-  std::uint32_t threads = 2;           // engine max_workers and memcpy threads
-  std::uint32_t repeat = 3;            // repetitions (median, min, max)
-  double min_time_s = 0.15;            // per repetition, per side
-  std::uint32_t min_requests = 1;      // per repetition
-  std::chrono::milliseconds timeout{30000};  // engine timeout for one read
+  std::uint32_t threads = 2;                        // engine max_workers and memcpy threads
+  std::uint32_t repeat = 3;                         // repetitions (median, min, max)
+  double min_time_s = 0.15;                         // per repetition, per side
+  std::uint32_t min_requests = 1;                   // per repetition
+  std::chrono::milliseconds timeout{30000};         // engine timeout for one read
   std::map<std::string, std::string> engine_extra;  // EngineOptions::extra
-  std::string self_exe;                // this binary, for server processes
+  std::string self_exe;                             // this binary, for server processes
   bool verify = true;
   // Page epoch checks on and off in the same case: each repetition also
   // pulls through a second manager with EngineOptions::check_epochs = false

@@ -93,7 +93,6 @@ std::vector<std::uint8_t> read_reply(Child& child, const std::string& log,
   return bytes;
 }
 
-
 SpawnOptions spawn_options(const EngineVariant& v, const Workload& w, const RunOptions& o,
                            const std::string& log) {
   std::map<std::string, std::string> extra = o.engine_extra;
@@ -107,7 +106,8 @@ SpawnOptions spawn_options(const EngineVariant& v, const Workload& w, const RunO
             encode_layout(w.remote),
             std::to_string(o.threads),
             std::to_string(o.timeout.count()),
-            encode_extra(extra)};
+            encode_extra(extra),
+            v.layer_regions ? "layers" : "one"};
   s.env = v.env;
   s.output_file = log;
   s.in_fd = kServerIn;
@@ -152,9 +152,9 @@ int serve_main(int argc, char** argv) {
     send_reply(kServerOut, 'E', body.data(), static_cast<std::uint32_t>(body.size()));
     return 3;
   };
-  if (argc != 6) {
+  if (argc != 7) {
     return fail(StatusCode::kInvalidArgument,
-                "internal-serve: want ENGINE KIND LAYOUT THREADS TIMEOUT_MS EXTRA");
+                "internal-serve: want ENGINE KIND LAYOUT THREADS TIMEOUT_MS EXTRA REGIONS");
   }
   try {
     const std::string engine = argv[0];
@@ -164,7 +164,10 @@ int serve_main(int argc, char** argv) {
     eo.max_workers = static_cast<std::uint32_t>(std::stoul(argv[3]));
     eo.timeout = std::chrono::milliseconds(std::stoll(argv[4]));
     eo.extra = decode_extra(argv[5]);
-    auto cache = make_kv_cache(layout, kind);
+    LoopbackSetup setup;
+    setup.owner_memory = kind;
+    setup.layer_regions = std::string(argv[6]) == "layers";
+    auto cache = make_loopback_cache(engine_traits(engine), setup, layout, /*owner=*/true);
     const std::string me = "bench-server-" + std::to_string(::getpid());
     KVTransferManager manager(TransferEngineInfo{me, "", engine, eo}, cache);
     const KVTransferInfo desc = manager.get_kv_transfer_info();

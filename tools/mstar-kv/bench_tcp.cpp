@@ -66,7 +66,8 @@ RttResult run_tcp_round_trip(std::uint64_t reply_bytes, std::uint32_t iters) {
         r.error = std::string("tcp round trip failed: ") + std::strerror(errno);
         break;
       }
-      if (i >= 10) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      if (i >= 10)
+        us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
     }
     ::close(fd);
   } else {
@@ -148,7 +149,8 @@ void note_tcp_floors(Report& report, const std::set<std::string>& over_tcp, Prog
         if (!rtt[bytes].ok) report.notes.push_back("no tcp round trip: " + rtt[bytes].error);
       }
       if (!rtt[bytes].ok) continue;
-      std::snprintf(buf, sizeof buf, "%s %s: p50 %.0f us = %.2fx a TCP round trip of its %s (%.0f us)",
+      std::snprintf(buf, sizeof buf,
+                    "%s %s: p50 %.0f us = %.2fx a TCP round trip of its %s (%.0f us)",
                     c.engine.c_str(), c.workload.name.c_str(), c.p50_us,
                     c.p50_us / rtt[bytes].p50_us, size_name(bytes).c_str(), rtt[bytes].p50_us);
     } else {

@@ -60,9 +60,12 @@ std::string order_suffix(CacheOrder lco, CacheOrder rco, PageOrder lpo, PageOrde
 
 const char* to_string(PageTable t) noexcept {
   switch (t) {
-    case PageTable::kContiguous: return "contiguous";
-    case PageTable::kScattered: return "scattered";
-    case PageTable::kStride2: return "stride2";
+    case PageTable::kContiguous:
+      return "contiguous";
+    case PageTable::kScattered:
+      return "scattered";
+    case PageTable::kStride2:
+      return "stride2";
   }
   return "?";
 }
@@ -94,10 +97,9 @@ void set_geometry(Workload& w, const Geometry& g) {
   w.piece_bytes = w.local.block_bytes();
 }
 
-Workload model_workload(const std::string& model, std::uint32_t page_size,
-                        std::uint64_t tokens, PageTable table_kind, double prefix_hit,
-                        CacheOrder local_co, CacheOrder remote_co, PageOrder local_po,
-                        PageOrder remote_po) {
+Workload model_workload(const std::string& model, std::uint32_t page_size, std::uint64_t tokens,
+                        PageTable table_kind, double prefix_hit, CacheOrder local_co,
+                        CacheOrder remote_co, PageOrder local_po, PageOrder remote_po) {
   const ModelPreset& p = find_preset(model);
   if (tokens == 0) throw Error(StatusCode::kInvalidArgument, "bench: --tokens must be > 0");
   if (!(prefix_hit >= 0.0 && prefix_hit < 1.0)) {
@@ -139,9 +141,8 @@ Workload model_workload(const std::string& model, std::uint32_t page_size,
 
 Workload raw_workload(std::uint64_t piece_bytes, std::uint32_t batch, const std::string& group) {
   if (piece_bytes < 4096 || piece_bytes % 4096 != 0 || piece_bytes > (64u << 20)) {
-    throw Error(StatusCode::kInvalidArgument,
-                "bench: piece size " + std::to_string(piece_bytes) +
-                    " must be a multiple of 4096 in [4096, 64 MiB]");
+    throw Error(StatusCode::kInvalidArgument, "bench: piece size " + std::to_string(piece_bytes) +
+                                                  " must be a multiple of 4096 in [4096, 64 MiB]");
   }
   if (batch == 0 || batch > (1u << 20)) {
     throw Error(StatusCode::kInvalidArgument,
@@ -207,6 +208,8 @@ std::vector<Workload> suite(const std::string& name) {
     out.push_back(model_workload("qwen2.5-7b", 64, 2048, S, 0.3));
     out.push_back(model_workload("deepseek-v3", 64, 1024, S, 0));
     out.push_back(model_workload("llama3-8b", 16, 1024, S, 0, CO::kPageMajor, CO::kLayerMajor));
+    // Upstream mstar's [L, P, 2, T, H, D]: against the layer-major case above.
+    out.push_back(model_workload("llama3-8b", 16, 1024, S, 0, CO::kLayerPage, CO::kLayerPage));
     out.push_back(model_workload("llama3-8b", 16, 64, S, 0, CO::kLayerMajor, CO::kLayerMajor,
                                  PO::kNHD, PO::kHND));
     piece_sweep(128, {4096, 16384, 65536, 262144, 1u << 20, 4u << 20});
@@ -223,20 +226,21 @@ std::vector<Workload> suite(const std::string& name) {
     for (std::uint64_t tokens : {32768u, 131072u}) {
       out.push_back(model_workload("llama3-70b-tp8", 16, tokens, S, 0));
     }
-    for (double hit : {0.5, 0.9, 0.33}) out.push_back(model_workload("llama3-8b", 16, 4096, S, hit));
-    for (auto lco : {CO::kLayerMajor, CO::kPageMajor}) {
-      for (auto rco : {CO::kLayerMajor, CO::kPageMajor}) {
+    for (double hit : {0.5, 0.9, 0.33})
+      out.push_back(model_workload("llama3-8b", 16, 4096, S, hit));
+    for (auto lco : {CO::kLayerMajor, CO::kPageMajor, CO::kLayerPage}) {
+      for (auto rco : {CO::kLayerMajor, CO::kPageMajor, CO::kLayerPage}) {
         for (auto t : {S, C}) out.push_back(model_workload("llama3-8b", 16, 1024, t, 0, lco, rco));
       }
     }
     for (auto lpo : {PO::kNHD, PO::kHND}) {
       for (auto rpo : {PO::kNHD, PO::kHND}) {
-        out.push_back(model_workload("llama3-8b", 16, 256, S, 0.3, CO::kLayerMajor,
-                                     CO::kLayerMajor, lpo, rpo));
+        out.push_back(model_workload("llama3-8b", 16, 256, S, 0.3, CO::kLayerMajor, CO::kLayerMajor,
+                                     lpo, rpo));
       }
     }
-    piece_sweep(128, {4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1u << 20,
-                      2u << 20, 4u << 20});
+    piece_sweep(128, {4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1u << 20, 2u << 20,
+                      4u << 20});
     batch_sweep(65536, {1, 2, 8, 32, 512, 1024});
     batch_sweep(4096, {1, 8, 32, 512, 4096});
   } else {
@@ -253,14 +257,15 @@ std::vector<EngineVariant> engine_variants(const std::vector<EngineTraits>& engi
     for (const LoopbackSetup& setup : e.loopback) {
       out.push_back({.name = setup.name,
                      .engine = e.name,
-                     .remote_kind = e.memory,
+                     .remote_kind = setup.owner_memory.value_or(e.memory),
                      .local_kind = e.reader_memory,
                      .remote_in_child = e.crosses_processes,
                      .env = setup.env,
                      .extra = {},
                      .memcpy_baseline = true,
                      .crosses_hosts = e.crosses_hosts,
-                     .over_tcp = setup.over_tcp});
+                     .over_tcp = setup.over_tcp,
+                     .layer_regions = setup.layer_regions});
     }
   }
   return out;

@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "layout_args.hpp"
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/factory.hpp"
-#include "layout_args.hpp"
 #include "mstar/kv/layout.hpp"
 
 namespace mstar::kv::cli::bench {
@@ -26,13 +26,13 @@ enum class PageTable : std::uint8_t {
 const char* to_string(PageTable t) noexcept;
 
 struct Workload {
-  std::string name;   // "llama3-8b/p16/t4096/scattered"
-  std::string group;  // "model", "piece" (raw piece-size sweep), "batch" (raw batch sweep)
-  std::string model;  // preset name, or "raw"
-  KVLayout local;     // num_pages filled in
-  KVLayout remote;    // same geometry; orders may differ
-  std::uint64_t tokens = 0;      // sequence length
-  std::uint64_t start_len = 0;   // prefix already cached (not read)
+  std::string name;          // "llama3-8b/p16/t4096/scattered"
+  std::string group;         // "model", "piece" (raw piece-size sweep), "batch" (raw batch sweep)
+  std::string model;         // preset name, or "raw"
+  KVLayout local;            // num_pages filled in
+  KVLayout remote;           // same geometry; orders may differ
+  std::uint64_t tokens = 0;  // sequence length
+  std::uint64_t start_len = 0;  // prefix already cached (not read)
   PageTable table = PageTable::kScattered;
   std::uint64_t piece_bytes = 0;  // raw sweeps: bytes of one read
   std::uint32_t batch = 0;        // raw sweeps: reads per request
@@ -59,8 +59,8 @@ std::vector<std::uint32_t> remote_page_table(const Workload& w);
 std::vector<std::uint32_t> local_page_table(const Workload& w);
 
 // A model workload. Throws Error on a bad preset or geometry.
-Workload model_workload(const std::string& model, std::uint32_t page_size,
-                        std::uint64_t tokens, PageTable table, double prefix_hit,
+Workload model_workload(const std::string& model, std::uint32_t page_size, std::uint64_t tokens,
+                        PageTable table, double prefix_hit,
                         CacheOrder local_co = CacheOrder::kLayerMajor,
                         CacheOrder remote_co = CacheOrder::kLayerMajor,
                         PageOrder local_po = PageOrder::kNHD,
@@ -79,12 +79,14 @@ struct EngineVariant {
   std::string engine;  // the TransferEngineInfo::transfer_engine name
   MemoryKind remote_kind = MemoryKind::kHost;
   MemoryKind local_kind = MemoryKind::kHost;
-  bool remote_in_child = true;                // the remote cache lives in another process
-  std::map<std::string, std::string> env;     // set in the server and the client
-  std::map<std::string, std::string> extra;   // EngineOptions::extra for this variant
-  bool memcpy_baseline = true;                // also run the memcpy baseline
-  bool crosses_hosts = false;                 // the engine's peers may be on other hosts
-  bool over_tcp = false;                      // its bytes cross a TCP socket
+  bool remote_in_child = true;               // the remote cache lives in another process
+  std::map<std::string, std::string> env;    // set in the server and the client
+  std::map<std::string, std::string> extra;  // EngineOptions::extra for this variant
+  bool memcpy_baseline = true;               // also run the memcpy baseline
+  bool crosses_hosts = false;                // the engine's peers may be on other hosts
+  bool over_tcp = false;                     // its bytes cross a TCP socket
+  // Both caches one region per layer (LoopbackSetup::layer_regions).
+  bool layer_regions = false;
 };
 
 // Every loopback setup (EngineTraits::loopback) of every built engine.
@@ -117,9 +119,9 @@ struct CaseResult {
   bool verified = false;
   std::string baseline_name;
   std::optional<Stat> baseline_gbps;
-  std::optional<double> ratio;  // gbps.median / baseline median
+  std::optional<double> ratio;          // gbps.median / baseline median
   std::map<std::string, double> extra;  // other references, GB/s
-  double wall_s = 0;  // time the case took, setup and baseline included
+  double wall_s = 0;                    // time the case took, setup and baseline included
 };
 
 }  // namespace mstar::kv::cli::bench

@@ -6,9 +6,10 @@
 // one run. See bench/README.md for the commands and the latest numbers.
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
-#include <chrono>
 #include <ctime>
 #include <map>
 #include <set>
@@ -17,14 +18,15 @@
 
 #include "args.hpp"
 #include "bench_external.hpp"
-#include "bench_tcp.hpp"
 #include "bench_report.hpp"
 #include "bench_run.hpp"
 #include "bench_server.hpp"
+#include "bench_tcp.hpp"
 #include "bench_workload.hpp"
 #include "commands.hpp"
 #include "layout_args.hpp"
 #include "mstar/kv/kv.hpp"
+#include "util/parse.hpp"
 
 namespace mstar::kv::cli {
 
@@ -46,8 +48,11 @@ const char* kHelp =
     "\n"
     "selection:\n"
     "  --suite NAME        default, full or tiny\n"
-    "  --engine LIST       comma-separated engines or variants (local, shm, ucx, ucx-tcp,\n"
-    "                      ucx-sm, mooncake, cuda_ipc, peers = external references only)\n"
+    "  --engine LIST       comma-separated engines or variants (local, shm, shm-cma,\n"
+    "                      shm-cma-layers, ucx, ucx-tcp, ucx-sm, ucx-tcp-layers, mooncake,\n"
+    "                      cuda_ipc, peers = external references only); shm-cma: the\n"
+    "                      prefill cache in private memory, read by cross-memory attach;\n"
+    "                      *-layers: both caches one region per layer\n"
     "  --case SUBSTR       only cases whose name contains SUBSTR\n"
     "  one model case instead of a suite:\n"
     "  --model NAME --tokens N [--page-size N] [--table scattered|contiguous]\n"
@@ -100,16 +105,6 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return out;
 }
 
-std::uint64_t parse_u64(const std::string& s, const std::string& what) {
-  try {
-    std::size_t used = 0;
-    const unsigned long long v = std::stoull(s, &used, 0);
-    if (used == s.size() && s[0] != '-') return v;
-  } catch (const std::exception&) {
-  }
-  throw Error(StatusCode::kInvalidArgument, what + " wants a non-negative integer, got '" + s + "'");
-}
-
 std::string utc_now() {
   const std::time_t t = std::time(nullptr);
   std::tm tm{};
@@ -147,17 +142,20 @@ std::vector<Workload> select_workloads(const Args& args) {
     std::vector<std::uint64_t> pieces = {65536};
     if (args.has("piece")) {
       pieces.clear();
-      for (const auto& p : split(args.str("piece", ""), ',')) pieces.push_back(parse_u64(p, "--piece"));
+      for (const auto& p : split(args.str("piece", ""), ','))
+        pieces.push_back(util::parse_u64(p, "--piece"));
     }
     std::vector<std::uint32_t> batches = {128};
     if (args.has("batch")) {
       batches.clear();
       for (const auto& b : split(args.str("batch", ""), ',')) {
-        batches.push_back(static_cast<std::uint32_t>(parse_u64(b, "--batch")));
+        batches.push_back(
+            static_cast<std::uint32_t>(util::parse_u64(b, "--batch", 0, 0xffffffffu)));
       }
     }
     for (auto p : pieces) {
-      for (auto b : batches) ws.push_back(raw_workload(p, b, batches.size() > 1 ? "batch" : "piece"));
+      for (auto b : batches)
+        ws.push_back(raw_workload(p, b, batches.size() > 1 ? "batch" : "piece"));
     }
   } else if (args.has("model") || args.has("tokens")) {
     const std::string table = args.str("table", "scattered");
@@ -221,16 +219,21 @@ std::vector<EngineVariant> select_variants(const Args& args, bool* peers, Report
     bool found = false;
     for (const auto& v : all) {
       if (v.name == name || v.engine == name) {
-        out.push_back(v);
         found = true;
+        // An engine's name selects all its variants: each once.
+        if (std::any_of(out.begin(), out.end(),
+                        [&](const EngineVariant& o) { return o.name == v.name; })) {
+          continue;
+        }
+        out.push_back(v);
         if (v.crosses_hosts) *peers = true;
       }
     }
     if (!found) {
       if (known.count(name) == 0) {
         throw Error(StatusCode::kInvalidArgument,
-                    "--engine: unknown engine '" + name + "' (known: " +
-                        joined({known.begin(), known.end()}) + ")");
+                    "--engine: unknown engine '" + name +
+                        "' (known: " + joined({known.begin(), known.end()}) + ")");
       }
       report.notes.push_back("engine '" + name + "' is not built into this mstar-kv (built: " +
                              joined(built_engines()) + "); not measured");
@@ -251,14 +254,39 @@ int cmd_bench(int argc, char** argv) {
   if (argc >= 1 && std::string(argv[0]) == "--internal-serve") {
     return serve_main(argc - 1, argv + 1);
   }
-  Args args(argc, argv,
-            {"help", "quiet", "no-external", "no-verify", "epoch-ab", "epoch-ab-control",
-             "with-plain"},
-            {"suite", "engine", "case", "model", "tokens", "page-size", "table", "prefix-hit",
-             "cache-order", "page-order", "remote-cache-order", "remote-page-order", "piece",
-             "remote-page-size", "local-tp", "local-rank", "remote-tp",
-             "batch", "repeat", "threads", "min-time", "timeout-ms", "engine-opt", "max-mem-gib",
-             "mooncake-duration", "mooncake-sizes", "mooncake-lib", "json", "csv", "plot"});
+  Args args(
+      argc, argv,
+      {"help", "quiet", "no-external", "no-verify", "epoch-ab", "epoch-ab-control", "with-plain"},
+      {"suite",
+       "engine",
+       "case",
+       "model",
+       "tokens",
+       "page-size",
+       "table",
+       "prefix-hit",
+       "cache-order",
+       "page-order",
+       "remote-cache-order",
+       "remote-page-order",
+       "piece",
+       "remote-page-size",
+       "local-tp",
+       "local-rank",
+       "remote-tp",
+       "batch",
+       "repeat",
+       "threads",
+       "min-time",
+       "timeout-ms",
+       "engine-opt",
+       "max-mem-gib",
+       "mooncake-duration",
+       "mooncake-sizes",
+       "mooncake-lib",
+       "json",
+       "csv",
+       "plot"});
   if (args.flag("help")) {
     std::printf("%s", kHelp);
     return 0;
@@ -285,10 +313,12 @@ int cmd_bench(int argc, char** argv) {
   ro.epoch_ab = args.flag("epoch-ab") || ro.epoch_ab_control;
   ro.self_exe = self_exe();
   if (ro.threads == 0 || ro.threads > 256) {
-    throw Error(StatusCode::kInvalidArgument, "--threads " + std::to_string(ro.threads) + " outside [1, 256]");
+    throw Error(StatusCode::kInvalidArgument,
+                "--threads " + std::to_string(ro.threads) + " outside [1, 256]");
   }
   if (ro.repeat == 0 || ro.repeat > 1000) {
-    throw Error(StatusCode::kInvalidArgument, "--repeat " + std::to_string(ro.repeat) + " outside [1, 1000]");
+    throw Error(StatusCode::kInvalidArgument,
+                "--repeat " + std::to_string(ro.repeat) + " outside [1, 1000]");
   }
   for (const auto& kv : split(args.str("engine-opt", ""), ',')) {
     const auto eq = kv.find('=');
@@ -326,8 +356,7 @@ int cmd_bench(int argc, char** argv) {
   }
   peers = peers && external;
 
-  Progress progress(variants.size() * workloads.size(),
-                    ::isatty(2) != 0 && !args.flag("quiet"));
+  Progress progress(variants.size() * workloads.size(), ::isatty(2) != 0 && !args.flag("quiet"));
   ro.progress = [&](const std::string& s) { progress.status(s); };
 
   // ---- engines -------------------------------------------------------------------
@@ -340,10 +369,11 @@ int cmd_bench(int argc, char** argv) {
         r.engine = v.name;
         r.workload = w;
         r.skipped = true;
-        r.error = "the default suite runs this large request on same-host engines only (time "
-                  "budget); run it with --engine " + v.name + " --model " + w.model +
-                  " --tokens " + std::to_string(w.tokens) + " --page-size " +
-                  std::to_string(w.local.page_size);
+        r.error =
+            "the default suite runs this large request on same-host engines only (time "
+            "budget); run it with --engine " +
+            v.name + " --model " + w.model + " --tokens " + std::to_string(w.tokens) +
+            " --page-size " + std::to_string(w.local.page_size);
         report.cases.push_back(r);
         progress.step();
         continue;
@@ -421,8 +451,8 @@ int cmd_bench(int argc, char** argv) {
       const auto s = ucx_perf("tcp", size);
       const std::string name = "ucx_perftest stream_bw tcp " + size_name(size);
       if (!s) {
-        report.notes.push_back(c.engine + " " + c.workload.name + ": no " + name + " baseline: " +
-                               perftest_err[{"tcp", size}]);
+        report.notes.push_back(c.engine + " " + c.workload.name + ": no " + name +
+                               " baseline: " + perftest_err[{"tcp", size}]);
         continue;
       }
       c.extra["ucx_perftest_stream_bw_tcp"] = s->median;
@@ -438,17 +468,17 @@ int cmd_bench(int argc, char** argv) {
       // 128 KiB writes carry less than half of it on some machines).
       progress.set_label("iperf3 tcp loopback");
       const ExternalResult ip = run_iperf3(2.0, 1u << 20);
-      report.references.push_back({"iperf3 tcp loopback (1 stream, 1 MiB writes)", ip.ok,
-                                   ip.gbps, ip.ok ? ip.command : ip.error});
+      report.references.push_back({"iperf3 tcp loopback (1 stream, 1 MiB writes)", ip.ok, ip.gbps,
+                                   ip.ok ? ip.command : ip.error});
       for (CaseResult& c : report.cases) {
         if (ip.ok && c.ok && over_tcp.count(c.engine) != 0) {
           c.extra["iperf3_tcp"] = ip.gbps;
-          if (c.engine.rfind("ucx", 0) == 0 && ip.gbps > 0) {
+          // Every case whose bytes cross TCP (LoopbackSetup::over_tcp).
+          if (ip.gbps > 0) {
             char line[256];
-            std::snprintf(line, sizeof line,
-                          "%s %s: %.2f GB/s = %.2f of iperf3 (1 stream, 1 MiB writes)",
-                          c.engine.c_str(), c.workload.name.c_str(), c.gbps.median,
-                          c.gbps.median / ip.gbps);
+            std::snprintf(
+                line, sizeof line, "%s %s: %.2f GB/s = %.2f of iperf3 (1 stream, 1 MiB writes)",
+                c.engine.c_str(), c.workload.name.c_str(), c.gbps.median, c.gbps.median / ip.gbps);
             report.notes.push_back(line);
           }
         }
@@ -526,7 +556,8 @@ int cmd_bench(int argc, char** argv) {
   // ---- output --------------------------------------------------------------------
   const bool stdout_taken = args.str("json", "") == "-" || args.str("csv", "") == "-";
   print_table(stdout_taken ? stderr : stdout, report);
-  if (args.has("json")) write_to(args.str("json", ""), [&](std::FILE* f) { write_json(f, report); });
+  if (args.has("json"))
+    write_to(args.str("json", ""), [&](std::FILE* f) { write_json(f, report); });
   if (args.has("csv")) write_to(args.str("csv", ""), [&](std::FILE* f) { write_csv(f, report); });
   if (args.has("plot")) write_to(args.str("plot", ""), [&](std::FILE* f) { write_svg(f, report); });
   for (const auto& c : report.cases) {

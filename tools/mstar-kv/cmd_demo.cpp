@@ -24,9 +24,9 @@
 #include "demo_baseline.hpp"
 #include "demo_layerwise.hpp"
 #include "demo_proc.hpp"
-#include "testkit/child.hpp"
 #include "layout_args.hpp"
 #include "mstar/kv/kv.hpp"
+#include "testkit/child.hpp"
 #if MSTAR_KV_DEMO_SHM
 #include "mstar/kv/shm.hpp"
 #endif
@@ -87,9 +87,9 @@ struct DemoConfig {
   double prefix_hit = 0.75;
   std::chrono::milliseconds timeout{30000};
   std::uint64_t scatter_seed = 7;
-  std::string role;    // "", "prefill", "decode"
+  std::string role;  // "", "prefill", "decode"
   int fd = -1;
-  std::string crash;   // test hook: this role kills itself mid-way
+  std::string crash;         // test hook: this role kills itself mid-way
   std::string mooncake_lib;  // EngineOptions.extra["mooncake_lib"] when set
   bool layerwise = false;
   double ms_per_layer = 1.0;
@@ -99,10 +99,10 @@ std::set<std::string> demo_flags() { return {"help", "scatter", "contiguous", "l
 
 std::set<std::string> demo_options() {
   auto o = layout_options();
-  for (const char* s : {"tokens", "workers", "engine", "repeat", "prefix-hit", "timeout-ms",
-                        "seed", "role", "fd", "crash", "mooncake-lib", "remote-page-size",
-                        "remote-page-order", "remote-cache-order", "remote-tp", "local-tp",
-                        "local-rank", "prefill-ms-per-layer"}) {
+  for (const char* s :
+       {"tokens", "workers", "engine", "repeat", "prefix-hit", "timeout-ms", "seed", "role", "fd",
+        "crash", "mooncake-lib", "remote-page-size", "remote-page-order", "remote-cache-order",
+        "remote-tp", "local-tp", "local-rank", "prefill-ms-per-layer"}) {
     o.insert(s);
   }
   return o;
@@ -133,7 +133,8 @@ DemoConfig parse(const Args& args) {
     bad("--prefix-hit " + args.str("prefix-hit", "") + " out of range [0, 1)");
   }
   const std::uint64_t t = args.u64("timeout-ms", 30000);
-  if (t == 0 || t > 3600000) bad("--timeout-ms " + std::to_string(t) + " out of range [1, 3600000]");
+  if (t == 0 || t > 3600000)
+    bad("--timeout-ms " + std::to_string(t) + " out of range [1, 3600000]");
   c.timeout = std::chrono::milliseconds(t);
   c.scatter_seed = args.u64("seed", 7);
   if (c.scatter_seed == 0) bad("--seed must be > 0");
@@ -242,16 +243,16 @@ int run_prefill(const DemoConfig& c) {
   const double fill_s = std::chrono::duration<double>(Clock::now() - t0).count();
   demo::write_frame(c.fd, pool.publish(1).encode());
   demo::write_frame(c.fd, pool.publish(2).encode());
-  std::printf("[prefill] pid %d: %s cache of %s (%s), 2 requests x %zu pages %s, "
-              "filled in %.2f s, published\n",
-              ::getpid(), c.engine.c_str(), gib(c.prefill_layout.total_bytes()).c_str(),
-              cache->memory_kind() == MemoryKind::kSharedHost ? "shared memfd" : "private",
-              p1.size(), c.scatter ? "scattered" : "contiguous", fill_s);
+  std::printf(
+      "[prefill] pid %d: %s cache of %s (%s), 2 requests x %zu pages %s, "
+      "filled in %.2f s, published\n",
+      ::getpid(), c.engine.c_str(), gib(c.prefill_layout.total_bytes()).c_str(),
+      cache->memory_kind() == MemoryKind::kSharedHost ? "shared memfd" : "private", p1.size(),
+      c.scatter ? "scattered" : "contiguous", fill_s);
   std::fflush(stdout);
   if (c.crash == "prefill") kill_self_now("prefill");
   // Keep the cache alive until the decode side says it is done.
-  const std::uint8_t done =
-      demo::read_byte(c.fd, c.timeout * (2 * c.repeat + 8), "decode");
+  const std::uint8_t done = demo::read_byte(c.fd, c.timeout * (2 * c.repeat + 8), "decode");
   if (done != 'D') bad("unexpected byte from the decode process");
   pool.release(1);
   pool.release(2);
@@ -282,10 +283,10 @@ void expect_verified(const KVCache& cache, std::uint64_t seed, std::span<const s
                      std::uint64_t start, std::uint64_t end, const char* what) {
   const VerifyResult v = verify_pattern(cache, seed, pages, start, end);
   if (!v.ok()) {
-    throw Error(StatusCode::kInternal,
-                std::string(what) + ": " + std::to_string(v.mismatched_blocks) + " of " +
-                    std::to_string(v.blocks_checked) + " blocks differ, first: " +
-                    v.first_mismatch);
+    throw Error(StatusCode::kInternal, std::string(what) + ": " +
+                                           std::to_string(v.mismatched_blocks) + " of " +
+                                           std::to_string(v.blocks_checked) +
+                                           " blocks differ, first: " + v.first_mismatch);
   }
 }
 
@@ -295,7 +296,7 @@ struct BaselineSource {
   const std::byte* data = nullptr;
   KVLayout layout;
   std::string what;
-  bool peer_memory = false;  // true: data is the prefill's own cache
+  bool peer_memory = false;                 // true: data is the prefill's own cache
   std::shared_ptr<const std::byte> mapped;  // the prefill's memory (shm)
   std::shared_ptr<KVCache> private_copy;
 };
@@ -330,21 +331,20 @@ int run_decode(const DemoConfig& c) {
   auto cache = make_kv_cache(c.layout, memory_for(c.engine));
   KVTransferManager manager(engine_info(c, "decode"), cache);
   // A different scatter seed: the two sides' page tables differ.
-  KVCachePool pool(cache, manager.get_kv_transfer_info(),
-                   c.scatter ? c.scatter_seed * 31 + 1 : 0);
+  KVCachePool pool(cache, manager.get_kv_transfer_info(), c.scatter ? c.scatter_seed * 31 + 1 : 0);
 
   // Request 1: the whole sequence, `repeat` times, each pull followed by the
   // baseline: the same spans, the same thread count, plain memcpy. Taking
   // turns keeps both under the same conditions on a busy machine.
   const auto l1 = pool.allocate(1, s1.num_tokens);
   BaselineSource src = baseline_source(c, s1.kv_transfer_info);
-  const CopyPlan planned = plan_copies(
-      c.layout, src.layout,
-      plan_reads(c.layout, src.layout, 0, s1.num_tokens, l1, s1.page_indices));
+  const CopyPlan planned =
+      plan_copies(c.layout, src.layout,
+                  plan_reads(c.layout, src.layout, 0, s1.num_tokens, l1, s1.page_indices));
   // Between caches of different geometry the baseline copies the same bytes
   // laid out contiguously: what the conversion costs against moving them.
-  const bool mixed = !c.layout.same_geometry(src.layout) ||
-                     c.layout.page_order != src.layout.page_order;
+  const bool mixed =
+      !c.layout.same_geometry(src.layout) || c.layout.page_order != src.layout.page_order;
   CopyPlan plan = planned;
   if (mixed) plan.spans = {{0, 0, planned.total_bytes}};
   std::vector<double> pull_s;
@@ -353,8 +353,8 @@ int run_decode(const DemoConfig& c) {
   for (std::uint32_t r = 0; r < c.repeat; ++r) {
     fill_sentinel(*cache, l1);
     const auto t0 = Clock::now();
-    auto f = manager.start_async_retrieve(0, s1.num_tokens, l1, s1.page_indices,
-                                          s1.kv_transfer_info);
+    auto f =
+        manager.start_async_retrieve(0, s1.num_tokens, l1, s1.page_indices, s1.kv_transfer_info);
     bytes1 = f ? f->get() : 0;
     pull_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
     expect_verified(*cache, kSeedFull, l1, 0, s1.num_tokens, "request 1 after the pull");
@@ -367,13 +367,13 @@ int run_decode(const DemoConfig& c) {
 
   // Request 2: a prefix is already cached here; only the tail moves.
   const auto l2 = pool.allocate(2, s2.num_tokens);
-  const auto prefix = static_cast<std::uint64_t>(
-      std::floor(static_cast<double>(s2.num_tokens) * c.prefix_hit));
+  const auto prefix =
+      static_cast<std::uint64_t>(std::floor(static_cast<double>(s2.num_tokens) * c.prefix_hit));
   fill_sentinel(*cache, l2);
   fill_pattern(*cache, kSeedPrefix, l2, 0, prefix);  // the local prefix cache
   const auto t2 = Clock::now();
-  auto f2 = manager.start_async_retrieve(prefix, s2.num_tokens, l2, s2.page_indices,
-                                         s2.kv_transfer_info);
+  auto f2 =
+      manager.start_async_retrieve(prefix, s2.num_tokens, l2, s2.page_indices, s2.kv_transfer_info);
   const std::uint64_t bytes2 = f2 ? f2->get() : 0;
   const double tail_s = std::chrono::duration<double>(Clock::now() - t2).count();
   expect_verified(*cache, kSeedPrefix, l2, 0, s2.num_tokens, "request 2 (prefix + tail)");
@@ -393,22 +393,25 @@ int run_decode(const DemoConfig& c) {
   std::printf("request 1: %llu tokens, %zu pages %s, full pull\n",
               static_cast<unsigned long long>(s1.num_tokens), l1.size(),
               c.scatter ? "scattered" : "contiguous");
-  std::printf("  moved    %s in %.2f ms = %.2f GB/s  (median of %zu; the first pull, which "
-              "opens the peer's memory, took %.2f ms)\n",
-              gib(bytes1).c_str(), pull_med * 1e3, gbps(bytes1, pull_med), pull_s.size() - skip,
-              pull_s.front() * 1e3);
-  std::printf("  memcpy   %s in %.2f ms = %.2f GB/s  (median of %zu; %s%zu spans, %u threads, "
-              "%s)\n",
-              gib(plan.total_bytes).c_str(), base_med * 1e3, gbps(plan.total_bytes, base_med),
-              base_s.size() - skip, mixed ? "the same bytes contiguous, not the pull's " : "same ",
-              mixed ? planned.spans.size() : plan.spans.size(), c.workers, src.what.c_str());
+  std::printf(
+      "  moved    %s in %.2f ms = %.2f GB/s  (median of %zu; the first pull, which "
+      "opens the peer's memory, took %.2f ms)\n",
+      gib(bytes1).c_str(), pull_med * 1e3, gbps(bytes1, pull_med), pull_s.size() - skip,
+      pull_s.front() * 1e3);
+  std::printf(
+      "  memcpy   %s in %.2f ms = %.2f GB/s  (median of %zu; %s%zu spans, %u threads, "
+      "%s)\n",
+      gib(plan.total_bytes).c_str(), base_med * 1e3, gbps(plan.total_bytes, base_med),
+      base_s.size() - skip, mixed ? "the same bytes contiguous, not the pull's " : "same ",
+      mixed ? planned.spans.size() : plan.spans.size(), c.workers, src.what.c_str());
   std::printf("  ratio    %.3f of memcpy\n", base_med / pull_med);
   std::printf("  verified %llu blocks, %s, checksum %016llx\n",
-              static_cast<unsigned long long>(v1.blocks_checked),
-              gib(v1.bytes_checked).c_str(), static_cast<unsigned long long>(v1.checksum));
-  std::printf("request 2: %llu tokens, prefix of %llu tokens (%.0f%%) cached locally, tail pulled\n",
-              static_cast<unsigned long long>(s2.num_tokens),
-              static_cast<unsigned long long>(prefix), c.prefix_hit * 100);
+              static_cast<unsigned long long>(v1.blocks_checked), gib(v1.bytes_checked).c_str(),
+              static_cast<unsigned long long>(v1.checksum));
+  std::printf(
+      "request 2: %llu tokens, prefix of %llu tokens (%.0f%%) cached locally, tail pulled\n",
+      static_cast<unsigned long long>(s2.num_tokens), static_cast<unsigned long long>(prefix),
+      c.prefix_hit * 100);
   std::printf("  moved    %s in %.2f ms = %.2f GB/s\n", gib(bytes2).c_str(), tail_s * 1e3,
               gbps(bytes2, tail_s));
   std::printf("  verified all %llu tokens (local prefix + pulled tail)\n",
@@ -431,7 +434,8 @@ int run_parent(const DemoConfig& c, int argc, char** argv) {
   if (!traits || !traits->built || !traits->crosses_processes) {
     throw Error(StatusCode::kUnavailable, "engine '" + c.engine +
                                               "' cannot move pages between processes in this "
-                                              "build (built: " + joined(built) + ")");
+                                              "build (built: " +
+                                              joined(built) + ")");
   }
   if (c.layerwise) demo::require_layer_readiness(c.engine);
   std::printf("mstar-kv demo: prefill -> decode on one host, engine '%s', %u workers\n",
@@ -495,8 +499,8 @@ int run_parent(const DemoConfig& c, int argc, char** argv) {
       const int status = k.child->wait_status();
       const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
       if (!ok && failure.empty()) {
-        failure = std::string(k.role) + " process (pid " + std::to_string(k.child->pid()) +
-                  ") " + testkit::describe_wait_status(status);
+        failure = std::string(k.role) + " process (pid " + std::to_string(k.child->pid()) + ") " +
+                  testkit::describe_wait_status(status);
         stop_all(SIGTERM);
         kill_at = Clock::now() + std::chrono::seconds(2);
       }
@@ -541,8 +545,7 @@ int cmd_demo(int argc, char** argv) {
       lc.fd = c.fd;
       lc.memory = memory_for(c.engine);
       lc.engine = engine_info(c, c.role == "prefill" ? "prefill" : "decode");
-      return c.role == "prefill" ? demo::run_layerwise_prefill(lc)
-                                 : demo::run_layerwise_decode(lc);
+      return c.role == "prefill" ? demo::run_layerwise_prefill(lc) : demo::run_layerwise_decode(lc);
     }
     return c.role == "prefill" ? run_prefill(c) : run_decode(c);
   } catch (const std::exception& e) {

@@ -41,14 +41,14 @@
 
 #include "args.hpp"
 #include "commands.hpp"
+#include "demo_layerwise.hpp"
 #include "http_auth.hpp"
 #include "http_server.hpp"
-#include "demo_layerwise.hpp"
 #include "layout_args.hpp"
-#include "serve_pull_layerwise.hpp"
-#include "serve_pull_util.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/thread_annotations.hpp"
+#include "serve_pull_layerwise.hpp"
+#include "serve_pull_util.hpp"
 
 namespace mstar::kv::cli {
 
@@ -71,8 +71,9 @@ const char* kServeHelp =
     "  GET /v1/sequences/{id}        SequenceInfo bytes (application/octet-stream)\n"
     "  GET /v1/sequences/{id}/meta   seed, tokens and layout (JSON)\n"
     "  POST|DELETE /v1/sequences/{id}/done   free the sequence's pages\n"
-    "  GET /metrics                  Prometheus text: read statistics, served descriptors,\n"
-    "                                sequences done and live, free pages\n"
+    "  GET /metrics                  Prometheus text: read statistics, what this owner\n"
+    "                                served (reads and bytes over ucx, descriptors, done\n"
+    "                                notices, readers gone), sequences live, free pages\n"
     "\n"
     "options:\n"
     "  --engine NAME       transfer engine (default ucx)\n"
@@ -139,11 +140,10 @@ const char* kPullHelp =
 
 int cmd_serve(int argc, char** argv) {
   std::set<std::string> options = layout_options();
-  for (const char* o : {"engine", "listen", "data-port", "data-host", "sequences", "tokens",
-                        "seed", "scatter-seed", "timeout-ms", "extra", "mooncake-lib",
-                        "lease-ms", "token-file", "http-threads", "http-max-connections",
-                        "http-idle-timeout-s", "http-header-timeout-s",
-                        "prefill-ms-per-layer"}) {
+  for (const char* o : {"engine", "listen", "data-port", "data-host", "sequences", "tokens", "seed",
+                        "scatter-seed", "timeout-ms", "extra", "mooncake-lib", "lease-ms",
+                        "token-file", "http-threads", "http-max-connections", "http-idle-timeout-s",
+                        "http-header-timeout-s", "prefill-ms-per-layer"}) {
     options.insert(o);
   }
   Args args(argc, argv, {"help", "exit-when-done", "insecure", "layerwise"}, options);
@@ -158,14 +158,14 @@ int cmd_serve(int argc, char** argv) {
     throw Error(StatusCode::kInvalidArgument, "--prefill-ms-per-layer needs --layerwise");
   }
   if (!(ms_per_layer >= 0 && ms_per_layer <= 10000)) {
-    throw Error(StatusCode::kInvalidArgument, "--prefill-ms-per-layer " +
-                                                  args.str("prefill-ms-per-layer", "") +
-                                                  " is not in [0, 10000]");
+    throw Error(
+        StatusCode::kInvalidArgument,
+        "--prefill-ms-per-layer " + args.str("prefill-ms-per-layer", "") + " is not in [0, 10000]");
   }
   if (layerwise) demo::require_layer_readiness(engine);
   const HostPort http = parse_host_port(args.str("listen", "127.0.0.1"), "--listen");
-  const std::string token = args.has("token-file") ? read_token_file(args.str("token-file", ""))
-                                                   : std::string();
+  const std::string token =
+      args.has("token-file") ? read_token_file(args.str("token-file", "")) : std::string();
   if (token.empty() && !is_loopback_host(http.host) && !args.flag("insecure")) {
     throw Error(StatusCode::kInvalidArgument,
                 "--listen " + http.host + ":" + std::to_string(http.port) +
@@ -191,10 +191,10 @@ int cmd_serve(int argc, char** argv) {
   const std::uint64_t pages_needed =
       page_size == 0 ? 1 : ((tokens + page_size - 1) / page_size) * sequences;
   if (pages_needed > LayoutLimits::kMaxPages) {
-    throw Error(StatusCode::kInvalidArgument,
-                std::to_string(sequences) + " requests of " + std::to_string(tokens) +
-                    " tokens need " + std::to_string(pages_needed) + " pages, limit " +
-                    std::to_string(LayoutLimits::kMaxPages));
+    throw Error(StatusCode::kInvalidArgument, std::to_string(sequences) + " requests of " +
+                                                  std::to_string(tokens) + " tokens need " +
+                                                  std::to_string(pages_needed) + " pages, limit " +
+                                                  std::to_string(LayoutLimits::kMaxPages));
   }
   const KVLayout layout = layout_from_args(args, static_cast<std::uint32_t>(pages_needed));
 
@@ -212,10 +212,10 @@ int cmd_serve(int argc, char** argv) {
   KVTransferManager manager(TransferEngineInfo{"serve", session, engine, eo}, cache);
   // A published sequence nobody marks done is freed after its lease (then
   // GET answers 404 and a reader still holding it fails with StaleDescriptor).
-  KVCachePool pool(cache, manager.get_kv_transfer_info(), args.u64("scatter-seed", 7),
-                   std::chrono::milliseconds(
-                       args.u64("lease-ms", static_cast<std::uint64_t>(
-                                                KVCachePool::kDefaultLease.count()))));
+  KVCachePool pool(
+      cache, manager.get_kv_transfer_info(), args.u64("scatter-seed", 7),
+      std::chrono::milliseconds(
+          args.u64("lease-ms", static_cast<std::uint64_t>(KVCachePool::kDefaultLease.count()))));
   for (std::uint64_t id = 0; id < sequences; ++id) {
     const auto pages = pool.allocate(id, tokens);
     fill_pattern(*cache, seed + id, pages, 0, tokens);
@@ -270,12 +270,12 @@ int cmd_serve(int argc, char** argv) {
     return r;
   };
   auto meta = [&](std::uint64_t id) {
-    HttpResponse r = text(200, "{\"seq_id\":" + std::to_string(id) + ",\"num_tokens\":" +
-                                   std::to_string(tokens) + ",\"seed\":" +
-                                   std::to_string(seed + id) + ",\"engine\":\"" + engine +
-                                   "\",\"prefill_ms_per_layer\":" +
-                                   (layerwise ? std::to_string(ms_per_layer) : "null") +
-                                   ",\"layout\":" + layout_json(layout) + "}\n");
+    HttpResponse r = text(
+        200,
+        "{\"seq_id\":" + std::to_string(id) + ",\"num_tokens\":" + std::to_string(tokens) +
+            ",\"seed\":" + std::to_string(seed + id) + ",\"engine\":\"" + engine +
+            "\",\"prefill_ms_per_layer\":" + (layerwise ? std::to_string(ms_per_layer) : "null") +
+            ",\"layout\":" + layout_json(layout) + "}\n");
     r.content_type = "application/json";
     return r;
   };
@@ -290,8 +290,8 @@ int cmd_serve(int argc, char** argv) {
     if (live.empty() && exit_when_done) all_done.store(true, std::memory_order_release);
     return text(200, "released sequence " + std::to_string(id) + "\n");
   };
-  // Prometheus: the manager's read statistics (reads this process pulled)
-  // and the owner's own families.
+  // Prometheus: the manager's read statistics (reads this process pulled),
+  // what it served, and the owner's own families.
   auto metrics = [&] {
     std::size_t live_count = 0;
     {
@@ -302,19 +302,27 @@ int cmd_serve(int argc, char** argv) {
     std::string own =
         "# HELP mstar_kv_serve_descriptors_served_total SequenceInfo descriptors handed out.\n"
         "# TYPE mstar_kv_serve_descriptors_served_total counter\n"
-        "mstar_kv_serve_descriptors_served_total" + labels + " " +
-        std::to_string(descriptors_served.load()) +
+        "mstar_kv_serve_descriptors_served_total" +
+        labels + " " + std::to_string(descriptors_served.load()) +
         "\n# HELP mstar_kv_serve_sequences_done_total Sequences a reader marked done.\n"
         "# TYPE mstar_kv_serve_sequences_done_total counter\n"
-        "mstar_kv_serve_sequences_done_total" + labels + " " +
-        std::to_string(sequences_done.load()) +
+        "mstar_kv_serve_sequences_done_total" +
+        labels + " " + std::to_string(sequences_done.load()) +
         "\n# HELP mstar_kv_serve_sequences_live Sequences published and not yet done.\n"
         "# TYPE mstar_kv_serve_sequences_live gauge\n"
-        "mstar_kv_serve_sequences_live" + labels + " " + std::to_string(live_count) +
+        "mstar_kv_serve_sequences_live" +
+        labels + " " + std::to_string(live_count) +
         "\n# HELP mstar_kv_pool_free_pages Free pages in the served cache.\n"
         "# TYPE mstar_kv_pool_free_pages gauge\n"
-        "mstar_kv_pool_free_pages" + labels + " " + std::to_string(pool.free_page_count()) + "\n";
-    HttpResponse r = text(200, render_prometheus({manager.stats()}, own));
+        "mstar_kv_pool_free_pages" +
+        labels + " " + std::to_string(pool.free_page_count()) + "\n";
+    // The owner side (mstar_kv_served_*): what the engine served (ucx
+    // counts its replies; shm readers never reach it) and this server's
+    // descriptors and done notices.
+    TransferStats st = manager.stats();
+    st.served.descriptors = pool.published_count();
+    st.served.done_notices = sequences_done.load();
+    HttpResponse r = text(200, render_prometheus({st}, own));
     r.content_type = "text/plain; version=0.0.4; charset=utf-8";
     return r;
   };
@@ -338,7 +346,7 @@ int cmd_serve(int argc, char** argv) {
     try {
       if (tail == "/done") {
         return req.method == "POST" || req.method == "DELETE" ? done(id)
-                                                               : not_allowed("POST, DELETE");
+                                                              : not_allowed("POST, DELETE");
       }
       if (tail == "/prefill") {
         return prefills ? prefills->route(req, id, seed + id)
@@ -371,22 +379,24 @@ int cmd_serve(int argc, char** argv) {
   std::printf("mstar-kv serve: engine '%s', %llu request(s) of %llu tokens, layout %s\n",
               engine.c_str(), static_cast<unsigned long long>(sequences),
               static_cast<unsigned long long>(tokens), layout.to_string().c_str());
-  std::printf("http control plane: %u thread(s), at most %u connections, header timeout %u s, "
-              "idle timeout %u s, %s\n",
-              ho.threads, server->max_connections(), ho.header_timeout_s, ho.idle_timeout_s,
-              token.empty() ? "no token" : "bearer token required");
+  std::printf(
+      "http control plane: %u thread(s), at most %u connections, header timeout %u s, "
+      "idle timeout %u s, %s\n",
+      ho.threads, server->max_connections(), ho.header_timeout_s, ho.idle_timeout_s,
+      token.empty() ? "no token" : "bearer token required");
   std::printf("http://%s:%u/v1/sequences/{0..%llu}  data %s  seed %llu+id\n", http.host.c_str(),
               http.port, static_cast<unsigned long long>(sequences - 1), session.c_str(),
               static_cast<unsigned long long>(seed));
   if (layerwise) {
-    std::printf("layer-wise prefills on POST /v1/sequences/{id}/prefill: %.3f ms compute per "
-                "layer, %u layers\n",
-                ms_per_layer, layout.num_layers);
+    std::printf(
+        "layer-wise prefills on POST /v1/sequences/{id}/prefill: %.3f ms compute per "
+        "layer, %u layers\n",
+        ms_per_layer, layout.num_layers);
   }
   std::fflush(stdout);
 
   const bool signalled = signals.wait(all_done);
-  server.reset();  // stops and joins its threads: no handler runs during cleanup
+  server.reset();    // stops and joins its threads: no handler runs during cleanup
   prefills.reset();  // joins a prefill that still runs
   manager.cleanup();
   std::printf("mstar-kv serve: %s\n", signalled ? "interrupted, stopped" : "all sequences done");
@@ -395,8 +405,8 @@ int cmd_serve(int argc, char** argv) {
 
 int cmd_pull(int argc, char** argv) {
   Args args(argc, argv, {"help", "keep", "layerwise"},
-            {"from", "seq", "repeat", "engine", "listen", "cache-order", "page-order",
-             "timeout-ms", "extra", "mooncake-lib", "token-file"});
+            {"from", "seq", "repeat", "engine", "listen", "cache-order", "page-order", "timeout-ms",
+             "extra", "mooncake-lib", "token-file"});
   if (args.flag("help")) {
     std::printf("%s", kPullHelp);
     return 0;
@@ -413,8 +423,8 @@ int cmd_pull(int argc, char** argv) {
                 "--repeat " + std::to_string(repeat) + " is not in [1, 10000]");
   }
   const std::string base = "/v1/sequences/" + std::to_string(seq_id);
-  const std::string token = args.has("token-file") ? read_token_file(args.str("token-file", ""))
-                                                   : std::string();
+  const std::string token =
+      args.has("token-file") ? read_token_file(args.str("token-file", "")) : std::string();
 
   httplib::Client http(from.host, from.port);
   http.set_tcp_nodelay(true);
@@ -423,11 +433,12 @@ int cmd_pull(int argc, char** argv) {
   http.set_read_timeout(30, 0);
   http.set_write_timeout(30, 0);
   auto request = [&](const std::string& method, const std::string& path) {
-    auto res = method == "POST" ? http.Post(path.c_str(), "", "text/plain") : http.Get(path.c_str());
+    auto res =
+        method == "POST" ? http.Post(path.c_str(), "", "text/plain") : http.Get(path.c_str());
     if (!res) {
-      throw Error(StatusCode::kUnavailable,
-                  "cannot reach server http://" + from.host + ":" + std::to_string(from.port) +
-                      path + ": " + httplib::to_string(res.error()));
+      throw Error(StatusCode::kUnavailable, "cannot reach server http://" + from.host + ":" +
+                                                std::to_string(from.port) + path + ": " +
+                                                httplib::to_string(res.error()));
     }
     if (res->status == 404) {
       throw Error(StatusCode::kNotFound, "server says: " + res->body);
@@ -440,9 +451,8 @@ int cmd_pull(int argc, char** argv) {
                       "): " + res->body);
     }
     if (res->status != 200) {
-      throw Error(StatusCode::kUnavailable,
-                  method + " " + path + " answered HTTP " + std::to_string(res->status) + ": " +
-                      res->body);
+      throw Error(StatusCode::kUnavailable, method + " " + path + " answered HTTP " +
+                                                std::to_string(res->status) + ": " + res->body);
     }
     return res->body;
   };
@@ -470,8 +480,7 @@ int cmd_pull(int argc, char** argv) {
   parse_extra(args, eo);
   if (!token.empty()) eo.extra["auth_token"] = token;
   auto cache = make_kv_cache(layout, memory_for(engine));
-  KVTransferManager manager(TransferEngineInfo{"pull", args.str("listen", ""), engine, eo},
-                            cache);
+  KVTransferManager manager(TransferEngineInfo{"pull", args.str("listen", ""), engine, eo}, cache);
   // Local pages in reverse order: the pull scatters on this side too.
   std::vector<std::uint32_t> local(seq.page_indices.size());
   for (std::size_t i = 0; i < local.size(); ++i) {
@@ -492,8 +501,8 @@ int cmd_pull(int argc, char** argv) {
       std::memset(cache->base(), 0, cache->size_bytes());
       const auto t0 = Clock::now();
       try {
-        moved = manager.sync_retrieve(0, seq.num_tokens, local, seq.page_indices,
-                                      seq.kv_transfer_info);
+        moved =
+            manager.sync_retrieve(0, seq.num_tokens, local, seq.page_indices, seq.kv_transfer_info);
       } catch (const Error& e) {
         throw Error(e.code(), "pull " + std::to_string(r + 1) + " of " + std::to_string(repeat) +
                                   " failed: " + e.what());

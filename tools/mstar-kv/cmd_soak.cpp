@@ -1,9 +1,10 @@
 // Copyright mstar-kv authors.
 //
-// `mstar-kv soak`: decode threads pull many requests from several prefill
-// processes (shm and ucx) while the prefill processes are SIGKILLed and
-// restarted at random and the decode side's engines inject faults, and every
-// request is checked:
+// `mstar-kv soak`: decode threads, and decode processes, pull many requests
+// from several prefill processes (shm and ucx) while the prefill processes
+// are SIGKILLed and restarted at random, the decode side's engines inject
+// faults, and the decode processes are SIGKILLed at random (half of them
+// inside a read) and restarted, and every request is checked:
 // * a read whose future reported success must verify (verify_pattern);
 // * after a failed read resolved, no byte of the thread's pages changes
 //   during a grace period;
@@ -12,8 +13,12 @@
 //   guard pages no thread uses);
 // * every future resolves within the engine's timeout (plus slack).
 // Anything else is a corruption; the exit status is non-zero when there is
-// one. The prefill processes are re-execs of this program
-// (`mstar-kv soak --role prefill ...`), die with it (PR_SET_PDEATHSIG) and
+// one. After every reader kill (and every 5 ms) the prefill processes are
+// checked: one that ended without being killed on purpose (by the
+// supervisor or a fault injector's kill hook) is an unexpected owner exit,
+// which fails the run too. The prefill and decode processes are re-execs
+// of this program (`mstar-kv soak --role prefill|decode ...`,
+// soak_prefill.cpp, soak_readers.cpp), die with it (PR_SET_PDEATHSIG) and
 // are killed and reaped on exit and on SIGINT/SIGTERM.
 #include <fcntl.h>
 #include <poll.h>
@@ -43,6 +48,7 @@
 #include "mstar/kv/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
 #include "soak_prefill.hpp"
+#include "soak_readers.hpp"
 #include "soak_shared.hpp"
 #include "testkit/seq_line.hpp"
 
@@ -62,15 +68,20 @@ extern "C" void on_soak_signal(int) { g_interrupted.store(true, std::memory_orde
 
 const char* kHelp =
     "usage: mstar-kv soak [--seconds N] [options] [layout options]\n"
-    "Decode threads pull requests from prefill processes that are SIGKILLed and\n"
-    "restarted at random, through the shm and ucx engines, with faults injected on\n"
-    "the decode side; every page is checked. Prints requests, bytes verified,\n"
-    "faults injected, failures (expected) and corruptions (must be 0: else exit 1).\n"
+    "Decode threads and decode processes pull requests from prefill processes that\n"
+    "are SIGKILLed and restarted at random, through the shm and ucx engines, with\n"
+    "faults injected on the decode threads' side and the decode processes SIGKILLed\n"
+    "at random (half inside a read); every page is checked, and the prefill\n"
+    "processes after every reader kill. Prints requests, bytes verified, faults\n"
+    "injected, failures (expected), reader kills, and corruptions, wrong-sequence\n"
+    "reads and unexpected owner exits (each must be 0: else exit 1).\n"
     "options:\n"
     "  --seconds N          run time (default 10)\n"
     "  --engines LIST       comma-separated, of shm,ucx (default: those built)\n"
     "  --prefill N          prefill processes, round-robin over the engines (default 2)\n"
     "  --threads N          decode threads (default 4)\n"
+    "  --readers N          decode processes (default 2; 0: none)\n"
+    "  --reader-kill-ms N   mean time between decode process kills (default 150; 0: none)\n"
     "  --sequences N        sequences per prefill process (default 6)\n"
     "  --max-tokens N       tokens per sequence, at most (default 256)\n"
     "  --kill-ms N          mean time between prefill kills (default 400; 0: none)\n"
@@ -87,9 +98,11 @@ const char* kHelp =
 
 int cmd_soak(int argc, char** argv) {
   std::set<std::string> options = layout_options();
-  for (const char* o : {"seconds", "engines", "prefill", "threads", "sequences", "max-tokens",
-                        "kill-ms", "fault-rate", "timeout-ms", "grace-ms", "seed", "ucx-tls",
-                        "role", "engine", "gen", "reuse-ms", "lease-ms"}) {
+  for (const char* o :
+       {"seconds",        "engines",      "prefill",    "threads",  "sequences", "max-tokens",
+        "kill-ms",        "fault-rate",   "timeout-ms", "grace-ms", "seed",      "ucx-tls",
+        "role",           "engine",       "gen",        "reuse-ms", "lease-ms",  "readers",
+        "reader-kill-ms", "thread-pages", "slots",      "keep"}) {
     options.insert(o);
   }
   const Args args(argc, argv, {"help"}, options);
@@ -101,18 +114,23 @@ int cmd_soak(int argc, char** argv) {
   ::setenv("UCX_TLS", args.str("ucx-tls", "tcp").c_str(), 0);
   ::setenv("UCX_NET_DEVICES", "lo", 0);
   if (args.str("role", "") == "prefill") return run_soak_prefill(args);
+  if (args.str("role", "") == "decode") return run_soak_decode(args);
   if (args.has("role")) throw Error(StatusCode::kInvalidArgument, "unknown --role");
 
   const auto seconds = args.u64("seconds", 10);
   const std::size_t n_prefill = args.u64("prefill", 2);
   const std::size_t n_threads = args.u64("threads", 4);
+  const std::size_t n_readers = args.u64("readers", 2);
+  const std::uint64_t reader_kill_ms = args.u64("reader-kill-ms", 150);
   const std::uint64_t sequences = args.u64("sequences", 6);
   const std::uint64_t max_tokens = args.u64("max-tokens", 256);
   const std::uint64_t kill_ms = args.u64("kill-ms", 400);
   const double fault_rate = args.f64("fault-rate", 0.15);
   const std::uint64_t seed = args.u64("seed", 1);
   const DecodeConfig dcfg{std::chrono::milliseconds(args.u64("timeout-ms", 2000)),
-                          std::chrono::milliseconds(args.u64("grace-ms", 50)), seed};
+                          std::chrono::milliseconds(args.u64("grace-ms", 50)),
+                          seed,
+                          {}};
   if (n_prefill == 0 || n_threads == 0 || sequences == 0 || max_tokens == 0) {
     throw Error(StatusCode::kInvalidArgument,
                 "--prefill, --threads, --sequences and --max-tokens must be >= 1");
@@ -136,18 +154,20 @@ int cmd_soak(int argc, char** argv) {
   local_layout.num_pages = 2 * kGuard + static_cast<std::uint32_t>(n_threads) * thread_pages;
   local_layout.validate();
   std::vector<std::string> child_args = layout_flags(remote_layout);
-  for (const std::string& s : {std::string("--sequences"), std::to_string(sequences),
-                               std::string("--max-tokens"), std::to_string(max_tokens),
-                               std::string("--timeout-ms"), std::to_string(dcfg.timeout.count()),
-                               std::string("--reuse-ms"), std::to_string(args.u64("reuse-ms", 50)),
-                               std::string("--lease-ms"), std::to_string(args.u64("lease-ms", 1000))}) {
+  for (const std::string& s :
+       {std::string("--sequences"), std::to_string(sequences), std::string("--max-tokens"),
+        std::to_string(max_tokens), std::string("--timeout-ms"),
+        std::to_string(dcfg.timeout.count()), std::string("--reuse-ms"),
+        std::to_string(args.u64("reuse-ms", 50)), std::string("--lease-ms"),
+        std::to_string(args.u64("lease-ms", 1000))}) {
     child_args.push_back(s);
   }
 
   struct sigaction sa {};
   sa.sa_handler = &on_soak_signal;
   ::sigemptyset(&sa.sa_mask);
-  struct sigaction old_int {}, old_term {};
+  struct sigaction old_int {
+  }, old_term{};
   ::sigaction(SIGINT, &sa, &old_int);
   ::sigaction(SIGTERM, &sa, &old_term);
   ::signal(SIGPIPE, SIG_IGN);
@@ -157,13 +177,34 @@ int cmd_soak(int argc, char** argv) {
   std::vector<Prefill> prefills(n_prefill);
   std::uint64_t gen = seed * 100000;
   std::uint64_t kills = 0, restarts = 0, deaths = 0, republished = 0;
+  std::uint64_t unexpected_owner_exits = 0;
+  std::string first_unexpected_owner_exit;
   std::mt19937_64 rng(seed);
+
+  // The decode processes: one decode thread each, over a cache of its own
+  // with the decode threads' geometry.
+  std::vector<std::string> reader_args = layout_flags(remote_layout);
+  {
+    std::string list;
+    for (const std::string& e : engines) list += (list.empty() ? "" : ",") + e;
+    for (const std::string& s :
+         {std::string("--engines"), list, std::string("--thread-pages"),
+          std::to_string(thread_pages), std::string("--slots"), std::to_string(n_prefill),
+          std::string("--keep"), std::to_string(2 * sequences), std::string("--timeout-ms"),
+          std::to_string(dcfg.timeout.count()), std::string("--grace-ms"),
+          std::to_string(dcfg.grace.count()), std::string("--seed"),
+          std::to_string(seed * 7 + 1)}) {
+      reader_args.push_back(s);
+    }
+  }
+  ReaderChurn readers(n_readers, reader_args);
 
   auto start = [&](std::size_t i) {
     Prefill& p = prefills[i];
     std::vector<std::string> a = child_args;
     a.insert(a.end(), {"--engine", p.engine, "--gen", std::to_string(++gen)});
     auto seqs = start_prefill(p, a, 30s);
+    readers.publish(i, p.engine, seqs);
     auto pub = std::make_shared<Published>(Published{p.engine, std::move(seqs)});
     std::lock_guard<std::mutex> lock(shared.mu);
     shared.slots[i] = std::move(pub);
@@ -173,8 +214,40 @@ int cmd_soak(int argc, char** argv) {
     {
       std::lock_guard<std::mutex> lock(shared.mu);
       shared.pids[i] = -1;  // the kill hook must never signal a reaped pid
+      shared.slots[i] = nullptr;
     }
+    readers.clear(i);
     kill_prefill(prefills[i]);
+  };
+  // Prefill processes that ended, looked at without reaping (so that the
+  // kill hook can never signal a recycled pid): meant when the kill hook
+  // SIGKILLed them, else an unexpected owner exit. Restarted with `restart`.
+  auto check_owners = [&](bool restart) {
+    for (std::size_t i = 0; i < n_prefill; ++i) {
+      const pid_t pid = prefills[i].pid();
+      siginfo_t si{};
+      if (pid <= 0 ||
+          ::waitid(P_PID, static_cast<id_t>(pid), &si, WEXITED | WNOHANG | WNOWAIT) != 0 ||
+          si.si_pid != pid) {
+        continue;
+      }
+      if (si.si_code == CLD_KILLED && si.si_status == SIGKILL && shared.killed_by_hook(pid)) {
+        ++deaths;
+      } else {
+        ++unexpected_owner_exits;
+        if (first_unexpected_owner_exit.empty()) {
+          first_unexpected_owner_exit =
+              "a " + prefills[i].engine + " prefill process " +
+              (si.si_code == CLD_EXITED ? "exited with status " + std::to_string(si.si_status)
+                                        : "was killed by signal " + std::to_string(si.si_status) +
+                                              " (" + ::strsignal(si.si_status) + ")");
+        }
+      }
+      if (!restart) continue;
+      stop_slot(i);
+      start(i);
+      ++restarts;
+    }
   };
   auto cleanup_children = [&] {
     for (std::size_t i = 0; i < prefills.size(); ++i) stop_slot(i);
@@ -193,14 +266,16 @@ int cmd_soak(int argc, char** argv) {
       prefills[i].engine = engines[i % engines.size()];
       start(i);
     }
+    readers.start(shared);
 
     cache = make_kv_cache(local_layout, MemoryKind::kHost);
     std::map<std::string, KVTransferEngine*> by_name;
     for (const std::string& e : engines) {
-      auto wrapped = make_decode_engine(e, cache, dcfg, fault_rate, seed * 31 + decode_engines.size(),
-                                        [&shared, r = std::make_shared<std::mt19937_64>(seed + 99)] {
-                                          shared.kill_random((*r)());
-                                        });
+      auto wrapped =
+          make_decode_engine(e, cache, dcfg, fault_rate, seed * 31 + decode_engines.size(),
+                             [&shared, r = std::make_shared<std::mt19937_64>(seed + 99)] {
+                               shared.kill_random((*r)());
+                             });
       by_name[e] = wrapped.get();
       decode_engines.push_back(std::move(wrapped));
     }
@@ -221,31 +296,36 @@ int cmd_soak(int argc, char** argv) {
         region.push_back(kGuard + static_cast<std::uint32_t>(t) * thread_pages + p);
       }
       threads.emplace_back(decode_thread, t, std::cref(dcfg), std::cref(*cache),
-                           std::cref(remote_layout), std::move(region), by_name,
-                           std::ref(shared), std::ref(stats), std::cref(stop));
+                           std::cref(remote_layout), std::move(region), by_name, std::ref(shared),
+                           std::ref(stats), std::cref(stop));
     }
 
     // Supervisor: kill at random, restart what died.
-    std::exponential_distribution<double> next_kill(kill_ms > 0 ? 1.0 / static_cast<double>(kill_ms) : 1.0);
+    std::exponential_distribution<double> next_kill(kill_ms > 0 ? 1.0 / static_cast<double>(kill_ms)
+                                                                : 1.0);
     const auto t0 = Clock::now();
     const auto deadline = t0 + std::chrono::seconds(seconds);
     auto kill_at = t0 + std::chrono::milliseconds(static_cast<std::int64_t>(next_kill(rng)));
+    std::exponential_distribution<double> next_reader_kill(
+        reader_kill_ms > 0 ? 1.0 / static_cast<double>(reader_kill_ms) : 1.0);
+    auto reader_kill_at =
+        t0 + std::chrono::milliseconds(static_cast<std::int64_t>(next_reader_kill(rng)));
     while (Clock::now() < deadline && !g_interrupted.load(std::memory_order_relaxed)) {
       std::this_thread::sleep_for(5ms);
       for (std::size_t i = 0; i < n_prefill; ++i) {
-        republished += take_published(prefills[i], i, 2 * sequences, shared);
-        // Killed by a fault hook (or crashed)? Looked at without reaping, so
-        // that the hook can never signal a recycled pid.
-        siginfo_t si{};
-        if (prefills[i].pid() > 0 &&
-            ::waitid(P_PID, static_cast<id_t>(prefills[i].pid()), &si,
-                     WEXITED | WNOHANG | WNOWAIT) == 0 &&
-            si.si_pid == prefills[i].pid()) {
-          ++deaths;
-          stop_slot(i);
-          start(i);
-          ++restarts;
-        }
+        const auto fresh = take_published(prefills[i], i, 2 * sequences, shared);
+        republished += fresh.size();
+        readers.publish(i, prefills[i].engine, fresh);
+      }
+      // Killed by a fault hook, or crashed: restarted (the latter counted).
+      check_owners(true);
+      // Decode processes that ended (killed, or failed) are restarted;
+      // after each kill the owners are looked at again.
+      if (readers.poll(stats, shared) != 0) check_owners(true);
+      if (n_readers > 0 && reader_kill_ms > 0 && Clock::now() >= reader_kill_at) {
+        readers.kill_one(rng);
+        reader_kill_at = Clock::now() + std::chrono::milliseconds(
+                                            static_cast<std::int64_t>(next_reader_kill(rng)));
       }
       if (kill_ms > 0 && Clock::now() >= kill_at) {
         const std::size_t i = rng() % n_prefill;
@@ -253,10 +333,12 @@ int cmd_soak(int argc, char** argv) {
         ++kills;
         start(i);
         ++restarts;
-        kill_at = Clock::now() + std::chrono::milliseconds(static_cast<std::int64_t>(next_kill(rng)));
+        kill_at =
+            Clock::now() + std::chrono::milliseconds(static_cast<std::int64_t>(next_kill(rng)));
       }
     }
   } catch (...) {
+    readers.stop(stats);
     stop.store(true);
     for (auto& th : threads) th.join();
     for (auto& e : decode_engines) e->shutdown();
@@ -265,16 +347,21 @@ int cmd_soak(int argc, char** argv) {
     ::sigaction(SIGTERM, &old_term, nullptr);
     throw;
   }
+  readers.stop(stats);
   stop.store(true);
   for (auto& th : threads) th.join();
   for (auto& e : decode_engines) {
     e->shutdown();
     add_counters(faults, e->counters());
   }
+  // The owners once more, after the last readers went away.
+  std::this_thread::sleep_for(100ms);
+  check_owners(false);
   cleanup_children();
   ::sigaction(SIGINT, &old_int, nullptr);
   ::sigaction(SIGTERM, &old_term, nullptr);
-  if (testkit::changed(*cache, guard, guard_saved)) stats.corruption("a guard page (no thread's) changed");
+  if (testkit::changed(*cache, guard, guard_saved))
+    stats.corruption("a guard page (no thread's) changed");
   if (faults.duplicates != faults.duplicates_ignored) {
     stats.corruption("a duplicate completion changed a resolved future");
   }
@@ -283,6 +370,10 @@ int cmd_soak(int argc, char** argv) {
   run.seconds = seconds;
   for (const auto& p : prefills) run.prefill_engines.push_back(p.engine);
   run.threads = n_threads;
+  run.decode_procs = n_readers;
+  run.readers = readers.counts();
+  run.unexpected_owner_exits = unexpected_owner_exits;
+  run.first_unexpected_owner_exit = first_unexpected_owner_exit;
   run.seed = seed;
   run.interrupted = g_interrupted.load();
   run.kills = kills;
@@ -295,6 +386,7 @@ int cmd_soak(int argc, char** argv) {
   print_soak_report(run, stats);
   std::fflush(stdout);
   if (stats.corruptions.load() != 0 || stats.wrong_sequence.load() != 0) rc = 1;
+  if (unexpected_owner_exits != 0 || run.readers.unexpected_exits != 0) rc = 1;
   if (stats.ok.load() == 0) {
     std::fprintf(stderr, "mstar-kv soak: no request succeeded\n");
     rc = 1;

@@ -20,7 +20,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr std::uint64_t kSeed = 0x5eed0015;
 
-
 std::vector<std::uint8_t> pack(std::int64_t a, std::int64_t b) {
   std::vector<std::uint8_t> v(16);
   std::memcpy(v.data(), &a, 8);
@@ -101,26 +100,38 @@ void print_layerwise_report(const LayerwiseSamples& s, std::uint32_t num_layers)
   const double layer_transfer = transfer / num_layers;
   const double exposed = median(s.stream_exposed);
   const double hidden = transfer > 0 ? 1.0 - std::min(1.0, exposed / transfer) : 0.0;
-  std::printf("  prefill compute              %8.2f ms (median of all rounds; each round is "
-              "compared with its own)\n",
-              compute);
-  std::printf("  pull after prefill: all KV at decode %8.2f ms after prefill start "
-              "(transfer %.2f ms = %.2f ms per layer)\n",
-              p_end, transfer, layer_transfer);
+  // A stream runs beside the compute: it cannot hide more of the transfer
+  // than the compute lasts (a transfer longer than the compute is exposed
+  // by at least the difference).
+  const double bound = transfer > 0 ? std::min(1.0, compute / transfer) : 1.0;
+  std::printf(
+      "  prefill compute              %8.2f ms (median of all rounds; each round is "
+      "compared with its own)\n",
+      compute);
+  std::printf(
+      "  pull after prefill: all KV at decode %8.2f ms after prefill start "
+      "(transfer %.2f ms = %.2f ms per layer)\n",
+      p_end, transfer, layer_transfer);
   std::printf("  layer-wise streaming: all KV at decode %8.2f ms after prefill start\n", s_end);
-  std::printf("  hidden   %.1f%% of the transfer; streaming ends %.2f ms after compute, %s "
-              "1.5 x one layer's transfer (%.2f ms)\n",
-              hidden * 100, exposed, exposed <= 1.5 * layer_transfer ? "<=" : ">",
-              1.5 * layer_transfer);
-  std::printf("summary: layerwise stream %.2f ms, pull-after-prefill %.2f ms, compute %.2f ms, "
-              "hidden %.1f%%, exposed %.2f ms, transfer %.2f ms\n",
-              s_end, p_end, compute, hidden * 100, exposed, transfer);
+  std::printf(
+      "  hidden   %.1f%% of the transfer; streaming ends %.2f ms after compute, %s "
+      "1.5 x one layer's transfer (%.2f ms)\n",
+      hidden * 100, exposed, exposed <= 1.5 * layer_transfer ? "<=" : ">", 1.5 * layer_transfer);
+  std::printf(
+      "  bound    %.1f%%: no stream hides more than the compute it runs beside "
+      "(compute / transfer)\n",
+      bound * 100);
+  std::printf(
+      "summary: layerwise stream %.2f ms, pull-after-prefill %.2f ms, compute %.2f ms, "
+      "hidden %.1f%%, exposed %.2f ms, transfer %.2f ms, bound %.1f%%\n",
+      s_end, p_end, compute, hidden * 100, exposed, transfer, bound * 100);
   std::fflush(stdout);
 }
 
-// Per round: publish with 0 layers ready, then prefill_layers. Then a timing
-// frame (prefill start, compute end); the decode side acknowledges each
-// round with 'D'.
+// Once the decode side says 'R' (its cache and engine exist, so that the
+// first round does not race its start-up), per round: publish with 0 layers
+// ready, then prefill_layers. Then a timing frame (prefill start, compute
+// end); the decode side acknowledges each round with 'D'.
 int run_layerwise_prefill(const LayerwiseConfig& c) {
   auto cache = make_kv_cache(c.layout, c.memory);
   KVTransferManager manager(c.engine, cache);
@@ -129,6 +140,9 @@ int run_layerwise_prefill(const LayerwiseConfig& c) {
   double mark_us = 0;
   std::uint64_t marks = 0;
   auto staging = KVCache::create_host(c.layout);
+  if (read_byte(c.fd, c.timeout, "decode") != 'R') {
+    throw Error(StatusCode::kInternal, "unexpected byte from the decode process");
+  }
   for (std::uint32_t r = 0; r < 2 * c.rounds; ++r) {
     const std::uint64_t id = 100 + r;
     const auto pages = pool.allocate(id, c.tokens);
@@ -143,10 +157,11 @@ int run_layerwise_prefill(const LayerwiseConfig& c) {
     }
     pool.release(id);
   }
-  std::printf("[prefill] pid %d: %u rounds, %u layers each, %.3f ms compute per layer; "
-              "mark_layers_ready %.3f us per layer (mean of %llu)\n",
-              ::getpid(), 2 * c.rounds, c.layout.num_layers, c.ms_per_layer,
-              mark_us / static_cast<double>(marks), static_cast<unsigned long long>(marks));
+  std::printf(
+      "[prefill] pid %d: %u rounds, %u layers each, %.3f ms compute per layer; "
+      "mark_layers_ready %.3f us per layer (mean of %llu)\n",
+      ::getpid(), 2 * c.rounds, c.layout.num_layers, c.ms_per_layer,
+      mark_us / static_cast<double>(marks), static_cast<unsigned long long>(marks));
   std::fflush(stdout);
   manager.cleanup();
   return 0;
@@ -155,11 +170,13 @@ int run_layerwise_prefill(const LayerwiseConfig& c) {
 int run_layerwise_decode(const LayerwiseConfig& c) {
   auto cache = make_kv_cache(c.layout, c.memory);
   KVTransferManager manager(c.engine, cache);
-  KVCachePool pool(cache, manager.get_kv_transfer_info(), c.scatter_seed ? c.scatter_seed * 31 + 1 : 0);
+  KVCachePool pool(cache, manager.get_kv_transfer_info(),
+                   c.scatter_seed ? c.scatter_seed * 31 + 1 : 0);
   const auto local = pool.allocate(1, c.tokens);
   // Sentinel bytes before each round, outside its clock: the prefill starts
   // the next round only after this side's 'D'.
   std::memset(cache->base(), 0xA5, c.layout.total_bytes());
+  write_byte(c.fd, 'R');  // the prefill's clock starts only now
   LayerwiseSamples samples;
   std::uint64_t bytes = 0;
   for (std::uint32_t r = 0; r < 2 * c.rounds; ++r) {
@@ -189,11 +206,11 @@ int run_layerwise_decode(const LayerwiseConfig& c) {
     std::memset(cache->base(), 0xA5, c.layout.total_bytes());
     write_byte(c.fd, 'D');
   }
-  std::printf("[decode]  pid %d: engine '%s', %s per request, %u layers, %.3f ms compute per "
-              "layer, medians of %u rounds each (alternating)\n",
-              ::getpid(), c.engine.transfer_engine.c_str(),
-              (std::to_string(bytes >> 20) + " MiB").c_str(), c.layout.num_layers,
-              c.ms_per_layer, c.rounds);
+  std::printf(
+      "[decode]  pid %d: engine '%s', %s per request, %u layers, %.3f ms compute per "
+      "layer, medians of %u rounds each (alternating)\n",
+      ::getpid(), c.engine.transfer_engine.c_str(), (std::to_string(bytes >> 20) + " MiB").c_str(),
+      c.layout.num_layers, c.ms_per_layer, c.rounds);
   print_layerwise_report(samples, c.layout.num_layers);
   manager.cleanup();
   return 0;

@@ -70,9 +70,9 @@ struct LayerwiseConfig {
   std::uint64_t tokens = 0;
   std::uint64_t scatter_seed = 0;  // 0: contiguous pages
   double ms_per_layer = 0;
-  std::uint32_t rounds = 5;        // of each mode
+  std::uint32_t rounds = 5;  // of each mode
   std::chrono::milliseconds timeout{30000};
-  int fd = -1;                     // the channel to the other role
+  int fd = -1;  // the channel to the other role
   MemoryKind memory = MemoryKind::kHost;
   TransferEngineInfo engine;
 };

@@ -90,9 +90,9 @@ std::vector<std::uint8_t> read_frame(int fd, std::chrono::milliseconds timeout,
   const std::uint32_t n = std::uint32_t{len[0]} | std::uint32_t{len[1]} << 8 |
                           std::uint32_t{len[2]} << 16 | std::uint32_t{len[3]} << 24;
   if (n > kMaxFrame) {
-    throw Error(StatusCode::kCorruptDescriptor,
-                "the " + peer + " process sent a frame of " + std::to_string(n) +
-                    " bytes, limit " + std::to_string(kMaxFrame));
+    throw Error(StatusCode::kCorruptDescriptor, "the " + peer + " process sent a frame of " +
+                                                    std::to_string(n) + " bytes, limit " +
+                                                    std::to_string(kMaxFrame));
   }
   std::vector<std::uint8_t> out(n);
   read_exact(fd, out.data(), n, deadline, peer, timeout);

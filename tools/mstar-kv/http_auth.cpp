@@ -36,10 +36,11 @@ std::string read_token_file(const std::string& path) {
   for (std::size_t i = 0; i < token.size(); ++i) {
     const auto c = static_cast<unsigned char>(token[i]);
     if (c <= 0x20 || c == 0x7f) {
-      throw Error(StatusCode::kInvalidArgument,
-                  "--token-file '" + path + "': byte " + std::to_string(i) + " of the token (code " +
-                      std::to_string(c) + ") is a space or control character; a token "
-                      "is one line of printable characters");
+      throw Error(StatusCode::kInvalidArgument, "--token-file '" + path + "': byte " +
+                                                    std::to_string(i) + " of the token (code " +
+                                                    std::to_string(c) +
+                                                    ") is a space or control character; a token "
+                                                    "is one line of printable characters");
     }
   }
   return token;

@@ -2,13 +2,13 @@
 //
 // The shared secret of `mstar-kv serve` / `pull` (--token-file) and the checks
 // around it. The comparison and the minimum length are the library's
-// (src/core/auth.hpp), the same the UCX handshake uses.
+// (src/util/auth.hpp), the same the UCX handshake uses.
 #pragma once
 
 #include <string>
 #include <string_view>
 
-#include "core/auth.hpp"
+#include "util/auth.hpp"
 
 namespace mstar::kv::cli {
 

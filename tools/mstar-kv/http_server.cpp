@@ -9,13 +9,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <cerrno>
-#include <cstdlib>
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -177,9 +177,9 @@ MHD_Result on_request(void* cls, MHD_Connection* c, const char* url, const char*
     if (Tracked* t = tracked_of(c)) t->deadline_ns.store(kNoDeadline, std::memory_order_relaxed);
     if (!o.token.empty()) {
       if (const int refused = check_bearer(c, o.token); refused != 0) {
-        HttpResponse r = plain(refused, refused == 401
-                                            ? "this server needs Authorization: Bearer <token>\n"
-                                            : "wrong bearer token\n");
+        HttpResponse r =
+            plain(refused, refused == 401 ? "this server needs Authorization: Bearer <token>\n"
+                                          : "wrong bearer token\n");
         if (refused == 401) r.headers.emplace_back("WWW-Authenticate", "Bearer realm=\"mstar-kv\"");
         return respond(c, r);
       }
@@ -193,8 +193,8 @@ MHD_Result on_request(void* cls, MHD_Connection* c, const char* url, const char*
         return respond(c, plain(400, "Content-Length '" + std::string(cl) + "' is not a number\n"));
       }
       if (n > o.max_body_bytes) {
-        return respond(c, plain(413, "request body of " + std::to_string(n) +
-                                      " bytes, limit " + std::to_string(o.max_body_bytes) + "\n"));
+        return respond(c, plain(413, "request body of " + std::to_string(n) + " bytes, limit " +
+                                         std::to_string(o.max_body_bytes) + "\n"));
       }
     }
     *con_cls = new RequestState;
@@ -239,8 +239,8 @@ void on_completed(void* cls, MHD_Connection* c, void** con_cls,
 }
 
 [[noreturn]] void cannot_listen(const HttpServerOptions& o, const std::string& why) {
-  throw Error(StatusCode::kUnavailable, "cannot listen for HTTP on " + o.host + ":" +
-                                            std::to_string(o.port) + ": " + why);
+  throw Error(StatusCode::kUnavailable,
+              "cannot listen for HTTP on " + o.host + ":" + std::to_string(o.port) + ": " + why);
 }
 
 int listen_socket(const HttpServerOptions& o) {
@@ -323,12 +323,14 @@ HttpServer::HttpServer(HttpServerOptions options, Handler handler) {
                     " is below the thread count " + std::to_string(options.threads));
   }
   if (options.header_timeout_s == 0) {
-    throw Error(StatusCode::kInvalidArgument, "HTTP header timeout 0 s: no request could "
-                                              "arrive; give at least 1 s");
+    throw Error(StatusCode::kInvalidArgument,
+                "HTTP header timeout 0 s: no request could "
+                "arrive; give at least 1 s");
   }
   if (options.idle_timeout_s == 0) {
-    throw Error(StatusCode::kInvalidArgument, "HTTP idle timeout 0 s: connections would never "
-                                              "be closed; give at least 1 s");
+    throw Error(StatusCode::kInvalidArgument,
+                "HTTP idle timeout 0 s: connections would never "
+                "be closed; give at least 1 s");
   }
   // Keep 256 descriptors for the engine, the cache and the listener.
   const rlim_t nofile = raise_nofile();
@@ -352,14 +354,11 @@ HttpServer::HttpServer(HttpServerOptions options, Handler handler) {
   const std::size_t pool_bytes = o.max_header_bytes + 4096;
   impl_->daemon = MHD_start_daemon(
       MHD_USE_EPOLL_INTERNAL_THREAD, 0, nullptr, nullptr, &on_request, impl_,
-      MHD_OPTION_LISTEN_SOCKET, impl_->listen_fd,
-      MHD_OPTION_THREAD_POOL_SIZE, static_cast<unsigned>(o.threads),
-      MHD_OPTION_CONNECTION_LIMIT, max_connections_,
+      MHD_OPTION_LISTEN_SOCKET, impl_->listen_fd, MHD_OPTION_THREAD_POOL_SIZE,
+      static_cast<unsigned>(o.threads), MHD_OPTION_CONNECTION_LIMIT, max_connections_,
       MHD_OPTION_CONNECTION_TIMEOUT, static_cast<unsigned>(o.idle_timeout_s),
-      MHD_OPTION_CONNECTION_MEMORY_LIMIT, pool_bytes,
-      MHD_OPTION_NOTIFY_COMPLETED, &on_completed, impl_,
-      MHD_OPTION_NOTIFY_CONNECTION, &on_connection, impl_,
-      MHD_OPTION_STRICT_FOR_CLIENT, 1,
+      MHD_OPTION_CONNECTION_MEMORY_LIMIT, pool_bytes, MHD_OPTION_NOTIFY_COMPLETED, &on_completed,
+      impl_, MHD_OPTION_NOTIFY_CONNECTION, &on_connection, impl_, MHD_OPTION_STRICT_FOR_CLIENT, 1,
       MHD_OPTION_END);
   if (impl_->daemon == nullptr) {
     ::close(impl_->listen_fd);

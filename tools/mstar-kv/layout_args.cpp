@@ -28,8 +28,8 @@ const ModelPreset& find_preset(std::string_view name) {
 }
 
 std::set<std::string> layout_options() {
-  return {"model", "layers", "kv-heads", "head-dim", "dtype", "page-size",
-          "pages", "cache-order", "page-order"};
+  return {"model",     "layers", "kv-heads",    "head-dim",  "dtype",
+          "page-size", "pages",  "cache-order", "page-order"};
 }
 
 const char* layout_help() {
@@ -39,7 +39,8 @@ const char* layout_help() {
          "  --dtype T           bf16 (default), fp16, fp32, fp8_e4m3, fp8_e5m2\n"
          "  --page-size N       tokens per page (default 16)\n"
          "  --pages N           pages in each cache\n"
-         "  --cache-order O     layer (default) or page\n"
+         "  --cache-order O     layer (default: [L][k|v][P]), page ([P][L][k|v]) or\n"
+         "                      layer_page ([L][P][k|v], torch [L, P, 2, T, H, D])\n"
          "  --page-order O      nhd (default) or hnd\n";
 }
 
@@ -67,13 +68,12 @@ std::string apply_geometry(KVLayout& local, KVLayout& remote, const Geometry& g,
     if (tp == 0 || model_heads % tp != 0) {
       throw Error(StatusCode::kInvalidArgument,
                   std::string("--") + what + "-tp " + std::to_string(tp) +
-                      " does not divide the model's " + std::to_string(model_heads) +
-                      " KV heads");
+                      " does not divide the model's " + std::to_string(model_heads) + " KV heads");
     }
     if (rank >= tp) {
-      throw Error(StatusCode::kInvalidArgument,
-                  "--local-rank " + std::to_string(rank) + " out of range [0, " +
-                      std::to_string(tp) + ")");
+      throw Error(
+          StatusCode::kInvalidArgument,
+          "--local-rank " + std::to_string(rank) + " out of range [0, " + std::to_string(tp) + ")");
     }
     return std::pair<std::uint32_t, std::uint32_t>{model_heads / tp * rank, model_heads / tp};
   };
@@ -85,8 +85,8 @@ std::string apply_geometry(KVLayout& local, KVLayout& remote, const Geometry& g,
     throw Error(StatusCode::kInvalidArgument,
                 "a TP=" + std::to_string(g.local_tp) + " decode rank holds KV heads [" +
                     std::to_string(lfirst) + ", " + std::to_string(lfirst + ln) +
-                    "), more than one TP=" + std::to_string(g.remote_tp) +
-                    " prefill rank holds (" + std::to_string(rn) +
+                    "), more than one TP=" + std::to_string(g.remote_tp) + " prefill rank holds (" +
+                    std::to_string(rn) +
                     "): a merge reads several peers (KVTransferManager's RemoteShard form, "
                     "tested in the conformance suite), which this command does not do");
   }

@@ -18,7 +18,8 @@ struct Entry {
 
 constexpr Entry kCommands[] = {
     {"info", &mstar::kv::cli::cmd_info, "print the engines built and a layout's sizes"},
-    {"demo", &mstar::kv::cli::cmd_demo, "a prefill process hands a request's KV to a decode process"},
+    {"demo", &mstar::kv::cli::cmd_demo,
+     "a prefill process hands a request's KV to a decode process"},
 #if MSTAR_KV_CMD_SERVE_PULL  // -DMSTAR_KV_BUILD_SERVE_PULL (tools/CMakeLists.txt)
     {"serve", &mstar::kv::cli::cmd_serve, "hold caches and serve published sequences over HTTP"},
     {"pull", &mstar::kv::cli::cmd_pull, "pull a sequence from a serving host and verify it"},

@@ -16,7 +16,6 @@ using demo::now_ns;
 using Clock = std::chrono::steady_clock;
 constexpr std::uint8_t kPoison = 0xA5;
 
-
 void poison(const KVCache& cache, std::span<const std::uint32_t> pages) {
   const KVLayout& l = cache.layout();
   for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
@@ -113,8 +112,7 @@ std::optional<std::string> LayerwiseOwner::wait(std::uint64_t id,
   return result_;
 }
 
-HttpResponse LayerwiseOwner::route(const HttpRequest& req, std::uint64_t id,
-                                   std::uint64_t seed) {
+HttpResponse LayerwiseOwner::route(const HttpRequest& req, std::uint64_t id, std::uint64_t seed) {
   HttpResponse r;
   auto fail = [&r](int status, const std::string& why) {
     r.status = status;
@@ -140,8 +138,8 @@ HttpResponse LayerwiseOwner::route(const HttpRequest& req, std::uint64_t id,
                                                      : 500,
                 e.what());
   }
-  if (!timing) return fail(503, "the prefill of sequence " + std::to_string(id) +
-                                    " did not end in 60 s");
+  if (!timing)
+    return fail(503, "the prefill of sequence " + std::to_string(id) + " did not end in 60 s");
   r.content_type = "application/json";
   r.body = std::move(*timing);
   return r;
@@ -187,21 +185,23 @@ void run_pull_layerwise(const LayerwisePull& p) {
     const VerifyResult v = verify_pattern(*p.cache, p.seed, p.local, 0, seq.num_tokens);
     if (!v.ok()) {
       throw Error(StatusCode::kInternal,
-                  std::string(stream ? "streamed" : "pulled") + " round " +
-                      std::to_string(r + 1) + ": " + std::to_string(v.mismatched_blocks) +
-                      " of " + std::to_string(v.blocks_checked) +
+                  std::string(stream ? "streamed" : "pulled") + " round " + std::to_string(r + 1) +
+                      ": " + std::to_string(v.mismatched_blocks) + " of " +
+                      std::to_string(v.blocks_checked) +
                       " blocks differ from the pattern; first: " + v.first_mismatch);
     }
-    std::printf("  round %u %-9s all KV at decode %8.2f ms after prefill start (compute "
-                "%.2f ms), verified %llu blocks\n",
-                r + 1, stream ? "streamed:" : "pulled:", end, compute,
-                static_cast<unsigned long long>(v.blocks_checked));
+    std::printf(
+        "  round %u %-9s all KV at decode %8.2f ms after prefill start (compute "
+        "%.2f ms), verified %llu blocks\n",
+        r + 1, stream ? "streamed:" : "pulled:", end, compute,
+        static_cast<unsigned long long>(v.blocks_checked));
     std::fflush(stdout);
   }
-  std::printf("layer-wise: %.1f MiB per request, %u layers, medians of %u rounds each "
-              "(alternating); owner's mark_layers_ready %.3f us per layer (mean of %.0f)\n",
-              static_cast<double>(moved) / 1048576.0, layout.num_layers, p.rounds,
-              marks > 0 ? mark_ns / marks / 1e3 : 0.0, marks);
+  std::printf(
+      "layer-wise: %.1f MiB per request, %u layers, medians of %u rounds each "
+      "(alternating); owner's mark_layers_ready %.3f us per layer (mean of %.0f)\n",
+      static_cast<double>(moved) / 1048576.0, layout.num_layers, p.rounds,
+      marks > 0 ? mark_ns / marks / 1e3 : 0.0, marks);
   demo::print_layerwise_report(samples, layout.num_layers);
 }
 

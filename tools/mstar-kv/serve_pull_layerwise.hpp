@@ -81,7 +81,7 @@ class LayerwiseOwner {
   std::optional<std::uint64_t> last_ MSTAR_KV_GUARDED_BY(mu_);  // the id of the last prefill
   std::string result_ MSTAR_KV_GUARDED_BY(mu_);                 // its JSON once ended
   std::string error_ MSTAR_KV_GUARDED_BY(mu_);                  // or why it failed
-  std::thread worker_;                 // joined before the next start
+  std::thread worker_;                                          // joined before the next start
 };
 
 // The puller's half: 2 x rounds prefills of the sequence at `base`

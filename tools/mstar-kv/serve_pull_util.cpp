@@ -1,5 +1,6 @@
 // Copyright mstar-kv authors.
 #include "serve_pull_util.hpp"
+#include "util/parse.hpp"
 
 #include <algorithm>
 #include <cstdlib>
@@ -38,13 +39,11 @@ std::string json_value(const std::string& json, const std::string& key) {
 
 std::uint64_t json_u64(const std::string& json, const std::string& key) {
   const std::string v = json_value(json, key);
-  char* end = nullptr;
-  const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0') {
-    throw Error(StatusCode::kCorruptDescriptor,
-                "server metadata: '" + key + "' = '" + v + "' is not a number");
+  try {
+    return util::parse_u64(v, "server metadata '" + key + "'");
+  } catch (const Error& e) {
+    throw Error(StatusCode::kCorruptDescriptor, e.status().message());  // untrusted bytes
   }
-  return x;
 }
 
 bool parse_id(const std::string& s, std::uint64_t* id) {
@@ -99,8 +98,8 @@ KVLayout layout_from_meta(const std::string& meta, const Args& args, std::uint32
   layout.head_dim = static_cast<std::uint32_t>(json_u64(lj, "head_dim"));
   layout.dtype = parse_dtype(json_value(lj, "dtype"));
   layout.has_v = json_value(lj, "has_v") == "true";
-  layout.cache_order = parse_cache_order(
-      args.str("cache-order", std::string(json_value(lj, "cache_order"))));
+  layout.cache_order =
+      parse_cache_order(args.str("cache-order", std::string(json_value(lj, "cache_order"))));
   layout.page_order =
       parse_page_order(args.str("page-order", std::string(json_value(lj, "page_order"))));
   layout.num_pages = std::max<std::uint32_t>(num_pages, 1);

@@ -11,14 +11,14 @@
 #include <string>
 
 #include "args.hpp"
-#include "core/host_port.hpp"
 #include "mstar/kv/kv.hpp"
+#include "util/host_port.hpp"
 
 namespace mstar::kv::cli {
 
 inline constexpr std::uint16_t kDefaultHttpPort = 23480;  // outside 32768-60999
 
-// "HOST[:PORT]" (PORT defaults to kDefaultHttpPort; core/host_port.hpp, the
+// "HOST[:PORT]" (PORT defaults to kDefaultHttpPort; util/host_port.hpp, the
 // parser the ucx engine's session ids use too); `flag` names the option in
 // errors.
 inline HostPort parse_host_port(const std::string& s, const char* flag) {

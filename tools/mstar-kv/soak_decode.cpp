@@ -37,8 +37,8 @@ void decode_thread(std::size_t t, const DecodeConfig& cfg, const KVCache& cache,
     const SequenceInfo& seq = pub->seqs[rng() % pub->seqs.size()];
     KVTransferEngine* engine = engines.at(pub->engine);
     std::shuffle(region.begin(), region.end(), rng);
-    std::vector<std::uint32_t> lp(region.begin(),
-                                  region.begin() + static_cast<std::ptrdiff_t>(seq.page_indices.size()));
+    std::vector<std::uint32_t> lp(
+        region.begin(), region.begin() + static_cast<std::ptrdiff_t>(seq.page_indices.size()));
     const std::uint64_t start = rng() % 4 == 0 ? rng() % seq.num_tokens : 0;
     const auto reads = plan_reads(l, start, seq.num_tokens, lp, seq.page_indices);
     testkit::ReadChecker checker(cache, testkit::allowed_ranges(l, remote_layout, reads),
@@ -56,6 +56,7 @@ void decode_thread(std::size_t t, const DecodeConfig& cfg, const KVCache& cache,
       if (!checker.destination_untouched()) stats.corruption(what + ": rejected read wrote");
       continue;
     }
+    if (f && cfg.after_issue) cfg.after_issue();
     if (!f || !f->wait_for(cfg.timeout + 5s)) {
       // Its pages may still be written: this thread stops using them.
       stats.hangs.fetch_add(1, std::memory_order_relaxed);
@@ -64,15 +65,15 @@ void decode_thread(std::size_t t, const DecodeConfig& cfg, const KVCache& cache,
     }
     const Status st = f->status();
     if (st.is_ok()) {
-      const VerifyResult v = verify_pattern(cache, pattern_seed(seq.seq_id), lp, start, seq.num_tokens);
+      const VerifyResult v =
+          verify_pattern(cache, pattern_seed(seq.seq_id), lp, start, seq.num_tokens);
       if (v.ok()) {
         stats.ok.fetch_add(1, std::memory_order_relaxed);
         stats.bytes_verified.fetch_add(v.bytes_checked, std::memory_order_relaxed);
       } else {
         // Another request's KV (or garbage) reported as this one's: the bug
         // page epochs exist to prevent.
-        stats.wrong_sequence.fetch_add(1, std::memory_order_relaxed);
-        stats.corruption(what + ": success reported but " + v.first_mismatch);
+        stats.corruption(what + ": success reported but " + v.first_mismatch, true);
       }
     } else {
       stats.failed.fetch_add(1, std::memory_order_relaxed);
@@ -86,8 +87,8 @@ void decode_thread(std::size_t t, const DecodeConfig& cfg, const KVCache& cache,
 
 std::unique_ptr<FaultInjectingEngine> make_decode_engine(const std::string& engine,
                                                          std::shared_ptr<KVCache> cache,
-                                                         const DecodeConfig& cfg,
-                                                         double fault_rate, std::uint64_t seed,
+                                                         const DecodeConfig& cfg, double fault_rate,
+                                                         std::uint64_t seed,
                                                          FaultInjectingEngine::KillHook kill) {
   EngineOptions o;
   o.timeout = cfg.timeout;

@@ -63,8 +63,8 @@ std::vector<std::string> layout_flags(const KVLayout& l) {
           "--dtype",       std::string(to_string(l.dtype)),
           "--page-size",   std::to_string(l.page_size),
           "--pages",       std::to_string(l.num_pages),
-          "--cache-order", l.cache_order == CacheOrder::kPageMajor ? "page" : "layer",
-          "--page-order",  l.page_order == PageOrder::kHND ? "hnd" : "nhd"};
+          "--cache-order", std::string(to_string(l.cache_order)),
+          "--page-order",  std::string(to_string(l.page_order))};
 }
 
 // The soak's default geometry is small (4 layers, 2 heads x 64) so that many

@@ -23,7 +23,7 @@ struct PrefillChurn {
   // new one is allocated (on the pages just freed), filled and published.
   // 0: no reuse.
   std::chrono::milliseconds reuse{0};
-  std::uint64_t gen = 1;          // seq ids are gen * 1000 + n
+  std::uint64_t gen = 1;  // seq ids are gen * 1000 + n
   std::uint64_t max_tokens = 256;
   std::uint64_t first_free_id = 0;  // n of the next new sequence
 };

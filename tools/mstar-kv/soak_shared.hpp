@@ -11,9 +11,11 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -58,21 +60,28 @@ struct Stats {
   std::mutex mu;
   std::map<std::string, std::uint64_t> failures_by_code MSTAR_KV_GUARDED_BY(mu);
   std::string first_corruption MSTAR_KV_GUARDED_BY(mu);
+  // Set before any thread runs: told of every corruption at once (a decode
+  // process passes them to the supervisor before it may be killed).
+  std::function<void(bool wrong_sequence, const std::string& what)> on_corruption;
 
   void failure(StatusCode c) {
     std::lock_guard<std::mutex> lock(mu);
     ++failures_by_code[std::string(to_string(c))];
   }
-  void corruption(const std::string& what) {
+  // `wrong`: a read reported success with another request's bytes.
+  void corruption(const std::string& what, bool wrong = false) {
     corruptions.fetch_add(1, std::memory_order_relaxed);
+    if (wrong) wrong_sequence.fetch_add(1, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lock(mu);
     if (first_corruption.empty()) first_corruption = what;
+    if (on_corruption) on_corruption(wrong, what);
   }
 };
 
 struct Shared {
   std::mutex mu;
-  std::vector<std::shared_ptr<const Published>> slots MSTAR_KV_GUARDED_BY(mu);  // null while restarting
+  std::vector<std::shared_ptr<const Published>> slots
+      MSTAR_KV_GUARDED_BY(mu);  // null while restarting
   std::vector<pid_t> pids MSTAR_KV_GUARDED_BY(mu);
 
   explicit Shared(std::size_t n) : slots(n), pids(n, -1) {}
@@ -90,19 +99,35 @@ struct Shared {
     std::lock_guard<std::mutex> lock(mu);
     if (pids.empty()) return;
     const pid_t pid = pids[r % pids.size()];
-    if (pid > 0) ::kill(pid, SIGKILL);
+    if (pid > 0) {
+      hook_killed.insert(pid);
+      ::kill(pid, SIGKILL);
+    }
   }
+  // Whether the kill hook SIGKILLed `pid` (an owner death that was meant).
+  bool killed_by_hook(pid_t pid) {
+    std::lock_guard<std::mutex> lock(mu);
+    return hook_killed.count(pid) != 0;
+  }
+
+ private:
+  std::set<pid_t> hook_killed MSTAR_KV_GUARDED_BY(mu);
 };
 
 // Sequences a prefill published since READY (page reuse, expired leases):
 // appended to its slot, which keeps the newest `keep`, freed ones included,
 // so that readers also pull sequences whose pages went to others.
-std::size_t take_published(Prefill& p, std::size_t i, std::size_t keep, Shared& shared);
+// Returns them (also to the decode processes, soak_readers.hpp).
+std::vector<SequenceInfo> take_published(Prefill& p, std::size_t i, std::size_t keep,
+                                         Shared& shared);
 
 struct DecodeConfig {
   std::chrono::milliseconds timeout;
   std::chrono::milliseconds grace;
   std::uint64_t seed;
+  // Runs right after each read was issued, its future in flight (a decode
+  // process asked to die kills itself there: inside a read).
+  std::function<void()> after_issue;
 };
 
 // One decode thread: pulls random published sequences into its pages and
@@ -118,8 +143,8 @@ void decode_thread(std::size_t t, const DecodeConfig& cfg, const KVCache& cache,
 // cancels) from `seed`; `kill` kills a random prefill process.
 std::unique_ptr<FaultInjectingEngine> make_decode_engine(const std::string& engine,
                                                          std::shared_ptr<KVCache> cache,
-                                                         const DecodeConfig& cfg,
-                                                         double fault_rate, std::uint64_t seed,
+                                                         const DecodeConfig& cfg, double fault_rate,
+                                                         std::uint64_t seed,
                                                          FaultInjectingEngine::KillHook kill);
 
 // The engines to soak: `list` (comma-separated) checked, or, when empty,
@@ -128,10 +153,24 @@ std::unique_ptr<FaultInjectingEngine> make_decode_engine(const std::string& engi
 std::vector<std::string> soak_engines(const std::string& list);
 
 // What a run did, for the report.
+// What the decode processes did (soak_readers.hpp).
+struct ReaderCounts {
+  std::uint64_t started = 0;           // decode processes started
+  std::uint64_t kills = 0;             // of them SIGKILLed
+  std::uint64_t kills_in_read = 0;     // of those, by themselves inside a read, when asked
+  std::uint64_t unexpected_exits = 0;  // ended otherwise (a reader's own failure)
+  std::uint64_t requests = 0;          // theirs, of the run's requests (as they last reported)
+  std::string first_unexpected;
+};
+
 struct SoakRun {
   std::uint64_t seconds = 0;
   std::vector<std::string> prefill_engines;  // one per prefill process
   std::size_t threads = 0;
+  std::size_t decode_procs = 0;
+  ReaderCounts readers;
+  std::uint64_t unexpected_owner_exits = 0;  // prefill processes that died unasked
+  std::string first_unexpected_owner_exit;
   std::uint64_t seed = 0;
   bool interrupted = false;
   std::uint64_t kills = 0, restarts = 0, deaths = 0, republished = 0;

@@ -44,16 +44,17 @@ std::vector<SequenceInfo> start_prefill(Prefill& p, const std::vector<std::strin
   throw Error(StatusCode::kPeerFailure, "a " + p.engine + " prefill process did not get ready");
 }
 
-std::size_t take_published(Prefill& p, std::size_t i, std::size_t keep, Shared& shared) {
+std::vector<SequenceInfo> take_published(Prefill& p, std::size_t i, std::size_t keep,
+                                         Shared& shared) {
   std::vector<SequenceInfo> fresh;
   while (p.child) {
     const auto line = p.child->poll_line();
     if (!line) break;
     if (auto seq = testkit::parse_seq_line(*line)) fresh.push_back(std::move(*seq));
   }
-  if (fresh.empty()) return 0;
+  if (fresh.empty()) return fresh;
   std::lock_guard<std::mutex> lock(shared.mu);
-  if (!shared.slots[i]) return 0;
+  if (!shared.slots[i]) return {};
   auto pub = std::make_shared<Published>(*shared.slots[i]);
   pub->seqs.insert(pub->seqs.end(), fresh.begin(), fresh.end());
   if (pub->seqs.size() > keep) {
@@ -61,7 +62,7 @@ std::size_t take_published(Prefill& p, std::size_t i, std::size_t keep, Shared& 
                     pub->seqs.begin() + static_cast<std::ptrdiff_t>(pub->seqs.size() - keep));
   }
   shared.slots[i] = std::move(pub);
-  return fresh.size();
+  return fresh;
 }
 
 std::vector<std::string> soak_engines(const std::string& list) {

@@ -1,63 +1,9 @@
 // Copyright mstar-kv authors.
 //
-// The CUDA IPC engine: the spec's CudaIpcKVTransferEngine. Prefill and decode
-// engines on the GPUs of one host; the decode side copies device-to-device
-// straight out of the prefill side's cache through a legacy CUDA IPC handle
-// (cudaIpcGetMemHandle / cudaIpcOpenMemHandle). Both processes may use the
-// same GPU (CUDA IPC supports it) or two GPUs with peer access.
-//
-// Page epochs (epochs.hpp). A device cache keeps, besides its host table, a
-// device copy: one cudaMalloc of 8 bytes per page with its own IPC handle,
-// named in the descriptor. KVCachePool's stamps reach it before allocate /
-// release return (a cudaMemcpyAsync of the stamped range on a private
-// stream and a cudaStreamSynchronize: some 10-50 us per allocation, so the
-// model's kernels that write a new request's pages always come after its
-// epoch). A read of a SequenceInfo's descriptor (epoch != 0) copies the
-// epochs of its remote pages to the host before enqueuing its copies and
-// again once they completed, and fails with kStaleDescriptor if any page
-// changed owner; a descriptor without an epoch table (made from a bare
-// torch cuda_share) cannot be read with an epoch (kInvalidArgument). Not
-// run on a GPU in this project's CI (no device there): the tests skip.
-//
-// Layer readiness (readiness.hpp, streaming.hpp). A device cache's host
-// tables, its page epochs and layer readiness words, live in a small sealed
-// memfd of the owner (host_tables.hpp), named in the descriptor (fd, uid);
-// a streaming reader on the same host maps it read-only through
-// /proc/<owner pid>/fd/<fd> and polls the words with plain loads: no CUDA
-// call and no syscall per poll on either side. The owner marks a layer once
-// its bytes are in device memory, i.e. after the kernels that wrote it
-// completed: KVCachePool::mark_layers_ready after synchronising the stream
-// (or an event recorded after the layer's kernels), or
-// mark_layers_ready_after(pool, seq_id, layers, stream) below, which enqueues
-// the mark on the stream itself (cudaLaunchHostFunc) so that the forward
-// pass never waits. A reader copies a layer only after it saw the mark, so
-// its copies (on its own streams) read finished bytes. Where the owner could
-// not make the tables (no memfd), or owner and reader live in different pid
-// namespaces, streaming is refused (kUnavailable, kNotFound) and a pull of
-// the finished request still works.
-//
-// Authentication is the driver's: a CUDA IPC handle opens only on the same
-// host, in a process that can use the device, so extra["auth_token"] is
-// accepted and ignored here.
-//
-// Device memory. make_kv_cache(layout, MemoryKind::kDevice, device) makes a
-// cache in ONE cudaMalloc allocation for the whole cache, not one per layer:
-// one IPC handle describes the whole cache, a reader opens it once per owner
-// (cudaIpcOpenMemHandle is costly: it maps the allocation into the reader's
-// address space), and every bounds check is a single comparison against one
-// allocation. Per-layer allocations would need num_layers handles, opens and
-// bounds. Memory owned by someone else (a PyTorch tensor) is wrapped with
-// wrap_device_memory below.
-//
-// Only memory that legacy CUDA IPC can share is accepted: cudaMalloc'd memory
-// (PyTorch's default caching allocator). Allocations made through the virtual
-// memory management API (cuMemCreate + cuMemMap, e.g. PyTorch with
-// PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) and stream-ordered pool
-// memory (cudaMallocAsync) are refused with Error(kInvalidArgument) saying so,
-// never silently served by a slower path.
-//
-// This header includes no CUDA header; the library builds and tests without
-// a GPU toolchain, and this engine is built only where the CUDA toolkit is.
+// The CUDA IPC engine ("cuda_ipc"): the spec's CudaIpcKVTransferEngine. Same
+// host, GPU memory: the reader copies device to device out of the owner's
+// cache through a legacy CUDA IPC handle. This header includes no CUDA header;
+// the engine is built only where the CUDA toolkit is. docs/engines/cuda_ipc.md.
 #pragma once
 
 #include <array>
@@ -73,12 +19,41 @@
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/engine.hpp"
-#include "mstar/kv/layout.hpp"
 #include "mstar/kv/engine_options.hpp"
+#include "mstar/kv/layout.hpp"
 
 namespace mstar::kv {
 
 class KVCachePool;  // pool.hpp
+
+// Memory: make_kv_cache(layout, MemoryKind::kDevice, device) makes one
+// cudaMalloc for the whole cache (one IPC handle, one open per reader, one
+// bounds check); wrap_device_memory / wrap_device_cache serve memory owned
+// elsewhere (a PyTorch tensor). Only memory legacy CUDA IPC can share is
+// accepted (cudaMalloc'd, e.g. PyTorch's default caching allocator); VMM
+// allocations (cuMemCreate + cuMemMap, e.g. PyTorch's expandable_segments)
+// and stream-ordered pools (cudaMallocAsync) are refused with
+// Error(kInvalidArgument) saying so.
+//
+// Page epochs (epochs.hpp): a device cache keeps a device copy of its epoch
+// table (its own allocation and IPC handle, named in the descriptor), which
+// KVCachePool's stamps reach before allocate / release return. A read of a
+// SequenceInfo's descriptor (epoch != 0) checks the epochs of its remote pages
+// before enqueuing its copies and once they completed (kStaleDescriptor); a
+// descriptor without an epoch table cannot be read with an epoch
+// (kInvalidArgument).
+//
+// Layer readiness (readiness.hpp, streaming.hpp): the host tables (page
+// epochs and readiness words) live in a sealed memfd of the owner, named in
+// the descriptor, which a streaming reader on the same host maps read-only
+// through /proc/<owner pid>/fd/<fd>. The owner marks a layer only once the
+// kernels that wrote it completed: KVCachePool::mark_layers_ready after
+// synchronising, or mark_layers_ready_after below. Where the owner has no
+// tables, or lives in another pid namespace, streaming is refused
+// (kUnavailable, kNotFound) and a pull of the finished request still works.
+//
+// Authentication is the driver's (an IPC handle opens only on the same host):
+// extra["auth_token"] is accepted and ignored.
 
 // The spec's cuda_share: the legacy IPC handle of the allocation plus the
 // device it lives on. Value type.
@@ -86,11 +61,11 @@ struct CudaIpcShare {
   static constexpr std::size_t kHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)
 
   std::array<std::uint8_t, kHandleBytes> handle{};  // cudaIpcMemHandle_t bytes
-  std::int32_t device = 0;                 // ordinal in the owner's process
-  std::array<std::uint8_t, 16> device_uuid{};  // cudaDeviceProp::uuid: names
-                                           // the GPU whatever the ordinals
-  std::uint64_t allocation_bytes = 0;      // size of the allocation the
-                                           // handle opens (from its base)
+  std::int32_t device = 0;                          // ordinal in the owner's process
+  std::array<std::uint8_t, 16> device_uuid{};       // cudaDeviceProp::uuid: names
+                                                    // the GPU whatever the ordinals
+  std::uint64_t allocation_bytes = 0;               // size of the allocation the
+                                                    // handle opens (from its base)
 
   bool operator==(const CudaIpcShare&) const = default;
 };
@@ -103,7 +78,8 @@ struct CudaIpcShare {
 // for MLA's single latent):
 //   layer-major: [num_layers, num_kv, num_pages, P0, P1, head_dim]
 //   page-major:  [num_pages, num_layers, num_kv, P0, P1, head_dim]
-// with (P0, P1) = (page_size, num_kv_heads) for NHD pages and
+//   layer_page:  [num_layers, num_pages, num_kv, P0, P1, head_dim]
+// (KVLayout::view_shape) with (P0, P1) = (page_size, num_kv_heads) for NHD pages and
 // (num_kv_heads, page_size) for HND pages. Value type.
 struct CudaIpcKVTransferInfo {
   static constexpr const char* kEngineName = "cuda_ipc";
@@ -133,7 +109,7 @@ struct CudaIpcKVTransferInfo {
   bool has_epoch_table = false;
   std::array<std::uint8_t, CudaIpcShare::kHandleBytes> epoch_handle{};
   std::uint32_t epoch_pages = 0;
-  // The owner's host tables ("Layer readiness" below): its page epochs and
+  // The owner's host tables ("Layer readiness" above): its page epochs and
   // layer readiness words in a sealed memfd, open in the owner as fd
   // `host_tables_fd`, owned by uid `host_tables_uid`. Needs an epoch table;
   // absent (false, zeros) where the owner could not make them or the
@@ -182,11 +158,9 @@ std::string cuda_unavailable_reason();
 // sees a new generation of this process).
 // Throws Error(kInvalidArgument) for a null / host / other-device pointer, a
 // range outside its allocation, or memory legacy CUDA IPC cannot share (VMM
-// or pool allocations, see above); Error(kUnavailable) when no CUDA device
-// or driver is usable (with the CUDA error name).
-std::unique_ptr<KVMemory> wrap_device_memory(void* device_ptr,
-                                             std::size_t size_bytes,
-                                             int device);
+// or pool allocations, see "Memory" above); Error(kUnavailable) when no CUDA
+// device or driver is usable (with the CUDA error name).
+std::unique_ptr<KVMemory> wrap_device_memory(void* device_ptr, std::size_t size_bytes, int device);
 // Marks layers [0, layers) of sequence seq_id ready (KVCachePool::
 // mark_layers_ready) once the work enqueued so far on `cuda_stream` (a
 // cudaStream_t; nullptr: the legacy default stream) has completed, through
@@ -199,21 +173,24 @@ std::unique_ptr<KVMemory> wrap_device_memory(void* device_ptr,
 void mark_layers_ready_after(std::shared_ptr<KVCachePool> pool, std::uint64_t seq_id,
                              std::uint32_t layers, void* cuda_stream);
 // A cache over wrapped memory (make_kv_cache for memory owned elsewhere).
-std::shared_ptr<KVCache> wrap_device_cache(const KVLayout& layout,
-                                           void* device_ptr,
+std::shared_ptr<KVCache> wrap_device_cache(const KVLayout& layout, void* device_ptr,
                                            std::size_t size_bytes, int device);
 
 // Reads pages of another process's device cache into this engine's device
 // cache.
 //
-// * Copies are cudaMemcpyAsync device-to-device (or cudaMemcpyBatchAsync,
+// * Two copy paths (options.extra["cuda_ipc_copy"]):
+//   "kernel": a read is one launch of a copy kernel that moves every span
+//   and strided span of its plan (any geometry: page sizes, head shards,
+//   NHD <-> HND, every cache order), on one of the max_workers streams: its
+//   span table (32 bytes a span) is written into a pinned buffer, uploaded
+//   with one cudaMemcpyAsync, the kernel launched, one event recorded.
+//   "memcpy": cudaMemcpyAsync device-to-device (or cudaMemcpyBatchAsync,
 //   CUDA >= 13, one call per stream) spread round-robin, span by span, over
-//   max_workers non-blocking streams; one event is recorded per stream used.
-//   read_batched_async only enqueues: it never waits for the GPU.
-//   Caches of different geometry (layout.hpp: page sizes, head shards,
-//   NHD <-> HND) plan strided spans (planner.hpp): each is one
-//   cudaMemcpy2DAsync (rows at the two sides' pitches), never one copy per
-//   (token, head) row. (Compiled here; run only where a GPU is.)
+//   max_workers non-blocking streams, one event recorded per stream used;
+//   strided spans are one cudaMemcpy2DAsync each (rows at the two sides'
+//   pitches), never one copy per (token, head) row.
+//   Either way read_batched_async only enqueues: it never waits for the GPU.
 // * One completion thread (joined by shutdown) polls the events of every
 //   read in flight with a short backoff (20 us doubling to 1 ms) and
 //   resolves the futures; no thread blocks per copy.
@@ -261,21 +238,25 @@ class CudaIpcKVTransferEngine final : public KVTransferEngine {
   // cudaMemcpyBatchAsync path off (default "1": used where the runtime is
   // CUDA >= 13 and the driver accepts it, else one cudaMemcpyAsync per span;
   // a refused batch falls back for good, re-issuing its copies).
+  // options.extra["cuda_ipc_copy"] = "kernel" | "memcpy" chooses the copy
+  // path (above); without it, the environment's MSTAR_KV_CUDA_IPC_COPY,
+  // else the build's default (CMake MSTAR_KV_CUDA_IPC_COPY_DEFAULT, "memcpy"
+  // until a measurement on a GPU says otherwise); "kernel" is refused in a
+  // build without the kernel (no CUDA compiler at configure time).
   // options.extra["cuda_ipc_check_owner_pid"] = "0" stops refusing
   // descriptors whose owner pid does not exist here (for owners in another
   // pid namespace, e.g. another container sharing the GPU). Any other key
   // starting with "cuda_ipc_" is refused with Error(kInvalidArgument) naming
   // the known ones (checked first); keys of other engines' prefixes and
   // shared keys are ignored. The engine shares ownership of the cache.
-  // Throws Error(kInvalidArgument) for other memory or limits, Error(kUnavailable) (CUDA error named) when streams or
-  // the handle cannot be made.
+  // Throws Error(kInvalidArgument) for other memory or limits, Error(kUnavailable) (CUDA error
+  // named) when streams or the handle cannot be made.
   explicit CudaIpcKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
                                    const EngineOptions& options = {});
   // Every engine's shape (what make_engine calls): info.options as above.
   CudaIpcKVTransferEngine(std::shared_ptr<KVCache> kv_cache, const TransferEngineInfo& info);
   // The spec's CudaIpcKVTransferEngine(kv_cache, max_workers=3).
-  CudaIpcKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
-                          std::uint32_t max_workers);
+  CudaIpcKVTransferEngine(std::shared_ptr<KVCache> kv_cache, std::uint32_t max_workers);
   ~CudaIpcKVTransferEngine() override;
 
   CudaIpcKVTransferEngine(const CudaIpcKVTransferEngine&) = delete;
@@ -286,20 +267,25 @@ class CudaIpcKVTransferEngine final : public KVTransferEngine {
   // The same, decoded.
   const CudaIpcKVTransferInfo& info() const noexcept;
 
-  std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const override;
-  std::optional<TransferFuture> read_batched_async(
-      const KVTransferInfo& remote_kv_info,
-      std::span<const KVReadInfo> read_info) override;
+  using KVTransferEngine::read_batched_async;
+  std::string name() const override { return "cuda_ipc"; }
+  // Decodes a cuda_ipc descriptor and checks its layout against the local
+  // cache's; opens no IPC handle yet.
+  RemoteHandle open_remote(const KVTransferInfo& remote) const override;
+  std::optional<TransferFuture> read_batched_async(const RemoteCache& remote,
+                                                   std::span<const KVReadInfo> read_info) override;
 
   void shutdown() override;
   // Layer-wise streaming ("Layer readiness" above): a watch on the owner's
   // readiness words in its host tables. Throws as a read would, and
-  // Error(kUnavailable) when the descriptor carries no host tables.
-  std::unique_ptr<LayerWatch> watch_layers(const KVTransferInfo& remote_kv_info,
+  // Error(kNotSupported) when the descriptor carries no host tables.
+  std::unique_ptr<LayerWatch> watch_layers(const RemoteCache& remote,
                                            std::span<const KVReadInfo> read_info) override;
 
   // Remote allocations currently open (for tests and tools).
   std::size_t open_handles() const;
+  // The copy path in use: "kernel" or "memcpy" (cuda_ipc_copy above).
+  std::string copy_path() const;
 
  private:
   class Impl;

@@ -23,7 +23,7 @@ struct EngineOptions {
   std::map<std::string, std::string> extra;
   // Page epoch checks (epochs.hpp): a read of pages that changed owner fails
   // with kStaleDescriptor. Turning them off exists only to measure what they
-  // cost (mstar-kv bench --no-epoch-check); never in production.
+  // cost (mstar-kv bench --epoch-ab); never in production.
   bool check_epochs = true;
   // Where the engine logs (log.hpp): silent unless MSTAR_KV_LOG is set.
   Logger log = Logger::from_env();

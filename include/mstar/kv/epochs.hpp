@@ -1,17 +1,6 @@
 // Copyright mstar-kv authors.
 //
-// Page epochs: which request owns a page right now.
-//
-// Every page a KVCachePool hands out is stamped with a fresh 64-bit epoch
-// (never reused by that pool; 0 means "free"), and the SequenceInfo the pool
-// publishes carries the epoch of its sequence (KVTransferInfo::epoch; the
-// pool stamps per sequence, so one epoch covers all its pages). A reader
-// checks that every remote page it reads still carries that epoch:
-// owner-served engines check before sending, one-sided engines check before
-// and after the copy (a seqlock) and fail the read with kStaleDescriptor if
-// any page changed owner in between. Where the table lives is the engine's
-// business (the shm file after the pages, a registered region beside the
-// cache for UCX and Mooncake); the cache owns it and the pool writes it.
+// Page epochs: which request owns a page right now, and the readers' check.
 #pragma once
 
 #include <atomic>
@@ -25,6 +14,18 @@
 #include "mstar/kv/status.hpp"
 
 namespace mstar::kv {
+
+// Every page a KVCachePool hands out is stamped with a fresh 64-bit epoch
+// (never reused by that pool; 0 means "free"), and the SequenceInfo the pool
+// publishes carries the epoch of its sequence (KVTransferInfo::epoch; the
+// pool stamps per sequence, so one epoch covers all its pages). A reader
+// checks that every remote page it reads still carries that epoch:
+// owner-served engines check before sending, one-sided engines check before
+// and after the copy (a seqlock) and fail the read with kStaleDescriptor if
+// any page changed owner in between. Where the table lives is the engine's
+// business (the shm file after the pages, a registered region beside the
+// cache for Mooncake and CUDA IPC, the owner's own table for UCX); the cache
+// owns it and the pool writes it.
 
 // A copy of the epoch table where readers of another kind of memory can
 // see it (device memory for CUDA IPC readers): PageEpochs::stamp pushes the
@@ -67,6 +68,12 @@ class PageEpochs {
   std::uint32_t num_pages_ = 0;
   const EpochMirror* mirror_ = nullptr;
 };
+
+// A first epoch for a writer of an epoch table (KVCachePool, a manager's
+// request registry): random in [1, 2^62), so that two writers that ever
+// served one cache (a restarted pool over a kept cache) never hand out the
+// same epoch, with room to count.
+std::uint64_t random_first_epoch();
 
 // Reader side: OK when every page in `pages` carries `expect` in
 // `table` (num_pages words: a read-only mapping of the owner's table, or a

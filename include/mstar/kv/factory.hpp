@@ -3,8 +3,9 @@
 // The engine table: every engine mstar-kv knows, what each can do (its
 // traits, as data), and the one place engines and their caches are made.
 // Tools choose memory kinds, baselines and cases from the traits instead of
-// comparing engine names: adding an engine touches its folder and the table
-// (src/engines/factory.cpp), nothing else. All functions are safe from any
+// comparing engine names. An engine is its folder plus its row in the table
+// (src/engines/factory.cpp); the build also lists engines in CMake
+// (docs/architecture.md, "Adding an engine"). All functions are safe from any
 // thread.
 #pragma once
 
@@ -27,6 +28,13 @@ struct LoopbackSetup {
   std::string name;
   std::map<std::string, std::string> env;
   bool over_tcp = false;
+  // The caches of this setup where they differ from the engine's traits:
+  // the owner's memory (shm-cma: a private cache, which the shm engine
+  // serves through cross-memory attach), and caches of one region per
+  // layer on both sides (KVCache over per-layer memories, for layouts whose
+  // layers are contiguous; a page-major cache stays one region).
+  std::optional<MemoryKind> owner_memory;
+  bool layer_regions = false;
 };
 
 struct EngineTraits {
@@ -65,9 +73,8 @@ EngineTraits engine_traits(const std::string& name);
 // when it is a known engine that was not built or cannot run here,
 // Error(kInvalidArgument) for a name that is no engine at all (listing the
 // known ones) and when the cache's memory kind does not suit it.
-std::unique_ptr<KVTransferEngine> make_engine(
-    const std::optional<TransferEngineInfo>& info,
-    std::shared_ptr<KVCache> kv_cache);
+std::unique_ptr<KVTransferEngine> make_engine(const std::optional<TransferEngineInfo>& info,
+                                              std::shared_ptr<KVCache> kv_cache);
 
 // Engines compiled into this build, e.g. {"local", "shm", "ucx"}.
 std::vector<std::string> built_engines();
@@ -76,7 +83,14 @@ std::vector<std::string> built_engines();
 // (needs the shm engine; mappable by other processes of the same user) or
 // kDevice (needs the cuda_ipc engine; on CUDA device `device`). Throws
 // Error(kUnavailable) when the engine providing that memory is not built.
-std::shared_ptr<KVCache> make_kv_cache(const KVLayout& layout, MemoryKind kind,
-                                       int device = 0);
+std::shared_ptr<KVCache> make_kv_cache(const KVLayout& layout, MemoryKind kind, int device = 0);
+
+// The cache one side of a loopback setup runs with (tools, tests): the
+// owner's (`owner`) or the reader's memory of `engine` as `setup` names it,
+// in one region per layer (KVCache::create_host_layers) when the setup says
+// so, the memory is private host memory and the layout's layers are
+// contiguous; else make_kv_cache(layout, kind).
+std::shared_ptr<KVCache> make_loopback_cache(const EngineTraits& engine, const LoopbackSetup& setup,
+                                             const KVLayout& layout, bool owner);
 
 }  // namespace mstar::kv

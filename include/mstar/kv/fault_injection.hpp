@@ -1,50 +1,8 @@
 // Copyright mstar-kv authors.
 //
 // FaultInjectingEngine: a KVTransferEngine that wraps any other engine and
-// injects faults into the batches that pass through it (LevelDB's
-// EnvWrapper, for transfers). Used by the reliability tests and the soak.
-//
-// Faults, per batch (one read_batched_async call):
-// * delay        the batch is issued to the inner engine `delay` later;
-// * drop         the batch is never issued; its future resolves with
-//                kTimeout after `drop_timeout` (futures always resolve);
-// * fail after N the reads covering the first N bytes of the batch (split at
-//                token granularity) are issued; once they finish the future
-//                resolves with kPeerFailure. Those destination pages hold
-//                bytes, which a failed read is allowed to leave; pages not
-//                named in the batch are never touched;
-// * kill         the test's kill hook (e.g. kill(peer, SIGKILL)) is called
-//                before the batch is issued, right after, or a given time
-//                after it was issued;
-// * duplicate    the outer future is resolved twice, the second time with a
-//                conflicting outcome; the first resolution must win;
-// * cancel       the wrapper cancels the batch itself a given time after it
-//                was issued (exercises the inner engine's cancellation).
-// Fixed faults are set in FaultConfig; random faults are drawn per batch
-// from a seeded generator with the given probabilities (at most one random
-// fault per batch), so a run is reproducible for a given seed and order of
-// calls.
-//
-// Invariants kept by the wrapper itself: the outer future resolves only
-// after the inner future resolved (or when the inner read was never issued),
-// so the inner engine's "no byte lands after resolution" promise carries
-// over. Cancelling the outer future cancels the inner one.
-//
-// Differences from a bare engine, by design: the wrapper checks the local
-// side of every read (layer, local page, token range) synchronously, but a
-// delayed batch reaches the inner engine's own checks only when it is issued,
-// so those errors surface as a failed future (with the inner engine's
-// status) instead of a thrown Error.
-//
-// Ownership: the wrapper owns the inner engine. One internal thread runs
-// timers and watches inner futures; it is joined by shutdown() and the
-// destructor.
-// Thread safety: every method is safe from any thread; set_config() takes
-// effect for batches issued after it returns.
-// Shutdown: shutdown() shuts the inner engine down, resolves every batch not
-// yet issued with kShutdown, waits for issued ones to resolve (the inner
-// engine resolves them) and stops the thread. Idempotent; later reads throw
-// Error(kShutdown).
+// injects faults into the batches that pass through it, for the reliability
+// tests and the soak.
 #pragma once
 
 #include <chrono>
@@ -97,7 +55,7 @@ struct FaultConfig {
 
 // Faults injected so far, one counter per kind (a snapshot).
 struct FaultCounters {
-  std::uint64_t batches = 0;             // batches seen
+  std::uint64_t batches = 0;  // batches seen
   std::uint64_t delayed = 0;
   std::uint64_t dropped = 0;
   std::uint64_t failed_after_bytes = 0;
@@ -112,6 +70,50 @@ struct FaultCounters {
   }
 };
 
+// A KVTransferEngine around another engine (LevelDB's EnvWrapper, for
+// transfers).
+//
+// Faults, per batch (one read_batched_async call):
+// * delay        the batch is issued to the inner engine `delay` later;
+// * drop         the batch is never issued; its future resolves with
+//                kTimeout after `drop_timeout` (futures always resolve);
+// * fail after N the reads covering the first N bytes of the batch (split at
+//                token granularity) are issued; once they finish the future
+//                resolves with kPeerFailure. Those destination pages hold
+//                bytes, which a failed read is allowed to leave; pages not
+//                named in the batch are never touched;
+// * kill         the test's kill hook (e.g. kill(peer, SIGKILL)) is called
+//                before the batch is issued, right after, or a given time
+//                after it was issued;
+// * duplicate    the outer future is resolved twice, the second time with a
+//                conflicting outcome; the first resolution must win;
+// * cancel       the wrapper cancels the batch itself a given time after it
+//                was issued (exercises the inner engine's cancellation).
+// Fixed faults are set in FaultConfig; random faults are drawn per batch
+// from a seeded generator with the given probabilities (at most one random
+// fault per batch), so a run is reproducible for a given seed and order of
+// calls.
+//
+// Invariants kept by the wrapper itself: the outer future resolves only
+// after the inner future resolved (or when the inner read was never issued),
+// so the inner engine's "no byte lands after resolution" promise carries
+// over. Cancelling the outer future cancels the inner one.
+//
+// Differences from a bare engine, by design: the wrapper checks the local
+// side of every read (layer, local page, token range) synchronously, but a
+// delayed batch reaches the inner engine's own checks only when it is issued,
+// so those errors surface as a failed future (with the inner engine's
+// status) instead of a thrown Error.
+//
+// Ownership: the wrapper owns the inner engine. One internal thread runs
+// timers and watches inner futures; it is joined by shutdown() and the
+// destructor.
+// Thread safety: every method is safe from any thread; set_config() takes
+// effect for batches issued after it returns.
+// Shutdown: shutdown() shuts the inner engine down, resolves every batch not
+// yet issued with kShutdown, waits for issued ones to resolve (the inner
+// engine resolves them) and stops the thread. Idempotent; later reads throw
+// Error(kShutdown).
 class FaultInjectingEngine final : public KVTransferEngine {
  public:
   // Called when a kill point is reached (e.g. to SIGKILL the peer); runs on
@@ -124,23 +126,26 @@ class FaultInjectingEngine final : public KVTransferEngine {
   // `local` is the layout of the inner engine's local cache (to size reads
   // for "fail after N bytes"). Throws Error(kInvalidArgument) when inner is
   // null or the layout is invalid.
-  FaultInjectingEngine(std::unique_ptr<KVTransferEngine> inner,
-                       const KVLayout& local, FaultConfig config = {},
-                       KillHook kill = {});
+  FaultInjectingEngine(std::shared_ptr<KVTransferEngine> inner, const KVLayout& local,
+                       FaultConfig config = {}, KillHook kill = {});
   ~FaultInjectingEngine() override;
 
   FaultInjectingEngine(const FaultInjectingEngine&) = delete;
   FaultInjectingEngine& operator=(const FaultInjectingEngine&) = delete;
 
+  using KVTransferEngine::read_batched_async;
+  // The inner engine's.
+  std::string name() const override;
   KVTransferInfo get_kv_transfer_info() const override;
-  std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const override;
-  std::optional<TransferFuture> read_batched_async(
-      const KVTransferInfo& remote_kv_info,
-      std::span<const KVReadInfo> read_info) override;
+  // The inner engine's.
+  RemoteHandle open_remote(const KVTransferInfo& remote) const override;
+  std::optional<TransferFuture> read_batched_async(const RemoteCache& remote,
+                                                   std::span<const KVReadInfo> read_info) override;
   void shutdown() override;
-  void notify_done(const KVTransferInfo& remote, std::uint64_t seq_id) override;
+  void notify_done(const RemoteCache& remote, std::uint64_t seq_id) override;
   void set_done_handler(DoneHandler handler) override;
-  std::unique_ptr<LayerWatch> watch_layers(const KVTransferInfo& remote_kv_info,
+  ServedStats served_stats() const override;
+  std::unique_ptr<LayerWatch> watch_layers(const RemoteCache& remote,
                                            std::span<const KVReadInfo> read_info) override;
 
   // Replaces the fault configuration (the random generator is reseeded when

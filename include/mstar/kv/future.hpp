@@ -1,16 +1,7 @@
 // Copyright mstar-kv authors.
 //
-// TransferFuture: the outcome of one asynchronous read.
-//
-// A future resolves exactly once, to the number of bytes read or to an error
-// Status. Resolution is a promise from the engine: after it, no byte of that
-// read lands in a local page (a failed or cancelled read may have written
-// some of its destination pages before resolving; those pages hold undefined
-// data, and no other page is touched).
-//
-// Thread safety: every method is safe from any thread. Dropping a future is
-// safe at any time; the transfer then continues to completion unobserved
-// (call cancel() first to stop it). Copies of a future share one state.
+// TransferFuture: the outcome of one asynchronous read; TransferPromise, the
+// engine's side; join_futures.
 #pragma once
 
 #include <chrono>
@@ -49,6 +40,15 @@ struct TransferTiming {
   std::string peer;
 };
 
+// A future resolves exactly once, to the number of bytes read or to an error
+// Status. Resolution is a promise from the engine: after it, no byte of that
+// read lands in a local page (a failed or cancelled read may have written
+// some of its destination pages before resolving; those pages hold undefined
+// data, and no other page is touched).
+//
+// Thread safety: every method is safe from any thread. Dropping a future is
+// safe at any time; the transfer then continues to completion unobserved
+// (call cancel() first to stop it). Copies of a future share one state.
 class TransferFuture {
  public:
   TransferFuture() = default;  // invalid: valid() is false
@@ -92,8 +92,7 @@ class TransferFuture {
 
  private:
   friend class TransferPromise;
-  explicit TransferFuture(std::shared_ptr<detail::TransferState> s)
-      : state_(std::move(s)) {}
+  explicit TransferFuture(std::shared_ptr<detail::TransferState> s) : state_(std::move(s)) {}
   std::shared_ptr<detail::TransferState> state_;
 };
 

@@ -18,6 +18,8 @@
 #include "mstar/kv/pool.hpp"
 #include "mstar/kv/read_info.hpp"
 #include "mstar/kv/readiness.hpp"
+#include "mstar/kv/regions.hpp"
+#include "mstar/kv/requests.hpp"
 #include "mstar/kv/stats.hpp"
 #include "mstar/kv/status.hpp"
 #include "mstar/kv/streaming.hpp"

@@ -1,13 +1,7 @@
 // Copyright mstar-kv authors.
 //
-// The library's one logging path. A Logger is a threshold plus a sink,
-// carried by EngineOptions::log into every engine (LevelDB's
-// Options::info_log). The library writes nothing unless told: the default
-// Logger is silent, except that MSTAR_KV_LOG=error|warn|info|debug in the
-// environment makes it write at that level to stderr. The CLI logs to stderr
-// at warn (--log LEVEL). Engines log what a caller cannot see in a future: a
-// peer's failure once, with its reason (not once per read), resources that
-// could not be released, a backend left unusable.
+// The library's one logging path: a Logger (a threshold plus a sink), carried
+// by EngineOptions::log into every engine.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +11,15 @@
 #include <string_view>
 
 namespace mstar::kv {
+
+// The library's one logging path. A Logger is a threshold plus a sink,
+// carried by EngineOptions::log into every engine (LevelDB's
+// Options::info_log). The library writes nothing unless told: the default
+// Logger is silent, except that MSTAR_KV_LOG=error|warn|info|debug in the
+// environment makes it write at that level to stderr. The CLI logs to stderr
+// at warn unless MSTAR_KV_LOG is set. Engines log what a caller cannot see in
+// a future: a peer's failure once, with its reason (not once per read),
+// resources that could not be released, a backend left unusable.
 
 enum class LogLevel : std::uint8_t { kOff = 0, kError, kWarn, kInfo, kDebug };
 

@@ -48,16 +48,23 @@ class KVCachePool {
   // in ascending order. lease 0 = published sequences never expire; a
   // negative lease throws Error(kInvalidArgument).
   KVCachePool(std::shared_ptr<KVCache> cache, KVTransferInfo descriptor,
-              std::uint64_t scatter_seed = 0,
-              std::chrono::milliseconds lease = kDefaultLease);
+              std::uint64_t scatter_seed = 0, std::chrono::milliseconds lease = kDefaultLease);
 
   const KVCache& cache() const noexcept { return *cache_; }
   std::shared_ptr<KVCache> shared_cache() const noexcept { return cache_; }
 
   // Pages for a new sequence of num_tokens tokens: ceil(num_tokens/page_size)
   // (any num_tokens, up to 2^64 - 1, is checked against the cache's size).
-  std::vector<std::uint32_t> allocate(std::uint64_t seq_id,
-                                      std::uint64_t num_tokens);
+  std::vector<std::uint32_t> allocate(std::uint64_t seq_id, std::uint64_t num_tokens);
+  // A new sequence over pages the caller chose (an engine that allocates its
+  // own blocks, such as vLLM, publishing a finished request's blocks):
+  // exactly ceil(num_tokens / page_size) pages, each in range, free in this
+  // pool and named once. Stamped with a fresh epoch as allocate() does; the
+  // sequence is then released, published, marked and leased as any other.
+  // Throws Error(kInvalidArgument) naming the page or the counts, and
+  // changes nothing, when a page is out of range, named twice, or held (by a
+  // live sequence or allocate_pages).
+  void adopt(std::uint64_t seq_id, std::uint64_t num_tokens, std::span<const std::uint32_t> pages);
   // Frees every page of the sequence. A sequence whose lease expired was
   // freed already: releasing it again is a no-op.
   void release(std::uint64_t seq_id);
@@ -71,6 +78,11 @@ class KVCachePool {
   std::chrono::milliseconds lease() const noexcept { return lease_; }
   // Sequences freed by lease expiry since construction.
   std::uint64_t expired_count() const;
+  // SequenceInfos published (publish calls that returned), and done
+  // notices taken (done calls, whether or not they freed), since
+  // construction: the owner side of KVTransferManager::stats().
+  std::uint64_t published_count() const;
+  std::uint64_t done_count() const;
   bool contains(std::uint64_t seq_id) const;
   std::vector<std::uint32_t> pages(std::uint64_t seq_id) const;
 
@@ -120,19 +132,23 @@ class KVCachePool {
   std::vector<std::uint32_t> allocate_locked(std::size_t count) MSTAR_KV_REQUIRES(mu_);
   void free_locked(std::span<const std::uint32_t> pages, std::uint8_t owner) MSTAR_KV_REQUIRES(mu_);
   std::size_t expire_locked(Clock::time_point now) MSTAR_KV_REQUIRES(mu_);
-  void mark_locked(std::uint64_t seq_id, Sequence& s, std::uint32_t layers_done) MSTAR_KV_REQUIRES(mu_);
-  SequenceInfo publish_locked(std::uint64_t seq_id, const std::uint32_t* layers_ready) MSTAR_KV_REQUIRES(mu_);
+  void mark_locked(std::uint64_t seq_id, Sequence& s, std::uint32_t layers_done)
+      MSTAR_KV_REQUIRES(mu_);
+  SequenceInfo publish_locked(std::uint64_t seq_id, const std::uint32_t* layers_ready)
+      MSTAR_KV_REQUIRES(mu_);
 
   std::shared_ptr<KVCache> cache_;
   KVTransferInfo descriptor_;
   mutable std::mutex mu_;
-  std::vector<std::uint32_t> free_ MSTAR_KV_GUARDED_BY(mu_);     // back() is next
-  std::vector<std::uint8_t> in_use_ MSTAR_KV_GUARDED_BY(mu_);    // one mark per page
+  std::vector<std::uint32_t> free_ MSTAR_KV_GUARDED_BY(mu_);   // back() is next
+  std::vector<std::uint8_t> in_use_ MSTAR_KV_GUARDED_BY(mu_);  // one mark per page
   std::unordered_map<std::uint64_t, Sequence> sequences_ MSTAR_KV_GUARDED_BY(mu_);
   std::chrono::milliseconds lease_;
   std::uint64_t next_epoch_ MSTAR_KV_GUARDED_BY(mu_) = 1;
   Clock::time_point next_expiry_ MSTAR_KV_GUARDED_BY(mu_) = Clock::time_point::max();
   std::uint64_t expired_ MSTAR_KV_GUARDED_BY(mu_) = 0;
+  std::uint64_t published_ MSTAR_KV_GUARDED_BY(mu_) = 0;
+  std::uint64_t done_notices_ MSTAR_KV_GUARDED_BY(mu_) = 0;
   std::unordered_set<std::uint64_t> expired_ids_ MSTAR_KV_GUARDED_BY(mu_);  // bounded
 };
 

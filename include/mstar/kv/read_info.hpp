@@ -1,4 +1,6 @@
 // Copyright mstar-kv authors.
+//
+// KVReadInfo: one page of one layer to read, what the planner hands engines.
 #pragma once
 
 #include <cstdint>
@@ -29,9 +31,7 @@ struct KVReadInfo {
   std::int64_t head_end = 0;
 
   // The spec's form: same positions, every head.
-  bool plain() const noexcept {
-    return remote_token_start < 0 && head_start == 0 && head_end == 0;
-  }
+  bool plain() const noexcept { return remote_token_start < 0 && head_start == 0 && head_end == 0; }
   bool operator==(const KVReadInfo&) const = default;
 };
 

@@ -3,7 +3,19 @@
 // Layer readiness: how far the owner has written a sequence, layer by layer,
 // so that a reader can pull layer L while the owner still computes L + 1
 // (layer-wise streaming; the reader's half is streaming.hpp).
-//
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+
+#include "mstar/kv/status.hpp"
+
+namespace mstar::kv {
+
 // Every page of a cache has a 32-bit readiness word next to its epoch word
 // (epochs.hpp): "layers [0, n) of this page hold their final bytes". The
 // KVCachePool writes it: allocate() resets it to 0 on the sequence's pages,
@@ -21,16 +33,6 @@
 // reader checks the epochs before and after it loads the words (the same
 // seqlock as the copies), so a word left by an earlier owner of the page, or
 // stamped by a later one, is never taken for this sequence's.
-#pragma once
-
-#include <atomic>
-#include <cstddef>
-#include <cstdint>
-#include <span>
-
-#include "mstar/kv/status.hpp"
-
-namespace mstar::kv {
 
 // A view of num_pages 4-byte readiness words in host memory (owned by the
 // KVCache or the memory behind it). Thread safety: every method is safe from
@@ -85,6 +87,19 @@ class LayerWatch {
   // restarted), kCorruptDescriptor (a value beyond the layer count or going
   // backwards), kNotFound / kPeerFailure (the owner is gone).
   virtual Status poll(std::uint32_t* layers_ready) = 0;
+  // For a watch that learns of readiness asynchronously (a request to the
+  // owner in flight, answered later): returns how long the stream driver
+  // may go without polling it, and keeps `wake` to call (from any thread,
+  // without holding a lock the driver's calls take) whenever a poll() may
+  // return something new; the driver then polls when woken or after that
+  // interval, instead of every StreamOptions::poll_interval. The default, 0,
+  // is for a watch whose poll() reads the owner's words directly (shm): the
+  // driver polls it every poll_interval and never keeps `wake`. The driver
+  // calls this once, before the first poll().
+  virtual std::chrono::microseconds wake_on_news(std::function<void()> wake) {
+    (void)wake;
+    return std::chrono::microseconds{0};
+  }
 };
 
 }  // namespace mstar::kv

@@ -2,17 +2,6 @@
 //
 // Transfer statistics: what every read did, per peer and in total, and the
 // Prometheus text that exposes them.
-//
-// KVTransferManager keeps one TransferStatsRecorder for its engine and
-// records every read it starts (read = one start_async_retrieve, i.e. one
-// engine batch): started, succeeded or failed by StatusCode (a read refused
-// before any byte moved counts as failed too), bytes moved, byte ranges after
-// coalescing, and a latency histogram per phase:
-//   plan      validate + plan (from the call until the engine planned)
-//   post      until the last byte range was handed to the transport
-//   transfer  until the future resolved
-// Peers are named by the engine (TransferTiming::peer); "unknown" when it did
-// not say (e.g. a read refused before its descriptor was decoded).
 #pragma once
 
 #include <array>
@@ -33,16 +22,27 @@
 
 namespace mstar::kv {
 
-// Number of StatusCode values (kOk .. kInternal).
-inline constexpr std::size_t kNumStatusCodes = static_cast<std::size_t>(StatusCode::kInternal) + 1;
+// KVTransferManager keeps one TransferStatsRecorder for its engine and
+// records every read it starts (read = one start_async_retrieve, i.e. one
+// engine batch): started, succeeded or failed by StatusCode (a read refused
+// before any byte moved counts as failed too), bytes moved, byte ranges after
+// coalescing, and a latency histogram per phase:
+//   plan      validate + plan (from the call until the engine planned)
+//   post      until the last byte range was handed to the transport
+//   transfer  until the future resolved
+// Peers are named by the engine (TransferTiming::peer); "unknown" when it did
+// not say (e.g. a read refused before its descriptor was decoded).
+
+// Number of StatusCode values (kOk .. kLastStatusCode).
+inline constexpr std::size_t kNumStatusCodes = static_cast<std::size_t>(kLastStatusCode) + 1;
 
 // A fixed-bucket latency histogram (seconds), Prometheus style: bucket i
 // counts observations <= kBounds[i] (not cumulative here; the renderer
 // accumulates); the last bucket is +Inf. Value type.
 struct LatencyHistogram {
-  static constexpr std::array<double, 18> kBounds = {
-      1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
-      1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,   1.0,    10.0};
+  static constexpr std::array<double, 18> kBounds = {1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5,
+                                                     1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+                                                     1e-2, 2.5e-2, 5e-2, 0.1,  1.0,    10.0};
   std::array<std::uint64_t, kBounds.size() + 1> buckets{};
   std::uint64_t count = 0;
   double sum_seconds = 0;
@@ -65,12 +65,31 @@ struct PeerStats {
   std::uint64_t reads_started = 0;
   std::uint64_t reads_succeeded = 0;
   std::array<std::uint64_t, kNumStatusCodes> reads_failed{};  // by StatusCode
-  std::uint64_t bytes = 0;   // moved by reads that succeeded
-  std::uint64_t copies = 0;  // byte ranges after coalescing, reads that were posted
+  std::uint64_t bytes = 0;                                    // moved by reads that succeeded
+  std::uint64_t copies = 0;                 // byte ranges after coalescing, reads that were posted
   std::array<LatencyHistogram, 3> latency;  // by Phase, reads that resolved
 
   std::uint64_t failed() const noexcept;
   void merge(const PeerStats& other) noexcept;
+};
+
+// The owner side: what this process served to readers of its cache.
+// Engine counters (KVTransferEngine::served_stats): the ucx engine counts
+// its replies; engines whose readers never reach the owner (shm, cuda_ipc
+// map its memory; Mooncake's library serves them) leave them 0. Pool
+// counters: the KVCachePool a manager serves done notices into
+// (KVTransferManager::serve_done_notices), any engine. Value type.
+struct ServedStats {
+  std::uint64_t reads = 0;              // read requests answered: every reply sent
+  std::uint64_t bytes = 0;              // bytes of replies whose send completed
+  std::uint64_t reads_refused = 0;      // requests refused before any byte (an error reply)
+  std::uint64_t replies_dropped = 0;    // replies and verdicts not sent: the reader was gone
+  std::uint64_t readers_connected = 0;  // reader connections accepted
+  std::uint64_t readers_gone = 0;       // reader connections closed (the reader went away)
+  std::uint64_t descriptors = 0;        // pool: SequenceInfos published (KVCachePool::publish)
+  std::uint64_t done_notices = 0;       // pool: done notices taken (KVCachePool::done)
+
+  void merge(const ServedStats& other) noexcept;
 };
 
 // A snapshot. Value type.
@@ -78,6 +97,7 @@ struct TransferStats {
   std::string engine;  // the engine's name ("shm", "ucx", ...; "local")
   PeerStats total;
   std::map<std::string, PeerStats> peers;
+  ServedStats served;  // the owner side (KVTransferManager::stats fills it)
 };
 
 // Thread safety: every method is safe from any thread (one mutex, held for a
@@ -118,7 +138,12 @@ class TransferStatsRecorder {
 // family per metric with engine and peer labels:
 //   mstar_kv_reads_started_total, mstar_kv_reads_succeeded_total,
 //   mstar_kv_reads_failed_total{code}, mstar_kv_transferred_bytes_total,
-//   mstar_kv_copies_total, mstar_kv_read_phase_seconds{phase} (histogram).
+//   mstar_kv_copies_total, mstar_kv_read_phase_seconds{phase} (histogram);
+// and the owner side (ServedStats), engine label only:
+//   mstar_kv_served_reads_total, mstar_kv_served_bytes_total,
+//   mstar_kv_served_reads_refused_total, mstar_kv_served_replies_dropped_total,
+//   mstar_kv_served_readers_connected_total, mstar_kv_served_readers_gone_total,
+//   mstar_kv_served_descriptors_total, mstar_kv_served_done_notices_total.
 // `extra` is appended as is (an embedding program's own families).
 std::string render_prometheus(const std::vector<TransferStats>& stats,
                               const std::string& extra = "");

@@ -1,8 +1,14 @@
 // Copyright mstar-kv authors.
 //
-// Clang thread-safety annotations (https://clang.llvm.org/docs/ThreadSafetyAnalysis.html),
-// prefixed so that they never clash with an application's own macros. They
-// expand to nothing except under clang; the thread-safety build
+// Clang thread-safety annotations (MSTAR_KV_GUARDED_BY, MSTAR_KV_REQUIRES,
+// ...), checked by the thread-safety build; nothing except under clang.
+#pragma once
+
+#include <mutex>
+
+// Clang thread-safety analysis
+// (https://clang.llvm.org/docs/ThreadSafetyAnalysis.html), prefixed so that
+// they never clash with an application's own macros. The thread-safety build
 // (CMakePresets.json "thread-safety": clang, libc++ with its std::mutex
 // annotated, -Wthread-safety -Werror, run by ./scripts/test) checks them.
 //
@@ -15,10 +21,6 @@
 // mstar::kv::internal::UniqueLock instead, which is one and is annotated. A
 // condition variable's predicate (a lambda, analysed on its own) says that
 // it runs under the lock with MSTAR_KV_ASSERT_HELD(mu_).
-#pragma once
-
-#include <mutex>
-
 #if defined(__clang__)
 #define MSTAR_KV_THREAD_ANNOTATION(x) __attribute__((x))
 #else
@@ -35,8 +37,7 @@ namespace mstar::kv::internal {
 
 // A std::unique_lock<std::mutex> the analysis understands: it holds `mu`
 // from construction to destruction, except between unlock() and lock().
-class MSTAR_KV_THREAD_ANNOTATION(scoped_lockable) UniqueLock
-    : public std::unique_lock<std::mutex> {
+class MSTAR_KV_THREAD_ANNOTATION(scoped_lockable) UniqueLock : public std::unique_lock<std::mutex> {
  public:
   explicit UniqueLock(std::mutex& mu) MSTAR_KV_THREAD_ANNOTATION(acquire_capability(mu))
       : std::unique_lock<std::mutex>(mu) {}

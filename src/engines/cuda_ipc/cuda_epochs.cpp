@@ -14,8 +14,8 @@ namespace mstar::kv::cuda_ipc {
 namespace {
 
 // [lo, hi] of the in-range pages; false when none is in range.
-bool page_range(std::span<const std::uint32_t> pages, std::uint32_t num_pages,
-                std::uint32_t* lo, std::uint32_t* hi) {
+bool page_range(std::span<const std::uint32_t> pages, std::uint32_t num_pages, std::uint32_t* lo,
+                std::uint32_t* hi) {
   bool any = false;
   for (std::uint32_t p : pages) {
     if (p >= num_pages) continue;
@@ -49,7 +49,8 @@ DeviceEpochTable::DeviceEpochTable(std::uint32_t num_pages, int device)
     if (err != cudaSuccess) fail(StatusCode::kInternal, "zero-filling the page epoch table", err);
     cudaIpcMemHandle_t h{};
     err = cudaIpcGetMemHandle(&h, p);
-    if (err != cudaSuccess) fail(StatusCode::kUnavailable, "cudaIpcGetMemHandle of the page epoch table", err);
+    if (err != cudaSuccess)
+      fail(StatusCode::kUnavailable, "cudaIpcGetMemHandle of the page epoch table", err);
     std::memcpy(handle_.data(), h.reserved, handle_.size());
   } catch (...) {
     if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
@@ -98,13 +99,11 @@ Status check_device_epochs(const std::uint64_t* device_table, std::uint32_t num_
   std::uint32_t lo = 0, hi = 0;
   if (page_range(pages, num_pages, &lo, &hi)) {
     cudaError_t err = cudaMemcpyAsync(scratch.data() + lo, device_table + lo,
-                                      std::size_t{hi - lo + 1} * 8, cudaMemcpyDeviceToHost,
-                                      stream);
+                                      std::size_t{hi - lo + 1} * 8, cudaMemcpyDeviceToHost, stream);
     if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
     if (err != cudaSuccess) {
-      return Status(StatusCode::kPeerFailure,
-                    "reading the owner's page epochs " + std::string(when) + ": " +
-                        error_text(err));
+      return Status(StatusCode::kPeerFailure, "reading the owner's page epochs " +
+                                                  std::string(when) + ": " + error_text(err));
     }
   }
   return check_page_epochs(scratch.data(), num_pages, pages, expect, when, after_copy);

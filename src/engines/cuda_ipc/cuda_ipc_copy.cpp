@@ -19,15 +19,17 @@ cudaEvent_t CudaIpcKVTransferEngine::Impl::take_event(Status* status) {
   cudaEvent_t e = nullptr;
   const cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
   if (err != cudaSuccess) {
-    *status = Status(StatusCode::kInternal, "cudaEventCreateWithFlags: " + cuda_ipc::error_text(err));
+    *status =
+        Status(StatusCode::kInternal, "cudaEventCreateWithFlags: " + cuda_ipc::error_text(err));
     return nullptr;
   }
   return e;
 }
 
-Status CudaIpcKVTransferEngine::Impl::enqueue_stream(
-    cudaStream_t stream, const std::vector<const CopySpan*>& spans,
-    const std::vector<const StridedSpan*>& strided, const std::byte* src, std::byte* dst) {
+Status CudaIpcKVTransferEngine::Impl::enqueue_stream(cudaStream_t stream,
+                                                     const std::vector<const CopySpan*>& spans,
+                                                     const std::vector<const StridedSpan*>& strided,
+                                                     const std::byte* src, std::byte* dst) {
   // Strided spans (a change of in-page order or head shard): one 2D copy
   // each, rows of `length` bytes at the two sides' pitches.
   for (const StridedSpan* s : strided) {
@@ -62,8 +64,8 @@ Status CudaIpcKVTransferEngine::Impl::enqueue_stream(
       attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
       attr.flags = cudaMemcpyFlagDefault;
       std::size_t attr_index = 0;
-      const cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n,
-                                                   &attr, &attr_index, 1, stream);
+      const cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, &attr,
+                                                   &attr_index, 1, stream);
       if (err != cudaSuccess) {
         // The runtime or driver cannot batch these: fall back to one call
         // per span from now on. Re-issuing copies the batch may have queued
@@ -81,9 +83,8 @@ Status CudaIpcKVTransferEngine::Impl::enqueue_stream(
         cudaMemcpyAsync(dst + s->local_offset, src + s->remote_offset,
                         static_cast<std::size_t>(s->length), cudaMemcpyDeviceToDevice, stream);
     if (err != cudaSuccess) {
-      return Status(StatusCode::kInternal,
-                    "cudaMemcpyAsync of " + std::to_string(s->length) + " bytes: " +
-                        cuda_ipc::error_text(err));
+      return Status(StatusCode::kInternal, "cudaMemcpyAsync of " + std::to_string(s->length) +
+                                               " bytes: " + cuda_ipc::error_text(err));
     }
   }
   return Status::ok();
@@ -140,7 +141,7 @@ Status CudaIpcKVTransferEngine::Impl::check_epochs(const Read& r, std::string_vi
   try {
     cuda_ipc::DeviceGuard guard(device_);
     return cuda_ipc::check_device_epochs(r.mapping->epochs(), r.epoch_pages, r.pages, r.epoch, when,
-                                     after_copy, epoch_stream_, epoch_scratch_);
+                                         after_copy, epoch_stream_, epoch_scratch_);
   } catch (const Error& e) {
     return e.status();
   }

@@ -2,7 +2,11 @@
 //
 // CudaIpcKVTransferEngine: construction, reads, completion, shutdown and the
 // public API over Impl (cuda_ipc_impl.hpp).
+#include <cstdlib>
+
 #include "cuda_ipc_impl.hpp"
+#include "device_memory.hpp"
+#include "engines/engine_makers.hpp"
 
 namespace mstar::kv {
 
@@ -19,15 +23,56 @@ bool flag(const EngineOptions& o, const std::string& key, bool fallback) {
               "engine option " + key + "='" + it->second + "' (expected 0 or 1)");
 }
 
+// The copy path, "kernel" or "memcpy": extra["cuda_ipc_copy"], else the
+// environment's MSTAR_KV_CUDA_IPC_COPY, else the build's default
+// (MSTAR_KV_CUDA_IPC_COPY_DEFAULT, CMake). Throws Error(kInvalidArgument)
+// naming where a bad value came from, and for "kernel" in a build without
+// the kernel.
+bool kernel_copies(const EngineOptions& o) {
+  std::string where = "engine option cuda_ipc_copy";
+  std::string value;
+  if (const auto it = o.extra.find("cuda_ipc_copy"); it != o.extra.end()) {
+    value = it->second;
+  } else if (const char* env = std::getenv("MSTAR_KV_CUDA_IPC_COPY"); env != nullptr && *env) {
+    value = env;
+    where = "MSTAR_KV_CUDA_IPC_COPY";
+  } else {
+    value = MSTAR_KV_CUDA_IPC_COPY_DEFAULT;
+    where = "the build's MSTAR_KV_CUDA_IPC_COPY_DEFAULT";
+  }
+  if (value != "kernel" && value != "memcpy") {
+    throw Error(StatusCode::kInvalidArgument,
+                where + "='" + value + "' (expected kernel or memcpy)");
+  }
+  if (value == "kernel" && !cuda_ipc::span_kernel_built()) {
+    throw Error(StatusCode::kInvalidArgument,
+                where +
+                    "='kernel', but this build has no copy kernel (no CUDA compiler when it "
+                    "was configured, or MSTAR_KV_CUDA_IPC_KERNEL=OFF): use memcpy");
+  }
+  return value == "kernel";
+}
+
 }  // namespace
 
-CudaIpcKVTransferEngine::Impl::Impl(std::shared_ptr<KVCache> cache,
-                                    const EngineOptions& options)
-    : cache_(std::move(cache)), options_(options), self_pid_(static_cast<std::uint32_t>(::getpid())) {
+CudaIpcKVTransferEngine::Impl::Impl(std::shared_ptr<KVCache> cache, const EngineOptions& options)
+    : cache_(std::move(cache)),
+      options_(options),
+      self_pid_(static_cast<std::uint32_t>(::getpid())) {
   if (!cache_) throw Error(StatusCode::kInvalidArgument, "cuda_ipc engine needs a KV cache");
+  if (cache_->split()) {
+    throw Error(StatusCode::kNotSupported,
+                "the cuda_ipc engine serves and reads device caches of one allocation (one CUDA "
+                "IPC handle); this cache has " +
+                    std::to_string(cache_->num_regions()) +
+                    " regions (one per layer): per-region IPC handles are not supported yet; "
+                    "allocate the cache as one tensor (make_kv_cache(layout, kDevice), "
+                    "KVCache.from_dlpack)");
+  }
   // Options first: a typo is named before anything touches the device.
   engines::reject_unknown_keys(options_.extra, "cuda_ipc", "cuda_ipc_",
-                               {"cuda_ipc_batch", "cuda_ipc_check_owner_pid"});
+                               {"cuda_ipc_batch", "cuda_ipc_check_owner_pid", "cuda_ipc_copy"});
+  kernel_ = kernel_copies(options_);
   memory_ = dynamic_cast<const cuda_ipc::DeviceMemory*>(&cache_->memory());
   if (cache_->memory_kind() != MemoryKind::kDevice || memory_ == nullptr) {
     throw Error(StatusCode::kInvalidArgument,
@@ -41,9 +86,9 @@ CudaIpcKVTransferEngine::Impl::Impl(std::shared_ptr<KVCache> cache,
                     " out of range [1, " + std::to_string(kMaxStreams) + "]");
   }
   if (options_.timeout.count() <= 0) {
-    throw Error(StatusCode::kInvalidArgument,
-                "cuda_ipc timeout " + std::to_string(options_.timeout.count()) +
-                    " ms out of range [1, ...)");
+    throw Error(StatusCode::kInvalidArgument, "cuda_ipc timeout " +
+                                                  std::to_string(options_.timeout.count()) +
+                                                  " ms out of range [1, ...)");
   }
   batch_.store(flag(options_, "cuda_ipc_batch", true), std::memory_order_relaxed);
   check_owner_pid_ = flag(options_, "cuda_ipc_check_owner_pid", true);
@@ -87,6 +132,7 @@ CudaIpcKVTransferEngine::Impl::Impl(std::shared_ptr<KVCache> cache,
     }
     streams_.push_back(s);
   }
+  if (kernel_) kernel_blocks_ = cuda_ipc::span_kernel_blocks(device_);
   const cudaError_t err = cudaStreamCreateWithFlags(&epoch_stream_, cudaStreamNonBlocking);
   if (err != cudaSuccess) {
     for (cudaStream_t t : streams_) (void)cudaStreamDestroy(t);
@@ -96,27 +142,19 @@ CudaIpcKVTransferEngine::Impl::Impl(std::shared_ptr<KVCache> cache,
 }
 
 std::optional<TransferFuture> CudaIpcKVTransferEngine::Impl::read(
-    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> reads) {
+    const RemoteCache& remote_cache, std::span<const KVReadInfo> reads) {
   std::shared_lock lifecycle(lifecycle_mu_);
   if (shut_down_) throw Error(StatusCode::kShutdown, "cuda_ipc engine is shut down");
-  const CudaIpcKVTransferInfo remote = CudaIpcKVTransferInfo::decode(remote_kv_info);
-  cache_->layout().check_same_model(remote.layout);
-  if (reads.empty()) return std::nullopt;
-  // Strided spans go to cudaMemcpy2DAsync, contiguous ones as before.
+  const CudaIpcKVTransferInfo& remote = remote_as<CudaIpcKVTransferInfo>(remote_cache, "cuda_ipc");
+  const std::uint64_t epoch = remote_cache.epoch();
+  if (reads.empty()) return std::nullopt;  // the descriptor was validated by open_remote
   StridedPlan splan = plan_strided_copies(cache_->layout(), remote.layout, reads);
-  CopyPlan plan;
-  plan.total_bytes = splan.total_bytes;
-  std::vector<StridedSpan> strided;
-  for (const StridedSpan& s : splan.spans) {
-    if (s.rows == 1) plan.spans.push_back({s.local_offset, s.remote_offset, s.length});
-    else strided.push_back(s);
-  }
-  if (plan.spans.empty() && strided.empty()) return std::nullopt;
+  if (splan.spans.empty()) return std::nullopt;
 
   auto read = std::make_unique<Read>();
   read->start = Clock::now();
   read->deadline = read->start + options_.timeout;
-  read->bytes = plan.total_bytes;
+  read->bytes = splan.total_bytes;
 
   const std::byte* src = nullptr;
   if (remote.owner_pid == self_pid_) {
@@ -125,7 +163,8 @@ std::optional<TransferFuture> CudaIpcKVTransferEngine::Impl::read(
                   "cuda_ipc descriptor of " + gen_string(remote.owner_pid, remote.generation) +
                       " was exported by this very process; CUDA IPC handles cannot be opened "
                       "by the process that exported them (only this engine's own cache, "
-                      "generation " + std::to_string(info_.generation) + ", is readable here)");
+                      "generation " +
+                      std::to_string(info_.generation) + ", is readable here)");
     }
     src = cache_->base();
   } else {
@@ -140,37 +179,48 @@ std::optional<TransferFuture> CudaIpcKVTransferEngine::Impl::read(
     src = read->mapping->base() + remote.offset_bytes();
   }
 
-  // Few large spans (a page-major cache, contiguous pages) are split so
-  // that every stream gets a share.
-  std::vector<CopySpan> spans = std::move(plan.spans);
-  if (!spans.empty() && spans.size() < streams_.size()) {
-    const std::uint64_t share =
-        std::max<std::uint64_t>((plan.total_bytes + streams_.size() - 1) / streams_.size(),
-                                std::uint64_t{1} << 20);
-    spans = split_spans(spans, share);
+  // The memcpy path: strided spans go to cudaMemcpy2DAsync, contiguous
+  // ones to cudaMemcpyAsync (or a batch); few large spans (a page-major
+  // cache, contiguous pages) are split so that every stream gets a share.
+  // The kernel path takes the plan as it is.
+  std::vector<CopySpan> spans;
+  std::vector<StridedSpan> strided;
+  if (!kernel_) {
+    for (const StridedSpan& s : splan.spans) {
+      if (s.rows == 1)
+        spans.push_back({s.local_offset, s.remote_offset, s.length});
+      else
+        strided.push_back(s);
+    }
+    if (!spans.empty() && spans.size() < streams_.size()) {
+      const std::uint64_t share = std::max<std::uint64_t>(
+          (splan.total_bytes + streams_.size() - 1) / streams_.size(), std::uint64_t{1} << 20);
+      spans = split_spans(spans, share);
+    }
   }
   // Seqlock over the owner's page epochs: every page must carry the
   // sequence's epoch before the copies and still after them (resolve).
-  if (options_.check_epochs && remote_kv_info.epoch != 0) {
+  if (options_.check_epochs && epoch != 0) {
     if (!remote.has_epoch_table) {
       throw Error(StatusCode::kInvalidArgument,
-                  "cuda_ipc descriptor names page epoch " + std::to_string(remote_kv_info.epoch) +
+                  "cuda_ipc descriptor names page epoch " + std::to_string(epoch) +
                       " but carries no epoch table (made from a bare cuda_share, not published "
                       "by a KVCachePool over a cuda_ipc cache): the read cannot be checked");
     }
-    read->epoch = remote_kv_info.epoch;
+    read->epoch = epoch;
     read->epoch_pages = remote.epoch_pages;
     read->pages = remote_pages_of(reads, remote.epoch_pages);
     if (Status s = check_epochs(*read, "before the copy", false); !s.is_ok()) {
       return make_failed_future(s);
     }
   }
-  read->spans = spans.size() + strided.size();
+  read->spans = kernel_ ? splan.spans.size() : spans.size() + strided.size();
   read->promise.mark_planned(read->spans);
   read->promise.set_peer("pid " + std::to_string(remote.owner_pid));
 
   cuda_ipc::DeviceGuard guard(device_);
-  const Status status = enqueue(spans, strided, src, cache_->base(), *read);
+  const Status status = kernel_ ? enqueue_kernel(splan.spans, src, cache_->base(), *read)
+                                : enqueue(spans, strided, src, cache_->base(), *read);
   if (!status.is_ok()) return make_failed_future(status);
   read->promise.mark_posted();  // every copy is enqueued
   TransferFuture future = read->promise.future();
@@ -189,7 +239,8 @@ void CudaIpcKVTransferEngine::Impl::resolve(Read& r) {
         std::chrono::duration_cast<std::chrono::milliseconds>(t - r.start).count());
   };
   const std::string what = "cuda_ipc read of " + std::to_string(r.bytes) + " bytes in " +
-                           std::to_string(r.spans) + " copies";
+                           std::to_string(r.spans) +
+                           (kernel_ ? " spans (one copy kernel launch)" : " copies");
   if (r.error != cudaSuccess) {
     r.promise.fail(Status(StatusCode::kInternal,
                           what + " failed on the GPU: " + cuda_ipc::error_text(r.error)));
@@ -249,8 +300,8 @@ void CudaIpcKVTransferEngine::Impl::completion_loop() {
       // shutdown() synchronised every stream first: whatever is still
       // listed is finished or failed; resolve the rest as shut down.
       for (auto& r : in_flight_) {
-        r->promise.fail(Status(StatusCode::kShutdown,
-                               "cuda_ipc engine shut down with the read in flight"));
+        r->promise.fail(
+            Status(StatusCode::kShutdown, "cuda_ipc engine shut down with the read in flight"));
         done.push_back(std::move(r));
       }
       in_flight_.clear();
@@ -259,13 +310,17 @@ void CudaIpcKVTransferEngine::Impl::completion_loop() {
       lk.unlock();
       for (auto& r : done) resolve(*r);
       lk.lock();
+      std::vector<std::unique_ptr<cuda_ipc::TableSlot>> to_free;
       for (auto& r : done) {
         free_events_.insert(free_events_.end(), r->events.begin(), r->events.end());
         r->events.clear();
+        give_slot(std::move(r->table), to_free);
       }
-      // Mappings are released (and maybe closed) outside the lock.
+      // Mappings are released (and maybe closed), surplus slots freed,
+      // outside the lock.
       lk.unlock();
       done.clear();
+      to_free.clear();
       lk.lock();
       backoff = kMinBackoff;
       continue;
@@ -275,7 +330,8 @@ void CudaIpcKVTransferEngine::Impl::completion_loop() {
       seen_arrivals = arrivals_;
       backoff = kMinBackoff;
     } else {
-      backoff = std::min(backoff * 2, std::chrono::duration_cast<std::chrono::microseconds>(kMaxBackoff));
+      backoff =
+          std::min(backoff * 2, std::chrono::duration_cast<std::chrono::microseconds>(kMaxBackoff));
     }
   }
 }
@@ -312,6 +368,7 @@ void CudaIpcKVTransferEngine::Impl::shutdown() {
     std::lock_guard lk(mu_);
     for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
     free_events_.clear();
+    free_slots_.clear();
     for (cudaStream_t s : streams_) (void)cudaStreamDestroy(s);
     streams_.clear();
     std::lock_guard elk(epoch_mu_);
@@ -345,23 +402,43 @@ const CudaIpcKVTransferInfo& CudaIpcKVTransferEngine::info() const noexcept {
   return impl_->info();
 }
 
-std::optional<KVLayout> CudaIpcKVTransferEngine::remote_layout(
-    const KVTransferInfo& remote) const {
-  return CudaIpcKVTransferInfo::decode(remote).layout;
+RemoteHandle CudaIpcKVTransferEngine::open_remote(const KVTransferInfo& remote) const {
+  CudaIpcKVTransferInfo info = CudaIpcKVTransferInfo::decode(remote);
+  impl_->layout().check_same_model(info.layout);
+  KVLayout layout = info.layout;
+  return std::make_shared<TypedRemote<CudaIpcKVTransferInfo>>(remote, std::move(info),
+                                                              std::move(layout));
 }
 
 std::optional<TransferFuture> CudaIpcKVTransferEngine::read_batched_async(
-    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
-  return impl_->read(remote_kv_info, read_info);
+    const RemoteCache& remote, std::span<const KVReadInfo> read_info) {
+  return impl_->read(remote, read_info);
 }
 
 void CudaIpcKVTransferEngine::shutdown() { impl_->shutdown(); }
 
 std::unique_ptr<LayerWatch> CudaIpcKVTransferEngine::watch_layers(
-    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
-  return impl_->watch_layers(remote_kv_info, read_info);
+    const RemoteCache& remote, std::span<const KVReadInfo> read_info) {
+  return impl_->watch_layers(remote, read_info);
 }
 
 std::size_t CudaIpcKVTransferEngine::open_handles() const { return impl_->open_handles(); }
+
+std::string CudaIpcKVTransferEngine::copy_path() const {
+  return impl_->kernel() ? "kernel" : "memcpy";
+}
+
+namespace engines {
+
+EngineHooks hooks_cuda_ipc() {
+  EngineHooks h;
+  h.make = &make<CudaIpcKVTransferEngine>;
+  h.allocate = [](const KVLayout& layout, int device) -> std::unique_ptr<KVMemory> {
+    return cuda_ipc::DeviceMemory::allocate(layout.total_bytes(), device);
+  };
+  return h;
+}
+
+}  // namespace engines
 
 }  // namespace mstar::kv

@@ -6,6 +6,7 @@
 //   cuda_ipc_engine.cpp  construction, reads, completion, shutdown, the API
 //   cuda_ipc_remote.cpp  opening owners' allocations (generations, lineages)
 //   cuda_ipc_copy.cpp    enqueuing copies on the streams, page epoch checks
+//   cuda_ipc_kernel.cpp  a read as one launch of the copy kernel (span_kernel.hpp)
 #pragma once
 
 #include <signal.h>
@@ -28,18 +29,18 @@
 #include "cuda_epochs.hpp"
 #include "cuda_util.hpp"
 #include "device_memory.hpp"
-#include "host_tables.hpp"
 #include "engines/engine_makers.hpp"
 #include "engines/option_keys.hpp"
+#include "host_tables.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/status.hpp"
 #include "mstar/kv/thread_annotations.hpp"
+#include "span_kernel.hpp"
 
 namespace mstar::kv {
 
 namespace cuda_ipc_detail {
-
 
 using Clock = std::chrono::steady_clock;
 
@@ -48,6 +49,8 @@ constexpr auto kMinBackoff = std::chrono::microseconds(20);
 constexpr auto kMaxBackoff = std::chrono::microseconds(1000);
 // Copies per cudaMemcpyBatchAsync call: bounds the host arrays built per call.
 constexpr std::size_t kBatchChunk = 4096;
+// Span table slots kept for reuse (pinned + device blocks, kernel copies).
+constexpr std::size_t kMaxFreeSlots = 8;
 // Generations remembered as replaced, per engine (oldest forgotten first).
 constexpr std::size_t kMaxRetired = 4096;
 
@@ -102,11 +105,12 @@ class CudaIpcKVTransferEngine::Impl {
 
   const CudaIpcKVTransferInfo& info() const noexcept { return info_; }
   const KVTransferInfo& encoded() const noexcept { return encoded_; }
-  std::optional<TransferFuture> read(const KVTransferInfo& remote_kv_info,
-                                     std::span<const KVReadInfo> reads);
+  std::optional<TransferFuture> read(const RemoteCache& remote, std::span<const KVReadInfo> reads);
   void shutdown();
-  std::unique_ptr<LayerWatch> watch_layers(const KVTransferInfo& remote_kv_info,
+  std::unique_ptr<LayerWatch> watch_layers(const RemoteCache& remote,
                                            std::span<const KVReadInfo> reads);
+  const KVLayout& layout() const noexcept { return cache_->layout(); }
+  bool kernel() const noexcept { return kernel_; }
   std::size_t open_handles() const {
     std::lock_guard lk(map_mu_);
     return mappings_.size();
@@ -115,8 +119,9 @@ class CudaIpcKVTransferEngine::Impl {
  private:
   struct Read {
     TransferPromise promise;
-    std::vector<cudaEvent_t> events;          // one per stream used
-    std::shared_ptr<RemoteMapping> mapping;   // null when reading our own cache
+    std::vector<cudaEvent_t> events;             // one per stream used
+    std::unique_ptr<cuda_ipc::TableSlot> table;  // kernel copies: its span table
+    std::shared_ptr<RemoteMapping> mapping;      // null when reading our own cache
     std::uint64_t bytes = 0;
     std::size_t spans = 0;
     Clock::time_point start;
@@ -141,11 +146,21 @@ class CudaIpcKVTransferEngine::Impl {
   // Enqueues every span and records the events into `read`. On a CUDA
   // failure, waits for what was enqueued and returns the error.
   Status enqueue(const std::vector<CopySpan>& spans, const std::vector<StridedSpan>& strided,
-                 const std::byte* src, std::byte* dst,
-                 Read& read);
+                 const std::byte* src, std::byte* dst, Read& read);
   Status enqueue_stream(cudaStream_t stream, const std::vector<const CopySpan*>& spans,
-                        const std::vector<const StridedSpan*>& strided,
-                        const std::byte* src, std::byte* dst);
+                        const std::vector<const StridedSpan*>& strided, const std::byte* src,
+                        std::byte* dst);
+  // The kernel path (cuda_ipc_kernel.cpp): the plan's span table written
+  // into a pinned slot, uploaded with one cudaMemcpyAsync and copied by one
+  // kernel launch, on one stream, then its event; the slot stays with
+  // `read` until it resolved. On a CUDA failure, waits for what was
+  // enqueued and returns the error.
+  Status enqueue_kernel(const std::vector<StridedSpan>& spans, const std::byte* src, std::byte* dst,
+                        Read& read);
+  std::unique_ptr<cuda_ipc::TableSlot> take_slot(std::size_t bytes);
+  // Back to the free slots (at most kMaxFreeSlots kept), under mu_.
+  void give_slot(std::unique_ptr<cuda_ipc::TableSlot> slot,
+                 std::vector<std::unique_ptr<cuda_ipc::TableSlot>>& to_free) MSTAR_KV_REQUIRES(mu_);
   cudaEvent_t take_event(Status* status);
   void resolve(Read& r);
   void completion_loop();
@@ -155,6 +170,8 @@ class CudaIpcKVTransferEngine::Impl {
   int device_;
   EngineOptions options_;
   std::atomic<bool> batch_{true};
+  bool kernel_ = false;         // cuda_ipc_copy: kernel (else memcpy)
+  unsigned kernel_blocks_ = 1;  // the kernel's grid at most
   bool check_owner_pid_ = true;
   CudaIpcKVTransferInfo info_;
   KVTransferInfo encoded_;
@@ -173,8 +190,8 @@ class CudaIpcKVTransferEngine::Impl {
   bool shut_down_ MSTAR_KV_GUARDED_BY(lifecycle_mu_) = false;
 
   mutable std::mutex map_mu_;
-  std::map<std::pair<std::uint32_t, std::uint64_t>, std::shared_ptr<RemoteMapping>>
-      mappings_ MSTAR_KV_GUARDED_BY(map_mu_);
+  std::map<std::pair<std::uint32_t, std::uint64_t>, std::shared_ptr<RemoteMapping>> mappings_
+      MSTAR_KV_GUARDED_BY(map_mu_);
   // The current generation per lineage: (owner pid, GPU, layout). A new
   // generation in a lineage replaces the old one; caches of one process that
   // differ in GPU or layout (a draft and a target model) live side by side.
@@ -190,6 +207,7 @@ class CudaIpcKVTransferEngine::Impl {
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Read>> in_flight_ MSTAR_KV_GUARDED_BY(mu_);
   std::vector<cudaEvent_t> free_events_ MSTAR_KV_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<cuda_ipc::TableSlot>> free_slots_ MSTAR_KV_GUARDED_BY(mu_);
   std::uint64_t arrivals_ MSTAR_KV_GUARDED_BY(mu_) = 0;
   bool stop_ MSTAR_KV_GUARDED_BY(mu_) = false;
   std::thread completer_;

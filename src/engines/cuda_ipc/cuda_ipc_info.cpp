@@ -33,11 +33,16 @@ std::string dims_string(const std::vector<std::int64_t>& v) {
 // PyTorch's names of the dtypes a layout can hold.
 std::string_view torch_name(DType d) {
   switch (d) {
-    case DType::kFloat32: return "torch.float32";
-    case DType::kFloat16: return "torch.float16";
-    case DType::kBFloat16: return "torch.bfloat16";
-    case DType::kFloat8E4M3: return "torch.float8_e4m3fn";
-    case DType::kFloat8E5M2: return "torch.float8_e5m2";
+    case DType::kFloat32:
+      return "torch.float32";
+    case DType::kFloat16:
+      return "torch.float16";
+    case DType::kBFloat16:
+      return "torch.bfloat16";
+    case DType::kFloat8E4M3:
+      return "torch.float8_e4m3fn";
+    case DType::kFloat8E5M2:
+      return "torch.float8_e5m2";
   }
   return "";
 }
@@ -45,12 +50,8 @@ std::string_view torch_name(DType d) {
 }  // namespace
 
 std::vector<std::int64_t> CudaIpcKVTransferInfo::view_size(const KVLayout& l) {
-  const std::int64_t p0 = l.page_order == PageOrder::kNHD ? l.page_size : l.num_kv_heads;
-  const std::int64_t p1 = l.page_order == PageOrder::kNHD ? l.num_kv_heads : l.page_size;
-  if (l.cache_order == CacheOrder::kLayerMajor) {
-    return {l.num_layers, l.num_kv(), l.num_pages, p0, p1, l.head_dim};
-  }
-  return {l.num_pages, l.num_layers, l.num_kv(), p0, p1, l.head_dim};
+  const auto shape = l.view_shape();
+  return {shape.begin(), shape.end()};
 }
 
 std::vector<std::int64_t> CudaIpcKVTransferInfo::view_stride(const KVLayout& l) {
@@ -107,8 +108,7 @@ void CudaIpcKVTransferInfo::validate() const {
   // offset * elem + extent <= alloc, without overflow.
   if (extent > alloc || static_cast<std::uint64_t>(offset) > (alloc - extent) / elem) {
     corrupt("offset", "view [" + std::to_string(offset) + " elements + " + std::to_string(extent) +
-                          " bytes) outside the allocation of " + std::to_string(alloc) +
-                          " bytes");
+                          " bytes) outside the allocation of " + std::to_string(alloc) + " bytes");
   }
   if (generation == 0) corrupt("generation", "0");
   if (owner_pid == 0) corrupt("owner_pid", "0");
@@ -116,9 +116,8 @@ void CudaIpcKVTransferInfo::validate() const {
     corrupt("epoch_pages", std::to_string(epoch_pages) + " epoch words for a layout of " +
                                std::to_string(layout.num_pages) + " pages");
   }
-  if (!has_epoch_table &&
-      (epoch_pages != 0 ||
-       std::any_of(epoch_handle.begin(), epoch_handle.end(), [](std::uint8_t b) { return b; }))) {
+  if (!has_epoch_table && (epoch_pages != 0 || std::any_of(epoch_handle.begin(), epoch_handle.end(),
+                                                           [](std::uint8_t b) { return b; }))) {
     corrupt("epoch_handle", "set without an epoch table");
   }
   if (has_host_tables && !has_epoch_table) {

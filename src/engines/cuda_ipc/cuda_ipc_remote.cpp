@@ -46,9 +46,8 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
   if (owner_dev < 0) {
     throw Error(StatusCode::kInvalidArgument,
                 "cuda_ipc descriptor names GPU " +
-                    cuda_ipc::uuid_string(remote.cuda_share.device_uuid.data()) +
-                    " (device " + std::to_string(remote.cuda_share.device) +
-                    " of pid " + std::to_string(pid) +
+                    cuda_ipc::uuid_string(remote.cuda_share.device_uuid.data()) + " (device " +
+                    std::to_string(remote.cuda_share.device) + " of pid " + std::to_string(pid) +
                     "), which is not visible in this process (check CUDA_VISIBLE_DEVICES)");
   }
   if (owner_dev != device_) {
@@ -56,12 +55,12 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
     const cudaError_t err = cudaDeviceCanAccessPeer(&can, device_, owner_dev);
     if (err != cudaSuccess) {
       throw Error(StatusCode::kPeerFailure,
-                       "cudaDeviceCanAccessPeer: " + cuda_ipc::error_text(err));
+                  "cudaDeviceCanAccessPeer: " + cuda_ipc::error_text(err));
     }
     if (can == 0) {
       throw Error(StatusCode::kInvalidArgument,
-                  "cuda_ipc: device " + std::to_string(device_) +
-                      " cannot access peer device " + std::to_string(owner_dev) +
+                  "cuda_ipc: device " + std::to_string(device_) + " cannot access peer device " +
+                      std::to_string(owner_dev) +
                       " holding the owner's cache (no P2P between them)");
     }
   }
@@ -73,9 +72,9 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
     cuda_ipc::DeviceGuard guard(device_);
     const cudaError_t err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {
-      throw Error(StatusCode::kPeerFailure,
-                       "cudaIpcOpenMemHandle for " + gen_string(pid, remote.generation) +
-                           " failed: " + cuda_ipc::error_text(err));
+      throw Error(StatusCode::kPeerFailure, "cudaIpcOpenMemHandle for " +
+                                                gen_string(pid, remote.generation) +
+                                                " failed: " + cuda_ipc::error_text(err));
     }
   }
   auto mapping = std::make_shared<RemoteMapping>(base, device_);
@@ -86,10 +85,9 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
     cuda_ipc::DeviceGuard guard(device_);
     const cudaError_t err = cudaIpcOpenMemHandle(&ep, eh, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {
-      throw Error(StatusCode::kPeerFailure,
-                       "cudaIpcOpenMemHandle of the page epoch table of " +
-                           gen_string(pid, remote.generation) + " failed: " +
-                           cuda_ipc::error_text(err));
+      throw Error(StatusCode::kPeerFailure, "cudaIpcOpenMemHandle of the page epoch table of " +
+                                                gen_string(pid, remote.generation) +
+                                                " failed: " + cuda_ipc::error_text(err));
     }
     mapping->set_epochs(ep);
     // Untrusted length: the table must hold epoch_pages words.
@@ -101,11 +99,12 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
       eknown = false;
     }
     const auto e = reinterpret_cast<std::uintptr_t>(ep);
-    if (eknown && (e < er.base || std::uint64_t{remote.epoch_pages} * 8 > er.size - (e - er.base))) {
+    if (eknown &&
+        (e < er.base || std::uint64_t{remote.epoch_pages} * 8 > er.size - (e - er.base))) {
       throw Error(StatusCode::kCorruptDescriptor,
                   "cuda_ipc descriptor of " + gen_string(pid, remote.generation) + " names " +
-                      std::to_string(remote.epoch_pages) +
-                      " page epochs; their handle maps " + std::to_string(er.size) + " bytes");
+                      std::to_string(remote.epoch_pages) + " page epochs; their handle maps " +
+                      std::to_string(er.size) + " bytes");
     }
   }
   // The descriptor's sizes are untrusted: check the view against what the
@@ -119,8 +118,8 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
   }
   const std::uint64_t view_end = remote.offset_bytes() + remote.layout.total_bytes();
   const auto b = reinterpret_cast<std::uintptr_t>(base);
-  if (known && (b < range.base || b - range.base > range.size ||
-                view_end > range.size - (b - range.base))) {
+  if (known &&
+      (b < range.base || b - range.base > range.size || view_end > range.size - (b - range.base))) {
     throw Error(StatusCode::kCorruptDescriptor,
                 "cuda_ipc descriptor of " + gen_string(pid, remote.generation) +
                     " puts the cache at bytes [" + std::to_string(remote.offset_bytes()) + ", " +

@@ -11,7 +11,7 @@
 namespace mstar::kv {
 
 std::unique_ptr<LayerWatch> CudaIpcKVTransferEngine::Impl::watch_layers(
-    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> reads) {
+    const RemoteCache& remote_cache, std::span<const KVReadInfo> reads) {
   {
     std::shared_lock lifecycle(lifecycle_mu_);
     if (shut_down_) throw Error(StatusCode::kShutdown, "cuda_ipc engine is shut down");
@@ -19,16 +19,16 @@ std::unique_ptr<LayerWatch> CudaIpcKVTransferEngine::Impl::watch_layers(
   if (reads.empty()) {
     throw Error(StatusCode::kInvalidArgument, "cuda_ipc layer watch of 0 reads: nothing to watch");
   }
-  const CudaIpcKVTransferInfo remote = CudaIpcKVTransferInfo::decode(remote_kv_info);
-  cache_->layout().check_same_model(remote.layout);
+  const CudaIpcKVTransferInfo& remote = remote_as<CudaIpcKVTransferInfo>(remote_cache, "cuda_ipc");
+  const std::uint64_t epoch = remote_cache.epoch();
   (void)plan_strided_copies(cache_->layout(), remote.layout, reads);  // validates as a read does
-  if (remote_kv_info.epoch == 0) {
+  if (epoch == 0) {
     throw Error(StatusCode::kInvalidArgument,
                 "layer-wise streaming needs a descriptor with a page epoch (published by a "
                 "KVCachePool), got epoch 0");
   }
   if (!remote.has_host_tables) {
-    throw Error(StatusCode::kUnavailable,
+    throw Error(StatusCode::kNotSupported,
                 "cuda_ipc descriptor of pid " + std::to_string(remote.owner_pid) +
                     " carries no host tables (the owner could not make them, or the descriptor "
                     "came from a bare cuda_share): no layer readiness to watch; pull after the "
@@ -39,13 +39,13 @@ std::unique_ptr<LayerWatch> CudaIpcKVTransferEngine::Impl::watch_layers(
       remote.owner_pid, remote.host_tables_fd, remote.host_tables_uid, remote.generation,
       num_pages);
   auto pages = remote_pages_of(reads, num_pages);
-  Status s = check_page_epochs(tables->epochs(), num_pages, pages, remote_kv_info.epoch,
-                               "before the stream", false);
+  Status s =
+      check_page_epochs(tables->epochs(), num_pages, pages, epoch, "before the stream", false);
   if (!s.is_ok()) throw Error(std::move(s));
   const cuda_ipc::HostTablesView* t = tables.get();
-  return make_mapped_layer_watch(t->ready(), t->epochs(), num_pages, remote.layout.num_layers,
-                                 std::move(pages), remote_kv_info.epoch,
-                                 [t] { return t->check_owner(); }, std::move(tables));
+  return make_mapped_layer_watch(
+      t->ready(), t->epochs(), num_pages, remote.layout.num_layers, std::move(pages), epoch,
+      [t] { return t->check_owner(); }, std::move(tables));
 }
 
 namespace {

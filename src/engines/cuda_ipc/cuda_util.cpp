@@ -28,9 +28,9 @@ void check_device(int device) {
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) fail(StatusCode::kUnavailable, "cudaGetDeviceCount", err);
   if (device < 0 || device >= count) {
-    throw Error(StatusCode::kUnavailable,
-                "CUDA device " + std::to_string(device) + " out of range [0, " +
-                    std::to_string(count) + ") of the devices visible here");
+    throw Error(StatusCode::kUnavailable, "CUDA device " + std::to_string(device) +
+                                              " out of range [0, " + std::to_string(count) +
+                                              ") of the devices visible here");
   }
 }
 
@@ -58,8 +58,7 @@ void device_uuid(int device, std::uint8_t out[16]) {
   cudaDeviceProp prop{};
   const cudaError_t err = cudaGetDeviceProperties(&prop, device);
   if (err != cudaSuccess) {
-    fail(StatusCode::kUnavailable,
-         "cudaGetDeviceProperties(" + std::to_string(device) + ")", err);
+    fail(StatusCode::kUnavailable, "cudaGetDeviceProperties(" + std::to_string(device) + ")", err);
   }
   static_assert(sizeof(prop.uuid.bytes) == 16);
   std::memcpy(out, prop.uuid.bytes, 16);
@@ -68,9 +67,9 @@ void device_uuid(int device, std::uint8_t out[16]) {
 std::string uuid_string(const std::uint8_t uuid[16]) {
   char buf[64];
   std::snprintf(buf, sizeof buf,
-                "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
-                uuid[0], uuid[1], uuid[2], uuid[3], uuid[4], uuid[5], uuid[6], uuid[7],
-                uuid[8], uuid[9], uuid[10], uuid[11], uuid[12], uuid[13], uuid[14], uuid[15]);
+                "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", uuid[0],
+                uuid[1], uuid[2], uuid[3], uuid[4], uuid[5], uuid[6], uuid[7], uuid[8], uuid[9],
+                uuid[10], uuid[11], uuid[12], uuid[13], uuid[14], uuid[15]);
   return buf;
 }
 
@@ -129,7 +128,8 @@ bool allocation_range(const void* ptr, AddressRange* out) {
 }
 
 int legacy_ipc_capable(const void* ptr) {
-  auto fn = reinterpret_cast<PFN_cuPointerGetAttribute_v4000>(driver_entry("cuPointerGetAttribute"));
+  auto fn =
+      reinterpret_cast<PFN_cuPointerGetAttribute_v4000>(driver_entry("cuPointerGetAttribute"));
   if (fn == nullptr) return -1;
   // Documented as "a boolean"; read it into a zeroed wider word so that a
   // 1-byte bool or a 4-byte int both come out right.

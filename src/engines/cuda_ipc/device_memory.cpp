@@ -8,7 +8,6 @@
 #include "cuda_epochs.hpp"
 #include "cuda_util.hpp"
 #include "host_tables.hpp"
-#include "engines/engine_makers.hpp"
 #include "mstar/kv/status.hpp"
 
 namespace mstar::kv {
@@ -41,9 +40,9 @@ void export_handle(void* base, CudaIpcShare* share, const char* what) {
   cudaIpcMemHandle_t h{};
   const cudaError_t err = cudaIpcGetMemHandle(&h, base);
   if (err != cudaSuccess) {
-    throw Error(StatusCode::kInvalidArgument,
-                std::string(what) + ": cudaIpcGetMemHandle(" + ptr_string(base) +
-                    ") failed: " + error_text(err) + "; " + kIpcHint);
+    throw Error(StatusCode::kInvalidArgument, std::string(what) + ": cudaIpcGetMemHandle(" +
+                                                  ptr_string(base) +
+                                                  ") failed: " + error_text(err) + "; " + kIpcHint);
   }
   static_assert(sizeof(h.reserved) == CudaIpcShare::kHandleBytes);
   std::memcpy(share->handle.data(), h.reserved, CudaIpcShare::kHandleBytes);
@@ -66,8 +65,9 @@ std::unique_ptr<DeviceMemory> DeviceMemory::allocate(std::size_t size, int devic
   if (err != cudaSuccess) {
     const StatusCode code =
         err == cudaErrorMemoryAllocation ? StatusCode::kRetryLater : StatusCode::kUnavailable;
-    fail(code, "cudaMalloc of " + std::to_string(size) + " bytes on device " +
-                   std::to_string(device), err);
+    fail(code,
+         "cudaMalloc of " + std::to_string(size) + " bytes on device " + std::to_string(device),
+         err);
   }
   m->data_ = static_cast<std::byte*>(p);  // owned from here: the destructor frees
   // Zero-fill, and wait: the engine's streams are non-blocking, so they would
@@ -95,7 +95,8 @@ std::unique_ptr<DeviceMemory> DeviceMemory::wrap(void* ptr, std::size_t size, in
   }
   if (attr.type != cudaMemoryTypeDevice) {
     throw Error(StatusCode::kInvalidArgument,
-                "wrap_device_memory: " + ptr_string(ptr) + " is not device memory (cudaMemoryType " +
+                "wrap_device_memory: " + ptr_string(ptr) +
+                    " is not device memory (cudaMemoryType " +
                     std::to_string(static_cast<int>(attr.type)) + ", expected " +
                     std::to_string(static_cast<int>(cudaMemoryTypeDevice)) + ")");
   }
@@ -108,7 +109,8 @@ std::unique_ptr<DeviceMemory> DeviceMemory::wrap(void* ptr, std::size_t size, in
     throw Error(StatusCode::kInvalidArgument,
                 "wrap_device_memory: " + ptr_string(ptr) +
                     " is not in an allocation legacy CUDA IPC can share "
-                    "(CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE is 0); " + kIpcHint);
+                    "(CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE is 0); " +
+                    kIpcHint);
   }
   AddressRange range;
   if (!allocation_range(ptr, &range)) {
@@ -138,10 +140,10 @@ std::unique_ptr<DeviceMemory> DeviceMemory::wrap(void* ptr, std::size_t size, in
 
 const EpochMirror* DeviceMemory::epoch_mirror(std::uint32_t num_pages) {
   if (epochs_ && epochs_->num_pages() != num_pages) {
-    throw Error(StatusCode::kInvalidArgument,
-                "this device memory already backs a cache of " +
-                    std::to_string(epochs_->num_pages()) + " pages, not " +
-                    std::to_string(num_pages) + ": one cache per memory");
+    throw Error(StatusCode::kInvalidArgument, "this device memory already backs a cache of " +
+                                                  std::to_string(epochs_->num_pages()) +
+                                                  " pages, not " + std::to_string(num_pages) +
+                                                  ": one cache per memory");
   }
   if (!epochs_) {
     epochs_ = std::make_unique<DeviceEpochTable>(num_pages, share_.device);
@@ -179,8 +181,7 @@ DeviceMemory::~DeviceMemory() {
 
 }  // namespace cuda_ipc
 
-std::unique_ptr<KVMemory> wrap_device_memory(void* device_ptr, std::size_t size_bytes,
-                                             int device) {
+std::unique_ptr<KVMemory> wrap_device_memory(void* device_ptr, std::size_t size_bytes, int device) {
   return cuda_ipc::DeviceMemory::wrap(device_ptr, size_bytes, device);
 }
 
@@ -197,13 +198,5 @@ std::string cuda_unavailable_reason() {
   if (count <= 0) return "cudaGetDeviceCount: 0 CUDA devices visible";
   return {};
 }
-
-namespace engines {
-
-std::unique_ptr<KVMemory> allocate_device_memory(std::size_t size, int device) {
-  return cuda_ipc::DeviceMemory::allocate(size, device);
-}
-
-}  // namespace engines
 
 }  // namespace mstar::kv

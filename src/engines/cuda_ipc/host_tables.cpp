@@ -10,8 +10,8 @@
 #include <cstring>
 #include <utility>
 
-#include "core/posix_fd.hpp"
 #include "mstar/kv/status.hpp"
+#include "util/posix_fd.hpp"
 
 namespace mstar::kv::cuda_ipc {
 
@@ -122,9 +122,9 @@ HostTablesView::HostTablesView(std::uint32_t owner_pid, std::uint32_t fd, std::u
   const std::uint64_t want = host_tables_bytes(num_pages);
   if (!S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0 ||
       static_cast<std::uint64_t>(st.st_size) != want) {
-    throw Error(StatusCode::kStaleDescriptor,
-                who + ": not sealed mstar-kv tables of " + std::to_string(want) +
-                    " bytes (the fd names something else now)");
+    throw Error(StatusCode::kStaleDescriptor, who + ": not sealed mstar-kv tables of " +
+                                                  std::to_string(want) +
+                                                  " bytes (the fd names something else now)");
   }
   void* p = ::mmap(nullptr, want, PROT_READ, MAP_SHARED, f.get(), 0);
   if (p == MAP_FAILED) {

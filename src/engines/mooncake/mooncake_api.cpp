@@ -24,13 +24,20 @@ static_assert(sizeof(McTransferStatus) == 16);
 
 const char* task_status_name(int status) noexcept {
   switch (static_cast<McTaskStatus>(status)) {
-    case McTaskStatus::kWaiting: return "WAITING";
-    case McTaskStatus::kPending: return "PENDING";
-    case McTaskStatus::kInvalid: return "INVALID";
-    case McTaskStatus::kCanceled: return "CANCELED";
-    case McTaskStatus::kCompleted: return "COMPLETED";
-    case McTaskStatus::kTimeout: return "TIMEOUT";
-    case McTaskStatus::kFailed: return "FAILED";
+    case McTaskStatus::kWaiting:
+      return "WAITING";
+    case McTaskStatus::kPending:
+      return "PENDING";
+    case McTaskStatus::kInvalid:
+      return "INVALID";
+    case McTaskStatus::kCanceled:
+      return "CANCELED";
+    case McTaskStatus::kCompleted:
+      return "COMPLETED";
+    case McTaskStatus::kTimeout:
+      return "TIMEOUT";
+    case McTaskStatus::kFailed:
+      return "FAILED";
   }
   return "UNKNOWN";
 }
@@ -38,26 +45,65 @@ const char* task_status_name(int status) noexcept {
 std::string status_code_name(int code) {
   const char* name = nullptr;
   switch (code) {
-    case 0: name = "Ok"; break;
-    case 1: name = "InvalidArgument"; break;
-    case 2: name = "TooManyRequests"; break;
-    case 3: name = "AddressNotRegistered"; break;
-    case 4: name = "BatchBusy"; break;
-    case 6: name = "DeviceNotFound"; break;
-    case 7: name = "AddressOverlapped"; break;
-    case 8: name = "NotSupportedTransport"; break;
-    case 101: name = "Dns"; break;
-    case 102: name = "Socket"; break;
-    case 103: name = "MalformedJson"; break;
-    case 104: name = "RejectHandshake"; break;
-    case 200: name = "Metadata"; break;
-    case 201: name = "Endpoint"; break;
-    case 202: name = "Context"; break;
-    case 300: name = "Numa"; break;
-    case 301: name = "Clock"; break;
-    case 302: name = "Memory"; break;
-    case 999: name = "NotImplemented"; break;
-    default: break;
+    case 0:
+      name = "Ok";
+      break;
+    case 1:
+      name = "InvalidArgument";
+      break;
+    case 2:
+      name = "TooManyRequests";
+      break;
+    case 3:
+      name = "AddressNotRegistered";
+      break;
+    case 4:
+      name = "BatchBusy";
+      break;
+    case 6:
+      name = "DeviceNotFound";
+      break;
+    case 7:
+      name = "AddressOverlapped";
+      break;
+    case 8:
+      name = "NotSupportedTransport";
+      break;
+    case 101:
+      name = "Dns";
+      break;
+    case 102:
+      name = "Socket";
+      break;
+    case 103:
+      name = "MalformedJson";
+      break;
+    case 104:
+      name = "RejectHandshake";
+      break;
+    case 200:
+      name = "Metadata";
+      break;
+    case 201:
+      name = "Endpoint";
+      break;
+    case 202:
+      name = "Context";
+      break;
+    case 300:
+      name = "Numa";
+      break;
+    case 301:
+      name = "Clock";
+      break;
+    case 302:
+      name = "Memory";
+      break;
+    case 999:
+      name = "NotImplemented";
+      break;
+    default:
+      break;
   }
   std::string out = name != nullptr ? name : "code";
   out += " (" + std::to_string(code) + ")";
@@ -85,8 +131,8 @@ void resolve(void* handle, const std::string& path, const char* name, Fn& fn) {
   if (sym == nullptr) {
     const char* err = dlerror();
     throw Error(StatusCode::kUnavailable,
-                "Mooncake library '" + path + "' lacks the C API symbol '" + name +
-                    "'" + (err != nullptr ? std::string(": ") + err : std::string()) +
+                "Mooncake library '" + path + "' lacks the C API symbol '" + name + "'" +
+                    (err != nullptr ? std::string(": ") + err : std::string()) +
                     "; point --mooncake-lib / MSTAR_KV_MOONCAKE_LIB at a "
                     "libtransfer_engine.so built with transfer_engine_c.h");
   }
@@ -101,10 +147,9 @@ MooncakeLibrary::MooncakeLibrary(const std::string& path) : path_(path) {
   handle_ = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (handle_ == nullptr) {
     const char* err = dlerror();
-    throw Error(StatusCode::kUnavailable,
-                "cannot load Mooncake library '" + path +
-                    "': " + (err != nullptr ? err : "unknown dlopen error") +
-                    "; set --mooncake-lib PATH or " + kLibEnv);
+    throw Error(StatusCode::kUnavailable, "cannot load Mooncake library '" + path + "': " +
+                                              (err != nullptr ? err : "unknown dlopen error") +
+                                              "; set --mooncake-lib PATH or " + kLibEnv);
   }
   try {
     resolve(handle_, path_, "createTransferEngine", api_.createTransferEngine);

@@ -20,16 +20,16 @@ namespace mstar::kv::mooncake {
 // ---- C ABI (names ours; layouts and values from transfer_engine_c.h) ------
 extern "C" {
 
-using McEngine = void*;          // transfer_engine_t
-using McTransport = void*;      // transport_t
+using McEngine = void*;            // transfer_engine_t
+using McTransport = void*;         // transport_t
 using McSegmentId = std::int32_t;  // segment_id_t (a #define there)
 using McBatchId = std::uint64_t;   // batch_id_t
 
 // struct transfer_request
 struct McTransferRequest {
-  int opcode;                  // kOpcodeRead / kOpcodeWrite
-  void* source;                // local address (the destination of a READ)
-  McSegmentId target_id;       // from openSegment
+  int opcode;                   // kOpcodeRead / kOpcodeWrite
+  void* source;                 // local address (the destination of a READ)
+  McSegmentId target_id;        // from openSegment
   std::uint64_t target_offset;  // the peer's ABSOLUTE virtual address
   std::uint64_t length;
 };
@@ -42,8 +42,7 @@ struct McTransferStatus {
 
 using McCreateTransferEngineFn = McEngine (*)(const char* metadata_conn_string,
                                               const char* local_server_name,
-                                              const char* ip_or_host_name,
-                                              std::uint64_t rpc_port,
+                                              const char* ip_or_host_name, std::uint64_t rpc_port,
                                               int auto_discover);
 using McGetLocalIpAndPortFn = int (*)(McEngine, char* buf_out, std::size_t buf_len);
 using McInstallTransportFn = McTransport (*)(McEngine, const char* proto, void** args);

@@ -9,7 +9,7 @@
 #include <utility>
 
 #include "mstar/kv/planner.hpp"
-#include "engines/rma/rma_engine.hpp"
+#include "rma/rma_engine.hpp"
 
 namespace mstar::kv::mooncake {
 
@@ -48,7 +48,7 @@ std::string host_of(const std::string& s) {
 
 // Mooncake's Status::Code from submitTransfer, as our StatusCode.
 StatusCode map_code(int code) {
-  if (code == 2) return StatusCode::kRetryLater;  // TooManyRequests
+  if (code == 2) return StatusCode::kRetryLater;                   // TooManyRequests
   if (code >= 100 && code < 300) return StatusCode::kPeerFailure;  // network, metadata
   return StatusCode::kInternal;
 }
@@ -78,10 +78,9 @@ struct MooncakeBackend::Batch final : rma::RmaOperation {
 
 // ---- construction and teardown ----------------------------------------------
 
-MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
-                                 const MooncakeOptions& options,
-                                 const std::string& entity_id,
-                                 const std::string& my_session_id, McEngine shared_engine)
+MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache, const MooncakeOptions& options,
+                                 const std::string& entity_id, const std::string& my_session_id,
+                                 McEngine shared_engine)
     : cache_(std::move(cache)), options_(options), identity_(nullptr, nullptr) {
   if (!cache_) throw Error(StatusCode::kInvalidArgument, "the Mooncake engine needs a cache");
   if (entity_id.size() > rma::RmaRegionInfo::kMaxIdBytes ||
@@ -102,6 +101,7 @@ MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
   }
   lib_ = std::make_unique<MooncakeLibrary>(options_.library_path);
   api_ = &lib_->api();
+  scratch_ = std::make_shared<ScratchRegistry>();
   if (shared_) {
     if (const std::string other = lib_->other_global_copy(); !other.empty()) {
       throw Error(StatusCode::kInvalidArgument,
@@ -136,9 +136,9 @@ MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
     engine_ = api_->createTransferEngine(options_.metadata.c_str(), server_name.c_str(),
                                          server_name.c_str(), 0, 0);
     if (engine_ == nullptr) {
-      throw Error(StatusCode::kUnavailable,
-                  "Mooncake createTransferEngine(metadata '" + options_.metadata +
-                      "', server '" + server_name + "') failed (see Mooncake's log)");
+      throw Error(StatusCode::kUnavailable, "Mooncake createTransferEngine(metadata '" +
+                                                options_.metadata + "', server '" + server_name +
+                                                "') failed (see Mooncake's log)");
     }
   }
   try {
@@ -158,11 +158,11 @@ MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
     const KVLayout& layout = cache_->layout();
     if (api_->registerLocalMemory(engine_, cache_->base(), layout.total_bytes(),
                                   options_.location.c_str(), 1) != 0) {
-      throw Error(StatusCode::kUnavailable,
-                  "Mooncake registerLocalMemory of the " + std::to_string(layout.total_bytes()) +
-                      "-byte cache at location '" + options_.location + "' failed" +
-                      (shared_ ? " (on the shared handle: is this memory registered there already?)"
-                               : ""));
+      throw Error(
+          StatusCode::kUnavailable,
+          "Mooncake registerLocalMemory of the " + std::to_string(layout.total_bytes()) +
+              "-byte cache at location '" + options_.location + "' failed" +
+              (shared_ ? " (on the shared handle: is this memory registered there already?)" : ""));
     }
     cache_registered_ = true;
 
@@ -175,8 +175,8 @@ MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
     region_.generation = rma::new_generation();
     // The page epoch table, beside the cache, for readers' epoch checks.
     const PageEpochs& ep = cache_->epochs();
-    if (api_->registerLocalMemory(engine_, ep.words(), ep.size_bytes(),
-                                  options_.location.c_str(), 1) != 0) {
+    if (api_->registerLocalMemory(engine_, ep.words(), ep.size_bytes(), options_.location.c_str(),
+                                  1) != 0) {
       throw Error(StatusCode::kUnavailable,
                   "Mooncake registerLocalMemory of the page epoch table failed");
     }
@@ -195,9 +195,16 @@ MooncakeBackend::MooncakeBackend(std::shared_ptr<KVCache> cache,
     write_identity(identity_.get(), region_);
     if (api_->registerLocalMemory(engine_, identity_.get(), kIdentityBytes,
                                   options_.location.c_str(), 1) != 0) {
-      throw Error(StatusCode::kUnavailable, "Mooncake registerLocalMemory of the identity page failed");
+      throw Error(StatusCode::kUnavailable,
+                  "Mooncake registerLocalMemory of the identity page failed");
     }
     identity_registered_ = true;
+    {
+      std::lock_guard<std::mutex> lk(scratch_->mu);
+      scratch_->api = api_;
+      scratch_->engine = engine_;
+      scratch_->log = options_.log;
+    }
     progress_ = std::thread([this] { progress_loop(); });
   } catch (...) {
     release_engine();  // no other thread exists yet
@@ -218,44 +225,42 @@ void MooncakeBackend::shutdown() noexcept {
   // tear-down after the abort grace; with a shared handle only once Mooncake
   // reported every task final).
   if (progress_.joinable()) progress_.join();
-  {
-    // A connect() still holding a scratch page lets go of it promptly: its
-    // batch completed above, or post() refuses it now.
-    std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait(lk, [this] {
-      MSTAR_KV_ASSERT_HELD(mu_);  // the condition runs under the lock
-      return live_scratch_ == 0;
-    });
-  }
+  // No batch is in flight now. Scratch pages still held (an idle layer watch,
+  // a connect() about to let go of its page) are unregistered by
+  // release_engine(), never waited for: their holders' lifetimes are not the
+  // engine's.
   std::unique_lock<std::shared_mutex> api(api_mu_);
   release_engine();
 }
 
 void MooncakeBackend::release_engine() noexcept {
   if (engine_ == nullptr) return;
-  if (cache_registered_ && api_->unregisterLocalMemory(engine_, cache_->base()) != 0) {
-    options_.log.error("mooncake: unregisterLocalMemory of the cache failed");
-  }
-  if (identity_registered_ && api_->unregisterLocalMemory(engine_, identity_.get()) != 0) {
-    options_.log.error("mooncake: unregisterLocalMemory of the identity page failed");
-  }
-  if (epochs_registered_ &&
-      api_->unregisterLocalMemory(engine_, cache_->epochs().words()) != 0) {
-    options_.log.error("mooncake: unregisterLocalMemory of the page epoch table failed");
-  }
-  if (ready_registered_ &&
-      api_->unregisterLocalMemory(engine_, cache_->readiness().words()) != 0) {
-    options_.log.error("mooncake: unregisterLocalMemory of the layer readiness words failed");
-  }
-  cache_registered_ = identity_registered_ = epochs_registered_ = ready_registered_ = false;
+  release_scratch();
+  // Mooncake's C API is C++ inside: nothing may escape this noexcept path.
+  const auto unregister = [&](bool& registered, void* addr, const char* what) noexcept {
+    if (!registered) return;
+    registered = false;
+    try {
+      if (api_->unregisterLocalMemory(engine_, addr) != 0) {
+        options_.log.error(std::string("mooncake: unregisterLocalMemory of ") + what + " failed");
+      }
+    } catch (...) {
+      options_.log.error(std::string("mooncake: unregisterLocalMemory of ") + what + " threw");
+    }
+  };
+  unregister(cache_registered_, cache_->base(), "the cache");
+  unregister(identity_registered_, identity_.get(), "the identity page");
+  unregister(epochs_registered_, cache_->epochs().words(), "the page epoch table");
+  unregister(ready_registered_, cache_->readiness().words(), "the layer readiness words");
   // A shared handle is the application's: it stays alive and usable.
-  if (!shared_) api_->destroyTransferEngine(engine_);
+  if (!shared_) {
+    try {
+      api_->destroyTransferEngine(engine_);
+    } catch (...) {
+      options_.log.error("mooncake: destroyTransferEngine threw");
+    }
+  }
   engine_ = nullptr;
-}
-
-void MooncakeBackend::unregister(void* addr) noexcept {
-  std::shared_lock<std::shared_mutex> api(api_mu_);
-  if (engine_ != nullptr) api_->unregisterLocalMemory(engine_, addr);
 }
 
 Error MooncakeBackend::refusal() const {
@@ -320,7 +325,19 @@ bool MooncakeBackend::poll(Batch& b, std::size_t& outstanding) {
   bool moved = false;
   while (b.next < b.submitted) {
     McTransferStatus st{};
-    const int rc = api_->getTransferStatus(engine_, b.id, b.next, &st);
+    int rc = 0;
+    try {
+      rc = api_->getTransferStatus(engine_, b.id, b.next, &st);
+    } catch (...) {
+      // The task's state is unknown: it stays in flight, and the batch is
+      // aborted, so that the abort grace (and the tear-down) bound it.
+      if (b.error.is_ok()) {
+        b.error = Status(StatusCode::kInternal, "Mooncake getTransferStatus threw");
+      }
+      b.stop_submitting = true;
+      b.abort_requested.store(true, std::memory_order_release);
+      break;
+    }
     if (rc != 0) {
       // Only a task Mooncake never took (out of range after a failed
       // submit) answers so: it cannot write, so it counts as finished.
@@ -351,7 +368,11 @@ bool MooncakeBackend::poll(Batch& b, std::size_t& outstanding) {
 bool MooncakeBackend::submit_more(Batch& b, std::size_t& outstanding) {
   if (b.stop_submitting || b.submitted == b.req.size()) return false;
   if (b.id == kInvalidBatch) {
-    b.id = api_->allocateBatchID(engine_, b.req.size());
+    try {
+      b.id = api_->allocateBatchID(engine_, b.req.size());
+    } catch (...) {
+      b.id = kInvalidBatch;
+    }
     if (b.id == kInvalidBatch) {
       b.error = Status(StatusCode::kInternal,
                        "Mooncake allocateBatchID(" + std::to_string(b.req.size()) + ") failed");
@@ -361,11 +382,16 @@ bool MooncakeBackend::submit_more(Batch& b, std::size_t& outstanding) {
   }
   if (outstanding >= window_) return false;
   const std::size_t n = std::min(window_ - outstanding, b.req.size() - b.submitted);
-  const int rc = api_->submitTransfer(engine_, b.id, b.req.data() + b.submitted, n);
+  int rc = 0;
+  try {
+    rc = api_->submitTransfer(engine_, b.id, b.req.data() + b.submitted, n);
+  } catch (...) {
+    rc = -1;  // as a refused submit: the tasks it never took answer out of range
+  }
   if (rc != 0) {
-    b.error = Status(map_code(rc), "Mooncake submitTransfer of " + std::to_string(n) +
-                                       " reads from " + b.peer_name + " returned " +
-                                       status_code_name(rc));
+    b.error =
+        Status(map_code(rc), "Mooncake submitTransfer of " + std::to_string(n) + " reads from " +
+                                 b.peer_name + " returned " + status_code_name(rc));
     b.stop_submitting = true;
   }
   // After a failed submit Mooncake may hold some of the n: poll them all
@@ -405,17 +431,22 @@ void MooncakeBackend::progress_loop() {
         if (b->abort_requested.load(std::memory_order_acquire) && !b->stop_submitting) {
           b->stop_submitting = true;
           if (b->submitted < b->req.size() && b->error.is_ok()) {
-            b->error = Status(StatusCode::kCancelled,
-                              "aborted with " + std::to_string(b->req.size() - b->submitted) +
-                                  " of " + std::to_string(b->req.size()) +
-                                  " requests not submitted");
+            b->error =
+                Status(StatusCode::kCancelled,
+                       "aborted with " + std::to_string(b->req.size() - b->submitted) + " of " +
+                           std::to_string(b->req.size()) + " requests not submitted");
           }
         }
         moved |= submit_more(*b, out);
         const bool all_in = b->stop_submitting || b->submitted == b->req.size();
         if (all_in && b->next == b->submitted) {
           if (b->id != kInvalidBatch) {
-            const int rc = api_->freeBatchID(engine_, b->id);
+            int rc = 0;
+            try {
+              rc = api_->freeBatchID(engine_, b->id);
+            } catch (...) {
+              rc = -1;
+            }
             if (rc != 0 && b->error.is_ok()) {
               // Every task was seen final, so nothing of it can still land;
               // the batch descriptor leaks inside Mooncake.
@@ -442,11 +473,7 @@ void MooncakeBackend::progress_loop() {
           return std::find(finished.begin(), finished.end(), b) != finished.end();
         });
       }
-      for (auto& b : finished) {
-        auto done = std::move(b->done);
-        done(b->error);
-        b->keepalive.reset();
-      }
+      for (auto& b : finished) complete(*b, b->error);
     }
     if (!hung.empty()) {
       go_dead(hung);
@@ -487,7 +514,16 @@ void MooncakeBackend::go_dead(const std::string& why) {
     if (engine_ != nullptr) {
       // Closes every connection and stops Mooncake's threads: after this no
       // request of ours can write any more. Registrations go with it.
-      api_->destroyTransferEngine(engine_);
+      {
+        std::lock_guard<std::mutex> lk(scratch_->mu);
+        scratch_->pages.clear();
+        scratch_->engine = nullptr;
+      }
+      try {
+        api_->destroyTransferEngine(engine_);
+      } catch (...) {
+        options_.log.error("mooncake: destroyTransferEngine threw");
+      }
       engine_ = nullptr;
       cache_registered_ = identity_registered_ = epochs_registered_ = ready_registered_ = false;
     }
@@ -502,10 +538,20 @@ void MooncakeBackend::go_dead(const std::string& why) {
   options_.log.error("mooncake: " + why + "; Mooncake's engine was destroyed");
   for (auto& b : left) {
     b->peer_failed->store(true, std::memory_order_release);
-    auto done = std::move(b->done);
-    done(Status(StatusCode::kPeerFailure, why + "; the Mooncake engine was torn down"));
-    b->keepalive.reset();
+    complete(*b, Status(StatusCode::kPeerFailure, why + "; the Mooncake engine was torn down"));
   }
+}
+
+void MooncakeBackend::complete(Batch& b, Status status) noexcept {
+  auto done = std::move(b.done);
+  try {
+    done(std::move(status));
+  } catch (...) {
+    // A completion must not throw (rma_backend.hpp); the progress thread
+    // must survive one that does.
+    options_.log.error("mooncake: a read's completion threw");
+  }
+  b.keepalive.reset();
 }
 
 }  // namespace mstar::kv::mooncake

@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
 #include <span>
 #include <string>
@@ -47,8 +48,8 @@
 #include "mooncake_api.hpp"
 #include "mstar/kv/cache.hpp"
 #include "mstar/kv/mooncake.hpp"
-#include "engines/rma/rma_backend.hpp"
 #include "mstar/kv/thread_annotations.hpp"
+#include "rma/rma_backend.hpp"
 
 namespace mstar::kv::mooncake {
 
@@ -76,10 +77,10 @@ std::vector<std::uint8_t> encode_blob(const MooncakeBlob& blob);
 // Untrusted: throws Error(kCorruptDescriptor) naming the field.
 MooncakeBlob decode_blob(std::span<const std::uint8_t> blob);
 
-// A zeroed, page-aligned kIdentityBytes page (throws kInternal when out of
-// memory).
+// A zeroed, page-aligned kIdentityBytes page, or `bytes` rounded up to
+// whole pages (throws kInternal when out of memory).
 using PagePtr = std::unique_ptr<std::byte, void (*)(void*)>;
-PagePtr alloc_page();
+PagePtr alloc_page(std::size_t bytes = kIdentityBytes);
 // The identity page content of `region` (throws kInvalidArgument when it does
 // not fit).
 void write_identity(std::byte* page, const rma::RmaRegionInfo& region);
@@ -112,10 +113,15 @@ class MooncakeBackend final : public rma::RmaBackend {
 
   const std::string& session_id() const noexcept { return region_.session_id; }
 
-  // For MooncakePeer's page epoch checks: a registered, zeroed 4 KiB page
-  // (*data) that stays registered while the handle lives. Throws Error
-  // (kShutdown/kPeerFailure when the backend is stopped or dead, kInternal).
-  std::shared_ptr<void> scratch_page(std::byte** data);
+  // For MooncakePeer's page epoch checks and layer watches: registered,
+  // zeroed scratch memory of `bytes` (whole 4 KiB pages; *data) that stays
+  // registered while the handle lives,
+  // or until shutdown() / the engine's tear-down, which unregister every
+  // scratch page themselves and never wait for a handle (an idle layer watch
+  // may hold one). A handle may outlive the backend: it then only frees the
+  // page. Throws Error (kShutdown/kUnavailable when the backend is stopped
+  // or dead, kInternal).
+  std::shared_ptr<void> scratch(std::size_t bytes, std::byte** data);
 
   // For MooncakePeer: submits `reads` (offsets from the peer's `remote_base`
   // and from `local_base`) as one batch. `peer_failed` is set when a request
@@ -130,7 +136,8 @@ class MooncakeBackend final : public rma::RmaBackend {
 
  private:
   struct Batch;
-  class Scratch;  // counts itself in live_scratch_
+  class Scratch;           // one registered scratch page
+  struct ScratchRegistry;  // every registered scratch page; shared with them
 
   void progress_loop();
   // Both: caller holds api_mu_ shared and engine_ is live; progress thread
@@ -142,13 +149,22 @@ class MooncakeBackend final : public rma::RmaBackend {
   // Own engine: destroys Mooncake's engine after `why`, failing every batch
   // in flight. Shared handle: only refuses new work (batches keep polling).
   void go_dead(const std::string& why);
+  // Runs b's completion once (catching what it throws), then drops its
+  // keepalive. Progress thread only, no lock held.
+  void complete(Batch& b, Status status) noexcept;
   // Caller holds api_mu_ exclusively (or constructs): unregisters what is
   // registered, destroys Mooncake's engine unless shared, nulls engine_.
   void release_engine() noexcept;
   // The error of work refused by a dead or stopped backend.
   Error refusal() const;
   Error refusal_locked() const MSTAR_KV_REQUIRES(mu_);
-  void unregister(void* addr) noexcept;
+  // Caller holds api_mu_ shared and engine_ is live: registered scratch
+  // memory of `bytes`, listed in scratch_. Throws Error(kInternal).
+  std::shared_ptr<Scratch> new_scratch(std::size_t bytes);
+  // Caller holds api_mu_ exclusively (or constructs): unregisters every scratch page still
+  // registered and stops later ones from calling Mooncake (their holders may
+  // outlive this backend: they then only free their memory).
+  void release_scratch() noexcept;
 
   // Declared first: unloaded last, after Mooncake's engine is destroyed (a
   // shared handle's library stays loaded by the application's own reference).
@@ -158,13 +174,14 @@ class MooncakeBackend final : public rma::RmaBackend {
   MooncakeOptions options_;
   rma::RmaRegionInfo region_;
   PagePtr identity_;
+  std::shared_ptr<ScratchRegistry> scratch_;
 
   // Guards the four members below (readers take it shared). A
   // std::shared_mutex, which libc++ does not annotate: not checked by the
   // thread-safety build.
   mutable std::shared_mutex api_mu_;
-  McEngine engine_ = nullptr;  // guarded by api_mu_; null once destroyed / dropped
-  bool shared_ = false;        // engine_ is the application's: never destroyed
+  McEngine engine_ = nullptr;         // guarded by api_mu_; null once destroyed / dropped
+  bool shared_ = false;               // engine_ is the application's: never destroyed
   bool cache_registered_ = false;     // guarded by api_mu_
   bool identity_registered_ = false;  // guarded by api_mu_
   bool epochs_registered_ = false;    // guarded by api_mu_
@@ -173,13 +190,28 @@ class MooncakeBackend final : public rma::RmaBackend {
   std::size_t window_ = 1024;  // requests per peer in Mooncake's hands
   std::atomic<bool> dead_{false};
   mutable std::mutex mu_;
-  std::condition_variable cv_;  // a batch arrived / stopping / a scratch page let go
+  std::condition_variable cv_;  // a batch arrived / stopping
   std::vector<std::shared_ptr<Batch>> batches_ MSTAR_KV_GUARDED_BY(mu_);
   std::uint64_t arrivals_ MSTAR_KV_GUARDED_BY(mu_) = 0;
   bool stopping_ MSTAR_KV_GUARDED_BY(mu_) = false;
-  std::size_t live_scratch_ MSTAR_KV_GUARDED_BY(mu_) = 0;             // shutdown waits for 0
   std::string dead_reason_ MSTAR_KV_GUARDED_BY(mu_);
   std::thread progress_;
+};
+
+// The scratch memory registered with Mooncake (scratch(), connect). The
+// backend and every Scratch share it, so that a Scratch that outlives the
+// backend (a layer watch dropped after its engine) only frees its page.
+// `engine` is the engine the pages are registered on, null once shutdown()
+// unregistered them all or Mooncake's engine was destroyed; it is nulled
+// under `mu` before Mooncake's engine goes, and every unregistration runs
+// under `mu`, so none can reach a destroyed engine. Lock order: api_mu_
+// before mu.
+struct MooncakeBackend::ScratchRegistry {
+  std::mutex mu;
+  const MooncakeApi* api MSTAR_KV_GUARDED_BY(mu) = nullptr;
+  McEngine engine MSTAR_KV_GUARDED_BY(mu) = nullptr;
+  std::set<const void*> pages MSTAR_KV_GUARDED_BY(mu);
+  Logger log;
 };
 
 }  // namespace mstar::kv::mooncake

@@ -3,19 +3,22 @@
 // The Mooncake backend's descriptor side: the backend_blob and identity page
 // codecs, and connect(), which opens a peer's segment and checks the
 // descriptor against the identity page the peer serves before any page read.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <shared_mutex>
-#include <vector>
 #include <optional>
+#include <set>
+#include <shared_mutex>
 #include <utility>
+#include <vector>
 
 #include "core/codec.hpp"
-#include "mstar/kv/epochs.hpp"
 #include "mooncake_backend.hpp"
 #include "mooncake_readiness.hpp"
+#include "mooncake_words.hpp"
+#include "mstar/kv/epochs.hpp"
 #include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::mooncake {
@@ -36,10 +39,15 @@ std::string hex(std::uint64_t v) {
   return buf;
 }
 
-PagePtr alloc_page() {
-  void* p = std::aligned_alloc(kIdentityBytes, kIdentityBytes);
-  if (p == nullptr) throw Error(StatusCode::kInternal, "out of memory for a 4 KiB page");
-  std::memset(p, 0, kIdentityBytes);
+PagePtr alloc_page(std::size_t bytes) {
+  const std::size_t size =
+      (std::max<std::size_t>(bytes, 1) + kIdentityBytes - 1) / kIdentityBytes * kIdentityBytes;
+  void* p = std::aligned_alloc(kIdentityBytes, size);
+  if (p == nullptr) {
+    throw Error(StatusCode::kInternal,
+                "out of memory for " + std::to_string(size) + " bytes of scratch pages");
+  }
+  std::memset(p, 0, size);
   return {static_cast<std::byte*>(p), &free_page};
 }
 
@@ -106,42 +114,81 @@ rma::RmaRegionInfo read_identity(std::span<const std::uint8_t> bytes, const std:
   }
 }
 
-// A registered scratch page for one identity read; unregistered when the
-// read's batch has completed and the connect that waited for it let go.
-// Counted in live_scratch_ (shutdown waits until none is left, so that no
-// registration outlives it on a shared handle). Created under api_mu_.
+namespace {
+
+// Mooncake's C API is C++ inside: a call from a noexcept path must not let
+// an exception escape (std::terminate).
+void unregister_noexcept(const MooncakeApi& api, McEngine engine, void* addr,
+                         const Logger& log) noexcept {
+  try {
+    if (api.unregisterLocalMemory(engine, addr) != 0) {
+      log.warn("mooncake: unregisterLocalMemory of a scratch page failed");
+    }
+  } catch (...) {
+    log.error("mooncake: unregisterLocalMemory of a scratch page threw");
+  }
+}
+
+}  // namespace
+
+// A registered scratch page: unregistered when its last holder lets go
+// (unless shutdown() did it first), then freed.
 class MooncakeBackend::Scratch {
  public:
-  Scratch(MooncakeBackend& backend, PagePtr page) : backend_(backend), page_(std::move(page)) {
-    std::lock_guard<std::mutex> lk(backend_.mu_);
-    ++backend_.live_scratch_;
-  }
+  Scratch(std::shared_ptr<ScratchRegistry> registry, PagePtr page)
+      : registry_(std::move(registry)), page_(std::move(page)) {}
   ~Scratch() {
-    backend_.unregister(page_.get());
-    std::lock_guard<std::mutex> lk(backend_.mu_);
-    --backend_.live_scratch_;
-    backend_.cv_.notify_all();
+    std::lock_guard<std::mutex> lk(registry_->mu);
+    if (registry_->engine != nullptr && registry_->pages.erase(page_.get()) > 0) {
+      unregister_noexcept(*registry_->api, registry_->engine, page_.get(), registry_->log);
+    }
   }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
   std::byte* data() const noexcept { return page_.get(); }
 
  private:
-  MooncakeBackend& backend_;
+  std::shared_ptr<ScratchRegistry> registry_;
   PagePtr page_;
 };
 
-std::shared_ptr<void> MooncakeBackend::scratch_page(std::byte** data) {
+std::shared_ptr<MooncakeBackend::Scratch> MooncakeBackend::new_scratch(std::size_t bytes) {
+  // The Scratch exists before the registration and is listed first, so that
+  // it unregisters the page in every case (shutdown() may run in between:
+  // api_mu_ is held shared here, so it cannot, but the order costs nothing).
+  const std::size_t size = (bytes + kIdentityBytes - 1) / kIdentityBytes * kIdentityBytes;
+  auto s = std::make_shared<Scratch>(scratch_, alloc_page(size));
+  void* raw = s->data();
+  {
+    std::lock_guard<std::mutex> lk(scratch_->mu);
+    scratch_->pages.insert(raw);
+  }
+  if (api_->registerLocalMemory(engine_, raw, size, options_.location.c_str(), 0) != 0) {
+    std::lock_guard<std::mutex> lk(scratch_->mu);
+    scratch_->pages.erase(raw);
+    throw Error(StatusCode::kInternal, "Mooncake registerLocalMemory of " + std::to_string(size) +
+                                           " bytes of scratch pages failed");
+  }
+  return s;
+}
+
+std::shared_ptr<void> MooncakeBackend::scratch(std::size_t bytes, std::byte** data) {
   std::shared_lock<std::shared_mutex> api(api_mu_);
   if (engine_ == nullptr || dead()) throw refusal();
-  auto page = alloc_page();
-  std::byte* raw = page.get();
-  if (api_->registerLocalMemory(engine_, raw, kIdentityBytes, options_.location.c_str(), 0) != 0) {
-    throw Error(StatusCode::kInternal, "Mooncake registerLocalMemory of a 4 KiB scratch page failed");
-  }
-  auto s = std::make_shared<Scratch>(*this, std::move(page));
+  auto s = new_scratch(bytes);
   *data = s->data();
   return s;
+}
+
+void MooncakeBackend::release_scratch() noexcept {
+  std::lock_guard<std::mutex> lk(scratch_->mu);
+  if (scratch_->engine != nullptr) {
+    for (const void* p : scratch_->pages) {
+      unregister_noexcept(*api_, scratch_->engine, const_cast<void*>(p), options_.log);
+    }
+  }
+  scratch_->pages.clear();
+  scratch_->engine = nullptr;
 }
 
 // ---- a connected peer --------------------------------------------------------
@@ -157,22 +204,27 @@ namespace {
 class EpochCheckedRead final : public rma::RmaOperation,
                                public std::enable_shared_from_this<EpochCheckedRead> {
  public:
-  static constexpr std::size_t kWordsPerScratch = kIdentityBytes / 8;
-
   EpochCheckedRead(MooncakeBackend& backend, McSegmentId segment, std::string who,
                    std::uint64_t data_ptr, std::uint64_t epochs_ptr, std::byte* local_base,
                    std::vector<rma::RmaRead> reads, rma::RmaCompletion done,
                    std::shared_ptr<std::atomic<bool>> failed, rma::RmaEpochCheck check)
-      : backend_(backend), segment_(segment), who_(std::move(who)), data_ptr_(data_ptr),
-        epochs_ptr_(epochs_ptr), local_base_(local_base), reads_(std::move(reads)),
-        done_(std::move(done)), failed_(std::move(failed)), check_(std::move(check)),
-        words_(check_.pages.size(), 0) {
+      : backend_(backend),
+        segment_(segment),
+        who_(std::move(who)),
+        data_ptr_(data_ptr),
+        epochs_ptr_(epochs_ptr),
+        local_base_(local_base),
+        reads_(std::move(reads)),
+        done_(std::move(done)),
+        failed_(std::move(failed)),
+        check_(std::move(check)),
+        words_(word_reads(check_.pages, 8)) {
     std::byte* data = nullptr;
-    scratch_keep_ = backend_.scratch_page(&data);  // caller's thread: may register
+    scratch_keep_ = backend_.scratch(words_.bytes, &data);  // caller's thread: may register
     scratch_ = data;
   }
 
-  void start() { post_words(0, 0); }
+  void start() { post_words(0); }
 
   void abort() noexcept override {
     std::shared_ptr<rma::RmaOperation> cur;
@@ -185,49 +237,38 @@ class EpochCheckedRead final : public rma::RmaOperation,
   }
 
  private:
-  // Phase 0 is before the data reads, 1 after; chunk k holds words
-  // [k * kWordsPerScratch, ...) of check_.pages.
-  void post_words(int phase, std::size_t k) {
-    std::vector<rma::RmaRead> words;
-    const std::size_t first = k * kWordsPerScratch;
-    const std::size_t end = std::min(check_.pages.size(), first + kWordsPerScratch);
-    for (std::size_t i = first; i < end; ++i) {
-      words.push_back({std::uint64_t{check_.pages[i]} * 8, (i - first) * 8, 8});
-    }
+  // Phase 0 is before the data reads, 1 after: the epochs of check_.pages,
+  // in runs (mooncake_words.hpp), into the scratch memory.
+  void post_words(int phase) {
     auto self = shared_from_this();
     stage([&] {
-      return backend_.post(segment_, who_, epochs_ptr_, scratch_, words,
-                           [self, phase, k](Status st) { self->on_words(phase, k, std::move(st)); },
-                           failed_, scratch_keep_);
+      return backend_.post(
+          segment_, who_, epochs_ptr_, scratch_, words_.reads,
+          [self, phase](Status st) { self->on_words(phase, std::move(st)); }, failed_,
+          scratch_keep_);
     });
   }
 
-  void on_words(int phase, std::size_t k, Status st) {
+  void on_words(int phase, Status st) {
     if (!st.is_ok()) return finish(std::move(st));
     std::atomic_thread_fence(std::memory_order_acquire);
-    const std::size_t first = k * kWordsPerScratch;
-    const std::size_t end = std::min(check_.pages.size(), first + kWordsPerScratch);
-    std::memcpy(words_.data() + first, scratch_, (end - first) * 8);
     if (is_aborted()) return finish(Status(StatusCode::kCancelled, "aborted"));
-    if (end < check_.pages.size()) return post_words(phase, k + 1);
-    for (std::size_t i = 0; i < check_.pages.size(); ++i) {
-      if (words_[i] != check_.epoch) {
-        return finish(stale_page_status(check_.pages[i], words_[i], check_.epoch,
-                                        phase == 0 ? "before the copy" : "during the copy"));
-      }
-    }
+    Status words = check_epoch_words(words_, check_.pages, {scratch_, words_.bytes}, check_.epoch,
+                                     phase == 0 ? "before the copy" : "during the copy");
+    if (!words.is_ok()) return finish(std::move(words));
     if (phase == 1) return finish(Status::ok());
     auto self = shared_from_this();
     stage([&] {
-      return backend_.post(segment_, who_, data_ptr_, local_base_, reads_,
-                           [self](Status s) {
-                             if (!s.is_ok()) return self->finish(std::move(s));
-                             if (self->is_aborted()) {
-                               return self->finish(Status(StatusCode::kCancelled, "aborted"));
-                             }
-                             self->post_words(1, 0);
-                           },
-                           failed_, nullptr);
+      return backend_.post(
+          segment_, who_, data_ptr_, local_base_, reads_,
+          [self](Status s) {
+            if (!s.is_ok()) return self->finish(std::move(s));
+            if (self->is_aborted()) {
+              return self->finish(Status(StatusCode::kCancelled, "aborted"));
+            }
+            self->post_words(1);
+          },
+          failed_, nullptr);
     });
   }
 
@@ -240,6 +281,8 @@ class EpochCheckedRead final : public rma::RmaOperation,
       op = post();
     } catch (const Error& e) {
       return finish(e.status());
+    } catch (const std::exception& e) {
+      return finish(Status(StatusCode::kInternal, e.what()));
     }
     bool abort_now = false;
     {
@@ -255,6 +298,9 @@ class EpochCheckedRead final : public rma::RmaOperation,
     return aborted_;
   }
 
+  // Runs once no stage is outstanding (stages run one after another). The
+  // scratch page goes with it: whoever still holds this operation (the
+  // engine's in-flight entry, an abort list) holds no registration.
   void finish(Status st) {
     rma::RmaCompletion done;
     {
@@ -264,6 +310,7 @@ class EpochCheckedRead final : public rma::RmaOperation,
       done = std::move(done_);
       current_.reset();
     }
+    scratch_keep_.reset();
     done(std::move(st));
   }
 
@@ -277,7 +324,7 @@ class EpochCheckedRead final : public rma::RmaOperation,
   rma::RmaCompletion done_ MSTAR_KV_GUARDED_BY(mu_);
   const std::shared_ptr<std::atomic<bool>> failed_;
   const rma::RmaEpochCheck check_;
-  std::vector<std::uint64_t> words_;  // the owner's epochs of check_.pages
+  const WordReads words_;  // the owner's epochs of check_.pages
   std::shared_ptr<void> scratch_keep_;
   std::byte* scratch_ = nullptr;
   std::mutex mu_;
@@ -316,17 +363,15 @@ class MooncakePeer final : public rma::RmaPeer {
       return op;
     }
     return backend_.post(segment_, "'" + served_.entity_id + "' at " + served_.session_id,
-                         served_.data_ptr, local_base_, reads, std::move(done), failed_,
-                         nullptr);
+                         served_.data_ptr, local_base_, reads, std::move(done), failed_, nullptr);
   }
 
   std::unique_ptr<LayerWatch> watch_layers(std::vector<std::uint32_t> pages, std::uint64_t epoch,
                                            std::uint32_t num_layers) override {
     const MooncakeBlob blob = decode_blob(served_.backend_blob);
     return make_layer_watch(backend_, segment_,
-                            "'" + served_.entity_id + "' at " + served_.session_id,
-                            blob.epochs_ptr, blob.ready_ptr, failed_, std::move(pages), epoch,
-                            num_layers);
+                            "'" + served_.entity_id + "' at " + served_.session_id, blob.epochs_ptr,
+                            blob.ready_ptr, failed_, std::move(pages), epoch, num_layers);
   }
 
  private:
@@ -343,6 +388,13 @@ class MooncakePeer final : public rma::RmaPeer {
 
 std::shared_ptr<rma::RmaPeer> MooncakeBackend::connect(const rma::RmaRegionInfo& remote,
                                                        std::chrono::milliseconds timeout) {
+  if (!remote.layer_regions.empty()) {
+    throw Error(StatusCode::kNotSupported,
+                "the C++ Mooncake engine reads caches of one region; peer '" + remote.entity_id +
+                    "' serves " + std::to_string(remote.layer_regions.size()) +
+                    " (one per layer): read it with the wheel engine "
+                    "(mstar_kv.MooncakeKVTransferEngine over a mooncake.engine.TransferEngine)");
+  }
   const std::uint64_t identity_ptr = decode_blob(remote.backend_blob).identity_ptr;
   const std::string who = "peer '" + remote.entity_id + "' at " + remote.session_id;
   const auto deadline = Clock::now() + timeout;
@@ -365,13 +417,7 @@ std::shared_ptr<rma::RmaPeer> MooncakeBackend::connect(const rma::RmaRegionInfo&
                                : "'" + options_.metadata + "'") +
                       ")");
     }
-    auto page = alloc_page();
-    std::byte* raw = page.get();
-    if (api_->registerLocalMemory(engine_, raw, kIdentityBytes, options_.location.c_str(), 0) !=
-        0) {
-      throw Error(StatusCode::kInternal, "Mooncake registerLocalMemory of a 4 KiB scratch page failed");
-    }
-    scratch = std::make_shared<Scratch>(*this, std::move(page));
+    scratch = new_scratch(kIdentityBytes);
   }
 
   // Read the owner's identity page into the scratch page.
@@ -382,13 +428,14 @@ std::shared_ptr<rma::RmaPeer> MooncakeBackend::connect(const rma::RmaRegionInfo&
   };
   auto wait = std::make_shared<Wait>();
   const rma::RmaRead read{0, 0, kIdentityBytes};
-  auto op = post(segment, who, identity_ptr, scratch->data(), std::span(&read, 1),
-                 [wait](Status st) {
-                   std::lock_guard<std::mutex> lk(wait->mu);
-                   wait->status = std::move(st);
-                   wait->cv.notify_all();
-                 },
-                 std::make_shared<std::atomic<bool>>(false), scratch);
+  auto op = post(
+      segment, who, identity_ptr, scratch->data(), std::span(&read, 1),
+      [wait](Status st) {
+        std::lock_guard<std::mutex> lk(wait->mu);
+        wait->status = std::move(st);
+        wait->cv.notify_all();
+      },
+      std::make_shared<std::atomic<bool>>(false), scratch);
   Status st;
   {
     std::unique_lock<std::mutex> lk(wait->mu);
@@ -404,14 +451,13 @@ std::shared_ptr<rma::RmaPeer> MooncakeBackend::connect(const rma::RmaRegionInfo&
     // Mooncake cannot tell a dead owner from an address it does not serve.
     throw Error(StatusCode::kPeerFailure,
                 who + " did not serve the descriptor's identity page " + hex(identity_ptr) +
-                    ": the owner is gone, or the descriptor is stale or forged: " +
-                    st.message());
+                    ": the owner is gone, or the descriptor is stale or forged: " + st.message());
   }
   // Parse what the owner serves (untrusted bytes).
-  const rma::RmaRegionInfo served = read_identity(
-      std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(scratch->data()),
-                                    kIdentityBytes),
-      hex(identity_ptr) + " at " + who);
+  const rma::RmaRegionInfo served =
+      read_identity(std::span<const std::uint8_t>(
+                        reinterpret_cast<const std::uint8_t*>(scratch->data()), kIdentityBytes),
+                    hex(identity_ptr) + " at " + who);
   return std::make_shared<MooncakePeer>(*this, segment, served, cache_->base());
 }
 

@@ -5,10 +5,12 @@
 #include <string>
 #include <utility>
 
+#include "engines/engine_makers.hpp"
 #include "mooncake_api.hpp"
 #include "mooncake_backend.hpp"
 #include "mstar/kv/mooncake.hpp"
-#include "engines/rma/rma_engine.hpp"
+#include "rma/rma_engine.hpp"
+#include "util/parse.hpp"
 
 namespace mstar::kv {
 
@@ -45,20 +47,8 @@ MooncakeOptions MooncakeOptions::parse(const EngineOptions& options, bool shared
     } else if (key == "mooncake_location") {
       o.location = value;
     } else if (key == "mooncake_abort_grace_ms") {
-      std::uint64_t ms = 0;
-      try {
-        std::size_t used = 0;
-        ms = std::stoull(value, &used);
-        if (used != value.size()) throw std::invalid_argument("trailing");
-      } catch (const std::exception&) {
-        throw Error(StatusCode::kInvalidArgument,
-                    "mooncake_abort_grace_ms '" + value + "' is not a number of milliseconds");
-      }
-      if (ms < 1 || ms > 600000) {
-        throw Error(StatusCode::kInvalidArgument,
-                    "mooncake_abort_grace_ms " + value + " out of range [1, 600000]");
-      }
-      o.abort_grace_ms = static_cast<std::uint32_t>(ms);
+      o.abort_grace_ms = static_cast<std::uint32_t>(
+          util::parse_u64(value, "mooncake_abort_grace_ms (milliseconds)", 1, 600000));
     } else {
       throw Error(StatusCode::kInvalidArgument,
                   "unknown Mooncake option '" + key +
@@ -76,7 +66,8 @@ MooncakeOptions MooncakeOptions::parse(const EngineOptions& options, bool shared
 
 KVTransferInfo MooncakeKVTransferInfo::encode() const {
   return KVTransferInfo{
-      kEngineName, rma::region_of(*this, mooncake::encode_blob({identity_ptr, epochs_ptr, ready_ptr})).encode()};
+      kEngineName,
+      rma::region_of(*this, mooncake::encode_blob({identity_ptr, epochs_ptr, ready_ptr})).encode()};
 }
 
 MooncakeKVTransferInfo MooncakeKVTransferInfo::decode(const KVTransferInfo& info) {
@@ -86,14 +77,14 @@ MooncakeKVTransferInfo MooncakeKVTransferInfo::decode(const KVTransferInfo& info
   out.epochs_ptr = blob.epochs_ptr;
   out.ready_ptr = blob.ready_ptr;
   if (out.epochs_ptr + std::uint64_t{out.layout.num_pages} * 8 < out.epochs_ptr) {
-    throw Error(StatusCode::kCorruptDescriptor,
-                "Mooncake descriptor: epochs_ptr + 8 x " + std::to_string(out.layout.num_pages) +
-                    " pages overflows");
+    throw Error(StatusCode::kCorruptDescriptor, "Mooncake descriptor: epochs_ptr + 8 x " +
+                                                    std::to_string(out.layout.num_pages) +
+                                                    " pages overflows");
   }
   if (out.ready_ptr + std::uint64_t{out.layout.num_pages} * 4 < out.ready_ptr) {
-    throw Error(StatusCode::kCorruptDescriptor,
-                "Mooncake descriptor: ready_ptr + 4 x " + std::to_string(out.layout.num_pages) +
-                    " pages overflows");
+    throw Error(StatusCode::kCorruptDescriptor, "Mooncake descriptor: ready_ptr + 4 x " +
+                                                    std::to_string(out.layout.num_pages) +
+                                                    " pages overflows");
   }
   return out;
 }
@@ -108,6 +99,15 @@ void check_cache(const std::shared_ptr<KVCache>& kv_cache) {
     throw Error(StatusCode::kInvalidArgument,
                 "the Mooncake engine reads host memory; this cache is device memory "
                 "(use kHost or kSharedHost)");
+  }
+  if (kv_cache->split()) {
+    throw Error(StatusCode::kNotSupported,
+                "the C++ Mooncake engine (over Mooncake's C library) registers and reads caches "
+                "of one region; this cache has " +
+                    std::to_string(kv_cache->num_regions()) +
+                    " (one per layer): use the wheel engine "
+                    "(mstar_kv.MooncakeKVTransferEngine over a mooncake.engine.TransferEngine), "
+                    "which registers each region, or a cache of one region");
   }
 }
 
@@ -128,8 +128,8 @@ MooncakeKVTransferEngine::MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_c
   warn_unauthenticated(info.options);
   MooncakeOptions options = MooncakeOptions::parse(info.options);
   options.log = info.options.log;
-  auto backend = std::make_unique<mooncake::MooncakeBackend>(
-      kv_cache, options, info.my_entity_id, info.my_session_id);
+  auto backend = std::make_unique<mooncake::MooncakeBackend>(kv_cache, options, info.my_entity_id,
+                                                             info.my_session_id);
   session_id_ = backend->session_id();
   impl_ = std::make_unique<rma::RmaKVTransferEngine>(std::move(kv_cache), std::move(backend),
                                                      info.options);
@@ -150,11 +150,11 @@ MooncakeKVTransferEngine::MooncakeKVTransferEngine(std::shared_ptr<KVCache> kv_c
   warn_unauthenticated(options);
   MooncakeOptions mo = MooncakeOptions::parse(options, /*shared_handle=*/true);
   mo.log = options.log;
-  auto backend = std::make_unique<mooncake::MooncakeBackend>(
-      kv_cache, mo, entity_id, mo.session_id, transfer_engine);
+  auto backend = std::make_unique<mooncake::MooncakeBackend>(kv_cache, mo, entity_id, mo.session_id,
+                                                             transfer_engine);
   session_id_ = backend->session_id();
-  impl_ = std::make_unique<rma::RmaKVTransferEngine>(std::move(kv_cache), std::move(backend),
-                                                     options);
+  impl_ =
+      std::make_unique<rma::RmaKVTransferEngine>(std::move(kv_cache), std::move(backend), options);
 }
 
 MooncakeKVTransferEngine::~MooncakeKVTransferEngine() = default;
@@ -163,16 +163,30 @@ KVTransferInfo MooncakeKVTransferEngine::get_kv_transfer_info() const {
   return impl_->get_kv_transfer_info();
 }
 
-std::optional<KVLayout> MooncakeKVTransferEngine::remote_layout(
-    const KVTransferInfo& remote) const {
-  return impl_->remote_layout(remote);
+RemoteHandle MooncakeKVTransferEngine::open_remote(const KVTransferInfo& remote) const {
+  return impl_->open_remote(remote);
 }
 
 std::optional<TransferFuture> MooncakeKVTransferEngine::read_batched_async(
-    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
-  return impl_->read_batched_async(remote_kv_info, read_info);
+    const RemoteCache& remote, std::span<const KVReadInfo> read_info) {
+  return impl_->read_batched_async(remote, read_info);
+}
+
+std::unique_ptr<LayerWatch> MooncakeKVTransferEngine::watch_layers(
+    const RemoteCache& remote, std::span<const KVReadInfo> read_info) {
+  return impl_->watch_layers(remote, read_info);
 }
 
 void MooncakeKVTransferEngine::shutdown() { impl_->shutdown(); }
+
+namespace engines {
+
+EngineHooks hooks_mooncake() {
+  EngineHooks h;
+  h.make = &make<MooncakeKVTransferEngine>;
+  return h;
+}
+
+}  // namespace engines
 
 }  // namespace mstar::kv

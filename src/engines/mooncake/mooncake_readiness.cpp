@@ -4,10 +4,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <utility>
 
+#include "mooncake_words.hpp"
 #include "mstar/kv/epochs.hpp"
 #include "mstar/kv/thread_annotations.hpp"
 
@@ -16,11 +18,7 @@ namespace mstar::kv::mooncake {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr std::size_t kPagesPerChunk = 128;
 constexpr auto kPollInterval = std::chrono::microseconds(500);
-// Where each phase's words land in the scratch page.
-constexpr std::size_t kPhaseOffset[3] = {0, 1024, 2048};  // epochs, words, epochs
-static_assert(kPagesPerChunk * 8 <= 1024 && kPhaseOffset[2] + kPagesPerChunk * 8 <= kIdentityBytes);
 
 class Poller : public std::enable_shared_from_this<Poller> {
  public:
@@ -36,10 +34,8 @@ class Poller : public std::enable_shared_from_this<Poller> {
         pages_(std::move(pages)),
         epoch_(epoch),
         num_layers_(num_layers),
-        before_(pages_.size()),
-        words_(pages_.size()),
-        after_(pages_.size()) {
-    scratch_keep_ = backend_.scratch_page(&scratch_);  // throws when stopped or dead
+        reads_(watch_reads(pages_)) {
+    scratch_keep_ = backend_.scratch(reads_.bytes, &scratch_);  // throws when stopped or dead
   }
 
   Status poll(std::uint32_t* layers_ready) {
@@ -52,7 +48,7 @@ class Poller : public std::enable_shared_from_this<Poller> {
       in_flight_ = true;
       next_ = now + kPollInterval;
     }
-    post(0, 0);
+    post(0);
     return Status::ok();
   }
 
@@ -67,25 +63,22 @@ class Poller : public std::enable_shared_from_this<Poller> {
   }
 
  private:
-  // Phase 0 and 2 read the epochs of chunk k's pages, phase 1 their words.
-  void post(int phase, std::size_t k) {
-    const std::size_t first = k * kPagesPerChunk;
-    const std::size_t end = std::min(pages_.size(), first + kPagesPerChunk);
-    const std::uint64_t width = phase == 1 ? 4 : 8;
-    std::vector<rma::RmaRead> reads;
-    reads.reserve(end - first);
-    for (std::size_t i = first; i < end; ++i) {
-      reads.push_back({std::uint64_t{pages_[i]} * width, kPhaseOffset[phase] + (i - first) * width,
-                       width});
-    }
+  // Phase 0 and 2 read the epochs of the pages, phase 1 their readiness
+  // words, each in runs (mooncake_words.hpp) into its part of the scratch
+  // memory; one phase after the other (the seqlock's order).
+  void post(int phase) {
     auto self = shared_from_this();
     std::shared_ptr<rma::RmaOperation> op;
     try {
-      op = backend_.post(segment_, who_, phase == 1 ? ready_ptr_ : epochs_ptr_, scratch_, reads,
-                         [self, phase, k](Status st) { self->on_read(phase, k, std::move(st)); },
-                         failed_, scratch_keep_);
+      op = backend_.post(
+          segment_, who_, phase == 1 ? ready_ptr_ : epochs_ptr_, scratch_,
+          reads_.phase[phase].reads,
+          [self, phase](Status st) { self->on_read(phase, std::move(st)); }, failed_,
+          scratch_keep_);
     } catch (const Error& e) {
       return end_round(e.status());
+    } catch (const std::exception& e) {
+      return end_round(Status(StatusCode::kInternal, e.what()));
     }
     bool abort_now = false;
     {
@@ -96,20 +89,15 @@ class Poller : public std::enable_shared_from_this<Poller> {
     if (abort_now) op->abort();
   }
 
-  void on_read(int phase, std::size_t k, Status st) {
+  void on_read(int phase, Status st) {
     if (!st.is_ok()) {
       return end_round({StatusCode::kPeerFailure,
                         "Mooncake read of the layer readiness of " + who_ +
-                            " failed: the owner is gone or no longer serves it: " +
-                            st.message()});
+                            " failed: the owner is gone or no longer serves it: " + st.message()});
     }
+    // Each phase lands in its own part of the scratch memory; the round's
+    // check reads all three after the last.
     std::atomic_thread_fence(std::memory_order_acquire);
-    const std::size_t first = k * kPagesPerChunk;
-    const std::size_t n = std::min(pages_.size(), first + kPagesPerChunk) - first;
-    const std::byte* src = scratch_ + kPhaseOffset[phase];
-    if (phase == 0) std::memcpy(before_.data() + first, src, n * 8);
-    if (phase == 1) std::memcpy(words_.data() + first, src, n * 4);
-    if (phase == 2) std::memcpy(after_.data() + first, src, n * 8);
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (aborted_) {
@@ -118,52 +106,46 @@ class Poller : public std::enable_shared_from_this<Poller> {
         return;
       }
     }
-    if (phase < 2) return post(phase + 1, k);
-    if (first + n < pages_.size()) return post(0, k + 1);
+    if (phase < 2) return post(phase + 1);
     end_round(evaluate());
   }
 
-  // The checks of check_layer_readiness over this round's snapshots.
+  // The checks of check_layer_readiness over this round's words
+  // (mooncake_words.hpp: the same checks as the wheel engine's).
   Status evaluate() {
     std::uint32_t floor = 0;
     {
       std::lock_guard<std::mutex> lk(mu_);
       floor = floor_;
     }
-    std::uint32_t lowest = std::numeric_limits<std::uint32_t>::max();
-    for (std::size_t i = 0; i < pages_.size(); ++i) {
-      if (before_[i] != epoch_) {
-        return stale_page_status(pages_[i], before_[i], epoch_, "before its readiness was read");
-      }
-      if (words_[i] > num_layers_) {
-        return {StatusCode::kCorruptDescriptor,
-                "remote page " + std::to_string(pages_[i]) + " says " +
-                    std::to_string(words_[i]) + " layers are ready, beyond the layout's " +
-                    std::to_string(num_layers_) + " layers"};
-      }
-      if (words_[i] < floor) {
-        return {StatusCode::kCorruptDescriptor,
-                "remote page " + std::to_string(pages_[i]) + " readiness went backwards: " +
-                    std::to_string(words_[i]) + " layers ready, " + std::to_string(floor) +
-                    " were ready before"};
-      }
-      if (after_[i] != epoch_) {
-        return stale_page_status(pages_[i], after_[i], epoch_, "while its readiness was read");
-      }
-      lowest = std::min(lowest, words_[i]);
-    }
+    std::uint32_t ready = 0;
+    Status st = check_watch_words(reads_, pages_, {scratch_, reads_.bytes}, epoch_, num_layers_,
+                                  floor, &ready);
+    if (!st.is_ok()) return st;
     std::lock_guard<std::mutex> lk(mu_);
-    floor_ = pages_.empty() ? num_layers_ : lowest;
+    floor_ = ready;
     return Status::ok();
   }
 
   void end_round(Status st) {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!st.is_ok() && error_.is_ok()) error_ = std::move(st);
-    in_flight_ = false;
-    current_.reset();
+    std::function<void()> wake;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!st.is_ok() && error_.is_ok()) error_ = std::move(st);
+      in_flight_ = false;
+      current_.reset();
+      wake = wake_;
+    }
+    if (wake) wake();  // the next poll() sees this round (and may start one)
   }
 
+ public:
+  void set_wake(std::function<void()> wake) {
+    std::lock_guard<std::mutex> lk(mu_);
+    wake_ = std::move(wake);
+  }
+
+ private:
   MooncakeBackend& backend_;
   const McSegmentId segment_;
   const std::string who_;
@@ -173,10 +155,7 @@ class Poller : public std::enable_shared_from_this<Poller> {
   const std::vector<std::uint32_t> pages_;
   const std::uint64_t epoch_;
   const std::uint32_t num_layers_;
-  // One round at a time writes these (the completion of the last read).
-  std::vector<std::uint64_t> before_;
-  std::vector<std::uint32_t> words_;
-  std::vector<std::uint64_t> after_;
+  const WatchReads reads_;
   std::shared_ptr<void> scratch_keep_;
   std::byte* scratch_ = nullptr;
   std::mutex mu_;
@@ -186,6 +165,7 @@ class Poller : public std::enable_shared_from_this<Poller> {
   bool aborted_ MSTAR_KV_GUARDED_BY(mu_) = false;
   Clock::time_point next_ MSTAR_KV_GUARDED_BY(mu_){};
   std::shared_ptr<rma::RmaOperation> current_ MSTAR_KV_GUARDED_BY(mu_);
+  std::function<void()> wake_ MSTAR_KV_GUARDED_BY(mu_);
 };
 
 class MooncakeLayerWatch final : public LayerWatch {
@@ -193,6 +173,12 @@ class MooncakeLayerWatch final : public LayerWatch {
   explicit MooncakeLayerWatch(std::shared_ptr<Poller> p) : poller_(std::move(p)) {}
   ~MooncakeLayerWatch() override { poller_->abort(); }  // a round in flight stops
   Status poll(std::uint32_t* layers_ready) override { return poller_->poll(layers_ready); }
+  // A round's result arrives with its last read: the driver need not poll
+  // between rounds, which start at most every kPollInterval.
+  std::chrono::microseconds wake_on_news(std::function<void()> wake) override {
+    poller_->set_wake(std::move(wake));
+    return kPollInterval;
+  }
 
  private:
   std::shared_ptr<Poller> poller_;
@@ -204,11 +190,11 @@ std::unique_ptr<LayerWatch> make_layer_watch(MooncakeBackend& backend, McSegment
                                              std::string who, std::uint64_t epochs_ptr,
                                              std::uint64_t ready_ptr,
                                              std::shared_ptr<std::atomic<bool>> failed,
-                                             std::vector<std::uint32_t> pages,
-                                             std::uint64_t epoch, std::uint32_t num_layers) {
-  return std::make_unique<MooncakeLayerWatch>(std::make_shared<Poller>(
-      backend, segment, std::move(who), epochs_ptr, ready_ptr, std::move(failed),
-      std::move(pages), epoch, num_layers));
+                                             std::vector<std::uint32_t> pages, std::uint64_t epoch,
+                                             std::uint32_t num_layers) {
+  return std::make_unique<MooncakeLayerWatch>(
+      std::make_shared<Poller>(backend, segment, std::move(who), epochs_ptr, ready_ptr,
+                               std::move(failed), std::move(pages), epoch, num_layers));
 }
 
 }  // namespace mstar::kv::mooncake

@@ -3,10 +3,11 @@
 // The Mooncake engine's layer watch (readiness.hpp), by bounded polling:
 // Mooncake has no notification a reader could wait on over every transport,
 // so the watch reads the owner's registered epoch and readiness words of
-// its pages (epochs, words, epochs again per chunk of 128 pages: the
-// seqlock of readiness.hpp) at most every 0.5 ms, one round outstanding,
-// into one registered scratch page; poll() returns what the last round saw
-// and starts the next one. Private to the Mooncake engine.
+// its pages (the epochs, the words, the epochs again: the seqlock of
+// readiness.hpp; three batches of a few requests each, the words read in
+// runs, mooncake_words.hpp) at most every 0.5 ms, one round outstanding,
+// into its registered scratch memory; poll() returns what the last round
+// saw and starts the next one. Private to the Mooncake engine.
 #pragma once
 
 #include <atomic>
@@ -27,7 +28,7 @@ std::unique_ptr<LayerWatch> make_layer_watch(MooncakeBackend& backend, McSegment
                                              std::string who, std::uint64_t epochs_ptr,
                                              std::uint64_t ready_ptr,
                                              std::shared_ptr<std::atomic<bool>> failed,
-                                             std::vector<std::uint32_t> pages,
-                                             std::uint64_t epoch, std::uint32_t num_layers);
+                                             std::vector<std::uint32_t> pages, std::uint64_t epoch,
+                                             std::uint32_t num_layers);
 
 }  // namespace mstar::kv::mooncake

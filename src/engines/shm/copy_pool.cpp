@@ -11,7 +11,7 @@ namespace mstar::kv::shm {
 
 namespace {
 
-enum Stop : std::uint8_t { kRunning = 0, kCancel, kDeadline, kShutdownStop };
+enum Stop : std::uint8_t { kRunning = 0, kCancel, kDeadline, kShutdownStop, kFailed };
 
 // Pieces: large enough that the per-piece bookkeeping vanishes next to the
 // copy, small enough that the pool balances and stops within ~1 ms.
@@ -30,8 +30,8 @@ std::vector<StridedSpan> split_strided(std::span<const StridedSpan> spans,
       out.push_back(s);
     } else if (s.rows == 1) {
       for (std::uint64_t done = 0; done < s.length; done += max_bytes) {
-        out.push_back({s.local_offset + done, s.remote_offset + done,
-                       std::min(max_bytes, s.length - done)});
+        out.push_back(
+            {s.local_offset + done, s.remote_offset + done, std::min(max_bytes, s.length - done)});
       }
     } else {  // whole rows per piece (a row longer than a piece stays whole)
       const std::uint64_t per = std::max<std::uint64_t>(1, max_bytes / s.length);
@@ -62,20 +62,37 @@ struct CopyPool::Job {
   std::atomic<std::uint32_t> done_pieces{0};
   std::atomic<std::uint32_t> inflight{0};
   std::atomic<std::uint8_t> stop{kRunning};
+  std::mutex failure_mu;
+  Status failure MSTAR_KV_GUARDED_BY(failure_mu);  // the first failed piece's (kFailed)
 
   void resolve_stopped() noexcept {
     switch (stop.load()) {
+      case kFailed: {
+        std::lock_guard<std::mutex> lock(failure_mu);
+        promise.fail(failure);
+        break;
+      }
       case kCancel:
         promise.fail({StatusCode::kCancelled, spec.what + " was cancelled"});
         break;
       case kDeadline:
-        promise.fail({StatusCode::kTimeout, spec.what + " did not finish in " +
-                                                std::to_string(timeout.count()) + " ms"});
+        promise.fail({StatusCode::kTimeout,
+                      spec.what + " did not finish in " + std::to_string(timeout.count()) + " ms"});
         break;
       default:
         promise.fail({StatusCode::kShutdown, spec.what + " was stopped by engine shutdown"});
         break;
     }
+  }
+
+  // A piece failed: the job stops with `why` (the first failure's).
+  void fail_piece(Status why) noexcept {
+    {
+      std::lock_guard<std::mutex> lock(failure_mu);
+      if (failure.is_ok()) failure = std::move(why);
+    }
+    std::uint8_t expected = kRunning;
+    stop.compare_exchange_strong(expected, kFailed);
   }
 
   void request_stop(Stop why) noexcept {
@@ -104,18 +121,30 @@ struct CopyPool::Job {
         if (spec.plan) {  // plan this run of reads first
           thread_local StridedPlan planned;
           planned.spans.clear();
-          spec.plan(std::span<const KVReadInfo>(spec.reads).subspan(
-                        piece_begin[i], piece_begin[i + 1] - piece_begin[i]),
+          spec.plan(std::span<const KVReadInfo>(spec.reads)
+                        .subspan(piece_begin[i], piece_begin[i + 1] - piece_begin[i]),
                     planned);
           s = planned.spans.data();
           e = s + planned.spans.size();
         }
-        const bool streaming = spec.total_bytes >= kStreamBytes;
-        for (; s != e; ++s) {
-          copy_span(spec.dst_base, spec.src_base, *s, streaming, s + 1 != e ? s + 1 : nullptr);
+        Status copied = Status::ok();
+        if (spec.cma != nullptr) {
+          copied = spec.cma->copy(spec.dst, s, e);
+        } else {
+          const bool streaming = spec.total_bytes >= kStreamBytes;
+          for (; s != e; ++s) {
+            const StridedSpan* next = s + 1 != e ? s + 1 : nullptr;
+            copy_span_at(
+                spec.dst.pointer(s->local_offset),
+                spec.src.pointer<const std::byte>(s->remote_offset), *s, streaming,
+                next != nullptr ? spec.src.pointer<const std::byte>(next->remote_offset) : nullptr,
+                next);
+          }
+          if (streaming) stream_fence();  // before the count publishes the piece
         }
-        if (streaming) stream_fence();  // before the count publishes the piece
-        if (done_pieces.fetch_add(1, std::memory_order_acq_rel) + 1 == pieces) {
+        if (!copied.is_ok()) {
+          fail_piece(std::move(copied));
+        } else if (done_pieces.fetch_add(1, std::memory_order_acq_rel) + 1 == pieces) {
           Status v = spec.verify ? spec.verify() : Status::ok();
           if (v.is_ok()) {
             promise.complete(spec.total_bytes);

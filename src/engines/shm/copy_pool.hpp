@@ -9,7 +9,8 @@
 // atomic increment, so several workers
 // share one large job and a piece costs no lock, allocation or syscall.
 // Between pieces a worker checks the job's stop conditions (cancel, deadline,
-// shutdown). A stopped job resolves only once no worker is inside one of its
+// shutdown, a piece that failed: only reads of another process's memory
+// can). A stopped job resolves only once no worker is inside one of its
 // pieces: after resolution no byte of it is written.
 #pragma once
 
@@ -25,23 +26,28 @@
 #include <thread>
 #include <vector>
 
+#include "cma_reader.hpp"
 #include "mstar/kv/future.hpp"
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/read_info.hpp"
-#include "span_copy.hpp"
+#include "mstar/kv/regions.hpp"
 #include "mstar/kv/thread_annotations.hpp"
+#include "span_copy.hpp"
 
 namespace mstar::kv::shm {
 
 struct CopyJobSpec {
-  std::byte* dst_base = nullptr;
-  const std::byte* src_base = nullptr;
-  std::vector<StridedSpan> spans;   // local_offset -> dst, remote_offset -> src
+  RegionMap dst;  // the local cache: local offsets -> addresses here
+  RegionMap src;  // a mapped owner: remote offsets -> addresses here
+  // Set: the owner's private memory, read with process_vm_readv (src is
+  // then unused; keep_alive keeps the peer). A failed read fails the job.
+  const CmaPeer* cma = nullptr;
+  std::vector<StridedSpan> spans;  // local_offset -> dst, remote_offset -> src
   std::uint64_t total_bytes = 0;
-  std::shared_ptr<const void> keep_alive;  // e.g. the source mapping
-  std::string what;                 // "read of 12 MiB from pid 7" for messages
+  std::shared_ptr<const void> keep_alive;        // e.g. the source mapping
+  std::string what;                              // "read of 12 MiB from pid 7" for messages
   TransferTiming::Clock::time_point planned_at;  // when the copies were planned
-  std::string peer;                 // for statistics: "pid 7"
+  std::string peer;                              // for statistics: "pid 7"
   // Run once every byte is copied, before the future resolves: a failure
   // fails the read (the page epochs' after-copy check). May be empty.
   std::function<Status()> verify;
@@ -58,8 +64,7 @@ struct CopyJobSpec {
 
 // Splits spans of more than max_bytes (> 0): contiguous ones by bytes,
 // strided ones by whole rows.
-std::vector<StridedSpan> split_strided(std::span<const StridedSpan> spans,
-                                       std::uint64_t max_bytes);
+std::vector<StridedSpan> split_strided(std::span<const StridedSpan> spans, std::uint64_t max_bytes);
 
 class CopyPool {
  public:
@@ -93,8 +98,8 @@ class CopyPool {
   std::condition_variable work_cv_;   // workers wait for jobs
   std::condition_variable watch_cv_;  // the watchdog waits for jobs
   bool stopping_ MSTAR_KV_GUARDED_BY(mu_) = false;
-  std::deque<std::shared_ptr<Job>> queue_ MSTAR_KV_GUARDED_BY(mu_);      // jobs with pieces left
-  std::vector<std::shared_ptr<Job>> active_ MSTAR_KV_GUARDED_BY(mu_);    // unresolved jobs
+  std::deque<std::shared_ptr<Job>> queue_ MSTAR_KV_GUARDED_BY(mu_);    // jobs with pieces left
+  std::vector<std::shared_ptr<Job>> active_ MSTAR_KV_GUARDED_BY(mu_);  // unresolved jobs
   std::vector<std::thread> threads_;
   std::thread watchdog_;
 };

@@ -11,14 +11,17 @@
 #include <utility>
 #include <vector>
 
+#include "cma_anchor.hpp"
+#include "cma_reader.hpp"
 #include "copy_pool.hpp"
-#include "engines/option_keys.hpp"
-#include "mstar/kv/shm.hpp"
-#include "shm_mapping.hpp"
-#include "shm_memory.hpp"
 #include "core/mapped_watch.hpp"
 #include "core/planner_detail.hpp"
+#include "engines/engine_makers.hpp"
+#include "engines/option_keys.hpp"
+#include "mstar/kv/shm.hpp"
 #include "mstar/kv/thread_annotations.hpp"
+#include "shm_mapping.hpp"
+#include "shm_memory.hpp"
 
 namespace mstar::kv {
 
@@ -35,9 +38,71 @@ std::string human_bytes(std::uint64_t b) {
 
 }  // namespace
 
+// Where a read's bytes come from: the owner's memfd mapped here, or its
+// private memory through cross-memory attach.
+struct ShmSource {
+  std::shared_ptr<const ShmMapping> mapping;
+  std::shared_ptr<const shm::CmaPeer> cma;
+
+  // The seqlock over the owner's page epochs (`pages`; sorted for cma):
+  // every page carries `epoch` before the copy and still after it; through
+  // cma the anchor's nonce is read with them (epoch 0 too).
+  Status check(std::span<const std::uint32_t> pages, std::uint64_t epoch, const char* when,
+               bool after_copy) const {
+    if (cma) return cma->verify(pages, epoch, when);
+    if (epoch == 0) return Status::ok();
+    return check_page_epochs(mapping->epochs(), mapping->epoch_pages(), pages, epoch, when,
+                             after_copy);
+  }
+  std::shared_ptr<const void> keep() const {
+    return cma ? std::shared_ptr<const void>(cma) : std::shared_ptr<const void>(mapping);
+  }
+};
+
 struct ShmKVTransferEngine::Impl {
   Impl(std::shared_ptr<KVCache> c, ShmEngineOptions o)
-      : cache(std::move(c)), options(o), pool(o.max_workers, o.timeout) {}
+      : cache(std::move(c)), options(o), pool(o.max_workers, o.timeout) {
+    // A private cache is served through cross-memory attach (cma_anchor.hpp).
+    if (dynamic_cast<const shm::SharedMemory*>(&cache->memory()) == nullptr || cache->split()) {
+      anchor = std::make_unique<shm::CmaAnchor>(*cache);
+    }
+  }
+
+  ShmSource source_for(const ShmKVTransferInfo& info) {
+    if (info.access == ShmKVTransferInfo::Access::kCma) return {nullptr, cma_for(info)};
+    return {mapping_for(info), nullptr};
+  }
+
+  // The peer for a kCma descriptor: cached per (pid, nonce) as mappings are.
+  std::shared_ptr<const shm::CmaPeer> cma_for(const ShmKVTransferInfo& info) {
+    std::lock_guard<std::mutex> lock(map_mu);
+    if (shut) {
+      throw Error(StatusCode::kShutdown, "shm engine is shut down: no new reads");
+    }
+    const auto key = std::make_pair(info.pid, info.nonce);
+    if (auto it = peers.find(key); it != peers.end()) {
+      if (!(it->second->info() == info)) {
+        throw Error(StatusCode::kStaleDescriptor,
+                    it->second->who() +
+                        ": the descriptor differs from the one this reader "
+                        "opened under the same nonce (a forged descriptor)");
+      }
+      Status s = it->second->check_alive();
+      if (s.is_ok()) return it->second;
+      peers.erase(it);
+      throw Error(s);
+    }
+    for (auto it = peers.begin(); it != peers.end();) {
+      it = it->first.first == info.pid ? peers.erase(it) : std::next(it);
+    }
+    if (peers.size() >= kMaxCachedMappings) {
+      std::erase_if(peers, [](const auto& kv) { return !kv.second->check_alive().is_ok(); });
+      if (peers.size() >= kMaxCachedMappings) peers.erase(peers.begin());
+    }
+    auto p = shm::CmaPeer::open(info);
+    peers.emplace(key, p);
+    return p;
+  }
 
   // The mapping for this descriptor: cached per (pid, nonce), re-checked on
   // every use; a new generation of the same pid evicts the old one.
@@ -54,8 +119,7 @@ struct ShmKVTransferEngine::Impl {
         if (info.uid != it->second->info().uid) {
           throw Error(StatusCode::kPermissionDenied,
                       "shm descriptor names uid " + std::to_string(info.uid) +
-                          " for a cache owned by uid " +
-                          std::to_string(it->second->info().uid));
+                          " for a cache owned by uid " + std::to_string(it->second->info().uid));
         }
         throw Error(StatusCode::kStaleDescriptor,
                     "shm descriptor for pid " + std::to_string(info.pid) +
@@ -84,8 +148,11 @@ struct ShmKVTransferEngine::Impl {
   shm::CopyPool pool;
   mutable std::mutex map_mu;
   bool shut MSTAR_KV_GUARDED_BY(map_mu) = false;
-  std::map<std::pair<std::uint32_t, std::uint64_t>, std::shared_ptr<const ShmMapping>>
-      mappings MSTAR_KV_GUARDED_BY(map_mu);
+  std::map<std::pair<std::uint32_t, std::uint64_t>, std::shared_ptr<const ShmMapping>> mappings
+      MSTAR_KV_GUARDED_BY(map_mu);
+  std::map<std::pair<std::uint32_t, std::uint64_t>, std::shared_ptr<const shm::CmaPeer>> peers
+      MSTAR_KV_GUARDED_BY(map_mu);
+  std::unique_ptr<shm::CmaAnchor> anchor;  // serving a private cache
 };
 
 namespace {
@@ -106,9 +173,9 @@ std::shared_ptr<KVCache> checked_cache(std::shared_ptr<KVCache> cache,
   // One rule for every engine (the RMA engines and cuda_ipc too): a timeout
   // of at least 1 ms; 0 failed every read over the inline size at once.
   if (options.timeout.count() <= 0) {
-    throw Error(StatusCode::kInvalidArgument,
-                "shm engine timeout " + std::to_string(options.timeout.count()) +
-                    " ms out of range [1, ...)");
+    throw Error(StatusCode::kInvalidArgument, "shm engine timeout " +
+                                                  std::to_string(options.timeout.count()) +
+                                                  " ms out of range [1, ...)");
   }
   return cache;
 }
@@ -126,6 +193,7 @@ ShmKVTransferEngine::ShmKVTransferEngine(std::shared_ptr<KVCache> kv_cache,
 ShmKVTransferEngine::~ShmKVTransferEngine() { shutdown(); }
 
 std::optional<ShmKVTransferInfo> ShmKVTransferEngine::shm_info() const {
+  if (impl_->anchor) return impl_->anchor->info();
   const auto* mem = dynamic_cast<const shm::SharedMemory*>(&impl_->cache->memory());
   if (mem == nullptr) return std::nullopt;
   ShmKVTransferInfo info;
@@ -144,17 +212,18 @@ KVTransferInfo ShmKVTransferEngine::get_kv_transfer_info() const {
   return info ? info->encode() : KVTransferInfo{};
 }
 
-std::optional<KVLayout> ShmKVTransferEngine::remote_layout(const KVTransferInfo& remote) const {
-  return ShmKVTransferInfo::decode(remote).layout;
+RemoteHandle ShmKVTransferEngine::open_remote(const KVTransferInfo& remote) const {
+  ShmKVTransferInfo info = ShmKVTransferInfo::decode(remote);
+  impl_->cache->layout().check_same_model(info.layout);
+  KVLayout layout = info.layout;
+  return std::make_shared<TypedRemote<ShmKVTransferInfo>>(remote, std::move(info), layout);
 }
 
 std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
-    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
-  const ShmKVTransferInfo info = ShmKVTransferInfo::decode(remote_kv_info);
+    const RemoteCache& remote_cache, std::span<const KVReadInfo> read_info) {
+  const ShmKVTransferInfo& info = remote_as<ShmKVTransferInfo>(remote_cache, "shm");
   const KVLayout& local = impl_->cache->layout();
-  // Nothing to read: the descriptor is still validated (engine.hpp).
-  local.check_same_model(info.layout);
-  if (read_info.empty()) return std::nullopt;
+  if (read_info.empty()) return std::nullopt;  // the descriptor was validated by open_remote
   // Strided spans: a change of in-page order or head shard costs one span
   // per (read, k|v[, head]), copied by a tight row loop (copy_pool.hpp).
   // Many plain reads are only checked here (planned on the copy threads).
@@ -174,43 +243,55 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
   } else {
     plan = plan_strided_copies(local, remote, read_info);
   }
-  std::shared_ptr<const ShmMapping> mapping = impl_->mapping_for(info);
+  const ShmSource src = impl_->source_for(info);
   // Seqlock over the owner's page epochs: every page must carry the
   // sequence's epoch before the copy and still after it.
-  const std::uint64_t epoch = impl_->options.check_epochs ? remote_kv_info.epoch : 0;
+  const std::uint64_t epoch = impl_->options.check_epochs ? remote_cache.epoch() : 0;
   std::vector<std::uint32_t> pages;
   if (epoch != 0) {
     pages = remote_pages_of(read_info, info.layout.num_pages);
-    Status s = check_page_epochs(mapping->epochs(), mapping->epoch_pages(), pages, epoch,
-                                 "before the copy", false);
-    if (!s.is_ok()) throw Error(std::move(s));
+    if (src.cma) std::sort(pages.begin(), pages.end());  // runs of pages read at once
+  }
+  if (Status s = src.check(pages, epoch, "before the copy", false); !s.is_ok()) {
+    throw Error(std::move(s));
   }
   const auto planned_at = TransferTiming::Clock::now();
   std::string peer = "pid " + std::to_string(info.pid);
+  const RegionMap& dst = impl_->cache->regions();
+  const RegionMap src_map =
+      src.mapping ? RegionMap::contiguous(reinterpret_cast<std::uintptr_t>(src.mapping->data()))
+                  : RegionMap();
   if (plan.total_bytes <= kInlineCopyBytes) {
     // Handing a small read to a worker (queue, wake, resolve, wake the
     // waiter) costs tens of microseconds, more than the copy itself.
     TransferPromise promise;
     promise.mark_planned(plan.spans.size(), planned_at);
     promise.set_peer(std::move(peer));
-    std::byte* dst = impl_->cache->base();
-    const std::byte* src = mapping->data();
-    for (const StridedSpan& s : plan.spans) shm::copy_span(dst, src, s);
-    promise.mark_posted();  // the copy was the post
-    if (epoch != 0) {
-      Status s = check_page_epochs(mapping->epochs(), mapping->epoch_pages(), pages, epoch,
-                                   "during the copy", true);
+    if (src.cma) {
+      Status s = src.cma->copy(dst, plan.spans.data(), plan.spans.data() + plan.spans.size());
       if (!s.is_ok()) {
         promise.fail(std::move(s));
         return promise.future();
       }
+    } else {
+      for (const StridedSpan& s : plan.spans) {
+        shm::copy_span_at(dst.pointer(s.local_offset),
+                          src_map.pointer<const std::byte>(s.remote_offset), s, false, nullptr,
+                          nullptr);
+      }
+    }
+    promise.mark_posted();  // the copy was the post
+    if (Status s = src.check(pages, epoch, "during the copy", true); !s.is_ok()) {
+      promise.fail(std::move(s));
+      return promise.future();
     }
     promise.complete(plan.total_bytes);
     return promise.future();
   }
   shm::CopyJobSpec spec;
-  spec.dst_base = impl_->cache->base();
-  spec.src_base = mapping->data();
+  spec.dst = dst;
+  spec.src = src_map;
+  spec.cma = src.cma.get();
   spec.total_bytes = plan.total_bytes;
   spec.spans = std::move(plan.spans);
   if (piecewise.spans != 0) {
@@ -222,14 +303,13 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
   }
   spec.what = "shm read of " + human_bytes(spec.total_bytes) + " (" +
               std::to_string(read_info.size()) + " page reads) from pid " +
-              std::to_string(info.pid);
-  if (epoch != 0) {
-    spec.verify = [m = mapping.get(), pages = std::move(pages), epoch] {
-      return check_page_epochs(m->epochs(), m->epoch_pages(), pages, epoch, "during the copy",
-                               true);
+              std::to_string(info.pid) + (src.cma ? " (cross-memory attach)" : "");
+  if (epoch != 0 || src.cma) {
+    spec.verify = [src, pages = std::move(pages), epoch] {
+      return src.check(pages, epoch, "during the copy", true);
     };
   }
-  spec.keep_alive = std::move(mapping);
+  spec.keep_alive = src.keep();
   spec.planned_at = planned_at;
   spec.peer = std::move(peer);
   const bool help = spec.total_bytes <= kHelpCopyBytes;
@@ -247,28 +327,30 @@ ShmEngineOptions ShmEngineOptions::parse(const EngineOptions& options) {
 }
 
 std::unique_ptr<LayerWatch> ShmKVTransferEngine::watch_layers(
-    const KVTransferInfo& remote_kv_info, std::span<const KVReadInfo> read_info) {
+    const RemoteCache& remote_cache, std::span<const KVReadInfo> read_info) {
   if (read_info.empty()) {
     throw Error(StatusCode::kInvalidArgument, "shm layer watch of 0 reads: nothing to watch");
   }
-  const ShmKVTransferInfo info = ShmKVTransferInfo::decode(remote_kv_info);
+  const ShmKVTransferInfo& info = remote_as<ShmKVTransferInfo>(remote_cache, "shm");
+  const std::uint64_t epoch = remote_cache.epoch();
   const KVLayout& local = impl_->cache->layout();
-  local.check_same_model(info.layout);
   (void)plan_strided_copies(local, info.layout, read_info);  // validates as a read does
-  if (remote_kv_info.epoch == 0) {
+  if (epoch == 0) {
     throw Error(StatusCode::kInvalidArgument,
                 "layer-wise streaming needs a descriptor with a page epoch (published by a "
                 "KVCachePool), got epoch 0");
   }
-  std::shared_ptr<const ShmMapping> mapping = impl_->mapping_for(info);
+  const ShmSource src = impl_->source_for(info);
   auto pages = remote_pages_of(read_info, info.layout.num_pages);
-  Status s = check_page_epochs(mapping->epochs(), mapping->epoch_pages(), pages,
-                               remote_kv_info.epoch, "before the stream", false);
-  if (!s.is_ok()) throw Error(std::move(s));
-  const ShmMapping* m = mapping.get();
+  if (src.cma) std::sort(pages.begin(), pages.end());
+  if (Status s = src.check(pages, epoch, "before the stream", false); !s.is_ok()) {
+    throw Error(std::move(s));
+  }
+  if (src.cma) return shm::CmaPeer::watch(src.cma, std::move(pages), epoch);
+  const ShmMapping* m = src.mapping.get();
   return make_mapped_layer_watch(
       m->ready_words(), m->epochs(), m->epoch_pages(), info.layout.num_layers, std::move(pages),
-      remote_kv_info.epoch, [m] { return m->check_owner(); }, std::move(mapping));
+      epoch, [m] { return m->check_owner(); }, src.mapping);
 }
 
 void ShmKVTransferEngine::shutdown() {
@@ -279,11 +361,25 @@ void ShmKVTransferEngine::shutdown() {
   impl_->pool.shutdown();
   std::lock_guard<std::mutex> lock(impl_->map_mu);
   impl_->mappings.clear();
+  impl_->peers.clear();
 }
 
 std::size_t ShmKVTransferEngine::cached_mappings() const {
   std::lock_guard<std::mutex> lock(impl_->map_mu);
-  return impl_->mappings.size();
+  return impl_->mappings.size() + impl_->peers.size();
 }
+
+namespace engines {
+
+EngineHooks hooks_shm() {
+  EngineHooks h;
+  h.make = &make<ShmKVTransferEngine>;
+  h.allocate = [](const KVLayout& layout, int) -> std::unique_ptr<KVMemory> {
+    return shm::SharedMemory::create(layout.total_bytes(), layout.num_pages);
+  };
+  return h;
+}
+
+}  // namespace engines
 
 }  // namespace mstar::kv

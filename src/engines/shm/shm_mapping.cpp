@@ -14,10 +14,10 @@
 #include <string>
 #include <utility>
 
-#include "core/posix_fd.hpp"
 #include "mstar/kv/shm.hpp"
 #include "shm_mapping.hpp"
 #include "shm_memory.hpp"
+#include "util/posix_fd.hpp"
 
 namespace mstar::kv {
 
@@ -32,8 +32,7 @@ std::string fd_path(const ShmKVTransferInfo& info) {
 }
 
 std::string owner_name(const ShmKVTransferInfo& info) {
-  return "shm cache of pid " + std::to_string(info.pid) + " (fd " + std::to_string(info.fd) +
-         ")";
+  return "shm cache of pid " + std::to_string(info.pid) + " (fd " + std::to_string(info.fd) + ")";
 }
 
 using posix::Fd;
@@ -58,25 +57,7 @@ ShmMapping ShmMapping::open(const ShmKVTransferInfo& info) {
     throw Error(StatusCode::kNotFound,
                 who + ": owner process " + std::to_string(info.pid) + " no longer exists");
   }
-  // A thread id that is not its process's leader: its /proc entry still
-  // opens the process's fds, under another pid than the owner published.
-  if (const std::uint32_t tgid = shm::thread_group_of(info.pid); tgid != 0 && tgid != info.pid) {
-    throw Error(StatusCode::kStaleDescriptor,
-                who + ": pid " + std::to_string(info.pid) + " names a thread of process " +
-                    std::to_string(tgid) + ", not the descriptor's owner process");
-  }
-  const std::uint64_t start = shm::process_start_time(static_cast<int>(info.pid));
-  if (start == 0) {
-    throw Error(StatusCode::kNotFound,
-                who + ": owner process " + std::to_string(info.pid) + " no longer exists (" +
-                    errno_text(errno) + ")");
-  }
-  if (start != info.start_time) {
-    throw Error(StatusCode::kStaleDescriptor,
-                who + ": pid " + std::to_string(info.pid) + " now belongs to a process started at " +
-                    std::to_string(start) + ", the descriptor's owner started at " +
-                    std::to_string(info.start_time) + " (owner restarted)");
-  }
+  shm::check_owner_identity(info.pid, info.start_time, who);
   const std::string path = fd_path(info);
   // A forged fd may name a FIFO (open would block), a device (open may have
   // side effects) or a socket: look before opening, and open non-blocking.
@@ -91,9 +72,9 @@ ShmMapping ShmMapping::open(const ShmKVTransferInfo& info) {
   if (fd.get() < 0) {
     const int err = errno;
     if (err == EACCES || err == EPERM) {
-      throw Error(StatusCode::kPermissionDenied,
-                  who + ": cannot open " + path + ": " + errno_text(err) +
-                      " (only the owner's user may map its cache)");
+      throw Error(StatusCode::kPermissionDenied, who + ": cannot open " + path + ": " +
+                                                     errno_text(err) +
+                                                     " (only the owner's user may map its cache)");
     }
     if (err == ENOENT || err == ESRCH) {
       throw Error(StatusCode::kNotFound,
@@ -177,9 +158,8 @@ Status ShmMapping::check_owner() const {
   struct stat st {};
   const std::string path = fd_path(info_);
   if (::stat(path.c_str(), &st) != 0) {
-    return {StatusCode::kNotFound,
-            who + ": " + path + " is gone (" + errno_text(errno) +
-                "): the cache was freed or its owner exited"};
+    return {StatusCode::kNotFound, who + ": " + path + " is gone (" + errno_text(errno) +
+                                       "): the cache was freed or its owner exited"};
   }
   if (st.st_dev != dev_ || st.st_ino != ino_) {
     return {StatusCode::kStaleDescriptor,
@@ -222,6 +202,12 @@ ShmMapping::~ShmMapping() { reset(); }
 
 ShmCacheView map_shm_cache(const KVTransferInfo& info) {
   const ShmKVTransferInfo si = ShmKVTransferInfo::decode(info);
+  if (si.access != ShmKVTransferInfo::Access::kMemfd) {
+    throw Error(StatusCode::kInvalidArgument,
+                "shm cache of pid " + std::to_string(si.pid) +
+                    " is private memory (read by cross-memory attach), not a shared memfd: it "
+                    "cannot be mapped");
+  }
   auto mapping = std::make_shared<const ShmMapping>(ShmMapping::open(si));
   const std::byte* data = mapping->data();
   // Aliasing: the view's pointer owns the mapping.

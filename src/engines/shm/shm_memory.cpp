@@ -11,12 +11,30 @@
 #include <random>
 #include <string>
 
-#include "engines/engine_makers.hpp"
 #include "mstar/kv/status.hpp"
 
 namespace mstar::kv::shm {
 
 std::string errno_text(int err) { return std::strerror(err); }
+
+void check_owner_identity(std::uint32_t pid, std::uint64_t start_time, const std::string& who) {
+  if (const std::uint32_t tgid = thread_group_of(pid); tgid != 0 && tgid != pid) {
+    throw Error(StatusCode::kStaleDescriptor,
+                who + ": pid " + std::to_string(pid) + " names a thread of process " +
+                    std::to_string(tgid) + ", not the descriptor's owner process");
+  }
+  const std::uint64_t start = process_start_time(static_cast<int>(pid));
+  if (start == 0) {
+    throw Error(StatusCode::kNotFound, who + ": owner process " + std::to_string(pid) +
+                                           " no longer exists (" + errno_text(errno) + ")");
+  }
+  if (start != start_time) {
+    throw Error(StatusCode::kStaleDescriptor,
+                who + ": pid " + std::to_string(pid) + " now belongs to a process started at " +
+                    std::to_string(start) + ", the descriptor's owner started at " +
+                    std::to_string(start_time) + " (owner restarted)");
+  }
+}
 
 namespace {
 
@@ -75,8 +93,6 @@ std::uint64_t process_start_time(int pid) noexcept {
   return v;
 }
 
-namespace {
-
 std::uint64_t random_nonce() {
   std::random_device rd;  // getrandom(2) on Linux
   std::uint64_t v = 0;
@@ -84,19 +100,19 @@ std::uint64_t random_nonce() {
   return v;
 }
 
+namespace {
+
 [[noreturn]] void fail_syscall(const char* call, std::size_t size, int err) {
-  const StatusCode code =
-      (err == ENOMEM || err == ENOSPC || err == EMFILE || err == ENFILE)
-          ? StatusCode::kRetryLater
-          : StatusCode::kInternal;
+  const StatusCode code = (err == ENOMEM || err == ENOSPC || err == EMFILE || err == ENFILE)
+                              ? StatusCode::kRetryLater
+                              : StatusCode::kInternal;
   throw Error(code, std::string("cannot allocate ") + std::to_string(size) +
                         " bytes of shared memory: " + call + ": " + errno_text(err));
 }
 
 }  // namespace
 
-std::unique_ptr<SharedMemory> SharedMemory::create(std::size_t size,
-                                                   std::uint32_t num_pages) {
+std::unique_ptr<SharedMemory> SharedMemory::create(std::size_t size, std::uint32_t num_pages) {
   std::unique_ptr<SharedMemory> m(new SharedMemory());
   m->size_ = size;
   m->epoch_pages_ = num_pages;
@@ -113,8 +129,7 @@ std::unique_ptr<SharedMemory> SharedMemory::create(std::size_t size,
   }
   // MAP_POPULATE allocates every page now: no first-touch fault later, when
   // a transfer writes into this cache.
-  void* p = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
-                   m->fd_, 0);
+  void* p = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, m->fd_, 0);
   if (p == MAP_FAILED) fail_syscall("mmap", size, errno);
   m->base_ = static_cast<std::byte*>(p);
   m->nonce_ = random_nonce();
@@ -141,11 +156,3 @@ SharedMemory::~SharedMemory() {
 }
 
 }  // namespace mstar::kv::shm
-
-namespace mstar::kv::engines {
-
-std::unique_ptr<KVMemory> allocate_shared_memory(std::size_t size, std::uint32_t num_pages) {
-  return shm::SharedMemory::create(size, num_pages);
-}
-
-}  // namespace mstar::kv::engines

@@ -92,10 +92,20 @@ class SharedMemory final : public KVMemory {
 // Throws nothing.
 std::uint64_t process_start_time(int pid) noexcept;
 
+// A random nonzero 64-bit nonce (getrandom).
+std::uint64_t random_nonce();
+
 // "open: No such file or directory" style text for errno.
 std::string errno_text(int err);
 // The process (thread group) a pid or thread id belongs to, from
 // /proc/<pid>/status; 0 when it cannot be read.
 std::uint32_t thread_group_of(std::uint32_t pid) noexcept;
+
+// After the reader pinned the owner's pid (a pidfd): throws unless `pid` is
+// the leader of its process (a thread id's /proc entry opens the process's
+// fds under another pid: kStaleDescriptor), still alive (kNotFound) and the
+// process that published (start time `start_time`, else the pid was reused:
+// kStaleDescriptor). `who` names the owner in the messages.
+void check_owner_identity(std::uint32_t pid, std::uint64_t start_time, const std::string& who);
 
 }  // namespace mstar::kv::shm

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "core/stream_copy.hpp"
+#include "util/stream_copy.hpp"
 
 namespace mstar::kv::shm {
 
@@ -24,9 +24,8 @@ using detail::stream_line;
 
 // n bytes with non-temporal stores, four pages at a time.
 void stream_run(std::byte* d, const std::byte* s, std::uint64_t n) noexcept {
-  const std::uint64_t head =
-      std::min<std::uint64_t>(n, (kLine - (reinterpret_cast<std::uintptr_t>(d) & (kLine - 1))) &
-                                     (kLine - 1));
+  const std::uint64_t head = std::min<std::uint64_t>(
+      n, (kLine - (reinterpret_cast<std::uintptr_t>(d) & (kLine - 1))) & (kLine - 1));
   std::memcpy(d, s, head);
   d += head;
   s += head;
@@ -34,8 +33,7 @@ void stream_run(std::byte* d, const std::byte* s, std::uint64_t n) noexcept {
   for (; n >= 4 * kPage; d += 4 * kPage, s += 4 * kPage, n -= 4 * kPage) {
     for (std::uint64_t off = 0; off < kPage; off += kLine) {
       for (std::uint64_t p = 0; p < 4; ++p) {
-        _mm_prefetch(reinterpret_cast<const char*>(s + p * kPage + off + 4 * kLine),
-                     _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(s + p * kPage + off + 4 * kLine), _MM_HINT_T0);
         stream_line(d + p * kPage + off, s + p * kPage + off);
       }
     }
@@ -51,8 +49,8 @@ void stream_run(std::byte* d, const std::byte* s, std::uint64_t n) noexcept {
 // store would first read the line) or not (a head split: the rows of a large
 // read would only evict the cache; TP 1 -> 8 of Llama-3-70B 7.8 -> 9.1 GB/s).
 template <std::uint64_t kLength, bool kPrefetch, bool kStream>
-void copy_rows(std::byte* d, const std::byte* r, const StridedSpan& s,
-               const std::byte* next_rows, const StridedSpan* next) noexcept {
+void copy_rows(std::byte* d, const std::byte* r, const StridedSpan& s, const std::byte* next_rows,
+               const StridedSpan* next) noexcept {
   const std::uint64_t length = kLength != 0 ? kLength : s.length;
   const std::uint64_t ahead_bytes = std::min(length, kPrefetchRowBytes);
   for (std::uint64_t i = 0; i < s.rows; ++i, d += s.local_stride, r += s.remote_stride) {
@@ -77,8 +75,8 @@ void copy_rows(std::byte* d, const std::byte* r, const StridedSpan& s,
 }
 
 template <std::uint64_t kLength>
-void copy_rows(std::byte* d, const std::byte* r, const StridedSpan& s, bool prefetch,
-               bool stream, const std::byte* next_rows, const StridedSpan* next) noexcept {
+void copy_rows(std::byte* d, const std::byte* r, const StridedSpan& s, bool prefetch, bool stream,
+               const std::byte* next_rows, const StridedSpan* next) noexcept {
   if (stream) {
     if (prefetch) {
       copy_rows<kLength, true, true>(d, r, s, next_rows, next);
@@ -94,10 +92,8 @@ void copy_rows(std::byte* d, const std::byte* r, const StridedSpan& s, bool pref
 
 }  // namespace
 
-void copy_span(std::byte* dst, const std::byte* src, const StridedSpan& s, bool streaming,
-               const StridedSpan* next) noexcept {
-  std::byte* d = dst + s.local_offset;
-  const std::byte* r = src + s.remote_offset;
+void copy_span_at(std::byte* d, const std::byte* r, const StridedSpan& s, bool streaming,
+                  const std::byte* next_rows, const StridedSpan* next) noexcept {
   if (s.rows == 1) {
 #if MSTAR_KV_STREAMING_STORES
     if (streaming && s.length >= 4 * kPage) {
@@ -115,11 +111,11 @@ void copy_span(std::byte* dst, const std::byte* src, const StridedSpan& s, bool 
   const bool prefetch = streaming && s.remote_stride != s.length;
   // The rows ahead run on into the next span when it is strided the same way.
   if (next != nullptr && (next->rows == 1 || next->remote_stride == next->length)) next = nullptr;
-  const std::byte* next_rows = next != nullptr ? src + next->remote_offset : nullptr;
+  if (next == nullptr) next_rows = nullptr;
   bool stream = false;
 #if MSTAR_KV_STREAMING_STORES
-  stream = streaming && s.length % kLine == 0 &&
-           s.local_stride % kLine == 0 && (reinterpret_cast<std::uintptr_t>(d) & (kLine - 1)) == 0;
+  stream = streaming && s.length % kLine == 0 && s.local_stride % kLine == 0 &&
+           (reinterpret_cast<std::uintptr_t>(d) & (kLine - 1)) == 0;
 #endif
   switch (s.length) {
     case 128:

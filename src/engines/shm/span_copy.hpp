@@ -20,19 +20,29 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "core/stream_copy.hpp"
 #include "mstar/kv/planner.hpp"
+#include "util/stream_copy.hpp"
 
 namespace mstar::kv::shm {
 
 // Jobs of at least this many bytes stream (core/stream_copy.hpp).
 inline constexpr std::uint64_t kStreamBytes = detail::kStreamReadBytes;
 
-// Copies one span's rows from src + remote offsets to dst + local offsets.
-// Streaming, `next` (the span copied after this one, if any) lets the rows
-// prefetched ahead run on into it.
-void copy_span(std::byte* dst, const std::byte* src, const StridedSpan& s,
-               bool streaming = false, const StridedSpan* next = nullptr) noexcept;
+// Copies one span's rows from r (where its first remote row is in this
+// process) to d (its first local row); the rows follow at the span's
+// strides. Streaming, `next` (the span copied after this one, if any, its
+// first remote row at next_rows) lets the rows prefetched ahead run on into
+// it.
+void copy_span_at(std::byte* d, const std::byte* r, const StridedSpan& s, bool streaming,
+                  const std::byte* next_rows, const StridedSpan* next) noexcept;
+
+// The same from src + remote offsets to dst + local offsets (one region on
+// each side).
+inline void copy_span(std::byte* dst, const std::byte* src, const StridedSpan& s,
+                      bool streaming = false, const StridedSpan* next = nullptr) noexcept {
+  copy_span_at(dst + s.local_offset, src + s.remote_offset, s, streaming,
+               next != nullptr ? src + next->remote_offset : nullptr, next);
+}
 
 // Orders the streaming stores of this thread before its later stores (an
 // sfence on x86-64; nothing elsewhere).

@@ -13,14 +13,14 @@
 #include <cstring>
 #include <string>
 
-#include "core/host_port.hpp"
 #include "mstar/kv/status.hpp"
+#include "util/host_port.hpp"
 
 namespace mstar::kv::ucx {
 
 using mstar::kv::HostPort;
 
-// A ucx session id, "HOST:PORT" (core/host_port.hpp, shared with the CLI).
+// A ucx session id, "HOST:PORT" (util/host_port.hpp, shared with the CLI).
 inline HostPort parse_host_port(const std::string& s) {
   return mstar::kv::parse_host_port(s, "ucx session id");
 }

@@ -7,15 +7,14 @@ namespace mstar::kv::ucx {
 
 // ---- active messages -------------------------------------------------------
 
-ucs_status_t UcxCore::on_am(void* arg, const void* header, std::size_t header_length,
-                            void* data, std::size_t length, const ucp_am_recv_param_t* param) {
+ucs_status_t UcxCore::on_am(void* arg, const void* header, std::size_t header_length, void* data,
+                            std::size_t length, const ucp_am_recv_param_t* param) {
   auto* tag = static_cast<AmTag*>(arg);
   return tag->core->handle_am(tag->id, header, header_length, data, length, param);
 }
 
 ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t header_length,
-                                void* data, std::size_t length,
-                                const ucp_am_recv_param_t* param) {
+                                void* data, std::size_t length, const ucp_am_recv_param_t* param) {
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   const bool has_reply_ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0;
   switch (id) {
@@ -23,16 +22,16 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       if (header_length != sizeof(HelloHdr) || !has_reply_ep || rndv) return UCS_OK;
       HelloHdr h;
       std::memcpy(&h, header, sizeof h);
-      ucp_ep_h ep = param->reply_ep;
-      deferred_.push_back([this, ep, h] { on_hello(ep, h); });
+      Served to = served_of(param->reply_ep, 0);
+      if (to) deferred_.push_back([this, to, h] { on_hello(to, h); });
       return UCS_OK;
     }
     case kAmAuth: {
       if (header_length != sizeof(AuthHdr) || !has_reply_ep || rndv) return UCS_OK;
       AuthHdr h;
       std::memcpy(&h, header, sizeof h);
-      ucp_ep_h ep = param->reply_ep;
-      deferred_.push_back([this, ep, h] { on_auth(ep, h); });
+      Served to = served_of(param->reply_ep, 0);
+      if (to) deferred_.push_back([this, to, h] { on_auth(to, h); });
       return UCS_OK;
     }
     case kAmChallenge: {
@@ -55,7 +54,13 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       if (header_length != sizeof(ReadReqHdr) || !has_reply_ep || rndv) return UCS_OK;
       ReadReqHdr h;
       std::memcpy(&h, header, sizeof h);
-      ucp_ep_h ep = param->reply_ep;
+      // Every answer goes through the record of the reader's connection
+      // (ServedEp), never through the bare endpoint.
+      Served to = served_of(param->reply_ep, h.ticket);
+      if (!to) {  // a data endpoint of no connection: nobody to answer
+        counters_.refused.fetch_add(1, std::memory_order_relaxed);
+        return UCS_OK;
+      }
       const bool check_only = (h.flags & kReqCheckOnly) != 0;
       const bool strided = (h.flags & kReqStrided) != 0;
       const std::size_t span_bytes = strided ? sizeof(WireStrided) : sizeof(WireSpan);
@@ -66,15 +71,14 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
           h.npages > kMaxSpansPerRequest || (h.epoch == 0 && (h.npages != 0 || check_only)) ||
           (strided && (check_only || (h.flags & kReqGather) == 0)) ||
           length != h.nspans * span_bytes + h.npages * sizeof(std::uint32_t)) {
-        deferred_.push_back([this, ep, h] {
-          send_err(ep, h.batch_id,
-                   Status(StatusCode::kInvalidArgument, "malformed read request"));
+        deferred_.push_back([this, to, h] {
+          send_err(to, h.batch_id, Status(StatusCode::kInvalidArgument, "malformed read request"));
         });
         return UCS_OK;
       }
       if (!ticket_valid(h.ticket)) {
-        deferred_.push_back([this, ep, h] {
-          send_err(ep, h.batch_id,
+        deferred_.push_back([this, to, h] {
+          send_err(to, h.batch_id,
                    Status(StatusCode::kPermissionDenied,
                           "read request without the ticket of an authenticated connection"));
         });
@@ -88,18 +92,16 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       if (strided) {
         std::vector<WireStrided> spans(h.nspans);
         std::memcpy(spans.data(), data, h.nspans * sizeof(WireStrided));
-        deferred_.push_back([this, ep, h, s = std::move(spans), p = std::move(pages)]() mutable {
-          serve_strided(ep, h, s, std::move(p));
+        deferred_.push_back([this, to, h, s = std::move(spans), p = std::move(pages)]() mutable {
+          serve_strided(to, h, s, std::move(p));
         });
         return UCS_OK;
       }
       if (check_only) {
-        deferred_.push_back([this, ep, h, p = std::move(pages)] {
-          if (dead_eps_.count(ep) != 0) return;
+        deferred_.push_back([this, to, h, p = std::move(pages)] {
           Status st = check_served_epochs(h.epoch, p, "around the gets");
           const ErrHdr fin{h.batch_id, static_cast<std::uint32_t>(st.code()), 0};
-          send_small(ep, kAmReadFin, &fin, sizeof fin, st.message().data(),
-                     st.message().size(), false);
+          reply(to, kAmReadFin, &fin, sizeof fin, st.message().data(), st.message().size());
         });
         return UCS_OK;
       }
@@ -110,8 +112,8 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
         std::memcpy(&w, static_cast<const std::byte*>(data) + i * sizeof w, sizeof w);
         rows[i] = {w.local_offset, w.remote_offset, w.length};
       }
-      deferred_.push_back([this, ep, h, r = std::move(rows), p = std::move(pages)]() mutable {
-        serve_read(ep, h, std::move(r), {}, std::move(p));
+      deferred_.push_back([this, to, h, r = std::move(rows), p = std::move(pages)]() mutable {
+        serve_read(to, h, std::move(r), {}, std::move(p));
       });
       return UCS_OK;
     }
@@ -134,7 +136,7 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       auto it = batches_.find(h.batch_id);
       if (it == batches_.end()) return UCS_OK;
       StatusCode code = static_cast<StatusCode>(h.code);
-      if (h.code > static_cast<std::uint32_t>(StatusCode::kInternal) || h.code == 0) {
+      if (h.code > static_cast<std::uint32_t>(kLastStatusCode) || h.code == 0) {
         code = StatusCode::kInternal;
       }
       std::string msg(static_cast<const char*>(data), std::min<std::size_t>(length, 1024));
@@ -163,23 +165,23 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       if (header_length != sizeof(ReadyReqHdr) || !has_reply_ep || rndv) return UCS_OK;
       ReadyReqHdr h;
       std::memcpy(&h, header, sizeof h);
-      ucp_ep_h ep = param->reply_ep;
+      Served to = served_of(param->reply_ep, h.ticket);
+      if (!to) return UCS_OK;
       // Untrusted: the page count must match the length exactly.
       if (h.npages == 0 || h.npages > kMaxReadyPages || h.epoch == 0 ||
           length != h.npages * sizeof(std::uint32_t)) {
-        deferred_.push_back([this, ep, h] {
-          if (dead_eps_.count(ep) != 0) return;
+        deferred_.push_back([this, to, h] {
           const std::string why = "malformed readiness request";
-          const ReadyHdr out{h.watch_id, 0, static_cast<std::uint32_t>(StatusCode::kInvalidArgument)};
-          send_small(ep, kAmReadyNotice, &out, sizeof out, why.data(), why.size(), false);
+          const ReadyHdr out{h.watch_id, 0,
+                             static_cast<std::uint32_t>(StatusCode::kInvalidArgument)};
+          reply(to, kAmReadyNotice, &out, sizeof out, why.data(), why.size());
         });
         return UCS_OK;
       }
       std::vector<std::uint32_t> pages(h.npages);
       std::memcpy(pages.data(), data, length);
-      deferred_.push_back([this, ep, h, p = std::move(pages)]() mutable {
-        on_ready_req(ep, h, std::move(p));
-      });
+      deferred_.push_back(
+          [this, to, h, p = std::move(pages)]() mutable { on_ready_req(to, h, std::move(p)); });
       return UCS_OK;
     }
     case kAmReadyNotice: {
@@ -187,9 +189,8 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       ReadyHdr h;
       std::memcpy(&h, header, sizeof h);
       std::string msg(static_cast<const char*>(data), std::min<std::size_t>(length, 1024));
-      deferred_.push_back([this, h, m = std::move(msg)]() mutable {
-        on_ready_notice(h, std::move(m));
-      });
+      deferred_.push_back(
+          [this, h, m = std::move(msg)]() mutable { on_ready_notice(h, std::move(m)); });
       return UCS_OK;
     }
     case kAmReadFin: {
@@ -201,11 +202,11 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       // Only kOk or kStaleDescriptor are answers; anything else is a broken owner.
       Status st;
       if (h.code == static_cast<std::uint32_t>(StatusCode::kStaleDescriptor)) {
-        st = Status(StatusCode::kStaleDescriptor,
-                    std::string(static_cast<const char*>(data), std::min<std::size_t>(length, 1024)));
+        st = Status(StatusCode::kStaleDescriptor, std::string(static_cast<const char*>(data),
+                                                              std::min<std::size_t>(length, 1024)));
       } else if (h.code != 0) {
-        st = Status(StatusCode::kInternal, "owner answered an epoch check with code " +
-                                               std::to_string(h.code));
+        st = Status(StatusCode::kInternal,
+                    "owner answered an epoch check with code " + std::to_string(h.code));
       }
       on_fin(it->second, st);
       return UCS_OK;
@@ -232,13 +233,15 @@ ucs_status_t UcxCore::handle_data(const DataHdr& h, void* data, std::size_t leng
     return UCS_OK;
   }
   b->pending.erase(p);
-  std::byte* dest = cache_->base() + h.local_offset;
+  std::byte* dest = cache_->at(h.local_offset);  // a span is in one region
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
     std::memcpy(dest, data, length);
     maybe_finish(b);
     return UCS_OK;
   }
-  return post_recv(b, data, dest, length, new_ctx(b->id));
+  auto* ctx = new_ctx(b->id);
+  ctx->memh = memh_at(h.local_offset);
+  return post_recv(b, data, dest, length, ctx);
 }
 
 ucs_status_t UcxCore::post_recv(const std::shared_ptr<Batch>& b, void* data, void* buffer,
@@ -249,7 +252,7 @@ ucs_status_t UcxCore::post_recv(const std::shared_ptr<Batch>& b, void* data, voi
   rp.user_data = static_cast<Pending*>(ctx);
   if (!ctx->gathered) {  // contiguous, in our registered pages
     rp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    rp.memh = memh_.get();
+    rp.memh = ctx->memh;
   } else {  // the rows of a gathered reply
     rp.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
     rp.datatype = sink_dt_.get();
@@ -269,8 +272,7 @@ ucs_status_t UcxCore::post_recv(const std::shared_ptr<Batch>& b, void* data, voi
   return UCS_INPROGRESS;
 }
 
-ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t length,
-                                    bool rndv) {
+ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t length, bool rndv) {
   auto it = batches_.find(h.batch_id);
   if (it == batches_.end()) return UCS_OK;  // a stopped or unknown read: dropped
   auto b = it->second;
@@ -295,7 +297,7 @@ ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t 
   }
   std::fill_n(b->got.begin() + static_cast<std::ptrdiff_t>(h.first), h.count, std::uint8_t{1});
   b->got_count += h.count;
-  std::byte* base = cache_->base();
+  const RegionMap& base = cache_->regions();
   if (rndv) {  // UCX hands the fragments to the local rows (a RowSink)
     // The group's spans are copied into the request: UCX may call the sink
     // until the request completes, whatever happens to the read meanwhile.
@@ -318,11 +320,11 @@ ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t 
     if (strided) {
       const StridedSpan& s = b->strided[h.first + k];
       for (std::uint64_t r = 0; r < s.rows; ++r, src += s.length) {
-        std::memcpy(base + s.local_offset + r * s.local_stride, src, s.length);
+        std::memcpy(base.pointer(s.local_offset) + r * s.local_stride, src, s.length);
       }
     } else {
       const rma::RmaRead& r = b->chunks[h.first + k];
-      std::memcpy(base + r.local_offset, src, r.length);
+      std::memcpy(base.pointer(r.local_offset), src, r.length);
       src += r.length;
     }
   }

@@ -5,7 +5,7 @@
 #include <string_view>
 #include <vector>
 
-#include "core/auth.hpp"
+#include "util/auth.hpp"
 
 namespace mstar::kv::ucx {
 
@@ -16,8 +16,8 @@ Mac proof(const std::string& secret, std::string_view label, const Nonce& first,
   std::vector<std::uint8_t> msg(label.begin(), label.end());
   msg.insert(msg.end(), first.begin(), first.end());
   msg.insert(msg.end(), second.begin(), second.end());
-  const auth::Digest d = auth::hmac_sha256(
-      {reinterpret_cast<const std::uint8_t*>(secret.data()), secret.size()}, msg);
+  const auth::Digest d =
+      auth::hmac_sha256({reinterpret_cast<const std::uint8_t*>(secret.data()), secret.size()}, msg);
   Mac m;
   std::memcpy(m.data(), d.data(), m.size());
   return m;

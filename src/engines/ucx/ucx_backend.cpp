@@ -3,6 +3,7 @@
 // The UCX RmaBackend over UcxCore (ucx_core.hpp): its peers and operations,
 // and UcxOptions.
 #include "ucx_core.hpp"
+#include "util/parse.hpp"
 
 namespace mstar::kv::ucx {
 
@@ -14,8 +15,7 @@ namespace {
 
 class UcxOperation final : public rma::RmaOperation {
  public:
-  UcxOperation(std::weak_ptr<UcxCore> core, std::uint64_t id)
-      : core_(std::move(core)), id_(id) {}
+  UcxOperation(std::weak_ptr<UcxCore> core, std::uint64_t id) : core_(std::move(core)), id_(id) {}
   void abort() noexcept override {
     if (auto core = core_.lock()) {
       UcxCore* c = core.get();
@@ -46,9 +46,7 @@ class UcxPeer final : public rma::RmaPeer {
   void verify(const rma::RmaRegionInfo& claimed) const override {
     rma::verify_region(conn_->served, claimed);
   }
-  bool failed() const noexcept override {
-    return conn_->failed.load(std::memory_order_acquire);
-  }
+  bool failed() const noexcept override { return conn_->failed.load(std::memory_order_acquire); }
   void send_done(std::uint64_t seq_id, std::uint64_t epoch) override {
     UcxCore* c = core_.get();
     auto conn = conn_;
@@ -58,8 +56,7 @@ class UcxPeer final : public rma::RmaPeer {
       throw Error(StatusCode::kShutdown, "the ucx engine is shut down");
     }
   }
-  std::unique_ptr<LayerWatch> watch_layers(std::vector<std::uint32_t> pages,
-                                           std::uint64_t epoch,
+  std::unique_ptr<LayerWatch> watch_layers(std::vector<std::uint32_t> pages, std::uint64_t epoch,
                                            std::uint32_t num_layers) override {
     return make_ready_watch(core_, conn_, std::move(pages), epoch, num_layers);
   }
@@ -84,7 +81,9 @@ class UcxPeer final : public rma::RmaPeer {
     }
     if (spans.size() >= rows || rows > kMaxSpansPerRequest || rows < kGatherMinSpans ||
         bytes / rows >= kGatherBelowBytes) {
-      return post_reads(strided_rows(spans), std::move(done), std::move(check));
+      return post_reads(
+          strided_rows(spans, LayerBounds::of(core_->local_layout(), conn_->served.layout)),
+          std::move(done), std::move(check));
     }
     // Never expanded here: the owner gathers each message's rows from the
     // spans, and the reader scatters them span by span (ucx_am.cpp).
@@ -118,40 +117,48 @@ class UcxPeer final : public rma::RmaPeer {
 
 UcxOptions UcxOptions::parse(const EngineOptions& options) {
   UcxOptions o;
+  o.log = options.log;
   for (const auto& [key, value] : options.extra) {
     if (key == "ucx_mode") {
-      if (value == "auto") o.mode = Mode::kAuto;
-      else if (value == "get") o.mode = Mode::kGet;
-      else if (value == "am") o.mode = Mode::kAm;
-      else if (value == "am_shm") o.mode = Mode::kAmShm;
-      else throw Error(StatusCode::kInvalidArgument,
-                       "ucx_mode '" + value + "' is not one of auto, get, am, am_shm");
-    } else if (key == "ucx_am_proto") {
-      if (value == "eager") o.rndv_bytes = ~std::uint64_t{0};
-      else if (value == "rndv") o.rndv_bytes = 0;
-      else if (value == "auto") o.rndv_bytes = kAutoRndvBytes;
-      else throw Error(StatusCode::kInvalidArgument,
-                       "ucx_am_proto '" + value + "' is not one of auto, eager, rndv");
-    } else if (key == "ucx_chunk_bytes") {
-      char* end = nullptr;
-      const unsigned long long v = std::strtoull(value.c_str(), &end, 10);
-      if (value.empty() || *end != '\0' || v < 4096 || v > (1ull << 30)) {
+      if (value == "auto")
+        o.mode = Mode::kAuto;
+      else if (value == "get")
+        o.mode = Mode::kGet;
+      else if (value == "am")
+        o.mode = Mode::kAm;
+      else if (value == "am_shm")
+        o.mode = Mode::kAmShm;
+      else
         throw Error(StatusCode::kInvalidArgument,
-                    "ucx_chunk_bytes '" + value + "' is not in [4096, 2^30]");
-      }
-      o.chunk_bytes = v;
+                    "ucx_mode '" + value + "' is not one of auto, get, am, am_shm");
+    } else if (key == "ucx_am_proto") {
+      if (value == "eager")
+        o.rndv_bytes = ~std::uint64_t{0};
+      else if (value == "rndv")
+        o.rndv_bytes = 0;
+      else if (value == "auto")
+        o.rndv_bytes = kAutoRndvBytes;
+      else
+        throw Error(StatusCode::kInvalidArgument,
+                    "ucx_am_proto '" + value + "' is not one of auto, eager, rndv");
+    } else if (key == "ucx_chunk_bytes") {
+      o.chunk_bytes = util::parse_u64(value, "ucx_chunk_bytes", 4096, 1ull << 30);
     } else if (key == "ucx_progress") {
-      if (value == "adaptive") o.progress = Progress::kAdaptive;
-      else if (value == "busy") o.progress = Progress::kBusy;
-      else if (value == "event") o.progress = Progress::kEvent;
-      else throw Error(StatusCode::kInvalidArgument,
-                       "ucx_progress '" + value + "' is not one of adaptive, busy, event");
+      if (value == "adaptive")
+        o.progress = Progress::kAdaptive;
+      else if (value == "busy")
+        o.progress = Progress::kBusy;
+      else if (value == "event")
+        o.progress = Progress::kEvent;
+      else
+        throw Error(StatusCode::kInvalidArgument,
+                    "ucx_progress '" + value + "' is not one of adaptive, busy, event");
     } else if (key == auth::kTokenKey) {
       o.auth_token = auth::token_from(options.extra);
     } else if (key.rfind("ucx_", 0) == 0) {
-      throw Error(StatusCode::kInvalidArgument,
-                  "unknown UCX option '" + key + "' (known: ucx_mode, ucx_am_proto, "
-                  "ucx_chunk_bytes, ucx_progress)");
+      throw Error(StatusCode::kInvalidArgument, "unknown UCX option '" + key +
+                                                    "' (known: ucx_mode, ucx_am_proto, "
+                                                    "ucx_chunk_bytes, ucx_progress)");
     }
     // Keys of other engines are ignored: one EngineOptions may serve several.
   }
@@ -177,5 +184,7 @@ void UcxBackend::shutdown() noexcept { core_->stop(); }
 void UcxBackend::set_done_handler(std::function<void(std::uint64_t, std::uint64_t)> handler) {
   core_->set_done_handler(std::move(handler));
 }
+
+ServedStats UcxBackend::served_stats() const { return core_->served_stats(); }
 
 }  // namespace mstar::kv::ucx

@@ -8,8 +8,10 @@
 #include <string>
 
 #include "mstar/kv/cache.hpp"
+#include "mstar/kv/log.hpp"
 #include "mstar/kv/manager.hpp"
-#include "engines/rma/rma_backend.hpp"
+#include "mstar/kv/stats.hpp"
+#include "rma/rma_backend.hpp"
 
 namespace mstar::kv::ucx {
 
@@ -34,6 +36,7 @@ struct UcxOptions {
   // extra["auth_token"]: the shared secret of the connect handshake
   // (ucx_auth.hpp); empty: no authentication.
   std::string auth_token;
+  Logger log;  // EngineOptions::log
   // Throws Error(kInvalidArgument) naming a bad key or value.
   static UcxOptions parse(const EngineOptions& options);
 };
@@ -58,6 +61,8 @@ class UcxBackend final : public rma::RmaBackend {
   bool strided_reads() const noexcept override { return true; }
   void shutdown() noexcept override;
   void set_done_handler(std::function<void(std::uint64_t, std::uint64_t)> handler) override;
+  ServedStats served_stats() const override;
+  UcxCore& core() noexcept { return *core_; }  // tests
 
  private:
   std::shared_ptr<UcxCore> core_;

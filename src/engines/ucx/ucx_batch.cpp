@@ -3,8 +3,8 @@
 // UcxCore, the reader's reads (batches): starting one (an am request or
 // gets), its requests' completions, the epoch checks, failing, aborting and
 // finishing it.
-#include "core/stream_copy.hpp"
 #include "ucx_core.hpp"
+#include "util/stream_copy.hpp"
 
 namespace mstar::kv::ucx {
 
@@ -15,8 +15,8 @@ void UcxCore::fail_batch(std::shared_ptr<Batch> b, Status st) {
 
 void UcxCore::send_epoch_check(const std::shared_ptr<Batch>& b) {
   const auto& c = b->conn;
-  const ReadReqHdr hdr{b->id, c->served.generation, 0, kReqCheckOnly, b->check.epoch,
-                       b->check.pages.size(), c->ticket};
+  const ReadReqHdr hdr{b->id,          c->served.generation,  0,        kReqCheckOnly,
+                       b->check.epoch, b->check.pages.size(), c->ticket};
   send_small(c->ep.get(), kAmReadReq, &hdr, sizeof hdr, b->check.pages.data(),
              b->check.pages.size() * sizeof(std::uint32_t), true);
 }
@@ -60,9 +60,9 @@ void UcxCore::maybe_finish(std::shared_ptr<Batch> b) {
   c->batches.erase(b->id);
   if (c->closing && c->batches.empty() && c->data_ep) {
     // The last get on a closed connection drained: now its endpoint goes.
-    close_ep(std::move(c->data_ep), std::move(c->rkey), c);
+    close_ep(std::move(c->data_ep), std::move(c->rkeys), c);
   }
-  Status st = b->failure  ? *b->failure
+  Status st = b->failure   ? *b->failure
               : b->aborted ? Status(StatusCode::kCancelled, "aborted")
                            : Status::ok();
   auto done = std::move(b->done);
@@ -88,22 +88,25 @@ void UcxCore::post_gets(const std::shared_ptr<Batch>& b) {
     const rma::RmaRead& r = b->chunks[b->next_chunk++];
     auto* ctx = new_ctx(b->id);
     ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                      UCP_OP_ATTR_FIELD_MEMH;
+    rp.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
     rp.cb.send = trampoline<&UcxCore::on_req_done, RequestGuard>;
     rp.user_data = static_cast<Pending*>(ctx);
-    rp.memh = memh_.get();
+    rp.memh = memh_at(r.local_offset);
+    // Spans never cross a layer of a cache of one region per layer
+    // (planner.hpp): one region, one key each side.
+    const std::size_t region =
+        c->rkeys.size() == 1 ? 0 : r.remote_offset / c->served.layout.layer_bytes();
     ucs_status_ptr_t sp =
-        ucp_get_nbx(c->data_ep.get(), cache_->base() + r.local_offset, r.length,
-                    c->served.data_ptr + r.remote_offset, c->rkey.get(), &rp);
+        ucp_get_nbx(c->data_ep.get(), cache_->at(r.local_offset), r.length,
+                    c->remote.address(r.remote_offset), c->rkeys[region].get(), &rp);
     if (UCS_PTR_IS_PTR(sp)) {
       ++b->outstanding;
       continue;
     }
     reads_.take(ctx);
     if (UCS_PTR_IS_ERR(sp)) {
-      b->failure = Status(StatusCode::kPeerFailure,
-                          "ucp_get_nbx: " + ucs_str(UCS_PTR_STATUS(sp)));
+      b->failure = Status(StatusCode::kPeerFailure, "ucp_get_nbx: " + ucs_str(UCS_PTR_STATUS(sp)));
     }
   }
 }
@@ -125,15 +128,17 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
   const auto& c = b->conn;
   batches_[b->id] = b;
   if (c->closing || !c->ep) {
-    fail_batch(b, Status(StatusCode::kPeerFailure,
-                         "connection to " + c->session_id + " is closed"));
+    fail_batch(b,
+               Status(StatusCode::kPeerFailure, "connection to " + c->session_id + " is closed"));
     return;
   }
   c->batches.insert(b->id);
   if (c->mode == Mode::kGet) {
     b->get = true;
     if (!b->strided.empty()) {  // gets move rows
-      b->chunks = split_spans(strided_rows(b->strided), options_.chunk_bytes);
+      b->chunks =
+          split_spans(strided_rows(b->strided, LayerBounds::of(cache_->layout(), c->served.layout)),
+                      options_.chunk_bytes);
       b->strided.clear();
     }
     if (b->check.epoch != 0) {  // the gets wait for the owner's first check
@@ -156,8 +161,7 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
   } else {
     for (const rma::RmaRead& r : b->chunks) b->pending.emplace(r.local_offset, r.length);
   }
-  const std::uint64_t flags = (c->am_on_data ? kReqEagerOnly : 0) |
-                              (b->gather ? kReqGather : 0) |
+  const std::uint64_t flags = (c->am_on_data ? kReqEagerOnly : 0) | (b->gather ? kReqGather : 0) |
                               (b->strided.empty() ? 0 : kReqStrided);
   std::vector<std::uint8_t> body;
   std::size_t nspans = 0;
@@ -170,24 +174,25 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
   if (b->strided.empty()) {
     std::vector<WireSpan> wire;
     wire.reserve(b->chunks.size());
-    for (const rma::RmaRead& r : b->chunks) wire.push_back({r.remote_offset, r.length, r.local_offset});
+    for (const rma::RmaRead& r : b->chunks)
+      wire.push_back({r.remote_offset, r.length, r.local_offset});
     nspans = wire.size();
     append(wire);
   } else {
     std::vector<WireStrided> wire;
     wire.reserve(b->strided.size());
     for (const StridedSpan& s : b->strided) {
-      wire.push_back({s.remote_offset, s.length, s.local_offset, s.rows, s.remote_stride,
-                      s.local_stride});
+      wire.push_back(
+          {s.remote_offset, s.length, s.local_offset, s.rows, s.remote_stride, s.local_stride});
     }
     nspans = wire.size();
     append(wire);
   }
-  const ReadReqHdr hdr{b->id, c->served.generation, nspans, flags, b->check.epoch,
-                       b->check.pages.size(), c->ticket};
+  const ReadReqHdr hdr{b->id,          c->served.generation,  nspans,   flags,
+                       b->check.epoch, b->check.pages.size(), c->ticket};
   append(b->check.pages);
-  send_small(c->am_on_data ? c->data_ep.get() : c->ep.get(), kAmReadReq, &hdr, sizeof hdr, body.data(),
-             body.size(), true);
+  send_small(c->am_on_data ? c->data_ep.get() : c->ep.get(), kAmReadReq, &hdr, sizeof hdr,
+             body.data(), body.size(), true);
 }
 
 void UcxCore::abort_batch(std::uint64_t id) {

@@ -5,6 +5,58 @@
 
 namespace mstar::kv::ucx {
 
+std::vector<std::uint8_t> pack_rkeys(const std::vector<std::vector<std::uint8_t>>& keys) {
+  std::vector<std::uint8_t> out;
+  auto u32 = [&out](std::uint32_t v) {
+    for (int i = 0; i < 4; ++i) out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+  };
+  u32(static_cast<std::uint32_t>(keys.size()));
+  for (const auto& k : keys) {
+    u32(static_cast<std::uint32_t>(k.size()));
+    out.insert(out.end(), k.begin(), k.end());
+  }
+  return out;
+}
+
+std::vector<std::span<const std::uint8_t>> unpack_rkeys(std::span<const std::uint8_t> blob,
+                                                        std::size_t count) {
+  std::size_t at = 0;
+  auto u32 = [&](const char* what) {
+    if (blob.size() - at < 4) {
+      throw Error(StatusCode::kCorruptDescriptor,
+                  std::string("the owner's remote keys end before ") + what);
+    }
+    std::uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) v |= std::uint32_t{blob[at + i]} << (8 * i);
+    at += 4;
+    return v;
+  };
+  const std::uint32_t n = u32("their count");
+  if (n != count) {
+    throw Error(StatusCode::kCorruptDescriptor, "the owner's blob holds " + std::to_string(n) +
+                                                    " remote keys for its " +
+                                                    std::to_string(count) + " layer regions");
+  }
+  std::vector<std::span<const std::uint8_t>> keys;
+  keys.reserve(n);
+  for (std::uint32_t i = 0; i < n; ++i) {
+    const std::uint32_t len = u32("a key's length");
+    if (len == 0 || len > blob.size() - at) {
+      throw Error(StatusCode::kCorruptDescriptor, "remote key " + std::to_string(i) + " of " +
+                                                      std::to_string(len) +
+                                                      " bytes does not fit the owner's blob");
+    }
+    keys.push_back(blob.subspan(at, len));
+    at += len;
+  }
+  if (at != blob.size()) {
+    throw Error(StatusCode::kCorruptDescriptor, "the owner's remote keys are followed by " +
+                                                    std::to_string(blob.size() - at) +
+                                                    " unexpected bytes");
+  }
+  return keys;
+}
+
 UcxCore::UcxCore(std::shared_ptr<KVCache> cache, const std::string& entity_id,
                  const std::string& session_id, const UcxOptions& options)
     : cache_(std::move(cache)), options_(options) {
@@ -14,7 +66,15 @@ UcxCore::UcxCore(std::shared_ptr<KVCache> cache, const std::string& entity_id,
                 "MemoryKind::kHost)), got device memory");
   }
   region_.entity_id = entity_id;
-  region_.data_ptr = reinterpret_cast<std::uintptr_t>(cache_->base());
+  // A cache of one region per layer: each layer registered and published
+  // on its own (one layer is one region).
+  if (cache_->split() && cache_->num_regions() > 1) {
+    layer_bytes_ = cache_->layout().layer_bytes();
+    for (std::size_t l = 0; l < cache_->num_regions(); ++l) {
+      region_.layer_regions.push_back(cache_->regions().base(l));
+    }
+  }
+  region_.data_ptr = cache_->regions().base(0);
   region_.size = cache_->size_bytes();
   region_.layout = cache_->layout();
   region_.generation = rma::new_generation();
@@ -26,8 +86,8 @@ void UcxCore::init_ucp(const std::string& session_id) {
   ucp_config_t* raw_config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &raw_config);
   if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_config_read: " + ucs_str(st));
-  const std::unique_ptr<ucp_config_t, decltype(&ucp_config_release)> config(
-      raw_config, &ucp_config_release);
+  const std::unique_ptr<ucp_config_t, decltype(&ucp_config_release)> config(raw_config,
+                                                                            &ucp_config_release);
   // No zero-copy eager sends (unless UCX_ZCOPY_THRESH says otherwise): UCX
   // 1.13's tcp transport aborts the process (uct_iface.h:884, "comp->count
   // > 0") when a peer dies while an eager zero-copy send to it is in flight,
@@ -69,26 +129,38 @@ void UcxCore::init_ucp(const std::string& session_id) {
 
   rows_dt_ = RowDatatype::create_source();
   sink_dt_ = RowDatatype::create_sink();
-  ucp_mem_map_params_t mp{};
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-  mp.address = cache_->base();
-  mp.length = cache_->size_bytes();
-  ucp_mem_h memh = nullptr;
-  st = ucp_mem_map(context_.get(), &mp, &memh);
-  if (st != UCS_OK) {
-    throw Error(StatusCode::kUnavailable,
-                "ucp_mem_map of " + std::to_string(mp.length) + " bytes: " + ucs_str(st));
+  // One registration (and remote key) per region.
+  std::vector<std::vector<std::uint8_t>> rkeys;
+  const std::size_t regions = region_.layer_regions.empty() ? 1 : region_.layer_regions.size();
+  for (std::size_t i = 0; i < regions; ++i) {
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    mp.address = cache_->regions().pointer(i * layer_bytes_);
+    mp.length = regions == 1 ? cache_->size_bytes() : layer_bytes_;
+    ucp_mem_h memh = nullptr;
+    st = ucp_mem_map(context_.get(), &mp, &memh);
+    if (st != UCS_OK) {
+      throw Error(StatusCode::kUnavailable,
+                  "ucp_mem_map of " + std::to_string(mp.length) + " bytes" +
+                      (regions == 1 ? std::string() : " (layer " + std::to_string(i) + ")") + ": " +
+                      ucs_str(st));
+    }
+    memhs_.emplace_back(context_.get(), memh);
+    void* rkey_buf = nullptr;
+    std::size_t rkey_len = 0;
+    st = ucp_rkey_pack(context_.get(), memh, &rkey_buf, &rkey_len);
+    if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_rkey_pack: " + ucs_str(st));
+    const std::unique_ptr<void, decltype(&ucp_rkey_buffer_release)> keep(rkey_buf,
+                                                                         &ucp_rkey_buffer_release);
+    rkeys.emplace_back(static_cast<std::uint8_t*>(rkey_buf),
+                       static_cast<std::uint8_t*>(rkey_buf) + rkey_len);
   }
-  memh_ = MemReg(context_.get(), memh);
-  void* rkey_buf = nullptr;
-  std::size_t rkey_len = 0;
-  st = ucp_rkey_pack(context_.get(), memh, &rkey_buf, &rkey_len);
-  if (st != UCS_OK) throw Error(StatusCode::kUnavailable, "ucp_rkey_pack: " + ucs_str(st));
-  {
-    const std::unique_ptr<void, decltype(&ucp_rkey_buffer_release)> keep(
-        rkey_buf, &ucp_rkey_buffer_release);
-    region_.backend_blob.assign(static_cast<std::uint8_t*>(rkey_buf),
-                                static_cast<std::uint8_t*>(rkey_buf) + rkey_len);
+  region_.backend_blob = regions == 1 ? std::move(rkeys[0]) : pack_rkeys(rkeys);
+  if (region_.backend_blob.size() > rma::RmaRegionInfo::kMaxBlobBytes) {
+    throw Error(StatusCode::kUnavailable,
+                "the remote keys of the cache's " + std::to_string(regions) + " regions take " +
+                    std::to_string(region_.backend_blob.size()) + " bytes, beyond a descriptor's " +
+                    std::to_string(rma::RmaRegionInfo::kMaxBlobBytes));
   }
 
   ucp_address_t* addr = nullptr;
@@ -107,9 +179,8 @@ void UcxCore::init_ucp(const std::string& session_id) {
                   UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
   hp.flags = UCP_AM_FLAG_WHOLE_MSG;
   hp.cb = trampoline<&UcxCore::on_am, AmGuard>;
-  for (unsigned id :
-       {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr, kAmReadFin, kAmDone,
-        kAmChallenge, kAmAuth, kAmGatherData, kAmReadyReq, kAmReadyNotice}) {
+  for (unsigned id : {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr, kAmReadFin,
+                      kAmDone, kAmChallenge, kAmAuth, kAmGatherData, kAmReadyReq, kAmReadyNotice}) {
     am_tags_[id] = AmTag{this, id};
     hp.id = id;
     hp.arg = &am_tags_[id];
@@ -183,7 +254,6 @@ void UcxCore::drain_deferred() {
     deferred_.clear();
     for (auto& w : work) w();
   }
-  dead_eps_.clear();
 }
 
 void UcxCore::check_drains() {
@@ -201,9 +271,8 @@ void UcxCore::check_drains() {
     auto conn = b->second->conn;
     it = draining_.erase(it);
     close_conn(conn,
-               Status(StatusCode::kCancelled,
-                      "gets of a stopped read did not drain in " +
-                          std::to_string(kDrainGrace.count()) + " ms"),
+               Status(StatusCode::kCancelled, "gets of a stopped read did not drain in " +
+                                                  std::to_string(kDrainGrace.count()) + " ms"),
                true);
   }
 }
@@ -236,9 +305,9 @@ void UcxCore::callback_failed(const Failing& f, std::exception_ptr e) noexcept {
   try {
     auto it = batches_.find(f.batch_id);
     if (f.batch_id != 0 && it != batches_.end()) {
-      fail_batch(it->second, Status(StatusCode::kInternal,
-                                    std::string("the ucx engine failed handling ") + f.what +
-                                        ": " + why));
+      fail_batch(it->second,
+                 Status(StatusCode::kInternal,
+                        std::string("the ucx engine failed handling ") + f.what + ": " + why));
       return;
     }
   } catch (...) {
@@ -361,7 +430,7 @@ void UcxCore::stop() noexcept {
   batches_.clear();
   server_eps_.clear();
   listener_.reset();
-  memh_.reset();
+  memhs_.clear();
   worker_.reset();
   context_.reset();
   // Now nothing can complete or write any more.

@@ -13,9 +13,9 @@
 //   ucx_readiness.cpp layer readiness: the owner's held requests, the reader's watches
 //   ucx_backend.cpp  the RmaBackend / RmaPeer / RmaOperation over it, options
 // The state of connections, reads and served requests is ucx_state.hpp,
-// gathered messages' rows ucx_rows.hpp, the wire format ucx_wire.hpp, the handshake's cryptography ucx_auth.hpp,
-// HOST:PORT ucx_address.hpp, the owners of UCP objects ucx_handles.hpp and
-// the callback trampoline and request contexts' owner ucx_callback.hpp.
+// gathered messages' rows ucx_rows.hpp, the wire format ucx_wire.hpp, the handshake's cryptography
+// ucx_auth.hpp, HOST:PORT ucx_address.hpp, the owners of UCP objects ucx_handles.hpp and the
+// callback trampoline and request contexts' owner ucx_callback.hpp.
 #pragma once
 
 #include <poll.h>
@@ -39,28 +39,38 @@
 #include <utility>
 #include <vector>
 
-#include "core/auth.hpp"
 #include "mstar/kv/epochs.hpp"
-#include "engines/rma/rma_engine.hpp"
+#include "rma/rma_engine.hpp"
 #include "ucx_address.hpp"
 #include "ucx_auth.hpp"
 #include "ucx_callback.hpp"
 #include "ucx_handles.hpp"
 #include "ucx_rows.hpp"
 #include "ucx_wire.hpp"
+#include "util/auth.hpp"
 
+#include "mstar/kv/thread_annotations.hpp"
 #include "ucx_backend.hpp"
 #include "ucx_state.hpp"
-#include "mstar/kv/thread_annotations.hpp"
 
 namespace mstar::kv::ucx {
 
 class UcxCore;
+
+// The remote keys of a cache of one region per layer in one backend blob
+// (ucx.hpp: u32 count, then u32 length and the key's bytes each), and back:
+// unpack_rkeys checks the blob as untrusted (exactly `count` keys, every
+// length inside it) and throws Error(kCorruptDescriptor) naming what is
+// wrong; the spans point into `blob`.
+std::vector<std::uint8_t> pack_rkeys(const std::vector<std::vector<std::uint8_t>>& keys);
+std::vector<std::span<const std::uint8_t>> unpack_rkeys(std::span<const std::uint8_t> blob,
+                                                        std::size_t count);
+
 // A watch on the owner's readiness of `pages` over conn (ucx_readiness.cpp).
 std::unique_ptr<LayerWatch> make_ready_watch(std::shared_ptr<UcxCore> core,
                                              std::shared_ptr<Conn> conn,
-                                             std::vector<std::uint32_t> pages,
-                                             std::uint64_t epoch, std::uint32_t num_layers);
+                                             std::vector<std::uint32_t> pages, std::uint64_t epoch,
+                                             std::uint32_t num_layers);
 
 struct AmTag {  // argument of the active-message handler for one id
   UcxCore* core = nullptr;
@@ -140,16 +150,16 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   static void on_conn_request(ucp_conn_request_h req, void* arg);
   static void on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t st);
   static void on_client_ep_error(void* arg, ucp_ep_h ep, ucs_status_t st);
-  static ucs_status_t on_am(void* arg, const void* header, std::size_t header_length,
-                            void* data, std::size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t on_am(void* arg, const void* header, std::size_t header_length, void* data,
+                            std::size_t length, const ucp_am_recv_param_t* param);
   static void on_req_done(void* request, ucs_status_t st, void* user_data);
   static void on_data_sent(void* request, ucs_status_t st, void* user_data);
   static void on_recv_done(void* request, ucs_status_t st, std::size_t length, void* user_data);
   static void on_control_sent(void* request, ucs_status_t st, void* user_data);
   static void on_data_ep_flushed(void* request, ucs_status_t st, void* user_data);
 
-  ucs_status_t handle_am(unsigned id, const void* header, std::size_t header_length,
-                         void* data, std::size_t length, const ucp_am_recv_param_t* param);
+  ucs_status_t handle_am(unsigned id, const void* header, std::size_t header_length, void* data,
+                         std::size_t length, const ucp_am_recv_param_t* param);
   ucs_status_t handle_data(const DataHdr& h, void* data, std::size_t length,
                            const ucp_am_recv_param_t* param);
   ucs_status_t handle_gather(const GatherHdr& h, void* data, std::size_t length, bool rndv);
@@ -164,26 +174,49 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   bool send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t first, std::size_t count);
   bool posted(const std::shared_ptr<SendQueue>& q, SendCtx* ctx, ucs_status_ptr_t sp);
   // The handshake (ucx_wire.hpp): owner and reader halves.
-  void on_hello(ucp_ep_h ep, const HelloHdr& h);
-  void on_auth(ucp_ep_h ep, const AuthHdr& h);
+  void on_hello(const Served& to, const HelloHdr& h);
+  void on_auth(const Served& to, const AuthHdr& h);
   void on_challenge(const ChallengeHdr& h);
-  void serve_hello(ucp_ep_h ep, std::uint64_t conn_id, std::uint64_t ticket);
-  void refuse_hello(ucp_ep_h ep, std::uint64_t conn_id, const std::string& why);
+  void serve_hello(const Served& to, std::uint64_t conn_id);
+  void refuse_hello(const Served& to, std::uint64_t conn_id, const std::string& why);
   // True when a request carrying `ticket` may be served (always without a
   // token on this owner).
   bool ticket_valid(std::uint64_t ticket) const {
     return options_.auth_token.empty() || (ticket != 0 && tickets_.count(ticket) != 0);
   }
+  // The record a request that arrived on `reply_ep` carrying `ticket` is
+  // answered through (ServedEp): a listener endpoint's own, or for an
+  // endpoint UCX made (a reader's data endpoint) a record that answers for
+  // the connection holding the ticket; null when no connection holds it.
+  // Called in the active-message handler, while reply_ep is valid.
+  Served served_of(ucp_ep_h reply_ep, std::uint64_t ticket);
+  // Sends a small reply on `to`, or, its endpoint gone, drops it (drop()).
+  void reply(const Served& to, unsigned id, const void* header, std::size_t header_len,
+             const void* data, std::size_t data_len);
+  // `n` replies (or verdicts) for a reader whose endpoint is gone were not
+  // sent: counted, and logged the first time.
+  void drop(std::uint64_t n, const char* what);
+  // Runs `fn` after this progress round (or, held by the test seam
+  // test_hold, once it is let go).
+  void later(std::function<void()> fn) { (hold_ ? held_ : deferred_).push_back(std::move(fn)); }
   // A kReqStrided request: validates every span against the region, then
   // serves it as serve_read does, gathering each message's rows from the
   // spans as it goes.
-  void serve_strided(ucp_ep_h ep, const ReadReqHdr& h, const std::vector<WireStrided>& spans,
+  void serve_strided(const Served& to, const ReadReqHdr& h, const std::vector<WireStrided>& spans,
                      std::vector<std::uint32_t> pages);
+  // A cache of one region per layer: bytes [first, last] of a served span
+  // lie in one layer (always true for one region).
+  bool within_one_layer(std::uint64_t first, std::uint64_t last) const noexcept {
+    return layer_bytes_ == 0 || first / layer_bytes_ == last / layer_bytes_;
+  }
+  Status crosses_layers(const char* what, std::size_t i, std::uint64_t first,
+                        std::uint64_t last) const;
   // Serves a read's spans (checked against the region here), or its strided
   // spans (checked by serve_strided; spans is then empty).
-  void serve_read(ucp_ep_h ep, const ReadReqHdr& h, std::vector<CopySpan> spans,
+  void serve_read(const Served& to, const ReadReqHdr& h, std::vector<CopySpan> spans,
                   std::vector<StridedSpan> strided, std::vector<std::uint32_t> pages);
-  void serve_done(const std::shared_ptr<ServeState>& st);
+  // Every send of q completed (or failed): the verdict, and q counted.
+  void serve_done(const std::shared_ptr<SendQueue>& q);
   Status check_served_epochs(std::uint64_t epoch, const std::vector<std::uint32_t>& pages,
                              const char* when) const;
   void send_epoch_check(const std::shared_ptr<Batch>& b);
@@ -209,15 +242,16 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::function<void(std::uint64_t, std::uint64_t)> done_handler_ MSTAR_KV_GUARDED_BY(done_mu_);
   // Layer readiness, owner: answers or holds a request; re-checks the
   // held ones (every progress round while any is held). Reader: a notice.
-  void on_ready_req(ucp_ep_h ep, const ReadyReqHdr& h, std::vector<std::uint32_t> pages);
+  void on_ready_req(const Served& to, const ReadyReqHdr& h, std::vector<std::uint32_t> pages);
   bool answer_ready(const ReadyHold& r, bool expired);
   void check_ready_holds();
   void on_ready_notice(const ReadyHdr& h, std::string message);
   std::unordered_map<std::uint64_t, std::shared_ptr<ReadyWatch>> watches_;  // [progress]
-  std::vector<ReadyHold> ready_holds_;                                     // [progress]
+  std::vector<ReadyHold> ready_holds_;                                      // [progress]
 
   void on_fin(const std::shared_ptr<Batch>& b, const Status& st);
-  void send_err(ucp_ep_h ep, std::uint64_t batch_id, const Status& st);
+  // Refuses read batch_id (counted as refused).
+  void send_err(const Served& to, std::uint64_t batch_id, const Status& st);
   void hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& bytes);
   void request_finished(std::uint64_t batch_id, ucs_status_t st);
   void post_gets(const std::shared_ptr<Batch>& b);
@@ -237,9 +271,9 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   EpInfo inspect_ep(ucp_ep_h ep);
   void data_ep_ready(std::uint64_t conn_id, ucs_status_t st);
   void close_server_ep(ucp_ep_h ep);
-  // Closes `ep` by force; `rkey` and `keep` (the error handler's argument)
+  // Closes `ep` by force; `rkeys` and `keep` (the error handler's argument)
   // live until the close completes.
-  void close_ep(Endpoint ep, RemoteKey rkey, std::shared_ptr<Conn> keep);
+  void close_ep(Endpoint ep, std::vector<RemoteKey> rkeys, std::shared_ptr<Conn> keep);
   // Sends a small message whose header and data are copied into a block
   // that lives until the send completes.
   void send_small(ucp_ep_h ep, unsigned id, const void* header, std::size_t header_len,
@@ -250,7 +284,17 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   // In creation order: destroyed in reverse (ucx_handles.hpp).
   Context context_;
   Worker worker_;
-  MemReg memh_;
+  std::vector<MemReg> memhs_;      // one per region (regions.hpp)
+  std::uint64_t layer_bytes_ = 0;  // a cache of one region per layer: each region's bytes
+
+ public:
+  // The registration holding the byte at layout offset `offset`.
+  ucp_mem_h memh_at(std::uint64_t offset) const noexcept {
+    return layer_bytes_ == 0 ? memhs_.front().get() : memhs_[offset / layer_bytes_].get();
+  }
+  const KVLayout& local_layout() const noexcept { return cache_->layout(); }
+
+ private:
   RowDatatype rows_dt_;  // strided spans' rows, packed from the pages (ucx_rows.hpp)
   RowDatatype sink_dt_;  // gathered replies, unpacked into the pages
   Listener listener_;
@@ -270,15 +314,16 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   std::vector<std::function<void()>> deferred_;
   std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> conns_;
   std::unordered_map<std::uint64_t, std::shared_ptr<Batch>> batches_;
-  std::unordered_map<ucp_ep_h, Endpoint> server_eps_;
-  std::set<ucp_ep_h> dead_eps_;       // closed in this progress round
-  // The owner's half of the handshake, per listener endpoint: the nonces of
-  // a challenge sent, the ticket of an authenticated reader, endpoints that
-  // failed (ignored from then on), and the tickets issued.
-  std::unordered_map<ucp_ep_h, std::pair<Nonce, Nonce>> challenged_;
-  std::unordered_map<ucp_ep_h, std::uint64_t> ep_ticket_;
-  std::set<ucp_ep_h> refused_;
-  std::set<std::uint64_t> tickets_;
+  // The owner's listener endpoints (one per reader connection), each with
+  // the record its replies hold (ServedEp), and the connections by ticket.
+  struct Listened {
+    Endpoint owned;
+    Served served;
+  };
+  std::unordered_map<ucp_ep_h, Listened> server_eps_;
+  std::unordered_map<std::uint64_t, Served> tickets_;
+  bool hold_ = false;                        // [progress] test seam (test_hold)
+  std::vector<std::function<void()>> held_;  // [progress] what later() held
   // The user_data of requests in flight: gets and receives, data replies,
   // control messages. What UCX never completes (written off, see
   // close_conn) is destroyed by stop(), after the worker.
@@ -286,8 +331,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
   InFlight<SendCtx> sends_;
   InFlight<Control> controls_;
   std::set<std::uint64_t> draining_;  // aborted get batches waiting to drain
-  struct Closing {  // an endpoint's close in flight
-    RemoteKey rkey;              // destroyed after the request is freed
+  struct Closing {                    // an endpoint's close in flight
+    std::vector<RemoteKey> rkeys;     // destroyed after the request is freed
     Request request;
     std::shared_ptr<Conn> conn;  // keeps the error-handler argument alive
   };
@@ -296,6 +341,29 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
 
  public:
   std::atomic<std::uint64_t> next_batch{1};  // batch ids, unique per core
+
+  // What this owner served (stats.hpp, ServedStats): any thread may read.
+  ServedStats served_stats() const noexcept;
+  // Test seam (tests/engines/ucx/ucx_owner_lifetime_test.cpp): with `on`,
+  // an owner's continuations after a data reply completed (its next
+  // replies, its verdict) wait until test_hold(false) lets them go, so that
+  // a test can close the reader's connection in between, every time. Runs
+  // on the progress thread; false when the core is stopped.
+  bool test_hold(bool on) {
+    return post([this, on] {
+      hold_ = on;
+      if (on) return;
+      for (auto& fn : held_) deferred_.push_back(std::move(fn));
+      held_.clear();
+    });
+  }
+
+ private:
+  struct Counters {
+    std::atomic<std::uint64_t> reads{0}, bytes{0}, refused{0}, dropped{0}, connected{0}, gone{0};
+  };
+  Counters counters_;
+  std::atomic<bool> drop_logged_{false};
 };
 
 }  // namespace mstar::kv::ucx

@@ -1,24 +1,29 @@
 // Copyright mstar-kv authors.
 //
-// make_ucx_engine (for the factory) and the public UcxKVTransferInfo.
+// The ucx engine's hooks for the factory (an RMA engine over the UCX
+// backend: it has no public class) and the public UcxKVTransferInfo.
 #include <memory>
 
 #include "engines/engine_makers.hpp"
 #include "mstar/kv/ucx.hpp"
-#include "engines/rma/rma_engine.hpp"
+#include "rma/rma_engine.hpp"
 #include "ucx_backend.hpp"
 
 namespace mstar::kv {
 
 namespace engines {
 
-std::unique_ptr<KVTransferEngine> make_ucx_engine(std::shared_ptr<KVCache> cache,
-                                                  const TransferEngineInfo& info) {
-  const ucx::UcxOptions options = ucx::UcxOptions::parse(info.options);
-  auto backend = std::make_unique<ucx::UcxBackend>(cache, info.my_entity_id,
-                                                   info.my_session_id, options);
-  return std::make_unique<rma::RmaKVTransferEngine>(std::move(cache), std::move(backend),
-                                                    info.options);
+EngineHooks hooks_ucx() {
+  EngineHooks h;
+  h.make = [](std::shared_ptr<KVCache> cache,
+              const TransferEngineInfo& info) -> std::unique_ptr<KVTransferEngine> {
+    const ucx::UcxOptions options = ucx::UcxOptions::parse(info.options);
+    auto backend =
+        std::make_unique<ucx::UcxBackend>(cache, info.my_entity_id, info.my_session_id, options);
+    return std::make_unique<rma::RmaKVTransferEngine>(std::move(cache), std::move(backend),
+                                                      info.options);
+  };
+  return h;
 }
 
 }  // namespace engines

@@ -23,8 +23,10 @@ void UcxCore::on_conn_request(ucp_conn_request_h req, void* arg) {
   ep.err_handler.arg = self;
   ucp_ep_h h = nullptr;
   if (ucp_ep_create(self->worker_.get(), &ep, &h) != UCS_OK) return;
-  Endpoint owned(h);  // closed again if it cannot be kept
-  self->server_eps_.emplace(h, std::move(owned));
+  Listened l{Endpoint(h), std::make_shared<ServedEp>()};  // closed again if it cannot be kept
+  l.served->ep = h;
+  self->server_eps_.emplace(h, std::move(l));
+  self->counters_.connected.fetch_add(1, std::memory_order_relaxed);
 }
 
 void UcxCore::on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t) {
@@ -35,21 +37,68 @@ void UcxCore::on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t) {
 void UcxCore::close_server_ep(ucp_ep_h ep) {
   auto owned = server_eps_.find(ep);
   if (owned == server_eps_.end()) return;
-  Endpoint closing = std::move(owned->second);
+  Endpoint closing = std::move(owned->second.owned);
+  const Served served = std::move(owned->second.served);
   server_eps_.erase(owned);
-  challenged_.erase(ep);
-  refused_.erase(ep);
-  if (auto t = ep_ticket_.find(ep); t != ep_ticket_.end()) {
-    tickets_.erase(t->second);  // the reader's requests are refused from now on
-    ep_ticket_.erase(t);
-  }
-  dead_eps_.insert(ep);
-  close_ep(std::move(closing), RemoteKey(), nullptr);
+  // From here on every reply that holds the record is dropped: the close
+  // below destroys the endpoint at once (forced), UCX may still complete
+  // its sends afterwards, and its address goes to the next endpoint.
+  served->open = false;
+  if (served->ticket != 0) tickets_.erase(served->ticket);  // its requests are refused now
+  counters_.gone.fetch_add(1, std::memory_order_relaxed);
+  close_ep(std::move(closing), {}, nullptr);
 }
 
-void UcxCore::send_small(ucp_ep_h ep, unsigned id, const void* header,
-                         std::size_t header_len, const void* data, std::size_t data_len,
-                         bool reply) {
+Served UcxCore::served_of(ucp_ep_h reply_ep, std::uint64_t ticket) {
+  if (auto it = server_eps_.find(reply_ep); it != server_eps_.end()) return it->second.served;
+  // A reader's data endpoint (ucx_mode=am_shm): UCX made this endpoint and
+  // owns it; it answers for the connection whose ticket the request
+  // carries, and is dropped with it. (UCX destroys such an endpoint by
+  // itself only when one of its lanes fails; shared-memory lanes, which
+  // am_shm requires for active messages, detect no failure.)
+  const auto c = tickets_.find(ticket);
+  if (ticket == 0 || c == tickets_.end()) return nullptr;
+  auto s = std::make_shared<ServedEp>();
+  s->ep = reply_ep;
+  s->conn = c->second;
+  return s;
+}
+
+void UcxCore::reply(const Served& to, unsigned id, const void* header, std::size_t header_len,
+                    const void* data, std::size_t data_len) {
+  if (!to->usable()) {
+    drop(1, id == kAmReadFin ? "an epoch verdict" : "a reply");
+    return;
+  }
+  send_small(to->ep, id, header, header_len, data, data_len, false);
+}
+
+void UcxCore::drop(std::uint64_t n, const char* what) {
+  // Shutting down closes every connection: what it leaves unsent is no
+  // reader's going away.
+  if (stop_requested_.load(std::memory_order_acquire)) return;
+  counters_.dropped.fetch_add(n, std::memory_order_relaxed);
+  if (!drop_logged_.exchange(true, std::memory_order_relaxed)) {
+    options_.log.warn(std::string("ucx owner: ") + what +
+                      " for a reader whose connection closed was dropped (the reader went away "
+                      "with reads in flight); later ones are counted, not logged "
+                      "(stats: served replies_dropped)");
+  }
+}
+
+ServedStats UcxCore::served_stats() const noexcept {
+  ServedStats s;
+  s.reads = counters_.reads.load(std::memory_order_relaxed);
+  s.bytes = counters_.bytes.load(std::memory_order_relaxed);
+  s.reads_refused = counters_.refused.load(std::memory_order_relaxed);
+  s.replies_dropped = counters_.dropped.load(std::memory_order_relaxed);
+  s.readers_connected = counters_.connected.load(std::memory_order_relaxed);
+  s.readers_gone = counters_.gone.load(std::memory_order_relaxed);
+  return s;
+}
+
+void UcxCore::send_small(ucp_ep_h ep, unsigned id, const void* header, std::size_t header_len,
+                         const void* data, std::size_t data_len, bool reply) {
   auto msg = std::make_unique<Control>();
   msg->core = this;
   msg->bytes.resize(header_len + data_len);
@@ -57,8 +106,8 @@ void UcxCore::send_small(ucp_ep_h ep, unsigned id, const void* header,
   if (data_len) std::memcpy(msg->bytes.data() + header_len, data, data_len);
   Control* block = controls_.add(std::move(msg));
   ucp_request_param_t rp{};
-  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
-                    UCP_OP_ATTR_FIELD_USER_DATA;
+  rp.op_attr_mask =
+      UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   rp.flags = UCP_AM_SEND_FLAG_EAGER | (reply ? UCP_AM_SEND_FLAG_REPLY : 0);
   rp.cb.send = trampoline<&UcxCore::on_control_sent, RequestGuard>;
   rp.user_data = static_cast<Pending*>(block);
@@ -73,13 +122,12 @@ void UcxCore::on_control_sent(void* req, ucs_status_t, void* ud) {
   c->core->controls_.take(c);
 }
 
-void UcxCore::on_hello(ucp_ep_h ep, const HelloHdr& h) {
-  if (server_eps_.count(ep) == 0 || refused_.count(ep) != 0 || challenged_.count(ep) != 0 ||
-      ep_ticket_.count(ep) != 0) {
-    return;  // one handshake per endpoint
+void UcxCore::on_hello(const Served& to, const HelloHdr& h) {
+  if (to->conn || !to->open || to->refused || to->challenge || to->ticket != 0) {
+    return;  // one handshake per listener endpoint
   }
   if (options_.auth_token.empty()) {
-    serve_hello(ep, h.conn_id, 0);
+    serve_hello(to, h.conn_id);
     return;
   }
   // Prove the secret first (mutual authentication), over the reader's nonce
@@ -88,41 +136,43 @@ void UcxCore::on_hello(ucp_ep_h ep, const HelloHdr& h) {
   Nonce nonce_r;
   std::memcpy(nonce_r.data(), h.nonce, kNonceBytes);
   const Nonce nonce_o = new_nonce();
-  challenged_[ep] = {nonce_r, nonce_o};
+  to->challenge = std::pair{nonce_r, nonce_o};
   ChallengeHdr c{};
   c.conn_id = h.conn_id;
   std::memcpy(c.nonce, nonce_o.data(), kNonceBytes);
   const Mac mac = owner_proof(options_.auth_token, nonce_r, nonce_o);
   std::memcpy(c.mac, mac.data(), kMacBytes);
-  send_small(ep, kAmChallenge, &c, sizeof c, nullptr, 0, false);
+  reply(to, kAmChallenge, &c, sizeof c, nullptr, 0);
 }
 
-void UcxCore::on_auth(ucp_ep_h ep, const AuthHdr& h) {
-  auto it = challenged_.find(ep);
-  if (server_eps_.count(ep) == 0 || it == challenged_.end()) return;
-  const auto [nonce_r, nonce_o] = it->second;
-  challenged_.erase(it);
+void UcxCore::on_auth(const Served& to, const AuthHdr& h) {
+  if (to->conn || !to->open || !to->challenge) return;
+  const auto [nonce_r, nonce_o] = *to->challenge;
+  to->challenge.reset();
   if (!proof_matches(reader_proof(options_.auth_token, nonce_r, nonce_o), h.mac)) {
-    refused_.insert(ep);  // one try per connection
-    refuse_hello(ep, h.conn_id,
+    to->refused = true;  // one try per connection
+    refuse_hello(to, h.conn_id,
                  "the reader's proof of the auth_token is wrong (the tokens differ)");
     return;
   }
-  std::uint64_t ticket = new_ticket();
-  while (tickets_.count(ticket) != 0) ticket = new_ticket();
-  tickets_.insert(ticket);
-  ep_ticket_[ep] = ticket;
-  serve_hello(ep, h.conn_id, ticket);
+  serve_hello(to, h.conn_id);
 }
 
-void UcxCore::refuse_hello(ucp_ep_h ep, std::uint64_t conn_id, const std::string& why) {
+void UcxCore::refuse_hello(const Served& to, std::uint64_t conn_id, const std::string& why) {
   HelloHdr hdr{};
   hdr.conn_id = conn_id;
   hdr.code = static_cast<std::uint32_t>(StatusCode::kPermissionDenied);
-  send_small(ep, kAmHelloReply, &hdr, sizeof hdr, why.data(), why.size(), false);
+  reply(to, kAmHelloReply, &hdr, sizeof hdr, why.data(), why.size());
 }
 
-void UcxCore::serve_hello(ucp_ep_h ep, std::uint64_t conn_id, std::uint64_t ticket) {
+void UcxCore::serve_hello(const Served& to, std::uint64_t conn_id) {
+  // Every connection gets a ticket: with an auth_token its requests must
+  // carry it, and a request on a reader's data endpoint is answered for
+  // the connection that holds it (served_of).
+  std::uint64_t ticket = new_ticket();
+  while (ticket == 0 || tickets_.count(ticket) != 0) ticket = new_ticket();
+  tickets_.emplace(ticket, to);
+  to->ticket = ticket;
   // Reply: u32 region length | RmaRegionInfo bytes | worker address. The
   // address lets a reader open a second endpoint on which UCX may pick
   // shared-memory or RDMA transports for gets (client/server endpoints only
@@ -136,15 +186,15 @@ void UcxCore::serve_hello(ucp_ep_h ep, std::uint64_t conn_id, std::uint64_t tick
   std::memcpy(bytes.data(), &n, 4);
   std::memcpy(bytes.data() + 4, region.data(), region.size());
   if (!worker_address_.empty()) {
-    std::memcpy(bytes.data() + 4 + region.size(), worker_address_.data(),
-                worker_address_.size());
+    std::memcpy(bytes.data() + 4 + region.size(), worker_address_.data(), worker_address_.size());
   }
-  send_small(ep, kAmHelloReply, &hdr, sizeof hdr, bytes.data(), bytes.size(), false);
+  reply(to, kAmHelloReply, &hdr, sizeof hdr, bytes.data(), bytes.size());
 }
 
-void UcxCore::send_err(ucp_ep_h ep, std::uint64_t batch_id, const Status& st) {
+void UcxCore::send_err(const Served& to, std::uint64_t batch_id, const Status& st) {
+  counters_.refused.fetch_add(1, std::memory_order_relaxed);
   const ErrHdr hdr{batch_id, static_cast<std::uint32_t>(st.code()), 0};
-  send_small(ep, kAmReadErr, &hdr, sizeof hdr, st.message().data(), st.message().size(), false);
+  reply(to, kAmReadErr, &hdr, sizeof hdr, st.message().data(), st.message().size());
 }
 
 }  // namespace mstar::kv::ucx

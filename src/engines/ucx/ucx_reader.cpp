@@ -45,9 +45,7 @@ std::shared_ptr<Conn> UcxCore::connect(const rma::RmaRegionInfo& remote,
   });
   if (!posted) throw Error(StatusCode::kShutdown, "the ucx engine is shut down");
   if (hello.wait_for(timeout) != std::future_status::ready) {
-    post([this, conn] {
-      close_conn(conn, Status(StatusCode::kTimeout, "connect timed out"));
-    });
+    post([this, conn] { close_conn(conn, Status(StatusCode::kTimeout, "connect timed out")); });
     throw Error(StatusCode::kTimeout, "ucx peer at " + remote.session_id +
                                           " did not answer within " +
                                           std::to_string(timeout.count()) + " ms");
@@ -55,8 +53,8 @@ std::shared_ptr<Conn> UcxCore::connect(const rma::RmaRegionInfo& remote,
   const Status st = hello.get();
   if (!st.is_ok()) {
     // Refused authentication stays kPermissionDenied: reconnecting will not help.
-    const bool keep = st.code() == StatusCode::kShutdown ||
-                      st.code() == StatusCode::kPermissionDenied;
+    const bool keep =
+        st.code() == StatusCode::kShutdown || st.code() == StatusCode::kPermissionDenied;
     throw Error(keep ? st.code() : StatusCode::kPeerFailure,
                 "cannot connect to ucx peer at " + remote.session_id + ": " + st.message());
   }
@@ -115,12 +113,11 @@ void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& by
     if (bytes.size() < 4) throw Error(StatusCode::kCorruptDescriptor, "hello reply truncated");
     std::memcpy(&n, bytes.data(), 4);
     if (n > bytes.size() - 4) {
-      throw Error(StatusCode::kCorruptDescriptor, "hello reply region length " +
-                                                      std::to_string(n) + " exceeds " +
+      throw Error(StatusCode::kCorruptDescriptor, "hello reply region length " + std::to_string(n) +
+                                                      " exceeds " +
                                                       std::to_string(bytes.size() - 4));
     }
-    conn->served = rma::RmaRegionInfo::decode(
-        std::span<const std::uint8_t>(bytes.data() + 4, n));
+    conn->served = rma::RmaRegionInfo::decode(std::span<const std::uint8_t>(bytes.data() + 4, n));
     address.assign(bytes.begin() + 4 + n, bytes.end());
   } catch (const Error& e) {
     close_conn(conn, Status(StatusCode::kCorruptDescriptor,
@@ -142,9 +139,8 @@ void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& by
     if (st == UCS_OK) conn->data_ep = Endpoint(data_ep);
     EpInfo info;
     if (conn->data_ep) info = inspect_ep(conn->data_ep.get());
-    const bool get = conn->data_ep &&
-                     (options_.mode == Mode::kGet ||
-                      (options_.mode == Mode::kAuto && info.nic_rma));
+    const bool get = conn->data_ep && (options_.mode == Mode::kGet ||
+                                       (options_.mode == Mode::kAuto && info.nic_rma));
     if (options_.mode == Mode::kGet && !get) {
       close_conn(conn, Status(StatusCode::kUnavailable,
                               "ucx_mode=get, but no endpoint to the peer's worker address: " +
@@ -152,20 +148,33 @@ void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& by
       return;
     }
     if (get) {
-      ucp_rkey_h rkey = nullptr;
-      st = ucp_ep_rkey_unpack(conn->data_ep.get(), conn->served.backend_blob.data(), &rkey);
-      if (st == UCS_OK) conn->rkey = RemoteKey(rkey);
+      // One key per region of the owner (a cache of one region per layer).
+      std::vector<std::span<const std::uint8_t>> keys;
+      try {
+        keys = conn->served.layer_regions.empty()
+                   ? std::vector<std::span<const std::uint8_t>>{conn->served.backend_blob}
+                   : unpack_rkeys(conn->served.backend_blob, conn->served.layer_regions.size());
+      } catch (const Error& e) {
+        close_conn(conn, e.status());
+        return;
+      }
+      for (std::size_t i = 0; i < keys.size() && st == UCS_OK; ++i) {
+        ucp_rkey_h rkey = nullptr;
+        st = ucp_ep_rkey_unpack(conn->data_ep.get(), keys[i].data(), &rkey);
+        if (st == UCS_OK) conn->rkeys.emplace_back(rkey);
+      }
       if (st != UCS_OK) {
         close_conn(conn, Status(StatusCode::kPermissionDenied,
                                 "the peer's remote key does not unpack: " + ucs_str(st)));
         return;
       }
+      conn->remote = conn->served.region_map();
       conn->mode = Mode::kGet;
     } else if (conn->data_ep && info.shm_am && options_.mode == Mode::kAmShm) {
       conn->am_on_data = true;
     } else if (conn->data_ep) {
       // Nothing better than the control endpoint: am reads go over it.
-      close_ep(std::move(conn->data_ep), RemoteKey(), nullptr);
+      close_ep(std::move(conn->data_ep), {}, nullptr);
     }
     if (conn->data_ep) {
       // Finish the endpoint's wireup before the first read, within the
@@ -225,10 +234,9 @@ UcxCore::EpInfo UcxCore::inspect_ep(ucp_ep_h ep) {
     const bool shm = line.find("sysv") != std::string::npos ||
                      line.find("posix") != std::string::npos ||
                      line.find("xpmem") != std::string::npos;
-    const bool rdma = line.find("rc_") != std::string::npos ||
-                      line.find("dc_") != std::string::npos ||
-                      line.find("rc/") != std::string::npos ||
-                      line.find("dc/") != std::string::npos;
+    const bool rdma =
+        line.find("rc_") != std::string::npos || line.find("dc_") != std::string::npos ||
+        line.find("rc/") != std::string::npos || line.find("dc/") != std::string::npos;
     if (rdma && line.find(" rma") != std::string::npos) out.nic_rma = true;
     if (shm && !tcp && line.find(" am ") != std::string::npos) out.shm_am = true;
   }
@@ -266,8 +274,8 @@ void UcxCore::on_client_ep_error(void* arg, ucp_ep_h, ucs_status_t st) {
   self->deferred_.push_back([self, id, st] {
     auto it = self->conns_.find(id);
     if (it == self->conns_.end()) return;
-    self->close_conn(it->second,
-                     Status(StatusCode::kPeerFailure, "peer failed: " + ucs_str(st)), true);
+    self->close_conn(it->second, Status(StatusCode::kPeerFailure, "peer failed: " + ucs_str(st)),
+                     true);
   });
 }
 
@@ -277,7 +285,7 @@ void UcxCore::close_conn(std::shared_ptr<Conn> c, const Status& why, bool force)
   c->failed.store(true, std::memory_order_release);
   // A forced close purges every request on the endpoint: their callbacks
   // run (with an error) before the close completes.
-  if (c->ep) close_ep(std::move(c->ep), RemoteKey(), c);
+  if (c->ep) close_ep(std::move(c->ep), {}, c);
   // Requests still in flight keep the data endpoint open until they
   // complete (maybe_finish closes it): UCX 1.13 does not reliably purge
   // requests queued on an endpoint without peer error handling.
@@ -287,7 +295,7 @@ void UcxCore::close_conn(std::shared_ptr<Conn> c, const Status& why, bool force)
     if (it != batches_.end() && it->second->outstanding != 0) gets_in_flight = true;
   }
   if (c->data_ep && (force || !gets_in_flight)) {
-    close_ep(std::move(c->data_ep), std::move(c->rkey), c);
+    close_ep(std::move(c->data_ep), std::move(c->rkeys), c);
     if (gets_in_flight) {
       // Written off: gets and rendezvous receives over shared memory or tcp
       // are executed by this thread inside UCX calls on that endpoint
@@ -310,16 +318,15 @@ void UcxCore::close_conn(std::shared_ptr<Conn> c, const Status& why, bool force)
     auto it = batches_.find(id);
     if (it == batches_.end()) continue;
     auto b = it->second;  // a copy: finishing erases the map entry
-    fail_batch(b,
-               Status(why.code() == StatusCode::kShutdown ? StatusCode::kShutdown
-                                                          : StatusCode::kPeerFailure,
-                      "connection to " + c->session_id + " closed: " + why.message()));
+    fail_batch(b, Status(why.code() == StatusCode::kShutdown ? StatusCode::kShutdown
+                                                             : StatusCode::kPeerFailure,
+                         "connection to " + c->session_id + " closed: " + why.message()));
   }
 }
 
-void UcxCore::close_ep(Endpoint ep, RemoteKey rkey, std::shared_ptr<Conn> keep) {
+void UcxCore::close_ep(Endpoint ep, std::vector<RemoteKey> rkeys, std::shared_ptr<Conn> keep) {
   Request closing = close(ep);
-  if (closing) closing_.push_back({std::move(rkey), std::move(closing), std::move(keep)});
+  if (closing) closing_.push_back({std::move(rkeys), std::move(closing), std::move(keep)});
 }
 
 }  // namespace mstar::kv::ucx

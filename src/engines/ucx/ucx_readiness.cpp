@@ -65,12 +65,12 @@ class UcxLayerWatch final : public LayerWatch {
 
 std::unique_ptr<LayerWatch> make_ready_watch(std::shared_ptr<UcxCore> core,
                                              std::shared_ptr<Conn> conn,
-                                             std::vector<std::uint32_t> pages,
-                                             std::uint64_t epoch, std::uint32_t num_layers) {
+                                             std::vector<std::uint32_t> pages, std::uint64_t epoch,
+                                             std::uint32_t num_layers) {
   if (pages.empty() || pages.size() > kMaxReadyPages) {
-    throw Error(StatusCode::kInvalidArgument,
-                "ucx layer watch of " + std::to_string(pages.size()) +
-                    " pages: must be in [1, " + std::to_string(kMaxReadyPages) + "]");
+    throw Error(StatusCode::kInvalidArgument, "ucx layer watch of " + std::to_string(pages.size()) +
+                                                  " pages: must be in [1, " +
+                                                  std::to_string(kMaxReadyPages) + "]");
   }
   auto w = std::make_shared<ReadyWatch>();
   w->id = core->next_watch.fetch_add(1, std::memory_order_relaxed);
@@ -120,20 +120,20 @@ void UcxCore::on_ready_notice(const ReadyHdr& h, std::string message) {
   if (h.code != 0) {
     // Untrusted: a code we do not know is a broken owner.
     StatusCode code = static_cast<StatusCode>(h.code);
-    if (h.code > static_cast<std::uint32_t>(StatusCode::kInternal)) code = StatusCode::kInternal;
+    if (h.code > static_cast<std::uint32_t>(kLastStatusCode)) code = StatusCode::kInternal;
     w->error = Status(code, "the owner at " + w->conn->session_id + ": " + message);
     return;
   }
   if (h.layers > w->num_layers) {
     w->error = Status(StatusCode::kCorruptDescriptor,
-                      "the owner at " + w->conn->session_id + " says " +
-                          std::to_string(h.layers) + " layers are ready, beyond the layout's " +
+                      "the owner at " + w->conn->session_id + " says " + std::to_string(h.layers) +
+                          " layers are ready, beyond the layout's " +
                           std::to_string(w->num_layers) + " layers");
   } else if (h.layers < w->layers) {
     w->error = Status(StatusCode::kCorruptDescriptor,
-                      "the owner at " + w->conn->session_id + ": readiness went backwards: " +
-                          std::to_string(h.layers) + " layers ready, " +
-                          std::to_string(w->layers) + " were ready before");
+                      "the owner at " + w->conn->session_id +
+                          ": readiness went backwards: " + std::to_string(h.layers) +
+                          " layers ready, " + std::to_string(w->layers) + " were ready before");
   } else {
     w->layers = h.layers;
   }
@@ -141,9 +141,10 @@ void UcxCore::on_ready_notice(const ReadyHdr& h, std::string message) {
 
 // ---- owner -----------------------------------------------------------------
 
-void UcxCore::on_ready_req(ucp_ep_h ep, const ReadyReqHdr& h, std::vector<std::uint32_t> pages) {
-  if (dead_eps_.count(ep) != 0 || server_eps_.count(ep) == 0) return;
-  ReadyHold r{ep, h, std::move(pages),
+void UcxCore::on_ready_req(const Served& to, const ReadyReqHdr& h,
+                           std::vector<std::uint32_t> pages) {
+  if (to->conn || !to->open) return;  // held only for live listener endpoints
+  ReadyHold r{to, h, std::move(pages),
               std::chrono::steady_clock::now() + std::chrono::milliseconds(kReadyHoldMs)};
   if (answer_ready(r, ready_holds_.size() >= kMaxReadyHolds)) return;
   ready_holds_.push_back(std::move(r));
@@ -167,14 +168,13 @@ bool UcxCore::answer_ready(const ReadyHold& r, bool expired) {
   } else {
     const PageEpochs& ep = cache_->epochs();
     st = check_layer_readiness(cache_->readiness().words(), ep.words(), ep.num_pages(), r.pages,
-                               r.hdr.epoch, num_layers,
-                               static_cast<std::uint32_t>(r.hdr.floor), &layers);
+                               r.hdr.epoch, num_layers, static_cast<std::uint32_t>(r.hdr.floor),
+                               &layers);
   }
   if (st.is_ok() && !expired && layers <= r.hdr.floor && layers < num_layers) return false;
   const ReadyHdr out{r.hdr.watch_id, st.is_ok() ? layers : 0,
                      static_cast<std::uint32_t>(st.code())};
-  send_small(r.ep, kAmReadyNotice, &out, sizeof out, st.message().data(), st.message().size(),
-             false);
+  reply(r.ep, kAmReadyNotice, &out, sizeof out, st.message().data(), st.message().size());
   return true;
 }
 
@@ -184,7 +184,7 @@ void UcxCore::check_ready_holds() {
   for (std::size_t i = 0; i < ready_holds_.size(); ++i) {
     ReadyHold& r = ready_holds_[i];
     // A reader whose endpoint closed is gone: nobody to answer.
-    if (server_eps_.count(r.ep) == 0 || answer_ready(r, now >= r.until)) continue;
+    if (!r.ep->usable() || answer_ready(r, now >= r.until)) continue;
     if (kept != i) ready_holds_[kept] = std::move(r);
     ++kept;
   }

@@ -5,8 +5,8 @@
 #include <cstring>
 #include <string>
 
-#include "core/stream_copy.hpp"
 #include "mstar/kv/status.hpp"
+#include "util/stream_copy.hpp"
 
 namespace mstar::kv::ucx {
 
@@ -25,40 +25,41 @@ constexpr std::uint64_t kStreamMin = 256;
 
 std::size_t RowSource::pack(std::uint64_t offset, std::byte* dest,
                             std::size_t max_length) noexcept {
-  return cursor_.walk(base, spans, count, offset, max_length,
-                      [&](const std::byte* p, std::size_t done, std::uint64_t c,
-                          const StridedSpan& s, std::uint64_t row) {
-                        // At a row's start, the rows ahead (on into the next span).
-                        if (p == base + s.remote_offset + row * s.remote_stride &&
-                            !RowCursor<false>::one_run(s)) {
-                          const std::uint64_t a = row + kRowsAhead;
-                          const std::byte* q =
-                              a < s.rows ? base + s.remote_offset + a * s.remote_stride
-                              : &s + 1 < spans + count ? base + (&s + 1)->remote_offset
-                                                       : nullptr;
-                          if (q != nullptr) {
-                            const std::uint64_t ahead = std::min(s.length, kPrefetchRowBytes);
-                            for (std::uint64_t b = 0; b < ahead; b += kLine) {
-                              __builtin_prefetch(q + b, 0, 3);
-                            }
-                          }
-                        }
-                        std::memcpy(dest + done, p, c);
-                      });
+  return cursor_.walk<const std::byte>(
+      map, spans, count, offset, max_length,
+      [&](const std::byte* p, std::size_t done, std::uint64_t c, const StridedSpan& s,
+          std::uint64_t row) {
+        // At a row's start, the rows ahead (on into the next span).
+        const std::byte* first = map.pointer<const std::byte>(s.remote_offset);
+        if (p == first + row * s.remote_stride && !RowCursor<false>::one_run(s)) {
+          const std::uint64_t a = row + kRowsAhead;
+          const std::byte* q = a < s.rows ? first + a * s.remote_stride
+                               : &s + 1 < spans + count
+                                   ? map.pointer<const std::byte>((&s + 1)->remote_offset)
+                                   : nullptr;
+          if (q != nullptr) {
+            const std::uint64_t ahead = std::min(s.length, kPrefetchRowBytes);
+            for (std::uint64_t b = 0; b < ahead; b += kLine) {
+              __builtin_prefetch(q + b, 0, 3);
+            }
+          }
+        }
+        std::memcpy(dest + done, p, c);
+      });
 }
 
 void RowSink::unpack(std::uint64_t offset, const std::byte* src, std::size_t length) noexcept {
   bool streamed = false;
-  cursor_.walk(base, spans, count, offset, length,
-               [&](std::byte* p, std::size_t done, std::uint64_t c, const StridedSpan&,
-                   std::uint64_t) {
-                 if (stream && c >= kStreamMin) {
-                   detail::stream_copy(p, src + done, c);
-                   streamed = true;
-                 } else {
-                   std::memcpy(p, src + done, c);
-                 }
-               });
+  cursor_.walk<std::byte>(
+      map, spans, count, offset, length,
+      [&](std::byte* p, std::size_t done, std::uint64_t c, const StridedSpan&, std::uint64_t) {
+        if (stream && c >= kStreamMin) {
+          detail::stream_copy(p, src + done, c);
+          streamed = true;
+        } else {
+          std::memcpy(p, src + done, c);
+        }
+      });
   if (streamed) detail::stream_fence();  // before UCX reports the receive done
 }
 

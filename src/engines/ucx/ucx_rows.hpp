@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "mstar/kv/planner.hpp"
+#include "mstar/kv/regions.hpp"
 
 namespace mstar::kv::ucx {
 
@@ -33,7 +34,7 @@ template <bool kLocal>
 class RowCursor {
  public:
   template <typename Byte, typename Piece>
-  std::size_t walk(Byte* base, const StridedSpan* spans, std::size_t count,
+  std::size_t walk(const RegionMap& map, const StridedSpan* spans, std::size_t count,
                    std::uint64_t offset, std::size_t n, Piece&& piece) noexcept {
     if (offset != at_) seek(spans, count, offset);
     std::size_t done = 0;
@@ -42,7 +43,8 @@ class RowCursor {
       const bool run = one_run(s);
       const std::uint64_t length = run ? s.bytes() : s.length;
       const std::uint64_t c = std::min<std::uint64_t>(length - in_row_, n - done);
-      piece(base + start(s) + row_ * stride(s) + in_row_, done, c, s, row_);
+      // A span's rows lie in one region (planner.hpp): its first byte maps it.
+      piece(map.pointer<Byte>(start(s)) + row_ * stride(s) + in_row_, done, c, s, row_);
       done += c;
       in_row_ += c;
       if (in_row_ == length) {
@@ -63,7 +65,9 @@ class RowCursor {
   static std::uint64_t stride(const StridedSpan& s) noexcept {
     return kLocal ? s.local_stride : s.remote_stride;
   }
-  static bool one_run(const StridedSpan& s) noexcept { return s.rows == 1 || stride(s) == s.length; }
+  static bool one_run(const StridedSpan& s) noexcept {
+    return s.rows == 1 || stride(s) == s.length;
+  }
 
  private:
   void seek(const StridedSpan* spans, std::size_t count, std::uint64_t offset) noexcept {
@@ -91,10 +95,12 @@ class RowCursor {
 // pages must outlive the send.
 struct RowSource {
   RowSource() = default;
+  RowSource(RegionMap m, const StridedSpan* s, std::size_t n, std::uint64_t total) noexcept
+      : map(std::move(m)), spans(s), count(n), bytes(total) {}
   RowSource(const std::byte* b, const StridedSpan* s, std::size_t n, std::uint64_t total) noexcept
-      : base(b), spans(s), count(n), bytes(total) {}
+      : RowSource(RegionMap::contiguous(reinterpret_cast<std::uintptr_t>(b)), s, n, total) {}
 
-  const std::byte* base = nullptr;
+  RegionMap map;  // the owner's cache: remote offsets -> its pages
   const StridedSpan* spans = nullptr;
   std::size_t count = 0;
   std::uint64_t bytes = 0;  // of every row of every span
@@ -113,11 +119,15 @@ struct RowSource {
 // destination first).
 struct RowSink {
   RowSink() = default;
+  RowSink(RegionMap m, const StridedSpan* s, std::size_t n, std::uint64_t total,
+          bool streaming) noexcept
+      : map(std::move(m)), spans(s), count(n), bytes(total), stream(streaming) {}
   RowSink(std::byte* b, const StridedSpan* s, std::size_t n, std::uint64_t total,
           bool streaming) noexcept
-      : base(b), spans(s), count(n), bytes(total), stream(streaming) {}
+      : RowSink(RegionMap::contiguous(reinterpret_cast<std::uintptr_t>(b)), s, n, total,
+                streaming) {}
 
-  std::byte* base = nullptr;
+  RegionMap map;  // the reader's cache: local offsets -> its pages
   const StridedSpan* spans = nullptr;
   std::size_t count = 0;
   std::uint64_t bytes = 0;

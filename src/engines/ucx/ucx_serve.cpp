@@ -8,18 +8,28 @@
 
 namespace mstar::kv::ucx {
 
-Status UcxCore::check_served_epochs(std::uint64_t epoch,
-                                   const std::vector<std::uint32_t>& pages,
-                                   const char* when) const {
+Status UcxCore::check_served_epochs(std::uint64_t epoch, const std::vector<std::uint32_t>& pages,
+                                    const char* when) const {
   const PageEpochs& ep = cache_->epochs();
   return check_page_epochs(ep.words(), ep.num_pages(), pages, epoch, when,
                            /*after_copy=*/true);
 }
 
-void UcxCore::serve_strided(ucp_ep_h ep, const ReadReqHdr& h,
+Status UcxCore::crosses_layers(const char* what, std::size_t i, std::uint64_t first,
+                               std::uint64_t last) const {
+  return {StatusCode::kInvalidArgument,
+          std::string(what) + " " + std::to_string(i) + " [" + std::to_string(first) + ", " +
+              std::to_string(last + 1) + ") crosses a layer boundary of this owner's cache of " +
+              "one region per layer (" + std::to_string(layer_bytes_) + " bytes a layer)"};
+}
+
+void UcxCore::serve_strided(const Served& to, const ReadReqHdr& h,
                             const std::vector<WireStrided>& spans,
                             std::vector<std::uint32_t> pages) {
-  if (dead_eps_.count(ep) != 0) return;
+  if (!to->usable()) {
+    drop(1, "a read request");
+    return;
+  }
   // Untrusted: every row of every span inside the region, and no more rows
   // in all than a request of single spans may name, before any expansion.
   std::vector<StridedSpan> planned;
@@ -33,81 +43,85 @@ void UcxCore::serve_strided(ucp_ep_h ep, const ReadReqHdr& h,
                           rows + s.rows <= kMaxSpansPerRequest;
     const bool inside =
         shape_ok && s.remote_offset <= size && s.length <= size - s.remote_offset &&
-        (s.rows == 1 ||
-         (s.remote_stride <= (size - s.remote_offset - s.length) / (s.rows - 1)));
+        (s.rows == 1 || (s.remote_stride <= (size - s.remote_offset - s.length) / (s.rows - 1)));
     if (!inside) {
-      send_err(ep, h.batch_id,
-               Status(shape_ok ? StatusCode::kPermissionDenied : StatusCode::kInvalidArgument,
-                      "strided span " + std::to_string(i) + " (" + std::to_string(s.rows) +
-                          " rows of " + std::to_string(s.length) + " bytes from " +
-                          std::to_string(s.remote_offset) + ", stride " +
-                          std::to_string(s.remote_stride) +
-                          (shape_ok ? ") is outside the registered region of " +
-                                          std::to_string(size) + " bytes"
-                                    : ") names no bytes or more than " +
-                                          std::to_string(kMaxSpansPerRequest) +
-                                          " rows in all")));
+      send_err(
+          to, h.batch_id,
+          Status(shape_ok ? StatusCode::kPermissionDenied : StatusCode::kInvalidArgument,
+                 "strided span " + std::to_string(i) + " (" + std::to_string(s.rows) + " rows of " +
+                     std::to_string(s.length) + " bytes from " + std::to_string(s.remote_offset) +
+                     ", stride " + std::to_string(s.remote_stride) +
+                     (shape_ok ? ") is outside the registered region of " + std::to_string(size) +
+                                     " bytes"
+                               : ") names no bytes or more than " +
+                                     std::to_string(kMaxSpansPerRequest) + " rows in all")));
+      return;
+    }
+    // A cache of one region per layer: every row inside one layer (the
+    // rows ascend: the first's start and the last's end tell).
+    const std::uint64_t last = s.remote_offset + (s.rows - 1) * s.remote_stride + s.length - 1;
+    if (!within_one_layer(s.remote_offset, last)) {
+      send_err(to, h.batch_id, crosses_layers("strided span", i, s.remote_offset, last));
       return;
     }
     rows += s.rows;
-    planned.push_back({s.local_offset, s.remote_offset, s.length, s.rows, s.local_stride,
-                       s.remote_stride});
+    planned.push_back(
+        {s.local_offset, s.remote_offset, s.length, s.rows, s.local_stride, s.remote_stride});
   }
   // Every row is inside the region now: serve_read need not look again.
-  serve_read(ep, h, {}, std::move(planned), std::move(pages));
+  serve_read(to, h, {}, std::move(planned), std::move(pages));
 }
 
-void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, std::vector<CopySpan> spans,
+void UcxCore::serve_read(const Served& to, const ReadReqHdr& h, std::vector<CopySpan> spans,
                          std::vector<StridedSpan> strided, std::vector<std::uint32_t> pages) {
   const std::uint64_t batch_id = h.batch_id;
   const std::uint64_t flags = h.flags;
-  // The reply endpoint is one of our listener's endpoints or one UCX made
-  // for a reader's data endpoint; only a listener endpoint closed since the
-  // request arrived (same progress round) is gone.
-  if (dead_eps_.count(ep) != 0) return;
+  // The reader's connection closed since the request arrived: nobody to
+  // answer.
+  if (!to->usable()) {
+    drop(1, "a read request");
+    return;
+  }
   // Validate the whole request before sending a byte: the reader is not
   // trusted with anything outside the registered region.
   if (h.generation != region_.generation) {
-    send_err(ep, batch_id,
+    send_err(to, batch_id,
              Status(StatusCode::kStaleDescriptor,
                     "read names generation " + std::to_string(h.generation) +
-                        ", this owner serves generation " +
-                        std::to_string(region_.generation)));
+                        ", this owner serves generation " + std::to_string(region_.generation)));
     return;
   }
   for (std::size_t i = 0; i < spans.size(); ++i) {
     const CopySpan& s = spans[i];
     if (s.length == 0 || s.remote_offset > region_.size ||
         s.length > region_.size - s.remote_offset) {
-      send_err(ep, batch_id,
+      send_err(to, batch_id,
                Status(StatusCode::kPermissionDenied,
-                      "span " + std::to_string(i) + " [" + std::to_string(s.remote_offset) +
-                          ", +" + std::to_string(s.length) +
-                          ") is outside the registered region of " +
+                      "span " + std::to_string(i) + " [" + std::to_string(s.remote_offset) + ", +" +
+                          std::to_string(s.length) + ") is outside the registered region of " +
                           std::to_string(region_.size) + " bytes"));
+      return;
+    }
+    if (!within_one_layer(s.remote_offset, s.remote_offset + s.length - 1)) {
+      send_err(to, batch_id,
+               crosses_layers("span", i, s.remote_offset, s.remote_offset + s.length - 1));
       return;
     }
   }
   // Owner-served: the pages must still belong to the reader's sequence
   // before the first byte goes out (and after the last, in serve_done).
-  std::shared_ptr<ServeState> serve;
   if (h.epoch != 0) {
-    if (Status st = check_served_epochs(h.epoch, pages, "before the owner sent it");
-        !st.is_ok()) {
-      send_err(ep, batch_id, st);
+    if (Status st = check_served_epochs(h.epoch, pages, "before the owner sent it"); !st.is_ok()) {
+      send_err(to, batch_id, st);
       return;
     }
-    serve = std::make_shared<ServeState>();
-    serve->ep = ep;
-    serve->batch_id = batch_id;
-    serve->epoch = h.epoch;
-    serve->pages = std::move(pages);
   }
   auto q = std::make_shared<SendQueue>();
-  q->ep = ep;
+  q->ep = to;
   q->batch_id = batch_id;
   q->flags = flags;
-  q->serve = serve;
+  q->epoch = h.epoch;
+  if (h.epoch != 0) q->pages = std::move(pages);
   q->spans = std::move(spans);
   q->strided = std::move(strided);
   if (!q->strided.empty()) {
@@ -117,9 +131,8 @@ void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, std::vector<CopySpan>
       std::size_t j = i;
       std::uint64_t bytes = 0;
       std::uint64_t rows = 0;
-      while (j < q->strided.size() &&
-             (j == i || (bytes + q->strided[j].bytes() <= kGatherBytes &&
-                         rows + q->strided[j].rows <= kGatherMaxSpans))) {
+      while (j < q->strided.size() && (j == i || (bytes + q->strided[j].bytes() <= kGatherBytes &&
+                                                  rows + q->strided[j].rows <= kGatherMaxSpans))) {
         bytes += q->strided[j].bytes();
         rows += q->strided[j].rows;
         ++j;
@@ -141,38 +154,49 @@ void UcxCore::serve_read(ucp_ep_h ep, const ReadReqHdr& h, std::vector<CopySpan>
       i = j;
     }
   }
-  if (serve) serve->left = q->total() + 1;
+  q->left = q->total() + 1;
   pump(q);
 }
 
 void UcxCore::pump(const std::shared_ptr<SendQueue>& q) {
   if (q->done_posting) return;
-  // The reader's endpoint went away (it fails by itself) or we stop: the
+  // The reader's connection closed (it fails by itself) or we stop: the
   // rest of the read is never sent.
-  if (dead_eps_.count(q->ep) != 0 || stop_requested_.load(std::memory_order_acquire)) {
-    q->done_posting = true;
-    return;
-  }
-  while (q->in_flight < kSendWindow && q->next < q->total()) {
-    const std::size_t k = q->next++;
-    const bool ok = q->groups.empty() ? send_span(q, q->spans[k])
-                                      : send_gathered(q, q->groups[k].first, q->groups[k].second);
-    if (!ok) {  // the endpoint failed; its error handler closes it
-      q->done_posting = true;
+  const bool gone = !q->ep->usable();
+  if (gone || q->failed || stop_requested_.load(std::memory_order_acquire)) {
+    // What was never posted, and the verdict, for a reader that is gone.
+    const std::size_t unsent = q->total() - q->next + (q->epoch != 0 ? 1 : 0);
+    if (gone && unsent != 0) drop(unsent, "a data reply");
+    q->failed = true;
+  } else {
+    // At most a window per call: sends that complete at once (small eager
+    // ones) do not stay in flight, and the rest of the read then follows
+    // after this round's other work.
+    std::size_t posted_now = 0;
+    while (q->in_flight < kSendWindow && posted_now < kSendWindow && q->next < q->total()) {
+      const std::size_t k = q->next++;
+      ++posted_now;
+      const bool ok = q->groups.empty() ? send_span(q, q->spans[k])
+                                        : send_gathered(q, q->groups[k].first, q->groups[k].second);
+      if (!ok) {  // the endpoint failed; its error handler closes it
+        q->failed = true;
+        break;
+      }
+    }
+    if (!q->failed && q->next < q->total()) {
+      if (q->in_flight == 0) later([this, q] { pump(q); });  // else each completion pumps
       return;
     }
   }
-  if (q->next == q->total()) {
-    q->done_posting = true;
-    if (q->serve && --q->serve->left == 0) serve_done(q->serve);
-  }
+  q->done_posting = true;
+  if (--q->left == 0) later([this, q] { serve_done(q); });
 }
 
 bool UcxCore::send_span(const std::shared_ptr<SendQueue>& q, const CopySpan& s) {
   auto owned = std::make_unique<SendCtx>();
   owned->core = this;
   owned->hdr = DataHdr{q->batch_id, s.local_offset, s.length};
-  owned->serve = q->serve;
+  owned->bytes = s.length;
   owned->queue = q;
   SendCtx* ctx = sends_.add(std::move(owned));
   ucp_request_param_t rp{};
@@ -181,41 +205,39 @@ bool UcxCore::send_span(const std::shared_ptr<SendQueue>& q, const CopySpan& s) 
   rp.flags = (q->flags & kReqEagerOnly) == 0 && s.length >= options_.rndv_bytes
                  ? UCP_AM_SEND_FLAG_RNDV
                  : UCP_AM_SEND_FLAG_EAGER;
-  rp.memh = memh_.get();
+  rp.memh = memh_at(s.remote_offset);
   rp.cb.send = trampoline<&UcxCore::on_data_sent, RequestGuard>;
   rp.user_data = static_cast<Pending*>(ctx);
-  ucs_status_ptr_t sp = ucp_am_send_nbx(q->ep, kAmReadData, &ctx->hdr, sizeof ctx->hdr,
-                                        cache_->base() + s.remote_offset, s.length, &rp);
+  ucs_status_ptr_t sp = ucp_am_send_nbx(q->ep->ep, kAmReadData, &ctx->hdr, sizeof ctx->hdr,
+                                        cache_->at(s.remote_offset), s.length, &rp);
   return posted(q, ctx, sp);
 }
 
 // Completion of a data reply (one span's, or a gathered group's): the
 // read's next replies go out, and its epoch verdict once its last send
-// completed.
+// completed. UCX may complete a send as successful after the endpoint was
+// closed (forced: destroyed at once): what runs next looks at the record.
 void UcxCore::on_data_sent(void* req, ucs_status_t st, void* ud) {
   const Request freed(req);
   auto* raw = context_of<SendCtx>(ud);
   UcxCore* core = raw->core;
   const std::unique_ptr<SendCtx> c = core->sends_.take(raw);
   if (!c) return;
-  if (c->queue) {
-    --c->queue->in_flight;
-    if (st != UCS_OK) c->queue->done_posting = true;
-    if (!c->queue->done_posting) core->deferred_.push_back([core, q = c->queue] { core->pump(q); });
+  const std::shared_ptr<SendQueue>& q = c->queue;
+  --q->in_flight;
+  if (st == UCS_OK) {
+    core->counters_.bytes.fetch_add(c->bytes, std::memory_order_relaxed);
+  } else {
+    q->failed = true;
   }
-  if (c->serve) {
-    if (st != UCS_OK) c->serve->failed = true;
-    if (--c->serve->left == 0) {
-      core->deferred_.push_back([core, sv = c->serve] { core->serve_done(sv); });
-    }
-  }
+  if (!q->done_posting) core->later([core, q] { core->pump(q); });
+  if (--q->left == 0) core->later([core, q] { core->serve_done(q); });
 }
 
 bool UcxCore::send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t first,
                             std::size_t count) {
   auto owned = std::make_unique<SendCtx>();
   owned->core = this;
-  owned->serve = q->serve;
   owned->queue = q;
   SendCtx* ctx = owned.get();
   std::uint64_t bytes = 0;
@@ -224,15 +246,16 @@ bool UcxCore::send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t fir
     owned->iov.resize(count);
     for (std::size_t k = 0; k < count; ++k) {
       const CopySpan& s = q->spans[first + k];
-      ctx->iov[k].buffer = cache_->base() + s.remote_offset;
+      ctx->iov[k].buffer = cache_->at(s.remote_offset);
       ctx->iov[k].length = s.length;
       bytes += s.length;
     }
   } else {  // the spans' rows, packed by UCX straight from the pages
     for (std::size_t k = 0; k < count; ++k) bytes += q->strided[first + k].bytes();
-    ctx->rows = RowSource{cache_->base(), q->strided.data() + first, count, bytes};
+    ctx->rows = RowSource{cache_->regions(), q->strided.data() + first, count, bytes};
   }
   ctx->gather = GatherHdr{q->batch_id, first, count, bytes};
+  ctx->bytes = bytes;
   sends_.add(std::move(owned));
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
@@ -247,9 +270,9 @@ bool UcxCore::send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t fir
   rp.cb.send = trampoline<&UcxCore::on_data_sent, RequestGuard>;
   rp.user_data = static_cast<Pending*>(ctx);
   ucs_status_ptr_t sp =
-      strided ? ucp_am_send_nbx(q->ep, kAmGatherData, &ctx->gather, sizeof ctx->gather,
+      strided ? ucp_am_send_nbx(q->ep->ep, kAmGatherData, &ctx->gather, sizeof ctx->gather,
                                 &ctx->rows, 1, &rp)
-              : ucp_am_send_nbx(q->ep, kAmGatherData, &ctx->gather, sizeof ctx->gather,
+              : ucp_am_send_nbx(q->ep->ep, kAmGatherData, &ctx->gather, sizeof ctx->gather,
                                 ctx->iov.data(), ctx->iov.size(), &rp);
   return posted(q, ctx, sp);
 }
@@ -261,17 +284,26 @@ bool UcxCore::posted(const std::shared_ptr<SendQueue>& q, SendCtx* ctx, ucs_stat
     ++q->in_flight;
     return true;
   }
-  sends_.take(ctx);
-  if (q->serve) --q->serve->left;
-  return !UCS_PTR_IS_ERR(sp);
+  const std::unique_ptr<SendCtx> done = sends_.take(ctx);
+  --q->left;  // never 0 here: pump holds one while posting
+  if (UCS_PTR_IS_ERR(sp)) return false;
+  counters_.bytes.fetch_add(done->bytes, std::memory_order_relaxed);
+  return true;
 }
 
-void UcxCore::serve_done(const std::shared_ptr<ServeState>& st) {
-  if (st->failed || dead_eps_.count(st->ep) != 0) return;  // the reader fails by itself
-  Status s = check_served_epochs(st->epoch, st->pages, "while the owner sent it");
-  const ErrHdr hdr{st->batch_id, static_cast<std::uint32_t>(s.code()), 0};
-  send_small(st->ep, kAmReadFin, &hdr, sizeof hdr, s.message().data(), s.message().size(),
-             false);
+void UcxCore::serve_done(const std::shared_ptr<SendQueue>& q) {
+  if (q->failed) return;  // a send failed: the reader fails by itself
+  if (q->epoch != 0) {
+    if (!q->ep->usable()) {
+      drop(1, "an epoch verdict");
+      return;
+    }
+    Status s = check_served_epochs(q->epoch, q->pages, "while the owner sent it");
+    const ErrHdr hdr{q->batch_id, static_cast<std::uint32_t>(s.code()), 0};
+    send_small(q->ep->ep, kAmReadFin, &hdr, sizeof hdr, s.message().data(), s.message().size(),
+               false);
+  }
+  counters_.reads.fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace mstar::kv::ucx

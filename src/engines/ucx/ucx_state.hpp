@@ -1,8 +1,8 @@
 // Copyright mstar-kv authors.
 //
 // The ucx engine's state (internal to the engine): its tuning constants, a
-// reader's connections and reads (Conn, Batch), an owner's served reads
-// (ServeState, SendQueue), the contexts UCX requests carry (Pending and its
+// reader's connections and reads (Conn, Batch), an owner's endpoints and
+// served reads (ServedEp, SendQueue), the contexts UCX requests carry (Pending and its
 // kinds) and the two halves of a layer watch. UcxCore (ucx_core.hpp) owns
 // them; members marked [progress] are used only on its progress thread.
 #pragma once
@@ -22,8 +22,8 @@
 #include <utility>
 #include <vector>
 
-#include "engines/rma/rma_engine.hpp"
 #include "mstar/kv/thread_annotations.hpp"
+#include "rma/rma_engine.hpp"
 #include "ucx_auth.hpp"
 #include "ucx_backend.hpp"
 #include "ucx_handles.hpp"
@@ -64,15 +64,18 @@ struct Conn {
   UcxCore* core = nullptr;
   std::uint64_t id = 0;
   std::string session_id;
-  Endpoint ep;                       // [progress] client/server: control, am reads
+  Endpoint ep;  // [progress] client/server: control, am reads
   // [progress] to the owner's worker address, where UCX may use shared
   // memory or RDMA: gets, or am reads when its am lane is shared memory.
   Endpoint data_ep;
-  RemoteKey rkey;                    // [progress] unpacked on data_ep (get)
-  bool am_on_data = false;           // am reads go over data_ep, not ep
-  bool closing = false;              // [progress]
-  bool hello_set = false;            // [progress]
-  std::set<std::uint64_t> batches;   // [progress]
+  // [progress] unpacked on data_ep (get): one per region of the owner, and
+  // where its layout offsets are in the owner.
+  std::vector<RemoteKey> rkeys;
+  RegionMap remote;
+  bool am_on_data = false;          // am reads go over data_ep, not ep
+  bool closing = false;             // [progress]
+  bool hello_set = false;           // [progress]
+  std::set<std::uint64_t> batches;  // [progress]
   std::atomic<bool> failed{false};
   // [progress] The handshake (ucx_auth.hpp): this reader's nonce, whether
   // the owner proved the secret, and the ticket its requests carry.
@@ -130,29 +133,49 @@ T* context_of(void* user_data) noexcept {
   return static_cast<T*>(static_cast<Pending*>(user_data));
 }
 
-struct ReqCtx : Pending {  // a get or a rendezvous receive into local pages
+struct ReqCtx : Pending {          // a get or a rendezvous receive into local pages
+  ucp_mem_h memh = nullptr;        // a contiguous receive: the region it lands in
   std::vector<StridedSpan> spans;  // a gathered rendezvous: its spans (local side)
   RowSink sink;                    // a gathered rendezvous: where its rows land
   bool gathered = false;
 };
 
-// One served read whose pages are checked once every send completed.
-struct ServeState {
+// An endpoint the owner answers on, as every reply holds it: the listener
+// endpoint of one reader's connection, or (ucx_mode=am_shm) an endpoint UCX
+// made for that reader's data endpoint, which answers for the connection
+// whose ticket its requests carry. Never a bare ucp_ep_h held across
+// progress rounds: UCX destroys a force-closed endpoint inside the close
+// and may still complete sends of it as successful afterwards, and the next
+// endpoint it makes reuses the address, so a reply held by address went to
+// a freed endpoint (the owner died in ucp_am_send_nbx) or to the next
+// reader. A closed record sends nothing: each reply for it is dropped and
+// counted (UcxCore::drop).
+struct ServedEp {
   ucp_ep_h ep = nullptr;
-  std::uint64_t batch_id = 0;
-  std::uint64_t epoch = 0;
-  std::vector<std::uint32_t> pages;
-  std::size_t left = 0;  // sends not completed, plus one while posting
-  bool failed = false;
+  // A data endpoint: the connection it answers for; null for a listener
+  // endpoint (which owns the rest).
+  std::shared_ptr<ServedEp> conn;
+  bool open = true;  // [progress] false from the connection's close on
+  // [progress] The handshake (ucx_auth.hpp), listener endpoints only: the
+  // nonces of the challenge sent, a refused proof (one try), and the ticket
+  // issued (every connection gets one; with an auth_token requests must
+  // carry it).
+  std::optional<std::pair<Nonce, Nonce>> challenge;
+  bool refused = false;
+  std::uint64_t ticket = 0;
+  bool usable() const noexcept { return open && (!conn || conn->open); }
 };
+using Served = std::shared_ptr<ServedEp>;
 
-// One served read's replies not yet posted: the owner keeps at most
-// kSendWindow of them in flight per read and posts the next as each
-// completes. UCX over tcp slows down with thousands of outstanding sends:
-// 64 KiB x 4096 ran at 1.55 GB/s with every reply posted at once, 2.7-2.8
-// with 16-64 in flight, 2.1 with 256 (bench/README.md, "UCX send window").
+// One served read: its replies not yet posted and, with an epoch, the
+// pages whose epochs are checked once every send completed (the verdict).
+// The owner keeps at most kSendWindow replies in flight per read and posts
+// the next as each completes. UCX over tcp slows down with thousands of
+// outstanding sends: 64 KiB x 4096 ran at 1.55 GB/s with every reply posted
+// at once, 2.7-2.8 with 16-64 in flight, 2.1 with 256 (bench/README.md,
+// "UCX send window").
 struct SendQueue {
-  ucp_ep_h ep = nullptr;
+  Served ep;
   std::uint64_t batch_id = 0;
   std::uint64_t flags = 0;
   std::vector<CopySpan> spans;  // rows checked against the region
@@ -161,21 +184,24 @@ struct SendQueue {
   // kReqGather: groups of spans (or strided spans) [first, first + count),
   // one message each.
   std::vector<std::pair<std::size_t, std::size_t>> groups;
-  std::shared_ptr<ServeState> serve;  // null when no epoch is checked
+  std::uint64_t epoch = 0;  // 0: no verdict
+  std::vector<std::uint32_t> pages;
   std::size_t next = 0;       // the next span (or group) to post
   std::size_t in_flight = 0;  // posted, not completed
+  std::size_t left = 0;       // sends not completed, plus one while posting
   bool done_posting = false;
+  bool failed = false;  // a send failed: no verdict (the reader fails by itself)
   std::size_t total() const noexcept { return groups.empty() ? spans.size() : groups.size(); }
 };
 inline constexpr std::size_t kSendWindow = 32;
 
 struct SendCtx : Pending {  // a data reply (its header must outlive the send)
   DataHdr hdr{};
-  std::shared_ptr<SendQueue> queue;   // the read it belongs to
-  std::shared_ptr<ServeState> serve;  // null when no epoch is checked
-  GatherHdr gather{};                 // gathered replies (kReqGather)
-  std::vector<ucp_dt_iov_t> iov;      // their spans in the registered pages
-  RowSource rows;                     // or, kReqStrided, their strided spans' rows
+  std::shared_ptr<SendQueue> queue;  // the read it belongs to
+  std::uint64_t bytes = 0;           // its payload
+  GatherHdr gather{};                // gathered replies (kReqGather)
+  std::vector<ucp_dt_iov_t> iov;     // their spans in the registered pages
+  RowSource rows;                    // or, kReqStrided, their strided spans' rows
 };
 
 // A control message's bytes (header then data), or the wireup flush of
@@ -194,14 +220,14 @@ struct ReadyWatch {
   std::uint64_t epoch = 0;
   std::uint32_t num_layers = 0;
   std::mutex mu;
-  std::uint32_t layers MSTAR_KV_GUARDED_BY(mu) = 0;      // the last notice's count
-  bool outstanding MSTAR_KV_GUARDED_BY(mu) = false;      // a request awaits its notice
-  std::optional<Status> error MSTAR_KV_GUARDED_BY(mu);   // the watch failed
+  std::uint32_t layers MSTAR_KV_GUARDED_BY(mu) = 0;     // the last notice's count
+  bool outstanding MSTAR_KV_GUARDED_BY(mu) = false;     // a request awaits its notice
+  std::optional<Status> error MSTAR_KV_GUARDED_BY(mu);  // the watch failed
 };
 
 // The owner's half: a request held until its count moves (ucx_readiness.cpp).
 struct ReadyHold {
-  ucp_ep_h ep = nullptr;
+  Served ep;
   ReadyReqHdr hdr{};
   std::vector<std::uint32_t> pages;
   std::chrono::steady_clock::time_point until;

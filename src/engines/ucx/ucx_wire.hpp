@@ -26,17 +26,17 @@
 namespace mstar::kv::ucx {
 
 enum AmId : unsigned {
-  kAmHello = 1,       // reader -> owner: which region do you serve?
-  kAmHelloReply = 2,  // owner -> reader: RmaRegionInfo bytes, or why not
-  kAmReadReq = 3,     // reader -> owner: spans to send back
-  kAmReadData = 4,    // owner -> reader: one span's bytes
-  kAmReadErr = 5,     // owner -> reader: request rejected
-  kAmReadFin = 6,     // owner -> reader: page epochs still held after the sends
-  kAmDone = 7,        // reader -> owner: done with a sequence (DoneHdr)
-  kAmChallenge = 8,   // owner -> reader: prove the shared secret (ChallengeHdr)
-  kAmAuth = 9,        // reader -> owner: the proof (AuthHdr)
-  kAmGatherData = 10, // owner -> reader: many spans' bytes in one message (GatherHdr)
-  kAmReadyReq = 11,   // reader -> owner: tell me when more layers are ready (ReadyReqHdr)
+  kAmHello = 1,         // reader -> owner: which region do you serve?
+  kAmHelloReply = 2,    // owner -> reader: RmaRegionInfo bytes, or why not
+  kAmReadReq = 3,       // reader -> owner: spans to send back
+  kAmReadData = 4,      // owner -> reader: one span's bytes
+  kAmReadErr = 5,       // owner -> reader: request rejected
+  kAmReadFin = 6,       // owner -> reader: page epochs still held after the sends
+  kAmDone = 7,          // reader -> owner: done with a sequence (DoneHdr)
+  kAmChallenge = 8,     // owner -> reader: prove the shared secret (ChallengeHdr)
+  kAmAuth = 9,          // reader -> owner: the proof (AuthHdr)
+  kAmGatherData = 10,   // owner -> reader: many spans' bytes in one message (GatherHdr)
+  kAmReadyReq = 11,     // reader -> owner: tell me when more layers are ready (ReadyReqHdr)
   kAmReadyNotice = 12,  // owner -> reader: layers ready, or why not (ReadyHdr)
   kAmMaxId = 12,
 };
@@ -48,10 +48,10 @@ inline constexpr std::size_t kMacBytes = 32;
 inline constexpr std::uint32_t kHelloHasToken = 1;  // the reader holds an auth_token
 
 struct HelloHdr {
-  std::uint64_t conn_id;  // the reader's connection, echoed in every reply
-  std::uint64_t ticket;   // reply: the connection's ticket (0 without auth)
-  std::uint32_t code;     // reply: 0, or the StatusCode refusing the reader
-  std::uint32_t flags;    // hello: kHelloHasToken
+  std::uint64_t conn_id;            // the reader's connection, echoed in every reply
+  std::uint64_t ticket;             // reply: the connection's ticket (0 without auth)
+  std::uint32_t code;               // reply: 0, or the StatusCode refusing the reader
+  std::uint32_t flags;              // hello: kHelloHasToken
   std::uint8_t nonce[kNonceBytes];  // hello: the reader's nonce
 };
 struct ChallengeHdr {

@@ -77,7 +77,9 @@ TEST_P(Conformance, OrdersMayDifferBetweenTheTwoCaches) {
   const KVLayout remote = small_layout(CacheOrder::kPageMajor, PageOrder::kHND);
   for (auto [co, po] : {std::pair{CacheOrder::kLayerMajor, PageOrder::kNHD},
                         std::pair{CacheOrder::kPageMajor, PageOrder::kHND},
-                        std::pair{CacheOrder::kLayerMajor, PageOrder::kHND}}) {
+                        std::pair{CacheOrder::kLayerMajor, PageOrder::kHND},
+                        std::pair{CacheOrder::kLayerPage, PageOrder::kNHD},
+                        std::pair{CacheOrder::kLayerPage, PageOrder::kHND}}) {
     PeerProcess peer(peer_spec(remote, 90));
     const KVLayout l = small_layout(co, po);
     auto cache = local_cache(l);

@@ -19,6 +19,7 @@ PeerSpec EngineSuite::peer_spec(const KVLayout& layout, std::uint64_t tokens) co
   s.seed = kSeed;
   s.env = GetParam().env;
   s.extra = GetParam().extra;
+  s.setup = GetParam().setup;
   return s;
 }
 
@@ -32,7 +33,9 @@ std::unique_ptr<KVTransferManager> EngineSuite::manager(std::shared_ptr<KVCache>
 }
 
 std::shared_ptr<KVCache> EngineSuite::local_cache(const KVLayout& l) const {
-  auto c = make_kv_cache(l, GetParam().traits.reader_memory);
+  auto c = make_loopback_cache(GetParam().traits, GetParam().setup, l, /*owner=*/false);
+  EXPECT_EQ(c->split(), GetParam().setup.layer_regions && l.layer_contiguous() &&
+                            GetParam().traits.reader_memory == MemoryKind::kHost);
   fill_bytes(*c, kSentinel);
   return c;
 }

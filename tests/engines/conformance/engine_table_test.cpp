@@ -12,6 +12,7 @@
 #include <set>
 #include <string>
 
+#include "common/expectations.hpp"
 #include "common/layouts.hpp"
 #include "mstar/kv/kv.hpp"
 
@@ -90,6 +91,24 @@ TEST(EngineTable, EachSelfContainedEngineMovesAPageInTheMemoryItsTraitsName) {
     ++moved;
   }
   EXPECT_GT(moved, 0) << "no self-contained engine is built";
+}
+
+// Caches of one region per layer: every engine either moves them (the
+// conformance setups shm-cma-layers and ucx-tcp-layers run every case) or
+// refuses one by name, with the way out, before anything else happens:
+// the C++ Mooncake engine (the wheel engine serves them) and cuda_ipc (whose
+// device caches a host test cannot split; its check is the same one).
+TEST(EngineTable, EnginesWithoutLayerRegionsRefuseThemByName) {
+  const auto built = built_engines();
+  if (std::find(built.begin(), built.end(), "mooncake") == built.end()) {
+    GTEST_SKIP() << "the mooncake engine is not built";
+  }
+  auto cache = KVCache::create_host_layers(small_layout(4));
+  testing::expect_error(
+      [&] { make_engine(TransferEngineInfo{"x", "", "mooncake", {}}, cache); },
+      StatusCode::kNotSupported, {"C++ Mooncake engine", "4 (one per layer)", "wheel engine"});
+  // The local engine needs no memory of its own: any cache.
+  EXPECT_NO_THROW(make_engine(std::nullopt, cache));
 }
 
 }  // namespace

@@ -36,7 +36,13 @@ int main(int argc, char** argv) {
     const KVLayout& layout = a.layout;
     const std::uint64_t tokens = a.tokens;
     const std::uint64_t seed = a.seed;
-    auto cache = make_kv_cache(layout, engine_traits(a.engine).memory);
+    // The loopback setup's cache (--owner-memory, --layer-regions).
+    LoopbackSetup setup;
+    if (auto it = a.other.find("--owner-memory"); it != a.other.end()) {
+      setup.owner_memory = static_cast<MemoryKind>(std::stoi(it->second));
+    }
+    setup.layer_regions = a.other.count("--layer-regions") != 0;
+    auto cache = make_loopback_cache(engine_traits(a.engine), setup, layout, /*owner=*/true);
     KVTransferManager manager(TransferEngineInfo{"peer", "", a.engine, a.options}, cache);
     auto pool_ptr = std::make_shared<KVCachePool>(cache, manager.get_kv_transfer_info(), a.scatter,
                                                   a.lease.value_or(KVCachePool::kDefaultLease));

@@ -4,7 +4,7 @@
 // (kv_conformance_peer's "stream" command): every layer of the sequence holds
 // a poison pattern until the owner writes it and marks it ready, so a reader
 // that ever read a layer early would fail the byte-exact verify. Engines
-// without a readiness channel must refuse streaming with kUnavailable.
+// without a readiness channel must refuse streaming with kNotSupported.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,6 +12,7 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "engine_suite.hpp"
 #include "common/expectations.hpp"
@@ -111,7 +112,7 @@ TEST_P(Streaming, RefusedWithoutAReadinessChannel) {
     m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices, seq.kv_transfer_info);
     FAIL() << "streaming over " << engine() << " was accepted";
   } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kUnavailable) << e.what();
+    EXPECT_EQ(e.code(), StatusCode::kNotSupported) << e.what();
     EXPECT_NE(std::string(e.what()).find("'" + engine() + "'"), std::string::npos)
         << e.what();
   }
@@ -215,20 +216,27 @@ TEST_P(Streaming, LayersOverAMebibyteGoThroughTheEnginesWorkers) {
 TEST_P(Streaming, AnotherGeometryStreamsLikeAPull) {
   need_readiness();
   if (IsSkipped()) return;
-  // The owner: 8 heads, 16-token HND pages, page-major; the reader: tensor
-  // parallel rank 1 of 2 (heads 4..7), 64-token NHD pages, layer-major.
-  const KVLayout owner = shard_layout(16, 8, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
-  const KVLayout local = shard_layout(64, 4, 4, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 16);
-  PeerProcess peer(peer_spec(owner, 300));
-  auto cache = local_cache(local);
-  auto m = manager(cache);
-  const SequenceInfo seq = start_owner_stream(peer, 20, 4);
-  const std::vector<std::uint32_t> lp{9, 2, 14, 5, 0};  // ceil(300 / 64) pages
-  auto s = m->start_streaming_retrieve(37, 300, lp, seq.page_indices, seq.kv_transfer_info);
-  ASSERT_TRUE(s.has_value());
-  EXPECT_GT(s->future().get(), 0u);
-  auto v = testing::verify_pattern_any(*cache, kSeed, lp, 37, 300);
-  EXPECT_TRUE(v.ok()) << v.first_mismatch;
+  // The owner: 8 heads, 16-token HND pages, page-major (then layer_page
+  // NHD); the reader: tensor parallel rank 1 of 2 (heads 4..7), 64-token NHD
+  // pages, layer-major (then layer_page HND).
+  const std::pair<KVLayout, KVLayout> cases[] = {
+      {shard_layout(16, 8, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64),
+       shard_layout(64, 4, 4, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 16)},
+      {shard_layout(16, 8, 0, 8, PageOrder::kNHD, CacheOrder::kLayerPage, 64),
+       shard_layout(64, 4, 4, 8, PageOrder::kHND, CacheOrder::kLayerPage, 16)}};
+  for (const auto& [owner, local] : cases) {
+    SCOPED_TRACE(local.to_string() + " <- " + owner.to_string());
+    PeerProcess peer(peer_spec(owner, 300));
+    auto cache = local_cache(local);
+    auto m = manager(cache);
+    const SequenceInfo seq = start_owner_stream(peer, 20, 4);
+    const std::vector<std::uint32_t> lp{9, 2, 14, 5, 0};  // ceil(300 / 64) pages
+    auto s = m->start_streaming_retrieve(37, 300, lp, seq.page_indices, seq.kv_transfer_info);
+    ASSERT_TRUE(s.has_value());
+    EXPECT_EQ(s->future().get(), (300u - 37u) * local.token_bytes() * 2 * local.num_layers);
+    auto v = testing::verify_pattern_any(*cache, kSeed, lp, 37, 300);
+    EXPECT_TRUE(v.ok()) << v.first_mismatch;
+  }
 }
 
 TEST_P(Streaming, AFinishedSequenceStreamsAsOneRead) {

@@ -409,7 +409,7 @@ TEST_F(CudaIpcEngine, AnEpochWithoutATableIsRefused) {
   // Nor can it be streamed: no readiness to watch.
   testing::expect_error(
       [&] { m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices, bare); },
-      StatusCode::kUnavailable, {"carries no host tables"});
+      StatusCode::kNotSupported, {"carries no host tables"});
   expect_only_named_bytes_written(*cache, l, {});
 }
 

@@ -106,7 +106,7 @@ void expect_corrupt(const KVTransferInfo& info, const std::string& needle) {
 }
 
 TEST(CudaIpcInfo, RoundTripsEveryLayoutOrder) {
-  for (auto co : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor}) {
+  for (auto co : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor, CacheOrder::kLayerPage}) {
     for (auto po : {PageOrder::kNHD, PageOrder::kHND}) {
       for (bool has_v : {true, false}) {
         KVLayout l = small_layout(co, po);
@@ -137,6 +137,13 @@ TEST(CudaIpcInfo, ViewIsTheLayoutsContiguousTensor) {
   const std::int64_t idx = 3 * st[0] + 1 * st[1] + 17 * st[2] + 5 * st[3] + 1 * st[4];
   EXPECT_EQ(static_cast<std::uint64_t>(idx) * l.element_size(),
             l.block_offset(3, KV::kValue, 17) + l.in_block_offset(5, 1));
+  // layer_page: upstream mstar's [L, P, 2, T, H, D].
+  const KVLayout lp = small_layout(CacheOrder::kLayerPage, PageOrder::kNHD);
+  EXPECT_EQ(CudaIpcKVTransferInfo::view_size(lp), (std::vector<std::int64_t>{4, 64, 2, 16, 2, 64}));
+  const auto sp = CudaIpcKVTransferInfo::view_stride(lp);
+  const std::int64_t ip = 3 * sp[0] + 17 * sp[1] + 1 * sp[2] + 5 * sp[3] + 1 * sp[4];
+  EXPECT_EQ(static_cast<std::uint64_t>(ip) * lp.element_size(),
+            lp.block_offset(3, KV::kValue, 17) + lp.in_block_offset(5, 1));
 }
 
 TEST(CudaIpcInfo, AcceptsPyTorchDtypeNames) {

@@ -194,7 +194,7 @@ TEST(ShmEngine, PullsTheCallerHelpsCopyAreByteExact) {
 
 // A read of kPiecewiseReads KVReadInfo or more between caches of one
 // geometry is planned run by run on the workers: byte-exact with a prefix
-// hit mid-page and a partial last page, in both cache orders, nothing else
+// hit mid-page and a partial last page, in every cache order, nothing else
 // written, the timing naming the spans before coalescing; 1-token pages
 // (the calling thread helps: 2 MiB) and 16-token ones (streamed: 33 MB).
 TEST(ShmEngine, ManyReadsArePlannedOnTheWorkersByteExact) {
@@ -205,7 +205,7 @@ TEST(ShmEngine, ManyReadsArePlannedOnTheWorkersByteExact) {
   for (const Case c : {Case{1, 2048, 1100}, Case{16, 1100, 1030 * 16 + 5}}) {
     const KVLayout remote = testing::make_layout(4, c.pages, c.page_size, 2, 64);
     Owner owner(remote, c.tokens);
-    for (auto co : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor}) {
+    for (auto co : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor, CacheOrder::kLayerPage}) {
       const KVLayout local = testing::make_layout(4, c.pages, c.page_size, 2, 64,
                                                   DType::kBFloat16, co);
       auto cache = sentinel_cache(local);
@@ -603,11 +603,20 @@ TEST(ShmMemory, ReaderMappingIsReadOnly) {
   EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.to_string();
 }
 
-TEST(ShmMemory, PrivateCacheReadsButPublishesNothing) {
+// A private cache publishes a cross-memory attach descriptor (cma tests:
+// shm_cma_test.cpp): its one region, tables and anchor.
+TEST(ShmMemory, PrivateCachePublishesItsRegionForCrossMemoryAttach) {
   auto cache = make_kv_cache(small_layout(), MemoryKind::kHost);
   ShmKVTransferEngine engine(cache);
-  EXPECT_TRUE(engine.get_kv_transfer_info().empty());
-  EXPECT_FALSE(engine.shm_info().has_value());
+  ASSERT_FALSE(engine.get_kv_transfer_info().empty());
+  const auto info = engine.shm_info();
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->access, ShmKVTransferInfo::Access::kCma);
+  EXPECT_EQ(info->pid, static_cast<std::uint32_t>(::getpid()));
+  ASSERT_EQ(info->regions.size(), 1u);
+  EXPECT_EQ(info->regions[0], reinterpret_cast<std::uintptr_t>(cache->base()));
+  EXPECT_EQ(info->epochs_addr, reinterpret_cast<std::uintptr_t>(cache->epochs().words()));
+  EXPECT_EQ(ShmKVTransferInfo::decode(info->encode()), *info);
   // Nothing to read still validates the descriptor (engine.hpp): the empty
   // (local-only) one is no shm descriptor; a shared cache's is.
   EXPECT_THROW(engine.read_batched_async(KVTransferInfo{}, {}), Error);

@@ -1,9 +1,13 @@
 // Copyright mstar-kv authors.
 //
-// A real peer process for the shm engine tests. It owns a shared cache (or,
-// with --reader, only reads others'), and speaks lines on stdin/stdout:
-//   out "SEQ <hex SequenceInfo>"   after start (owner) and after "regen"
+// A real peer process for the shm engine tests. It owns a shared cache (with
+// --private a private one, served by cross-memory attach; with --layers too
+// a private one of one region per layer), or, with --reader, only reads
+// others'; and speaks lines on stdin/stdout:
+//   out "SEQ <hex SequenceInfo>"   after start (owner), "regen" and "reengine"
 //   in  "regen"        free the cache and allocate, fill and publish a new one
+//   in  "reengine"     a new engine and pool over the same cache (--private:
+//                      a new anchor and nonce), filled and published again
 //   in  "pullloop <hex>"  (reader) pull that sequence again and again;
 //                      prints "LOOPING" after the first verified pull
 //   in  "tryopen <hex>"  (reader) read that sequence with the descriptor's
@@ -36,10 +40,21 @@ struct Owner {
   std::unique_ptr<KVCachePool> pool;
 };
 
+enum class OwnerMemory { kShared, kPrivate, kLayers };
+
+std::shared_ptr<KVCache> owner_cache(const KVLayout& l, OwnerMemory memory) {
+  switch (memory) {
+    case OwnerMemory::kPrivate: return make_kv_cache(l, MemoryKind::kHost);
+    case OwnerMemory::kLayers: return KVCache::create_host_layers(l);
+    default: return make_kv_cache(l, MemoryKind::kSharedHost);
+  }
+}
+
 std::unique_ptr<Owner> make_owner(const KVLayout& l, std::uint64_t tokens, std::uint64_t seed,
-                                  std::uint64_t scatter) {
+                                  std::uint64_t scatter, OwnerMemory memory,
+                                  std::shared_ptr<KVCache> cache = nullptr) {
   auto o = std::make_unique<Owner>();
-  o->cache = make_kv_cache(l, MemoryKind::kSharedHost);
+  o->cache = cache ? std::move(cache) : owner_cache(l, memory);
   o->manager = std::make_unique<KVTransferManager>(
       TransferEngineInfo{"peer", "", "shm", EngineOptions{}}, o->cache);
   o->pool = std::make_unique<KVCachePool>(o->cache, o->manager->get_kv_transfer_info(), scatter);
@@ -70,7 +85,11 @@ SequenceInfo decode_hex(const std::string& hex) {
 
 int main(int argc, char** argv) {
   return testing::run_peer([&] {
-    const testing::PeerArgs a = testing::parse_peer_args(argc, argv, {"--reader"});
+    const testing::PeerArgs a =
+        testing::parse_peer_args(argc, argv, {"--reader", "--private", "--layers"});
+    const OwnerMemory memory = a.flags.count("--layers") != 0    ? OwnerMemory::kLayers
+                               : a.flags.count("--private") != 0 ? OwnerMemory::kPrivate
+                                                                 : OwnerMemory::kShared;
     if (a.other.count("--as-uid") != 0) {
       const long as_uid = std::stol(a.other.at("--as-uid"));
       const auto id = static_cast<uid_t>(as_uid);
@@ -79,12 +98,18 @@ int main(int argc, char** argv) {
       }
     }
     std::unique_ptr<Owner> owner;
-    if (a.flags.count("--reader") == 0) owner = make_owner(a.layout, a.tokens, a.seed, a.scatter);
+    if (a.flags.count("--reader") == 0) {
+      owner = make_owner(a.layout, a.tokens, a.seed, a.scatter, memory);
+    }
     for (std::string line; std::getline(std::cin, line);) {
       if (line == "quit") break;
       if (line == "regen" && owner) {
         owner.reset();  // the old memfd is closed and unmapped here
-        owner = make_owner(a.layout, a.tokens, a.seed, a.scatter);
+        owner = make_owner(a.layout, a.tokens, a.seed, a.scatter, memory);
+      } else if (line == "reengine" && owner) {
+        std::shared_ptr<KVCache> cache = owner->cache;
+        owner.reset();  // the engine goes (with its anchor), the cache stays
+        owner = make_owner(a.layout, a.tokens, a.seed, a.scatter, memory, std::move(cache));
       } else if (line.rfind("tryopen ", 0) == 0) {
         const SequenceInfo seq = decode_hex(line.substr(8));
         ShmKVTransferInfo info = ShmKVTransferInfo::decode(seq.kv_transfer_info);

@@ -24,7 +24,7 @@
 #include <thread>
 #include <vector>
 
-#include "engines/rma/rma_backend.hpp"
+#include "rma/rma_backend.hpp"
 #include "engines/ucx/raw_ucp.hpp"
 #include "engines/ucx/ucx_wire.hpp"
 #include "mstar/kv/kv.hpp"

@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -18,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/netns.hpp"
 #include "testkit/child.hpp"
 
 #ifndef MSTAR_KV_CLI_PATH
@@ -127,76 +127,9 @@ TEST(ServePull, ServerKilledMidPullFailsThePullInTime) {
   EXPECT_NE(pull.output().find("failed"), std::string::npos) << pull.output();
 }
 
-// Runs a shell command, bounded in time; returns its exit status.
-int sh(const std::string& cmd) {
-  const int rc = std::system(("timeout 20 " + cmd + " >/dev/null 2>&1").c_str());
-  return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
-}
-
-// Two namespaces joined by a veth pair, deleted again however the test ends.
-class NetnsPair {
- public:
-  NetnsPair() {
-    const std::string tag = std::to_string(::getpid() % 100000);
-    a_ = "mskvA" + tag;
-    b_ = "mskvB" + tag;
-    va_ = "mkva" + tag;
-    vb_ = "mkvb" + tag;
-    subnet_ = "10.231." + std::to_string(::getpid() % 250 + 1);
-    if (sh("ip netns add " + a_) != 0) {
-      reason_ = "cannot create a network namespace (`ip netns add` failed: not root, or no "
-                "CAP_SYS_ADMIN here)";
-      return;
-    }
-    created_a_ = true;
-    if (sh("ip netns add " + b_) != 0) {
-      reason_ = "cannot create a second network namespace";
-      return;
-    }
-    created_b_ = true;
-    const std::vector<std::string> steps = {
-        "ip link add " + va_ + " type veth peer name " + vb_,
-        "ip link set " + va_ + " netns " + a_,
-        "ip link set " + vb_ + " netns " + b_,
-        "ip -n " + a_ + " addr add " + addr_a() + "/24 dev " + va_,
-        "ip -n " + b_ + " addr add " + addr_b() + "/24 dev " + vb_,
-        "ip -n " + a_ + " link set " + va_ + " up",
-        "ip -n " + b_ + " link set " + vb_ + " up",
-        "ip -n " + a_ + " link set lo up",
-        "ip -n " + b_ + " link set lo up"};
-    for (const auto& s : steps) {
-      if (sh(s) != 0) {
-        reason_ = "cannot set up the veth pair: `" + s + "` failed";
-        return;
-      }
-    }
-  }
-  ~NetnsPair() {
-    if (created_a_) sh("ip netns del " + a_);  // deletes the veth pair too
-    if (created_b_) sh("ip netns del " + b_);
-  }
-  const std::string& skip_reason() const { return reason_; }
-  std::string addr_a() const { return subnet_ + ".1"; }
-  std::string addr_b() const { return subnet_ + ".2"; }
-  std::vector<std::string> in_a(std::vector<std::string> argv) const {
-    argv.insert(argv.begin(), {"ip", "netns", "exec", a_});
-    return argv;
-  }
-  std::vector<std::string> in_b(std::vector<std::string> argv) const {
-    argv.insert(argv.begin(), {"ip", "netns", "exec", b_});
-    return argv;
-  }
-  const std::string& veth_a() const { return va_; }
-  const std::string& veth_b() const { return vb_; }
-
- private:
-  std::string a_, b_, va_, vb_, subnet_, reason_;
-  bool created_a_ = false;
-  bool created_b_ = false;
-};
-
 TEST(ServePull, AcrossTwoNetworkNamespacesOverTcp) {
-  NetnsPair ns;
+  mstar::kv::testing::NetNamespaces ns(mstar::kv::testing::NetNamespaces::Shape::kPair,
+                                       "mskv");
   if (!ns.skip_reason().empty()) GTEST_SKIP() << ns.skip_reason();
   const int port = random_port();
   const std::string http = ns.addr_a() + ":" + std::to_string(port);

@@ -30,13 +30,16 @@ class UcxDataPath : public UcxFixture {
   static KVLayout reader_layout() { return layout(kPages); }
 
   // Waits until some byte of `c` left the sentinel (a reply landed), up to
-  // `limit`; checks one byte in 512 so that polling stays cheap.
+  // `limit`; checks one byte in 512 so that polling stays cheap. It reads
+  // while UCX's progress thread writes replies into the same bytes, on
+  // purpose: relaxed atomic loads, so the concurrency is declared (a byte
+  // seen early or late only moves the moment this returns).
   static bool wait_first_bytes(const KVCache& c, std::chrono::milliseconds limit) {
     const auto end = std::chrono::steady_clock::now() + limit;
     const std::byte* p = c.base();
     while (std::chrono::steady_clock::now() < end) {
       for (std::size_t i = 0; i < c.size_bytes(); i += 512) {
-        if (p[i] != kSentinel) return true;
+        if (__atomic_load_n(p + i, __ATOMIC_RELAXED) != kSentinel) return true;
       }
       std::this_thread::sleep_for(200us);
     }

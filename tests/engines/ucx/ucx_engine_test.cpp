@@ -4,6 +4,7 @@
 // UCX's tcp transport and its shared-memory transports on loopback, in both
 // read modes: big and partial pulls, forged descriptors, a peer killed in
 // the middle of a pull, shutdown with reads in flight.
+#include <functional>
 #include <thread>
 #include <unistd.h>
 
@@ -27,6 +28,87 @@ TEST_P(UcxEngine, BigScatteredPullMovesEveryByte) {
             l.total_bytes());
   const auto v = verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
+}
+
+// Caches of one region per layer (vLLM's per-layer tensors) on either side,
+// in every mode: the owner registers and sends from each layer's region
+// (gets: one remote key per region), the reader lands each span in its own
+// layer's region; whole pulls, a prefix hit, an in-page order change (rows
+// gathered or, over gets, posted one by one) and a single-region reader.
+TEST_P(UcxEngine, LayerSplitCachesPullByteExact) {
+  const KVLayout remote = small_layout(256);
+  PeerSpec s = spec(remote, 256 * 16);
+  s.setup.layer_regions = true;
+  PeerProcess peer(s);
+  const auto& seq = peer.sequence();
+  ASSERT_EQ(UcxKVTransferInfo::decode(seq.kv_transfer_info).layer_regions.size(),
+            remote.num_layers);
+  std::vector<std::uint32_t> lp = iota_pages(seq.page_indices.size());
+  std::reverse(lp.begin(), lp.end());
+  for (auto po : {PageOrder::kNHD, PageOrder::kHND}) {
+    for (bool split : {true, false}) {
+      SCOPED_TRACE(std::string(to_string(po)) + (split ? " split reader" : " one region"));
+      const KVLayout local = small_layout(256, CacheOrder::kLayerMajor, po);
+      auto cache = split ? KVCache::create_host_layers(local) : make_kv_cache(local, MemoryKind::kHost);
+      testing::fill_bytes(*cache, kSentinel);
+      auto m = manager(cache, 20000ms);
+      m->sync_retrieve(40, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
+      const auto reads = plan_reads(local, remote, 40, seq.num_tokens, lp, seq.page_indices);
+      EXPECT_EQ(testing::bytes_written_outside(*cache, remote, reads, kSentinel), 0u);
+      EXPECT_TRUE(testing::verify_pattern_any(*cache, kSeed, lp, 40, seq.num_tokens).ok());
+      m->sync_retrieve(0, 40, lp, seq.page_indices, seq.kv_transfer_info);
+      EXPECT_TRUE(testing::verify_pattern_any(*cache, kSeed, lp, 0, seq.num_tokens).ok());
+    }
+  }
+}
+
+// A split owner's descriptor as untrusted input: its layer regions are
+// checked when decoded (count, overlaps, data_ptr) and against what the
+// owner registered (addresses), before any byte moves.
+TEST_P(UcxEngine, ForgedLayerRegionsAreRejectedBeforeAnyRead) {
+  if (GetParam().label != "tcp_auto" && GetParam().label != "tcp_get") {
+    GTEST_SKIP() << "the descriptor checks do not depend on the transport: tcp cases only";
+  }
+  const KVLayout l = small_layout(64);
+  PeerSpec s = spec(l, 64);
+  s.setup.layer_regions = true;
+  PeerProcess peer(s);
+  auto cache = local_cache(l);
+  auto m = manager(cache);
+  const auto& seq = peer.sequence();
+  const auto good = UcxKVTransferInfo::decode(seq.kv_transfer_info);
+  ASSERT_EQ(good.layer_regions.size(), 4u);
+  const std::uint64_t lb = l.layer_bytes();
+  struct Case {
+    const char* what;
+    std::function<void(UcxKVTransferInfo&)> edit;
+    StatusCode code;
+    const char* says;
+  };
+  const std::vector<Case> cases = {
+      {"two regions for four layers", [](auto& f) { f.layer_regions.resize(2); },
+       StatusCode::kCorruptDescriptor, "2 layer regions"},
+      {"overlapping regions", [lb](auto& f) { f.layer_regions[2] = f.layer_regions[1] + lb / 2; },
+       StatusCode::kCorruptDescriptor, "overlaps"},
+      {"data_ptr elsewhere", [](auto& f) { f.data_ptr += 4096; }, StatusCode::kCorruptDescriptor,
+       "data_ptr at layer 0's region"},
+      {"regions the owner did not register",
+       [](auto& f) { std::swap(f.layer_regions[1], f.layer_regions[3]); },
+       StatusCode::kPermissionDenied, "layer regions"},
+      {"one region claimed", [](auto& f) { f.layer_regions.clear(); },
+       StatusCode::kPermissionDenied, "layer regions"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    auto f = good;
+    c.edit(f);
+    testing::expect_error(
+        [&] { m->start_async_retrieve(0, 64, iota_pages(4), seq.page_indices, f.encode()); },
+        c.code, {c.says});
+    EXPECT_TRUE(untouched(*cache));
+  }
+  m->sync_retrieve(0, 64, iota_pages(4), seq.page_indices, seq.kv_transfer_info);
+  EXPECT_TRUE(verify_pattern(*cache, kSeed, iota_pages(4), 0, 64).ok());
 }
 
 // ucx_progress: however the progress threads wait when idle (both sides the
@@ -58,8 +140,8 @@ TEST_P(UcxEngine, EveryProgressPolicyPullsEveryByte) {
   }
 }
 
-TEST_P(UcxEngine, PartialPagesInBothOrdersTouchOnlyTheirTokens) {
-  for (auto co : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor}) {
+TEST_P(UcxEngine, PartialPagesInEveryOrderTouchOnlyTheirTokens) {
+  for (auto co : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor, CacheOrder::kLayerPage}) {
     for (auto po : {PageOrder::kNHD, PageOrder::kHND}) {
       const KVLayout remote = small_layout(64);
       const KVLayout local = small_layout(32, co, po);

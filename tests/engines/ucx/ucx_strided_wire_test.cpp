@@ -33,9 +33,10 @@ class UcxStridedWire : public ::testing::Test {
   void SetUp() override {
     const auto b = built_engines();
     if (std::find(b.begin(), b.end(), "ucx") == b.end()) GTEST_SKIP() << "ucx engine not built";
-    cache_ = make_kv_cache(testing::make_layout(2, 8, 16, 1, 64), MemoryKind::kHost);
+    const KVLayout l = testing::make_layout(2, 8, 16, 1, 64);
+    cache_ = split() ? KVCache::create_host_layers(l) : make_kv_cache(l, MemoryKind::kHost);
     for (std::uint64_t i = 0; i < cache_->size_bytes(); ++i) {
-      reinterpret_cast<std::uint8_t*>(cache_->base())[i] = pattern(i);
+      *reinterpret_cast<std::uint8_t*>(cache_->at(i)) = pattern(i);  // by layout offset
     }
     owner_ = testing::tcp_ucx_owner(cache_, {}, &port_);
     ASSERT_TRUE(owner_) << "no free port";
@@ -46,6 +47,9 @@ class UcxStridedWire : public ::testing::Test {
     client_->send(kAmHello, &h, sizeof h);
     ASSERT_TRUE(client_->wait_for(kAmHelloReply, 5s)) << "no hello reply";
   }
+
+  // The owner's cache is one region per layer (UcxStridedWireLayers).
+  virtual bool split() const { return false; }
 
   // Sends one strided request (gathered, as the engine sends it unless
   // `flags` says otherwise) and waits for its answer.
@@ -193,6 +197,51 @@ TEST_F(UcxStridedWire, MalformedStridedRequestsAreRefused) {
   EXPECT_NE(message.find("malformed"), std::string::npos) << message;
   client_->wait_for(kAmGatherData, 200ms);
   EXPECT_FALSE(client_->got_any(kAmGatherData));
+}
+
+// An owner whose cache is one region per layer: rows are served from each
+// layer's own region, and a span or row run that crosses a layer boundary
+// (the planner never makes one) is refused before any byte goes out.
+class UcxStridedWireLayers : public UcxStridedWire {
+ protected:
+  bool split() const override { return true; }
+};
+
+TEST_F(UcxStridedWireLayers, ServesEachLayersRowsAndRefusesSpansAcrossLayers) {
+  const std::uint64_t lb = cache_->layout().layer_bytes();
+  ASSERT_TRUE(cache_->split());
+  // Three rows in layer 1, then the last 64 bytes of layer 0.
+  send({{lb + 100, 48, 0, 3, 1000, 48}, {lb - 64, 64, 144, 1, 0, 0}});
+  ASSERT_TRUE(client_->wait_for(kAmGatherData, 5s)) << "nothing served";
+  const Received& got = client_->first(kAmGatherData);
+  std::vector<std::uint8_t> want;
+  for (std::uint64_t r = 0; r < 3; ++r) {
+    for (std::uint64_t b = 0; b < 48; ++b) want.push_back(pattern(lb + 100 + r * 1000 + b));
+  }
+  for (std::uint64_t b = 0; b < 64; ++b) want.push_back(pattern(lb - 64 + b));
+  EXPECT_TRUE(got.data == want) << "the gathered bytes are not the named rows";
+  // Rows that run from layer 0 into layer 1, and one row across the boundary.
+  for (const WireStrided& bad : {WireStrided{lb - 1000, 48, 0, 3, 600, 48},
+                                 WireStrided{lb - 32, 64, 0, 1, 0, 0}}) {
+    send({{0, 64, 0, 2, 128, 64}, bad});
+    const auto [code, message] = refusal();
+    EXPECT_EQ(code, static_cast<std::uint32_t>(StatusCode::kInvalidArgument)) << message;
+    EXPECT_NE(message.find("strided span 1"), std::string::npos) << message;
+    EXPECT_NE(message.find("crosses a layer boundary"), std::string::npos) << message;
+  }
+  // The same for a plain (not strided) request.
+  ReadReqHdr r{};
+  r.batch_id = ++batch_;
+  r.generation = generation_;
+  r.nspans = 1;
+  const WireSpan across{lb - 32, 64, 0};
+  client_->send(kAmReadReq, &r, sizeof r, &across, sizeof across);
+  const auto [code, message] = refusal();
+  EXPECT_EQ(code, static_cast<std::uint32_t>(StatusCode::kInvalidArgument)) << message;
+  EXPECT_NE(message.find("span 0"), std::string::npos) << message;
+  EXPECT_NE(message.find("crosses a layer boundary"), std::string::npos) << message;
+  client_->wait_for(kAmReadData, 200ms);
+  EXPECT_FALSE(client_->got_any(kAmReadData)) << "a refused request was served";
 }
 
 }  // namespace

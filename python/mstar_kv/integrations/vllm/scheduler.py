@@ -1,0 +1,212 @@
+"""Scheduler side of MstarKVConnector (runs in vLLM's engine-core process)."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from .metadata import LoadReq, PublishReq, ReleaseReq, StepMeta, UnpublishReq
+from .params import (
+    ConfigError,
+    ConnectorConfig,
+    make_decode_params,
+    parse_remote_prefill,
+    published_name,
+)
+
+log = logging.getLogger("mstar_kv.vllm")
+
+_FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+def _first_group(block_ids: Any) -> list:
+    """vLLM passes one block-id list, or one list per KV cache group."""
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        if len(block_ids) != 1:
+            raise ConfigError(f"{len(block_ids)} KV cache groups: MstarKVConnector moves one "
+                              "(hybrid models are not supported yet)")
+        return list(block_ids[0])
+    return list(block_ids or [])
+
+
+class SchedulerSide:
+    def __init__(self, cfg: ConnectorConfig, block_size: int, tp_size: int, is_producer: bool,
+                 is_consumer: bool, cell_layout: str = "kv_cells"):
+        self.cfg = cfg
+        self.cell_layout = cell_layout
+        self.block_size = block_size
+        self.tp_size = tp_size
+        self.is_producer = is_producer
+        self.is_consumer = is_consumer
+        self._meta = StepMeta()
+        self._matched: dict = {}     # req_id -> num_computed_tokens at the last match
+        self._loading: set = set()   # loads handed to the workers, not finished yet
+        self._sending: set = set()   # producer: requests whose blocks the workers hold
+        # publish_early: remote-decode requests being prefilled, req_id -> [name,
+        # prompt length, block ids]; and those published before their forward pass.
+        self._prefilling: dict = {}
+        self._early: dict = {}       # req_id -> (name, num_tokens)
+        self.stats = {"published": 0, "loads": 0, "releases": 0, "cancelled": 0}
+
+    # -- consumer --------------------------------------------------------
+    def _remote(self, request) -> Optional[Any]:
+        try:
+            return parse_remote_prefill(request.kv_transfer_params)
+        except ConfigError as e:
+            log.warning("request %s: ignoring its kv_transfer_params: %s", request.request_id, e)
+            return None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        if not self.is_consumer:
+            return 0, False
+        rp = self._remote(request)
+        if rp is None:
+            return 0, False
+        prompt = len(request.prompt_token_ids or [])
+        count = min(rp.num_tokens, prompt) - num_computed_tokens
+        self._matched[request.request_id] = num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if self.is_producer and self.cfg.publish_early:
+            self._track_prefill(request)
+        if not self.is_consumer:
+            return
+        rp = self._remote(request)
+        if rp is None:
+            return
+        req_id = request.request_id
+        start = self._matched.pop(req_id, None)
+        if num_external_tokens > 0 and start is not None:
+            block_ids = _first_group(blocks.get_block_ids())
+            self._meta.load.append(LoadReq(req_id, rp, block_ids, start,
+                                           start + num_external_tokens))
+            self._loading.add(req_id)
+            self.stats["loads"] += 1
+        else:
+            # Everything is cached here already: the producer may free.
+            self._meta.release.append(ReleaseReq(req_id, rp))
+            self.stats["releases"] += 1
+        request.kv_transfer_params["do_remote_prefill"] = False  # one transfer per request
+
+    # -- producer, publish_early -------------------------------------------
+    def _name(self, request) -> Optional[str]:
+        try:
+            return published_name(request.kv_transfer_params, request.request_id)
+        except ConfigError as e:
+            log.warning("request %s: %s; published under its vLLM id", request.request_id, e)
+            return str(request.request_id)
+
+    def _track_prefill(self, request) -> None:
+        params = request.kv_transfer_params or {}
+        req_id = request.request_id
+        if not params.get("do_remote_decode") or req_id in self._early:
+            return
+        self._prefilling[req_id] = [self._name(request), len(request.prompt_token_ids or []), []]
+
+    def _publish_early(self, so) -> None:
+        """Publishes, with no layer ready, each tracked request whose last
+        prompt chunk runs in this step (its blocks are all allocated now);
+        the workers mark its layers as the forward pass saves them."""
+        if not self._prefilling:
+            return
+        for req_id in getattr(so, "preempted_req_ids", None) or ():
+            self._prefilling.pop(req_id, None)
+        for nr in getattr(so, "scheduled_new_reqs", None) or ():
+            t = self._prefilling.get(nr.req_id)
+            if t is not None:
+                t[2] = _first_group(nr.block_ids)
+                self._maybe_publish(nr.req_id, t, nr.num_computed_tokens, so)
+        cr = getattr(so, "scheduled_cached_reqs", None)
+        for i, req_id in enumerate(getattr(cr, "req_ids", None) or ()):
+            t = self._prefilling.get(req_id)
+            if t is None:
+                continue
+            new = cr.new_block_ids[i]
+            if new is not None:
+                ids = _first_group(new)
+                # vLLM 0.32 names resumed requests (their block ids are
+                # replaced); 0.34 sends them again as new requests.
+                resumed = getattr(cr, "resumed_req_ids", None) or ()
+                t[2] = ids if req_id in resumed else t[2] + ids
+            self._maybe_publish(req_id, t, cr.num_computed_tokens[i], so)
+
+    def _maybe_publish(self, req_id: str, t: list, computed: int, so) -> None:
+        name, prompt, blocks = t
+        end = computed + int(so.num_scheduled_tokens.get(req_id, 0))
+        if end < prompt:
+            return  # an earlier chunk: its layers are written by the time the last one runs
+        del self._prefilling[req_id]
+        n = min(prompt, len(blocks) * self.block_size)
+        if n <= 0:
+            return
+        pages = blocks[:(n + self.block_size - 1) // self.block_size]
+        self._meta.publish.append(PublishReq(req_id, pages, n, layers_ready=0, name=name))
+        self._early[req_id] = (name, n)
+        self._sending.add(req_id)
+        self.stats["published"] += 1
+
+    # -- both --------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output) -> StepMeta:
+        if self.is_producer and self.cfg.publish_early:
+            for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+                e = self._early.pop(req_id, None)
+                if e is not None:  # its blocks go back to vLLM now: unpublish first
+                    self._meta.unpublish.append(UnpublishReq(req_id, e[0], report=False))
+                    self._sending.discard(req_id)
+            self._publish_early(scheduler_output)
+        meta, self._meta = self._meta, StepMeta()
+        return meta
+
+    def update_connector_output(self, output) -> None:
+        for req_id in getattr(output, "finished_recving", None) or ():
+            self._loading.discard(req_id)
+        for req_id in getattr(output, "finished_sending", None) or ():
+            self._sending.discard(req_id)
+
+    def request_finished(self, request, block_ids) -> tuple:
+        params = request.kv_transfer_params or {}
+        req_id = request.request_id
+        self._matched.pop(req_id, None)
+        if self.is_consumer and params.get("do_remote_prefill"):
+            # Finished (aborted) before its load was set up: free the producer's blocks.
+            rp = self._remote(request)
+            if rp is not None:
+                self._meta.release.append(ReleaseReq(req_id, rp))
+                self.stats["releases"] += 1
+            return False, None
+        if req_id in self._loading:
+            # Aborted mid-load: vLLM keeps the blocks until the worker reports
+            # the load finished; the worker cancels it.
+            self._meta.cancel.append(req_id)
+            self.stats["cancelled"] += 1
+            return False, None
+        self._prefilling.pop(req_id, None)
+        early = self._early.pop(req_id, None)
+        finished_ok = getattr(request.status, "name", str(request.status)) in _FINISHED_OK
+        if early is not None:
+            # Published before its forward pass: vLLM keeps the blocks until
+            # the workers free them (done notice, lease, or the unpublish).
+            if not finished_ok:
+                self._meta.unpublish.append(UnpublishReq(req_id, early[0], report=True))
+                return True, None
+            return True, make_decode_params(self.cfg, early[0], self.tp_size, self.block_size,
+                                            early[1], self.cell_layout)
+        if not (self.is_producer and params.get("do_remote_decode")):
+            return False, None
+        if not finished_ok:
+            return False, None  # aborted: nothing to hand over
+        blocks = _first_group(block_ids)
+        n = min(int(request.num_computed_tokens), len(request.prompt_token_ids or []),
+                len(blocks) * self.block_size)
+        if n <= 0:
+            return False, None
+        pages = blocks[:(n + self.block_size - 1) // self.block_size]
+        name = self._name(request)
+        self._meta.publish.append(PublishReq(req_id, pages, n, name=name))
+        self._sending.add(req_id)
+        self.stats["published"] += 1
+        return True, make_decode_params(self.cfg, name, self.tp_size, self.block_size, n,
+                                        self.cell_layout)
+
+    def has_pending(self) -> bool:
+        return bool(self._sending or self._loading)

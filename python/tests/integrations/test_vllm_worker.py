@@ -1,0 +1,316 @@
+"""MstarKVConnector's worker side on CPU tensors, through vLLM 0.34's CPU
+connector glue (vllm.v1.worker.cpu.kv_connector.ActiveKVConnector) on the
+decode side and vLLM's own KV allocation (allocate_kv_cache) on both: a
+prefill worker process publishes a request's blocks (random bytes); the
+decode worker pulls them into its blocks; every token of every layer is
+compared. Layouts (NHD, HND, block-major), block sizes and TP merges;
+the producer's frees on the done notice and on lease expiry; a stale
+sequence (the blocks freed and reused) fails instead of loading wrong KV."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM (./scripts/test makes build/venvs/vllm)")
+
+import vllm_kit as K  # noqa: E402
+from mstar_kv.integrations.vllm.metadata import LoadReq, StepMeta  # noqa: E402
+from mstar_kv.integrations.vllm.params import parse_remote_prefill  # noqa: E402
+
+PEER = Path(__file__).with_name("vllm_worker_peer.py")
+SEED = 11
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return K.make_tiny_llama(tmp_path_factory.mktemp("tiny"), weights=False)
+
+
+_ZYGOTE = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def zygote(tmp_path_factory):
+    """One process that imports vLLM once and forks every producer peer
+    (each peer's own process, as before, without its 25 s of imports)."""
+    sock = str(tmp_path_factory.mktemp("zygote") / "peer.sock")
+    z = subprocess.Popen([sys.executable, str(PEER), "--zygote", sock], stdout=subprocess.PIPE,
+                         text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    line = z.stdout.readline()
+    assert line.strip() == "READY", line
+    _ZYGOTE["sock"] = sock
+    yield sock
+    _ZYGOTE.clear()
+    z.kill()
+    z.wait()
+
+
+class Forked:
+    """A peer forked by the zygote, with Popen's stdin, stdout, poll, wait
+    and kill (it is the zygote's child: its exit is seen through a pidfd)."""
+
+    def __init__(self, sock, argv, env):
+        import json
+        import socket
+        r_in, w_in = os.pipe()
+        r_out, w_out = os.pipe()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(sock)
+            socket.send_fds(s, [json.dumps({"argv": argv, "env": env}).encode()], [r_in, w_out])
+            self.pid = int(s.recv(64))
+        os.close(r_in)
+        os.close(w_out)
+        self.stdin = os.fdopen(w_in, "w")
+        self.stdout = os.fdopen(r_out, "r")
+        self._pidfd = os.pidfd_open(self.pid)
+        self.returncode = None
+
+    def wait(self, timeout=None):
+        import select
+        r, _, _ = select.select([self._pidfd], [], [], timeout)
+        if not r:
+            raise subprocess.TimeoutExpired(f"peer {self.pid}", timeout)
+        self.returncode = 0
+        return 0
+
+    def poll(self):
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self):
+        try:
+            os.kill(self.pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+class Producer:
+    def __init__(self, model_dir, port, layout, blocks, tokens, tp=(0, 1), cell="kv_cells",
+                 env=None):
+        argv = [str(PEER), str(model_dir), str(port), layout, ",".join(map(str, blocks)),
+                str(tokens), str(SEED), str(tp[0]), str(tp[1])]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PEER_CELL_LAYOUT=cell, **(env or {}))
+        self.p = Forked(_ZYGOTE["sock"], argv, env)
+        line = self.p.stdout.readline()
+        assert line.strip() == "READY", line
+
+    def freed(self, timeout=10.0) -> bool:
+        import select
+        r, _, _ = select.select([self.p.stdout], [], [], timeout)
+        return bool(r) and self.p.stdout.readline().strip() == "FREED"
+
+    def close(self):
+        if self.p.poll() is None:
+            self.p.stdin.close()
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+
+
+def params(port, tokens, tp=1, cell="kv_cells"):
+    return parse_remote_prefill({"do_remote_prefill": True, "mstar": {
+        "v": 1, "engine": "ucx", "request_id": "p1", "host": "127.0.0.1", "port": port,
+        "tp_size": tp, "block_size": K.PRODUCER_BS, "num_tokens": tokens, "cell_layout": cell}})
+
+
+def consumer(model_dir, layout="LBNHC", block_size=32, extra=None, num_blocks=64,
+             cell="kv_cells"):
+    cfg = K.make_vllm_config(model_dir, "kv_consumer", dict(extra or {}, cell_layout=cell),
+                             block_size, layout=layout)
+    kv = K.vllm_kv_tensors(cfg, num_blocks)
+    return K.Glue(cfg, kv), kv
+
+
+def pull(glue, load, finished_within=20.0):
+    out = glue.step(StepMeta(load=[load]))
+    deadline = time.monotonic() + finished_within
+    recv = set(out.finished_recving or ()) if out else set()
+    bad = set(out.invalid_block_ids or ()) if out else set()
+    while load.req_id not in recv:
+        assert time.monotonic() < deadline, "the load never finished"
+        time.sleep(0.01)
+        out = glue.step()
+        if out:
+            recv |= set(out.finished_recving or ())
+            bad |= set(out.invalid_block_ids or ())
+    return bad
+
+
+CASES = [  # K|V storage, producer layout, consumer layout, consumer block size
+    ("kv_cells", "LBNHC", "LBNHC", 32),
+    ("kv_cells", "LBNHC", "LBHNC", 32),   # NHD -> HND
+    ("kv_cells", "BLNHC", "LBNHC", 32),   # block-major producer
+    ("kv_cells", "LBNHC", "LBNHC", 64),   # another block size
+    ("kv_cells", "LBHNC", "BLHNC", 16),
+    ("kv_planes", "LBHNC", "LBHNC", 32),  # the CPU backend's K and V planes
+    ("kv_planes", "BLHNC", "LBHNC", 32),
+]
+
+
+@pytest.mark.parametrize("cell,p_layout,c_layout,c_bs", CASES)
+def test_pull_lands_the_producers_bytes_in_vllms_blocks(model_dir, cell, p_layout, c_layout,
+                                                        c_bs):
+    port = K.free_port()
+    n = 150
+    p_blocks = [9, 3, 40, 17, 22]            # 5 blocks of 32 (scattered)
+    prod = Producer(model_dir, port, p_layout, p_blocks, n, cell=cell)
+    glue, kv = consumer(model_dir, c_layout, c_bs, cell=cell)
+    try:
+        c_blocks = [(7 * j + 5) % 64 for j in range((n + c_bs - 1) // c_bs)]
+        assert len(set(c_blocks)) == len(c_blocks)
+        assert K.check_request(kv, c_blocks, SEED, 0, n), "test set-up: zeros already match?"
+        bad = pull(glue, LoadReq("d1", params(port, n, cell=cell), c_blocks, 0, n))
+        assert not bad
+        assert K.check_request(kv, c_blocks, SEED, 0, n) == []
+        st = glue.connector.consumer.stats
+        assert st["loads_ok"] == 1 and st["tokens_loaded"] == n
+        assert prod.freed(), "the producer did not free on the done notice"
+    finally:
+        glue.close()
+        prod.close()
+
+
+def test_kv_planes_with_another_block_size_fail_the_load(model_dir):
+    """The CPU backend's K and V planes do not map across block sizes: the
+    load fails (vLLM recomputes) instead of landing misplaced rows."""
+    port = K.free_port()
+    prod = Producer(model_dir, port, "LBHNC", [1, 2], 50, cell="kv_planes")
+    glue, kv = consumer(model_dir, "LBHNC", 64, cell="kv_planes")
+    try:
+        assert pull(glue, LoadReq("d1", params(port, 50, cell="kv_planes"), [4], 0, 50)) == {4}
+        assert bool((kv[sorted(kv)[0]][4] == 0).all())
+    finally:
+        glue.close()
+        prod.close()
+
+
+def test_layer_by_layer_each_layer_lands_once_the_producer_marked_it(model_dir):
+    """The producer publishes before its layers are written and marks each as
+    saved (KVCachePool.mark_layers_ready); the decode connector streams
+    (layerwise) and its wait for a layer returns once that layer's bytes
+    are in vLLM's blocks, while the next layer is still untouched."""
+    port = K.free_port()
+    n = 100
+    prod = Producer(model_dir, port, "LBNHC", [3, 1, 4, 2], n, env={"PEER_LAYERWISE": "1"})
+    glue, kv = consumer(model_dir, extra={"layerwise": True})
+    names = sorted(kv, key=lambda x: kv[x].data_ptr())
+    c_blocks = [20, 21, 22, 23]
+    try:
+        glue.step(StepMeta(load=[LoadReq("d1", params(port, n), c_blocks, 0, n)]))
+        time.sleep(0.5)
+        assert K.check_request(kv, c_blocks, SEED, 0, n, layers=[0]), "layer 0 before its mark"
+        for layer in range(len(names)):
+            prod.p.stdin.write("next\n")
+            prod.p.stdin.flush()
+            assert prod.p.stdout.readline().strip() == f"MARKED {layer}"
+            t0 = time.monotonic()
+            while glue.connector.consumer.pending() and not any(
+                    ld.stream for ld in glue.connector.consumer._loads.values()):
+                time.sleep(0.01)  # the stream is opened once the sequence is fetched
+            # The stream's layer wait (vLLM's wait_for_layer_load does not
+            # wait: loads are asynchronous).
+            glue.connector.consumer.wait_layer(layer, 20)
+            assert time.monotonic() - t0 < 20
+            assert K.check_request(kv, c_blocks, SEED, 0, n, layers=[layer]) == []
+            for later in range(layer + 1, len(names)):
+                assert all(bool((kv[names[later]][b] == 0).all()) for b in c_blocks)
+        deadline = time.monotonic() + 10
+        while not getattr(glue.step(), "finished_recving", None):  # None: nothing finished
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert K.check_request(kv, c_blocks, SEED, 0, n) == []
+    finally:
+        glue.close()
+        prod.close()
+
+
+def test_prefix_hit_pulls_only_the_missing_tokens(model_dir):
+    port = K.free_port()
+    n = 120
+    prod = Producer(model_dir, port, "LBNHC", [1, 2, 3, 4], n)
+    glue, kv = consumer(model_dir)
+    try:
+        c_blocks = [10, 11, 12, 13]
+        for t in kv.values():
+            t[10].fill_(3.0)   # the "locally cached" first block stays untouched
+        assert not pull(glue, LoadReq("d1", params(port, n), c_blocks, 32, n))
+        assert K.check_request(kv, c_blocks, SEED, 32, n) == []
+        assert all(bool((t[10] == 3.0).all()) for t in kv.values())
+        assert glue.connector.consumer.stats["tokens_loaded"] == n - 32
+    finally:
+        glue.close()
+        prod.close()
+
+
+def test_tp_merge_two_prefill_ranks_into_one_decode_rank(model_dir):
+    port = K.free_port_pair()
+    n = 70
+    prods = [Producer(model_dir, port, "LBHNC", [5, 6, 7], n, tp=(r, 2)) for r in range(2)]
+    glue, kv = consumer(model_dir)
+    try:
+        c_blocks = [30, 20, 10]
+        assert not pull(glue, LoadReq("d1", params(port, n, tp=2), c_blocks, 0, n))
+        assert K.check_request(kv, c_blocks, SEED, 0, n) == []
+        assert all(p.freed() for p in prods)
+    finally:
+        glue.close()
+        for p in prods:
+            p.close()
+
+
+def test_owner_gone_reports_the_blocks_invalid(model_dir):
+    port = K.free_port()
+    prod = Producer(model_dir, port, "LBNHC", [1, 2], 50)
+    prod.p.kill()
+    prod.p.wait()
+    glue, kv = consumer(model_dir, extra={"fetch_timeout_s": 1.0})
+    try:
+        t0 = time.monotonic()
+        bad = pull(glue, LoadReq("d1", params(port, 50), [4, 5], 0, 50))
+        assert bad == {4, 5} and time.monotonic() - t0 < 10
+        assert glue.connector.consumer.stats["loads_failed"] == 1
+    finally:
+        glue.close()
+
+
+def test_lease_expiry_frees_and_a_late_reader_fails(model_dir):
+    port = K.free_port()
+    prod = Producer(model_dir, port, "LBNHC", [1, 2], 50, env={"PEER_LEASE_S": "1.0"})
+    try:
+        t0 = time.monotonic()
+        assert prod.p.stdout.readline().strip() == "FREED"   # nobody read it
+        assert time.monotonic() - t0 < 5
+        glue, kv = consumer(model_dir, extra={"fetch_timeout_s": 1.0})
+        try:
+            bad = pull(glue, LoadReq("d1", params(port, 50), [4, 5], 0, 50))
+            assert bad == {4, 5}
+            assert K.check_request(kv, [4, 5], SEED, 0, 50)  # nothing was loaded
+        finally:
+            glue.close()
+    finally:
+        prod.close()
+
+
+def test_abort_mid_load_still_reports_it_finished(model_dir):
+    port = K.free_port()
+    prod = Producer(model_dir, port, "LBNHC", [1, 2], 50)
+    glue, kv = consumer(model_dir)
+    try:
+        load = LoadReq("d1", params(port, 50), [4, 5], 0, 50)
+        glue.step(StepMeta(load=[load], cancel=["d1"]))
+        deadline = time.monotonic() + 10
+        done = set()
+        while "d1" not in done:
+            assert time.monotonic() < deadline
+            out = glue.step()
+            done |= set((out.finished_recving or ()) if out else ())
+            time.sleep(0.01)
+    finally:
+        glue.close()
+        prod.close()

