@@ -41,7 +41,9 @@ ensure_pip() {
   local py=${PYTHON:-python3}
   for spec in "$@"; do
     local name=${spec%%[=<>]*} have
-    have=$("$py" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+    # pip show fails for an absent package: with pipefail and set -e that
+    # would end the script on a fresh machine, hence the || true.
+    have=$("$py" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p' || true)
     # absent, or not the version a '==' pin names
     if [ -z "$have" ] || { [[ $spec == *==* ]] && [ "$have" != "${spec##*==}" ]; }; then
       echo "== installing PyPI package: $spec"
