@@ -49,12 +49,13 @@ int main(int argc, char** argv) {
       if (f && i % 2 == 0) kept.push_back(*f);
     }
     if (what == "vanish") ::_exit(0);
-    // Bytes landed: the owner is sending (one byte in 4096 looked at).
+    // Bytes landed: the owner is sending (one byte in 4096 looked at, with
+    // relaxed atomic loads: the engine writes the cache meanwhile).
     const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     const auto* p = reinterpret_cast<const unsigned char*>(cache->base());
     bool landed = false;
     while (!landed && std::chrono::steady_clock::now() < end) {
-      for (std::size_t i = 0; i < cache->size_bytes() && !landed; i += 4096) landed = p[i] != 0xA5;
+      for (std::size_t i = 0; i < cache->size_bytes() && !landed; i += 4096) landed = __atomic_load_n(p + i, __ATOMIC_RELAXED) != 0xA5;
       if (!landed) std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
     testing::say(landed ? "STARTED" : "STARTED (no byte landed yet)");
