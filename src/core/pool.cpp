@@ -19,6 +19,12 @@ std::uint64_t unix_ms_now() {
                                         .count());
 }
 
+// Pages that hold `num_tokens` tokens of `page_size`. Not (n + ps - 1) / ps:
+// that wraps for a num_tokens near 2^64 (a Python -1) and gave 0 pages.
+std::uint64_t pages_for(std::uint64_t num_tokens, std::uint64_t page_size) {
+  return num_tokens / page_size + (num_tokens % page_size != 0 ? 1 : 0);
+}
+
 }  // namespace
 
 KVCachePool::KVCachePool(std::shared_ptr<KVCache> cache, KVTransferInfo descriptor,
@@ -112,9 +118,7 @@ std::vector<std::uint32_t> KVCachePool::allocate(std::uint64_t seq_id, std::uint
   }
   const std::uint64_t ps = cache_->layout().page_size;
   const std::uint64_t num_pages = cache_->layout().num_pages;
-  // Not (num_tokens + ps - 1) / ps: that wraps for a num_tokens near 2^64
-  // (a Python -1) and allocated 0 pages.
-  const std::uint64_t count = num_tokens / ps + (num_tokens % ps != 0 ? 1 : 0);
+  const std::uint64_t count = pages_for(num_tokens, ps);
   if (count > num_pages) {
     throw Error(StatusCode::kInvalidArgument,
                 "sequence " + std::to_string(seq_id) + " of " + std::to_string(num_tokens) +
@@ -143,7 +147,7 @@ void KVCachePool::adopt(std::uint64_t seq_id, std::uint64_t num_tokens,
                 "sequence " + std::to_string(seq_id) + " is already allocated");
   }
   const std::uint64_t ps = cache_->layout().page_size;
-  const std::uint64_t count = num_tokens / ps + (num_tokens % ps != 0 ? 1 : 0);
+  const std::uint64_t count = pages_for(num_tokens, ps);
   if (count != pages.size()) {
     throw Error(StatusCode::kInvalidArgument,
                 "adopt of sequence " + std::to_string(seq_id) + ": " + std::to_string(num_tokens) +

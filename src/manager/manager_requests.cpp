@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "manager/issue_reads.hpp"
 #include "manager/request_registry.hpp"
 #include "mstar/kv/manager.hpp"
 #include "mstar/kv/planner.hpp"
@@ -226,19 +227,12 @@ std::optional<TransferFuture> KVTransferManager::read_scoped(const RequestKVTran
   if (groups.size() == 1) {
     return engine_->read_batched_async(handle_for(groups.front().first), groups.front().second);
   }
-  std::vector<TransferFuture> issued;
-  try {
+  return issue_joined([&](std::vector<TransferFuture>& issued) {
     for (const auto& [epoch, group] : groups) {
       auto f = engine_->read_batched_async(handle_for(epoch), group);
       if (f) issued.push_back(std::move(*f));
     }
-  } catch (...) {
-    for (const TransferFuture& f : issued) f.cancel();
-    for (const TransferFuture& f : issued) f.wait();
-    throw;
-  }
-  if (issued.empty()) return std::nullopt;
-  return join_futures(std::move(issued));
+  });
 }
 
 }  // namespace mstar::kv

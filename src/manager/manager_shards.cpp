@@ -3,7 +3,9 @@
 // KVTransferManager's shard form: one pull assembled from several peers
 // that each hold some of the local cache's heads (tensor-parallel merges).
 #include <string>
+#include <vector>
 
+#include "manager/issue_reads.hpp"
 #include "mstar/kv/manager.hpp"
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/status.hpp"
@@ -74,19 +76,12 @@ std::optional<TransferFuture> KVTransferManager::start_async_retrieve(
                            shards[p.shard].page_indices, p.lo, p.hi);
     }
     if (start_len == end_len) return std::nullopt;
-    std::vector<TransferFuture> issued;
-    try {
+    return issue_joined([&](std::vector<TransferFuture>& issued) {
       for (const Part& p : parts) {
         auto f = engine_->read_batched_async(*remotes[p.shard], p.reads);
         if (f) issued.push_back(std::move(*f));
       }
-    } catch (...) {
-      for (const TransferFuture& f : issued) f.cancel();
-      for (const TransferFuture& f : issued) f.wait();
-      throw;
-    }
-    if (issued.empty()) return std::nullopt;
-    return join_futures(std::move(issued));
+    });
   });
 }
 
