@@ -11,12 +11,16 @@ namespace {
 
 class HostBuffer final : public Buffer {
  public:
-  explicit HostBuffer(std::size_t bytes) : bytes_(std::max<std::size_t>(bytes, 1)) {}
-  std::byte* data() const noexcept override { return bytes_.data(); }
-  std::size_t size() const noexcept override { return bytes_.size(); }
+  // Not zero-filled: every byte is written before it is read.
+  explicit HostBuffer(std::size_t bytes)
+      : size_(std::max<std::size_t>(bytes, 1)),
+        bytes_(new std::byte[size_]) {}
+  std::byte* data() const noexcept override { return bytes_.get(); }
+  std::size_t size() const noexcept override { return size_; }
 
  private:
-  mutable std::vector<std::byte> bytes_;
+  std::size_t size_;
+  std::unique_ptr<std::byte[]> bytes_;
 };
 
 class DoneJob final : public Job {
@@ -30,22 +34,24 @@ class HostCopier final : public Copier {
   std::unique_ptr<Buffer> allocate(std::size_t bytes) override {
     return std::make_unique<HostBuffer>(bytes);
   }
-  std::unique_ptr<Job> gather(const std::byte* base, std::span<const StridedSpan> spans,
+  std::unique_ptr<Job> gather(const RegionMap& cache, std::span<const StridedSpan> spans,
                               Buffer& into) override {
     std::byte* out = into.data();
     for (const StridedSpan& s : spans) {
+      const std::byte* from = cache.pointer(s.remote_offset);  // a span is in one region
       for (std::uint64_t r = 0; r < s.rows; ++r, out += s.length) {
-        std::memcpy(out, base + s.remote_offset + r * s.remote_stride, s.length);
+        std::memcpy(out, from + r * s.remote_stride, s.length);
       }
     }
     return std::make_unique<DoneJob>();
   }
   std::unique_ptr<Job> scatter(const Buffer& from, std::span<const StridedSpan> spans,
-                               std::byte* base) override {
+                               const RegionMap& cache) override {
     const std::byte* in = from.data();
     for (const StridedSpan& s : spans) {
+      std::byte* to = cache.pointer(s.local_offset);
       for (std::uint64_t r = 0; r < s.rows; ++r, in += s.length) {
-        std::memcpy(base + s.local_offset + r * s.local_stride, in, s.length);
+        std::memcpy(to + r * s.local_stride, in, s.length);
       }
     }
     return std::make_unique<DoneJob>();
@@ -98,11 +104,11 @@ std::vector<Message> split_messages(std::span<const StridedSpan> spans, std::uin
 
 // ---- the owner's side -----------------------------------------------------------
 
-GatherPipeline::GatherPipeline(std::shared_ptr<Copier> copier, const std::byte* cache_base,
+GatherPipeline::GatherPipeline(std::shared_ptr<Copier> copier, RegionMap cache,
                                std::vector<StridedSpan> spans, std::vector<Message> messages,
                                std::size_t buffers)
     : copier_(std::move(copier)),
-      base_(cache_base),
+      cache_(std::move(cache)),
       spans_(std::move(spans)),
       messages_(std::move(messages)) {
   check_messages(spans_, messages_, buffers);
@@ -145,7 +151,7 @@ std::optional<GatherPipeline::Ready> GatherPipeline::poll() {
     const Message& m = messages_[next_gather_];
     try {
       free->job =
-          copier_->gather(base_, std::span(spans_).subspan(m.first, m.count), *free->buffer);
+          copier_->gather(cache_, std::span(spans_).subspan(m.first, m.count), *free->buffer);
     } catch (const Error& e) {
       status_ = e.status();
       aborted_ = true;
@@ -179,11 +185,11 @@ void GatherPipeline::sent(std::size_t index) {
 
 // ---- the reader's side ----------------------------------------------------------
 
-ScatterPipeline::ScatterPipeline(std::shared_ptr<Copier> copier, std::byte* cache_base,
+ScatterPipeline::ScatterPipeline(std::shared_ptr<Copier> copier, RegionMap cache,
                                  std::vector<StridedSpan> spans, std::vector<Message> messages,
                                  std::size_t buffers)
     : copier_(std::move(copier)),
-      base_(cache_base),
+      cache_(std::move(cache)),
       spans_(std::move(spans)),
       messages_(std::move(messages)),
       seen_(messages_.size(), 0) {
@@ -233,7 +239,7 @@ void ScatterPipeline::received(std::size_t index) {
     }
     const Message& m = messages_[index];
     try {
-      s.job = copier_->scatter(*s.buffer, std::span(spans_).subspan(m.first, m.count), base_);
+      s.job = copier_->scatter(*s.buffer, std::span(spans_).subspan(m.first, m.count), cache_);
     } catch (const Error& e) {
       s.state = Slot::kFree;
       fail(e.status());

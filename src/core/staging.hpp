@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "mstar/kv/planner.hpp"
+#include "mstar/kv/regions.hpp"
 #include "mstar/kv/status.hpp"
 
 namespace mstar::kv::staging {
@@ -65,14 +66,15 @@ class Copier {
   // allocation that failed).
   virtual std::unique_ptr<Buffer> allocate(std::size_t bytes) = 0;
   // Starts copying the remote side's rows of `spans` (remote_offset and
-  // remote_stride, from cache_base) into `into`, back to back. The spans
-  // and buffer must outlive the job. Throws Error only when nothing started.
-  virtual std::unique_ptr<Job> gather(const std::byte* cache_base,
-                                      std::span<const StridedSpan> spans, Buffer& into) = 0;
+  // remote_stride, layout offsets of `cache`: regions.hpp) into `into`,
+  // back to back. The spans and buffer must outlive the job. Throws Error
+  // only when nothing started.
+  virtual std::unique_ptr<Job> gather(const RegionMap& cache, std::span<const StridedSpan> spans,
+                                      Buffer& into) = 0;
   // Starts copying `from` (the spans' rows back to back) into the local
-  // side of `spans` (local_offset and local_stride, from cache_base).
+  // side of `spans` (local_offset and local_stride, layout offsets of `cache`).
   virtual std::unique_ptr<Job> scatter(const Buffer& from, std::span<const StridedSpan> spans,
-                                       std::byte* cache_base) = 0;
+                                       const RegionMap& cache) = 0;
 };
 
 // memcpy on the calling thread: every job is done when it is returned.
@@ -95,9 +97,8 @@ std::vector<Message> split_messages(std::span<const StridedSpan> spans, std::uin
 class GatherPipeline {
  public:
   // Throws Error when a buffer cannot be allocated or `buffers` is 0.
-  GatherPipeline(std::shared_ptr<Copier> copier, const std::byte* cache_base,
-                 std::vector<StridedSpan> spans, std::vector<Message> messages,
-                 std::size_t buffers = 2);
+  GatherPipeline(std::shared_ptr<Copier> copier, RegionMap cache, std::vector<StridedSpan> spans,
+                 std::vector<Message> messages, std::size_t buffers = 2);
   ~GatherPipeline();  // waits for gathers still running
   GatherPipeline(const GatherPipeline&) = delete;
   GatherPipeline& operator=(const GatherPipeline&) = delete;
@@ -132,7 +133,7 @@ class GatherPipeline {
     enum { kFree, kGathering, kGathered, kSending } state = kFree;
   };
   std::shared_ptr<Copier> copier_;
-  const std::byte* base_;
+  RegionMap cache_;
   std::vector<StridedSpan> spans_;
   std::vector<Message> messages_;
   std::vector<Slot> slots_;
@@ -151,9 +152,8 @@ class GatherPipeline {
 class ScatterPipeline {
  public:
   // Throws Error when a buffer cannot be allocated or `buffers` is 0.
-  ScatterPipeline(std::shared_ptr<Copier> copier, std::byte* cache_base,
-                  std::vector<StridedSpan> spans, std::vector<Message> messages,
-                  std::size_t buffers = 2);
+  ScatterPipeline(std::shared_ptr<Copier> copier, RegionMap cache, std::vector<StridedSpan> spans,
+                  std::vector<Message> messages, std::size_t buffers = 2);
   ~ScatterPipeline();  // waits for scatters still running
   ScatterPipeline(const ScatterPipeline&) = delete;
   ScatterPipeline& operator=(const ScatterPipeline&) = delete;
@@ -175,6 +175,8 @@ class ScatterPipeline {
   // Every message was scattered.
   bool finished() const noexcept { return scattered_ == messages_.size(); }
   const Status& status() const noexcept { return status_; }
+  std::size_t messages() const noexcept { return messages_.size(); }
+  const Message& message(std::size_t index) const { return messages_.at(index); }
 
  private:
   struct Slot {
@@ -185,7 +187,7 @@ class ScatterPipeline {
   };
   void fail(Status why);
   std::shared_ptr<Copier> copier_;
-  std::byte* base_;
+  RegionMap cache_;
   std::vector<StridedSpan> spans_;
   std::vector<Message> messages_;
   std::vector<std::uint8_t> seen_;

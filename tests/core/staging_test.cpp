@@ -28,6 +28,9 @@ namespace {
 // A copier whose jobs do their copy (host memcpy) only when polled the
 // n-th time, n random in [1, max_delay] (so later jobs may finish first),
 // and fail instead when they are the `fail_at`-th job.
+// The region map of a cache of one region at `p`.
+RegionMap at(const void* p) { return RegionMap::contiguous(reinterpret_cast<std::uintptr_t>(p)); }
+
 class SlowCopier final : public Copier {
  public:
   SlowCopier(int max_delay, int fail_at = -1) : max_delay_(max_delay), fail_at_(fail_at) {}
@@ -35,12 +38,12 @@ class SlowCopier final : public Copier {
     ++buffers;
     return host_->allocate(bytes);
   }
-  std::unique_ptr<Job> gather(const std::byte* base, std::span<const StridedSpan> spans,
+  std::unique_ptr<Job> gather(const RegionMap& base, std::span<const StridedSpan> spans,
                               Buffer& into) override {
     return start([=, this, &into] { (void)host_->gather(base, spans, into); });
   }
   std::unique_ptr<Job> scatter(const Buffer& from, std::span<const StridedSpan> spans,
-                               std::byte* base) override {
+                               const RegionMap& base) override {
     return start([=, this, &from] { (void)host_->scatter(from, spans, base); });
   }
   int running = 0;
@@ -134,8 +137,8 @@ Outcome transfer(const Plan& p, const std::vector<std::byte>& remote, SlowCopier
   const auto messages = split_messages(p.spans, max_bytes, 64);
   std::shared_ptr<Copier> owner_copier(&oc, [](Copier*) {});
   std::shared_ptr<Copier> reader_copier(&rc, [](Copier*) {});
-  GatherPipeline g(owner_copier, remote.data(), p.spans, messages, buffers);
-  ScatterPipeline s(reader_copier, out.local.data(), p.spans, messages, buffers);
+  GatherPipeline g(owner_copier, at(remote.data()), p.spans, messages, buffers);
+  ScatterPipeline s(reader_copier, at(out.local.data()), p.spans, messages, buffers);
   struct InFlight {
     std::size_t index;
     std::vector<std::byte> bytes;
@@ -273,12 +276,12 @@ TEST(Staging, TheReaderRefusesMessagesItDidNotAskForOrGotTwice) {
   const auto messages = split_messages(p.spans, 4096, 64);
   ASSERT_GE(messages.size(), 2u);
   {
-    ScatterPipeline s(host_copier(), local.data(), p.spans, messages, 2);
+    ScatterPipeline s(host_copier(), at(local.data()), p.spans, messages, 2);
     EXPECT_EQ(s.receive_into(messages.size()), nullptr);
     EXPECT_NE(s.status().message().find("not part of the read"), std::string::npos);
   }
   {
-    ScatterPipeline s(host_copier(), local.data(), p.spans, messages, 2);
+    ScatterPipeline s(host_copier(), at(local.data()), p.spans, messages, 2);
     ASSERT_NE(s.receive_into(0), nullptr);
     s.received(0);
     s.poll();
@@ -287,7 +290,7 @@ TEST(Staging, TheReaderRefusesMessagesItDidNotAskForOrGotTwice) {
     EXPECT_EQ(s.receive_into(1), nullptr) << "a failed pipeline takes no more";
   }
   {
-    ScatterPipeline s(host_copier(), local.data(), p.spans, messages, 1);
+    ScatterPipeline s(host_copier(), at(local.data()), p.spans, messages, 1);
     ASSERT_NE(s.receive_into(1), nullptr);
     EXPECT_EQ(s.receive_into(0), nullptr) << "one buffer, busy";
     EXPECT_TRUE(s.status().is_ok());
@@ -311,14 +314,14 @@ TEST(Staging, MessagesSplitByBytesAndSpansAndAreChecked) {
   std::vector<Message> bad = m;
   bad[1].bytes = 99;
   try {
-    GatherPipeline g(host_copier(), cache.data(), spans, bad, 2);
+    GatherPipeline g(host_copier(), at(cache.data()), spans, bad, 2);
     ADD_FAILURE() << "a message that does not match its spans was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
     EXPECT_NE(std::string(e.what()).find("staging message 1"), std::string::npos) << e.what();
   }
   try {
-    ScatterPipeline s(host_copier(), cache.data(), spans, m, 0);
+    ScatterPipeline s(host_copier(), at(cache.data()), spans, m, 0);
     ADD_FAILURE() << "zero buffers accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);

@@ -16,6 +16,10 @@
 
 namespace mstar::kv {
 
+namespace staging {
+class Copier;  // src/core/staging.hpp (engines only)
+}
+
 enum class MemoryKind : std::uint8_t {
   kHost = 0,        // private process memory
   kSharedHost = 1,  // host memory another process of the same user can map
@@ -55,6 +59,11 @@ class KVMemory {
     (void)num_pages;
     return nullptr;
   }
+  // How bytes move between this memory and host buffers, for an engine
+  // whose transport cannot touch it (staging: device memory over ucx): the
+  // memory's copier, or nullptr when the host can read it (memcpy does) or
+  // no copier is built (device memory without the copy kernel). May throw.
+  virtual std::shared_ptr<staging::Copier> staging_copier() const { return nullptr; }
 };
 
 // Page-aligned, zero-filled private host memory.

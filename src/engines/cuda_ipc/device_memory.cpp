@@ -7,6 +7,7 @@
 
 #include "cuda_epochs.hpp"
 #include "cuda_util.hpp"
+#include "device_copier.hpp"
 #include "host_tables.hpp"
 #include "mstar/kv/status.hpp"
 
@@ -77,6 +78,13 @@ std::unique_ptr<DeviceMemory> DeviceMemory::allocate(std::size_t size, int devic
   if (err != cudaSuccess) fail(StatusCode::kInternal, "zero-filling device memory", err);
   export_handle(p, &m->share_, "device KV cache");
   return m;
+}
+
+std::shared_ptr<staging::Copier> DeviceMemory::staging_copier() const {
+  if (!span_kernel_built()) return nullptr;
+  std::lock_guard lk(copier_mu_);
+  if (!copier_) copier_ = DeviceCopier::create(share_.device);
+  return copier_;
 }
 
 std::unique_ptr<DeviceMemory> DeviceMemory::wrap(void* ptr, std::size_t size, int device) {

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "mstar/kv/cache.hpp"
@@ -56,6 +57,9 @@ class DeviceMemory final : public KVMemory {
   std::uint32_t* ready_words(std::uint32_t num_pages) const noexcept override;
   const HostTables* host_tables() const noexcept { return host_.get(); }
   const std::string& host_tables_error() const noexcept { return host_error_; }
+  // The copier that stages this memory (device_copier.hpp), made on first
+  // use and shared; nullptr when the copy kernel is not built.
+  std::shared_ptr<staging::Copier> staging_copier() const override;
 
  private:
   DeviceMemory() = default;
@@ -69,6 +73,8 @@ class DeviceMemory final : public KVMemory {
   std::unique_ptr<DeviceEpochTable> epochs_;
   std::unique_ptr<HostTables> host_;
   std::string host_error_;
+  mutable std::mutex copier_mu_;
+  mutable std::shared_ptr<staging::Copier> copier_;
 };
 
 }  // namespace mstar::kv::cuda_ipc
