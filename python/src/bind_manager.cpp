@@ -101,6 +101,7 @@ nb::dict stats_dict(const TransferStats& s) {
   served["replies_dropped"] = s.served.replies_dropped;
   served["readers_connected"] = s.served.readers_connected;
   served["readers_gone"] = s.served.readers_gone;
+  served["staged_bytes"] = s.served.staged_bytes;
   served["descriptors"] = s.served.descriptors;
   served["done_notices"] = s.served.done_notices;
   d["served"] = served;

@@ -197,8 +197,8 @@ def test_owner_side_counts_what_it_served():
     cache.fill_pattern(SEED + 1, pool.pages(1), 0, TOKENS)
     served = owner.stats()["served"]
     assert served == {"reads": 0, "bytes": 0, "reads_refused": 0, "replies_dropped": 0,
-                      "readers_connected": 0, "readers_gone": 0, "descriptors": 0,
-                      "done_notices": 0}
+                      "readers_connected": 0, "readers_gone": 0, "staged_bytes": 0,
+                      "descriptors": 0, "done_notices": 0}
     seq = pool.publish(1)
     local_cache = kv.KVCache(local_layout())
     reader = kv.KVTransferManager(kv.TransferEngineInfo("reader", "", "ucx", {"timeout": 10}),
@@ -217,4 +217,33 @@ def test_owner_side_counts_what_it_served():
     assert 1 not in pool  # the notice freed it
     assert "mstar_kv_served_bytes_total{engine=\"ucx\"} %d" % n in owner.prometheus_text()
     reader.cleanup()
+    owner.cleanup()
+
+
+def test_a_staged_owner_counts_what_it_staged():
+    """ucx_staging=on (the path of GPU caches, here host caches with
+    memcpy): a Python reader pulls every byte from a staged owner, which
+    counts the bytes it gathered into host buffers first."""
+    os.environ.setdefault("UCX_TLS", "tcp")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    if "ucx" not in kv.built_engines():
+        pytest.skip("the ucx engine is not built")
+    cache = kv.KVCache(local_layout(), "host")
+    staged = {"timeout": 10, "ucx_staging": "on"}
+    owner = kv.KVTransferManager(kv.TransferEngineInfo("owner", "", "ucx", staged), cache)
+    pool = kv.KVCachePool(cache, owner.get_kv_transfer_info(), scatter_seed=7)
+    pool.allocate(1, TOKENS)
+    cache.fill_pattern(SEED + 2, pool.pages(1), 0, TOKENS)
+    seq = pool.publish(1)
+    for reader_options in (staged, {"timeout": 10}):
+        local_cache = kv.KVCache(local_layout())
+        reader = kv.KVTransferManager(
+            kv.TransferEngineInfo("reader", "", "ucx", reader_options), local_cache)
+        local = list(range(len(seq.page_indices)))
+        reader.sync_retrieve(0, seq.num_tokens, local, seq.page_indices, seq.kv_transfer_info)
+        assert local_cache.verify_pattern(SEED + 2, local, 0, seq.num_tokens)["ok"]
+        reader.cleanup()
+    served = owner.stats()["served"]
+    assert served["reads"] == 2 and served["bytes"] > 0
+    assert served["staged_bytes"] == served["bytes"]
     owner.cleanup()

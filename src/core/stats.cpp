@@ -44,6 +44,7 @@ void ServedStats::merge(const ServedStats& o) noexcept {
   replies_dropped += o.replies_dropped;
   readers_connected += o.readers_connected;
   readers_gone += o.readers_gone;
+  staged_bytes += o.staged_bytes;
   descriptors += o.descriptors;
   done_notices += o.done_notices;
 }
@@ -228,6 +229,9 @@ std::string render_prometheus(const std::vector<TransferStats>& stats, const std
          &ServedStats::readers_connected);
   served("mstar_kv_served_readers_gone_total", "Reader connections closed.",
          &ServedStats::readers_gone);
+  served("mstar_kv_served_staged_bytes_total",
+         "Bytes of replies this owner gathered into host buffers first (staging).",
+         &ServedStats::staged_bytes);
   served("mstar_kv_served_descriptors_total",
          "SequenceInfo descriptors published by the served pool.", &ServedStats::descriptors);
   served("mstar_kv_served_done_notices_total", "Done notices the served pool took.",

@@ -59,6 +59,13 @@ LoopbackSetup with_caches(LoopbackSetup s, MemoryKind owner_memory, bool layer_r
   return s;
 }
 
+// Device caches on both sides (an engine that stages them).
+LoopbackSetup on_device(LoopbackSetup s) {
+  s.owner_memory = MemoryKind::kDevice;
+  s.reader_memory = MemoryKind::kDevice;
+  return s;
+}
+
 // Every engine, in a fixed order: its traits, as data.
 std::vector<Entry> entries() {
   std::vector<EngineTraits> t;
@@ -87,12 +94,20 @@ std::vector<Entry> entries() {
     e.name = "ucx";
     e.crosses_hosts = true;
     e.layer_readiness = true;  // readiness notices from the owner (ucx_wire.hpp)
-    // ucx-tcp-layers: caches of one region per layer on both sides.
+    // ucx-tcp-layers: caches of one region per layer on both sides;
+    // ucx-tcp-staged: both sides' bytes through host staging buffers
+    // (ucx_staging=on, the path of device caches, here with memcpy);
+    // ucx-tcp-device: device caches on both sides, staged with the copy
+    // kernel (needs a CUDA device).
     e.loopback = {
         setup("ucx-tcp", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}, true),
         setup("ucx-sm", {{"UCX_TLS", "sm,tcp"}, {"UCX_NET_DEVICES", "lo"}}),
         with_caches(setup("ucx-tcp-layers", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}, true),
-                    MemoryKind::kHost, true)};
+                    MemoryKind::kHost, true),
+        setup("ucx-tcp-staged",
+              {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}, {"MSTAR_KV_UCX_STAGING", "on"}},
+              true),
+        on_device(setup("ucx-tcp-device", {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", "lo"}}, true))};
     t.push_back(e);
   }
   {
@@ -196,7 +211,8 @@ std::shared_ptr<KVCache> make_kv_cache(const KVLayout& layout, MemoryKind kind, 
 
 std::shared_ptr<KVCache> make_loopback_cache(const EngineTraits& engine, const LoopbackSetup& setup,
                                              const KVLayout& layout, bool owner) {
-  const MemoryKind kind = owner ? setup.owner_memory.value_or(engine.memory) : engine.reader_memory;
+  const MemoryKind kind = owner ? setup.owner_memory.value_or(engine.memory)
+                                : setup.reader_memory.value_or(engine.reader_memory);
   if (setup.layer_regions && kind == MemoryKind::kHost && layout.layer_contiguous()) {
     return KVCache::create_host_layers(layout);
   }

@@ -15,13 +15,20 @@ namespace {
 
 // Why `t`'s run-time needs are missing here ("" when they are not): the
 // library it loads (Mooncake: MSTAR_KV_MOONCAKE_LIB) or a CUDA device.
-std::string missing_runtime(const EngineTraits& t, std::map<std::string, std::string>& extra) {
+std::string missing_runtime(const EngineTraits& t, const LoopbackSetup& setup,
+                            std::map<std::string, std::string>& extra) {
   if (!t.library_option.empty()) {
     std::string why = mooncake_skip_reason();
     if (!why.empty()) return why;
     extra[t.library_option] = std::getenv("MSTAR_KV_MOONCAKE_LIB");
   }
-  if (t.memory == MemoryKind::kDevice || t.reader_memory == MemoryKind::kDevice) {
+  const bool device = setup.owner_memory.value_or(t.memory) == MemoryKind::kDevice ||
+                      setup.reader_memory.value_or(t.reader_memory) == MemoryKind::kDevice;
+  if (device) {
+    const auto built = built_engines();
+    if (std::find(built.begin(), built.end(), "cuda_ipc") == built.end()) {
+      return "device caches need the cuda_ipc engine, which is not built";
+    }
     // MSTAR_KV_REQUIRE_GPU=1 (scripts/gpu-check): run, and fail without one.
     if (!gpu_required()) return no_device_reason();
   }
@@ -57,7 +64,7 @@ std::vector<EngineCase> engine_cases() {
       if (!t.built) {
         c.skip_reason = "engine '" + t.name + "' is not built";
       } else {
-        c.skip_reason = missing_runtime(t, c.extra);
+        c.skip_reason = missing_runtime(t, setup, c.extra);
       }
       cases.push_back(c);
       if (t.name == "shm" && &setup == &t.loopback.front()) {

@@ -117,7 +117,9 @@ TEST(KVTransferManager, EveryEngineRejectsUnknownKeysOfItsPrefix) {
       {"shm", "shm_max_wokers", "known shm_* options: none", MemoryKind::kSharedHost},
       {"cuda_ipc", "cuda_ipc_bach",
        "known cuda_ipc_* options: cuda_ipc_batch, cuda_ipc_check_owner_pid", MemoryKind::kHost},
-      {"ucx", "ucx_mdoe", "(known: ucx_mode, ucx_am_proto, ucx_chunk_bytes, ucx_progress)", MemoryKind::kHost},
+      {"ucx", "ucx_mdoe",
+       "(known: ucx_mode, ucx_am_proto, ucx_chunk_bytes, ucx_progress, ucx_staging)",
+       MemoryKind::kHost},
   };
   const std::map<std::string, std::string> others = {
       {"auth_token", "a-shared-secret-of-24b"}, {"shm_x", "1"}, {"cuda_ipc_x", "1"},

@@ -258,7 +258,7 @@ std::vector<EngineVariant> engine_variants(const std::vector<EngineTraits>& engi
       out.push_back({.name = setup.name,
                      .engine = e.name,
                      .remote_kind = setup.owner_memory.value_or(e.memory),
-                     .local_kind = e.reader_memory,
+                     .local_kind = setup.reader_memory.value_or(e.reader_memory),
                      .remote_in_child = e.crosses_processes,
                      .env = setup.env,
                      .extra = {},

@@ -35,6 +35,10 @@ struct LoopbackSetup {
   // layers are contiguous; a page-major cache stays one region).
   std::optional<MemoryKind> owner_memory;
   bool layer_regions = false;
+  // The reader's cache memory where it differs from the engine's
+  // (ucx-tcp-device: device caches on both sides, staged through host
+  // buffers; it needs a CUDA device and the cuda_ipc engine's kernel).
+  std::optional<MemoryKind> reader_memory;
 };
 
 struct EngineTraits {

@@ -86,6 +86,7 @@ struct ServedStats {
   std::uint64_t replies_dropped = 0;    // replies and verdicts not sent: the reader was gone
   std::uint64_t readers_connected = 0;  // reader connections accepted
   std::uint64_t readers_gone = 0;       // reader connections closed (the reader went away)
+  std::uint64_t staged_bytes = 0;       // of `bytes`, gathered into host buffers (ucx_staging)
   std::uint64_t descriptors = 0;        // pool: SequenceInfos published (KVCachePool::publish)
   std::uint64_t done_notices = 0;       // pool: done notices taken (KVCachePool::done)
 
@@ -143,6 +144,7 @@ class TransferStatsRecorder {
 //   mstar_kv_served_reads_total, mstar_kv_served_bytes_total,
 //   mstar_kv_served_reads_refused_total, mstar_kv_served_replies_dropped_total,
 //   mstar_kv_served_readers_connected_total, mstar_kv_served_readers_gone_total,
+//   mstar_kv_served_staged_bytes_total,
 //   mstar_kv_served_descriptors_total, mstar_kv_served_done_notices_total.
 // `extra` is appended as is (an embedding program's own families).
 std::string render_prometheus(const std::vector<TransferStats>& stats,

@@ -1,7 +1,8 @@
 // Copyright mstar-kv authors.
 //
 // The UCX engine ("ucx"): reads of a host-memory KV cache across hosts
-// through UCX, built when UCX is found (MSTAR_KV_ENGINE_UCX). This header
+// through UCX, built when UCX is found (MSTAR_KV_ENGINE_UCX); a GPU cache
+// crosses through pinned host buffers (ucx_staging below). This header
 // holds its descriptor and its options; how it works, and why:
 // docs/engines/ucx.md.
 #pragma once
@@ -61,6 +62,13 @@ namespace mstar::kv {
 //                   yielding the core, while reads or replies are in flight
 //                   and sleeps on the worker's event fd after 256 idle
 //                   rounds; event sleeps at once; busy never sleeps
+//   ucx_staging     auto | on | off   move the cache's bytes through host
+//                   staging buffers (default auto: a device cache is staged,
+//                   with the cuda_ipc copy kernel, a host cache is not; on:
+//                   a host cache too, with memcpy; off: a device cache is
+//                   refused). Without the option, MSTAR_KV_UCX_STAGING says.
+//                   A staged cache is never registered or read by gets
+//                   (ucx_mode=get is refused); docs/engines/ucx.md
 //   auth_token      a shared secret of at least 16 bytes (default none): a
 //                   mutual HMAC-SHA-256 challenge-response when connecting
 //                   (the secret never crosses the wire), then a per-connection

@@ -297,6 +297,7 @@ ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t 
   }
   std::fill_n(b->got.begin() + static_cast<std::ptrdiff_t>(h.first), h.count, std::uint8_t{1});
   b->got_count += h.count;
+  if (b->staged) return staged_arrival(b, h, data, length, rndv);
   const RegionMap& base = cache_->regions();
   if (rndv) {  // UCX hands the fragments to the local rows (a RowSink)
     // The group's spans are copied into the request: UCX may call the sink

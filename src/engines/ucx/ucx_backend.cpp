@@ -2,6 +2,8 @@
 //
 // The UCX RmaBackend over UcxCore (ucx_core.hpp): its peers and operations,
 // and UcxOptions.
+#include <cstdlib>
+
 #include "ucx_core.hpp"
 #include "util/parse.hpp"
 
@@ -113,11 +115,24 @@ class UcxPeer final : public rma::RmaPeer {
   std::shared_ptr<Conn> conn_;
 };
 
+Staging parse_staging(const std::string& value, const char* what) {
+  if (value == "auto") return Staging::kAuto;
+  if (value == "on") return Staging::kOn;
+  if (value == "off") return Staging::kOff;
+  throw Error(StatusCode::kInvalidArgument,
+              std::string(what) + " '" + value + "' is not one of auto, on, off");
+}
+
 }  // namespace
 
 UcxOptions UcxOptions::parse(const EngineOptions& options) {
   UcxOptions o;
   o.log = options.log;
+  // The option wins over the environment (MSTAR_KV_UCX_STAGING: test and
+  // benchmark setups of a whole process).
+  if (const char* env = std::getenv("MSTAR_KV_UCX_STAGING"); env != nullptr && *env != '\0') {
+    o.staging = parse_staging(env, "MSTAR_KV_UCX_STAGING");
+  }
   for (const auto& [key, value] : options.extra) {
     if (key == "ucx_mode") {
       if (value == "auto")
@@ -153,12 +168,14 @@ UcxOptions UcxOptions::parse(const EngineOptions& options) {
       else
         throw Error(StatusCode::kInvalidArgument,
                     "ucx_progress '" + value + "' is not one of adaptive, busy, event");
+    } else if (key == "ucx_staging") {
+      o.staging = parse_staging(value, "ucx_staging");
     } else if (key == auth::kTokenKey) {
       o.auth_token = auth::token_from(options.extra);
     } else if (key.rfind("ucx_", 0) == 0) {
       throw Error(StatusCode::kInvalidArgument, "unknown UCX option '" + key +
                                                     "' (known: ucx_mode, ucx_am_proto, "
-                                                    "ucx_chunk_bytes, ucx_progress)");
+                                                    "ucx_chunk_bytes, ucx_progress, ucx_staging)");
     }
     // Keys of other engines are ignored: one EngineOptions may serve several.
   }

@@ -19,6 +19,8 @@ namespace mstar::kv::ucx {
 enum class Mode : std::uint8_t { kAuto, kGet, kAm, kAmShm };
 // See include/mstar/kv/ucx.hpp ("ucx_progress").
 enum class Progress : std::uint8_t { kAdaptive, kBusy, kEvent };
+// See include/mstar/kv/ucx.hpp ("ucx_staging").
+enum class Staging : std::uint8_t { kAuto, kOn, kOff };
 
 // ucx_am_proto=auto: replies of at least this many bytes go by rendezvous
 // (over tcp 32 KiB replies ran at 2.3-2.5 GB/s that way, 1.6-1.7 eager;
@@ -33,6 +35,7 @@ struct UcxOptions {
   std::uint64_t rndv_bytes = kAutoRndvBytes;
   std::uint64_t chunk_bytes = 4u << 20;
   Progress progress = Progress::kAdaptive;
+  Staging staging = Staging::kAuto;
   // extra["auth_token"]: the shared secret of the connect handshake
   // (ucx_auth.hpp); empty: no authentication.
   std::string auth_token;
@@ -45,11 +48,12 @@ class UcxCore;  // context, worker, registration, listener, progress thread
 
 class UcxBackend final : public rma::RmaBackend {
  public:
-  // Registers the cache, opens the listener on `session_id` ("HOST:PORT";
-  // empty: 127.0.0.1 and a free port in 20000-29999) and starts the progress
-  // thread. Throws Error(kUnavailable) when UCX cannot start,
-  // Error(kInvalidArgument) for a bad session id or a cache that is not host
-  // memory.
+  // Registers the cache (a staged device cache: none), opens the listener
+  // on `session_id` ("HOST:PORT"; empty: 127.0.0.1 and a free port in
+  // 20000-29999) and starts the progress thread. Throws Error(kUnavailable)
+  // when UCX cannot start or a device cache has no staging copier,
+  // Error(kInvalidArgument) for a bad session id or options that cannot
+  // serve the cache (ucx_staging=off or ucx_mode=get with staging).
   UcxBackend(std::shared_ptr<KVCache> cache, const std::string& entity_id,
              const std::string& session_id, const UcxOptions& options);
   ~UcxBackend() override;

@@ -40,7 +40,15 @@ void UcxCore::on_fin(const std::shared_ptr<Batch>& b, const Status& st) {
 
 void UcxCore::maybe_finish(std::shared_ptr<Batch> b) {
   if (b->outstanding != 0) return;
+  if (b->staged && !b->aborted && !b->failure && !b->staged->status().is_ok()) {
+    b->failure = b->staged->status();  // a scatter (or a receive into a buffer) failed
+  }
   const bool stopped = b->aborted || b->failure.has_value();
+  if (b->staged) {
+    // No byte lands after the read resolves: its scatters finish first.
+    if (stopped && !staged_idle(*b)) return;
+    if (!stopped && !b->staged->finished()) return;
+  }
   if (!stopped && !b->pending.empty()) return;
   if (!stopped && b->gather && b->got_count < b->units()) return;
   if (!stopped && b->get && b->next_chunk < b->chunks.size()) return;
@@ -116,7 +124,9 @@ void UcxCore::on_req_done(void* request, ucs_status_t st, void* user_data) {
   auto* ctx = context_of<ReqCtx>(user_data);
   UcxCore* core = ctx->core;
   const std::uint64_t id = ctx->batch_id;
+  const std::optional<std::size_t> staged = ctx->staged;
   core->reads_.take(ctx);
+  if (staged) core->staged_received(id, *staged, st);
   core->request_finished(id, st);
 }
 
@@ -150,8 +160,17 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
     maybe_finish(b);
     return;
   }
-  // Many small spans (rows of a layout change): gathered replies.
-  b->gather = !b->strided.empty() || gathers(b->chunks);
+  // Many small spans (rows of a layout change): gathered replies. Staged:
+  // always, each message into a host buffer.
+  b->gather = copier_ || !b->strided.empty() || gathers(b->chunks);
+  if (copier_) {
+    try {
+      stage_reads(b);
+    } catch (const Error& e) {
+      fail_batch(b, e.status());
+      return;
+    }
+  }
   if (b->gather) {
     b->got.assign(b->units(), 0);
     std::uint64_t bytes = 0;

@@ -60,10 +60,29 @@ std::vector<std::span<const std::uint8_t>> unpack_rkeys(std::span<const std::uin
 UcxCore::UcxCore(std::shared_ptr<KVCache> cache, const std::string& entity_id,
                  const std::string& session_id, const UcxOptions& options)
     : cache_(std::move(cache)), options_(options) {
+  // Staging (ucx_staging): a device cache's bytes cross through host
+  // buffers, copied by its memory's copier (the cuda_ipc copy kernel); a
+  // host cache only when asked (tests, the cost of staging in the bench).
   if (cache_->memory_kind() == MemoryKind::kDevice) {
+    if (options_.staging == Staging::kOff) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "ucx_staging=off, but the cache is device memory: the ucx engine moves a "
+                  "device cache only through host staging (ucx_staging=auto or on)");
+    }
+    copier_ = cache_->memory().staging_copier();
+    if (!copier_) {
+      throw Error(StatusCode::kUnavailable,
+                  "the ucx engine moves a device cache through pinned host buffers with the "
+                  "cuda_ipc engine's copy kernel, which this build lacks (no CUDA compiler, "
+                  "or MSTAR_KV_CUDA_IPC_KERNEL=OFF)");
+    }
+  } else if (options_.staging == Staging::kOn) {
+    copier_ = staging::host_copier();
+  }
+  if (copier_ && options_.mode == Mode::kGet) {
     throw Error(StatusCode::kInvalidArgument,
-                "the ucx engine needs a host-memory cache (make_kv_cache(layout, "
-                "MemoryKind::kHost)), got device memory");
+                "ucx_mode=get cannot fill a staged cache (ucx_staging): its bytes land through "
+                "host buffers, never by a get into its pages");
   }
   region_.entity_id = entity_id;
   // A cache of one region per layer: each layer registered and published
@@ -129,10 +148,14 @@ void UcxCore::init_ucp(const std::string& session_id) {
 
   rows_dt_ = RowDatatype::create_source();
   sink_dt_ = RowDatatype::create_sink();
-  // One registration (and remote key) per region.
+  // One registration (and remote key) per region; none for device memory
+  // (a UCX without CUDA cannot map it): it is only ever staged, so readers
+  // get no worker address (no gets) and its pages are never sent from or
+  // received into.
   std::vector<std::vector<std::uint8_t>> rkeys;
+  const bool registered = cache_->memory_kind() != MemoryKind::kDevice;
   const std::size_t regions = region_.layer_regions.empty() ? 1 : region_.layer_regions.size();
-  for (std::size_t i = 0; i < regions; ++i) {
+  for (std::size_t i = 0; registered && i < regions; ++i) {
     ucp_mem_map_params_t mp{};
     mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
     mp.address = cache_->regions().pointer(i * layer_bytes_);
@@ -155,7 +178,7 @@ void UcxCore::init_ucp(const std::string& session_id) {
     rkeys.emplace_back(static_cast<std::uint8_t*>(rkey_buf),
                        static_cast<std::uint8_t*>(rkey_buf) + rkey_len);
   }
-  region_.backend_blob = regions == 1 ? std::move(rkeys[0]) : pack_rkeys(rkeys);
+  if (registered) region_.backend_blob = regions == 1 ? std::move(rkeys[0]) : pack_rkeys(rkeys);
   if (region_.backend_blob.size() > rma::RmaRegionInfo::kMaxBlobBytes) {
     throw Error(StatusCode::kUnavailable,
                 "the remote keys of the cache's " + std::to_string(regions) + " regions take " +
@@ -170,8 +193,10 @@ void UcxCore::init_ucp(const std::string& session_id) {
   {
     auto release = [worker](ucp_address_t* a) { ucp_worker_release_address(worker, a); };
     const std::unique_ptr<ucp_address_t, decltype(release)> keep(addr, release);
-    worker_address_.assign(reinterpret_cast<std::uint8_t*>(addr),
-                           reinterpret_cast<std::uint8_t*>(addr) + addr_len);
+    if (registered) {
+      worker_address_.assign(reinterpret_cast<std::uint8_t*>(addr),
+                             reinterpret_cast<std::uint8_t*>(addr) + addr_len);
+    }
   }
 
   ucp_am_handler_param_t hp{};
@@ -340,6 +365,7 @@ void UcxCore::run() {
     drain_deferred();
     reap_closing(false);
     if (!draining_.empty()) check_drains();
+    if (!staged_waits_.empty() || !staged_reads_.empty()) poll_staged();
     if (!ready_holds_.empty()) check_ready_holds();
     if (!closing_all && stop_requested_.load(std::memory_order_acquire)) {
       closing_all = true;
@@ -379,7 +405,7 @@ void UcxCore::run() {
     // sleeps at once; busy never sleeps. An event sleep with transfers in
     // flight is 1 ms at most: shared-memory transports raise no event when
     // the peer frees room in a fifo or a get completes.
-    const bool busy = !batches_.empty() || !sends_.empty();
+    const bool busy = !batches_.empty() || !sends_.empty() || !staged_waits_.empty();
     if (options_.progress == Progress::kBusy) continue;
     const bool event = options_.progress == Progress::kEvent;
     if (!ready_holds_.empty() && (event || idle >= 32)) {

@@ -11,6 +11,7 @@
 //   ucx_reader.cpp   the reader's side: connecting, peer failure, closing
 //   ucx_batch.cpp    the reader's reads: am requests and gets, their bookkeeping
 //   ucx_readiness.cpp layer readiness: the owner's held requests, the reader's watches
+//   ucx_staging.cpp  staging (ucx_staging): both sides' messages through host buffers
 //   ucx_backend.cpp  the RmaBackend / RmaPeer / RmaOperation over it, options
 // The state of connections, reads and served requests is ucx_state.hpp,
 // gathered messages' rows ucx_rows.hpp, the wire format ucx_wire.hpp, the handshake's cryptography
@@ -221,6 +222,30 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
                              const char* when) const;
   void send_epoch_check(const std::shared_ptr<Batch>& b);
 
+  // Staging (ucx_staging.cpp), when copier_ is set. Owner: gives q a
+  // pipeline that gathers each of its messages into a host buffer (false,
+  // the read refused, when it cannot be made); sends a gathered message.
+  bool stage_sends(const std::shared_ptr<SendQueue>& q);
+  bool send_staged(const std::shared_ptr<SendQueue>& q, const staging::GatherPipeline::Ready& r);
+  // Reader: gives b a pipeline that receives its gathered replies into host
+  // buffers and scatters them; a reply's arrival (after handle_gather's
+  // checks); its bytes into a buffer; a rendezvous into a buffer completed.
+  void stage_reads(const std::shared_ptr<Batch>& b);
+  ucs_status_t staged_arrival(const std::shared_ptr<Batch>& b, const GatherHdr& h, void* data,
+                              std::size_t length, bool rndv);
+  void land_staged(const std::shared_ptr<Batch>& b, std::size_t message, staging::Buffer& into,
+                   void* data, std::size_t length, bool rndv);
+  void staged_received(std::uint64_t batch_id, std::size_t message, ucs_status_t st);
+  // Releases what a stopped read holds (its waiting rendezvous); true once
+  // no copy of it runs any more.
+  bool staged_idle(Batch& b);
+  // Every progress round while any is pending: owners' gathers and
+  // readers' scatters.
+  void poll_staged();
+  std::shared_ptr<staging::Copier> copier_;               // null: no staging
+  std::vector<std::shared_ptr<SendQueue>> staged_waits_;  // [progress] owner: a gather to finish
+  std::set<std::uint64_t> staged_reads_;                  // [progress] reader: reads with copies
+
  public:
   // Done notices (leases): reader and owner halves.
   void send_done(const std::shared_ptr<Conn>& c, std::uint64_t seq_id, std::uint64_t epoch) {
@@ -360,7 +385,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
 
  private:
   struct Counters {
-    std::atomic<std::uint64_t> reads{0}, bytes{0}, refused{0}, dropped{0}, connected{0}, gone{0};
+    std::atomic<std::uint64_t> reads{0}, bytes{0}, refused{0}, dropped{0}, connected{0}, gone{0},
+        staged{0};
   };
   Counters counters_;
   std::atomic<bool> drop_logged_{false};

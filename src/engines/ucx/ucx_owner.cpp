@@ -94,6 +94,7 @@ ServedStats UcxCore::served_stats() const noexcept {
   s.replies_dropped = counters_.dropped.load(std::memory_order_relaxed);
   s.readers_connected = counters_.connected.load(std::memory_order_relaxed);
   s.readers_gone = counters_.gone.load(std::memory_order_relaxed);
+  s.staged_bytes = counters_.staged.load(std::memory_order_relaxed);
   return s;
 }
 

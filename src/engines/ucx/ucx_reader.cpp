@@ -139,8 +139,10 @@ void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& by
     if (st == UCS_OK) conn->data_ep = Endpoint(data_ep);
     EpInfo info;
     if (conn->data_ep) info = inspect_ep(conn->data_ep.get());
-    const bool get = conn->data_ep && (options_.mode == Mode::kGet ||
-                                       (options_.mode == Mode::kAuto && info.nic_rma));
+    // A staged cache is never the target of a get (ucx_staging).
+    const bool get =
+        !copier_ && conn->data_ep &&
+        (options_.mode == Mode::kGet || (options_.mode == Mode::kAuto && info.nic_rma));
     if (options_.mode == Mode::kGet && !get) {
       close_conn(conn, Status(StatusCode::kUnavailable,
                               "ucx_mode=get, but no endpoint to the peer's worker address: " +

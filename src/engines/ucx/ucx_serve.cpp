@@ -125,35 +125,15 @@ void UcxCore::serve_read(const Served& to, const ReadReqHdr& h, std::vector<Copy
   q->spans = std::move(spans);
   q->strided = std::move(strided);
   if (!q->strided.empty()) {
-    // Groups of whole strided spans, each one message of at most
-    // kGatherBytes and kGatherMaxSpans rows (or one span).
-    for (std::size_t i = 0; i < q->strided.size();) {
-      std::size_t j = i;
-      std::uint64_t bytes = 0;
-      std::uint64_t rows = 0;
-      while (j < q->strided.size() && (j == i || (bytes + q->strided[j].bytes() <= kGatherBytes &&
-                                                  rows + q->strided[j].rows <= kGatherMaxSpans))) {
-        bytes += q->strided[j].bytes();
-        rows += q->strided[j].rows;
-        ++j;
-      }
-      q->groups.emplace_back(i, j - i);
-      i = j;
-    }
+    q->groups = gather_groups(
+        q->strided.size(), [&](std::size_t i) { return q->strided[i].bytes(); },
+        [&](std::size_t i) { return q->strided[i].rows; });
   } else if ((flags & kReqGather) != 0) {
-    // Groups of consecutive spans, each one message (kAmGatherData).
-    for (std::size_t i = 0; i < q->spans.size();) {
-      std::size_t j = i;
-      std::uint64_t bytes = 0;
-      while (j < q->spans.size() && j - i < kGatherMaxSpans &&
-             (j == i || bytes + q->spans[j].length <= kGatherBytes)) {
-        bytes += q->spans[j].length;
-        ++j;
-      }
-      q->groups.emplace_back(i, j - i);
-      i = j;
-    }
+    q->groups = gather_groups(
+        q->spans.size(), [&](std::size_t i) { return q->spans[i].length; },
+        [](std::size_t) { return std::uint64_t{1}; });
   }
+  if (copier_ && !stage_sends(q)) return;
   q->left = q->total() + 1;
   pump(q);
 }
@@ -168,23 +148,39 @@ void UcxCore::pump(const std::shared_ptr<SendQueue>& q) {
     const std::size_t unsent = q->total() - q->next + (q->epoch != 0 ? 1 : 0);
     if (gone && unsent != 0) drop(unsent, "a data reply");
     q->failed = true;
+    if (q->staged) q->staged->abort();  // no gather starts; those running finish
   } else {
     // At most a window per call: sends that complete at once (small eager
     // ones) do not stay in flight, and the rest of the read then follows
     // after this round's other work.
     std::size_t posted_now = 0;
     while (q->in_flight < kSendWindow && posted_now < kSendWindow && q->next < q->total()) {
+      std::optional<staging::GatherPipeline::Ready> gathered;
+      if (q->staged && !(gathered = q->staged->poll())) break;  // none gathered yet
       const std::size_t k = q->next++;
       ++posted_now;
-      const bool ok = q->groups.empty() ? send_span(q, q->spans[k])
-                                        : send_gathered(q, q->groups[k].first, q->groups[k].second);
+      const bool ok = gathered ? send_staged(q, *gathered)
+                      : q->groups.empty()
+                          ? send_span(q, q->spans[k])
+                          : send_gathered(q, q->groups[k].first, q->groups[k].second);
       if (!ok) {  // the endpoint failed; its error handler closes it
         q->failed = true;
         break;
       }
     }
+    if (q->staged && !q->failed && !q->staged->status().is_ok()) {
+      // A gather failed (the device copy): the reader learns why now.
+      send_err(q->ep, q->batch_id, q->staged->status());
+      q->failed = true;
+    }
     if (!q->failed && q->next < q->total()) {
-      if (q->in_flight == 0) later([this, q] { pump(q); });  // else each completion pumps
+      if (q->in_flight != 0) return;  // each completion pumps
+      // Staged: a gather runs; the progress loop pumps again (poll_staged).
+      if (q->staged) {
+        staged_waits_.push_back(q);
+      } else {
+        later([this, q] { pump(q); });
+      }
       return;
     }
   }
@@ -225,8 +221,10 @@ void UcxCore::on_data_sent(void* req, ucs_status_t st, void* ud) {
   if (!c) return;
   const std::shared_ptr<SendQueue>& q = c->queue;
   --q->in_flight;
+  if (c->staged) q->staged->sent(*c->staged);  // its buffer gathers the next message
   if (st == UCS_OK) {
     core->counters_.bytes.fetch_add(c->bytes, std::memory_order_relaxed);
+    if (c->staged) core->counters_.staged.fetch_add(c->bytes, std::memory_order_relaxed);
   } else {
     q->failed = true;
   }
@@ -286,8 +284,10 @@ bool UcxCore::posted(const std::shared_ptr<SendQueue>& q, SendCtx* ctx, ucs_stat
   }
   const std::unique_ptr<SendCtx> done = sends_.take(ctx);
   --q->left;  // never 0 here: pump holds one while posting
+  if (done->staged) q->staged->sent(*done->staged);
   if (UCS_PTR_IS_ERR(sp)) return false;
   counters_.bytes.fetch_add(done->bytes, std::memory_order_relaxed);
+  if (done->staged) counters_.staged.fetch_add(done->bytes, std::memory_order_relaxed);
   return true;
 }
 

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -22,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/staging.hpp"
 #include "mstar/kv/thread_annotations.hpp"
 #include "rma/rma_engine.hpp"
 #include "ucx_auth.hpp"
@@ -118,6 +120,19 @@ struct Batch {
   std::size_t units() const noexcept { return strided.empty() ? chunks.size() : strided.size(); }
   // A large gathered read: its rows are written with non-temporal stores.
   bool stream = false;
+  // ucx_staging: every reply is a gathered message (gather_groups) received
+  // into a host buffer of this pipeline and scattered from there into the
+  // cache; `waiting` holds messages that found every buffer busy (a
+  // rendezvous' descriptor, kept by UCX until received or released, or an
+  // eager message's bytes).
+  struct Waiting {
+    std::size_t message = 0;
+    void* rndv = nullptr;
+    std::vector<std::byte> eager;
+  };
+  std::unique_ptr<staging::ScatterPipeline> staged;
+  std::vector<std::size_t> message_of;  // unit index of a message's first -> message + 1
+  std::deque<Waiting> waiting;
 };
 
 // The user_data of a UCX request, owned by an InFlight<> of the core from
@@ -138,6 +153,8 @@ struct ReqCtx : Pending {          // a get or a rendezvous receive into local p
   std::vector<StridedSpan> spans;  // a gathered rendezvous: its spans (local side)
   RowSink sink;                    // a gathered rendezvous: where its rows land
   bool gathered = false;
+  // A rendezvous into a staging buffer (ucx_staging): the read's message.
+  std::optional<std::size_t> staged;
 };
 
 // An endpoint the owner answers on, as every reply holds it: the listener
@@ -191,17 +208,24 @@ struct SendQueue {
   std::size_t left = 0;       // sends not completed, plus one while posting
   bool done_posting = false;
   bool failed = false;  // a send failed: no verdict (the reader fails by itself)
+  // ucx_staging: each message (a group, or without kReqGather a span) is
+  // gathered from the cache into a host buffer of this pipeline and sent
+  // from there; `strided` then holds the spans (of one row each without
+  // kReqStrided).
+  std::unique_ptr<staging::GatherPipeline> staged;
+  bool staged_data = false;  // its messages are single spans (kAmReadData)
   std::size_t total() const noexcept { return groups.empty() ? spans.size() : groups.size(); }
 };
 inline constexpr std::size_t kSendWindow = 32;
 
 struct SendCtx : Pending {  // a data reply (its header must outlive the send)
   DataHdr hdr{};
-  std::shared_ptr<SendQueue> queue;  // the read it belongs to
-  std::uint64_t bytes = 0;           // its payload
-  GatherHdr gather{};                // gathered replies (kReqGather)
-  std::vector<ucp_dt_iov_t> iov;     // their spans in the registered pages
-  RowSource rows;                    // or, kReqStrided, their strided spans' rows
+  std::shared_ptr<SendQueue> queue;   // the read it belongs to
+  std::uint64_t bytes = 0;            // its payload
+  GatherHdr gather{};                 // gathered replies (kReqGather)
+  std::vector<ucp_dt_iov_t> iov;      // their spans in the registered pages
+  RowSource rows;                     // or, kReqStrided, their strided spans' rows
+  std::optional<std::size_t> staged;  // ucx_staging: the message whose buffer it sends
 };
 
 // A control message's bytes (header then data), or the wireup flush of

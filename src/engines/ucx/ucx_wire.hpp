@@ -22,6 +22,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace mstar::kv::ucx {
 
@@ -106,6 +108,31 @@ inline constexpr std::uint64_t kGatherBytes = 1024u << 10;
 // span per (page, layer, k|v, head) on the wire, not one per (token, head).
 inline constexpr std::uint64_t kReqStrided = 8;
 inline constexpr std::uint64_t kGatherMaxSpans = 4096;
+// The messages of a gathered read, the same on both sides: runs [first,
+// first + count) of whole units (spans, or strided spans) of at most
+// kGatherBytes and kGatherMaxSpans rows in all, or one unit alone. A reader
+// that stages (ucx_staging) receives each into a buffer of its own and
+// refuses any other run. bytes(i) and rows(i) describe unit i.
+template <class Bytes, class Rows>
+std::vector<std::pair<std::size_t, std::size_t>> gather_groups(std::size_t units, Bytes bytes,
+                                                               Rows rows) {
+  std::vector<std::pair<std::size_t, std::size_t>> groups;
+  for (std::size_t i = 0; i < units;) {
+    std::size_t j = i;
+    std::uint64_t b = 0;
+    std::uint64_t r = 0;
+    while (j < units &&
+           (j == i || (b + bytes(j) <= kGatherBytes && r + rows(j) <= kGatherMaxSpans))) {
+      b += bytes(j);
+      r += rows(j);
+      ++j;
+    }
+    groups.emplace_back(i, j - i);
+    i = j;
+  }
+  return groups;
+}
+
 // Spans (strided spans, with kReqStrided) [first, first + count) of the
 // request, `length` bytes in order.
 struct GatherHdr {

@@ -5,7 +5,9 @@
 // the read asked), or with a group of spans the read did not ask for, a
 // group twice, or a length that does not match its spans. The reader fails
 // the read naming it and writes nothing outside the rows it asked for, for
-// plain spans and for strided ones (a change of in-page order).
+// plain spans and for strided ones (a change of in-page order), reading
+// straight into its cache or through staging buffers (ucx_staging=on: it
+// then takes only the messages of gather_groups, each whole).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -70,14 +72,19 @@ std::vector<std::uint8_t> bytes_of(const std::vector<Unit>& u, std::size_t first
   return out;
 }
 
-class UcxForgedOwner : public ::testing::TestWithParam<bool> {  // strided?
+struct ForgedCase {
+  bool strided = false;
+  bool staged = false;  // the reader's ucx_staging=on
+};
+
+class UcxForgedOwner : public ::testing::TestWithParam<ForgedCase> {
  protected:
   void SetUp() override {
     const auto b = built_engines();
     if (std::find(b.begin(), b.end(), "ucx") == b.end()) GTEST_SKIP() << "ucx engine not built";
     ::setenv("UCX_TLS", "tcp", 1);
     ::setenv("UCX_NET_DEVICES", "lo", 1);
-    const bool strided = GetParam();
+    const bool strided = GetParam().strided;
     remote_ = testing::make_layout(2, 64, 16, 2, 64, DType::kBFloat16, CacheOrder::kLayerMajor,
                                    strided ? PageOrder::kHND : PageOrder::kNHD);
     local_ = testing::make_layout(2, 64, 16, 2, 64);
@@ -89,14 +96,17 @@ class UcxForgedOwner : public ::testing::TestWithParam<bool> {  // strided?
 
   // Reads kPages pages from an owner telling `lie`; returns the read's
   // status and leaves the units it asked for in units_.
-  Status read_from(Lie lie) {
+  // `groups_of_16`: the honest owner sends groups of 16 units instead of
+  // gather_groups' messages.
+  Status read_from(Lie lie, bool groups_of_16 = false) {
     rma::RmaRegionInfo region;
     region.entity_id = "forger";
     region.data_ptr = 1u << 20;
     region.size = remote_.total_bytes();
     region.layout = remote_;
     region.generation = 77;
-    RawOwner owner(region, [this, lie](RawOwner& o, ucp_ep_h ep, const RawOwner::Request& r) {
+    RawOwner owner(region, [this, lie, groups_of_16](RawOwner& o, ucp_ep_h ep,
+                                                     const RawOwner::Request& r) {
       EXPECT_NE(r.hdr.flags & kReqGather, 0u) << "the test needs a gathered read";
       const std::vector<Unit> u = units_of(r);
       {
@@ -132,8 +142,16 @@ class UcxForgedOwner : public ::testing::TestWithParam<bool> {  // strided?
           group(0, 8, -1);
           return;
         case Lie::kNone:
-          for (std::size_t first = 0; first < n; first += 16) {
-            group(first, std::min<std::size_t>(16, n - first));
+          if (groups_of_16) {
+            for (std::size_t first = 0; first < n; first += 16) {
+              group(first, std::min<std::size_t>(16, n - first));
+            }
+            return;
+          }
+          for (const auto& [first, count] : gather_groups(
+                   n, [&](std::size_t i) { return u[i].bytes(); },
+                   [&](std::size_t i) { return u[i].s.rows; })) {
+            group(first, count);
           }
           return;
       }
@@ -142,6 +160,7 @@ class UcxForgedOwner : public ::testing::TestWithParam<bool> {  // strided?
     std::memset(cache_->base(), static_cast<int>(kSentinel), cache_->size_bytes());
     EngineOptions o;
     o.timeout = 5000ms;
+    if (GetParam().staged) o.extra["ucx_staging"] = "on";
     KVTransferManager m(TransferEngineInfo{"reader", "", "ucx", o}, cache_);
     auto f = m.start_async_retrieve(0, kPages * 16, local_pages_, remote_pages_,
                                     owner.descriptor());
@@ -185,7 +204,7 @@ TEST_P(UcxForgedOwner, AnHonestGatheredReplyLandsWhereTheReadAsked) {
   const Status st = read_from(Lie::kNone);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
   ASSERT_FALSE(units_.empty());
-  if (GetParam()) {
+  if (GetParam().strided) {
     EXPECT_NE(units_.front().s.rows, 1u) << "expected strided spans on the wire";
   }
   const auto [outside, wrong] = check_cache();
@@ -205,8 +224,31 @@ TEST_P(UcxForgedOwner, AGroupNotAskedForFailsTheRead) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Spans, UcxForgedOwner, ::testing::Values(false, true),
-                         [](const auto& p) { return p.param ? "strided" : "plain"; });
+TEST_P(UcxForgedOwner, OtherHonestGroupsLandDirectlyAndAreRefusedStaged) {
+  // Groups of 16 units are the read's bytes, each once: a direct reader
+  // writes them where it asked; a staged reader has a buffer per message of
+  // its own grouping only and refuses them, writing nothing.
+  const Status st = read_from(Lie::kNone, /*groups_of_16=*/true);
+  const auto [outside, wrong] = check_cache();
+  EXPECT_EQ(outside, 0u) << "bytes written outside the rows asked for";
+  if (!GetParam().staged) {
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    EXPECT_EQ(wrong, 0u);
+    return;
+  }
+  EXPECT_EQ(st.code(), StatusCode::kInternal) << st.to_string();
+  EXPECT_NE(st.message().find("not one of the messages this staged read receives"),
+            std::string::npos)
+      << st.to_string();
+}
+
+INSTANTIATE_TEST_SUITE_P(Spans, UcxForgedOwner,
+                         ::testing::Values(ForgedCase{false, false}, ForgedCase{true, false},
+                                           ForgedCase{false, true}, ForgedCase{true, true}),
+                         [](const auto& p) {
+                           return std::string(p.param.strided ? "strided" : "plain") +
+                                  (p.param.staged ? "_staged" : "");
+                         });
 
 }  // namespace
 }  // namespace mstar::kv::ucx
