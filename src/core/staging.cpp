@@ -3,23 +3,61 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <string>
+#include <utility>
 
 namespace mstar::kv::staging {
 
 namespace {
 
+// Host buffers kept for reuse: a read's pipeline takes a few and gives
+// them back when it ends, so the next read does not fault fresh pages in
+// (a read of 8 MiB in 1 MiB messages ran at half speed allocating its
+// buffers anew; bench/results/2026-12-05-ucx-staging.md).
+class HostPool {
+ public:
+  static constexpr std::size_t kKept = 32;
+  std::unique_ptr<std::byte[]> take(std::size_t bytes, std::size_t* size) {
+    {
+      std::lock_guard lk(mu_);
+      auto best = free_.end();
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->second >= bytes && (best == free_.end() || it->second < best->second)) best = it;
+      }
+      if (best != free_.end()) {
+        *size = best->second;
+        auto block = std::move(best->first);
+        free_.erase(best);
+        return block;
+      }
+    }
+    *size = bytes;
+    return std::unique_ptr<std::byte[]>(new std::byte[bytes]);  // not zero-filled
+  }
+  void give(std::unique_ptr<std::byte[]> block, std::size_t size) {
+    std::lock_guard lk(mu_);
+    if (free_.size() < kKept) free_.emplace_back(std::move(block), size);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::pair<std::unique_ptr<std::byte[]>, std::size_t>> free_;
+};
+
+// Every byte is written before it is read: not zero-filled.
 class HostBuffer final : public Buffer {
  public:
-  // Not zero-filled: every byte is written before it is read.
-  explicit HostBuffer(std::size_t bytes)
-      : size_(std::max<std::size_t>(bytes, 1)),
-        bytes_(new std::byte[size_]) {}
+  HostBuffer(std::shared_ptr<HostPool> pool, std::size_t bytes) : pool_(std::move(pool)) {
+    bytes_ = pool_->take(std::max<std::size_t>(bytes, 1), &size_);
+  }
+  ~HostBuffer() override { pool_->give(std::move(bytes_), size_); }
   std::byte* data() const noexcept override { return bytes_.get(); }
   std::size_t size() const noexcept override { return size_; }
 
  private:
-  std::size_t size_;
+  std::shared_ptr<HostPool> pool_;
+  std::size_t size_ = 0;
   std::unique_ptr<std::byte[]> bytes_;
 };
 
@@ -32,7 +70,7 @@ class DoneJob final : public Job {
 class HostCopier final : public Copier {
  public:
   std::unique_ptr<Buffer> allocate(std::size_t bytes) override {
-    return std::make_unique<HostBuffer>(bytes);
+    return std::make_unique<HostBuffer>(pool_, bytes);
   }
   std::unique_ptr<Job> gather(const RegionMap& cache, std::span<const StridedSpan> spans,
                               Buffer& into) override {
@@ -56,6 +94,9 @@ class HostCopier final : public Copier {
     }
     return std::make_unique<DoneJob>();
   }
+
+ private:
+  std::shared_ptr<HostPool> pool_ = std::make_shared<HostPool>();
 };
 
 std::uint64_t largest(const std::vector<Message>& messages) {

@@ -77,7 +77,9 @@ class Copier {
                                        const RegionMap& cache) = 0;
 };
 
-// memcpy on the calling thread: every job is done when it is returned.
+// memcpy on the calling thread: every job is done when it is returned. Its
+// buffers are kept for reuse when freed (up to 32), as a device copier keeps
+// its pinned ones.
 std::shared_ptr<Copier> host_copier();
 
 // Splits `spans` into messages of whole spans of at most max_bytes (a span

@@ -17,8 +17,9 @@ namespace mstar::kv::ucx {
 namespace {
 
 // Host buffers per staged read and side: copies of some messages overlap
-// the wire time of others.
-constexpr std::size_t kStagingBuffers = 4;
+// the wire time of others. 4 capped 1 MiB messages over tcp (0.72 of a
+// direct read), 8 gave 0.78 (bench/results/2026-12-05-ucx-staging.md).
+constexpr std::size_t kStagingBuffers = 8;
 
 std::vector<staging::Message> messages_of(
     const std::vector<StridedSpan>& spans,
