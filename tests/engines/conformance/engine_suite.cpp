@@ -5,10 +5,30 @@
 
 namespace mstar::kv::testing {
 
+const std::map<std::string, std::optional<std::string>>& EngineSuite::case_env_at_start() {
+  static const auto start = [] {
+    std::map<std::string, std::optional<std::string>> m;
+    for (const EngineCase& c : engine_cases()) {
+      for (const auto& kv : c.env) m.emplace(kv.first, ScopedEnv::get(kv.first));
+    }
+    return m;
+  }();
+  return start;
+}
+
 void EngineSuite::SetUp() {
+  // Every variable some case sets is as it was before the first case: the
+  // case before this one, in this process, put its own back.
+  for (const auto& [k, v] : case_env_at_start()) {
+    if (ScopedEnv::get(k) != v) {
+      ADD_FAILURE() << "the environment of an earlier case is still set: " << k << "='"
+                    << ScopedEnv::get(k).value_or("(unset)") << "', before the first case '"
+                    << v.value_or("(unset)") << "'";
+    }
+  }
   const EngineCase& c = GetParam();
   if (!c.skip_reason.empty()) GTEST_SKIP() << c.skip_reason;
-  for (const auto& [k, v] : c.env) ::setenv(k.c_str(), v.c_str(), 1);
+  for (const auto& [k, v] : c.env) env_.set(k, v);
 }
 
 PeerSpec EngineSuite::peer_spec(const KVLayout& layout, std::uint64_t tokens) const {

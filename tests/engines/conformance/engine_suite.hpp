@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -29,6 +30,7 @@
 #include "common/layouts.hpp"
 #include "common/managers.hpp"
 #include "common/peer_process.hpp"
+#include "common/scoped_env.hpp"
 #include "mstar/kv/factory.hpp"
 #include "mstar/kv/kv.hpp"
 
@@ -39,7 +41,12 @@ inline constexpr std::uint64_t kSeed = 1234;
 
 class EngineSuite : public ::testing::TestWithParam<EngineCase> {
  protected:
+  // Sets the case's environment (its peers inherit it) for the case alone:
+  // put back when the fixture ends, and checked at the start of each case.
   void SetUp() override;
+
+  // Each variable any case sets, as the process had it before the first case.
+  static const std::map<std::string, std::optional<std::string>>& case_env_at_start();
 
   const std::string& engine() const { return GetParam().traits.name; }
   // False for the local engine, which reads no peer's cache
@@ -60,6 +67,9 @@ class EngineSuite : public ::testing::TestWithParam<EngineCase> {
                                               std::span<const KVReadInfo> reads);
   // After `f` resolved, no byte lands in `cache` (a snapshot, a wait, a compare).
   static void expect_quiet_after(const KVCache& cache, const TransferFuture& f);
+
+ private:
+  ScopedEnv env_;  // the case's variables; restored when the fixture ends
 };
 
 // The start of a case that reads a peer's cache: skips for the local engine.

@@ -19,6 +19,7 @@
 #include "common/expectations.hpp"
 #include "common/layouts.hpp"
 #include "common/managers.hpp"
+#include "common/scoped_env.hpp"
 #include "core/span_table.hpp"
 #include "cuda_ipc_test_util.hpp"
 #include "engines/cuda_ipc/span_kernel.hpp"
@@ -32,37 +33,13 @@ using namespace std::chrono_literals;
 using cuda_test::OwnerProcess;
 using cuda_test::OwnerSpec;
 using testing::shard_layout;
+using testing::ScopedEnv;
 using testing::small_layout;
 
 constexpr std::uint8_t kSentinel = 0xA5;
 constexpr std::uint64_t kSeed = 4321;
 
 // ---- the option (no device needed) -------------------------------------------
-
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) {
-      old_ = old;
-      had_ = true;
-    }
-    ::setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      ::setenv(name_, old_.c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::string old_;
-  bool had_ = false;
-};
 
 // A bad copy path is named with where it came from, before anything
 // touches the device (a host cache: the option is checked first).
