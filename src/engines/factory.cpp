@@ -128,7 +128,11 @@ std::vector<Entry> entries() {
     e.reader_memory = MemoryKind::kDevice;
     e.self_contained = false;  // needs a CUDA device
     e.layer_readiness = true;  // the owner's host tables (cuda_ipc.hpp)
-    e.loopback = {setup("cuda_ipc")};
+    // cuda_ipc: the build's default copy path (cuda_ipc_copy, cuda_ipc.hpp);
+    // cuda_ipc-kernel: the copy kernel, one launch per read, whatever the
+    // default (a build without the kernel refuses it by name).
+    e.loopback = {setup("cuda_ipc"),
+                  setup("cuda_ipc-kernel", {{"MSTAR_KV_CUDA_IPC_COPY", "kernel"}})};
     t.push_back(e);
   }
   std::vector<Entry> out;
