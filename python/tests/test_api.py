@@ -223,6 +223,11 @@ def test_engine_infos_of_live_engines_pickle():
     ucx = kv.UcxKVTransferEngine(cache, entity_id="e1")
     u = kv.UcxKVTransferInfo.decode(ucx.get_kv_transfer_info())
     assert u.entity_id == "e1" and u.session_id == ucx.session_id
+    # No remote key without RDMA unless the owner allows emulated gets.
+    assert pickle.loads(pickle.dumps(u)) == u and len(u.rkey) == 0
+    ucx.shutdown()
+    ucx = kv.UcxKVTransferEngine(cache, entity_id="e1", options={"ucx_emulated_gets": "on"})
+    u = kv.UcxKVTransferInfo.decode(ucx.get_kv_transfer_info())
     assert pickle.loads(pickle.dumps(u)) == u and len(u.rkey) > 0
     ucx.shutdown()
     shared = kv.KVCache(local_layout(num_pages=8), "shared")

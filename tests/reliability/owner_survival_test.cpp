@@ -3,7 +3,7 @@
 // The owner survives any reader (issue 35), with real processes: for every
 // engine that crosses processes with nothing beyond its build, and each of
 // its loopback setups (ucx over tcp and over shared memory, shm; and ucx's
-// get and am_shm read modes over shared memory), one owner
+// am_shm read mode over shared memory), one owner
 // process (kv_conformance_peer, 64 MiB) serves readers (survival_reader)
 // that start eight pulls of the whole sequence and then are SIGKILLed
 // mid-read, are SIGSTOPped and never take their replies, call cleanup() or
@@ -122,13 +122,18 @@ TEST_P(OwnerSurvival, OwnerServesAFreshReaderAfterEveryReaderThatGoesAwayBadly) 
   EXPECT_EQ(owner.child().wait_exit(10s), 0) << "the owner did not quit cleanly";
 }
 
-// The ucx engine's other read modes over shared memory (ucx.hpp,
-// "ucx_mode"): gets, and am replies on the reader's data endpoint.
+// The ucx engine's other read mode over shared memory (ucx.hpp,
+// "ucx_mode"): am replies on the reader's data endpoint. Not gets: on
+// loopback they are UCX 1.13's emulation over active messages, which no
+// owner survives (a get reader killed mid-get aborted the owner over tcp in
+// 12 of 60 runs; over shared memory it stalled or crashed it in 1 of
+// 40-100), so an owner serves them only with ucx_emulated_gets=on and
+// refuses get readers otherwise (ucx_get_refusal_test.cpp).
 std::vector<EngineCase> ucx_mode_cases() {
   std::vector<EngineCase> out;
   for (EngineCase c : self_contained_cases()) {
     if (c.label != "ucx_sm") continue;
-    for (const char* mode : {"get", "am_shm"}) {
+    for (const char* mode : {"am_shm"}) {
       EngineCase m = c;
       m.label = c.label + "_" + mode;
       m.extra["ucx_mode"] = mode;

@@ -238,8 +238,9 @@ std::vector<ReuseCase> reuse_cases() {
       {"shm_pool", "shm", {}, {}, 5, 4, ""},
       // Owner-served active messages (checked by the owner before and after).
       {"ucx_am", "ucx", tcp, {{"ucx_mode", "am"}}, 2, 1, ""},
-      // One-sided gets (the owner checks before and after the gets).
-      {"ucx_get", "ucx", tcp, {{"ucx_mode", "get"}}, 2, 1, ""},
+      // One-sided gets (the owner checks before and after the gets); over
+      // tcp they are emulated, which an owner allows only when asked.
+      {"ucx_get", "ucx", tcp, {{"ucx_mode", "get"}, {"ucx_emulated_gets", "on"}}, 2, 1, ""},
   };
 }
 

@@ -69,6 +69,14 @@ namespace mstar::kv {
 //                   refused). Without the option, MSTAR_KV_UCX_STAGING says.
 //                   A staged cache is never registered or read by gets
 //                   (ucx_mode=get is refused); docs/engines/ucx.md
+//   ucx_emulated_gets on | off   whether this engine, as an owner without an
+//                   RDMA transport (rc/dc), publishes its remote keys and so
+//                   serves gets, which UCX 1.13 then emulates with active
+//                   messages over tcp or shared memory (default off: a reader
+//                   killed mid-get can abort such an owner or stall it for
+//                   every reader). A reader with ucx_mode=get gets
+//                   kUnavailable at connect from an owner that serves none.
+//                   Without the option, MSTAR_KV_UCX_EMULATED_GETS says
 //   auth_token      a shared secret of at least 16 bytes (default none): a
 //                   mutual HMAC-SHA-256 challenge-response when connecting
 //                   (the secret never crosses the wire), then a per-connection

@@ -115,6 +115,13 @@ class UcxPeer final : public rma::RmaPeer {
   std::shared_ptr<Conn> conn_;
 };
 
+bool parse_on_off(const std::string& value, const char* what) {
+  if (value == "on") return true;
+  if (value == "off") return false;
+  throw Error(StatusCode::kInvalidArgument,
+              std::string(what) + " '" + value + "' is not one of on, off");
+}
+
 Staging parse_staging(const std::string& value, const char* what) {
   if (value == "auto") return Staging::kAuto;
   if (value == "on") return Staging::kOn;
@@ -132,6 +139,9 @@ UcxOptions UcxOptions::parse(const EngineOptions& options) {
   // benchmark setups of a whole process).
   if (const char* env = std::getenv("MSTAR_KV_UCX_STAGING"); env != nullptr && *env != '\0') {
     o.staging = parse_staging(env, "MSTAR_KV_UCX_STAGING");
+  }
+  if (const char* env = std::getenv("MSTAR_KV_UCX_EMULATED_GETS"); env != nullptr && *env != '\0') {
+    o.emulated_gets = parse_on_off(env, "MSTAR_KV_UCX_EMULATED_GETS");
   }
   for (const auto& [key, value] : options.extra) {
     if (key == "ucx_mode") {
@@ -170,12 +180,15 @@ UcxOptions UcxOptions::parse(const EngineOptions& options) {
                     "ucx_progress '" + value + "' is not one of adaptive, busy, event");
     } else if (key == "ucx_staging") {
       o.staging = parse_staging(value, "ucx_staging");
+    } else if (key == "ucx_emulated_gets") {
+      o.emulated_gets = parse_on_off(value, "ucx_emulated_gets");
     } else if (key == auth::kTokenKey) {
       o.auth_token = auth::token_from(options.extra);
     } else if (key.rfind("ucx_", 0) == 0) {
       throw Error(StatusCode::kInvalidArgument, "unknown UCX option '" + key +
                                                     "' (known: ucx_mode, ucx_am_proto, "
-                                                    "ucx_chunk_bytes, ucx_progress, ucx_staging)");
+                                                    "ucx_chunk_bytes, ucx_progress, ucx_staging, "
+                                                    "ucx_emulated_gets)");
     }
     // Keys of other engines are ignored: one EngineOptions may serve several.
   }

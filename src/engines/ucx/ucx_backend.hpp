@@ -36,6 +36,12 @@ struct UcxOptions {
   std::uint64_t chunk_bytes = 4u << 20;
   Progress progress = Progress::kAdaptive;
   Staging staging = Staging::kAuto;
+  // extra["ucx_emulated_gets"] (on|off, MSTAR_KV_UCX_EMULATED_GETS): an
+  // owner without an RDMA transport publishes its remote keys, so readers
+  // may get (ucx_mode=get) through UCX 1.13's emulation over active
+  // messages. Off by default: a reader that dies mid-get can abort such an
+  // owner (tcp) or stall its receive fifo for every reader (shared memory).
+  bool emulated_gets = false;
   // extra["auth_token"]: the shared secret of the connect handshake
   // (ucx_auth.hpp); empty: no authentication.
   std::string auth_token;

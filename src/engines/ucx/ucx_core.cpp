@@ -18,6 +18,32 @@ std::vector<std::uint8_t> pack_rkeys(const std::vector<std::vector<std::uint8_t>
   return out;
 }
 
+// Whether the context has an RDMA transport (rc or dc), where gets are
+// one-sided: UCX 1.13 cannot be asked, but its configuration dump lists each
+// resource as "transport/device" (the lanes of an endpoint: inspect_ep).
+static bool has_rdma(ucp_context_h context) {
+  char* buf = nullptr;
+  std::size_t size = 0;
+  FILE* f = ::open_memstream(&buf, &size);
+  if (f == nullptr) return false;
+  ucp_context_print_info(context, f);
+  std::fclose(f);
+  const std::string info(buf, size);
+  std::free(buf);
+  std::size_t start = 0;
+  while (start < info.size()) {
+    std::size_t end = info.find('\n', start);
+    if (end == std::string::npos) end = info.size();
+    const std::string line = info.substr(start, end - start);
+    start = end + 1;
+    if (line.find("resource") == std::string::npos) continue;
+    if (line.find(" rc_") != std::string::npos || line.find(" dc_") != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
 std::vector<std::span<const std::uint8_t>> unpack_rkeys(std::span<const std::uint8_t> blob,
                                                         std::size_t count) {
   std::size_t at = 0;
@@ -178,7 +204,17 @@ void UcxCore::init_ucp(const std::string& session_id) {
     rkeys.emplace_back(static_cast<std::uint8_t*>(rkey_buf),
                        static_cast<std::uint8_t*>(rkey_buf) + rkey_len);
   }
-  if (registered) region_.backend_blob = regions == 1 ? std::move(rkeys[0]) : pack_rkeys(rkeys);
+  // The remote keys (gets) only where gets are one-sided, or where the owner
+  // allows emulated ones (ucx_emulated_gets): UCX 1.13 serves a get over tcp
+  // or shared memory with active messages, and a reader killed mid-get
+  // aborted the owner in ucp_get_req_handler over tcp ("unexpected error:
+  // Endpoint timeout", 12 of 60 runs of a killed get reader) and, over
+  // shared memory, stalled its receive fifo for every reader or crashed it
+  // in ucp_worker_destroy (1 in 40-100 runs). Without them a get reader is
+  // refused at connect (ucx_reader.cpp).
+  if (registered && (options_.emulated_gets || has_rdma(context_.get()))) {
+    region_.backend_blob = regions == 1 ? std::move(rkeys[0]) : pack_rkeys(rkeys);
+  }
   if (region_.backend_blob.size() > rma::RmaRegionInfo::kMaxBlobBytes) {
     throw Error(StatusCode::kUnavailable,
                 "the remote keys of the cache's " + std::to_string(regions) + " regions take " +

@@ -52,9 +52,11 @@ std::shared_ptr<Conn> UcxCore::connect(const rma::RmaRegionInfo& remote,
   }
   const Status st = hello.get();
   if (!st.is_ok()) {
-    // Refused authentication stays kPermissionDenied: reconnecting will not help.
-    const bool keep =
-        st.code() == StatusCode::kShutdown || st.code() == StatusCode::kPermissionDenied;
+    // Refused authentication stays kPermissionDenied, a read mode the owner
+    // does not serve kUnavailable (ucx_mode=get): reconnecting will not help.
+    const bool keep = st.code() == StatusCode::kShutdown ||
+                      st.code() == StatusCode::kPermissionDenied ||
+                      st.code() == StatusCode::kUnavailable;
     throw Error(keep ? st.code() : StatusCode::kPeerFailure,
                 "cannot connect to ucx peer at " + remote.session_id + ": " + st.message());
   }
@@ -139,10 +141,20 @@ void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& by
     if (st == UCS_OK) conn->data_ep = Endpoint(data_ep);
     EpInfo info;
     if (conn->data_ep) info = inspect_ep(conn->data_ep.get());
-    // A staged cache is never the target of a get (ucx_staging).
+    // A staged cache is never the target of a get (ucx_staging); an owner
+    // that publishes no remote keys serves none (ucx_emulated_gets).
+    const bool served_keys = !conn->served.backend_blob.empty();
     const bool get =
-        !copier_ && conn->data_ep &&
+        !copier_ && conn->data_ep && served_keys &&
         (options_.mode == Mode::kGet || (options_.mode == Mode::kAuto && info.nic_rma));
+    if (options_.mode == Mode::kGet && conn->data_ep && !served_keys) {
+      close_conn(conn, Status(StatusCode::kUnavailable,
+                              "ucx_mode=get, but the owner serves no gets: it has no RDMA "
+                              "transport, where UCX emulates gets with active messages and a "
+                              "reader that dies mid-get can abort or stall the owner (the "
+                              "owner's ucx_emulated_gets=on allows them)"));
+      return;
+    }
     if (options_.mode == Mode::kGet && !get) {
       close_conn(conn, Status(StatusCode::kUnavailable,
                               "ucx_mode=get, but no endpoint to the peer's worker address: " +

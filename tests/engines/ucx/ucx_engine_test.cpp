@@ -197,6 +197,9 @@ TEST_P(UcxEngine, ForgedDescriptorsAreRejectedBeforeAnyRead) {
   {
     auto f = good;
     for (auto& b : f.rkey) b = static_cast<std::uint8_t>(b ^ 0x5a);
+    // An owner that serves no gets publishes no key (ucx_emulated_gets):
+    // then a descriptor that claims one is the forgery.
+    if (f.rkey.empty()) f.rkey.assign(16, 0x5a);
     expect_rejected(f, StatusCode::kPermissionDenied, "forged rkey bytes");
   }
   {

@@ -62,6 +62,9 @@ class UcxFixture : public ::testing::TestWithParam<UcxCase> {
   std::map<std::string, std::string> extra() const {
     std::map<std::string, std::string> e{{"ucx_mode", GetParam().mode}};
     if (!GetParam().proto.empty()) e["ucx_am_proto"] = GetParam().proto;
+    // Gets on loopback are UCX's emulation, which an owner serves only when
+    // asked (ucx_emulated_gets; the refusal: ucx_get_refusal_test.cpp).
+    if (GetParam().mode == "get") e["ucx_emulated_gets"] = "on";
     return e;
   }
 
