@@ -118,7 +118,8 @@ TEST(KVTransferManager, EveryEngineRejectsUnknownKeysOfItsPrefix) {
       {"cuda_ipc", "cuda_ipc_bach",
        "known cuda_ipc_* options: cuda_ipc_batch, cuda_ipc_check_owner_pid", MemoryKind::kHost},
       {"ucx", "ucx_mdoe",
-       "(known: ucx_mode, ucx_am_proto, ucx_chunk_bytes, ucx_progress, ucx_staging)",
+       "(known: ucx_mode, ucx_am_proto, ucx_chunk_bytes, ucx_progress, ucx_staging, "
+       "ucx_emulated_gets)",
        MemoryKind::kHost},
   };
   const std::map<std::string, std::string> others = {
