@@ -18,24 +18,32 @@ std::vector<std::uint8_t> pack_rkeys(const std::vector<std::vector<std::uint8_t>
   return out;
 }
 
+std::vector<std::string> printed_lines(const std::function<void(FILE*)>& print) {
+  char* buf = nullptr;
+  std::size_t size = 0;
+  FILE* f = ::open_memstream(&buf, &size);
+  if (f == nullptr) return {};
+  print(f);
+  std::fclose(f);
+  const std::string text(buf, size);
+  std::free(buf);
+  std::vector<std::string> lines;
+  std::size_t start = 0;
+  while (start < text.size()) {
+    std::size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    lines.push_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return lines;
+}
+
 // Whether the context has an RDMA transport (rc or dc), where gets are
 // one-sided: UCX 1.13 cannot be asked, but its configuration dump lists each
 // resource as "transport/device" (the lanes of an endpoint: inspect_ep).
 static bool has_rdma(ucp_context_h context) {
-  char* buf = nullptr;
-  std::size_t size = 0;
-  FILE* f = ::open_memstream(&buf, &size);
-  if (f == nullptr) return false;
-  ucp_context_print_info(context, f);
-  std::fclose(f);
-  const std::string info(buf, size);
-  std::free(buf);
-  std::size_t start = 0;
-  while (start < info.size()) {
-    std::size_t end = info.find('\n', start);
-    if (end == std::string::npos) end = info.size();
-    const std::string line = info.substr(start, end - start);
-    start = end + 1;
+  for (const std::string& line :
+       printed_lines([context](FILE* f) { ucp_context_print_info(context, f); })) {
     if (line.find("resource") == std::string::npos) continue;
     if (line.find(" rc_") != std::string::npos || line.find(" dc_") != std::string::npos) {
       return true;

@@ -58,6 +58,12 @@ namespace mstar::kv::ucx {
 
 class UcxCore;
 
+// The lines a UCX dump writes (`print` gets the stream: ucp_ep_print_info,
+// ucp_context_print_info), without their newlines; none if no stream opens.
+// UCX 1.13 answers some questions (which transports carry an endpoint's
+// lanes, whether a context has RDMA) only in these dumps.
+std::vector<std::string> printed_lines(const std::function<void(FILE*)>& print);
+
 // The remote keys of a cache of one region per layer in one backend blob
 // (ucx.hpp: u32 count, then u32 length and the key's bytes each), and back:
 // unpack_rkeys checks the blob as untrusted (exactly `count` keys, every

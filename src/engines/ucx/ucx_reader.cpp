@@ -228,21 +228,10 @@ UcxCore::EpInfo UcxCore::inspect_ep(ucp_ep_h ep) {
   // are only chosen for RDMA lanes; on shared memory the owner's
   // active-message replies (rendezvous over cma) are the fast path.
   EpInfo out;
-  char* buf = nullptr;
-  std::size_t size = 0;
-  FILE* f = ::open_memstream(&buf, &size);
-  if (f == nullptr) return out;
-  ucp_ep_print_info(ep, f);
-  std::fclose(f);
-  const std::string info(buf, size);
-  std::free(buf);
-  if (std::getenv("MSTAR_KV_UCX_DEBUG")) std::fprintf(stderr, "%s\n", info.c_str());
-  std::size_t start = 0;
-  while (start < info.size()) {
-    std::size_t end = info.find('\n', start);
-    if (end == std::string::npos) end = info.size();
-    const std::string line = info.substr(start, end - start) + " ";
-    start = end + 1;
+  const bool debug = std::getenv("MSTAR_KV_UCX_DEBUG") != nullptr;
+  for (std::string line : printed_lines([ep](FILE* f) { ucp_ep_print_info(ep, f); })) {
+    if (debug) std::fprintf(stderr, "%s\n", line.c_str());
+    line += ' ';
     if (line.find("lane[") == std::string::npos) continue;
     const bool tcp = line.find("tcp") != std::string::npos;
     const bool shm = line.find("sysv") != std::string::npos ||

@@ -476,6 +476,9 @@ TEST(UcxOptions, UnknownUcxKeyIsRejectedListingTheKnownOnes) {
   info.options.extra = {{"ucx_progress", "spin"}};
   testing::expect_error([&] { KVTransferManager m(info, c); }, StatusCode::kInvalidArgument,
                         {"ucx_progress 'spin' is not one of adaptive, busy, event"});
+  info.options.extra = {{"ucx_emulated_gets", "yes"}};
+  testing::expect_error([&] { KVTransferManager m(info, c); }, StatusCode::kInvalidArgument,
+                        {"ucx_emulated_gets 'yes' is not one of on, off"});
 }
 
 }  // namespace

@@ -7,7 +7,8 @@
 // memory. A default owner publishes no remote keys: a reader that asks for
 // gets is refused at connect, naming the option, before any byte moves, and
 // the owner goes on serving active-message readers; an owner that allows
-// them serves the same reader every byte.
+// them serves the same reader every byte. (A bad value of the option:
+// UcxOptions in ucx_engine_test.cpp.)
 #include "common/expectations.hpp"
 #include "ucx_fixture.hpp"
 
@@ -51,15 +52,6 @@ TEST_P(UcxGetRefusal, AnOwnerThatAllowsEmulatedGetsServesTheGetReader) {
             layout().total_bytes());
   const auto v = verify_pattern(*cache, kSeed, lp, 0, seq.num_tokens);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
-}
-
-TEST(UcxGetOptions, EmulatedGetsTakeOnOrOff) {
-  const KVLayout l = testing::make_layout(1, 4, 16, 1, 8);
-  auto c = make_kv_cache(l, MemoryKind::kHost);
-  TransferEngineInfo info{"me", "127.0.0.1:0", "ucx", {}};
-  info.options.extra = {{"ucx_emulated_gets", "yes"}};
-  testing::expect_error([&] { KVTransferManager m(info, c); }, StatusCode::kInvalidArgument,
-                        {"ucx_emulated_gets 'yes' is not one of on, off"});
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, UcxGetRefusal,
