@@ -185,6 +185,22 @@ int main(int argc, char** argv) {
     s.lease_expiry_ms = i % 3 == 0 ? 0 : 1764700000000ULL + i;  // 0: no lease
     write(out / "fuzz_sequence_info", "seed" + std::to_string(i), s.encode(), true);
   }
+  // Sequences that share pages (prefix caching): their descriptors carry
+  // page_epochs, the section after the frame's last field.
+  for (std::uint32_t i = 0; i < 2; ++i) {
+    SequenceInfo s;
+    s.seq_id = 900 + i;
+    s.num_tokens = 16 * 4 - i;
+    s.page_size = 16;
+    s.page_indices = {3, 9, 1, 12};
+    s.kv_transfer_info = {"shm", {1, 2, 3, 4}, 0x1234567800000100ULL + i, {}};
+    s.kv_transfer_info.page_epochs.push_back({1, 0x1234567800000001ULL});
+    if (i == 1) s.kv_transfer_info.page_epochs.push_back({9, 0x1234567800000002ULL});
+    s.lease_expiry_ms = 1764700000000ULL;
+    const std::string name = "shared" + std::to_string(i);
+    write(out / "fuzz_transfer_info", name, s.kv_transfer_info.encode(), true);
+    write(out / "fuzz_sequence_info", name, s.encode(), true);
+  }
   // The planner target draws everything from its bytes: a few fixed strings.
   std::uint64_t x = 0x9E3779B97F4A7C15ULL;
   for (int i = 0; i < 8; ++i) {

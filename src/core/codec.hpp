@@ -66,6 +66,8 @@ class ByteReader {
   KVLayout layout(std::string_view field);
 
   std::size_t remaining() const noexcept { return in_.size() - pos_; }
+  // Whether the next byte is `v` (false at the end); reads nothing.
+  bool next_is(std::uint8_t v) const noexcept { return pos_ < in_.size() && in_[pos_] == v; }
   // Throws unless every byte was consumed.
   void expect_end() const;
   [[noreturn]] void fail(std::string_view field, const std::string& why) const;

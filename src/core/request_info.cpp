@@ -16,9 +16,7 @@ bool is_hex_digit(char c) noexcept { return (c >= '0' && c <= '9') || (c >= 'a' 
 }  // namespace
 
 KVTransferInfo RequestKVTransferInfo::with_epoch(std::uint64_t epoch) const {
-  KVTransferInfo info = cache;
-  info.epoch = epoch;
-  return info;
+  return cache.with_epoch(epoch);
 }
 
 // Epochs go as runs (count, epoch): a publication's pages mostly share one.

@@ -1,6 +1,7 @@
 // Copyright mstar-kv authors.
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -162,6 +163,108 @@ TEST(Descriptor, PageCountMustMatchTokensAndPageSize) {
     EXPECT_EQ(s.page_indices.size(), pages);
     EXPECT_EQ(s.page_size, page_size);
   }
+}
+
+// page_epochs (shared pages): the exceptions to the descriptor's epoch.
+SequenceInfo shared_sample() {
+  SequenceInfo s = sample();
+  s.kv_transfer_info.epoch = 5;
+  s.kv_transfer_info.page_epochs = {{4, 3}, {1000, 9}};
+  return s;
+}
+
+// sample()'s payload by hand up to its last field (lease_expiry_ms), with
+// `epoch`, for the page_epochs section to follow.
+codec::ByteWriter shared_head(std::uint64_t epoch = 5) {
+  codec::ByteWriter w = head(0x1122334455667788ULL, 37, 16, 3);
+  for (std::uint32_t p : {9u, 4u, 1000u}) w.u32(p);
+  w.str("shm");
+  const std::uint8_t payload[] = {1, 2, 3, 4, 5};
+  w.bytes(payload);
+  w.u64(epoch);
+  w.u64(0);  // lease_expiry_ms
+  return w;
+}
+
+TEST(Descriptor, PageEpochsRoundTripAndLeaveUnsharedBytesAsTheyWere) {
+  const SequenceInfo s = shared_sample();
+  EXPECT_EQ(SequenceInfo::decode(s.encode()), s);
+  EXPECT_EQ(KVTransferInfo::decode(s.kv_transfer_info.encode()), s.kv_transfer_info);
+  SequenceInfo other = s;
+  other.kv_transfer_info.page_epochs[1].epoch = 10;
+  EXPECT_NE(other, s);
+  EXPECT_NE(other.kv_transfer_info, s.kv_transfer_info);
+  EXPECT_EQ(s.kv_transfer_info.epoch_of(4), 3u);
+  EXPECT_EQ(s.kv_transfer_info.epoch_of(9), 5u);
+  EXPECT_EQ(s.kv_transfer_info.epoch_of(1000), 9u);
+  const KVTransferInfo one = s.kv_transfer_info.with_epoch(9);
+  EXPECT_EQ(one.epoch, 9u);
+  EXPECT_TRUE(one.page_epochs.empty());
+  EXPECT_EQ(one.payload, s.kv_transfer_info.payload);
+  // An unshared sequence encodes as before the field existed (no section),
+  // so frames of older builds decode and older builds decode ours.
+  SequenceInfo plain = sample();
+  plain.kv_transfer_info.epoch = 5;
+  EXPECT_EQ(plain.encode(), frame(shared_head()));
+  EXPECT_EQ(SequenceInfo::decode(frame(shared_head())), plain);
+  // The section is the frame's tail: tag 1, count, (page, epoch) each.
+  codec::ByteWriter w = shared_head();
+  w.u8(1);
+  w.u32(2);
+  w.u32(4);
+  w.u64(3);
+  w.u32(1000);
+  w.u64(9);
+  EXPECT_EQ(s.encode(), frame(w));
+}
+
+TEST(Descriptor, BadPageEpochsAreRefusedNamingTheField) {
+  struct Entry {
+    std::uint32_t page;
+    std::uint64_t epoch;
+  };
+  auto section = [](std::vector<Entry> entries, std::uint64_t epoch = 5,
+                    std::optional<std::uint32_t> count = std::nullopt) {
+    codec::ByteWriter w = shared_head(epoch);
+    w.u8(1);
+    w.u32(count.value_or(static_cast<std::uint32_t>(entries.size())));
+    for (const Entry& e : entries) {
+      w.u32(e.page);
+      w.u64(e.epoch);
+    }
+    return frame(w);
+  };
+  auto expect_bad = [](const std::vector<std::uint8_t>& bytes, const std::string& why) {
+    testing::expect_error([&] { SequenceInfo::decode(bytes); }, StatusCode::kCorruptDescriptor,
+                          {"SequenceInfo field 'page_epochs'", why});
+  };
+  expect_bad(section({{1000, 9}, {4, 3}}),
+             "entry 1 names page 4 after page 1000: pages must be ascending and named once");
+  expect_bad(section({{4, 3}, {4, 7}}), "entry 1 names page 4 after page 4");
+  expect_bad(section({{4, 0}}), "page 4 carries epoch 0 (0 is a free page)");
+  expect_bad(section({{4, 5}}), "page 4 carries epoch 5, the descriptor's own");
+  expect_bad(section({{7, 3}}), "page 7 is not one of the sequence's 3 pages");
+  expect_bad(section({}), "an empty section");
+  expect_bad(section({{4, 3}}, 5, 3), "truncated: 3 entries need 36 bytes, 12 left");
+  expect_bad(section({}, 5, 0xFFFFFFFFu), "4294967295 entries exceed the limit of 16777216");
+  expect_bad(section({{4, 3}}, 0), "1 entries on a descriptor without an epoch (epoch 0)");
+  // Every truncation and every flipped byte of a shared descriptor.
+  const auto good = shared_sample().encode();
+  for (std::size_t n = 0; n < good.size(); ++n) {
+    EXPECT_THROW(SequenceInfo::decode(std::span(good).first(n)), Error) << n;
+  }
+  for (std::size_t i = 0; i < good.size(); ++i) {
+    auto bad = good;
+    bad[i] ^= 0x40;
+    EXPECT_THROW(SequenceInfo::decode(bad), Error) << "byte " << i;
+  }
+  // A KVTransferInfo frame checks the same (bar the sequence's pages).
+  KVTransferInfo t{"shm", {1}, 5, {{3, 4}, {2, 6}}};
+  testing::expect_error([&] { KVTransferInfo::decode(t.encode()); }, StatusCode::kCorruptDescriptor,
+                        {"KVTransferInfo", "page_epochs", "names page 2 after page 3"});
+  t = KVTransferInfo{"", {}, 0, {{3, 4}}};
+  testing::expect_error([&] { KVTransferInfo::decode(t.encode()); }, StatusCode::kCorruptDescriptor,
+                        {"page_epochs", "(local-only)"});
 }
 
 TEST(Descriptor, LayoutDecodingValidates) {

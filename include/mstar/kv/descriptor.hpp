@@ -23,6 +23,14 @@ struct DescriptorLimits {
   static constexpr std::size_t kMaxPagesPerSequence = 1u << 24;
 };
 
+// One page whose epoch differs from its descriptor's (KVTransferInfo::page_epochs).
+struct PageEpoch {
+  std::uint32_t page = 0;
+  std::uint64_t epoch = 0;
+
+  bool operator==(const PageEpoch&) const = default;
+};
+
 // An engine's descriptor of its cache, opaque outside that engine: the
 // engine's name ("shm", "ucx", "mooncake", "cuda_ipc") plus the payload that
 // engine encoded. An empty engine name stands for "no transfer engine"
@@ -32,12 +40,27 @@ struct DescriptorLimits {
 // sequence's pages (epochs.hpp); engines fail a read of pages that no longer
 // carry it with kStaleDescriptor. 0 on the cache's own descriptor
 // (get_kv_transfer_info()): such reads are not checked.
+//
+// page_epochs: the pages of that sequence whose epoch is not `epoch`, with
+// their own (sorted by page, each page once, none 0, none equal to
+// `epoch`). A sequence that shares pages with an earlier one (prefix
+// caching, KVCachePool::adopt with allow_shared) reads those with the epoch
+// their content was published under. Empty for an unshared sequence, whose
+// bytes are then those of a descriptor without the field. Engines never see
+// it: the manager reads each page with its own epoch (with_epoch) and
+// hands the engine descriptors without exceptions.
 struct KVTransferInfo {
   std::string engine;
   std::vector<std::uint8_t> payload;
   std::uint64_t epoch = 0;
+  std::vector<PageEpoch> page_epochs{};
 
   bool empty() const noexcept { return engine.empty(); }
+  // The epoch `page` must carry: its entry in page_epochs, else `epoch`.
+  std::uint64_t epoch_of(std::uint32_t page) const noexcept;
+  // This descriptor checked against one epoch, without exceptions: what an
+  // engine reads one epoch group with.
+  KVTransferInfo with_epoch(std::uint64_t e) const;
   std::vector<std::uint8_t> encode() const;
   static KVTransferInfo decode(std::span<const std::uint8_t> bytes);
 
