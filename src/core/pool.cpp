@@ -40,6 +40,7 @@ KVCachePool::KVCachePool(std::shared_ptr<KVCache> cache, KVTransferInfo descript
                                                   " ms must be >= 0 (0 = never expire)");
   }
   descriptor_.epoch = 0;
+  descriptor_.page_epochs.clear();
   const std::uint32_t n = cache_->layout().num_pages;
   free_.resize(n);
   // back() is handed out first: store descending so pages go out ascending.
@@ -49,6 +50,7 @@ KVCachePool::KVCachePool(std::shared_ptr<KVCache> cache, KVTransferInfo descript
     std::shuffle(free_.begin(), free_.end(), rng);
   }
   in_use_.assign(n, 0);
+  holders_.assign(n, 0);
 }
 
 std::vector<std::uint32_t> KVCachePool::allocate_locked(std::size_t count) {
@@ -105,8 +107,22 @@ void KVCachePool::free_locked(std::span<const std::uint32_t> pages, std::uint8_t
   cache_->epochs().stamp(pages, 0);
   for (auto it = pages.rbegin(); it != pages.rend(); ++it) {
     in_use_[*it] = kFree;
+    holders_[*it] = 0;
     free_.push_back(*it);
   }
+}
+
+void KVCachePool::drop_locked(const Sequence& s) {
+  // A sequence's pages are kOwned with a hold of its own each (adopt and
+  // allocate never give a sequence a page twice), so nothing here can fail.
+  std::vector<std::uint32_t> unheld;
+  unheld.reserve(s.pages.size());
+  for (const std::uint32_t p : s.pages) {
+    if (--holders_[p] == 0) unheld.push_back(p);
+  }
+  // Only pages no sequence holds any more change epoch: the others' content
+  // is still what their remaining holders published.
+  free_locked(unheld, kOwned);
 }
 
 std::vector<std::uint32_t> KVCachePool::allocate(std::uint64_t seq_id, std::uint64_t num_tokens) {
@@ -128,7 +144,10 @@ std::vector<std::uint32_t> KVCachePool::allocate(std::uint64_t seq_id, std::uint
   }
   const std::uint64_t epoch = next_epoch_;  // allocate_locked stamps it
   auto pages = allocate_locked(static_cast<std::size_t>(count));
-  for (std::uint32_t p : pages) in_use_[p] = kOwned;
+  for (std::uint32_t p : pages) {
+    in_use_[p] = kOwned;
+    holders_[p] = 1;
+  }
   Sequence s;
   s.num_tokens = num_tokens;
   s.pages = pages;
@@ -139,7 +158,7 @@ std::vector<std::uint32_t> KVCachePool::allocate(std::uint64_t seq_id, std::uint
 }
 
 void KVCachePool::adopt(std::uint64_t seq_id, std::uint64_t num_tokens,
-                        std::span<const std::uint32_t> pages) {
+                        std::span<const std::uint32_t> pages, bool allow_shared) {
   std::lock_guard<std::mutex> lock(mu_);
   expire_locked(Clock::now());
   if (sequences_.count(seq_id) != 0) {
@@ -155,13 +174,18 @@ void KVCachePool::adopt(std::uint64_t seq_id, std::uint64_t num_tokens,
                     " tokens, " + std::to_string(pages.size()) + " given");
   }
   const std::uint32_t n = cache_->layout().num_pages;
-  // Check everything first (kFreeing marks a page seen in this call), then
-  // undo the marks when one is refused, so that a refused call changes nothing.
+  // Check everything first (kFreeing marks a free page seen in this call,
+  // kSharing a held one), then undo the marks when one is refused, so that
+  // a refused call changes nothing.
+  std::size_t fresh_count = 0;
   for (std::size_t i = 0; i < pages.size(); ++i) {
     const std::uint32_t p = pages[i];
-    if (p >= n || in_use_[p] != kFree) {
-      const std::uint8_t mark = p < n ? in_use_[p] : kFree;
-      for (std::size_t j = 0; j < i; ++j) in_use_[pages[j]] = kFree;
+    const std::uint8_t mark = p < n ? in_use_[p] : kFree;
+    const bool shares = mark == kOwned && allow_shared;
+    if (p >= n || (mark != kFree && !shares)) {
+      for (std::size_t j = 0; j < i; ++j) {
+        in_use_[pages[j]] = in_use_[pages[j]] == kSharing ? kOwned : kFree;
+      }
       const std::string what =
           "adopt of sequence " + std::to_string(seq_id) + ": page " + std::to_string(p);
       if (p >= n) {
@@ -169,28 +193,45 @@ void KVCachePool::adopt(std::uint64_t seq_id, std::uint64_t num_tokens,
                     what + " out of range [0, " + std::to_string(n) + ")");
       }
       throw Error(StatusCode::kInvalidArgument,
-                  what + (mark == kFreeing ? " is named twice"
-                          : mark == kOwned ? " is held by a live sequence"
+                  what + (mark == kFreeing || mark == kSharing ? " is named twice"
+                          : mark == kOwned ? " is held by a live sequence (allow_shared shares it)"
                                            : " is held (allocate_pages)"));
     }
-    in_use_[p] = kFreeing;
+    in_use_[p] = shares ? kSharing : kFreeing;
+    if (!shares) ++fresh_count;
   }
   // Off the free list, order kept (a loop, not erase_if: the thread-safety
   // analysis cannot see that a lambda runs under mu_).
-  std::size_t kept = 0;
-  for (const std::uint32_t p : free_) {
-    if (in_use_[p] != kFreeing) free_[kept++] = p;
+  if (fresh_count > 0) {
+    std::size_t kept = 0;
+    for (const std::uint32_t p : free_) {
+      if (in_use_[p] != kFreeing) free_[kept++] = p;
+    }
+    free_.resize(kept);
   }
-  free_.resize(kept);
-  for (std::uint32_t p : pages) in_use_[p] = kOwned;
   const std::uint64_t epoch = next_epoch_++;
-  // No layer of a new owner is ready; the reset is ordered before the epoch.
-  cache_->readiness().reset(pages);
-  cache_->epochs().stamp(pages, epoch);
   Sequence s;
   s.num_tokens = num_tokens;
   s.pages.assign(pages.begin(), pages.end());
   s.epoch = epoch;
+  std::vector<std::uint32_t> fresh;
+  fresh.reserve(fresh_count);
+  for (const std::uint32_t p : pages) {
+    if (in_use_[p] == kSharing) {
+      // Its epoch names the content an earlier holder published; it stays.
+      s.shared.push_back({p, cache_->epochs().load(p)});
+    } else {
+      fresh.push_back(p);
+    }
+    in_use_[p] = kOwned;
+    ++holders_[p];
+  }
+  std::sort(s.shared.begin(), s.shared.end(),
+            [](const PageEpoch& a, const PageEpoch& b) { return a.page < b.page; });
+  // No layer of a new owner is ready; the reset is ordered before the epoch.
+  // Shared pages keep theirs: their layers were written and stay so.
+  cache_->readiness().reset(fresh);
+  cache_->epochs().stamp(fresh, epoch);
   sequences_[seq_id] = std::move(s);
   expired_ids_.erase(seq_id);
 }
@@ -204,7 +245,7 @@ void KVCachePool::release(std::uint64_t seq_id) {
                                                   std::to_string(seq_id) +
                                                   " (never allocated or already released)");
   }
-  free_locked(it->second.pages, kOwned);
+  drop_locked(it->second);
   sequences_.erase(it);
 }
 
@@ -213,7 +254,7 @@ bool KVCachePool::done(std::uint64_t seq_id, std::uint64_t epoch) {
   ++done_notices_;
   auto it = sequences_.find(seq_id);
   if (it == sequences_.end() || (epoch != 0 && it->second.epoch != epoch)) return false;
-  free_locked(it->second.pages, kOwned);
+  drop_locked(it->second);
   sequences_.erase(it);
   return true;
 }
@@ -225,7 +266,7 @@ std::size_t KVCachePool::expire_locked(Clock::time_point now) {
   for (auto it = sequences_.begin(); it != sequences_.end();) {
     const Sequence& s = it->second;
     if (s.leased && s.expiry <= now) {
-      free_locked(s.pages, kOwned);
+      drop_locked(s);
       if (expired_ids_.size() >= kMaxRememberedExpired) expired_ids_.clear();
       expired_ids_.insert(it->first);
       it = sequences_.erase(it);
@@ -273,6 +314,16 @@ std::vector<std::uint32_t> KVCachePool::pages(std::uint64_t seq_id) const {
   return it->second.pages;
 }
 
+std::uint32_t KVCachePool::holders(std::uint32_t page) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (page >= holders_.size()) {
+    throw Error(StatusCode::kInvalidArgument, "holders of page " + std::to_string(page) +
+                                                  " out of range [0, " +
+                                                  std::to_string(holders_.size()) + ")");
+  }
+  return holders_[page];
+}
+
 std::vector<std::uint32_t> KVCachePool::allocate_pages(std::size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   expire_locked(Clock::now());
@@ -316,7 +367,14 @@ void KVCachePool::mark_locked(std::uint64_t seq_id, Sequence& s, std::uint32_t l
   }
   if (layers_done == s.layers_ready) return;
   s.layers_ready = layers_done;
-  cache_->readiness().stamp(s.pages, layers_done);
+  // Raise only: a page shared with a holder that marked further keeps its
+  // count (a reader of that holder must never see a layer go unready).
+  std::vector<std::uint32_t> lower;
+  lower.reserve(s.pages.size());
+  for (const std::uint32_t p : s.pages) {
+    if (cache_->readiness().load(p) < layers_done) lower.push_back(p);
+  }
+  cache_->readiness().stamp(lower, layers_done);
 }
 
 void KVCachePool::mark_layers_ready(std::uint64_t seq_id, std::uint32_t layers_done) {
@@ -359,7 +417,10 @@ SequenceInfo KVCachePool::publish_locked(std::uint64_t seq_id, const std::uint32
   SequenceInfo info{seq_id,      s.num_tokens,     s.pages,
                     descriptor_, s.expiry_unix_ms, cache_->layout().page_size};
   ++published_;
-  if (!info.kv_transfer_info.empty()) info.kv_transfer_info.epoch = s.epoch;
+  if (!info.kv_transfer_info.empty()) {
+    info.kv_transfer_info.epoch = s.epoch;
+    info.kv_transfer_info.page_epochs = s.shared;
+  }
   return info;
 }
 

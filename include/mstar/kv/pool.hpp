@@ -36,6 +36,17 @@ namespace mstar::kv {
 // first publish(). Expired leases are reaped by expire_leases() and at the
 // start of allocate(), allocate_pages() and publish(); a
 // pull after that fails with kStaleDescriptor.
+//
+// Shared pages (prefix caching, docs/correctness.md): adopt(..., allow_shared
+// = true) lets a sequence hold pages another live sequence holds. A page
+// counts its holders; its epoch names its content, not its owner: a shared
+// page keeps the epoch it had (publish() lists it in the descriptor's
+// page_epochs), stays stamped while any holder keeps it, and is freed
+// (stamped 0, then reusable with a fresh epoch) only when its last holder
+// goes (release, done, lease expiry). So freeing one sequence never makes
+// a read of another fail or read wrong bytes. A page's readiness only rises
+// while it is held: marking layers of one holder never lowers what another
+// marked, and sharing a page does not reset it.
 class KVCachePool {
  public:
   // How long a published sequence stays readable without a done notice.
@@ -58,20 +69,31 @@ class KVCachePool {
   std::vector<std::uint32_t> allocate(std::uint64_t seq_id, std::uint64_t num_tokens);
   // A new sequence over pages the caller chose (an engine that allocates its
   // own blocks, such as vLLM, publishing a finished request's blocks):
-  // exactly ceil(num_tokens / page_size) pages, each in range, free in this
-  // pool and named once. Stamped with a fresh epoch as allocate() does; the
-  // sequence is then released, published, marked and leased as any other.
+  // exactly ceil(num_tokens / page_size) pages, each in range and named
+  // once. The sequence gets a fresh epoch (its own, which done() takes),
+  // stamped on its free pages as allocate() does; it is then released,
+  // published, marked and leased as any other.
+  // Without allow_shared every page must be free in this pool. With it, a
+  // page a live sequence holds (adopted or allocated) is shared: it gains a
+  // holder and keeps its epoch, its readiness and its bytes (the caller
+  // asserts the content is the one published, as an engine's prefix cache
+  // does for full blocks it no longer writes).
   // Throws Error(kInvalidArgument) naming the page or the counts, and
-  // changes nothing, when a page is out of range, named twice, or held (by a
-  // live sequence or allocate_pages).
-  void adopt(std::uint64_t seq_id, std::uint64_t num_tokens, std::span<const std::uint32_t> pages);
-  // Frees every page of the sequence. A sequence whose lease expired was
-  // freed already: releasing it again is a no-op.
+  // changes nothing, when a page is out of range, named twice, held by
+  // allocate_pages, or (without allow_shared) held by a live sequence.
+  void adopt(std::uint64_t seq_id, std::uint64_t num_tokens, std::span<const std::uint32_t> pages,
+             bool allow_shared = false);
+  // Drops the sequence's hold on its pages; those no other sequence holds
+  // are freed. A sequence whose lease expired was freed already: releasing
+  // it again is a no-op.
   void release(std::uint64_t seq_id);
-  // A reader's done notice: frees the sequence if it is still the one
+  // A reader's done notice: releases the sequence if it is still the one
   // published with `epoch` (0: whichever holds seq_id). False when it was
   // freed already (released, expired) or seq_id now names a newer sequence.
   bool done(std::uint64_t seq_id, std::uint64_t epoch = 0);
+  // How many live sequences hold `page` (0: free or allocate_pages');
+  // throws Error(kInvalidArgument) for a page out of range.
+  std::uint32_t holders(std::uint32_t page) const;
   // Frees every published sequence whose lease has expired; returns how
   // many.
   std::size_t expire_leases();
@@ -94,7 +116,8 @@ class KVCachePool {
   std::size_t free_page_count() const;
 
   // The SequenceInfo another process needs to pull this sequence: the
-  // pages, the descriptor with the sequence's epoch, the lease expiry. The
+  // pages, the descriptor with the sequence's epoch (and, in page_epochs,
+  // the pages it shares that carry an earlier one), the lease expiry. The
   // first publish starts the lease.
   SequenceInfo publish(std::uint64_t seq_id);
 
@@ -106,8 +129,9 @@ class KVCachePool {
   // mark_layers_ready, plus those of publish.
   SequenceInfo publish(std::uint64_t seq_id, std::uint32_t layers_ready);
   // Layers [0, layers_done) of the sequence hold their final bytes: stamped
-  // on every page of it, where the cache's readers see it (the shm file,
-  // for shm readers). Cheap enough for every layer of a forward pass: the
+  // on every page of it whose readiness is lower (a shared page another
+  // holder marked further keeps its count), where the cache's readers see
+  // it (the shm file, for shm readers). Cheap enough for every layer of a forward pass: the
   // pool's mutex and one store per page, no syscall. Monotonic: a value
   // equal to the current one is a no-op; a smaller one, or one beyond the
   // layout's num_layers, throws Error(kInvalidArgument) naming both values;
@@ -122,15 +146,21 @@ class KVCachePool {
     std::uint64_t num_tokens = 0;
     std::vector<std::uint32_t> pages;
     std::uint64_t epoch = 0;
+    // Pages adopted shared, with the epoch they kept (sorted by page): the
+    // descriptor's page_epochs.
+    std::vector<PageEpoch> shared;
     std::uint32_t layers_ready = 0;
     bool leased = false;
     Clock::time_point expiry{};
     std::uint64_t expiry_unix_ms = 0;
   };
-  // in_use_ marks.
-  static constexpr std::uint8_t kFree = 0, kLoose = 1, kOwned = 2, kFreeing = 3;
+  // in_use_ marks (kSharing: an owned page seen once in the adopt call
+  // being checked).
+  static constexpr std::uint8_t kFree = 0, kLoose = 1, kOwned = 2, kFreeing = 3, kSharing = 4;
   std::vector<std::uint32_t> allocate_locked(std::size_t count) MSTAR_KV_REQUIRES(mu_);
   void free_locked(std::span<const std::uint32_t> pages, std::uint8_t owner) MSTAR_KV_REQUIRES(mu_);
+  // Drops one hold on each of a sequence's pages; frees those left unheld.
+  void drop_locked(const Sequence& s) MSTAR_KV_REQUIRES(mu_);
   std::size_t expire_locked(Clock::time_point now) MSTAR_KV_REQUIRES(mu_);
   void mark_locked(std::uint64_t seq_id, Sequence& s, std::uint32_t layers_done)
       MSTAR_KV_REQUIRES(mu_);
@@ -140,8 +170,9 @@ class KVCachePool {
   std::shared_ptr<KVCache> cache_;
   KVTransferInfo descriptor_;
   mutable std::mutex mu_;
-  std::vector<std::uint32_t> free_ MSTAR_KV_GUARDED_BY(mu_);   // back() is next
-  std::vector<std::uint8_t> in_use_ MSTAR_KV_GUARDED_BY(mu_);  // one mark per page
+  std::vector<std::uint32_t> free_ MSTAR_KV_GUARDED_BY(mu_);     // back() is next
+  std::vector<std::uint8_t> in_use_ MSTAR_KV_GUARDED_BY(mu_);    // one mark per page
+  std::vector<std::uint32_t> holders_ MSTAR_KV_GUARDED_BY(mu_);  // sequences per kOwned page
   std::unordered_map<std::uint64_t, Sequence> sequences_ MSTAR_KV_GUARDED_BY(mu_);
   std::chrono::milliseconds lease_;
   std::uint64_t next_epoch_ MSTAR_KV_GUARDED_BY(mu_) = 1;
