@@ -4,11 +4,17 @@
 // private to the manager.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+#include <iterator>
 #include <optional>
+#include <span>
 #include <utility>
 #include <vector>
 
+#include "mstar/kv/engine.hpp"
 #include "mstar/kv/future.hpp"
+#include "mstar/kv/planner.hpp"
 
 namespace mstar::kv {
 
@@ -29,6 +35,47 @@ std::optional<TransferFuture> issue_joined(Issue&& issue) {
   }
   if (issued.empty()) return std::nullopt;
   return join_futures(std::move(issued));
+}
+
+// One pull of pages that carry several epochs (a request-scoped descriptor,
+// a sequence sharing pages): `reads` grouped by epoch_of(read), the epoch
+// its remote page must carry, and one engine read per group, joined. Each
+// group reads through the handle of `opened` with its epoch, or one
+// open_for(epoch) adds there. epoch_of may throw to refuse a read: it sees
+// every read before the first is issued. A single group is one engine read;
+// no reads, no engine read (std::nullopt).
+template <class EpochOf, class OpenFor>
+std::optional<TransferFuture> issue_by_epoch(KVTransferEngine& engine,
+                                             std::span<const KVReadInfo> reads, EpochOf&& epoch_of,
+                                             std::vector<RemoteHandle>& opened,
+                                             OpenFor&& open_for) {
+  std::vector<std::pair<std::uint64_t, std::vector<KVReadInfo>>> groups;
+  for (const KVReadInfo& r : reads) {
+    const std::uint64_t epoch = epoch_of(r);
+    auto g = std::find_if(groups.begin(), groups.end(),
+                          [&](const auto& grp) { return grp.first == epoch; });
+    if (g == groups.end()) {
+      groups.emplace_back(epoch, std::vector<KVReadInfo>{});
+      g = std::prev(groups.end());
+    }
+    g->second.push_back(r);
+  }
+  auto handle_for = [&](std::uint64_t epoch) -> const RemoteCache& {
+    for (const RemoteHandle& h : opened) {
+      if (h->epoch() == epoch) return *h;
+    }
+    opened.push_back(open_for(epoch));
+    return *opened.back();
+  };
+  if (groups.size() == 1) {
+    return engine.read_batched_async(handle_for(groups.front().first), groups.front().second);
+  }
+  return issue_joined([&](std::vector<TransferFuture>& issued) {
+    for (const auto& [epoch, group] : groups) {
+      auto f = engine.read_batched_async(handle_for(epoch), group);
+      if (f) issued.push_back(std::move(*f));
+    }
+  });
 }
 
 }  // namespace mstar::kv

@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "manager/issue_reads.hpp"
 #include "manager/request_registry.hpp"
 #include "manager/stream_driver.hpp"
 #include "mstar/kv/planner.hpp"
@@ -47,8 +48,27 @@ KVTransferInfo KVTransferManager::get_kv_transfer_info() const {
   return engine_->get_kv_transfer_info();
 }
 
+namespace {
+
+// A handle names one epoch: a descriptor whose pages carry several cannot
+// be one (its shared pages would read as stale), so the forms that take a
+// handle refuse it rather than fail its reads later.
+void refuse_page_epochs(const KVTransferInfo& info, const char* what) {
+  if (info.page_epochs.empty()) return;
+  throw Error(StatusCode::kInvalidArgument,
+              std::string(what) + ": the descriptor names " +
+                  std::to_string(info.page_epochs.size()) +
+                  " pages with epochs of their own (shared pages) besides epoch " +
+                  std::to_string(info.epoch) +
+                  ": one handle reads one epoch; pass the KVTransferInfo to "
+                  "start_async_retrieve or sync_retrieve");
+}
+
+}  // namespace
+
 RemoteHandle KVTransferManager::open_remote(const KVTransferInfo& kv_transfer_info) const {
   check_open("open_remote");
+  refuse_page_epochs(kv_transfer_info, "open_remote");
   return engine_->open_remote(kv_transfer_info);
 }
 
@@ -90,14 +110,46 @@ std::optional<TransferFuture> KVTransferManager::start_async_retrieve(
     std::uint64_t start_len, std::uint64_t end_len,
     std::span<const std::uint32_t> local_page_indices,
     std::span<const std::uint32_t> remote_page_indices, const KVTransferInfo& kv_transfer_info) {
-  return start_async_retrieve_from(start_len, end_len, local_page_indices, remote_page_indices,
-                                   [&] { return engine_->open_remote(kv_transfer_info); });
+  if (kv_transfer_info.page_epochs.empty()) {
+    return retrieve_opened(
+        start_len, end_len, local_page_indices, remote_page_indices,
+        [&] { return engine_->open_remote(kv_transfer_info); }, nullptr);
+  }
+  // The engine gets the descriptor without exceptions; read_shared opens
+  // the other epochs.
+  return retrieve_opened(
+      start_len, end_len, local_page_indices, remote_page_indices,
+      [&] { return engine_->open_remote(kv_transfer_info.with_epoch(kv_transfer_info.epoch)); },
+      &kv_transfer_info);
 }
 
 std::optional<TransferFuture> KVTransferManager::start_async_retrieve_from(
     std::uint64_t start_len, std::uint64_t end_len,
     std::span<const std::uint32_t> local_page_indices,
     std::span<const std::uint32_t> remote_page_indices, const RemoteOpener& open) {
+  return retrieve_opened(start_len, end_len, local_page_indices, remote_page_indices, open,
+                         nullptr);
+}
+
+std::optional<TransferFuture> KVTransferManager::read_shared(const KVTransferInfo& info,
+                                                             RemoteHandle base,
+                                                             std::span<const KVReadInfo> reads) {
+  if (info.page_epochs.empty()) return engine_->read_batched_async(*base, reads);
+  std::vector<RemoteHandle> opened{std::move(base)};
+  return issue_by_epoch(
+      *engine_, reads,
+      [&](const KVReadInfo& r) {
+        // The planner's remote pages are the caller's table, u32 each.
+        return info.epoch_of(static_cast<std::uint32_t>(r.remote_page_idx));
+      },
+      opened, [&](std::uint64_t epoch) { return engine_->open_remote(info.with_epoch(epoch)); });
+}
+
+std::optional<TransferFuture> KVTransferManager::retrieve_opened(
+    std::uint64_t start_len, std::uint64_t end_len,
+    std::span<const std::uint32_t> local_page_indices,
+    std::span<const std::uint32_t> remote_page_indices, const RemoteOpener& open,
+    const KVTransferInfo* shared) {
   check_open("start_async_retrieve");
   return tracked([&]() -> std::optional<TransferFuture> {
     // The local table before the descriptor, so that a bad table is named
@@ -106,6 +158,7 @@ std::optional<TransferFuture> KVTransferManager::start_async_retrieve_from(
     const RemoteHandle remote = open();
     auto reads = plan_checked_local(kv_cache_->layout(), *remote, start_len, end_len,
                                     local_page_indices, remote_page_indices);
+    if (shared != nullptr && !reads.empty()) return read_shared(*shared, remote, reads);
     auto f = engine_->read_batched_async(*remote, reads);
     return reads.empty() ? std::nullopt : f;
   });
@@ -116,6 +169,7 @@ std::optional<TransferFuture> KVTransferManager::start_async_retrieve(
     std::span<const std::uint32_t> local_page_indices,
     std::span<const std::uint32_t> remote_page_indices, const RemoteCache& remote) {
   check_open("start_async_retrieve");
+  refuse_page_epochs(remote.info(), "start_async_retrieve");
   return tracked([&]() -> std::optional<TransferFuture> {
     auto reads = plan_retrieve(kv_cache_->layout(), remote, start_len, end_len, local_page_indices,
                                remote_page_indices);
@@ -149,6 +203,9 @@ std::optional<LayerStream> KVTransferManager::start_streaming_retrieve(
     std::span<const std::uint32_t> local_page_indices,
     std::span<const std::uint32_t> remote_page_indices, const KVTransferInfo& kv_transfer_info,
     StreamOptions options) {
+  check_open("start_streaming_retrieve");
+  // A stream watches and reads through one handle, which names one epoch.
+  refuse_page_epochs(kv_transfer_info, "start_streaming_retrieve");
   return start_streaming_retrieve_from(
       start_len, end_len, local_page_indices, remote_page_indices,
       [&] { return engine_->open_remote(kv_transfer_info); }, std::move(options));
@@ -159,6 +216,8 @@ std::optional<LayerStream> KVTransferManager::start_streaming_retrieve(
     std::span<const std::uint32_t> local_page_indices,
     std::span<const std::uint32_t> remote_page_indices, const RemoteCache& remote,
     StreamOptions options) {
+  check_open("start_streaming_retrieve");
+  refuse_page_epochs(remote.info(), "start_streaming_retrieve");
   return start_streaming_retrieve_from(
       start_len, end_len, local_page_indices, remote_page_indices,
       [&] { return remote.shared_from_this(); }, std::move(options));
@@ -214,7 +273,12 @@ void KVTransferManager::notify_done(const SequenceInfo& seq) {
                 "done notice for sequence " + std::to_string(seq.seq_id) +
                     " with a local-only descriptor: there is no owner to tell");
   }
-  engine_->notify_done(*engine_->open_remote(seq.kv_transfer_info), seq.seq_id);
+  // The notice names the sequence's own epoch; its shared pages' do not
+  // matter to the owner's done().
+  const KVTransferInfo& info = seq.kv_transfer_info;
+  engine_->notify_done(
+      *engine_->open_remote(info.page_epochs.empty() ? info : info.with_epoch(info.epoch)),
+      seq.seq_id);
 }
 
 void KVTransferManager::serve_done_notices(std::shared_ptr<KVCachePool> pool) {

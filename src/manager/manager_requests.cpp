@@ -181,8 +181,12 @@ std::optional<TransferFuture> KVTransferManager::read_scoped(const RequestKVTran
   for (std::size_t i = 0; i < info.page_indices.size(); ++i) {
     position.emplace(info.page_indices[i], i);
   }
-  std::vector<std::pair<std::uint64_t, std::vector<KVReadInfo>>> groups;
-  for (const KVReadInfo& r : reads) {
+  if (reads.empty()) {
+    // Still to the engine, which validates the handle; nothing to read.
+    engine_->read_batched_async(*opened.front(), reads);
+    return std::nullopt;
+  }
+  auto epoch_of = [&](const KVReadInfo& r) -> std::uint64_t {
     auto it = r.remote_page_idx < 0 || r.remote_page_idx > UINT32_MAX
                   ? position.end()
                   : position.find(static_cast<std::uint32_t>(r.remote_page_idx));
@@ -203,35 +207,10 @@ std::optional<TransferFuture> KVTransferManager::read_scoped(const RequestKVTran
                       std::to_string(seq_end) + ", beyond the " + std::to_string(info.seq_len) +
                       " tokens " + who(info) + " published");
     }
-    const std::uint64_t epoch = info.page_epochs[it->second];
-    auto g = std::find_if(groups.begin(), groups.end(),
-                          [&](const auto& grp) { return grp.first == epoch; });
-    if (g == groups.end()) {
-      groups.emplace_back(epoch, std::vector<KVReadInfo>{});
-      g = std::prev(groups.end());
-    }
-    g->second.push_back(r);
-  }
-  if (groups.empty()) {
-    // Still to the engine, which validates the handle; nothing to read.
-    engine_->read_batched_async(*opened.front(), reads);
-    return std::nullopt;
-  }
-  auto handle_for = [&](std::uint64_t epoch) -> const RemoteCache& {
-    for (const RemoteHandle& h : opened) {
-      if (h->epoch() == epoch) return *h;
-    }
-    opened.push_back(engine_->open_remote(info.with_epoch(epoch)));
-    return *opened.back();
+    return info.page_epochs[it->second];
   };
-  if (groups.size() == 1) {
-    return engine_->read_batched_async(handle_for(groups.front().first), groups.front().second);
-  }
-  return issue_joined([&](std::vector<TransferFuture>& issued) {
-    for (const auto& [epoch, group] : groups) {
-      auto f = engine_->read_batched_async(handle_for(epoch), group);
-      if (f) issued.push_back(std::move(*f));
-    }
+  return issue_by_epoch(*engine_, reads, epoch_of, opened, [&](std::uint64_t epoch) {
+    return engine_->open_remote(info.with_epoch(epoch));
   });
 }
 

@@ -30,7 +30,10 @@ std::optional<TransferFuture> KVTransferManager::start_async_retrieve(
     std::vector<RemoteHandle> remotes;
     std::vector<KVLayout> layouts;
     for (const RemoteShard& shard : shards) {
-      RemoteHandle r = engine_->open_remote(shard.kv_transfer_info);
+      // Without its page_epochs, if any: read_shared reads those pages.
+      const KVTransferInfo& info = shard.kv_transfer_info;
+      RemoteHandle r =
+          engine_->open_remote(info.page_epochs.empty() ? info : info.with_epoch(info.epoch));
       if (!r->layout()) {
         throw Error(StatusCode::kNotSupported,
                     "the " + r->info().engine +
@@ -78,7 +81,7 @@ std::optional<TransferFuture> KVTransferManager::start_async_retrieve(
     if (start_len == end_len) return std::nullopt;
     return issue_joined([&](std::vector<TransferFuture>& issued) {
       for (const Part& p : parts) {
-        auto f = engine_->read_batched_async(*remotes[p.shard], p.reads);
+        auto f = read_shared(shards[p.shard].kv_transfer_info, remotes[p.shard], p.reads);
         if (f) issued.push_back(std::move(*f));
       }
     });

@@ -104,7 +104,10 @@ class KVTransferManager {
   // contacting its owner. Every form below that takes a KVTransferInfo
   // opens it first; callers pulling several ranges of one descriptor may
   // open it once and pass the RemoteCache (which must come from this
-  // manager's open_remote).
+  // manager's open_remote). A descriptor with page_epochs (a sequence that
+  // shares pages, descriptor.hpp) is one handle per epoch, not one: it
+  // throws Error(kInvalidArgument); pass the KVTransferInfo itself to the
+  // forms below, which read each page with its own epoch.
   RemoteHandle open_remote(const KVTransferInfo& kv_transfer_info) const;
 
   // Pulls tokens [start_len, end_len) of a remote sequence (skip a cached
@@ -116,7 +119,9 @@ class KVTransferManager {
   // The remote cache may differ in geometry (layout.hpp, planner.hpp): page
   // size (remote_page_indices in its own page size), head shard (it must
   // hold every head of the local cache; else use the shard form below),
-  // in-page and cache order.
+  // in-page and cache order. A descriptor with page_epochs is read one
+  // engine read per epoch (each page with its own), joined into one future;
+  // engines see descriptors without them.
   std::optional<TransferFuture> start_async_retrieve(
       std::uint64_t start_len, std::uint64_t end_len,
       std::span<const std::uint32_t> local_page_indices,
@@ -183,7 +188,9 @@ class KVTransferManager {
   // throws Error before any byte moves: the errors of start_async_retrieve,
   // Error(kNotSupported) naming the engine when it has no readiness channel
   // (local), Error(kInvalidArgument) for a descriptor without a page epoch
-  // (not published by a KVCachePool) or options out of range. std::nullopt
+  // (not published by a KVCachePool), for one with page_epochs (a sequence
+  // sharing pages: pull it with start_async_retrieve) or options out of
+  // range. std::nullopt
   // when start_len == end_len. The stream's errors (kTimeout for a layer
   // never marked, kStaleDescriptor, kCorruptDescriptor, the owner's death, a
   // layer's read failing) travel in its future and wait_for_layer.
@@ -254,6 +261,18 @@ class KVTransferManager {
 
   // Checks the scope and makes the request registry (constructors).
   void init_requests(ResourceScope scope);
+  // start_async_retrieve_from; `shared`, when given, is the descriptor
+  // `open` opened without its page_epochs (read_shared).
+  std::optional<TransferFuture> retrieve_opened(std::uint64_t start_len, std::uint64_t end_len,
+                                                std::span<const std::uint32_t> local_page_indices,
+                                                std::span<const std::uint32_t> remote_page_indices,
+                                                const RemoteOpener& open,
+                                                const KVTransferInfo* shared);
+  // `reads` of `base` (opened from `info` without its page_epochs), each
+  // remote page with the epoch `info` names for it: one engine read per
+  // epoch, joined.
+  std::optional<TransferFuture> read_shared(const KVTransferInfo& info, RemoteHandle base,
+                                            std::span<const KVReadInfo> reads);
   // The descriptor's reads grouped by page epoch, one engine read each.
   std::optional<TransferFuture> read_scoped(const RequestKVTransferInfo& info,
                                             std::vector<RemoteHandle>& opened,
