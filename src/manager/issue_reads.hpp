@@ -37,19 +37,13 @@ std::optional<TransferFuture> issue_joined(Issue&& issue) {
   return join_futures(std::move(issued));
 }
 
-// One pull of pages that carry several epochs (a request-scoped descriptor,
-// a sequence sharing pages): `reads` grouped by epoch_of(read), the epoch
-// its remote page must carry, and one engine read per group, joined. Each
-// group reads through the handle of `opened` with its epoch, or one
-// open_for(epoch) adds there. epoch_of may throw to refuse a read: it sees
-// every read before the first is issued. A single group is one engine read;
-// no reads, no engine read (std::nullopt).
-template <class EpochOf, class OpenFor>
-std::optional<TransferFuture> issue_by_epoch(KVTransferEngine& engine,
-                                             std::span<const KVReadInfo> reads, EpochOf&& epoch_of,
-                                             std::vector<RemoteHandle>& opened,
-                                             OpenFor&& open_for) {
-  std::vector<std::pair<std::uint64_t, std::vector<KVReadInfo>>> groups;
+// Reads by the epoch their remote page must carry, in order of first
+// appearance: epoch_of(read) for each (it may throw to refuse a read, and
+// sees every read before anything is done with them).
+using EpochGroups = std::vector<std::pair<std::uint64_t, std::vector<KVReadInfo>>>;
+template <class EpochOf>
+EpochGroups group_by_epoch(std::span<const KVReadInfo> reads, EpochOf&& epoch_of) {
+  EpochGroups groups;
   for (const KVReadInfo& r : reads) {
     const std::uint64_t epoch = epoch_of(r);
     auto g = std::find_if(groups.begin(), groups.end(),
@@ -60,6 +54,20 @@ std::optional<TransferFuture> issue_by_epoch(KVTransferEngine& engine,
     }
     g->second.push_back(r);
   }
+  return groups;
+}
+
+// One pull of pages that carry several epochs (a request-scoped descriptor,
+// a sequence sharing pages): `reads` grouped by epoch (group_by_epoch), and
+// one engine read per group, joined. Each group reads through the handle of
+// `opened` with its epoch, or one open_for(epoch) adds there. A single
+// group is one engine read; no reads, no engine read (std::nullopt).
+template <class EpochOf, class OpenFor>
+std::optional<TransferFuture> issue_by_epoch(KVTransferEngine& engine,
+                                             std::span<const KVReadInfo> reads, EpochOf&& epoch_of,
+                                             std::vector<RemoteHandle>& opened,
+                                             OpenFor&& open_for) {
+  const EpochGroups groups = group_by_epoch(reads, epoch_of);
   auto handle_for = [&](std::uint64_t epoch) -> const RemoteCache& {
     for (const RemoteHandle& h : opened) {
       if (h->epoch() == epoch) return *h;

@@ -61,7 +61,7 @@ void refuse_page_epochs(const KVTransferInfo& info, const char* what) {
                   " pages with epochs of their own (shared pages) besides epoch " +
                   std::to_string(info.epoch) +
                   ": one handle reads one epoch; pass the KVTransferInfo to "
-                  "start_async_retrieve or sync_retrieve");
+                  "start_async_retrieve, sync_retrieve or start_streaming_retrieve");
 }
 
 }  // namespace
@@ -203,12 +203,17 @@ std::optional<LayerStream> KVTransferManager::start_streaming_retrieve(
     std::span<const std::uint32_t> local_page_indices,
     std::span<const std::uint32_t> remote_page_indices, const KVTransferInfo& kv_transfer_info,
     StreamOptions options) {
-  check_open("start_streaming_retrieve");
-  // A stream watches and reads through one handle, which names one epoch.
-  refuse_page_epochs(kv_transfer_info, "start_streaming_retrieve");
-  return start_streaming_retrieve_from(
+  if (kv_transfer_info.page_epochs.empty()) {
+    return stream_opened(
+        start_len, end_len, local_page_indices, remote_page_indices,
+        [&] { return engine_->open_remote(kv_transfer_info); }, nullptr, std::move(options));
+  }
+  // As start_async_retrieve: the engine gets the descriptor without
+  // exceptions; the streamer opens and watches the other epochs.
+  return stream_opened(
       start_len, end_len, local_page_indices, remote_page_indices,
-      [&] { return engine_->open_remote(kv_transfer_info); }, std::move(options));
+      [&] { return engine_->open_remote(kv_transfer_info.with_epoch(kv_transfer_info.epoch)); },
+      &kv_transfer_info, std::move(options));
 }
 
 std::optional<LayerStream> KVTransferManager::start_streaming_retrieve(
@@ -228,13 +233,22 @@ std::optional<LayerStream> KVTransferManager::start_streaming_retrieve_from(
     std::span<const std::uint32_t> local_page_indices,
     std::span<const std::uint32_t> remote_page_indices, const RemoteOpener& open,
     StreamOptions options) {
+  return stream_opened(start_len, end_len, local_page_indices, remote_page_indices, open, nullptr,
+                       std::move(options));
+}
+
+std::optional<LayerStream> KVTransferManager::stream_opened(
+    std::uint64_t start_len, std::uint64_t end_len,
+    std::span<const std::uint32_t> local_page_indices,
+    std::span<const std::uint32_t> remote_page_indices, const RemoteOpener& open,
+    const KVTransferInfo* shared, StreamOptions options) {
   check_open("start_streaming_retrieve");
   LayerStreamer& s = streamer();
   std::optional<LayerStream> stream;
   tracked([&]() -> std::optional<TransferFuture> {
     check_local_pages(kv_cache_->layout(), start_len, end_len, local_page_indices);
     const RemoteHandle remote = open();
-    stream = s.start(start_len, end_len, local_page_indices, remote_page_indices, *remote,
+    stream = s.start(start_len, end_len, local_page_indices, remote_page_indices, *remote, shared,
                      std::move(options));
     if (!stream) return std::nullopt;
     return stream->future();

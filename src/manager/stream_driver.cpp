@@ -11,10 +11,12 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "manager/issue_reads.hpp"
 #include "mstar/kv/engine.hpp"
 #include "mstar/kv/manager.hpp"
 #include "mstar/kv/planner.hpp"
@@ -45,8 +47,17 @@ struct Waker {
 struct StreamState {
   // Set before the stream is handed to the driver, then read-only.
   std::uint32_t num_layers = 0;
-  std::vector<std::vector<KVReadInfo>> layer_reads;  // by layer
-  RemoteHandle remote;                               // opened once for every layer's read
+  // One per epoch the stream's remote pages carry (one, unless the
+  // descriptor names page_epochs for shared pages): the handle, opened once
+  // with that epoch for every layer's read of its pages, the watch on those
+  // pages (which checks the same epoch), and the reads by layer. The watch
+  // is the driver thread's alone (below).
+  struct Source {
+    RemoteHandle remote;
+    std::unique_ptr<LayerWatch> watch;
+    std::vector<std::vector<KVReadInfo>> layer_reads;
+  };
+  std::vector<Source> sources;
   StreamOptions options;
   std::chrono::milliseconds ready_timeout{0};
   TransferPromise promise;
@@ -60,12 +71,14 @@ struct StreamState {
   bool failed MSTAR_KV_GUARDED_BY(mu) = false;
   Status error MSTAR_KV_GUARDED_BY(mu);
 
-  // The driver thread's alone. The watch is dropped as the stream resolves,
-  // before its future does: the stream's copies (LayerStream) live as long
-  // as the caller likes, but a watch holds the engine's resources (a
-  // registered scratch page, a request to the owner), which the engine's
-  // shutdown releases, and must not outlive the engine.
-  std::unique_ptr<LayerWatch> watch;
+  // The driver thread's alone. The sources' watches are dropped as the
+  // stream resolves, before its future does: the stream's copies
+  // (LayerStream) live as long as the caller likes, but a watch holds the
+  // engine's resources (a registered scratch page, a request to the owner),
+  // which the engine's shutdown releases, and must not outlive the engine.
+  void drop_watches() {
+    for (Source& src : sources) src.watch.reset();
+  }
   // How long the driver may sleep between polls of this stream: the
   // options' poll_interval, or the watch's interval when it wakes the
   // driver itself (LayerWatch::wake_on_news).
@@ -124,10 +137,16 @@ class StreamDriver {
     // A watch that answers asynchronously wakes the driver when it has news
     // (the Waker outlives the driver: a late call does nothing).
     std::weak_ptr<detail::Waker> weak = waker_;
-    const auto watch_idle = s->watch->wake_on_news([weak] {
-      if (auto w = weak.lock()) w->kick();
-    });
-    s->idle_poll = std::max(s->options.poll_interval, watch_idle);
+    std::optional<std::chrono::microseconds> watch_idle;
+    for (auto& src : s->sources) {
+      const auto idle = src.watch->wake_on_news([weak] {
+        if (auto w = weak.lock()) w->kick();
+      });
+      // A watch that never wakes the driver (0) sets the pace for all.
+      watch_idle = std::min(watch_idle.value_or(idle), idle);
+    }
+    s->idle_poll =
+        std::max(s->options.poll_interval, watch_idle.value_or(std::chrono::microseconds{0}));
     {
       std::lock_guard<std::mutex> lock(waker_->mu);
       incoming_.push_back(std::move(s));
@@ -235,13 +254,13 @@ class StreamDriver {
     }
     const std::uint32_t done = s.done.load(std::memory_order_acquire);
     if (done == s.num_layers && s.in_flight.empty()) {
-      s.watch.reset();  // before the future resolves (see StreamState::watch)
+      s.drop_watches();  // before the future resolves (see StreamState::drop_watches)
       s.promise.complete(s.bytes);
       return true;
     }
     if (s.stopping) {
       if (s.in_flight.empty()) {
-        s.watch.reset();
+        s.drop_watches();
         s.promise.fail(s.stop_status);
         return true;
       }
@@ -250,12 +269,17 @@ class StreamDriver {
     if (s.next_issue >= s.num_layers || s.in_flight.size() >= s.options.max_reads_in_flight) {
       return progressed;
     }
-    std::uint32_t ready = 0;
-    Status st = s.watch->poll(&ready);
-    if (!st.is_ok()) {
-      stop_stream(s, {st.code(), "layer readiness of " + layers_text(s.next_issue, s.num_layers) +
-                                     ": " + st.message()});
-      return true;
+    // Ready: what every source's pages have (each watch only rises).
+    std::uint32_t ready = s.num_layers;
+    for (auto& src : s.sources) {
+      std::uint32_t src_ready = 0;
+      Status st = src.watch->poll(&src_ready);
+      if (!st.is_ok()) {
+        stop_stream(s, {st.code(), "layer readiness of " + layers_text(s.next_issue, s.num_layers) +
+                                       ": " + st.message()});
+        return true;
+      }
+      ready = std::min(ready, src_ready);
     }
     const auto now = Clock::now();
     if (ready > s.ready_seen) {
@@ -277,14 +301,26 @@ class StreamDriver {
     // Everything ready now goes as one read, in layer order.
     const std::uint32_t first = s.next_issue;
     const std::uint32_t end = s.ready_seen;
-    std::vector<KVReadInfo> reads;
-    for (std::uint32_t l = first; l < end; ++l) {
-      reads.insert(reads.end(), s.layer_reads[l].begin(), s.layer_reads[l].end());
-    }
+    auto reads_of = [&](const StreamState::Source& src) {
+      std::vector<KVReadInfo> reads;
+      for (std::uint32_t l = first; l < end; ++l) {
+        reads.insert(reads.end(), src.layer_reads[l].begin(), src.layer_reads[l].end());
+      }
+      return reads;
+    };
     s.next_issue = end;
     std::optional<TransferFuture> f;
     try {
-      f = engine_.read_batched_async(*s.remote, reads);
+      if (s.sources.size() == 1) {
+        f = engine_.read_batched_async(*s.sources.front().remote, reads_of(s.sources.front()));
+      } else {
+        f = issue_joined([&](std::vector<TransferFuture>& issued) {
+          for (const auto& src : s.sources) {
+            auto g = engine_.read_batched_async(*src.remote, reads_of(src));
+            if (g) issued.push_back(std::move(*g));
+          }
+        });
+      }
     } catch (const Error& e) {
       stop_stream(s,
                   {e.code(), "read of " + layers_text(first, end) + ": " + e.status().message()});
@@ -364,7 +400,9 @@ LayerStreamer::~LayerStreamer() { stop(); }
 std::optional<LayerStream> LayerStreamer::start(std::uint64_t start_len, std::uint64_t end_len,
                                                 std::span<const std::uint32_t> local_page_indices,
                                                 std::span<const std::uint32_t> remote_page_indices,
-                                                const RemoteCache& remote, StreamOptions options) {
+                                                const RemoteCache& remote,
+                                                const KVTransferInfo* shared,
+                                                StreamOptions options) {
   if (options.max_reads_in_flight == 0 || options.max_reads_in_flight > 64) {
     throw Error(StatusCode::kInvalidArgument, "stream max_reads_in_flight " +
                                                   std::to_string(options.max_reads_in_flight) +
@@ -388,12 +426,26 @@ std::optional<LayerStream> LayerStreamer::start(std::uint64_t start_len, std::ui
   if (reads.empty()) return std::nullopt;
   auto s = std::make_shared<StreamState>();
   s->num_layers = layout.num_layers;
-  s->watch = impl_->engine.watch_layers(remote, reads);  // validates, may throw
-  s->layer_reads.resize(layout.num_layers);
-  for (const KVReadInfo& r : reads) {
-    s->layer_reads[static_cast<std::size_t>(r.layer_idx)].push_back(r);
+  EpochGroups groups;
+  if (shared == nullptr || shared->page_epochs.empty()) {
+    groups.emplace_back(remote.epoch(), std::move(reads));
+  } else {
+    groups = group_by_epoch(reads, [&](const KVReadInfo& r) {
+      // The planner's remote pages are the caller's table, u32 each.
+      return shared->epoch_of(static_cast<std::uint32_t>(r.remote_page_idx));
+    });
   }
-  s->remote = remote.shared_from_this();
+  for (auto& [epoch, group] : groups) {
+    StreamState::Source src;
+    src.remote = epoch == remote.epoch() ? remote.shared_from_this()
+                                         : impl_->engine.open_remote(shared->with_epoch(epoch));
+    src.watch = impl_->engine.watch_layers(*src.remote, group);  // validates, may throw
+    src.layer_reads.resize(layout.num_layers);
+    for (const KVReadInfo& r : group) {
+      src.layer_reads[static_cast<std::size_t>(r.layer_idx)].push_back(r);
+    }
+    s->sources.push_back(std::move(src));
+  }
   s->ready_timeout =
       options.ready_timeout.count() > 0 ? options.ready_timeout : impl_->engine_timeout;
   s->options = std::move(options);

@@ -12,6 +12,7 @@
 #include <span>
 
 #include "mstar/kv/cache.hpp"
+#include "mstar/kv/descriptor.hpp"
 #include "mstar/kv/engine.hpp"
 #include "mstar/kv/streaming.hpp"
 
@@ -28,11 +29,14 @@ class LayerStreamer {
   LayerStreamer(const LayerStreamer&) = delete;
   LayerStreamer& operator=(const LayerStreamer&) = delete;
 
-  // `remote` from the engine's open_remote.
+  // `remote` from the engine's open_remote. `shared`, when given, is the
+  // descriptor `remote` was opened from without its page_epochs: the pages
+  // it names are watched and read through handles of their own epochs.
   std::optional<LayerStream> start(std::uint64_t start_len, std::uint64_t end_len,
                                    std::span<const std::uint32_t> local_page_indices,
                                    std::span<const std::uint32_t> remote_page_indices,
-                                   const RemoteCache& remote, StreamOptions options = {});
+                                   const RemoteCache& remote, const KVTransferInfo* shared,
+                                   StreamOptions options = {});
   // Unfinished streams resolve with kShutdown once nothing of theirs is in
   // flight; the driver thread is joined; later start() throws
   // Error(kShutdown). Idempotent.

@@ -143,9 +143,9 @@ TEST(SharedPages, ARestampedSharedPageOrIgnoredExceptionsFailTheRemainingReader)
 }
 
 // The shard form and a partial range read shared pages by epoch too; a
-// handle names one epoch, so the forms that take one refuse such a
-// descriptor, naming why.
-TEST(SharedPages, ShardsAndRangesReadByEpochHandlesAndStreamsRefuse) {
+// handle names one epoch, so open_remote refuses such a descriptor, naming
+// why.
+TEST(SharedPages, ShardsAndRangesReadByEpochAndHandlesRefuse) {
   Owner o;
   fill_pattern(*o.owner_cache, kSeed, kPagesB, 0, 40);
   o.pool.adopt(1, 32, kPagesA);
@@ -162,30 +162,67 @@ TEST(SharedPages, ShardsAndRangesReadByEpochHandlesAndStreamsRefuse) {
   EXPECT_TRUE(o.holds(kSeed, local, 40));
 
   // Tokens [20, 40): the second shared page and B's own.
-  auto g = o.reader.start_async_retrieve(20, 40, std::vector<std::uint32_t>{8, 9, 10},
-                                         b.page_indices, b.kv_transfer_info);
+  const std::vector<std::uint32_t> tail = {8, 9, 10};
+  auto g = o.reader.start_async_retrieve(20, 40, tail, b.page_indices, b.kv_transfer_info);
   ASSERT_TRUE(g);
   EXPECT_GT(g->get(), 0u);
-  EXPECT_TRUE(
-      verify_pattern(*o.reader_cache, kSeed, std::vector<std::uint32_t>{8, 9, 10}, 20, 40).ok());
+  EXPECT_TRUE(verify_pattern(*o.reader_cache, kSeed, tail, 20, 40).ok());
 
-  std::string what;
   try {
     o.reader.open_remote(b.kv_transfer_info);
     ADD_FAILURE() << "open_remote took a descriptor with page_epochs";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
-    what = e.what();
-  }
-  EXPECT_NE(what.find("2 pages with epochs of their own"), std::string::npos) << what;
-  try {
-    o.reader.start_streaming_retrieve(0, 40, local, b.page_indices, b.kv_transfer_info);
-    ADD_FAILURE() << "a stream took a descriptor with page_epochs";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("start_streaming_retrieve"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("2 pages with epochs of their own"), std::string::npos)
         << e.what();
   }
+}
+
+// A stream of B watches and reads the shared pages with A's epoch and its
+// own page with B's: the layers A wrote are ready at once, the stream waits
+// for B's own page, and the bytes are exact.
+TEST(SharedPages, AStreamWaitsForTheNewPagesAndReadsTheSharedOnesByEpoch) {
+  Owner o;
+  fill_pattern(*o.owner_cache, kSeed, kPagesA, 0, 32);
+  o.pool.adopt(1, 32, kPagesA);
+  o.pool.publish(1);  // every layer of A's pages ready
+  o.pool.adopt(2, 40, kPagesB, true);
+  const SequenceInfo b = o.pool.publish(2, 0);
+  EXPECT_EQ(o.owner_cache->readiness().load(1), 4u);
+  EXPECT_EQ(o.owner_cache->readiness().load(6), 0u);
+
+  const std::vector<std::uint32_t> local = {4, 5, 7};
+  StreamOptions opts;
+  opts.ready_timeout = std::chrono::milliseconds(10000);
+  auto stream =
+      o.reader.start_streaming_retrieve(0, 40, local, b.page_indices, b.kv_transfer_info, opts);
+  ASSERT_TRUE(stream);
+  EXPECT_EQ(stream->wait_for_layer(0, std::chrono::milliseconds(50)).code(),
+            StatusCode::kInProgress);  // B's own page has no layer yet
+  for (std::uint32_t l = 0; l < 4; ++l) {
+    fill_pattern_layers(*o.owner_cache, kSeed, kPagesB, 32, 40, l, l + 1);
+    o.pool.mark_layers_ready(2, l + 1);
+  }
+  const TransferFuture f = stream->future();
+  ASSERT_TRUE(f.wait_for(std::chrono::seconds(10)));
+  ASSERT_EQ(f.status().code(), StatusCode::kOk) << f.status().message();
+  EXPECT_TRUE(o.holds(kSeed, local, 40));
+
+  // The stream's shared pages really are watched with A's epoch: without
+  // the exceptions the stream fails stale (negative control).
+  SequenceInfo bare = b;
+  bare.kv_transfer_info.page_epochs.clear();
+  StatusCode code = StatusCode::kOk;
+  try {
+    auto bad = o.reader.start_streaming_retrieve(0, 40, local, bare.page_indices,
+                                                 bare.kv_transfer_info, opts);
+    ASSERT_TRUE(bad);
+    ASSERT_TRUE(bad->future().wait_for(std::chrono::seconds(10)));
+    code = bad->future().status().code();
+  } catch (const Error& e) {
+    code = e.code();
+  }
+  EXPECT_EQ(code, StatusCode::kStaleDescriptor);
 }
 
 }  // namespace

@@ -188,9 +188,9 @@ class KVTransferManager {
   // throws Error before any byte moves: the errors of start_async_retrieve,
   // Error(kNotSupported) naming the engine when it has no readiness channel
   // (local), Error(kInvalidArgument) for a descriptor without a page epoch
-  // (not published by a KVCachePool), for one with page_epochs (a sequence
-  // sharing pages: pull it with start_async_retrieve) or options out of
-  // range. std::nullopt
+  // (not published by a KVCachePool) or options out of range; a
+  // descriptor with page_epochs is watched and read one handle per epoch
+  // (the RemoteCache form refuses one, as open_remote does). std::nullopt
   // when start_len == end_len. The stream's errors (kTimeout for a layer
   // never marked, kStaleDescriptor, kCorruptDescriptor, the owner's death, a
   // layer's read failing) travel in its future and wait_for_layer.
@@ -268,6 +268,12 @@ class KVTransferManager {
                                                 std::span<const std::uint32_t> remote_page_indices,
                                                 const RemoteOpener& open,
                                                 const KVTransferInfo* shared);
+  // start_streaming_retrieve_from, with `shared` as for retrieve_opened.
+  std::optional<LayerStream> stream_opened(std::uint64_t start_len, std::uint64_t end_len,
+                                           std::span<const std::uint32_t> local_page_indices,
+                                           std::span<const std::uint32_t> remote_page_indices,
+                                           const RemoteOpener& open, const KVTransferInfo* shared,
+                                           StreamOptions options);
   // `reads` of `base` (opened from `info` without its page_epochs), each
   // remote page with the epoch `info` names for it: one engine read per
   // epoch, joined.
