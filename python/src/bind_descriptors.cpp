@@ -128,6 +128,16 @@ void bind_descriptors(nb::module_& m) {
               "of pages that changed owner raises StaleDescriptorError); 0 on a cache's own "
               "descriptor (reads unchecked).")
       .def_prop_ro("payload", [](const KVTransferInfo& i) { return to_bytes(i.payload); })
+      .def_prop_ro(
+          "page_epochs",
+          [](const KVTransferInfo& i) {
+            nb::list out;
+            for (const PageEpoch& pe : i.page_epochs) out.append(nb::make_tuple(pe.page, pe.epoch));
+            return out;
+          },
+          "On a SequenceInfo's copy: [(page, epoch), ...], sorted by page, the pages whose "
+          "epoch is not `epoch` (pages the sequence shares with an earlier one, read with "
+          "the epoch their content was published under); empty for an unshared sequence.")
       .def("empty", &KVTransferInfo::empty)
       .def(
           "to_bytes", [](const KVTransferInfo& i) { return to_bytes(i.encode()); },
@@ -142,7 +152,11 @@ void bind_descriptors(nb::module_& m) {
       .def("__repr__",
            [](const KVTransferInfo& i) {
              return "KVTransferInfo(engine='" + i.engine + "', " +
-                    std::to_string(i.payload.size()) + " payload bytes)";
+                    std::to_string(i.payload.size()) + " payload bytes" +
+                    (i.page_epochs.empty()
+                         ? std::string()
+                         : ", " + std::to_string(i.page_epochs.size()) + " shared pages") +
+                    ")";
            })
       .def("__getstate__", [](const KVTransferInfo& i) { return to_bytes(i.encode()); })
       .def("__setstate__", [](KVTransferInfo& self, const nb::bytes& b) {

@@ -93,16 +93,25 @@ void bind_pool(nb::module_& m) {
           "Pages for a new sequence: ceil(num_tokens / page_size) of them.")
       .def(
           "adopt",
-          [](PyPool& p, std::uint64_t seq_id, std::uint64_t num_tokens, nb::handle pages) {
+          [](PyPool& p, std::uint64_t seq_id, std::uint64_t num_tokens, nb::handle pages,
+             bool allow_shared) {
             const auto v = to_pages(pages, "pages");
-            p.pool->adopt(seq_id, num_tokens, v);
+            p.pool->adopt(seq_id, num_tokens, v, allow_shared);
           },
           nb::arg("seq_id"), nb::arg("num_tokens"), nb::arg("pages"),
+          nb::arg("allow_shared") = false,
           "A new sequence over pages the caller chose (an engine that allocates its own "
           "blocks, e.g. vLLM publishing a finished request's blocks): exactly "
-          "ceil(num_tokens / page_size) pages, each free in this pool and named once; "
-          "stamped with a fresh epoch as allocate() does. Raises InvalidArgumentError "
-          "naming the page or the counts, changing nothing.")
+          "ceil(num_tokens / page_size) pages, each in range and named once; its free pages "
+          "are stamped with a fresh epoch as allocate() does. allow_shared=True (prefix "
+          "caching): a page another live sequence holds is shared, keeping its epoch and "
+          "bytes (publish lists it in kv_transfer_info.page_epochs); it is freed when its "
+          "last holder is. Raises InvalidArgumentError naming the page or the counts, "
+          "changing nothing, for a page out of range, named twice, held by allocate_pages, "
+          "or (without allow_shared) held by a live sequence.")
+      .def(
+          "holders", [](PyPool& p, std::uint32_t page) { return p.pool->holders(page); },
+          nb::arg("page"), "How many live sequences hold the page (0: free or allocate_pages').")
       .def(
           "free", [](PyPool& p, std::uint64_t seq_id) { p.pool->release(seq_id); },
           nb::arg("seq_id"), "Frees every page of the sequence.")
