@@ -128,12 +128,28 @@ void bind_descriptors(nb::module_& m) {
               "of pages that changed owner raises StaleDescriptorError); 0 on a cache's own "
               "descriptor (reads unchecked).")
       .def_prop_ro("payload", [](const KVTransferInfo& i) { return to_bytes(i.payload); })
-      .def_prop_ro(
+      .def_prop_rw(
           "page_epochs",
           [](const KVTransferInfo& i) {
             nb::list out;
             for (const PageEpoch& pe : i.page_epochs) out.append(nb::make_tuple(pe.page, pe.epoch));
             return out;
+          },
+          [](KVTransferInfo& i, nb::handle pairs) {
+            // Set from untrusted input (a vLLM request's params): checked
+            // as a decoded frame's are, and nothing changes if refused.
+            KVTransferInfo next = i;
+            next.page_epochs.clear();
+            for (nb::handle item : pairs) {
+              if (!nb::isinstance<nb::sequence>(item) || nb::len(item) != 2) {
+                throw Error(StatusCode::kInvalidArgument,
+                            "page_epochs entries must be (page, epoch) pairs");
+              }
+              next.page_epochs.push_back(
+                  {nb::cast<std::uint32_t>(item[0]), nb::cast<std::uint64_t>(item[1])});
+            }
+            KVTransferInfo::decode(next.encode());
+            i = std::move(next);
           },
           "On a SequenceInfo's copy: [(page, epoch), ...], sorted by page, the pages whose "
           "epoch is not `epoch` (pages the sequence shares with an earlier one, read with "

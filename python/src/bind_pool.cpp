@@ -94,12 +94,12 @@ void bind_pool(nb::module_& m) {
       .def(
           "adopt",
           [](PyPool& p, std::uint64_t seq_id, std::uint64_t num_tokens, nb::handle pages,
-             bool allow_shared) {
+             bool allow_shared, std::uint64_t epoch) {
             const auto v = to_pages(pages, "pages");
-            p.pool->adopt(seq_id, num_tokens, v, allow_shared);
+            p.pool->adopt(seq_id, num_tokens, v, allow_shared, epoch);
           },
           nb::arg("seq_id"), nb::arg("num_tokens"), nb::arg("pages"),
-          nb::arg("allow_shared") = false,
+          nb::arg("allow_shared") = false, nb::arg("epoch") = 0,
           "A new sequence over pages the caller chose (an engine that allocates its own "
           "blocks, e.g. vLLM publishing a finished request's blocks): exactly "
           "ceil(num_tokens / page_size) pages, each in range and named once; its free pages "
@@ -108,7 +108,9 @@ void bind_pool(nb::module_& m) {
           "bytes (publish lists it in kv_transfer_info.page_epochs); it is freed when its "
           "last holder is. Raises InvalidArgumentError naming the page or the counts, "
           "changing nothing, for a page out of range, named twice, held by allocate_pages, "
-          "or (without allow_shared) held by a live sequence.")
+          "or (without allow_shared) held by a live sequence. epoch (0: the pool picks) "
+          "names the sequence's epoch in advance; it must not be below any epoch this pool "
+          "stamped before.")
       .def(
           "holders", [](PyPool& p, std::uint32_t page) { return p.pool->holders(page); },
           nb::arg("page"), "How many live sequences hold the page (0: free or allocate_pages').")

@@ -110,3 +110,19 @@ def test_a_layerwise_stream_of_a_shared_sequence_reads_every_byte():
     assert reader.verify_pattern(5, [0, 2, 4], 0, 40)["ok"]
     rmgr.cleanup()
     omgr.cleanup()
+
+
+def test_page_epochs_set_from_untrusted_input_are_checked_and_refusals_change_nothing():
+    """The vLLM connector sets page_epochs from a request's params: bad pairs
+    are refused as a decoded frame's would be, naming the field."""
+    info = kv.KVTransferInfo("shm", b"payload")
+    info.epoch = 5
+    info.page_epochs = [(1, 3), (4, 2)]
+    assert info.page_epochs == [(1, 3), (4, 2)]
+    assert kv.KVTransferInfo.from_bytes(info.to_bytes()).page_epochs == [(1, 3), (4, 2)]
+    for bad in ([(4, 2), (1, 3)], [(1, 0)], [(1, 5)], [(1, 3), (1, 3)]):
+        with pytest.raises(kv.CorruptDescriptorError, match="page_epochs"):
+            info.page_epochs = bad
+    with pytest.raises(kv.InvalidArgumentError, match="pairs"):
+        info.page_epochs = [(1,)]
+    assert info.page_epochs == [(1, 3), (4, 2)]

@@ -67,6 +67,7 @@ std::vector<std::uint32_t> KVCachePool::allocate_locked(std::size_t count) {
   // No layer of a new owner is ready; the reset is ordered before the epoch.
   cache_->readiness().reset(pages);
   cache_->epochs().stamp(pages, next_epoch_++);
+  stamped_any_ = true;
   return pages;
 }
 
@@ -158,12 +159,21 @@ std::vector<std::uint32_t> KVCachePool::allocate(std::uint64_t seq_id, std::uint
 }
 
 void KVCachePool::adopt(std::uint64_t seq_id, std::uint64_t num_tokens,
-                        std::span<const std::uint32_t> pages, bool allow_shared) {
+                        std::span<const std::uint32_t> pages, bool allow_shared,
+                        std::uint64_t epoch) {
   std::lock_guard<std::mutex> lock(mu_);
   expire_locked(Clock::now());
   if (sequences_.count(seq_id) != 0) {
     throw Error(StatusCode::kInvalidArgument,
                 "sequence " + std::to_string(seq_id) + " is already allocated");
+  }
+  // An epoch is never stamped twice by one pool: a reader still holding a
+  // freed page's old epoch must fail, whoever holds the page now.
+  if (epoch != 0 && ((stamped_any_ && epoch < next_epoch_) || epoch == ~std::uint64_t{0})) {
+    throw Error(StatusCode::kInvalidArgument,
+                "adopt of sequence " + std::to_string(seq_id) + ": epoch " + std::to_string(epoch) +
+                    " is below " + std::to_string(next_epoch_) +
+                    ", above every epoch this pool stamped (an epoch is never reused)");
   }
   const std::uint64_t ps = cache_->layout().page_size;
   const std::uint64_t count = pages_for(num_tokens, ps);
@@ -209,7 +219,9 @@ void KVCachePool::adopt(std::uint64_t seq_id, std::uint64_t num_tokens,
     }
     free_.resize(kept);
   }
-  const std::uint64_t epoch = next_epoch_++;
+  if (epoch == 0) epoch = next_epoch_;
+  next_epoch_ = epoch + 1;
+  stamped_any_ = true;
   Sequence s;
   s.num_tokens = num_tokens;
   s.pages.assign(pages.begin(), pages.end());

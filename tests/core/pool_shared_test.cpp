@@ -169,5 +169,40 @@ TEST(KVCachePoolShared, ARefusedSharedAdoptChangesNothing) {
   EXPECT_EQ(pool.free_page_count(), 4u);
 }
 
+// An epoch the caller chose (vLLM's scheduler names it in a request's params
+// before the worker publishes): stamped on the fresh pages, never below one
+// the pool stamped before, so a freed page's old epoch never comes back.
+TEST(KVCachePoolShared, ACallersEpochIsStampedAndNeverReused) {
+  auto c = cache(8);
+  KVCachePool pool(c, KVTransferInfo{"shm", {1}, 0});
+  pool.adopt(1, 32, std::vector<std::uint32_t>{3, 5}, true, 1000);
+  EXPECT_EQ(c->epochs().load(3), 1000u);
+  EXPECT_EQ(pool.publish(1).kv_transfer_info.epoch, 1000u);
+  // Sharing keeps the earlier epoch on the shared page, the new one elsewhere.
+  pool.adopt(2, 32, std::vector<std::uint32_t>{3, 6}, true, 1001);
+  EXPECT_EQ(c->epochs().load(3), 1000u);
+  EXPECT_EQ(c->epochs().load(6), 1001u);
+  pool.release(1);
+  pool.release(2);
+  EXPECT_EQ(c->epochs().load(3), 0u);
+  // Equal to or below an epoch stamped before: refused, nothing changes.
+  for (std::uint64_t e : {std::uint64_t{1001}, std::uint64_t{7}}) {
+    try {
+      pool.adopt(3, 16, std::vector<std::uint32_t>{3}, true, e);
+      ADD_FAILURE() << "epoch " << e << " was taken again";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.code(), StatusCode::kInvalidArgument);
+      EXPECT_NE(std::string(err.what()).find("epoch " + std::to_string(e)), std::string::npos)
+          << err.what();
+    }
+  }
+  EXPECT_FALSE(pool.contains(3));
+  EXPECT_EQ(c->epochs().load(3), 0u);
+  EXPECT_EQ(pool.free_page_count(), 8u);
+  // The pool's own epochs continue above the callers'.
+  const auto pages = pool.allocate(4, 16);
+  EXPECT_GT(c->epochs().load(pages[0]), 1001u);
+}
+
 }  // namespace
 }  // namespace mstar::kv

@@ -81,8 +81,13 @@ class KVCachePool {
   // Throws Error(kInvalidArgument) naming the page or the counts, and
   // changes nothing, when a page is out of range, named twice, held by
   // allocate_pages, or (without allow_shared) held by a live sequence.
+  // `epoch` (0: the pool picks) is the caller's choice of the sequence's
+  // epoch, so that a descriptor can be predicted before the pool publishes
+  // (vLLM's scheduler names it in a request's params); it must be at least
+  // every epoch this pool stamped before (epochs only rise, none is
+  // reused), else Error(kInvalidArgument) naming both.
   void adopt(std::uint64_t seq_id, std::uint64_t num_tokens, std::span<const std::uint32_t> pages,
-             bool allow_shared = false);
+             bool allow_shared = false, std::uint64_t epoch = 0);
   // Drops the sequence's hold on its pages; those no other sequence holds
   // are freed. A sequence whose lease expired was freed already: releasing
   // it again is a no-op.
@@ -175,7 +180,8 @@ class KVCachePool {
   std::vector<std::uint32_t> holders_ MSTAR_KV_GUARDED_BY(mu_);  // sequences per kOwned page
   std::unordered_map<std::uint64_t, Sequence> sequences_ MSTAR_KV_GUARDED_BY(mu_);
   std::chrono::milliseconds lease_;
-  std::uint64_t next_epoch_ MSTAR_KV_GUARDED_BY(mu_) = 1;
+  std::uint64_t next_epoch_ MSTAR_KV_GUARDED_BY(mu_) = 1;  // above every epoch stamped
+  bool stamped_any_ MSTAR_KV_GUARDED_BY(mu_) = false;      // else any epoch may start it
   Clock::time_point next_expiry_ MSTAR_KV_GUARDED_BY(mu_) = Clock::time_point::max();
   std::uint64_t expired_ MSTAR_KV_GUARDED_BY(mu_) = 0;
   std::uint64_t published_ MSTAR_KV_GUARDED_BY(mu_) = 0;
