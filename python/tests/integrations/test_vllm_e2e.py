@@ -81,9 +81,13 @@ def cluster(request, shared, tmp_path_factory):
     # 10 s between two layers of the tiny model): what they bound is tested
     # in test_vllm_worker.py and the streaming tests; a dead prefill fails
     # fast anyway (its side channel refuses).
-    p_args = ["--record", "--lease", "600"] + (
+    # vLLM's default, prefix caching, on both engines of the ucx cluster: the
+    # prefill publishes requests that share cached blocks, the decode pulls
+    # only what it lacks.
+    cached = [] if streaming else ["--prefix-cache"]
+    p_args = ["--record", "--lease", "600"] + cached + (
         ["--publish-early", "--save-delay", str(SAVE_DELAY_S)] if streaming else [])
-    d_args = ["--record", "--fetch-timeout", "120", "--transfer-timeout", "60"] + (
+    d_args = ["--record", "--fetch-timeout", "120", "--transfer-timeout", "60"] + cached + (
         ["--layerwise"] if streaming else [])
     specs = [
         (("prefill", model, d / "prefill.log"),
@@ -95,7 +99,7 @@ def cluster(request, shared, tmp_path_factory):
         specs.append((("decode", model, d / "corrupt.log"),
                       dict(engine=engine, port=port,
                            extra_args=["--corrupt", "--fetch-timeout", "120",
-                                       "--transfer-timeout", "60"],
+                                       "--transfer-timeout", "60"] + cached,
                            env={"MSTAR_KV_VLLM_STATS": str(stc)})))
     engines = E.start_all(specs)
     if not shared["ready"]:
@@ -109,7 +113,7 @@ def cluster(request, shared, tmp_path_factory):
     c = dict(single=shared["single"], prefill=engines[0], decode=engines[1],
              corrupt=engines[2] if len(engines) > 2 else None, stats=st, corrupt_stats=stc,
              prefill_stats=stp, dir=d, model=model, port=port, engine=engine,
-             streaming=streaming)
+             streaming=streaming, prefix_cache=bool(cached))
     yield c
     for e in engines:
         e.close()
@@ -127,14 +131,74 @@ def test_decode_tokens_equal_a_single_engine_and_the_prompt_was_loaded(cluster):
         assert got == want, f"prompt {i} ({len(prompt)} tokens)"
         s = stats(cluster["stats"])
         assert len(s) == i + 1 and s[-1]["ok"], s[-1]
-        # Every prompt token came over mstar-kv (the decode engine recomputes
-        # only the last one, to sample).
-        assert s[-1]["tokens"] == len(prompt) and s[-1]["remote_req"] == \
-            params["mstar"]["request_id"]
+        # Every prompt token the decode lacked came over mstar-kv (it
+        # recomputes only the last one, to sample); with its prefix cache
+        # the last prompt's first two blocks were there already (prompt 3's).
+        hit = 64 if i == 4 and cluster["prefix_cache"] else 0
+        assert (s[-1]["start"], s[-1]["tokens"]) == (hit, len(prompt) - hit), s[-1]
+        assert s[-1]["remote_req"] == params["mstar"]["request_id"]
+        # Pulled from what the params carry, no side-channel round trip first
+        # (a layer-wise decode asks the side channel: it may stream a
+        # publication its params could not name).
+        assert s[-1]["via"] == ("side_channel" if cluster["streaming"] else "params"), s[-1]
         # ... and the bytes in the decode's blocks are the prefill's.
         pub = published(cluster, params["mstar"]["request_id"])
         assert pub["tokens"] == len(prompt)
-        assert s[-1]["digest"] == pub["digest"], f"prompt {i}: the loaded KV differs"
+        if hit == 0:
+            assert s[-1]["digest"] == pub["digest"], f"prompt {i}: the loaded KV differs"
+
+
+def _wait_freed(cluster, name, timeout=60.0):
+    """Until the prefill's side channel says the publication was freed."""
+    from mstar_kv.integrations.vllm.side_channel import SideChannelError, fetch_sequence
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            fetch_sequence("127.0.0.1", cluster["port"], name, 0.0)
+        except SideChannelError as e:
+            if "freed" in str(e):
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"{name} was not freed within {timeout} s")
+
+
+def test_prefix_cached_prefill_publishes_requests_that_share_blocks(cluster):
+    """Prefix caching on both engines: two requests sharing two cached blocks
+    on the prefill are both published (the second's params name the shared
+    pages with the first's epoch); the decode pulls the second (the shared
+    pages included) whose publication then goes, then the first, still
+    readable, of which it lacks only the rest; a freed publication's params,
+    pulled again, fail as stale and the request is recomputed."""
+    if not cluster["prefix_cache"]:
+        pytest.skip("prefix caching runs in the ucx cluster")
+    single, prefill, decode = cluster["single"], cluster["prefill"], cluster["decode"]
+    shared = [(i * 19) % 500 + 3 for i in range(64)]
+    a = shared + [(i * 23) % 500 + 3 for i in range(20)]
+    b = shared + [(i * 29) % 500 + 3 for i in range(41)]
+    want_a, want_b = (single.generate(x, MAX_TOKENS)["tokens"] for x in (a, b))
+    pa = prefill.generate(a, remote_decode=True)["params"]
+    pb = prefill.generate(b, remote_decode=True)["params"]  # a is still published
+    ma, mb = pa["mstar"], pb["mstar"]
+    assert mb["pages"][:2] == ma["pages"][:2], "the prefill's prefix cache shared no block"
+    assert mb["page_epochs"] == [[ma["pages"][0], ma["epoch"]], [ma["pages"][1], ma["epoch"]]]
+    n = len(stats(cluster["stats"]))
+    assert decode.generate(b, MAX_TOKENS, params=pb)["tokens"] == want_b
+    _wait_freed(cluster, mb["request_id"])  # b's publication is gone, a's holds the pages
+    assert decode.generate(a, MAX_TOKENS, params=pa)["tokens"] == want_a
+    s = stats(cluster["stats"])[n:]
+    assert [x["ok"] for x in s] == [True, True], s
+    assert (s[0]["start"], s[0]["tokens"]) == (0, len(b)), s[0]
+    assert (s[1]["start"], s[1]["tokens"]) == (64, len(a) - 64), s[1]
+    assert s[0]["digest"] == published(cluster, mb["request_id"])["digest"]
+    assert not s[0]["retried_stale"] and not s[1]["retried_stale"], s
+    # Both freed: a's params again, to an engine that lacks these blocks (the
+    # negative-control engine, which would corrupt what it loaded): the pull
+    # fails as stale, the side channel says freed, vLLM recomputes.
+    _wait_freed(cluster, ma["request_id"])
+    m = len(stats(cluster["corrupt_stats"]))
+    assert cluster["corrupt"].generate(a, MAX_TOKENS, params=pa)["tokens"] == want_a
+    (c,) = stats(cluster["corrupt_stats"])[m:]
+    assert not c["ok"] and c["retried_stale"] and "freed" in c["error"], c
 
 
 def published(cluster, name):
@@ -167,8 +231,12 @@ def test_decode_streams_a_running_prefill_layer_by_layer(cluster):
         time.sleep(0.5)  # the decode's connector is waiting for the publication
         p = prefill.generate(prompt, remote_decode=True, name=name)
         got = decode.result()["tokens"]
-        assert p["params"]["mstar"] == params["mstar"], "the prefill's params differ from the " \
-            "proxy's"
+        # The prefill's params are the proxy's plus what a direct pull needs
+        # (descriptors, pages, epochs), which a proxy cannot know in advance.
+        mine = p["params"]["mstar"]
+        assert {k: mine.get(k) for k in params["mstar"]} == params["mstar"], \
+            "the prefill's params differ from the proxy's"
+        assert set(mine) - set(params["mstar"]) <= {"descs", "pages", "epoch", "page_epochs"}
         assert got == want
         s = stats(cluster["stats"])[n:]
         assert len(s) == 1 and s[0]["ok"] and s[0]["tokens"] == len(prompt), s
@@ -187,12 +255,14 @@ def test_negative_control_corrupted_kv_changes_the_tokens(cluster):
         pytest.skip("one negative control: the ucx cluster's (the comparison is the same)")
     single, prefill, corrupt = cluster["single"], cluster["prefill"], cluster["corrupt"]
     changed = 0
+    n = len(stats(cluster["corrupt_stats"]))
     for prompt in PROMPTS[:3]:
         want = single.generate(prompt, MAX_TOKENS)["tokens"]
         params = prefill.generate(prompt, remote_decode=True)["params"]
         got = corrupt.generate(prompt, MAX_TOKENS, params=params)["tokens"]
         changed += got != want
-    assert all(s["ok"] for s in stats(cluster["corrupt_stats"]))
+    loads = stats(cluster["corrupt_stats"])[n:]
+    assert len(loads) == 3 and all(s["ok"] for s in loads), loads
     assert changed >= 2, "corrupting the loaded KV did not change the tokens: the comparison " \
         "above could not fail"
 

@@ -60,7 +60,7 @@ def free_port():
 
 def test_side_channel_waits_for_the_publication_and_counts_readers():
     published, done = {}, []
-    srv = SideChannelServer("127.0.0.1", free_port(), lambda r: published.get(r),
+    srv = SideChannelServer("127.0.0.1", free_port(), lambda r, stream: published.get(r),
                             lambda r, who, n: done.append((r, who, n)), token="0123456789abcdef")
     host, port = srv.address
     try:
@@ -82,8 +82,33 @@ def test_side_channel_waits_for_the_publication_and_counts_readers():
         srv.close()
 
 
+def test_side_channel_gives_a_sequence_published_early_to_a_streaming_reader_first():
+    """A request published before its forward pass: a reader that streams
+    gets it at once, one that reads it whole only once every layer is written."""
+    written = threading.Event()
+    srv = SideChannelServer("127.0.0.1", free_port(),
+                            lambda r, stream: b"seq" if stream or written.is_set() else None,
+                            lambda *a: None)
+    host, port = srv.address
+    try:
+        assert fetch_sequence(host, port, "r", 5.0, stream=True) == b"seq"
+        with pytest.raises(SideChannelError, match="not published within 0.2 s"):
+            fetch_sequence(host, port, "r", 0.2)
+
+        def later():
+            time.sleep(0.2)
+            written.set()
+            srv.published()
+        threading.Thread(target=later).start()
+        t0 = time.monotonic()
+        assert fetch_sequence(host, port, "r", 5.0) == b"seq"
+        assert 0.15 < time.monotonic() - t0 < 3
+    finally:
+        srv.close()
+
+
 def test_side_channel_lookup_refusal_and_dead_peer_are_errors_in_bounded_time():
-    def lookup(r):
+    def lookup(r, stream):
         raise KeyError(f"request {r} was freed (done)")
     srv = SideChannelServer("127.0.0.1", free_port(), lookup, lambda *a: None)
     host, port = srv.address

@@ -9,6 +9,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="needs vLLM (./scripts/test makes build/venvs/vllm)")
 
 import vllm_kit as K  # noqa: E402
+from mstar_kv.integrations.vllm.params import parse_remote_prefill  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 BS = 32
@@ -44,33 +45,49 @@ def meta(so):
     return so.kv_connector_metadata.step
 
 
-def prefill_params(model_dir, prompt):
-    """Runs a prompt through a producer; returns (params, producer, req)."""
-    p = producer(model_dir)
-    req = K.make_request("p1", prompt, 1, {"do_remote_decode": True}, BS)
+def prefill_params(model_dir, prompt, p=None, req_id="p1"):
+    """Runs a prompt through a producer; returns (params, producer, req, the
+    step's metadata)."""
+    p = p or producer(model_dir)
+    req = K.make_request(req_id, prompt, 1, {"do_remote_decode": True}, BS)
     p.add_request(req)
-    _, out = step(p)
+    so, out = step(p)
     (o,) = outputs_of(out)
     assert o.finish_reason is not None
-    return o.kv_transfer_params, p, req
+    return o.kv_transfer_params, p, req, meta(so)
 
 
 def free_blocks(sched):
     return sched.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
-def test_producer_keeps_blocks_until_the_worker_reports_them_sent(model_dir):
+def test_producer_publishes_before_the_forward_pass_and_keeps_blocks_until_sent(model_dir):
     prompt = list(range(10, 10 + 70))  # 3 blocks of 32
-    params, p, req = prefill_params(model_dir, prompt)
+    params, p, req, m0 = prefill_params(model_dir, prompt)
     m = params["mstar"]
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert (m["request_id"], m["num_tokens"], m["block_size"], m["tp_size"], m["port"]) == \
         ("p1", 70, BS, 1, 31000)
-    held = free_blocks(p)
-    # The next step tells the workers to publish exactly the prompt's blocks.
-    so, _ = step(p)
-    (pub,) = meta(so).publish
+    # The step that runs the prompt tells the workers to publish exactly its
+    # blocks, with no layer written yet (they mark them as the forward pass
+    # saves them), under the epoch the params name: by the time a decode
+    # has the params, the pages are published and written.
+    (pub,) = m0.publish
     assert pub.req_id == "p1" and pub.num_tokens == 70 and len(pub.block_ids) == 3
+    assert pub.layers_ready == 0 and pub.epoch > 0
+    # Before the workers' handshake reached the scheduler the params carry
+    # no descriptor (the decode then asks the side channel); after it, they
+    # carry everything a pull needs.
+    assert "descs" not in m and "epoch" not in m
+    p.connector.scheduler.set_descriptors({0: b"desc-of-rank-0"})
+    params2, _, _, m2 = prefill_params(model_dir, list(range(300, 340)), p, "p2")
+    (pub2,) = m2.publish
+    rp = parse_remote_prefill(params2)
+    assert rp.direct and rp.descs == (b"desc-of-rank-0",)
+    assert list(rp.pages) == pub2.block_ids and rp.epoch == pub2.epoch != pub.epoch
+    held = free_blocks(p)
+    so, _ = step(p)
+    assert not meta(so).publish  # published once
     for _ in range(3):  # delayed free: still held while the workers hold them
         step(p)
         assert free_blocks(p) == held and "p1" in p.requests
@@ -78,9 +95,33 @@ def test_producer_keeps_blocks_until_the_worker_reports_them_sent(model_dir):
     assert "p1" not in p.requests and free_blocks(p) == held + 3
 
 
+def test_prefix_shared_blocks_keep_the_epoch_of_their_first_publication(model_dir):
+    """The producer's prefix cache gives a second request the blocks of a
+    first one still published: its params name those pages with the first
+    one's epoch (the workers' pool keeps it while any holder does) and its
+    own pages with its own; once no publication holds them, a third request
+    over the same cached blocks gets a fresh epoch for all of them."""
+    shared = list(range(500, 564))  # two full blocks of 32
+    p = producer(model_dir)
+    p.connector.scheduler.set_descriptors({0: b"desc-of-rank-0"})
+    a, _, _, _ = prefill_params(model_dir, shared + list(range(1, 7)), p)
+    b, _, _, _ = prefill_params(model_dir, shared + list(range(7, 40)), p, "p2")
+    ma, mb = a["mstar"], b["mstar"]
+    assert ma["page_epochs"] == [] and mb["epoch"] != ma["epoch"]
+    assert mb["pages"][:2] == ma["pages"][:2]  # vLLM's prefix cache shared them
+    assert mb["page_epochs"] == [[ma["pages"][0], ma["epoch"]], [ma["pages"][1], ma["epoch"]]]
+    step(p, finished_sending={"p1"})  # the first one freed: the second still holds them
+    c, _, _, _ = prefill_params(model_dir, shared + list(range(40, 45)), p, "p3")
+    assert c["mstar"]["page_epochs"] == mb["page_epochs"]
+    step(p, finished_sending={"p2", "p3"})
+    step(p)
+    d, _, _, _ = prefill_params(model_dir, shared + list(range(50, 55)), p, "p4")
+    assert d["mstar"]["pages"][:2] == ma["pages"][:2] and d["mstar"]["page_epochs"] == []
+
+
 def test_remote_prefill_loads_asynchronously_then_runs(model_dir):
     prompt = list(range(100, 170))
-    params, _, _ = prefill_params(model_dir, prompt)
+    params, _, _, _ = prefill_params(model_dir, prompt)
     d = consumer(model_dir)
     req = K.make_request("d1", prompt, 4, params, BS)
     d.add_request(req)
@@ -106,7 +147,7 @@ def test_decode_prefix_hit_moves_only_the_missing_blocks(model_dir):
     shared = list(range(200, 264))       # 2 full blocks
     a_prompt, b_prompt = shared + [1] * 20, shared + [2] * 40
     d = consumer(model_dir)
-    params_a, _, _ = prefill_params(model_dir, a_prompt)
+    params_a, _, _, _ = prefill_params(model_dir, a_prompt)
     a = K.make_request("a", a_prompt, 1, params_a, BS)
     d.add_request(a)
     so, _ = step(d)
@@ -114,7 +155,7 @@ def test_decode_prefix_hit_moves_only_the_missing_blocks(model_dir):
     step(d, finished_recving={"a"})
     step(d)
     assert a.is_finished()
-    params_b, _, _ = prefill_params(model_dir, b_prompt)
+    params_b, _, _, _ = prefill_params(model_dir, b_prompt)
     b = K.make_request("b", b_prompt, 1, params_b, BS)
     d.add_request(b)
     so, _ = step(d)
@@ -129,7 +170,7 @@ def test_nothing_left_to_pull_only_releases_the_producer(model_dir):
     short of a whole prompt): nothing moves, the producer is told to free."""
     prompt = list(range(300, 364)) + [5]
     d = consumer(model_dir)
-    params, _, _ = prefill_params(model_dir, prompt)
+    params, _, _, _ = prefill_params(model_dir, prompt)
     d.add_request(K.make_request("x", prompt, 1, params, BS))
     step(d)
     step(d, finished_recving={"x"})
@@ -144,7 +185,7 @@ def test_nothing_left_to_pull_only_releases_the_producer(model_dir):
 
 def test_abort_mid_load_cancels_and_frees_once_the_worker_reports(model_dir):
     prompt = list(range(400, 470))
-    params, _, _ = prefill_params(model_dir, prompt)
+    params, _, _, _ = prefill_params(model_dir, prompt)
     d = consumer(model_dir)
     free0 = free_blocks(d)
     req = K.make_request("d1", prompt, 4, params, BS)
@@ -160,7 +201,7 @@ def test_abort_mid_load_cancels_and_frees_once_the_worker_reports(model_dir):
 
 def test_abort_before_the_load_started_releases_the_producer(model_dir):
     prompt = list(range(500, 540))
-    params, _, _ = prefill_params(model_dir, prompt)
+    params, _, _, _ = prefill_params(model_dir, prompt)
     d = consumer(model_dir)
     d.add_request(K.make_request("d1", prompt, 4, params, BS))
     d.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
@@ -172,7 +213,7 @@ def test_load_error_recomputes_the_prompt(model_dir):
     """The owner is gone: the worker reports the load finished with its
     blocks invalid; vLLM (policy recompute) recomputes them."""
     prompt = list(range(600, 670))
-    params, _, _ = prefill_params(model_dir, prompt)
+    params, _, _, _ = prefill_params(model_dir, prompt)
     d = consumer(model_dir)
     req = K.make_request("d1", prompt, 2, params, BS)
     d.add_request(req)
@@ -188,7 +229,7 @@ def test_load_error_recomputes_the_prompt(model_dir):
 
 def test_partial_load_error_keeps_the_valid_prefix(model_dir):
     prompt = list(range(700, 770))
-    params, _, _ = prefill_params(model_dir, prompt)
+    params, _, _, _ = prefill_params(model_dir, prompt)
     d = consumer(model_dir)
     req = K.make_request("d1", prompt, 1, params, BS)
     d.add_request(req)
@@ -201,7 +242,7 @@ def test_partial_load_error_keeps_the_valid_prefix(model_dir):
 
 def test_preempted_after_its_load_recomputes_without_a_second_pull(model_dir):
     prompt = list(range(800, 862))  # 2 blocks; its third output needs a third
-    params, _, _ = prefill_params(model_dir, prompt)
+    params, _, _, _ = prefill_params(model_dir, prompt)
     d = consumer(model_dir, num_blocks=4)  # 3 usable blocks
     other = K.make_request("o", list(range(5000, 5020)), 40, None, BS)  # grows to 2 blocks
     d.add_request(other)

@@ -18,11 +18,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+try:  # vLLM's handshake: each worker's metadata reaches the scheduler at start
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+except ImportError:  # an older vLLM: the decode asks the side channel instead
+    KVConnectorHandshakeMetadata = object
+
 import mstar_kv as kv
 
 from .metadata import StepMeta
 from .params import ConnectorConfig
 from .scheduler import SchedulerSide
+from .stats import MstarKVConnectorStats, MstarPromMetrics, StatsRecorder
 
 log = logging.getLogger("mstar_kv.vllm")
 
@@ -50,6 +56,17 @@ class _Recorder:
             for b in block_ids:
                 h.update(t[b].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
+
+
+class MstarHandshake(KVConnectorHandshakeMetadata):
+    """A producer worker's cache descriptor (KVTransferInfo bytes), which
+    vLLM hands to the scheduler side once the caches are registered: the
+    params of a finished request then carry it, and the decode pulls
+    without a round trip to the producer first."""
+
+    def __init__(self, tp_rank: int, descriptor: bytes):
+        self.tp_rank = tp_rank
+        self.descriptor = descriptor
 
 
 class MstarConnectorMetadata(KVConnectorMetadata):
@@ -90,6 +107,7 @@ class MstarKVConnector(KVConnectorBase_V1):
         self.engine_id = str(tc.engine_id or "vllm")
         tp_rank, tp_size = _tp(vllm_config)
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self._stats = StatsRecorder()
         self.scheduler: Optional[SchedulerSide] = None
         self.producer = None
         self.consumer = None
@@ -133,8 +151,11 @@ class MstarKVConnector(KVConnectorBase_V1):
                                      recorder)
         if self.is_consumer:
             corrupt = self._corrupt_blocks if self.cfg.test_corrupt_loaded else None
+            policy = str(getattr(self._vllm_config.kv_transfer_config,
+                                 "kv_load_failure_policy", "recompute"))
             self.consumer = Consumer(self.cfg, self.manager, self.tp_rank, self.tp_size,
-                                     self.engine_id, stats, corrupt, self.mapped, recorder)
+                                     self.engine_id, stats, corrupt, self.mapped, recorder,
+                                     policy, kv_stats=self._stats)
 
     def _corrupt_blocks(self, block_ids) -> None:
         """The tests' negative control: overwrite what a pull just wrote, in
@@ -179,10 +200,29 @@ class MstarKVConnector(KVConnectorBase_V1):
         if self.producer is not None:
             self.producer.step_saved(len(self._layer_index))
 
+    def get_handshake_metadata(self):
+        if self.producer is None or not self.producer.descriptor:
+            return None
+        return MstarHandshake(self.tp_rank, self.producer.descriptor)
+
     def get_finished(self, finished_req_ids: set) -> tuple:
         sending = self.producer.finished_sending(finished_req_ids) if self.producer else set()
         recving = self.consumer.finished_recving() if self.consumer else set()
         return (sending or None), (recving or None)
+
+    def get_kv_connector_stats(self):
+        """Pulls, bytes, durations, failures by reason and recomputed
+        requests since the last call; vLLM aggregates them across workers
+        into its logs and Prometheus /metrics (stats.py)."""
+        return self._stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return MstarKVConnectorStats(data=data) if data is not None else MstarKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return MstarPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set:
         return self.consumer.block_ids_with_load_errors() if self.consumer else set()
@@ -196,6 +236,16 @@ class MstarKVConnector(KVConnectorBase_V1):
             self.manager.cleanup()
 
     # ======================= scheduler side =======================
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        if self.scheduler is None:
+            return
+        descs = {}
+        for rank, m in (metadata or {}).items():
+            d = getattr(m, "descriptor", None)
+            if isinstance(d, bytes) and d:
+                descs[int(rank)] = d
+        self.scheduler.set_descriptors(descs)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 

@@ -8,7 +8,7 @@ import json
 import logging
 import threading
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import mstar_kv as kv
 
@@ -32,13 +32,39 @@ def _overlap(a: range, b: range) -> bool:
     return a.start < b.stop and b.start < a.stop
 
 
+class _Source(NamedTuple):
+    """One source rank's part of a pull (the fields of a SequenceInfo that
+    start_async_retrieve and start_async_retrieve_shards read)."""
+    page_indices: list
+    kv_transfer_info: "kv.KVTransferInfo"
+
+
+def _peer_key(info: "kv.KVTransferInfo") -> tuple:
+    """A producer rank's cache, whatever the epoch of one sequence in it."""
+    return info.engine, bytes(info.payload)
+
+
+class _Done:
+    """The future of a pull with nothing to move."""
+
+    def cancel(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
 class _Load:
     __slots__ = ("req", "future", "stream", "cancelled", "error", "ok", "t0", "t1", "lock",
-                 "landed", "digest")
+                 "landed", "digest", "direct", "seqs", "nbytes", "started", "ended", "via",
+                 "retried")
 
     def __init__(self, req: LoadReq):
         self.req = req
-        self.future = None
+        self.future = None      # set once the pull started (on any thread)
         self.stream = None
         self.cancelled = False
         self.error: Optional[str] = None
@@ -48,14 +74,37 @@ class _Load:
         self.lock = threading.Lock()
         self.landed: list = []  # tests: (layer, when it was in vLLM's blocks) of a stream
         self.digest = ""        # tests: of the loaded blocks, before anything else writes them
+        self.direct = False     # started on the engine's thread from the params
+        self.via = ""           # where its sequences came from: "params" or "side_channel"
+        self.retried = False    # pulled again after its params' epochs were stale
+        self.seqs: list = []    # the SequenceInfos pulled from (the done notice names them)
+        self.nbytes = 0
+        self.started = False    # its future may be reaped
+        self.ended = False
 
 
 class Consumer:
+    """Loads start on the engine's thread when the step's metadata is bound,
+    from the descriptors the params carry (no round trip before the pull),
+    and are reaped in get_finished by looking at their futures: no thread
+    and no wait between a pull's end and vLLM learning of it. A load whose
+    params carry no descriptor (or whose peer is new: connecting may take a
+    round trip) starts on a load thread, which asks the producer's side
+    channel for the sequence; so does a direct load that failed as stale (a
+    prediction the producer overtook). Done notices go out on a load thread
+    after the load is reported."""
+
     def __init__(self, cfg: ConnectorConfig, manager: "kv.KVTransferManager", tp_rank: int,
                  tp_size: int, reader_name: str, stats_path: str = "",
-                 corrupt=None, mapped=None, recorder=None):
+                 corrupt=None, mapped=None, recorder=None, failure_policy: str = "recompute",
+                 kv_stats=None):
         self.cfg = cfg
+        self._kv_stats = kv_stats  # stats.StatsRecorder (vLLM's connector metrics), or None
+        self._recomputes = failure_policy == "recompute"
         self._recorder = recorder
+        # What vLLM does with a failed load's request (kv_load_failure_policy).
+        self._after_failure = "vLLM recomputes" if failure_policy == "recompute" else \
+            f"vLLM fails the request: kv_load_failure_policy={failure_policy!r}"
         self.mgr = manager
         self.layout = manager.kv_cache.layout
         self.cell_layout = mapped.cell_layout if mapped is not None else "kv_cells"
@@ -68,9 +117,11 @@ class Consumer:
         self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="mstar-kv-load")
         self._lock = threading.Lock()
         self._loads: dict = {}
-        self._done: list = []
+        self._done: list = []   # loads that ended before a future existed (errors)
         self._bad_blocks: set = set()
-        self.stats = {"loads_ok": 0, "loads_failed": 0, "tokens_loaded": 0, "bytes_loaded": 0}
+        self._peers: set = set()  # descriptors pulled from before: connected, cheap to start
+        self.stats = {"loads_ok": 0, "loads_failed": 0, "tokens_loaded": 0, "bytes_loaded": 0,
+                      "loads_direct": 0, "loads_side_channel": 0, "loads_retried_stale": 0}
 
     # -- which prefill ranks hold this rank's heads ------------------------
     def _sources(self, rp: RemotePrefill) -> list:
@@ -90,7 +141,8 @@ class Consumer:
             ld = _Load(r)
             with self._lock:
                 self._loads[r.req_id] = ld
-            self._pool.submit(self._run, ld)
+            if not self._start_direct(ld):
+                self._pool.submit(self._run, ld, False)
         for r in releases:
             self._pool.submit(self._notify_done, r.req_id, r.remote)
         for req_id in cancels:
@@ -102,72 +154,165 @@ class Consumer:
                     if ld.future is not None:
                         ld.future.cancel()
 
-    def _run(self, ld: _Load) -> None:
+    def _check(self, rp: RemotePrefill) -> None:
+        if rp.engine != self.cfg.engine:
+            raise RuntimeError(f"the producer moves KV with {rp.engine!r}, this engine with "
+                               f"{self.cfg.engine!r}")
+        if rp.cell_layout != self.cell_layout:
+            raise RuntimeError(f"the producer stores K and V as {rp.cell_layout}, this "
+                               f"engine as {self.cell_layout}")
+        if self.cell_layout == KV_PLANES and rp.block_size != self.block_size:
+            raise RuntimeError(f"K and V planes need one block size: the producer's is "
+                               f"{rp.block_size}, this engine's {self.block_size}")
+
+    def _direct_seqs(self, rp: RemotePrefill) -> list:
+        """What to pull from each source rank, from the params alone."""
+        out = []
+        for p in self._sources(rp):
+            info = kv.KVTransferInfo.from_bytes(rp.descs[p])
+            info.epoch = rp.epoch
+            if rp.page_epochs:
+                info.page_epochs = list(rp.page_epochs)
+            out.append(_Source(list(rp.pages), info))
+        return out
+
+    def _start_direct(self, ld: _Load) -> bool:
+        """Starts the pull on this thread when the params carry the
+        descriptors and every source is a peer pulled from before; False
+        sends it to a load thread."""
+        rp = ld.req.remote
+        if not rp.direct or self.cfg.layerwise:
+            return False
+        try:
+            self._check(rp)
+            seqs = self._direct_seqs(rp)
+        except Exception as e:  # untrusted params: fail the load, never the engine's step
+            self._fail(ld, e)
+            return True
+        if not all(_peer_key(s.kv_transfer_info) in self._peers for s in seqs):
+            return False  # connecting to a new peer may take a round trip: not here
+        try:
+            ld.direct = True
+            ld.via = "params"
+            self._issue(ld, seqs)
+            ld.started = True
+        except Exception as e:  # as above: the load fails, vLLM goes on
+            self._fail(ld, e)
+        return True
+
+    def _issue(self, ld: _Load, seqs: list) -> None:
+        r = ld.req
+        start, end = to_mstar_tokens(self.cell_layout, self.block_size, r.start, r.end)
+        with ld.lock:
+            if ld.cancelled:
+                raise kv.TransferCancelledError("aborted before the pull started")
+            ld.seqs = seqs
+            if self.cfg.layerwise and len(seqs) == 1:
+                ld.stream = self.mgr.start_streaming_retrieve(
+                    start, end, r.block_ids, seqs[0].page_indices, seqs[0].kv_transfer_info)
+                ld.future = None if ld.stream is None else ld.stream.future
+            elif len(seqs) == 1:
+                ld.future = self.mgr.start_async_retrieve(
+                    start, end, r.block_ids, seqs[0].page_indices, seqs[0].kv_transfer_info)
+            else:
+                ld.future = self.mgr.start_async_retrieve_shards(start, end, r.block_ids, seqs)
+            if ld.future is None:  # nothing to move
+                ld.future = _DONE
+
+    def _run(self, ld: _Load, retry: bool) -> None:
+        """A load thread: asks the side channel for the sequences (or uses
+        the params' when the peer is new), then starts the pull."""
         r, rp = ld.req, ld.req.remote
         token = self.cfg.engine_options.get("auth_token", "")
         try:
-            if rp.engine != self.cfg.engine:
-                raise RuntimeError(f"the producer moves KV with {rp.engine!r}, this engine with "
-                                   f"{self.cfg.engine!r}")
-            if rp.cell_layout != self.cell_layout:
-                raise RuntimeError(f"the producer stores K and V as {rp.cell_layout}, this "
-                                   f"engine as {self.cell_layout}")
-            if self.cell_layout == KV_PLANES and rp.block_size != self.block_size:
-                raise RuntimeError(f"K and V planes need one block size: the producer's is "
-                                   f"{rp.block_size}, this engine's {self.block_size}")
-            start, end = to_mstar_tokens(self.cell_layout, self.block_size, r.start, r.end)
-            seqs = []
-            for p in self._sources(rp):
-                host, port = rp.rank_address(p)
-                data = fetch_sequence(host, port, rp.request_id, self.cfg.fetch_timeout_s, token)
-                seqs.append(kv.SequenceInfo.from_bytes(data))
-            with ld.lock:
-                if ld.cancelled:
-                    raise kv.TransferCancelledError("aborted before the pull started")
-                if self.cfg.layerwise and len(seqs) == 1:
-                    ld.stream = self.mgr.start_streaming_retrieve(
-                        start, end, r.block_ids, seqs[0].page_indices,
-                        seqs[0].kv_transfer_info)
-                    ld.future = None if ld.stream is None else ld.stream.future
-                elif len(seqs) == 1:
-                    ld.future = self.mgr.start_async_retrieve(
-                        start, end, r.block_ids, seqs[0].page_indices,
-                        seqs[0].kv_transfer_info)
-                else:
-                    ld.future = self.mgr.start_async_retrieve_shards(start, end, r.block_ids,
-                                                                     seqs)
+            self._check(rp)
+            if rp.direct and not retry and not self.cfg.layerwise:
+                seqs = self._direct_seqs(rp)
+                ld.via = "params"
+            else:
+                stream = self.cfg.layerwise and len(self._sources(rp)) == 1
+                seqs = []
+                for p in self._sources(rp):
+                    host, port = rp.rank_address(p)
+                    data = fetch_sequence(host, port, rp.request_id, self.cfg.fetch_timeout_s,
+                                          token, stream=stream)
+                    seqs.append(kv.SequenceInfo.from_bytes(data))
+                ld.via = "side_channel"
+                with self._lock:
+                    self.stats["loads_side_channel"] += 1
+            self._issue(ld, seqs)
             if ld.stream is not None and self._recorder is not None:
                 for layer in range(ld.stream.num_layers):
                     if not ld.stream.wait_for_layer(layer, self.cfg.transfer_timeout_s):
                         break
                     ld.landed.append((layer, time.monotonic()))
-            nbytes = 0 if ld.future is None else ld.future.result()
-            ps = self.block_size
-            if self._recorder is not None:
-                ld.digest = self._recorder.digest(r.block_ids[r.start // ps:-(-r.end // ps)])
-            if self._corrupt is not None:
-                self._corrupt(r.block_ids[r.start // self.block_size:])
-            ld.ok = True
-            with self._lock:
-                self.stats["loads_ok"] += 1
-                self.stats["tokens_loaded"] += r.end - r.start
-                self.stats["bytes_loaded"] += int(nbytes or 0)
-        except (kv.KVTransferError, SideChannelError, RuntimeError, cf.CancelledError) as e:
-            ld.error = f"{type(e).__name__}: {e}"
-            log.warning("request %s: KV load of tokens [%d, %d) failed (vLLM recomputes): %s",
-                        r.req_id, r.start, r.end, ld.error)
-            with self._lock:
-                self.stats["loads_failed"] += 1
+            ld.started = True
+        except (kv.KVTransferError, SideChannelError, RuntimeError, ValueError,
+                cf.CancelledError) as e:
+            self._fail(ld, e)
         except Exception as e:  # never leave a request waiting
-            ld.error = f"{type(e).__name__}: {e}"
             log.exception("request %s: KV load failed", r.req_id)
-            with self._lock:
-                self.stats["loads_failed"] += 1
+            self._fail(ld, e)
+
+    def _fail(self, ld: _Load, e: BaseException) -> None:
+        r = ld.req
+        ld.ended = True
         ld.t1 = time.monotonic()
-        self._record(ld)
+        ld.error = f"{type(e).__name__}: {e}"
+        if self._kv_stats is not None:
+            self._kv_stats.record_failure(e)
+            if self._recomputes and not ld.cancelled:  # an aborted request is not recomputed
+                self._kv_stats.record_recomputed(r.end - r.start)
+        log.warning("request %s: KV load of tokens [%d, %d) failed (%s): %s",
+                    r.req_id, r.start, r.end, self._after_failure, ld.error)
         with self._lock:
-            self._done.append(ld)  # vLLM may run the request now
-        self._notify_done(r.req_id, rp)
+            self.stats["loads_failed"] += 1
+            self._done.append(ld)
+
+    def _reap(self, ld: _Load) -> bool:
+        """The engine's thread: a load whose future resolved. False when it
+        goes on (retried through the side channel)."""
+        r = ld.req
+        f = ld.future
+        err = None if f is _DONE else (f.exception() if not f.cancelled() else
+                                        cf.CancelledError())
+        if isinstance(err, kv.StaleDescriptorError) and ld.via == "params" and \
+                not ld.retried and not ld.cancelled:
+            # The producer's pages do not carry the predicted epochs (it freed
+            # a shared page a step before the scheduler saw it, or has not
+            # published yet): ask it what it published.
+            ld.direct = False
+            ld.started = False
+            ld.retried = True
+            ld.future = None
+            with self._lock:
+                self.stats["loads_retried_stale"] += 1
+            self._pool.submit(self._run, ld, True)
+            return False
+        if err is not None:
+            self._fail(ld, err)
+            return True
+        ld.ended = True
+        ld.t1 = time.monotonic()
+        ld.nbytes = 0 if f is _DONE else int(f.result() or 0)
+        if self._kv_stats is not None and f is not _DONE:
+            self._kv_stats.record_pull(ld.nbytes, ld.t1 - ld.t0, self.cfg.engine)
+        for s in ld.seqs:
+            self._peers.add(_peer_key(s.kv_transfer_info))
+        if self._recorder is not None:
+            ps = self.block_size
+            ld.digest = self._recorder.digest(r.block_ids[r.start // ps:-(-r.end // ps)])
+        if self._corrupt is not None:
+            self._corrupt(r.block_ids[r.start // self.block_size:])
+        ld.ok = True
+        with self._lock:
+            self.stats["loads_ok"] += 1
+            if ld.direct:
+                self.stats["loads_direct"] += 1
+            self.stats["tokens_loaded"] += r.end - r.start
+            self.stats["bytes_loaded"] += ld.nbytes
+            self._done.append(ld)
+        return True
 
     def _notify_done(self, req_id: str, rp: RemotePrefill) -> None:
         token = self.cfg.engine_options.get("auth_token", "")
@@ -185,13 +330,23 @@ class Consumer:
         line = {"req": r.req_id, "remote_req": r.remote.request_id, "ok": ld.ok,
                 "error": ld.error, "start": r.start, "end": r.end,
                 "tokens": (r.end - r.start) if ld.ok else 0,
-                "seconds": round(ld.t1 - ld.t0, 6), "rank": self.tp_rank}
+                "seconds": round(ld.t1 - ld.t0, 6), "rank": self.tp_rank, "via": ld.via,
+                "retried_stale": ld.retried}
         if self._recorder is not None:
             line.update(digest=ld.digest, landed=ld.landed, t_end=ld.t1)
         with open(self.stats_path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
     def finished_recving(self) -> set:
+        """The engine's thread, every step: reaps the pulls that ended
+        (their futures resolved, no wait), reports them, then sends their
+        done notices from a load thread."""
+        with self._lock:
+            live = [ld for ld in self._loads.values()
+                    if ld.started and not ld.ended and ld.future is not None]
+        for ld in live:
+            if ld.future.done():
+                self._reap(ld)
         with self._lock:
             done, self._done = self._done, []
             out = set()
@@ -202,6 +357,9 @@ class Consumer:
                     r = ld.req
                     ps = self.block_size
                     self._bad_blocks.update(r.block_ids[r.start // ps:(r.end + ps - 1) // ps])
+        for ld in done:
+            self._record(ld)
+            self._pool.submit(self._notify_done, ld.req.req_id, ld.req.remote)
         return out
 
     def block_ids_with_load_errors(self) -> set:

@@ -17,6 +17,7 @@ class PublishReq:
     num_tokens: int
     layers_ready: Optional[int] = None  # None: every layer is written; 0: mark them as saved
     name: str = ""                      # published under (kv_transfer_params' request_id)
+    epoch: int = 0                      # stamped on its pages no other publication holds
 
     def __post_init__(self):
         if not self.name:

@@ -21,10 +21,17 @@ channel. A prefill request is sent with ``{"do_remote_decode": True}``.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 PARAMS_VERSION = 1
+# The descriptor and page table travel in the params only up to these sizes
+# (a long prompt's table, a wide TP): beyond them the decode asks the side
+# channel, as it does for params without them.
+MAX_PARAMS_PAGES = 8192
+MAX_PARAMS_DESC_BYTES = 16384
 KNOWN_ENGINES = ("ucx", "shm", "cuda_ipc", "mooncake")
 CELL_LAYOUTS = ("kv_cells", "kv_planes")
 
@@ -74,11 +81,14 @@ class ConnectorConfig:
                       auth_token.
     cell_layout       'auto' (default: 'kv_planes' on the CPU backend,
                       'kv_cells' elsewhere), or either to force it (layout.py).
-    publish_early     producer: publish a remote-decode request when its last
-                      prompt chunk is scheduled, before the forward pass, with
-                      no layer ready, and mark each layer ready in
+    publish_early     accepted for older configs; always on now: a
+                      remote-decode request is published when its last prompt
+                      chunk is scheduled, before the forward pass, with no
+                      layer ready, and each layer is marked ready in
                       save_kv_layer: a reader streaming it (layerwise) pulls
-                      layer l while the prefill computes layer l + 1.
+                      layer l while the prefill computes layer l + 1, and the
+                      params of a finished request name pages that are
+                      published already.
     """
 
     engine: str = "ucx"
@@ -143,24 +153,79 @@ class RemotePrefill:
     num_tokens: int
     lease_s: float
     cell_layout: str = "kv_cells"
+    # What the decode needs to pull without asking the producer first (all
+    # or none): each prefill rank's cache descriptor, the published pages,
+    # the sequence's own epoch and the pages that keep an older one (shared
+    # with an earlier publication: prefix caching).
+    descs: tuple = ()
+    pages: tuple = ()
+    epoch: int = 0
+    page_epochs: tuple = ()
+
+    @property
+    def direct(self) -> bool:
+        """The params carry the descriptors: no side-channel round trip."""
+        return bool(self.descs)
 
     def rank_address(self, rank: int) -> tuple:
         return self.host, self.port + rank
 
 
 def make_decode_params(cfg: ConnectorConfig, request_id: str, tp_size: int, block_size: int,
-                       num_tokens: int, cell_layout: str = "kv_cells") -> dict:
-    """The kv_transfer_params a producer returns for a finished request."""
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "mstar": {
-            "v": PARAMS_VERSION, "engine": cfg.engine, "request_id": str(request_id),
-            "host": cfg.host, "port": cfg.side_channel_port, "tp_size": int(tp_size),
-            "block_size": int(block_size), "num_tokens": int(num_tokens),
-            "lease_s": cfg.lease_s, "cell_layout": cell_layout,
-        },
+                       num_tokens: int, cell_layout: str = "kv_cells",
+                       descs: Sequence[bytes] = (), pages: Sequence[int] = (), epoch: int = 0,
+                       page_epochs: Sequence[tuple] = ()) -> dict:
+    """The kv_transfer_params a producer returns for a finished request.
+
+    With ``descs`` (one cache descriptor per prefill TP rank), ``pages``
+    and ``epoch`` the params say everything a pull needs, and the decode
+    starts it at once; they are left out when they do not fit."""
+    m = {
+        "v": PARAMS_VERSION, "engine": cfg.engine, "request_id": str(request_id),
+        "host": cfg.host, "port": cfg.side_channel_port, "tp_size": int(tp_size),
+        "block_size": int(block_size), "num_tokens": int(num_tokens),
+        "lease_s": cfg.lease_s, "cell_layout": cell_layout,
     }
+    if (descs and epoch and len(descs) == tp_size and len(pages) <= MAX_PARAMS_PAGES
+            and all(len(d) <= MAX_PARAMS_DESC_BYTES for d in descs)):
+        m["descs"] = [base64.b64encode(bytes(d)).decode() for d in descs]
+        m["pages"] = [int(p) for p in pages]
+        m["epoch"] = int(epoch)
+        m["page_epochs"] = [[int(p), int(e)] for p, e in page_epochs]
+    return {"do_remote_prefill": True, "do_remote_decode": False, "mstar": m}
+
+
+def _direct(m: Mapping[str, Any], tp_size: int, where: str) -> dict:
+    """The optional direct-pull fields of params['mstar'], checked (the
+    bytes themselves are checked again by mstar-kv when decoded)."""
+    if "descs" not in m:
+        return {}
+    descs, pages, pe = m.get("descs"), m.get("pages"), m.get("page_epochs", [])
+    if not isinstance(descs, list) or len(descs) != tp_size:
+        raise ConfigError(f"{where}['descs'] must be a list of {tp_size} descriptors (one per "
+                          f"prefill rank), not {type(descs).__name__} of "
+                          f"{len(descs) if isinstance(descs, list) else '?'}")
+    out = []
+    for i, d in enumerate(descs):
+        if not isinstance(d, str) or len(d) > MAX_PARAMS_DESC_BYTES * 4 // 3 + 4:
+            raise ConfigError(f"{where}['descs'][{i}] is not a base64 string of at most "
+                              f"{MAX_PARAMS_DESC_BYTES} bytes")
+        try:
+            out.append(base64.b64decode(d, validate=True))
+        except (binascii.Error, ValueError):
+            raise ConfigError(f"{where}['descs'][{i}] is not base64") from None
+    if not isinstance(pages, list) or len(pages) > MAX_PARAMS_PAGES or \
+            not all(isinstance(p, int) and 0 <= p < 1 << 32 for p in pages):
+        raise ConfigError(f"{where}['pages'] must be a list of at most {MAX_PARAMS_PAGES} "
+                          "page numbers in [0, 2^32)")
+    epoch = _num(m, "epoch", None, int, 1, (1 << 64) - 1, where)
+    if not isinstance(pe, list) or len(pe) > len(pages) or not all(
+            isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) for v in x)
+            and 0 <= x[0] < 1 << 32 and 1 <= x[1] < 1 << 64 for x in pe):
+        raise ConfigError(f"{where}['page_epochs'] must be a list of at most {len(pages)} "
+                          "[page, epoch] pairs (epoch >= 1)")
+    return dict(descs=tuple(out), pages=tuple(pages), epoch=epoch,
+                page_epochs=tuple((x[0], x[1]) for x in pe))
 
 
 def published_name(params: Optional[Mapping[str, Any]], req_id: str) -> str:
@@ -200,12 +265,14 @@ def parse_remote_prefill(params: Optional[Mapping[str, Any]]) -> Optional[Remote
         raise ConfigError(f"{where}['request_id'] = {rid!r} is not a non-empty string")
     if not isinstance(host, str) or not host or len(host) > 255:
         raise ConfigError(f"{where}['host'] = {host!r} is not a host name")
+    tp_size = _num(m, "tp_size", None, int, 1, 1024, where)
     return RemotePrefill(
         engine=engine, request_id=rid, host=host,
         port=_num(m, "port", None, int, 1, 65535, where),
-        tp_size=_num(m, "tp_size", None, int, 1, 1024, where),
+        tp_size=tp_size,
         block_size=_num(m, "block_size", None, int, 1, 1 << 20, where),
         num_tokens=_num(m, "num_tokens", None, int, 0, 1 << 40, where),
         lease_s=_num(m, "lease_s", 60.0, float, 0.0, 1e9, where),
         cell_layout=_choice(m, "cell_layout", "kv_cells", CELL_LAYOUTS, where),
+        **_direct(m, tp_size, where),
     )

@@ -24,7 +24,8 @@ def seq_id_of(req_id: str) -> int:
 
 
 class _Published:
-    __slots__ = ("req_id", "seq_id", "data", "deadline", "readers_done", "error", "req", "marks")
+    __slots__ = ("req_id", "seq_id", "data", "deadline", "readers_done", "error", "req", "marks",
+                 "complete")
 
     def __init__(self, req_id: str, seq_id: int, data: Optional[bytes], deadline: float,
                  error: str = "", req: Optional[PublishReq] = None):
@@ -36,6 +37,8 @@ class _Published:
         self.deadline = deadline
         self.readers_done: set = set()
         self.error = error
+        # Every layer written: a reader that does not stream may have it.
+        self.complete = req is None or req.layers_ready is None
 
 
 class Producer:
@@ -50,6 +53,7 @@ class Producer:
         # vLLM once get_finished reports it): the pool's never expire.
         self.pool = kv.KVCachePool(self.cache, manager, lease=0)
         info = manager.get_kv_transfer_info()
+        self.descriptor = b"" if info is None else bytes(info.to_bytes())
         if info is None or (hasattr(info, "empty") and info.empty()):
             raise RuntimeError(
                 f"the {cfg.engine} engine cannot serve vLLM's KV cache ({self.cache.memory} "
@@ -65,7 +69,7 @@ class Producer:
                                         self._on_done, cfg.engine_options.get("auth_token", ""))
 
     # -- side channel (its threads) ----------------------------------------
-    def _lookup(self, name: str) -> Optional[bytes]:
+    def _lookup(self, name: str, stream: bool = False) -> Optional[bytes]:
         with self._lock:
             p = self._pub.get(name)
             if p is None:
@@ -75,7 +79,9 @@ class Producer:
                 return None  # not published yet: the lookup waits
             if p.data is None:
                 raise KeyError(p.error)
-            return p.data
+            # Published before its forward pass: a reader that does not
+            # stream waits until every layer is written.
+            return p.data if stream or p.complete else None
 
     def _on_done(self, name: str, reader: str, readers: int) -> None:
         with self._lock:
@@ -100,14 +106,15 @@ class Producer:
         if self.mapped is not None:  # K and V planes: whole blocks of 2N rows
             _, n = to_mstar_tokens(self.mapped.cell_layout, self.mapped.block_size, 0, n)
         try:
-            self.pool.adopt(sid, n, r.block_ids)
+            # A page another published request holds (a prefix-cache hit of
+            # this engine) is shared and keeps its epoch; the others get the
+            # epoch the scheduler chose, which the params name.
+            self.pool.adopt(sid, n, r.block_ids, allow_shared=True, epoch=r.epoch)
             data = self.pool.publish(sid, r.layers_ready).to_bytes()
             p = _Published(r.req_id, sid, bytes(data), deadline, req=r)
             self.stats["published"] += 1
         except kv.KVTransferError as e:
-            # E.g. a block another published request holds (the producer's
-            # prefix cache shared it), or a name published twice: the
-            # reader fails and recomputes.
+            # E.g. a name published twice: the reader fails and recomputes.
             log.warning("request %s: not published as %r: %s", r.req_id, r.name, e)
             p = _Published(r.req_id, sid, None, deadline, f"not published: {e}")
             self.stats["publish_failed"] += 1
@@ -144,6 +151,7 @@ class Producer:
         if self.cfg.test_save_layer_delay_s:
             time.sleep(self.cfg.test_save_layer_delay_s)
         now = time.monotonic()
+        completed = False
         with self._lock:
             for name, done in list(self._streaming.items()):
                 if layer + 1 <= done:
@@ -164,8 +172,12 @@ class Producer:
                     # Every layer is ready: a reader may be done (and free it)
                     # before wait_for_save.
                     del self._streaming[name]
+                    p.complete = True
+                    completed = True
                     if self._record is not None:
                         self._record_published(p)
+        if completed:
+            self.server.published()
 
     def step_saved(self, num_layers: int) -> None:
         """wait_for_save: the forward pass is over, every layer is written:
@@ -188,8 +200,10 @@ class Producer:
                     if self._record is not None:
                         p.marks.extend(
                             (x, now) for x in range(done, num_layers))
+                p.complete = True
                 if self._record is not None:
                     self._record_published(p)
+        self.server.published()
 
     def unpublish(self, reqs) -> None:
         with self._lock:

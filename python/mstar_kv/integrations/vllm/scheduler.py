@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any, Optional
 
 from .metadata import LoadReq, PublishReq, ReleaseReq, StepMeta, UnpublishReq
@@ -28,6 +29,54 @@ def _first_group(block_ids: Any) -> list:
     return list(block_ids or [])
 
 
+class PageEpochs:
+    """The epochs the producer's workers stamp on the pages they publish,
+    chosen here so that the params of a finished request name them (the
+    decode pulls at once, without asking the producer first).
+
+    A request's pages get one fresh epoch, except pages another published
+    request still holds (prefill-side prefix caching): those keep the epoch
+    they have, since the workers' pools keep it while any holder does. The
+    view here lags the workers' by a step (a page is let go here once the
+    workers reported its request freed), so a prediction can be stale, never
+    wrong in the unsafe direction: the pull then fails as stale and the
+    decode asks the producer for the sequence it really published."""
+
+    def __init__(self):
+        # Random start: epochs of two scheduler lives never meet in one cache.
+        self._next = secrets.randbits(61) + 1
+        self._pages: dict = {}   # page -> [epoch, holders]
+        self._held: dict = {}    # req_id -> pages
+
+    def hold(self, req_id: str, pages: list) -> tuple:
+        """(epoch, [(page, older epoch), ...]) of a request about to be
+        published over ``pages``."""
+        self.release(req_id)
+        epoch, self._next = self._next, self._next + 1
+        shared = []
+        for p in pages:
+            e = self._pages.get(p)
+            if e is None:
+                self._pages[p] = [epoch, 1]
+            else:
+                e[1] += 1
+                if e[0] != epoch:
+                    shared.append((p, e[0]))
+        self._held[req_id] = list(pages)
+        return epoch, shared
+
+    def release(self, req_id: str) -> None:
+        for p in self._held.pop(req_id, ()):
+            e = self._pages.get(p)
+            if e is not None:
+                e[1] -= 1
+                if e[1] <= 0:
+                    del self._pages[p]
+
+    def held(self) -> int:
+        return len(self._held)
+
+
 class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, block_size: int, tp_size: int, is_producer: bool,
                  is_consumer: bool, cell_layout: str = "kv_cells"):
@@ -44,8 +93,20 @@ class SchedulerSide:
         # publish_early: remote-decode requests being prefilled, req_id -> [name,
         # prompt length, block ids]; and those published before their forward pass.
         self._prefilling: dict = {}
-        self._early: dict = {}       # req_id -> (name, num_tokens)
+        self._early: dict = {}       # req_id -> (name, num_tokens, pages, epoch, shared)
+        self.epochs = PageEpochs()
+        self._descs: list = []       # each prefill rank's cache descriptor (handshake)
         self.stats = {"published": 0, "loads": 0, "releases": 0, "cancelled": 0}
+
+    def set_descriptors(self, by_rank: dict) -> None:
+        """The cache descriptor of each of this engine's TP ranks (vLLM's
+        handshake metadata), carried in the params of finished requests."""
+        descs = [by_rank.get(r) for r in range(self.tp_size)]
+        self._descs = descs if all(descs) else []
+
+    def _params(self, name: str, n: int, pages: list, epoch: int, shared: list) -> dict:
+        return make_decode_params(self.cfg, name, self.tp_size, self.block_size, n,
+                                  self.cell_layout, self._descs, pages, epoch, shared)
 
     # -- consumer --------------------------------------------------------
     def _remote(self, request) -> Optional[Any]:
@@ -67,7 +128,7 @@ class SchedulerSide:
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        if self.is_producer and self.cfg.publish_early:
+        if self.is_producer:
             self._track_prefill(request)
         if not self.is_consumer:
             return
@@ -88,7 +149,7 @@ class SchedulerSide:
             self.stats["releases"] += 1
         request.kv_transfer_params["do_remote_prefill"] = False  # one transfer per request
 
-    # -- producer, publish_early -------------------------------------------
+    # -- producer: published before the last prompt chunk's forward pass ----
     def _name(self, request) -> Optional[str]:
         try:
             return published_name(request.kv_transfer_params, request.request_id)
@@ -140,19 +201,22 @@ class SchedulerSide:
         if n <= 0:
             return
         pages = blocks[:(n + self.block_size - 1) // self.block_size]
-        self._meta.publish.append(PublishReq(req_id, pages, n, layers_ready=0, name=name))
-        self._early[req_id] = (name, n)
+        epoch, shared = self.epochs.hold(req_id, pages)
+        self._meta.publish.append(PublishReq(req_id, pages, n, layers_ready=0, name=name,
+                                             epoch=epoch))
+        self._early[req_id] = (name, n, pages, epoch, shared)
         self._sending.add(req_id)
         self.stats["published"] += 1
 
     # -- both --------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> StepMeta:
-        if self.is_producer and self.cfg.publish_early:
+        if self.is_producer:
             for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
                 e = self._early.pop(req_id, None)
                 if e is not None:  # its blocks go back to vLLM now: unpublish first
                     self._meta.unpublish.append(UnpublishReq(req_id, e[0], report=False))
                     self._sending.discard(req_id)
+                    self.epochs.release(req_id)
             self._publish_early(scheduler_output)
         meta, self._meta = self._meta, StepMeta()
         return meta
@@ -162,6 +226,7 @@ class SchedulerSide:
             self._loading.discard(req_id)
         for req_id in getattr(output, "finished_sending", None) or ():
             self._sending.discard(req_id)
+            self.epochs.release(req_id)
 
     def request_finished(self, request, block_ids) -> tuple:
         params = request.kv_transfer_params or {}
@@ -189,8 +254,7 @@ class SchedulerSide:
             if not finished_ok:
                 self._meta.unpublish.append(UnpublishReq(req_id, early[0], report=True))
                 return True, None
-            return True, make_decode_params(self.cfg, early[0], self.tp_size, self.block_size,
-                                            early[1], self.cell_layout)
+            return True, self._params(*early)
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
         if not finished_ok:
@@ -201,12 +265,15 @@ class SchedulerSide:
         if n <= 0:
             return False, None
         pages = blocks[:(n + self.block_size - 1) // self.block_size]
+        # Not published before its forward pass (not seen scheduled to the
+        # end of its prompt): published in the next step, which the decode
+        # may outrun; its pull then waits on the side channel.
         name = self._name(request)
-        self._meta.publish.append(PublishReq(req_id, pages, n, name=name))
+        epoch, shared = self.epochs.hold(req_id, pages)
+        self._meta.publish.append(PublishReq(req_id, pages, n, name=name, epoch=epoch))
         self._sending.add(req_id)
         self.stats["published"] += 1
-        return True, make_decode_params(self.cfg, name, self.tp_size, self.block_size, n,
-                                        self.cell_layout)
+        return True, self._params(name, n, pages, epoch, shared)
 
     def has_pending(self) -> bool:
         return bool(self._sending or self._loading)

@@ -3,19 +3,21 @@
 One small TCP listener per prefill worker (TP rank r on port + r). Each
 connection carries one JSON line and gets one JSON line back:
 
-  {"op": "seq", "req": ID, "timeout": S, "token": T}
+  {"op": "seq", "req": ID, "timeout": S, "token": T, "stream": B}
       -> {"ok": true, "seq": "<base64 SequenceInfo bytes>"} once the worker
-         published request ID (waiting at most S seconds for it: the worker
-         publishes in the engine step after vLLM finished the request), or
-         {"ok": false, "error": "..."} (unknown, freed, timed out).
+         published request ID and wrote every layer of it (with "stream":
+         true, once it published it: the reader streams the layers as they
+         are marked), waiting at most S seconds, or {"ok": false, "error":
+         "..."} (unknown, freed, timed out).
   {"op": "done", "req": ID, "reader": NAME, "readers": N, "token": T}
       -> {"ok": true}; the request's blocks are freed once N distinct readers
          (the decode engine's TP ranks) sent it, or when its lease expires.
 
 It exists because mstar-kv's shm and cuda_ipc engines have no channel from
-reader to owner, and because vLLM hands kv_transfer_params out of the
-scheduler process before the workers (which own the pool and its epochs)
-publish. ``token`` is checked (constant time) when the producer has an
+reader to owner (the done notice), and for params that do not carry the
+descriptors (too large, or made by a client before the prefill ran), or
+whose predicted epochs turned out stale. A pull whose params carry them
+does not use it before the pull. ``token`` is checked (constant time) when the producer has an
 auth_token. Every read and write has a timeout: a dead peer is an error in
 bounded time.
 """
@@ -70,10 +72,11 @@ def call(host: str, port: int, msg: dict, timeout: float) -> dict:
 
 
 def fetch_sequence(host: str, port: int, request_id: str, wait: float, token: str = "",
-                   connect_timeout: float = 5.0) -> bytes:
-    """The SequenceInfo bytes the producer published for ``request_id``."""
-    r = call(host, port, {"op": "seq", "req": request_id, "timeout": wait, "token": token},
-             connect_timeout)
+                   connect_timeout: float = 5.0, stream: bool = False) -> bytes:
+    """The SequenceInfo bytes the producer published for ``request_id``
+    (once every layer is written, unless ``stream``)."""
+    r = call(host, port, {"op": "seq", "req": request_id, "timeout": wait, "token": token,
+                          "stream": bool(stream)}, connect_timeout)
     if not r.get("ok"):
         raise SideChannelError(f"producer {host}:{port} has no sequence for request "
                                f"{request_id!r}: {r.get('error')}")
@@ -95,13 +98,13 @@ def send_done(host: str, port: int, request_id: str, reader: str, readers: int,
 class SideChannelServer:
     """The listener of one producer worker.
 
-    ``lookup(req_id)`` returns the published SequenceInfo bytes, None while
-    not published yet, or raises KeyError(reason) when it never will be;
+    ``lookup(req_id, stream)`` returns the published SequenceInfo bytes, None
+    while not published yet (or, unless ``stream``, not written yet), or raises KeyError(reason) when it never will be;
     ``on_done(req_id, reader, readers)`` records a done notice. Call
     ``published()`` after each publish so that waiting lookups wake up.
     """
 
-    def __init__(self, host: str, port: int, lookup: Callable[[str], Optional[bytes]],
+    def __init__(self, host: str, port: int, lookup: Callable[[str, bool], Optional[bytes]],
                  on_done: Callable[[str, str, int], None], token: str = ""):
         self._lookup = lookup
         self._on_done = on_done
@@ -154,14 +157,15 @@ class SideChannelServer:
             return {"ok": False, "error": f"req {req!r} is not a string"}
         if op == "seq":
             wait = min(max(float(msg.get("timeout", 0.0)), 0.0), 600.0)
+            stream = msg.get("stream", False) is True
             with self._cond:
                 try:
-                    ok = self._cond.wait_for(lambda: self._lookup(req) is not None, wait)
+                    ok = self._cond.wait_for(lambda: self._lookup(req, stream) is not None, wait)
                 except KeyError as e:
                     return {"ok": False, "error": str(e.args[0] if e.args else e)}
                 if not ok:
                     return {"ok": False, "error": f"not published within {wait} s"}
-                data = self._lookup(req)
+                data = self._lookup(req, stream)
             return {"ok": True, "seq": base64.b64encode(data).decode()}
         if op == "done":
             readers = int(msg.get("readers", 1))
