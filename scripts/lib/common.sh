@@ -9,9 +9,17 @@ MSTAR_JOBS=${MSTAR_JOBS:-$(nproc)}
 # (a run once failed with ENOSPC making the vLLM environments).
 export PIP_NO_CACHE_DIR=1
 
-# Debian packages the build and tests use. Each is installed only if absent.
+# Debian packages, each installed only if absent, in two sets.
+# The demo's: what builds the mstar-kv target in the demo preset
+# (CMakePresets.json: the shm engine; no tests, benchmarks, serve/pull or
+# other engines) and runs `mstar-kv demo` over shared memory. Nothing else: a first run should take
+# a couple of minutes, not wait for test tools and a 5 GB torch.
+MSTAR_DEMO_APT_PACKAGES=(cmake g++ make)
+# Everything: the demo's, then the release build's optional parts (the ucx
+# engine, serve/pull's HTTP libraries), the tests and the tools
+# ./scripts/test runs.
 MSTAR_APT_PACKAGES=(
-  cmake g++ make pkg-config
+  "${MSTAR_DEMO_APT_PACKAGES[@]}" pkg-config
   libgtest-dev libgmock-dev libbenchmark-dev
   libucx-dev ucx-utils
   libcpp-httplib-dev libmicrohttpd-dev
@@ -52,6 +60,14 @@ ensure_pip() {
   done
 }
 
+# What ./scripts/demo needs, and no more.
+ensure_demo_deps() {
+  ensure_apt "${MSTAR_DEMO_APT_PACKAGES[@]}"
+}
+
+# Everything the builds, the tests and the benchmarks use (what a clean CI
+# machine needs for ./scripts/test): every Debian package above and the PyPI
+# packages of scripts/lib/pip-packages.txt.
 ensure_deps() {
   ensure_apt "${MSTAR_APT_PACKAGES[@]}"
   if [ -f "$MSTAR_ROOT/scripts/lib/pip-packages.txt" ]; then

@@ -2,8 +2,8 @@
 //
 // Running one benchmark case: the engine moving a workload's pages through
 // the public API (KVTransferManager, the remote cache in a server process),
-// interleaved with the memcpy baseline of the same copy spans on the same
-// number of threads. Not thread-safe: one case at a time.
+// interleaved with its baseline: the fastest copy of the same copy spans this
+// machine makes (testkit::BestCopy). Not thread-safe: one case at a time.
 #pragma once
 
 #include <chrono>
@@ -17,7 +17,7 @@
 namespace mstar::kv::cli::bench {
 
 struct RunOptions {
-  std::uint32_t threads = 2;                        // engine max_workers and memcpy threads
+  std::uint32_t threads = 2;                        // engine max_workers
   std::uint32_t repeat = 3;                         // repetitions (median, min, max)
   double min_time_s = 0.15;                         // per repetition, per side
   std::uint32_t min_requests = 1;                   // per repetition

@@ -21,25 +21,6 @@ constexpr std::uint64_t kPrefetchRowBytes = 512;
 
 #if MSTAR_KV_STREAMING_STORES
 using detail::stream_line;
-
-// n bytes with non-temporal stores, four pages at a time.
-void stream_run(std::byte* d, const std::byte* s, std::uint64_t n) noexcept {
-  const std::uint64_t head = std::min<std::uint64_t>(
-      n, (kLine - (reinterpret_cast<std::uintptr_t>(d) & (kLine - 1))) & (kLine - 1));
-  std::memcpy(d, s, head);
-  d += head;
-  s += head;
-  n -= head;
-  for (; n >= 4 * kPage; d += 4 * kPage, s += 4 * kPage, n -= 4 * kPage) {
-    for (std::uint64_t off = 0; off < kPage; off += kLine) {
-      for (std::uint64_t p = 0; p < 4; ++p) {
-        _mm_prefetch(reinterpret_cast<const char*>(s + p * kPage + off + 4 * kLine), _MM_HINT_T0);
-        stream_line(d + p * kPage + off, s + p * kPage + off);
-      }
-    }
-  }
-  detail::stream_copy(d, s, n);  // the last lines, d aligned
-}
 #endif
 
 // Rows one by one. kPrefetch: the rows ahead on the remote side are
@@ -97,7 +78,7 @@ void copy_span_at(std::byte* d, const std::byte* r, const StridedSpan& s, bool s
   if (s.rows == 1) {
 #if MSTAR_KV_STREAMING_STORES
     if (streaming && s.length >= 4 * kPage) {
-      stream_run(d, r, s.length);
+      detail::stream_copy_pages(d, r, s.length);
       return;
     }
 #endif
