@@ -256,6 +256,11 @@ class Consumer:
 
     def _fail(self, ld: _Load, e: BaseException) -> None:
         r = ld.req
+        # The next pull from these peers starts on a load thread again: a
+        # reconnect to a peer that went away may wait for its timeout, which
+        # the engine's thread must not.
+        for src in ld.seqs:
+            self._peers.discard(_peer_key(src.kv_transfer_info))
         ld.ended = True
         ld.t1 = time.monotonic()
         ld.error = f"{type(e).__name__}: {e}"
