@@ -79,7 +79,7 @@ def test_descriptors_round_trip_and_reject_garbage():
         kv.SequenceInfo.from_bytes(bytes(flipped))
     with pytest.raises(kv.InvalidArgumentError, match=r"page_indices\[1\] = -1 out of range"):
         kv.SequenceInfo(seq_id=1, num_tokens=1, page_indices=[0, -1], page_size=16)
-    # The page count must match the tokens at the page size (issue 14).
+    # The page count must match the tokens at the page size.
     for tokens, pages in ((100, [0]), (1, [0, 1, 2, 3, 4])):
         bad = kv.SequenceInfo(seq_id=1, num_tokens=tokens, page_indices=pages, page_size=16)
         with pytest.raises(kv.CorruptDescriptorError,
@@ -138,7 +138,7 @@ def test_manager_bad_inputs_before_any_byte(peer_factory):
         m.start_async_retrieve(0, 32, [0, 1], [0, 1], b"garbage bytes")
     with pytest.raises(kv.InvalidArgumentError, match="'ucx'"):
         m.start_async_retrieve(0, 32, [0, 1], [0, 1], kv.KVTransferInfo("ucx", b"x"))
-    # An empty range is validated first too (issue 14): this descriptor is
+    # An empty range is validated first too: this descriptor is
     # no shm descriptor, and the tables must cover end_len.
     with pytest.raises(kv.CorruptDescriptorError):
         m.start_async_retrieve(16, 16, [0, 1], [0, 1], kv.KVTransferInfo("shm", b""))
@@ -194,7 +194,7 @@ def test_local_only_manager():
     assert m.get_kv_transfer_info() is None
     assert m.start_async_retrieve(0, 0, [], [], None) is None
     assert m.sync_retrieve(0, 0, [], [], None) == 0
-    # An empty range is validated first (issue 14).
+    # An empty range is validated first.
     with pytest.raises(kv.InvalidArgumentError, match=r"local page 99 .* out of range"):
         m.start_async_retrieve(20, 20, [0, 99], [0, 1], None)
     with pytest.raises(kv.InvalidArgumentError, match="cannot read a 'shm' descriptor"):

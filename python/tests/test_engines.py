@@ -94,7 +94,7 @@ def test_bad_descriptor_rejected_before_any_byte(engine, peer_factory):
     good = kv.KVCache(local_layout())
     before = sentinel_fill(good).copy()
     mgr2 = make_reader(engine, good)
-    # Named by the caller's table entry, not an index into the plan (issue 14).
+    # Named by the caller's table entry, not an index into the plan.
     with pytest.raises(kv.InvalidArgumentError,
                        match=r"remote page 99 \(table entry 0\) out of range"):
         mgr2.start_async_retrieve(0, 16, [0], [99], seq.kv_transfer_info)

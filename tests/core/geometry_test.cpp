@@ -1,6 +1,6 @@
 // Copyright mstar-kv authors.
 //
-// Caches of different geometry (issue 12): tensor-parallel head splits and
+// Caches of different geometry: tensor-parallel head splits and
 // merges, MLA, page sizes that differ (also ones that do not divide each
 // other), NHD <-> HND and every pair of cache orders (layer, page,
 // layer_page), prefix hits mid-page. Each

@@ -102,7 +102,7 @@ TEST(KVTransferManager, EmptyRangeIsValidatedFirst) {
 }
 
 // Every engine refuses an unknown key of its own prefix, naming the known
-// ones, and ignores other engines' keys and the shared ones (issue 14: only
+// ones, and ignores other engines' keys and the shared ones (only
 // Mooncake and UCX did).
 TEST(KVTransferManager, EveryEngineRejectsUnknownKeysOfItsPrefix) {
   const auto built = built_engines();

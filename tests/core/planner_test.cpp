@@ -84,7 +84,7 @@ TEST(PlanReads, EmptyRangeIsNoWorkButIsValidated) {
   const KVLayout l = layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
   EXPECT_TRUE(plan_reads(l, 0, 0, {}, {}).empty());
   EXPECT_TRUE(plan_reads(l, 7, 7, iota(2), iota(2)).empty());
-  // The same checks as a non-empty range (issue 14): the tables must cover
+  // The same checks as a non-empty range: the tables must cover
   // end_len, and the entry holding a mid-page start_len must be in range.
   expect_error([&] { plan_reads(l, 7, 7, {}, {}); }, StatusCode::kInvalidArgument,
                "local page table has 0 entries, tokens [7, 7) need 2");
@@ -107,7 +107,7 @@ TEST(PlanReads, RejectsBadArguments) {
   std::vector<std::uint32_t> bad = {0, 16, 2};
   expect_error([&] { plan_reads(l, 0, 9, bad, iota(3)); },
                StatusCode::kInvalidArgument, "local page 16 (table entry 1) out of range [0, 16)");
-  // A local page named twice: the table entries, not "read N" (issue 14).
+  // A local page named twice: the table entries, not "read N".
   std::vector<std::uint32_t> twice = {5, 7, 5};
   expect_error([&] { plan_reads(l, 0, 9, twice, iota(3)); }, StatusCode::kInvalidArgument,
                "local page 5 appears twice in the local page table (entries 0 and 2)");
@@ -154,7 +154,7 @@ TEST(PlanCopies, RejectsEveryBadRead) {
   std::vector<KVReadInfo> dup{{1, 2, 0, 0, 2}, {1, 2, 1, 2, 4}};
   expect_error([&] { plan_copies(l, r, dup); }, StatusCode::kInvalidArgument,
                "read_info[1]: duplicate destination: layer 1 local page 2");
-  // Page sizes may differ (issue 12: tokens map by position), but the
+  // Page sizes may differ (tokens map by position), but the
   // remote tokens must fit in the remote page.
   r.page_size = 2;
   expect_error([&] { one({0, 0, 0, 0, 4}); }, StatusCode::kInvalidArgument,

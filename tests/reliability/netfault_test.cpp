@@ -1,6 +1,6 @@
 // Copyright mstar-kv authors.
 //
-// A faulty network between two hosts (issue 35): `mstar-kv serve` (the
+// A faulty network between two hosts: `mstar-kv serve` (the
 // owner; engine ucx over its tcp transport) in network namespace A,
 // net_reader (the decode side, net_reader.cpp) in namespace B, and a fault
 // between them:

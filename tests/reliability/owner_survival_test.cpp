@@ -1,6 +1,6 @@
 // Copyright mstar-kv authors.
 //
-// The owner survives any reader (issue 35), with real processes: for every
+// The owner survives any reader, with real processes: for every
 // engine that crosses processes with nothing beyond its build, and each of
 // its loopback setups (ucx over tcp and over shared memory, shm; and ucx's
 // am_shm read mode over shared memory), one owner

@@ -20,7 +20,7 @@ TEST(PlannerRegression, EndLenNear2To64IsRejectedWithError) {
   const KVLayout l = testing::make_layout(2, 8, 16, 1, 8);
   const std::vector<std::uint32_t> pages = {0, 1, 2};
   constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
-  // The empty range [kMax, kMax) is validated as any other (issue 14): its
+  // The empty range [kMax, kMax) is validated as any other: its
   // tables must cover end_len too, and the count (2^60) must not wrap.
   for (std::uint64_t start : {std::uint64_t{0}, kMax - 20, kMax - 1, kMax}) {
     try {
@@ -38,7 +38,7 @@ TEST(PlannerRegression, EndLenNear2To64IsRejectedWithError) {
 }
 
 // What fuzz_plan feeds since its harness stopped computing v() - 1 on a wild
-// value (issue 35; INT64_MIN - 1 overflowed in the harness): any int64 in
+// value (INT64_MIN - 1 overflowed in the harness): any int64 in
 // every field of a read, remote_token_start included, is refused with
 // kInvalidArgument by both planners (a negative remote_token_start means
 // "at token_start"), with no overflow on the way (the planners are built

@@ -1,6 +1,6 @@
 // Copyright mstar-kv authors.
 //
-// `mstar-kv serve`'s owner-side metrics (issue 35): GET /metrics before and
+// `mstar-kv serve`'s owner-side metrics: GET /metrics before and
 // after a `mstar-kv pull` from it. Over ucx the owner counts the read and
 // exactly the bytes it sent; over shm (readers map the memory, the owner
 // never sees them) the descriptors handed out and the done notices move.

@@ -1,5 +1,5 @@
 # `mstar-kv demo` and `mstar-kv bench` with a prefill cache of another
-# geometry (issue 12): a decode rank of TP=2 with 64-token NHD pages pulls
+# geometry: a decode rank of TP=2 with 64-token NHD pages pulls
 # its heads from a TP=1 prefill cache of 16-token HND pages over shm; every
 # page is verified (the demo prints "result: OK", bench marks the case
 # verified); the same with layer_page caches on either side. Then a merge,

@@ -1,4 +1,4 @@
-# `mstar-kv serve --layerwise` / `pull --layerwise` over shm and ucx (issue 15): the
+# `mstar-kv serve --layerwise` / `pull --layerwise` over shm and ucx: the
 # server prefills the sequence layer by layer (write, sleep
 # --prefill-ms-per-layer, mark ready) on the puller's request; the puller
 # streams it in some rounds and pulls after the prefill in the others, and

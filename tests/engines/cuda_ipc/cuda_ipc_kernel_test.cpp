@@ -1,6 +1,6 @@
 // Copyright mstar-kv authors.
 //
-// The cuda_ipc copy kernel (issue 34): the option that chooses it (runs
+// The cuda_ipc copy kernel: the option that chooses it (runs
 // anywhere), the kernel itself against the host walk's reference on device
 // buffers, and the engine's kernel path against a real owner process
 // beside the memcpy path: geometries, many reads in flight, cancel and

@@ -1,6 +1,6 @@
 // Copyright mstar-kv authors.
 //
-// The owner's endpoint lifetime (issue 35): a reader that goes away with
+// The owner's endpoint lifetime: a reader that goes away with
 // reads in flight must never take the owner down, and what the owner still
 // had to send it must never reach anyone else.
 //
