@@ -66,27 +66,31 @@ Status check_layer_readiness(const std::uint32_t* ready, const std::uint64_t* ep
     return {StatusCode::kCorruptDescriptor, "the owner's cache has no readiness table"};
   }
   std::uint32_t lowest = std::numeric_limits<std::uint32_t>::max();
+  Status odd = Status::ok();  // judged only once the epochs after are checked
   for (std::uint32_t p : pages) {
     const std::uint32_t r = load_ready(ready + p);  // p < num_pages: checked above
-    if (r > num_layers) {
-      return {StatusCode::kCorruptDescriptor, "remote page " + std::to_string(p) + " says " +
-                                                  std::to_string(r) +
-                                                  " layers are ready, beyond the layout's " +
-                                                  std::to_string(num_layers) + " layers"};
+    if (r > num_layers && odd.is_ok()) {
+      odd = {StatusCode::kCorruptDescriptor, "remote page " + std::to_string(p) + " says " +
+                                                 std::to_string(r) +
+                                                 " layers are ready, beyond the layout's " +
+                                                 std::to_string(num_layers) + " layers"};
     }
-    if (r < floor) {
-      return {StatusCode::kCorruptDescriptor,
-              "remote page " + std::to_string(p) +
-                  " readiness went backwards: " + std::to_string(r) + " layers ready, " +
-                  std::to_string(floor) + " were ready before"};
+    if (r < floor && odd.is_ok()) {
+      odd = {StatusCode::kCorruptDescriptor, "remote page " + std::to_string(p) +
+                                                 " readiness went backwards: " + std::to_string(r) +
+                                                 " layers ready, " + std::to_string(floor) +
+                                                 " were ready before"};
     }
     lowest = std::min(lowest, r);
   }
   // Epochs again (the seqlock's reader half): a value stamped by a later
-  // owner of a page is only visible after that owner's new epoch.
+  // owner of a page is only visible after that owner's new epoch, and a word
+  // read while a page changed owner (its readiness reset under the old
+  // epoch) is stale, not corrupt.
   s = check_page_epochs(epochs, num_pages, pages, expect_epoch, "while its readiness was read",
                         true);
   if (!s.is_ok()) return s;
+  if (!odd.is_ok()) return odd;
   *layers_ready = pages.empty() ? num_layers : lowest;
   return Status::ok();
 }

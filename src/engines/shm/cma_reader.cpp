@@ -353,6 +353,12 @@ class CmaLayerWatch final : public LayerWatch {
       if (before_[i] != epoch_) {
         return stale_page_status(pages_[i], before_[i], epoch_, "before its readiness was read");
       }
+      // The seqlock: a word read while the page changed owner (a reset
+      // readiness under the old epoch) says nothing; judge it only once the
+      // epoch after it is the expected one.
+      if (after_[i] != epoch_) {
+        return stale_page_status(pages_[i], after_[i], epoch_, "while its readiness was read");
+      }
       const std::uint32_t r = words_[i];
       if (r > layers_) {
         return {StatusCode::kCorruptDescriptor, "remote page " + std::to_string(pages_[i]) +
@@ -367,9 +373,6 @@ class CmaLayerWatch final : public LayerWatch {
                     std::to_string(floor_) + " were ready before"};
       }
       lowest = std::min(lowest, r);
-      if (after_[i] != epoch_) {
-        return stale_page_status(pages_[i], after_[i], epoch_, "while its readiness was read");
-      }
     }
     floor_ = lowest;
     // Layers still missing: an owner that died will never mark them.
