@@ -42,10 +42,9 @@ inline void stream_line(std::byte* d, const std::byte* s) noexcept {
 }
 #endif
 
-// n bytes: the destination's whole lines with non-temporal stores, a
-// partial first and last line with memcpy.
-inline void stream_copy(std::byte* d, const std::byte* s, std::uint64_t n) noexcept {
-#if MSTAR_KV_STREAMING_STORES
+// Copies the bytes before d's next line boundary (at most n) with memcpy and
+// advances past them: what stays is whole destination lines and a tail.
+inline void copy_to_line(std::byte*& d, const std::byte*& s, std::uint64_t& n) noexcept {
   const std::uint64_t head = std::min<std::uint64_t>(
       n, (kStreamLine - (reinterpret_cast<std::uintptr_t>(d) & (kStreamLine - 1))) &
              (kStreamLine - 1));
@@ -53,6 +52,13 @@ inline void stream_copy(std::byte* d, const std::byte* s, std::uint64_t n) noexc
   d += head;
   s += head;
   n -= head;
+}
+
+// n bytes: the destination's whole lines with non-temporal stores, a
+// partial first and last line with memcpy.
+inline void stream_copy(std::byte* d, const std::byte* s, std::uint64_t n) noexcept {
+#if MSTAR_KV_STREAMING_STORES
+  copy_to_line(d, s, n);
   for (; n >= kStreamLine; d += kStreamLine, s += kStreamLine, n -= kStreamLine) {
     stream_line(d, s);
   }
@@ -67,13 +73,7 @@ inline void stream_copy(std::byte* d, const std::byte* s, std::uint64_t n) noexc
 inline void stream_copy_pages(std::byte* d, const std::byte* s, std::uint64_t n) noexcept {
 #if MSTAR_KV_STREAMING_STORES
   constexpr std::uint64_t kPage = 4096;
-  const std::uint64_t head = std::min<std::uint64_t>(
-      n, (kStreamLine - (reinterpret_cast<std::uintptr_t>(d) & (kStreamLine - 1))) &
-             (kStreamLine - 1));
-  std::memcpy(d, s, head);
-  d += head;
-  s += head;
-  n -= head;
+  copy_to_line(d, s, n);
   for (; n >= 4 * kPage; d += 4 * kPage, s += 4 * kPage, n -= 4 * kPage) {
     for (std::uint64_t off = 0; off < kPage; off += kStreamLine) {
       for (std::uint64_t p = 0; p < 4; ++p) {
