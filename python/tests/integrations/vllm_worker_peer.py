@@ -32,8 +32,10 @@ def main():
     cfg = K.make_vllm_config(Path(model), "kv_producer", extra, K.PRODUCER_BS, layout=layout)
     conn_mod._tp = lambda _c: (tp_rank, tp_size)
     c = MstarKVConnector(cfg, KVConnectorRole.WORKER, K.kv_cache_config(cfg, 1))
-    heads = 2 // tp_size
-    if tp_size == 1:
+    # An MLA latent is the same on every TP rank: each rank holds it whole.
+    mla = bool(cfg.model_config.use_mla)
+    heads = 1 if mla else 2 // tp_size
+    if tp_size == 1 or mla:
         kv = K.vllm_kv_tensors(cfg, 64)
     else:  # a TP rank's tensors hold its heads only (layer-major HND, as LBHNC)
         import torch
@@ -43,10 +45,11 @@ def main():
     block_ids = [int(b) for b in blocks.split(",")]
     n = int(tokens)
     names = sorted(kv, key=lambda x: kv[x].data_ptr())
+    cell = int(kv[names[0]].shape[3])
     for li, name in enumerate(names):
         for j, b in enumerate(block_ids):
-            vals = K.block_values(int(seed), li, j, 2, K.PRODUCER_BS, 128)
-            kv[name][b].copy_(vals[tp_rank * heads:(tp_rank + 1) * heads])
+            vals = K.block_values(int(seed), li, j, 1 if mla else 2, K.PRODUCER_BS, cell)
+            kv[name][b].copy_(vals if mla else vals[tp_rank * heads:(tp_rank + 1) * heads])
     layerwise = os.environ.get("PEER_LAYERWISE") == "1"
     c.bind_connector_metadata(MstarConnectorMetadata(StepMeta(publish=[
         PublishReq("p1", block_ids, n, 0 if layerwise else None)])))

