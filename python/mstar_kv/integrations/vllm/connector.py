@@ -99,6 +99,8 @@ class MstarKVConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        from .layout import check_one_group
+        check_one_group(kv_cache_config)
         tc = vllm_config.kv_transfer_config
         self.cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
         self.is_producer = bool(tc.is_kv_producer)
