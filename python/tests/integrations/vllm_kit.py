@@ -99,7 +99,7 @@ TINY_DEEPSEEK_V2 = dict(
 MLA_LATENT = 576
 
 
-def make_tiny_deepseek_v2(path: Path, seed: int = 0, weights: bool = True) -> Path:
+def make_tiny_deepseek_v2(path: Path, seed: int = 0, weights: bool = True, **over) -> Path:
     """A random DeepseekV2ForCausalLM (config.json, + bf16 safetensors made
     by transformers' own class, so the names are the checkpoint's). The
     weights are wide enough (embeddings N(0, 1), the rest N(0, 0.08)) that
@@ -109,7 +109,7 @@ def make_tiny_deepseek_v2(path: Path, seed: int = 0, weights: bool = True) -> Pa
                                             or (path / "model.safetensors").exists()):
         return path
     from transformers import DeepseekV2Config
-    cfg = DeepseekV2Config(dtype="bfloat16", **TINY_DEEPSEEK_V2)
+    cfg = DeepseekV2Config(dtype="bfloat16", **dict(TINY_DEEPSEEK_V2, **over))
     if not weights:
         cfg.architectures = ["DeepseekV2ForCausalLM"]
         cfg.save_pretrained(path)
