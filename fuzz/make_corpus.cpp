@@ -37,10 +37,12 @@ void write(const fs::path& dir, const std::string& name, const std::vector<std::
   // Frame targets read their first byte as a flag (see fuzz_util.hpp); 0
   // means "take the bytes as they are".
   if (frame_prefix) out.put('\0');
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
 }
 
-KVLayout layout(std::uint32_t layers, std::uint32_t pages, bool has_v, CacheOrder co, PageOrder po) {
+KVLayout layout(std::uint32_t layers, std::uint32_t pages, bool has_v, CacheOrder co,
+                PageOrder po) {
   KVLayout l;
   l.num_layers = layers;
   l.num_pages = pages;

@@ -12,7 +12,8 @@ namespace mstar::kv::testing {
 namespace {
 
 [[noreturn]] void unavailable() {
-  throw Error(StatusCode::kUnavailable, "device caches need the cuda_ipc engine, which is not built");
+  throw Error(StatusCode::kUnavailable,
+              "device caches need the cuda_ipc engine, which is not built");
 }
 
 }  // namespace

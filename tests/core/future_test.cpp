@@ -155,7 +155,6 @@ TEST(Status, ScopesGroupWhatMustBeTornDown) {
   EXPECT_EQ(Status(StatusCode::kRetryLater, "").scope(), FailureScope::kNone);
 }
 
-
 // Found by an adopter: a promise destroyed unresolved left its future
 // waiting forever.
 TEST(TransferFuture, PromiseDestroyedUnresolvedResolvesTheFuture) {

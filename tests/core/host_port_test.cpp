@@ -3,8 +3,8 @@
 
 #include <string>
 
-#include "util/host_port.hpp"
 #include "mstar/kv/status.hpp"
+#include "util/host_port.hpp"
 
 namespace mstar::kv {
 namespace {

@@ -92,9 +92,15 @@ TEST_P(OwnerSurvival, OwnerServesAFreshReaderAfterEveryReaderThatGoesAwayBadly) 
 
   for (const std::string what : {"kill", "stall", "cleanup", "destroy", "vanish"}) {
     const std::string after = "a reader that did '" + what + "'";
-    std::vector<std::string> argv = {MSTAR_KV_SURVIVAL_READER_PATH, "--engine", c.traits.name,
-                                     "--layout", layout_arg(layout()), "--seq", hex,
-                                     "--do", what};
+    std::vector<std::string> argv = {MSTAR_KV_SURVIVAL_READER_PATH,
+                                     "--engine",
+                                     c.traits.name,
+                                     "--layout",
+                                     layout_arg(layout()),
+                                     "--seq",
+                                     hex,
+                                     "--do",
+                                     what};
     for (const auto& [k, v] : c.extra) {
       argv.push_back("--extra");
       argv.push_back(k + "=" + v);

@@ -105,7 +105,9 @@ TEST(EngineTable, EnginesWithoutLayerRegionsRefuseThemByName) {
   }
   auto cache = KVCache::create_host_layers(small_layout(4));
   testing::expect_error(
-      [&] { make_engine(TransferEngineInfo{"x", "", "mooncake", {}}, cache); },
+      [&] {
+        make_engine(TransferEngineInfo{"x", "", "mooncake", {}}, cache);
+      },
       StatusCode::kNotSupported, {"C++ Mooncake engine", "4 (one per layer)", "wheel engine"});
   // The local engine needs no memory of its own: any cache.
   EXPECT_NO_THROW(make_engine(std::nullopt, cache));

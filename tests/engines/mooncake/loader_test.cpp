@@ -30,8 +30,7 @@ TEST(MooncakeLoader, AbsentLibraryIsUnavailableAndNamesThePathAndTheFix) {
   const std::string path = "/nonexistent/dir/libtransfer_engine.so";
   const Status s = load_error(path);
   EXPECT_EQ(s.code(), StatusCode::kUnavailable);
-  EXPECT_TRUE(contains(s.message(), "cannot load Mooncake library '" + path + "'"))
-      << s.message();
+  EXPECT_TRUE(contains(s.message(), "cannot load Mooncake library '" + path + "'")) << s.message();
   EXPECT_TRUE(contains(s.message(), "--mooncake-lib")) << s.message();
   EXPECT_TRUE(contains(s.message(), "MSTAR_KV_MOONCAKE_LIB")) << s.message();
 }

@@ -44,9 +44,12 @@ enum class OwnerMemory { kShared, kPrivate, kLayers };
 
 std::shared_ptr<KVCache> owner_cache(const KVLayout& l, OwnerMemory memory) {
   switch (memory) {
-    case OwnerMemory::kPrivate: return make_kv_cache(l, MemoryKind::kHost);
-    case OwnerMemory::kLayers: return KVCache::create_host_layers(l);
-    default: return make_kv_cache(l, MemoryKind::kSharedHost);
+    case OwnerMemory::kPrivate:
+      return make_kv_cache(l, MemoryKind::kHost);
+    case OwnerMemory::kLayers:
+      return KVCache::create_host_layers(l);
+    default:
+      return make_kv_cache(l, MemoryKind::kSharedHost);
   }
 }
 
