@@ -8,8 +8,8 @@
 #include <string>
 
 #include "mstar/kv/cache.hpp"
+#include "mstar/kv/engine_options.hpp"
 #include "mstar/kv/log.hpp"
-#include "mstar/kv/manager.hpp"
 #include "mstar/kv/stats.hpp"
 #include "rma/rma_backend.hpp"
 
