@@ -48,6 +48,7 @@
 
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/pattern.hpp"
 #include "testkit/child.hpp"
 #include "testkit/seq_line.hpp"
 

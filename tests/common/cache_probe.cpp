@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "mstar/kv/pattern.hpp"
 #include "mstar/kv/planner.hpp"
 
 namespace mstar::kv::testing {

@@ -18,6 +18,7 @@
 #include "common/peer_process.hpp"
 #include "mstar/kv/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/pattern.hpp"
 #include "reliability/invariants.hpp"
 
 namespace mstar::kv {

@@ -12,6 +12,7 @@
 #include "common/layouts.hpp"
 #include "mstar/kv/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/pattern.hpp"
 #include "reliability/inproc_engine.hpp"
 #include "reliability/invariants.hpp"
 

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/pattern.hpp"
 
 namespace {
 

@@ -17,6 +17,7 @@
 #include "bench_proc.hpp"
 #include "bench_server.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/pattern.hpp"
 #include "mstar/kv/thread_annotations.hpp"
 #include "testkit/span_copy.hpp"
 

@@ -1,5 +1,6 @@
 // Copyright mstar-kv authors.
 #include "bench_server.hpp"
+#include "mstar/kv/pattern.hpp"
 
 #include <unistd.h>
 

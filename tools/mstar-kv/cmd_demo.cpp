@@ -28,6 +28,7 @@
 #include "testkit/child.hpp"
 #include "testkit/span_copy.hpp"
 #if MSTAR_KV_DEMO_SHM
+#include "mstar/kv/pattern.hpp"
 #include "mstar/kv/shm.hpp"
 #endif
 

@@ -46,6 +46,7 @@
 #include "http_server.hpp"
 #include "layout_args.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/pattern.hpp"
 #include "mstar/kv/thread_annotations.hpp"
 #include "serve_pull_layerwise.hpp"
 #include "serve_pull_util.hpp"

@@ -47,6 +47,7 @@
 #include "layout_args.hpp"
 #include "mstar/kv/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/pattern.hpp"
 #include "soak_prefill.hpp"
 #include "soak_readers.hpp"
 #include "soak_shared.hpp"

@@ -1,6 +1,9 @@
 // Copyright mstar-kv authors.
 //
-// Umbrella header: everything a user of mstar-kv touches.
+// Umbrella header: everything a user of mstar-kv touches. Not here: the
+// engines' own classes but local_only (the manager picks engines by name),
+// and the test pattern (pattern.hpp: no library header includes a test
+// helper; whoever fills or verifies a pattern includes it).
 #pragma once
 
 #include "mstar/kv/cache.hpp"
@@ -13,7 +16,6 @@
 #include "mstar/kv/local_only.hpp"
 #include "mstar/kv/log.hpp"
 #include "mstar/kv/manager.hpp"
-#include "mstar/kv/pattern.hpp"
 #include "mstar/kv/planner.hpp"
 #include "mstar/kv/pool.hpp"
 #include "mstar/kv/read_info.hpp"

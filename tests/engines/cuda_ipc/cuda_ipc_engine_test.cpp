@@ -25,6 +25,7 @@
 #include "cuda_ipc_test_util.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/pattern.hpp"
 
 namespace mstar::kv {
 namespace {

@@ -25,6 +25,7 @@
 #include "engines/cuda_ipc/span_kernel.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/pattern.hpp"
 
 namespace mstar::kv {
 namespace {

@@ -23,6 +23,7 @@
 #include "common/wire.hpp"
 #include "mstar/kv/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/pattern.hpp"
 
 using namespace mstar::kv;
 using testing::say_sequence;

@@ -20,6 +20,7 @@
 #include "engines/mooncake/read_error.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/mooncake.hpp"
+#include "mstar/kv/pattern.hpp"
 
 namespace mstar::kv {
 namespace {

@@ -20,6 +20,7 @@
 #include "engines/mooncake/mooncake_test_util.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/mooncake.hpp"
+#include "mstar/kv/pattern.hpp"
 
 using namespace mstar::kv;
 

@@ -23,6 +23,7 @@
 #include "engines/mooncake/read_error.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/mooncake.hpp"
+#include "mstar/kv/pattern.hpp"
 
 #ifndef MSTAR_KV_SHARED_PEER_PATH
 #error "MSTAR_KV_SHARED_PEER_PATH must name the mooncake_shared_peer executable"

@@ -29,6 +29,7 @@
 #include "common/peer.hpp"
 #include "common/wire.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/pattern.hpp"
 #include "mstar/kv/shm.hpp"
 #include "testkit/read_check.hpp"
 

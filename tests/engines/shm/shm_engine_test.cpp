@@ -26,6 +26,7 @@
 #include "engines/shm/shm_mapping.hpp"  // the engine's own mapping
 #include "engines/shm/span_copy.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/pattern.hpp"
 #include "mstar/kv/shm.hpp"
 
 namespace mstar::kv {

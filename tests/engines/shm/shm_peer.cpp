@@ -27,6 +27,7 @@
 #include "common/peer.hpp"
 #include "common/wire.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/pattern.hpp"
 #include "mstar/kv/shm.hpp"
 
 using namespace mstar::kv;

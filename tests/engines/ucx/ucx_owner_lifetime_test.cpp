@@ -32,6 +32,7 @@
 #include "engines/ucx/ucx_backend.hpp"
 #include "engines/ucx/ucx_core.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/pattern.hpp"
 #include "mstar/kv/ucx.hpp"
 #include "rma/rma_engine.hpp"
 
