@@ -46,9 +46,9 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "testkit/child.hpp"
 #include "testkit/seq_line.hpp"
 

@@ -11,8 +11,8 @@
 #include <random>
 #include <vector>
 
-#include "mstar/kv/epochs.hpp"
-#include "mstar/kv/planner.hpp"
+#include "mstar/kv/core/epochs.hpp"
+#include "mstar/kv/core/planner.hpp"
 
 namespace {
 

@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "fuzz_util.hpp"
-#include "mstar/kv/layout.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/layout.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace {
 

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "fuzz_util.hpp"
-#include "mstar/kv/regions.hpp"
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/core/regions.hpp"
+#include "mstar/kv/engines/shm.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace mstar::kv;

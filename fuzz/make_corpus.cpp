@@ -10,19 +10,19 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/layout.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/core/layout.hpp"
 #if MSTAR_KV_FUZZ_SHM
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/engines/shm.hpp"
 #endif
 #if MSTAR_KV_FUZZ_UCX
-#include "mstar/kv/ucx.hpp"
+#include "mstar/kv/engines/ucx.hpp"
 #endif
 #if MSTAR_KV_FUZZ_MOONCAKE
-#include "mstar/kv/mooncake.hpp"
+#include "mstar/kv/engines/mooncake.hpp"
 #endif
 #if MSTAR_KV_FUZZ_CUDA_IPC
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #endif
 
 namespace {

@@ -4,8 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "mstar/kv/pattern.hpp"
-#include "mstar/kv/planner.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv::testing {
 

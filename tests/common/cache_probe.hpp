@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/pattern.hpp"
-#include "mstar/kv/read_info.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/read_info.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv::testing {
 

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "common/cache_probe.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::testing {
 

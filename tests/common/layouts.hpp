@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "mstar/kv/layout.hpp"
+#include "mstar/kv/core/layout.hpp"
 
 namespace mstar::kv::testing {
 

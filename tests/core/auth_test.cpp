@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 #include "util/auth.hpp"
 
 namespace mstar::kv::auth {

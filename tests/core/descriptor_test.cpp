@@ -10,8 +10,8 @@
 #include "common/expectations.hpp"
 #include "common/layouts.hpp"
 #include "core/codec.hpp"
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {

@@ -4,7 +4,7 @@
 #include <numeric>
 #include <vector>
 
-#include "mstar/kv/epochs.hpp"
+#include "mstar/kv/core/epochs.hpp"
 
 namespace mstar::kv {
 namespace {

@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "mstar/kv/future.hpp"
+#include "mstar/kv/core/future.hpp"
 
 namespace mstar::kv {
 namespace {

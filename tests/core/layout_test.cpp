@@ -7,9 +7,9 @@
 
 #include "common/expectations.hpp"
 #include "common/layouts.hpp"
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/layout.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/layout.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {

@@ -8,10 +8,10 @@
 #include <vector>
 
 #include "common/layouts.hpp"
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/pattern.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/testing/pattern.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {

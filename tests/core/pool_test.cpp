@@ -7,8 +7,8 @@
 #include <thread>
 
 #include "common/layouts.hpp"
-#include "mstar/kv/pool.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/pool.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {

@@ -9,10 +9,10 @@
 
 #include "common/expectations.hpp"
 #include "common/layouts.hpp"
+#include "mstar/kv/core/pool.hpp"
+#include "mstar/kv/core/readiness.hpp"
 #include "mstar/kv/manager.hpp"
-#include "mstar/kv/pool.hpp"
-#include "mstar/kv/readiness.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {

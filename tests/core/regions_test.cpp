@@ -12,9 +12,9 @@
 
 #include "common/expectations.hpp"
 #include "common/layouts.hpp"
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/pattern.hpp"
-#include "mstar/kv/planner.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv {
 namespace {

@@ -24,8 +24,8 @@
 #include "common/layouts.hpp"
 #include "core/span_table.hpp"
 #include "core/span_walk.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {

@@ -20,7 +20,7 @@
 
 #include "common/layouts.hpp"
 #include "core/staging.hpp"
-#include "mstar/kv/planner.hpp"
+#include "mstar/kv/core/planner.hpp"
 
 namespace mstar::kv::staging {
 namespace {

@@ -4,10 +4,10 @@
 #include <thread>
 
 #include "common/layouts.hpp"
-#include "mstar/kv/local_only.hpp"
-#include "mstar/kv/log.hpp"
+#include "mstar/kv/core/stats.hpp"
+#include "mstar/kv/engines/local_only.hpp"
 #include "mstar/kv/manager.hpp"
-#include "mstar/kv/stats.hpp"
+#include "mstar/kv/util/log.hpp"
 
 #include <cstdlib>
 

@@ -16,9 +16,9 @@
 #include "common/engine_cases.hpp"
 #include "common/layouts.hpp"
 #include "common/peer_process.hpp"
-#include "mstar/kv/fault_injection.hpp"
+#include "mstar/kv/engines/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "reliability/invariants.hpp"
 
 namespace mstar::kv {

@@ -10,9 +10,9 @@
 #include <thread>
 
 #include "common/layouts.hpp"
-#include "mstar/kv/fault_injection.hpp"
+#include "mstar/kv/engines/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "reliability/inproc_engine.hpp"
 #include "reliability/invariants.hpp"
 

@@ -17,10 +17,10 @@
 #include <mutex>
 #include <thread>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/engine.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/engine.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::testing {
 

@@ -42,7 +42,7 @@
 #include <vector>
 
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace {
 

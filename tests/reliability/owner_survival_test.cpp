@@ -26,7 +26,7 @@
 #include "common/peer_process.hpp"
 #include "common/wire.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "testkit/seq_line.hpp"
 
 #ifndef MSTAR_KV_SURVIVAL_READER_PATH

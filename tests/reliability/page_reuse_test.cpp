@@ -19,7 +19,7 @@
 #include "common/layouts.hpp"
 #include "common/peer_process.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv {
 namespace {

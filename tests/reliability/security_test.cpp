@@ -24,11 +24,11 @@
 #include "mstar/kv/kv.hpp"
 #include "reliability/invariants.hpp"
 #if MSTAR_KV_TEST_SHM
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/engines/shm.hpp"
 #endif
 #if MSTAR_KV_TEST_UCX
 #include "common/layouts.hpp"
-#include "mstar/kv/ucx.hpp"
+#include "mstar/kv/engines/ucx.hpp"
 #endif
 
 namespace mstar::kv {

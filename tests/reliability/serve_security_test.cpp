@@ -24,8 +24,8 @@
 #include <vector>
 
 #include "common/cli_process.hpp"
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/util/status.hpp"
 #include "testkit/ports.hpp"
 
 #ifndef MSTAR_KV_CLI_PATH

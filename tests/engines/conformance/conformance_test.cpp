@@ -17,7 +17,7 @@
 #include "common/expectations.hpp"
 #include "engine_suite.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv::testing {
 namespace {

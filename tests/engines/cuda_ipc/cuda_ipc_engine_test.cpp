@@ -23,9 +23,9 @@
 #include "common/layouts.hpp"
 #include "common/managers.hpp"
 #include "cuda_ipc_test_util.hpp"
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv {
 namespace {

@@ -10,7 +10,7 @@
 #include "common/expectations.hpp"
 #include "common/layouts.hpp"
 #include "core/codec.hpp"
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
 
 namespace mstar::kv {

@@ -23,9 +23,9 @@
 #include "core/span_table.hpp"
 #include "cuda_ipc_test_util.hpp"
 #include "engines/cuda_ipc/span_kernel.hpp"
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv {
 namespace {

@@ -21,9 +21,9 @@
 #include "common/cache_probe.hpp"
 #include "common/peer.hpp"
 #include "common/wire.hpp"
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 using namespace mstar::kv;
 using testing::say_sequence;

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "engines/mooncake/mooncake_api.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::mooncake {
 namespace {

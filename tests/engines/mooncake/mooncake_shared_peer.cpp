@@ -18,9 +18,9 @@
 
 #include "common/peer.hpp"
 #include "engines/mooncake/mooncake_test_util.hpp"
+#include "mstar/kv/engines/mooncake.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/mooncake.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 using namespace mstar::kv;
 

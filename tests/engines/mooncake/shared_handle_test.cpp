@@ -21,9 +21,9 @@
 #include "common/wire.hpp"
 #include "engines/mooncake/mooncake_test_util.hpp"
 #include "engines/mooncake/read_error.hpp"
+#include "mstar/kv/engines/mooncake.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/mooncake.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 #ifndef MSTAR_KV_SHARED_PEER_PATH
 #error "MSTAR_KV_SHARED_PEER_PATH must name the mooncake_shared_peer executable"

@@ -27,9 +27,9 @@
 #include <thread>
 #include <vector>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/epochs.hpp"
-#include "mstar/kv/readiness.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/epochs.hpp"
+#include "mstar/kv/core/readiness.hpp"
 #include "rma/rma_backend.hpp"
 #include "rma/rma_engine.hpp"
 

@@ -23,7 +23,7 @@
 #include "common/layouts.hpp"
 #include "engines/rma/inproc_backend.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "rma/rma_engine.hpp"
 
 namespace mstar::kv::testing {

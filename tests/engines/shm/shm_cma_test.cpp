@@ -28,9 +28,9 @@
 #include "common/layouts.hpp"
 #include "common/peer.hpp"
 #include "common/wire.hpp"
+#include "mstar/kv/engines/shm.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "testkit/read_check.hpp"
 
 namespace mstar::kv {

@@ -25,9 +25,9 @@
 #include "common/wire.hpp"
 #include "engines/shm/shm_mapping.hpp"  // the engine's own mapping
 #include "engines/shm/span_copy.hpp"
+#include "mstar/kv/engines/shm.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv {
 namespace {

@@ -26,9 +26,9 @@
 
 #include "common/peer.hpp"
 #include "common/wire.hpp"
+#include "mstar/kv/engines/shm.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 using namespace mstar::kv;
 using testing::say;

@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "common/expectations.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "ucx_fixture.hpp"
 
 namespace mstar::kv::ucx_test {

@@ -17,8 +17,8 @@
 
 #include "common/layouts.hpp"
 #include "common/peer_process.hpp"
+#include "mstar/kv/engines/ucx.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/ucx.hpp"
 
 namespace mstar::kv::ucx_test {
 

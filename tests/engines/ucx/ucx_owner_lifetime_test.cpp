@@ -31,9 +31,9 @@
 #include "engines/ucx/raw_client.hpp"
 #include "engines/ucx/ucx_backend.hpp"
 #include "engines/ucx/ucx_core.hpp"
+#include "mstar/kv/engines/ucx.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
-#include "mstar/kv/ucx.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "rma/rma_engine.hpp"
 
 namespace mstar::kv::ucx {

@@ -21,7 +21,7 @@
 #include "common/cache_probe.hpp"
 #include "common/layouts.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv::ucx_test {
 namespace {

@@ -16,8 +16,8 @@
 
 #include "common/layouts.hpp"
 #include "engines/ucx/raw_client.hpp"
+#include "mstar/kv/engines/ucx.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/ucx.hpp"
 
 namespace mstar::kv::ucx {
 namespace {
