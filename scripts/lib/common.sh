@@ -91,13 +91,15 @@ build_python() {
 
 # The conventions the tools hold: every tracked C/C++ file formatted as
 # .clang-format says (tests, fuzz and bench included: code nobody formats
-# drifts), Python clean under ruff.toml.
+# drifts), the include directions of the layers (check_layers.py), Python
+# clean under ruff.toml.
 check_conventions() {
   local py=${PYTHON:-python3}
   (cd "$MSTAR_ROOT" &&
      git ls-files -z -- '*.hpp' '*.cpp' '*.h' '*.c' '*.cc' '*.cu' '*.cuh' |
      xargs -0 clang-format --dry-run -Werror)
-  (cd "$MSTAR_ROOT" && "$py" -m ruff check -q python bench)
+  "$py" "$MSTAR_ROOT/scripts/lib/check_layers.py" --root "$MSTAR_ROOT"
+  (cd "$MSTAR_ROOT" && "$py" -m ruff check -q python bench scripts tests)
 }
 
 # build PRESET [extra cmake args...]
