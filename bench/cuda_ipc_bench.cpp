@@ -46,8 +46,9 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "testkit/child.hpp"
 #include "testkit/seq_line.hpp"
 
@@ -128,7 +129,8 @@ class Owner {
                {}, /*merge_stderr=*/false) {
     const auto deadline = Clock::now() + std::chrono::seconds(120);
     for (;;) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       std::string line;
       try {
         line = child_.read_line(std::max(left, std::chrono::milliseconds(1)));
@@ -212,7 +214,8 @@ Result memcpy_d2d(const std::string& name, std::uint64_t bytes, const Config& cf
     const auto t0 = Clock::now();
     check(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s), "memcpy");
     check(cudaStreamSynchronize(s), "sync");
-    if (i >= cfg.warmup) r.seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    if (i >= cfg.warmup)
+      r.seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
   check(cudaStreamDestroy(s), "stream destroy");
   check(cudaFree(a), "free");
@@ -248,7 +251,8 @@ Result engine_pulls(const std::string& name, const std::string& path,
     r.proc_cpu.push_back(p1 - p0);
   }
   auto host = KVCache::create_host(local->layout());
-  check(cudaMemcpy(host->base(), local->base(), local->layout().total_bytes(), cudaMemcpyDeviceToHost),
+  check(cudaMemcpy(host->base(), local->base(), local->layout().total_bytes(),
+                   cudaMemcpyDeviceToHost),
         "d2h");
   const VerifyResult v = verify_pattern(*host, kSeed, lp, 0, cfg.tokens);
   if (!v.ok()) throw std::runtime_error(name + " delivered wrong bytes: " + v.first_mismatch);
@@ -287,11 +291,12 @@ CaseResult run_case(const Config& cfg, const std::string& name, std::ostream& lo
   const StridedPlan plan = plan_strided_copies(l, remote, reads);
   std::uint64_t strided = 0;
   for (const StridedSpan& s : plan.spans) strided += s.rows > 1;
-  CaseResult c{name, name + ": " + std::to_string(plan.spans.size()) + " spans (" +
-                         std::to_string(strided) + " strided, " +
-                         std::to_string(plan.uncoalesced_spans) + " rows), " +
-                         std::to_string(plan.total_bytes) + " bytes",
-               {}, {}};
+  CaseResult c{name,
+               name + ": " + std::to_string(plan.spans.size()) + " spans (" +
+                   std::to_string(strided) + " strided, " + std::to_string(plan.uncoalesced_spans) +
+                   " rows), " + std::to_string(plan.total_bytes) + " bytes",
+               {},
+               {}};
   log << "== " << c.plan << std::endl;
   c.base = memcpy_d2d(name + "/memcpy_d2d", plan.total_bytes, cfg);
   for (const char* path : {"kernel", "memcpy"}) {
@@ -353,8 +358,8 @@ int bench_main(const Config& cfg) {
         << ", \"engine\": [";
       for (std::size_t k = 0; k < c.engine.size(); ++k) {
         const Result& r = c.engine[k];
-        j << (k ? ", " : "") << "{\"name\": \"" << r.name << "\", \"median_ms\": "
-          << median(r.seconds) * 1e3 << ", \"gbps\": " << r.gbps()
+        j << (k ? ", " : "") << "{\"name\": \"" << r.name
+          << "\", \"median_ms\": " << median(r.seconds) * 1e3 << ", \"gbps\": " << r.gbps()
           << ", \"ratio_to_memcpy_d2d\": " << r.gbps() / c.base.gbps()
           << ", \"post_cpu_us\": " << median(r.post_cpu) * 1e6
           << ", \"process_cpu_us\": " << median(r.proc_cpu) * 1e6 << "}";
@@ -389,12 +394,18 @@ int main(int argc, char** argv) {
       return 64;
     }
     const std::string v = argv[++i];
-    if (k == "--tokens") cfg.tokens = std::stoull(v);
-    else if (k == "--cases") cfg.cases = v;
-    else if (k == "--iters") cfg.iters = std::max(1, std::stoi(v));
-    else if (k == "--warmup") cfg.warmup = std::max(0, std::stoi(v));
-    else if (k == "--workers") cfg.workers = static_cast<std::uint32_t>(std::stoul(v));
-    else if (k == "--json") cfg.json = v;
+    if (k == "--tokens")
+      cfg.tokens = std::stoull(v);
+    else if (k == "--cases")
+      cfg.cases = v;
+    else if (k == "--iters")
+      cfg.iters = std::max(1, std::stoi(v));
+    else if (k == "--warmup")
+      cfg.warmup = std::max(0, std::stoi(v));
+    else if (k == "--workers")
+      cfg.workers = static_cast<std::uint32_t>(std::stoul(v));
+    else if (k == "--json")
+      cfg.json = v;
     else {
       std::cerr << "unknown option " << k << std::endl;
       return 64;

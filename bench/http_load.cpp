@@ -68,15 +68,24 @@ int main(int argc, char** argv) {
   double seconds = 5, rate = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--host") host = v;
-    else if (k == "--port") port = std::atoi(v.c_str());
-    else if (k == "--path") path = v;
-    else if (k == "--connections") conns = std::atoi(v.c_str());
-    else if (k == "--seconds") seconds = std::atof(v.c_str());
-    else if (k == "--rate") rate = std::atof(v.c_str());
-    else if (k == "--token-file") token_file = v;
-    else die("unknown option " + k + " (--host --port --path --connections --seconds --rate "
-             "--token-file)");
+    if (k == "--host")
+      host = v;
+    else if (k == "--port")
+      port = std::atoi(v.c_str());
+    else if (k == "--path")
+      path = v;
+    else if (k == "--connections")
+      conns = std::atoi(v.c_str());
+    else if (k == "--seconds")
+      seconds = std::atof(v.c_str());
+    else if (k == "--rate")
+      rate = std::atof(v.c_str());
+    else if (k == "--token-file")
+      token_file = v;
+    else
+      die("unknown option " + k +
+          " (--host --port --path --connections --seconds --rate "
+          "--token-file)");
   }
   if (conns < 1 || conns > 10000 || seconds <= 0 || rate < 0) die("bad options");
   std::string auth;
@@ -119,15 +128,16 @@ int main(int argc, char** argv) {
   auto send_on = [&](std::size_t i, Clock::time_point due) {
     cs[i].busy = true;
     cs[i].due = due;
-    if (::send(cs[i].fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) {
+    if (::send(cs[i].fd, req.data(), req.size(), MSG_NOSIGNAL) !=
+        static_cast<ssize_t>(req.size())) {
       die("send failed (server closed the connection?)");
     }
   };
   const auto t0 = Clock::now();
-  const auto t_end = t0 + std::chrono::duration_cast<Clock::duration>(
-                              std::chrono::duration<double>(seconds));
-  const auto period = rate > 0 ? std::chrono::duration<double>(1.0 / rate)
-                               : std::chrono::duration<double>(0);
+  const auto t_end =
+      t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  const auto period =
+      rate > 0 ? std::chrono::duration<double>(1.0 / rate) : std::chrono::duration<double>(0);
   if (rate == 0) {
     for (std::size_t i : idle) send_on(i, Clock::now());
     idle.clear();
@@ -153,8 +163,8 @@ int main(int argc, char** argv) {
     }
     timespec ts{0, 1000000};  // 1 ms at most
     if (rate > 0) {
-      const auto next = t0 + std::chrono::duration_cast<Clock::duration>(
-                                 period * static_cast<double>(scheduled));
+      const auto next =
+          t0 + std::chrono::duration_cast<Clock::duration>(period * static_cast<double>(scheduled));
       const auto wait = std::chrono::duration_cast<std::chrono::nanoseconds>(next - now).count();
       ts.tv_nsec = std::clamp<long>(static_cast<long>(wait), 0, 1000000);
     }
@@ -185,18 +195,21 @@ int main(int argc, char** argv) {
   const double took = std::chrono::duration<double>(Clock::now() - t0).count();
   std::sort(lat_us.begin(), lat_us.end());
   auto pct = [&](double p) {
-    return lat_us.empty() ? 0.0
-                          : lat_us[std::min(lat_us.size() - 1,
-                                            static_cast<std::size_t>(p * lat_us.size()))] / 1e3;
+    return lat_us.empty()
+               ? 0.0
+               : lat_us[std::min(lat_us.size() - 1, static_cast<std::size_t>(p * lat_us.size()))] /
+                     1e3;
   };
   std::printf("%zu requests in %.2f s over %d keep-alive connections (%s): %.0f requests/s\n",
               lat_us.size(), took, conns,
-              rate > 0 ? ("open loop, " + std::to_string(static_cast<long>(rate)) + "/s due").c_str()
-                       : "closed loop",
+              rate > 0
+                  ? ("open loop, " + std::to_string(static_cast<long>(rate)) + "/s due").c_str()
+                  : "closed loop",
               static_cast<double>(lat_us.size()) / took);
-  std::printf("latency ms: p50 %.3f  p90 %.3f  p99 %.3f  p99.9 %.3f  max %.3f; non-200: %llu; "
-              "still due at the end: %zu\n",
-              pct(0.5), pct(0.9), pct(0.99), pct(0.999), lat_us.empty() ? 0.0 : lat_us.back() / 1e3,
-              static_cast<unsigned long long>(non200), backlog.size());
+  std::printf(
+      "latency ms: p50 %.3f  p90 %.3f  p99 %.3f  p99.9 %.3f  max %.3f; non-200: %llu; "
+      "still due at the end: %zu\n",
+      pct(0.5), pct(0.9), pct(0.99), pct(0.999), lat_us.empty() ? 0.0 : lat_us.back() / 1e3,
+      static_cast<unsigned long long>(non200), backlog.size());
   return non200 == 0 ? 0 : 1;
 }

@@ -11,8 +11,8 @@
 #include <random>
 #include <vector>
 
-#include "mstar/kv/epochs.hpp"
-#include "mstar/kv/planner.hpp"
+#include "mstar/kv/core/epochs.hpp"
+#include "mstar/kv/core/planner.hpp"
 
 namespace {
 
@@ -74,9 +74,9 @@ Request request(const benchmark::State& state) {
 void set_counters(benchmark::State& state, std::size_t reads, const CopyPlan* plan) {
   state.counters["reads"] = static_cast<double>(reads);
   // Seconds per read; the console prints it with an SI prefix ("31.2ns").
-  state.counters["per_read"] = benchmark::Counter(
-      static_cast<double>(reads),
-      benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+  state.counters["per_read"] =
+      benchmark::Counter(static_cast<double>(reads), benchmark::Counter::kIsIterationInvariantRate |
+                                                         benchmark::Counter::kInvert);
   if (plan != nullptr) {
     state.counters["copies"] = static_cast<double>(plan->spans.size());
     state.counters["uncoalesced"] = static_cast<double>(plan->uncoalesced_spans);
@@ -187,7 +187,11 @@ BENCHMARK(BM_PlanCopies)->Apply(args);
 BENCHMARK(BM_PlanCopies)->Apply(args_mismatch);
 BENCHMARK(BM_PlanRequest)->Apply(args);
 BENCHMARK(BM_SplitSpans)->Apply(args_split);
-BENCHMARK(BM_EpochChecks)->ArgName("tokens")->Arg(4096)->Arg(kTokens)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_EpochChecks)
+    ->ArgName("tokens")
+    ->Arg(4096)
+    ->Arg(kTokens)
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 

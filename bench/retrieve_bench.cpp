@@ -84,8 +84,16 @@ void Small4K(benchmark::State& state) {
 }
 
 // Arg: statistics off (0) / on (1), the default.
-BENCHMARK_CAPTURE(OnePage, llama3_8b, false)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond)->UseRealTime();
-BENCHMARK_CAPTURE(OnePage, tiny, true)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK_CAPTURE(OnePage, llama3_8b, false)
+    ->Arg(0)
+    ->Arg(1)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK_CAPTURE(OnePage, tiny, true)
+    ->Arg(0)
+    ->Arg(1)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 BENCHMARK(Small4K)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 }  // namespace

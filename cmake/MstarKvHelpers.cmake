@@ -5,7 +5,7 @@
 # -O1 with sanitizers warns maybe-uninitialized inside libstdc++'s
 # std::regex). MSTAR_KV_THREAD_SAFETY (clang with libc++, whose std::mutex is
 # annotated) checks the MSTAR_KV_GUARDED_BY / MSTAR_KV_REQUIRES annotations
-# (include/mstar/kv/thread_annotations.hpp).
+# (include/mstar/kv/util/thread_annotations.hpp).
 option(MSTAR_KV_WERROR "Treat warnings in mstar-kv's own code as errors" OFF)
 option(MSTAR_KV_THREAD_SAFETY "Check lock annotations (clang -Wthread-safety, libc++)" OFF)
 add_library(mstar_kv_warnings INTERFACE)

@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "fuzz_util.hpp"
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace mstar::kv;

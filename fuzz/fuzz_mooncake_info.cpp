@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "fuzz_util.hpp"
-#include "mstar/kv/mooncake.hpp"
+#include "mstar/kv/engines/mooncake.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace mstar::kv;

@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "fuzz_util.hpp"
-#include "mstar/kv/layout.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/layout.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace {
 
@@ -25,11 +25,16 @@ using namespace mstar::kv;
 // the type's maximum.
 std::uint32_t pick(FuzzedDataProvider& p, std::uint32_t small_max, std::uint32_t limit) {
   switch (p.ConsumeIntegralInRange<int>(0, 9)) {
-    case 0: return 0;
-    case 1: return limit;
-    case 2: return limit + 1;
-    case 3: return std::numeric_limits<std::uint32_t>::max();
-    default: return p.ConsumeIntegralInRange<std::uint32_t>(1, small_max);
+    case 0:
+      return 0;
+    case 1:
+      return limit;
+    case 2:
+      return limit + 1;
+    case 3:
+      return std::numeric_limits<std::uint32_t>::max();
+    default:
+      return p.ConsumeIntegralInRange<std::uint32_t>(1, small_max);
   }
 }
 
@@ -71,17 +76,23 @@ KVLayout fuzz_remote(FuzzedDataProvider& p, const KVLayout& local) {
   if (p.ConsumeBool()) {
     r.total_kv_heads = local.model_kv_heads();
     r.first_kv_head = p.ConsumeIntegralInRange<std::uint32_t>(0, local.first_kv_head);
-    r.num_kv_heads = local.end_kv_head() - r.first_kv_head + p.ConsumeIntegralInRange<std::uint32_t>(0, 2);
+    r.num_kv_heads =
+        local.end_kv_head() - r.first_kv_head + p.ConsumeIntegralInRange<std::uint32_t>(0, 2);
   }
   return r;
 }
 
 std::uint64_t pick_len(FuzzedDataProvider& p, std::uint32_t page_size) {
   switch (p.ConsumeIntegralInRange<int>(0, 7)) {
-    case 0: return p.ConsumeIntegral<std::uint64_t>();
-    case 1: return std::numeric_limits<std::uint64_t>::max() - p.ConsumeIntegralInRange<std::uint64_t>(0, 64);
-    case 2: return std::uint64_t{page_size} * p.ConsumeIntegralInRange<std::uint64_t>(0, 40);
-    default: return p.ConsumeIntegralInRange<std::uint64_t>(0, 600);
+    case 0:
+      return p.ConsumeIntegral<std::uint64_t>();
+    case 1:
+      return std::numeric_limits<std::uint64_t>::max() -
+             p.ConsumeIntegralInRange<std::uint64_t>(0, 64);
+    case 2:
+      return std::uint64_t{page_size} * p.ConsumeIntegralInRange<std::uint64_t>(0, 40);
+    default:
+      return p.ConsumeIntegralInRange<std::uint64_t>(0, 600);
   }
 }
 
@@ -102,9 +113,9 @@ void check_plan(const KVLayout& local, const KVLayout& remote, const CopyPlan& p
   dst.reserve(plan.spans.size());
   for (const CopySpan& s : plan.spans) {
     fuzz::require(s.length > 0, "empty span");
-    fuzz::require(s.local_offset <= local.total_bytes() &&
-                      s.length <= local.total_bytes() - s.local_offset,
-                  "span outside the local cache");
+    fuzz::require(
+        s.local_offset <= local.total_bytes() && s.length <= local.total_bytes() - s.local_offset,
+        "span outside the local cache");
     fuzz::require(s.remote_offset <= remote.total_bytes() &&
                       s.length <= remote.total_bytes() - s.remote_offset,
                   "span outside the remote cache");
@@ -144,7 +155,8 @@ std::uint64_t bytes_of(const KVLayout& l, std::span<const KVReadInfo> reads) {
 // A bound on the spans plan_copies emits, to keep each input cheap (its
 // cost is documented: every (token, head) row when the page orders differ).
 bool cheap(const KVLayout& local, std::size_t reads) {
-  const std::uint64_t per_read = std::uint64_t{local.page_size} * local.num_kv_heads * local.num_kv();
+  const std::uint64_t per_read =
+      std::uint64_t{local.page_size} * local.num_kv_heads * local.num_kv();
   return reads <= 20000 && per_read <= 20000 && reads * per_read <= 400000;
 }
 
@@ -196,8 +208,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
   } else {
     const std::uint64_t start = pick_len(p, local.page_size);
-    const std::uint64_t end = p.ConsumeBool() ? start + p.ConsumeIntegralInRange<std::uint64_t>(0, 300)
-                                              : pick_len(p, local.page_size);
+    const std::uint64_t end = p.ConsumeBool()
+                                  ? start + p.ConsumeIntegralInRange<std::uint64_t>(0, 300)
+                                  : pick_len(p, local.page_size);
     const auto lpages = fuzz_pages(p, local.num_pages);
     const auto rpages = fuzz_pages(p, remote.num_pages);
     // plan_reads emits layers x pages: bound it like plan_copies.
@@ -236,13 +249,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try {
     plan = plan_copies(local, remote, reads);
   } catch (const Error& e) {
-    fuzz::require(e.code() == StatusCode::kInvalidArgument ||
-                      e.code() == StatusCode::kIncompatibleLayout,
-                  "plan_copies threw an unexpected code");
+    fuzz::require(
+        e.code() == StatusCode::kInvalidArgument || e.code() == StatusCode::kIncompatibleLayout,
+        "plan_copies threw an unexpected code");
     return 0;
   }
   check_plan(local, remote, plan);
-  fuzz::require(plan.total_bytes == bytes_of(local, reads), "plan total != bytes the reads ask for");
+  fuzz::require(plan.total_bytes == bytes_of(local, reads),
+                "plan total != bytes the reads ask for");
   // The strided plan of the same reads: the same bytes, every row inside
   // both caches, and row for row the same destinations as the flat plan.
   const StridedPlan sp = plan_strided_copies(local, remote, reads);

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "fuzz_util.hpp"
-#include "mstar/kv/regions.hpp"
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/core/regions.hpp"
+#include "mstar/kv/engines/shm.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace mstar::kv;
@@ -17,7 +17,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (!s) return 0;
   fuzz::require(s->pid != 0 && s->nonce != 0, "pid or nonce 0 accepted");
   fuzz::require(s->size >= s->layout.total_bytes(), "size smaller than the layout accepted");
-  s->layout.validate();  // must not throw
+  s->layout.validate();                                // must not throw
   if (s->access == ShmKVTransferInfo::Access::kCma) {  // a private cache's regions
     const std::size_t n = s->regions.size();
     fuzz::require(n == 1 || (n == s->layout.num_layers && s->layout.layer_contiguous()),

@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "fuzz_util.hpp"
-#include "mstar/kv/ucx.hpp"
+#include "mstar/kv/engines/ucx.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace mstar::kv;

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "core/codec.hpp"
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::fuzz {
 

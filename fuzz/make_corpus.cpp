@@ -10,19 +10,19 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/layout.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/core/layout.hpp"
 #if MSTAR_KV_FUZZ_SHM
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/engines/shm.hpp"
 #endif
 #if MSTAR_KV_FUZZ_UCX
-#include "mstar/kv/ucx.hpp"
+#include "mstar/kv/engines/ucx.hpp"
 #endif
 #if MSTAR_KV_FUZZ_MOONCAKE
-#include "mstar/kv/mooncake.hpp"
+#include "mstar/kv/engines/mooncake.hpp"
 #endif
 #if MSTAR_KV_FUZZ_CUDA_IPC
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #endif
 
 namespace {
@@ -37,10 +37,12 @@ void write(const fs::path& dir, const std::string& name, const std::vector<std::
   // Frame targets read their first byte as a flag (see fuzz_util.hpp); 0
   // means "take the bytes as they are".
   if (frame_prefix) out.put('\0');
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
 }
 
-KVLayout layout(std::uint32_t layers, std::uint32_t pages, bool has_v, CacheOrder co, PageOrder po) {
+KVLayout layout(std::uint32_t layers, std::uint32_t pages, bool has_v, CacheOrder co,
+                PageOrder po) {
   KVLayout l;
   l.num_layers = layers;
   l.num_pages = pages;

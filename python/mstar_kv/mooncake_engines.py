@@ -36,7 +36,7 @@ class MooncakeKVTransferEngine(KVTransferEngine):
 
 
 class MooncakeNativeKVTransferEngine(MooncakeKVTransferEngine, NativeKVTransferEngine):
-    """The C++ engine over Mooncake's C library (include/mstar/kv/mooncake.hpp),
+    """The C++ engine over Mooncake's C library (include/mstar/kv/engines/mooncake.hpp),
     loaded at run time: ``options`` are its extra settings ('mooncake_lib',
     ...), ``session_id`` Mooncake's "HOST:PORT" (P2P handshake: empty picks a
     port)."""

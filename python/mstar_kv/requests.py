@@ -1,5 +1,5 @@
 """Request-scoped descriptors: upstream mstar's calling convention over the
-one manager (include/mstar/kv/requests.hpp; docs/integrations/mstar.md).
+one manager (include/mstar/kv/core/requests.hpp; docs/integrations/mstar.md).
 
 ``KVTransferManager(info, cache, resource_key="kv", needs_remote_transfer=True)``
 publishes ``get_kv_transfer_info(request_id, label, page_indices, seq_len,

@@ -14,10 +14,10 @@
 
 #include "cache_tensors.hpp"
 #include "mstar/kv/factory.hpp"
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "py_common.hpp"
 #if MSTAR_KV_PY_HAVE_CUDA_IPC
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #endif
 
 namespace mstar::kv::py {

@@ -11,14 +11,14 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/mooncake.hpp"
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/engines/mooncake.hpp"
+#include "mstar/kv/engines/shm.hpp"
 #include "py_common.hpp"
 #if MSTAR_KV_PY_HAVE_UCX
-#include "mstar/kv/ucx.hpp"
+#include "mstar/kv/engines/ucx.hpp"
 #endif
 #if MSTAR_KV_PY_HAVE_CUDA_IPC
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #endif
 
 namespace mstar::kv::py {

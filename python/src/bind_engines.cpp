@@ -17,15 +17,15 @@
 #include <string>
 #include <vector>
 
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/engines/fault_injection.hpp"
+#include "mstar/kv/engines/local_only.hpp"
 #include "mstar/kv/factory.hpp"
-#include "mstar/kv/fault_injection.hpp"
-#include "mstar/kv/local_only.hpp"
 #include "mstar/kv/manager.hpp"
-#include "mstar/kv/planner.hpp"
 #include "mstar/kv/streaming.hpp"
 #include "py_common.hpp"
 #if MSTAR_KV_PY_HAVE_CUDA_IPC
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #endif
 
 namespace mstar::kv::py {

@@ -15,7 +15,7 @@
 #include "cache_tensors.hpp"
 #include "py_common.hpp"
 #if MSTAR_KV_PY_HAVE_CUDA_IPC
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #endif
 
 namespace mstar::kv::py {

@@ -6,8 +6,8 @@
 
 #include <string>
 
-#include "mstar/kv/layout.hpp"
-#include "mstar/kv/read_info.hpp"
+#include "mstar/kv/core/layout.hpp"
+#include "mstar/kv/core/read_info.hpp"
 #include "py_common.hpp"
 
 namespace mstar::kv::py {

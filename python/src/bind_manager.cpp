@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
+#include "mstar/kv/core/pool.hpp"
+#include "mstar/kv/core/requests.hpp"
+#include "mstar/kv/core/stats.hpp"
 #include "mstar/kv/manager.hpp"
-#include "mstar/kv/pool.hpp"
-#include "mstar/kv/requests.hpp"
-#include "mstar/kv/stats.hpp"
 #include "py_common.hpp"
 #include "py_engine.hpp"
 

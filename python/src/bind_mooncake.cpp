@@ -16,7 +16,7 @@
 
 #include "engines/mooncake/mooncake_backend.hpp"
 #include "engines/mooncake/mooncake_words.hpp"
-#include "mstar/kv/mooncake.hpp"
+#include "mstar/kv/engines/mooncake.hpp"
 #include "py_common.hpp"
 #include "rma/rma_backend.hpp"
 #include "rma/rma_engine.hpp"

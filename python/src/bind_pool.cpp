@@ -12,10 +12,10 @@
 #include <optional>
 #include <string>
 
-#include "mstar/kv/pool.hpp"
+#include "mstar/kv/core/pool.hpp"
 #include "py_common.hpp"
 #if MSTAR_KV_PY_HAVE_CUDA_IPC
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #endif
 
 namespace mstar::kv::py {

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/requests.hpp"
+#include "mstar/kv/core/requests.hpp"
 #include "py_common.hpp"
 
 namespace mstar::kv::py {

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/cache.hpp"
+#include "mstar/kv/core/cache.hpp"
 #include "py_common.hpp"
 
 namespace mstar::kv::py {

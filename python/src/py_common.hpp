@@ -11,13 +11,13 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/engine.hpp"
-#include "mstar/kv/pool.hpp"
-#include "mstar/kv/read_info.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/core/engine.hpp"
+#include "mstar/kv/core/pool.hpp"
+#include "mstar/kv/core/read_info.hpp"
 #include "mstar/kv/streaming.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::py {
 

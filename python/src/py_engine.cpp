@@ -10,7 +10,7 @@
 #include <optional>
 #include <string>
 
-#include "mstar/kv/future.hpp"
+#include "mstar/kv/core/future.hpp"
 
 namespace mstar::kv::py {
 

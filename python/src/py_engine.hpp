@@ -19,7 +19,7 @@
 #include <span>
 #include <string>
 
-#include "mstar/kv/engine.hpp"
+#include "mstar/kv/core/engine.hpp"
 #include "py_common.hpp"
 
 namespace mstar::kv::py {

@@ -1,4 +1,4 @@
-"""Authenticated peers (include/mstar/kv/ucx.hpp, "auth_token"): a UCX owner
+"""Authenticated peers (include/mstar/kv/engines/ucx.hpp, "auth_token"): a UCX owner
 with a shared secret serves only readers that prove it, in a challenge-
 response that never sends the secret; a reader with a token refuses an
 owner that cannot prove it. Refusals raise PermissionDeniedError before any

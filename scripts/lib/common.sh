@@ -89,14 +89,17 @@ build_python() {
     2> >(grep -v "Running pip as the 'root' user" >&2)
 }
 
-# The conventions the tools hold: C++ formatted as .clang-format says (the
-# files under include src tools python/src), Python clean under ruff.toml.
+# The conventions the tools hold: every tracked C/C++ file formatted as
+# .clang-format says (tests, fuzz and bench included: code nobody formats
+# drifts), the include directions of the layers (check_layers.py), Python
+# clean under ruff.toml.
 check_conventions() {
   local py=${PYTHON:-python3}
   (cd "$MSTAR_ROOT" &&
-     git ls-files -- include src tools python/src | grep -E '\.(hpp|cpp|h|cu|cuh)$' |
-     xargs clang-format --dry-run -Werror)
-  (cd "$MSTAR_ROOT" && "$py" -m ruff check -q python bench)
+     git ls-files -z -- '*.hpp' '*.cpp' '*.h' '*.c' '*.cc' '*.cu' '*.cuh' |
+     xargs -0 clang-format --dry-run -Werror)
+  "$py" "$MSTAR_ROOT/scripts/lib/check_layers.py" --root "$MSTAR_ROOT"
+  (cd "$MSTAR_ROOT" && "$py" -m ruff check -q python bench scripts tests)
 }
 
 # build PRESET [extra cmake args...]

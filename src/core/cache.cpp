@@ -1,5 +1,5 @@
 // Copyright mstar-kv authors.
-#include "mstar/kv/cache.hpp"
+#include "mstar/kv/core/cache.hpp"
 
 #include <sys/mman.h>
 
@@ -7,7 +7,7 @@
 #include <cstring>
 #include <string>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

@@ -4,8 +4,8 @@
 #include <array>
 #include <string>
 
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::codec {
 

@@ -14,7 +14,7 @@
 #include <string_view>
 #include <vector>
 
-#include "mstar/kv/layout.hpp"
+#include "mstar/kv/core/layout.hpp"
 
 namespace mstar::kv::codec {
 

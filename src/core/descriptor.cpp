@@ -1,12 +1,12 @@
 // Copyright mstar-kv authors.
-#include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/core/descriptor.hpp"
 
 #include <algorithm>
 #include <string>
 #include <unordered_set>
 
 #include "codec.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

@@ -3,7 +3,7 @@
 // KVTransferEngine's default methods and RemoteCache helpers (engine.hpp),
 // in one place so that an engine linked without the factory still finds its
 // vtable's entries.
-#include "mstar/kv/engine.hpp"
+#include "mstar/kv/core/engine.hpp"
 
 #include <string>
 

@@ -1,5 +1,5 @@
 // Copyright mstar-kv authors.
-#include "mstar/kv/epochs.hpp"
+#include "mstar/kv/core/epochs.hpp"
 
 #include <algorithm>
 #include <random>

@@ -1,6 +1,6 @@
 // Copyright mstar-kv authors.
-#include "mstar/kv/future.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/core/future.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 
 #include <atomic>
 #include <condition_variable>

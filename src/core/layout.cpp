@@ -1,10 +1,10 @@
 // Copyright mstar-kv authors.
-#include "mstar/kv/layout.hpp"
+#include "mstar/kv/core/layout.hpp"
 
 #include <algorithm>
 #include <string>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

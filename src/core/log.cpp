@@ -1,10 +1,10 @@
 // Copyright mstar-kv authors.
-#include "mstar/kv/log.hpp"
+#include "mstar/kv/util/log.hpp"
 
 #include <cstdio>
 #include <cstdlib>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

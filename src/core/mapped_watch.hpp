@@ -10,8 +10,8 @@
 #include <memory>
 #include <vector>
 
-#include "mstar/kv/readiness.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/readiness.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

@@ -1,12 +1,12 @@
 // Copyright mstar-kv authors.
-#include "mstar/kv/pattern.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 #include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

@@ -1,12 +1,12 @@
 // Copyright mstar-kv authors.
-#include "mstar/kv/planner.hpp"
+#include "mstar/kv/core/planner.hpp"
 
 #include <algorithm>
 #include <bit>
 #include <string>
 #include <utility>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 #include "planner_detail.hpp"
 
 namespace mstar::kv {

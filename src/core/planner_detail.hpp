@@ -7,10 +7,10 @@
 #include <cstdint>
 #include <string>
 
-#include "mstar/kv/layout.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/read_info.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/layout.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/core/read_info.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::detail {
 

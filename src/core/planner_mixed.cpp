@@ -10,8 +10,8 @@
 #include <utility>
 #include <vector>
 
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/util/status.hpp"
 #include "planner_detail.hpp"
 
 namespace mstar::kv {

@@ -1,11 +1,11 @@
 // Copyright mstar-kv authors.
-#include "mstar/kv/pool.hpp"
+#include "mstar/kv/core/pool.hpp"
 
 #include <algorithm>
 #include <random>
 #include <string>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

@@ -1,5 +1,5 @@
 // Copyright mstar-kv authors.
-#include "mstar/kv/readiness.hpp"
+#include "mstar/kv/core/readiness.hpp"
 
 #include <algorithm>
 #include <limits>
@@ -7,9 +7,9 @@
 
 #include "core/mapped_watch.hpp"
 #include "core/shared_word.hpp"
-#include "mstar/kv/engine.hpp"
-#include "mstar/kv/epochs.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/engine.hpp"
+#include "mstar/kv/core/epochs.hpp"
+#include "mstar/kv/util/status.hpp"
 
 #include <chrono>
 #include <utility>

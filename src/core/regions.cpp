@@ -1,5 +1,5 @@
 // Copyright mstar-kv authors.
-#include "mstar/kv/regions.hpp"
+#include "mstar/kv/core/regions.hpp"
 
 #include <algorithm>
 #include <cstdio>

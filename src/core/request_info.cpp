@@ -2,8 +2,8 @@
 #include <string>
 
 #include "codec.hpp"
-#include "mstar/kv/requests.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/requests.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <string>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::walk {
 

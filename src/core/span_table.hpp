@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "core/span_walk.hpp"
-#include "mstar/kv/planner.hpp"
+#include "mstar/kv/core/planner.hpp"
 
 namespace mstar::kv::walk {
 

@@ -30,9 +30,9 @@
 #include <span>
 #include <vector>
 
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/regions.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/core/regions.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::staging {
 

@@ -1,5 +1,5 @@
 // Copyright mstar-kv authors.
-#include "mstar/kv/stats.hpp"
+#include "mstar/kv/core/stats.hpp"
 
 #include <algorithm>
 #include <chrono>

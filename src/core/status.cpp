@@ -1,5 +1,5 @@
 // Copyright mstar-kv authors.
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

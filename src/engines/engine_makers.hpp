@@ -9,9 +9,9 @@
 #include <memory>
 #include <utility>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/engine.hpp"
-#include "mstar/kv/engine_options.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/engine.hpp"
+#include "mstar/kv/core/engine_options.hpp"
 
 namespace mstar::kv::engines {
 

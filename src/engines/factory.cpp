@@ -12,8 +12,8 @@
 #include <string>
 
 #include "engine_makers.hpp"
-#include "mstar/kv/local_only.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/engines/local_only.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

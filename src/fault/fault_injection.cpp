@@ -1,5 +1,5 @@
 // Copyright mstar-kv authors.
-#include "mstar/kv/fault_injection.hpp"
+#include "mstar/kv/engines/fault_injection.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -11,8 +11,8 @@
 #include <thread>
 #include <vector>
 
-#include "mstar/kv/status.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/util/status.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 
 namespace mstar::kv {
 

@@ -12,9 +12,9 @@
 #include <utility>
 #include <vector>
 
-#include "mstar/kv/engine.hpp"
-#include "mstar/kv/future.hpp"
-#include "mstar/kv/planner.hpp"
+#include "mstar/kv/core/engine.hpp"
+#include "mstar/kv/core/future.hpp"
+#include "mstar/kv/core/planner.hpp"
 
 namespace mstar::kv {
 

@@ -10,9 +10,9 @@
 #include "manager/issue_reads.hpp"
 #include "manager/request_registry.hpp"
 #include "manager/stream_driver.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/pool.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/core/pool.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

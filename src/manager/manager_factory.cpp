@@ -6,7 +6,7 @@
 #include "manager/stream_driver.hpp"
 #include "mstar/kv/factory.hpp"
 #include "mstar/kv/manager.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

@@ -13,9 +13,9 @@
 
 #include "manager/issue_reads.hpp"
 #include "manager/request_registry.hpp"
+#include "mstar/kv/core/planner.hpp"
 #include "mstar/kv/manager.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

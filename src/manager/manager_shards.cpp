@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "manager/issue_reads.hpp"
+#include "mstar/kv/core/planner.hpp"
 #include "mstar/kv/manager.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

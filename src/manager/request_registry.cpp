@@ -5,8 +5,8 @@
 #include <unordered_map>
 #include <utility>
 
-#include "mstar/kv/epochs.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/epochs.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

@@ -14,9 +14,9 @@
 #include <string_view>
 #include <vector>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/requests.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/requests.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 
 namespace mstar::kv {
 

@@ -17,11 +17,11 @@
 #include <vector>
 
 #include "manager/issue_reads.hpp"
-#include "mstar/kv/engine.hpp"
+#include "mstar/kv/core/engine.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/core/readiness.hpp"
 #include "mstar/kv/manager.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/readiness.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 
 namespace mstar::kv {
 

@@ -11,9 +11,9 @@
 #include <optional>
 #include <span>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/engine.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/core/engine.hpp"
 #include "mstar/kv/streaming.hpp"
 
 namespace mstar::kv {

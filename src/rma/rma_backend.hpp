@@ -32,13 +32,13 @@
 #include <string_view>
 #include <vector>
 
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/layout.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/readiness.hpp"
-#include "mstar/kv/regions.hpp"
-#include "mstar/kv/stats.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/core/layout.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/core/readiness.hpp"
+#include "mstar/kv/core/regions.hpp"
+#include "mstar/kv/core/stats.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::rma {
 

@@ -6,9 +6,9 @@
 #include <utility>
 #include <vector>
 
-#include "mstar/kv/epochs.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/core/epochs.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 
 namespace mstar::kv::rma {
 

@@ -43,10 +43,10 @@
 #include <thread>
 #include <unordered_map>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/engine.hpp"
-#include "mstar/kv/engine_options.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/engine.hpp"
+#include "mstar/kv/core/engine_options.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 #include "rma_backend.hpp"
 
 namespace mstar::kv::rma {

@@ -16,7 +16,7 @@
 #include <thread>
 #include <utility>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 extern char** environ;
 

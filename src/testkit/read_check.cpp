@@ -5,7 +5,7 @@
 #include <cstring>
 #include <thread>
 
-#include "mstar/kv/planner.hpp"
+#include "mstar/kv/core/planner.hpp"
 
 namespace mstar::kv::testkit {
 

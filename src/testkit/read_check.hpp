@@ -17,9 +17,9 @@
 #include <utility>
 #include <vector>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/future.hpp"
-#include "mstar/kv/read_info.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/future.hpp"
+#include "mstar/kv/core/read_info.hpp"
 
 namespace mstar::kv::testkit {
 

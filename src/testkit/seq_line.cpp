@@ -1,7 +1,7 @@
 // Copyright mstar-kv authors.
 #include "testkit/seq_line.hpp"
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::testkit {
 

@@ -12,7 +12,7 @@
 #include <string_view>
 #include <vector>
 
-#include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/core/descriptor.hpp"
 
 namespace mstar::kv::testkit {
 

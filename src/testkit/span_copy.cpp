@@ -7,7 +7,7 @@
 #include <limits>
 #include <string>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 #include "util/stream_copy.hpp"
 
 namespace mstar::kv::testkit {

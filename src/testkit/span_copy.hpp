@@ -15,9 +15,9 @@
 #include <thread>
 #include <vector>
 
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/regions.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/core/regions.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 
 namespace mstar::kv::testkit {
 

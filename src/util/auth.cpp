@@ -7,7 +7,7 @@
 #include <cstring>
 #include <vector>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::auth {
 

@@ -1,7 +1,7 @@
 // Copyright mstar-kv authors.
 #include "util/host_port.hpp"
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::util {
 

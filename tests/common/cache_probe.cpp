@@ -4,7 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "mstar/kv/planner.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv::testing {
 

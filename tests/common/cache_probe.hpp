@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/pattern.hpp"
-#include "mstar/kv/read_info.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/read_info.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv::testing {
 
@@ -39,8 +39,7 @@ void fill_pattern_any(const KVCache& c, std::uint64_t seed, std::span<const std:
 // fill_pattern_layers (pattern.hpp) on any cache.
 void fill_pattern_layers_any(const KVCache& c, std::uint64_t seed,
                              std::span<const std::uint32_t> pages, std::uint64_t start,
-                             std::uint64_t end, std::uint32_t layer_begin,
-                             std::uint32_t layer_end);
+                             std::uint64_t end, std::uint32_t layer_begin, std::uint32_t layer_end);
 // Every byte of every layer of `pages` set to `value`, on any cache.
 void fill_pages_any(const KVCache& c, std::span<const std::uint32_t> pages, std::byte value);
 VerifyResult verify_pattern_any(const KVCache& c, std::uint64_t seed,

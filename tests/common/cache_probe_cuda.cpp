@@ -7,8 +7,8 @@
 #include <string>
 
 #include "common/cache_probe.hpp"
-#include "mstar/kv/cuda_ipc.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::testing {
 

@@ -5,14 +5,15 @@
 #include <string>
 
 #include "common/cache_probe.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::testing {
 
 namespace {
 
 [[noreturn]] void unavailable() {
-  throw Error(StatusCode::kUnavailable, "device caches need the cuda_ipc engine, which is not built");
+  throw Error(StatusCode::kUnavailable,
+              "device caches need the cuda_ipc engine, which is not built");
 }
 
 }  // namespace

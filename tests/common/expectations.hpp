@@ -15,7 +15,7 @@
 #include <thread>
 
 #include "common/cache_probe.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::testing {
 

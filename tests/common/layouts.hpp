@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "mstar/kv/layout.hpp"
+#include "mstar/kv/core/layout.hpp"
 
 namespace mstar::kv::testing {
 
@@ -14,12 +14,16 @@ namespace mstar::kv::testing {
 // element type and the orders.
 inline KVLayout make_layout(std::uint32_t layers, std::uint32_t pages, std::uint32_t page_size,
                             std::uint32_t heads, std::uint32_t head_dim,
-                            DType dtype = DType::kBFloat16,
-                            CacheOrder co = CacheOrder::kLayerMajor,
+                            DType dtype = DType::kBFloat16, CacheOrder co = CacheOrder::kLayerMajor,
                             PageOrder po = PageOrder::kNHD) {
-  return {.num_layers = layers, .num_pages = pages, .page_size = page_size,
-          .num_kv_heads = heads, .head_dim = head_dim, .dtype = dtype,
-          .cache_order = co, .page_order = po};
+  return {.num_layers = layers,
+          .num_pages = pages,
+          .page_size = page_size,
+          .num_kv_heads = heads,
+          .head_dim = head_dim,
+          .dtype = dtype,
+          .cache_order = co,
+          .page_order = po};
 }
 
 // The engine tests' cache: 4 layers, `pages` pages of 16 tokens, 2 heads x

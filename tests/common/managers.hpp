@@ -12,7 +12,7 @@
 #include <string>
 #include <utility>
 
-#include "mstar/kv/fault_injection.hpp"
+#include "mstar/kv/engines/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
 
 namespace mstar::kv::testing {

@@ -80,10 +80,10 @@ NetNamespaces::NetNamespaces(Shape shape, const std::string& prefix) {
              "ip -n " + ns_r() + " link set lo up",
              "ip netns exec " + ns_r() + " sysctl -qw net.ipv4.ip_forward=1"};
   }
-  steps.insert(steps.end(), {"ip -n " + ns_a() + " link set " + veth_a_ + " up",
-                             "ip -n " + ns_b() + " link set " + veth_b_ + " up",
-                             "ip -n " + ns_a() + " link set lo up",
-                             "ip -n " + ns_b() + " link set lo up"});
+  steps.insert(steps.end(),
+               {"ip -n " + ns_a() + " link set " + veth_a_ + " up",
+                "ip -n " + ns_b() + " link set " + veth_b_ + " up",
+                "ip -n " + ns_a() + " link set lo up", "ip -n " + ns_b() + " link set lo up"});
   if (shape == Shape::kRouted) {
     steps.insert(steps.end(), {"ip -n " + ns_a() + " route add default via 10.231.1.2",
                                "ip -n " + ns_b() + " route add default via 10.231.2.2"});

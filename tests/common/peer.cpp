@@ -74,12 +74,18 @@ PeerArgs parse_peer_args(int argc, char** argv, const std::set<std::string>& fla
     }
     if (i + 1 >= argc) throw std::runtime_error("argument " + k + " has no value");
     const std::string v = argv[++i];
-    if (k == "--engine") a.engine = v;
-    else if (k == "--layout") layout = v;
-    else if (k == "--tokens") a.tokens = std::stoull(v);
-    else if (k == "--seed") a.seed = std::stoull(v);
-    else if (k == "--scatter") a.scatter = std::stoull(v);
-    else if (k == "--lease-ms") a.lease = std::chrono::milliseconds(std::stoll(v));
+    if (k == "--engine")
+      a.engine = v;
+    else if (k == "--layout")
+      layout = v;
+    else if (k == "--tokens")
+      a.tokens = std::stoull(v);
+    else if (k == "--seed")
+      a.seed = std::stoull(v);
+    else if (k == "--scatter")
+      a.scatter = std::stoull(v);
+    else if (k == "--lease-ms")
+      a.lease = std::chrono::milliseconds(std::stoll(v));
     else if (k == "--extra") {
       const auto eq = v.find('=');
       a.options.extra[v.substr(0, eq)] = eq == std::string::npos ? "" : v.substr(eq + 1);

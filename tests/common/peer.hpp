@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/layout.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/core/layout.hpp"
 #include "mstar/kv/manager.hpp"
 #include "testkit/child.hpp"
 

@@ -11,11 +11,16 @@ namespace {
 
 std::vector<std::string> peer_args(const PeerSpec& spec) {
   std::vector<std::string> args = {KV_CONFORMANCE_PEER_PATH,
-                                   "--engine", spec.engine,
-                                   "--layout", layout_arg(spec.layout),
-                                   "--tokens", std::to_string(spec.tokens),
-                                   "--seed", std::to_string(spec.seed),
-                                   "--scatter", std::to_string(spec.scatter_seed)};
+                                   "--engine",
+                                   spec.engine,
+                                   "--layout",
+                                   layout_arg(spec.layout),
+                                   "--tokens",
+                                   std::to_string(spec.tokens),
+                                   "--seed",
+                                   std::to_string(spec.seed),
+                                   "--scatter",
+                                   std::to_string(spec.scatter_seed)};
   if (spec.lease_ms >= 0) {
     args.push_back("--lease-ms");
     args.push_back(std::to_string(spec.lease_ms));

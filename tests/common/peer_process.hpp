@@ -19,11 +19,11 @@
 namespace mstar::kv::testing {
 
 struct PeerSpec {
-  std::string engine;          // "shm", "ucx", "mooncake", "cuda_ipc"
+  std::string engine;  // "shm", "ucx", "mooncake", "cuda_ipc"
   KVLayout layout;
   std::uint64_t tokens = 0;
   std::uint64_t seed = 1;
-  std::uint64_t scatter_seed = 7;  // 0: contiguous pages
+  std::uint64_t scatter_seed = 7;            // 0: contiguous pages
   std::map<std::string, std::string> env;    // extra environment for the child
   std::map<std::string, std::string> extra;  // EngineOptions.extra
   long long lease_ms = -1;                   // >= 0: the pool's lease

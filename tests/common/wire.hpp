@@ -7,7 +7,7 @@
 
 #include <string>
 
-#include "mstar/kv/layout.hpp"
+#include "mstar/kv/core/layout.hpp"
 #include "testkit/seq_line.hpp"
 
 namespace mstar::kv::testing {

@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "mstar/kv/util/status.hpp"
 #include "util/auth.hpp"
-#include "mstar/kv/status.hpp"
 
 namespace mstar::kv::auth {
 namespace {
@@ -52,18 +52,21 @@ TEST(Auth, HmacSha256Rfc4231) {
                             bytes("Test Using Larger Than Block-Size Key - Hash Key First"))),
             "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
   // Test case 7: both long.
-  EXPECT_EQ(hex(hmac_sha256(
-                bytes(std::string(131, '\xaa')),
-                bytes("This is a test using a larger than block-size key and a larger than "
-                      "block-size data. The key needs to be hashed before being used by the "
-                      "HMAC algorithm."))),
-            "9b09ffa71b942fcb27635fbcd5b0e944bfdc63644f0713938a7f51535c3a35e2");
+  EXPECT_EQ(
+      hex(hmac_sha256(bytes(std::string(131, '\xaa')),
+                      bytes("This is a test using a larger than block-size key and a larger than "
+                            "block-size data. The key needs to be hashed before being used by the "
+                            "HMAC algorithm."))),
+      "9b09ffa71b942fcb27635fbcd5b0e944bfdc63644f0713938a7f51535c3a35e2");
 }
 
 TEST(Auth, ConstantTimeEqual) {
-  EXPECT_TRUE(constant_time_equal(std::string("secret-token-0123"), std::string("secret-token-0123")));
-  EXPECT_FALSE(constant_time_equal(std::string("secret-token-0123"), std::string("secret-token-0124")));
-  EXPECT_FALSE(constant_time_equal(std::string("Xecret-token-0123"), std::string("secret-token-0123")));
+  EXPECT_TRUE(
+      constant_time_equal(std::string("secret-token-0123"), std::string("secret-token-0123")));
+  EXPECT_FALSE(
+      constant_time_equal(std::string("secret-token-0123"), std::string("secret-token-0124")));
+  EXPECT_FALSE(
+      constant_time_equal(std::string("Xecret-token-0123"), std::string("secret-token-0123")));
   EXPECT_FALSE(constant_time_equal(std::string("secret"), std::string("secret-token-0123")));
   EXPECT_FALSE(constant_time_equal(std::string(""), std::string("x")));
   EXPECT_TRUE(constant_time_equal(std::string(""), std::string("")));

@@ -7,11 +7,11 @@
 #include <utility>
 #include <vector>
 
-#include "core/codec.hpp"
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/status.hpp"
 #include "common/expectations.hpp"
 #include "common/layouts.hpp"
+#include "core/codec.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -291,9 +291,8 @@ TEST(Descriptor, LayoutBytesOfTheFirstTwoOrdersAreUnchanged) {
   // 2 layers, 4 pages, 16 tokens, 1 head, 64 dims, bf16 (2), has_v, order,
   // page order, total_kv_heads 0, first_kv_head 0; little-endian.
   auto golden = [](std::uint8_t order, std::uint8_t page_order) {
-    return std::vector<std::uint8_t>{2, 0, 0, 0, 4, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0,
-                                     64, 0, 0, 0, 2, 1, order, page_order,
-                                     0, 0, 0, 0, 0, 0, 0, 0};
+    return std::vector<std::uint8_t>{2,  0, 0, 0, 4, 0, 0,     0,          16, 0, 0, 0, 1, 0, 0, 0,
+                                     64, 0, 0, 0, 2, 1, order, page_order, 0,  0, 0, 0, 0, 0, 0, 0};
   };
   for (auto [co, po] : {std::pair{CacheOrder::kLayerMajor, PageOrder::kNHD},
                         std::pair{CacheOrder::kPageMajor, PageOrder::kHND}}) {

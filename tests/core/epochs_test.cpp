@@ -4,7 +4,7 @@
 #include <numeric>
 #include <vector>
 
-#include "mstar/kv/epochs.hpp"
+#include "mstar/kv/core/epochs.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -31,14 +31,13 @@ TEST(PageEpochs, StampAndCheckBeforeAndAfter) {
   EXPECT_TRUE(is_page_epoch_failure(Status(s.code(), "read of 3 bytes failed: " + s.message())));
   EXPECT_FALSE(is_page_epoch_failure(Status(StatusCode::kStaleDescriptor, "generation 7")));
   // A page outside the table never passes.
-  EXPECT_EQ(check_page_epochs(words.data(), 8, std::vector<std::uint32_t>{8}, 0, "x", false)
-                .code(),
+  EXPECT_EQ(check_page_epochs(words.data(), 8, std::vector<std::uint32_t>{8}, 0, "x", false).code(),
             StatusCode::kStaleDescriptor);
 }
 
 TEST(PageEpochs, RemotePagesOfAReadEachOnceSmallAndLarge) {
-  const std::vector<KVReadInfo> small = {read_of(3), read_of(1), read_of(3), read_of(-1),
-                                         read_of(99), read_of(1)};
+  const std::vector<KVReadInfo> small = {read_of(3),  read_of(1),  read_of(3),
+                                         read_of(-1), read_of(99), read_of(1)};
   EXPECT_EQ(remote_pages_of(small, 8), (std::vector<std::uint32_t>{3, 1, 0xFFFFFFFFu}));
   std::vector<KVReadInfo> large;
   for (int layer = 0; layer < 32; ++layer) {
@@ -61,7 +60,8 @@ namespace {
 class CopyMirror final : public EpochMirror {
  public:
   explicit CopyMirror(std::size_t n) : copy(n, 0) {}
-  void push(const std::uint64_t* words, std::span<const std::uint32_t> pages) const noexcept override {
+  void push(const std::uint64_t* words,
+            std::span<const std::uint32_t> pages) const noexcept override {
     for (std::uint32_t p : pages) copy[p] = words[p];
     ++pushes;
   }

@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "mstar/kv/future.hpp"
+#include "mstar/kv/core/future.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -154,7 +154,6 @@ TEST(Status, ScopesGroupWhatMustBeTornDown) {
   EXPECT_EQ(Status(StatusCode::kShutdown, "").scope(), FailureScope::kEngine);
   EXPECT_EQ(Status(StatusCode::kRetryLater, "").scope(), FailureScope::kNone);
 }
-
 
 // Found by an adopter: a promise destroyed unresolved left its future
 // waiting forever.

@@ -15,9 +15,9 @@
 #include <random>
 #include <vector>
 
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/status.hpp"
 #include "common/layouts.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -26,9 +26,9 @@ constexpr std::uint8_t kSentinel = 0xEE;
 constexpr CacheOrder kOrders[] = {CacheOrder::kLayerMajor, CacheOrder::kPageMajor,
                                   CacheOrder::kLayerPage};
 
-KVLayout geo(std::uint32_t page_size, std::uint32_t heads, std::uint32_t first,
-             std::uint32_t total, PageOrder po = PageOrder::kNHD,
-             CacheOrder co = CacheOrder::kLayerMajor, std::uint32_t pages = 40) {
+KVLayout geo(std::uint32_t page_size, std::uint32_t heads, std::uint32_t first, std::uint32_t total,
+             PageOrder po = PageOrder::kNHD, CacheOrder co = CacheOrder::kLayerMajor,
+             std::uint32_t pages = 40) {
   KVLayout l = testing::make_layout(3, pages, page_size, heads, 4, DType::kBFloat16, co, po);
   l.first_kv_head = first;
   l.total_kv_heads = total;
@@ -60,7 +60,9 @@ struct Side {
 // A remote cache whose every (layer, kv, token, head) of the sequence holds
 // value(); the rest of it is 0.
 Side remote_side(const KVLayout& l, std::uint64_t tokens, std::uint64_t seed) {
-  Side s{l, table(static_cast<std::uint32_t>((tokens + l.page_size - 1) / l.page_size), l.num_pages, seed),
+  Side s{l,
+         table(static_cast<std::uint32_t>((tokens + l.page_size - 1) / l.page_size), l.num_pages,
+               seed),
          std::vector<std::uint8_t>(l.total_bytes(), 0)};
   const std::uint64_t hb = l.head_bytes();
   for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
@@ -110,10 +112,11 @@ void apply(const CopyPlan& plan, const Side& remote, Side& local) {
 void check_pull(const KVLayout& local_layout, std::uint64_t start, std::uint64_t end,
                 const std::vector<std::pair<KVLayout, std::pair<std::uint32_t, std::uint32_t>>>& rs,
                 std::uint64_t* spans_out = nullptr) {
-  Side local{local_layout,
-             table(static_cast<std::uint32_t>((end + local_layout.page_size - 1) / local_layout.page_size),
-                   local_layout.num_pages, 99),
-             std::vector<std::uint8_t>(local_layout.total_bytes(), kSentinel)};
+  Side local{
+      local_layout,
+      table(static_cast<std::uint32_t>((end + local_layout.page_size - 1) / local_layout.page_size),
+            local_layout.num_pages, 99),
+      std::vector<std::uint8_t>(local_layout.total_bytes(), kSentinel)};
   std::uint64_t spans = 0;
   for (std::size_t i = 0; i < rs.size(); ++i) {
     const Side remote = remote_side(rs[i].first, end, 7 + i);
@@ -214,11 +217,11 @@ TEST(Geometry, LatentCacheIsPulledWholeFromAnyPeer) {
 }
 
 TEST(Geometry, PageSizesThatDifferMapTokensByPosition) {
-  const std::pair<std::uint32_t, std::uint32_t> pairs[] = {
-      {16, 64}, {64, 16}, {16, 128}, {128, 16}, {16, 24}, {24, 16}, {7, 5}};
+  const std::pair<std::uint32_t, std::uint32_t> pairs[] = {{16, 64}, {64, 16}, {16, 128}, {128, 16},
+                                                           {16, 24}, {24, 16}, {7, 5}};
   for (auto [lps, rps] : pairs) {
-    for (auto [start, end] : {std::pair<std::uint64_t, std::uint64_t>{0, 250},
-                              {20, 250}, {63, 129}, {5, 6}}) {
+    for (auto [start, end] :
+         {std::pair<std::uint64_t, std::uint64_t>{0, 250}, {20, 250}, {63, 129}, {5, 6}}) {
       SCOPED_TRACE(std::to_string(lps) + " <- " + std::to_string(rps) + " tokens [" +
                    std::to_string(start) + ", " + std::to_string(end) + ")");
       check_pull(geo(lps, 2, 0, 2, PageOrder::kNHD, CacheOrder::kLayerMajor, 60), start, end,
@@ -308,8 +311,7 @@ TEST(Geometry, CombinationsThatCannotWorkAreRefusedNamingTheField) {
   refused(geo(16, 4, 0, 8), geo(16, 4, 4, 8), StatusCode::kIncompatibleLayout,
           "the remote cache holds KV heads [4, 8) of 8, the read needs [0, 4)");
   // Another model's head count.
-  refused(geo(16, 4, 0, 8), geo(16, 16, 0, 16), StatusCode::kIncompatibleLayout,
-          "total_kv_heads");
+  refused(geo(16, 4, 0, 8), geo(16, 16, 0, 16), StatusCode::kIncompatibleLayout, "total_kv_heads");
   KVLayout other = geo(16, 8, 0, 8);
   other.head_dim = 8;
   refused(geo(16, 8, 0, 8), other, StatusCode::kIncompatibleLayout, "head_dim");

@@ -3,8 +3,8 @@
 
 #include <string>
 
+#include "mstar/kv/util/status.hpp"
 #include "util/host_port.hpp"
-#include "mstar/kv/status.hpp"
 
 namespace mstar::kv {
 namespace {

@@ -5,11 +5,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/layout.hpp"
-#include "mstar/kv/status.hpp"
 #include "common/expectations.hpp"
 #include "common/layouts.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/layout.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -60,9 +60,9 @@ TEST(KVLayout, LayerPageOffsetsHandComputed) {
   const KVLayout l = small(CacheOrder::kLayerPage, PageOrder::kNHD);
   // [layer][page][k|v]: ((1*4 + 2)*2 + 1) * 128
   EXPECT_EQ(l.block_offset(1, KV::kValue, 2), 1664u);
-  EXPECT_EQ(l.block_offset(0, KV::kValue, 0), 128u);   // V right after K of its page
-  EXPECT_EQ(l.block_offset(0, KV::kKey, 1), 256u);     // the next page after them
-  EXPECT_EQ(l.block_offset(1, KV::kKey, 0), 1024u);    // the next layer after all pages
+  EXPECT_EQ(l.block_offset(0, KV::kValue, 0), 128u);  // V right after K of its page
+  EXPECT_EQ(l.block_offset(0, KV::kKey, 1), 256u);    // the next page after them
+  EXPECT_EQ(l.block_offset(1, KV::kKey, 0), 1024u);   // the next layer after all pages
 }
 
 // Every (layer, k|v, page, token, head) row lies where the 6-D view
@@ -88,9 +88,15 @@ TEST(KVLayout, OffsetsAreTheViewShapesContiguousIndex) {
                   const std::uint64_t p1 = po == PageOrder::kNHD ? h : t;
                   std::array<std::uint64_t, 3> outer{};
                   switch (co) {
-                    case CacheOrder::kLayerMajor: outer = {layer, kv, page}; break;
-                    case CacheOrder::kPageMajor: outer = {page, layer, kv}; break;
-                    case CacheOrder::kLayerPage: outer = {layer, page, kv}; break;
+                    case CacheOrder::kLayerMajor:
+                      outer = {layer, kv, page};
+                      break;
+                    case CacheOrder::kPageMajor:
+                      outer = {page, layer, kv};
+                      break;
+                    case CacheOrder::kLayerPage:
+                      outer = {layer, page, kv};
+                      break;
                   }
                   const std::array<std::uint64_t, 6> idx{outer[0], outer[1], outer[2], p0, p1, 0};
                   std::uint64_t flat = 0;

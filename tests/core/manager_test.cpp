@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/kv.hpp"
 #include "common/layouts.hpp"
+#include "mstar/kv/kv.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -60,8 +60,9 @@ TEST(KVTransferManager, AroundAGivenEngineNeedsACacheAnEngineAndAPositiveTimeout
     }
     return StatusCode::kOk;
   };
-  EXPECT_EQ(code_of([&] { KVTransferManager m(nullptr, std::make_unique<LocalOnlyKVTransferEngine>()); }),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      code_of([&] { KVTransferManager m(nullptr, std::make_unique<LocalOnlyKVTransferEngine>()); }),
+      StatusCode::kInvalidArgument);
   EXPECT_EQ(code_of([&] { KVTransferManager m(c, nullptr); }), StatusCode::kInvalidArgument);
   EXPECT_EQ(code_of([&] {
               KVTransferManager m(c, std::make_unique<LocalOnlyKVTransferEngine>(),
@@ -123,8 +124,11 @@ TEST(KVTransferManager, EveryEngineRejectsUnknownKeysOfItsPrefix) {
        MemoryKind::kHost},
   };
   const std::map<std::string, std::string> others = {
-      {"auth_token", "a-shared-secret-of-24b"}, {"shm_x", "1"}, {"cuda_ipc_x", "1"},
-      {"ucx_x", "1"},           {"mooncake_x", "1"},
+      {"auth_token", "a-shared-secret-of-24b"},
+      {"shm_x", "1"},
+      {"cuda_ipc_x", "1"},
+      {"ucx_x", "1"},
+      {"mooncake_x", "1"},
   };
   for (const Case& c : cases) {
     if (!has(c.engine)) continue;

@@ -3,10 +3,10 @@
 
 #include <cstring>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/pattern.hpp"
-#include "mstar/kv/status.hpp"
 #include "common/layouts.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/testing/pattern.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -47,8 +47,8 @@ TEST(Pattern, IsIndependentOfPhysicalPlacementAndOrder) {
   EXPECT_TRUE(vc.ok()) << vc.first_mismatch;
   EXPECT_EQ(vc.checksum, va.checksum);
   const KVLayout& l = c->layout();
-  const std::uint64_t v_row = (1u * 8 + 2) * 2 * l.block_bytes() + l.block_bytes() +
-                              l.in_block_offset(1, 2);
+  const std::uint64_t v_row =
+      (1u * 8 + 2) * 2 * l.block_bytes() + l.block_bytes() + l.in_block_offset(1, 2);
   EXPECT_EQ(std::memcmp(c->base() + v_row,
                         a->base() + a->layout().block_offset(1, KV::kValue, 1) +
                             a->layout().in_block_offset(1, 2),

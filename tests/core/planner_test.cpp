@@ -7,11 +7,11 @@
 #include <utility>
 #include <vector>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/pattern.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/status.hpp"
 #include "common/layouts.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/testing/pattern.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -98,15 +98,15 @@ TEST(PlanReads, EmptyRangeIsNoWorkButIsValidated) {
 
 TEST(PlanReads, RejectsBadArguments) {
   const KVLayout l = layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
-  expect_error([&] { plan_reads(l, 9, 2, iota(3), iota(3)); },
-               StatusCode::kInvalidArgument, "start_len 9 is greater than end_len 2");
-  expect_error([&] { plan_reads(l, 0, 9, iota(2), iota(3)); },
-               StatusCode::kInvalidArgument, "local page table has 2 entries");
-  expect_error([&] { plan_reads(l, 0, 9, iota(3), iota(2)); },
-               StatusCode::kInvalidArgument, "remote page table has 2 entries");
+  expect_error([&] { plan_reads(l, 9, 2, iota(3), iota(3)); }, StatusCode::kInvalidArgument,
+               "start_len 9 is greater than end_len 2");
+  expect_error([&] { plan_reads(l, 0, 9, iota(2), iota(3)); }, StatusCode::kInvalidArgument,
+               "local page table has 2 entries");
+  expect_error([&] { plan_reads(l, 0, 9, iota(3), iota(2)); }, StatusCode::kInvalidArgument,
+               "remote page table has 2 entries");
   std::vector<std::uint32_t> bad = {0, 16, 2};
-  expect_error([&] { plan_reads(l, 0, 9, bad, iota(3)); },
-               StatusCode::kInvalidArgument, "local page 16 (table entry 1) out of range [0, 16)");
+  expect_error([&] { plan_reads(l, 0, 9, bad, iota(3)); }, StatusCode::kInvalidArgument,
+               "local page 16 (table entry 1) out of range [0, 16)");
   // A local page named twice: the table entries, not "read N".
   std::vector<std::uint32_t> twice = {5, 7, 5};
   expect_error([&] { plan_reads(l, 0, 9, twice, iota(3)); }, StatusCode::kInvalidArgument,
@@ -141,13 +141,23 @@ TEST(PlanCopies, RejectsEveryBadRead) {
     std::vector<KVReadInfo> v{ri};
     return plan_copies(l, r, v);
   };
-  expect_error([&] { one({3, 0, 0, 0, 4}); }, StatusCode::kInvalidArgument,
-               "layer 3 out of range [0, 3)");
+  expect_error(
+      [&] {
+        one({3, 0, 0, 0, 4});
+      },
+      StatusCode::kInvalidArgument, "layer 3 out of range [0, 3)");
   expect_error([&] { one({-1, 0, 0, 0, 4}); }, StatusCode::kInvalidArgument, "layer -1");
-  expect_error([&] { one({0, 16, 0, 0, 4}); }, StatusCode::kInvalidArgument,
-               "local page 16 out of range [0, 16)");
-  expect_error([&] { one({0, 0, 8, 0, 4}); }, StatusCode::kInvalidArgument,
-               "read_info[0]: remote page 8 out of range [0, 8) in remote cache");
+  expect_error(
+      [&] {
+        one({0, 16, 0, 0, 4});
+      },
+      StatusCode::kInvalidArgument, "local page 16 out of range [0, 16)");
+  expect_error(
+      [&] {
+        one({0, 0, 8, 0, 4});
+      },
+      StatusCode::kInvalidArgument,
+      "read_info[0]: remote page 8 out of range [0, 8) in remote cache");
   expect_error([&] { one({0, 0, 0, 2, 2}); }, StatusCode::kInvalidArgument, "token range [2, 2)");
   expect_error([&] { one({0, 0, 0, 0, 5}); }, StatusCode::kInvalidArgument, "<= 4");
   expect_error([&] { one({0, 0, 0, -1, 3}); }, StatusCode::kInvalidArgument, "token range [-1, 3)");
@@ -157,10 +167,16 @@ TEST(PlanCopies, RejectsEveryBadRead) {
   // Page sizes may differ (tokens map by position), but the
   // remote tokens must fit in the remote page.
   r.page_size = 2;
-  expect_error([&] { one({0, 0, 0, 0, 4}); }, StatusCode::kInvalidArgument,
-               "do not fit in a remote page of 2 tokens");
-  expect_error([&] { one({0, 0, 0, 0, 2, /*remote_token_start=*/1}); },
-               StatusCode::kInvalidArgument, "remote tokens [1, 3)");
+  expect_error(
+      [&] {
+        one({0, 0, 0, 0, 4});
+      },
+      StatusCode::kInvalidArgument, "do not fit in a remote page of 2 tokens");
+  expect_error(
+      [&] {
+        one({0, 0, 0, 0, 2, /*remote_token_start=*/1});
+      },
+      StatusCode::kInvalidArgument, "remote tokens [1, 3)");
   r.page_size = l.page_size;
   r.head_dim = l.head_dim * 2;
   expect_error([&] { one({0, 0, 0, 0, 4}); }, StatusCode::kIncompatibleLayout, "head_dim");
@@ -199,9 +215,9 @@ TEST(PlanCopies, LayerPageContiguousIsOneCopyPerLayer) {
   ASSERT_EQ(plan.spans.size(), 3u);
   EXPECT_EQ(plan.uncoalesced_spans, 8u * 3 * 2);
   for (std::uint32_t layer = 0; layer < 3; ++layer) {
-    EXPECT_EQ(plan.spans[layer], (CopySpan{l.block_offset(layer, KV::kKey, 2),
-                                           l.block_offset(layer, KV::kKey, 5),
-                                           8 * 2 * l.block_bytes()}));
+    EXPECT_EQ(plan.spans[layer],
+              (CopySpan{l.block_offset(layer, KV::kKey, 2), l.block_offset(layer, KV::kKey, 5),
+                        8 * 2 * l.block_bytes()}));
   }
   auto whole = plan_copies(l, l, plan_reads(l, 0, 64, iota(16), iota(16)));
   ASSERT_EQ(whole.spans.size(), 3u);
@@ -337,12 +353,11 @@ std::string orders_name(
 
 INSTANTIATE_TEST_SUITE_P(
     AllOrders, CopyThroughPlanner,
-    ::testing::Combine(::testing::Values(CacheOrder::kLayerMajor, CacheOrder::kPageMajor,
-                                         CacheOrder::kLayerPage),
-                     ::testing::Values(PageOrder::kNHD, PageOrder::kHND),
-                     ::testing::Values(CacheOrder::kLayerMajor, CacheOrder::kPageMajor,
-                                       CacheOrder::kLayerPage),
-                     ::testing::Values(PageOrder::kNHD, PageOrder::kHND)),
+    ::testing::Combine(
+        ::testing::Values(CacheOrder::kLayerMajor, CacheOrder::kPageMajor, CacheOrder::kLayerPage),
+        ::testing::Values(PageOrder::kNHD, PageOrder::kHND),
+        ::testing::Values(CacheOrder::kLayerMajor, CacheOrder::kPageMajor, CacheOrder::kLayerPage),
+        ::testing::Values(PageOrder::kNHD, PageOrder::kHND)),
     orders_name);
 
 }  // namespace

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "common/layouts.hpp"
-#include "mstar/kv/pool.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/pool.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {

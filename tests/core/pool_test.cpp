@@ -6,9 +6,9 @@
 #include <set>
 #include <thread>
 
-#include "mstar/kv/pool.hpp"
-#include "mstar/kv/status.hpp"
 #include "common/layouts.hpp"
+#include "mstar/kv/core/pool.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -119,7 +119,7 @@ TEST(KVCachePool, DoneFreesOnlyTheSequenceOfThatEpoch) {
   pool.allocate(1, 16);
   const std::uint64_t e1 = pool.publish(1).kv_transfer_info.epoch;
   pool.release(1);
-  pool.allocate(1, 16);  // the same id, a new request
+  pool.allocate(1, 16);            // the same id, a new request
   EXPECT_FALSE(pool.done(1, e1));  // a late done for the old one
   EXPECT_TRUE(pool.contains(1));
   EXPECT_TRUE(pool.done(1, pool.publish(1).kv_transfer_info.epoch));
@@ -168,8 +168,8 @@ TEST(KVCachePool, LeaseZeroNeverExpires) {
 // Found by an adopter: allocate(seq, UINT64_MAX) wrapped the page count to 0.
 TEST(KVCachePool, HugeTokenCountIsRejectedNotWrapped) {
   KVCachePool pool(cache(4), {});
-  for (std::uint64_t n : {~std::uint64_t{0}, ~std::uint64_t{0} - 1, ~std::uint64_t{0} - 2,
-                          std::uint64_t{65}}) {
+  for (std::uint64_t n :
+       {~std::uint64_t{0}, ~std::uint64_t{0} - 1, ~std::uint64_t{0} - 2, std::uint64_t{65}}) {
     try {
       pool.allocate(1, n);
       FAIL() << n;
@@ -257,8 +257,8 @@ TEST(KVCachePool, AdoptTakesTheCallersPagesWithAFreshEpoch) {
 TEST(KVCachePool, AdoptRefusesBadPagesAndChangesNothing) {
   auto c = cache(8);
   KVCachePool pool(c, {});
-  const auto held = pool.allocate(1, 16);          // page 0
-  const auto loose = pool.allocate_pages(1);       // page 1
+  const auto held = pool.allocate(1, 16);     // page 0
+  const auto loose = pool.allocate_pages(1);  // page 1
   struct Case {
     std::vector<std::uint32_t> pages;
     std::uint64_t tokens;

@@ -7,12 +7,12 @@
 #include <chrono>
 #include <cstdio>
 
-#include "mstar/kv/manager.hpp"
-#include "mstar/kv/pool.hpp"
-#include "mstar/kv/readiness.hpp"
-#include "mstar/kv/status.hpp"
 #include "common/expectations.hpp"
 #include "common/layouts.hpp"
+#include "mstar/kv/core/pool.hpp"
+#include "mstar/kv/core/readiness.hpp"
+#include "mstar/kv/manager.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -64,7 +64,8 @@ TEST_F(LayerReadiness, GoingBackwardsOrBeyondTheLayersIsRefusedNamingBothValues)
   const auto pages = pool.allocate(1, 40);
   pool.publish(1, 0);
   pool.mark_layers_ready(1, 3);
-  auto m = testing::expect_error([&] { pool.mark_layers_ready(1, 2); }, StatusCode::kInvalidArgument);
+  auto m =
+      testing::expect_error([&] { pool.mark_layers_ready(1, 2); }, StatusCode::kInvalidArgument);
   EXPECT_NE(m.find("2 layers ready would go backwards from 3"), std::string::npos) << m;
   m = testing::expect_error([&] { pool.mark_layers_ready(1, 5); }, StatusCode::kInvalidArgument);
   EXPECT_NE(m.find("5 layers ready is beyond the layout's 4 layers"), std::string::npos) << m;
@@ -94,8 +95,8 @@ TEST_F(LayerReadiness, TheReaderRefusesValuesBeyondTheLayersOrGoingBackwards) {
   const auto pages = pool.allocate(1, 40);
   const auto epoch = pool.publish(1, 2).kv_transfer_info.epoch;
   std::uint32_t got = 0;
-  EXPECT_EQ(check_layer_readiness(c->readiness().words(), c->epochs().words(), 8, pages, epoch,
-                                  4, 3, &got)
+  EXPECT_EQ(check_layer_readiness(c->readiness().words(), c->epochs().words(), 8, pages, epoch, 4,
+                                  3, &got)
                 .code(),
             StatusCode::kCorruptDescriptor);
   c->readiness().stamp(std::vector<std::uint32_t>{pages[1]}, 6);  // behind the pool's back
@@ -106,8 +107,8 @@ TEST_F(LayerReadiness, TheReaderRefusesValuesBeyondTheLayersOrGoingBackwards) {
       << s.message();
   EXPECT_EQ(got, 0u) << "set on failure";
   c->readiness().stamp(std::vector<std::uint32_t>{pages[1]}, 1);  // the minimum counts
-  ASSERT_TRUE(check_layer_readiness(c->readiness().words(), c->epochs().words(), 8, pages,
-                                    epoch, 4, 0, &got)
+  ASSERT_TRUE(check_layer_readiness(c->readiness().words(), c->epochs().words(), 8, pages, epoch, 4,
+                                    0, &got)
                   .is_ok());
   EXPECT_EQ(got, 1u);
 }
@@ -122,7 +123,7 @@ TEST_F(LayerReadiness, TheLocalOnlyEngineRefusesToStreamNamingItself) {
   EXPECT_NE(msg.find("'local'"), std::string::npos) << msg;
   m.cleanup();
   testing::expect_error([&] { m.start_streaming_retrieve(0, 20, pages, pages, KVTransferInfo{}); },
-             StatusCode::kShutdown);
+                        StatusCode::kShutdown);
 }
 
 // The cost the owner pays per layer of a forward pass (printed; the issue

@@ -12,9 +12,9 @@
 
 #include "common/expectations.hpp"
 #include "common/layouts.hpp"
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/pattern.hpp"
-#include "mstar/kv/planner.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -47,7 +47,8 @@ class Window final : public KVMemory {
 std::vector<std::unique_ptr<KVMemory>> windows(std::vector<std::byte>& buf, std::size_t n,
                                                std::size_t size, std::size_t step) {
   std::vector<std::unique_ptr<KVMemory>> out;
-  for (std::size_t i = 0; i < n; ++i) out.push_back(std::make_unique<Window>(buf.data() + i * step, size));
+  for (std::size_t i = 0; i < n; ++i)
+    out.push_back(std::make_unique<Window>(buf.data() + i * step, size));
   return out;
 }
 
@@ -73,24 +74,41 @@ TEST(RegionMap, PerLayerMapsEachLayerToItsRegion) {
   EXPECT_EQ(m.address(3 * lb + 7), 0x300000u + 7);
   EXPECT_EQ(m.run_bytes(lb - 10, 100), 10u);
   EXPECT_EQ(m.run_bytes(lb, 100), 100u);
-  expect_error([&] { RegionMap::per_layer(l, {1, 2, 3}); }, StatusCode::kInvalidArgument,
-               "needs 4 addresses");
-  expect_error([&] { RegionMap::per_layer(l, {1, 0, 3, 4}); }, StatusCode::kInvalidArgument,
-               "layer 1 is at address 0");
-  expect_error([&] { RegionMap::per_layer(small_layout(CacheOrder::kPageMajor), {1, 2, 3, 4}); },
-               StatusCode::kInvalidArgument, "contiguous");
+  expect_error(
+      [&] {
+        RegionMap::per_layer(l, {1, 2, 3});
+      },
+      StatusCode::kInvalidArgument, "needs 4 addresses");
+  expect_error(
+      [&] {
+        RegionMap::per_layer(l, {1, 0, 3, 4});
+      },
+      StatusCode::kInvalidArgument, "layer 1 is at address 0");
+  expect_error(
+      [&] {
+        RegionMap::per_layer(small_layout(CacheOrder::kPageMajor), {1, 2, 3, 4});
+      },
+      StatusCode::kInvalidArgument, "contiguous");
 }
 
 TEST(RegionMap, DisjointRangesAreCheckedByName) {
-  EXPECT_NO_THROW(check_disjoint({{"a", 100, 10}, {"b", 110, 10}}, StatusCode::kInvalidArgument,
-                                 "test"));
-  expect_error([] { check_disjoint({{"a", 100, 10}, {"b", 105, 10}}, StatusCode::kCorruptDescriptor,
-                                   "test"); },
-               StatusCode::kCorruptDescriptor, "b [0x69, +10) overlaps a [0x64, +10)");
-  expect_error([] { check_disjoint({{"a", 0, 10}}, StatusCode::kInvalidArgument, "t"); },
-               StatusCode::kInvalidArgument, "a [0x0, +10) is at address 0");
-  expect_error([] { check_disjoint({{"a", ~0ull - 4, 10}}, StatusCode::kInvalidArgument, "t"); },
-               StatusCode::kInvalidArgument, "past the end of the address space");
+  EXPECT_NO_THROW(
+      check_disjoint({{"a", 100, 10}, {"b", 110, 10}}, StatusCode::kInvalidArgument, "test"));
+  expect_error(
+      [] {
+        check_disjoint({{"a", 100, 10}, {"b", 105, 10}}, StatusCode::kCorruptDescriptor, "test");
+      },
+      StatusCode::kCorruptDescriptor, "b [0x69, +10) overlaps a [0x64, +10)");
+  expect_error(
+      [] {
+        check_disjoint({{"a", 0, 10}}, StatusCode::kInvalidArgument, "t");
+      },
+      StatusCode::kInvalidArgument, "a [0x0, +10) is at address 0");
+  expect_error(
+      [] {
+        check_disjoint({{"a", ~0ull - 4, 10}}, StatusCode::kInvalidArgument, "t");
+      },
+      StatusCode::kInvalidArgument, "past the end of the address space");
 }
 
 TEST(SplitCache, BlocksLiveInTheirLayersRegion) {
@@ -103,8 +121,7 @@ TEST(SplitCache, BlocksLiveInTheirLayersRegion) {
     std::byte* region = c->region_memory(layer).data();
     EXPECT_EQ(c->regions().base(layer), reinterpret_cast<std::uintptr_t>(region));
     EXPECT_EQ(c->block(layer, KV::kKey, 0).data(), region);
-    EXPECT_EQ(c->block(layer, KV::kValue, 63).data(),
-              region + l.layer_bytes() - l.block_bytes());
+    EXPECT_EQ(c->block(layer, KV::kValue, 63).data(), region + l.layer_bytes() - l.block_bytes());
   }
   // A range over three layers comes back as three runs, each in its region.
   std::vector<std::pair<std::uint64_t, std::uint64_t>> runs;
@@ -123,9 +140,11 @@ TEST(SplitCache, RefusesWhatCannotBeOneRegionPerLayer) {
   const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD, 4);
   const std::size_t lb = l.layer_bytes();
   std::vector<std::byte> buf(8 * lb);
-  expect_error([&] { KVCache(small_layout(CacheOrder::kPageMajor, PageOrder::kNHD, 4),
-                             windows(buf, 4, lb, lb)); },
-               StatusCode::kInvalidArgument, "page-major");
+  expect_error(
+      [&] {
+        KVCache(small_layout(CacheOrder::kPageMajor, PageOrder::kNHD, 4), windows(buf, 4, lb, lb));
+      },
+      StatusCode::kInvalidArgument, "page-major");
   expect_error([&] { KVCache(l, windows(buf, 3, lb, lb)); }, StatusCode::kInvalidArgument,
                "needs 4 memories (the layout's num_layers), got 3");
   expect_error([&] { KVCache(l, windows(buf, 4, lb - 1, lb)); }, StatusCode::kInvalidArgument,
@@ -143,7 +162,8 @@ TEST(SplitCache, RefusesWhatCannotBeOneRegionPerLayer) {
                "layer 3 memory is of kind 1");
   // Regions out of order and apart are fine.
   std::vector<std::unique_ptr<KVMemory>> shuffled;
-  for (std::size_t i : {6, 0, 4, 2}) shuffled.push_back(std::make_unique<Window>(buf.data() + i * lb, lb));
+  for (std::size_t i : {6, 0, 4, 2})
+    shuffled.push_back(std::make_unique<Window>(buf.data() + i * lb, lb));
   KVCache ok(l, std::move(shuffled));
   EXPECT_EQ(ok.at(lb), buf.data());
 }
@@ -207,8 +227,8 @@ TEST(PlanLayerFence, NoPlanCrossesALayerOfEitherSide) {
   for (const auto& [local, remote] : pairs) {
     SCOPED_TRACE(local.to_string() + " <- " + remote.to_string());
     for (int round = 0; round < 20; ++round) {
-      const std::uint64_t tokens = std::min(local.num_pages * local.page_size,
-                                            remote.num_pages * remote.page_size);
+      const std::uint64_t tokens =
+          std::min(local.num_pages * local.page_size, remote.num_pages * remote.page_size);
       // Identity tables at first (the case that merges the most), then shuffled.
       std::vector<std::uint32_t> lp = iota_pages(local.num_pages);
       std::vector<std::uint32_t> rp = iota_pages(remote.num_pages);
@@ -245,8 +265,8 @@ TEST(PlanLayerFence, StridedRowsMergeAcrossALayerOnlyWithoutBounds) {
 // Copies a plan between two split caches through their region maps, one
 // address per copy, and checks the result byte for byte.
 TEST(PlanLayerFence, SplitCachesCopyByteExactThroughTheirRegions) {
-  for (auto [lo, ro] : {std::pair{PageOrder::kNHD, PageOrder::kNHD},
-                        std::pair{PageOrder::kHND, PageOrder::kNHD}}) {
+  for (auto [lo, ro] :
+       {std::pair{PageOrder::kNHD, PageOrder::kNHD}, std::pair{PageOrder::kHND, PageOrder::kNHD}}) {
     const KVLayout local = small_layout(CacheOrder::kLayerMajor, lo, 16);
     const KVLayout remote = small_layout(CacheOrder::kLayerMajor, ro, 12);
     auto src = KVCache::create_host_layers(remote);

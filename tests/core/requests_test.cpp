@@ -13,6 +13,7 @@
 
 #include "common/layouts.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -169,7 +170,7 @@ TEST(ManagerRequests, EpochsFollowPublicationsGenerationsAndRemoval) {
   p.owner.remove_request("r");
   for (std::uint32_t page : {3u, 4u, 8u}) EXPECT_EQ(p.epoch(page), 0u) << page;
   EXPECT_FALSE(p.owner.owns_transfer_info(reset, "r", "main"));
-  p.owner.remove_request("r");          // again: nothing
+  p.owner.remove_request("r");           // again: nothing
   p.owner.remove_request("never-seen");  // unknown: nothing
 }
 
@@ -226,18 +227,21 @@ TEST(ManagerRequests, PullReadsOnlyThePublishedTokensWithTheirEpochs) {
   // Tokens [16, 40) arrived; [0, 16) (local page 0) was not asked for.
   EXPECT_TRUE(verify_pattern(*p.reader_cache, 42, local, 16, 40).ok());
   const auto block = p.reader_cache->block(0, KV::kKey, 0);
-  EXPECT_TRUE(std::all_of(block.begin(), block.end(), [](std::byte b) { return b == std::byte{0}; }));
+  EXPECT_TRUE(
+      std::all_of(block.begin(), block.end(), [](std::byte b) { return b == std::byte{0}; }));
   // Empty range: validated, nothing.
   EXPECT_FALSE(p.reader.start_async_retrieve_request(8, 8, local, owner_pages, d).has_value());
   // The descriptor's own pages only, within its tokens, under this key.
   std::string what;
-  EXPECT_EQ(code_of([&] { p.reader.start_async_retrieve_request(0, 41, local, owner_pages, d); }, &what),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      code_of([&] { p.reader.start_async_retrieve_request(0, 41, local, owner_pages, d); }, &what),
+      StatusCode::kInvalidArgument);
   EXPECT_TRUE(has(what, "beyond the 40 tokens request 'r' label 'main' published")) << what;
   const auto wrong = std::vector<std::uint32_t>{9, 3, 5};
   EXPECT_EQ(code_of([&] { p.reader.start_async_retrieve_request(0, 40, local, wrong, d); }, &what),
             StatusCode::kInvalidArgument);
-  EXPECT_TRUE(has(what, "remote_page_indices[1] = 3, but request 'r' label 'main' published page 2"))
+  EXPECT_TRUE(
+      has(what, "remote_page_indices[1] = 3, but request 'r' label 'main' published page 2"))
       << what;
   std::vector<KVReadInfo> foreign{{0, 0, 7, 0, 16}};
   EXPECT_EQ(code_of([&] { p.reader.read_request_async(d, foreign); }, &what),
@@ -249,8 +253,9 @@ TEST(ManagerRequests, PullReadsOnlyThePublishedTokensWithTheirEpochs) {
   EXPECT_TRUE(has(what, "reach token 48, beyond the 40 tokens")) << what;
   KVTransferManager talker(TransferEngineInfo{"decode", "", "shm", {}}, p.reader_cache,
                            ResourceScope{"talker_kv", true});
-  EXPECT_EQ(code_of([&] { talker.start_async_retrieve_request(0, 40, local, owner_pages, d); }, &what),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      code_of([&] { talker.start_async_retrieve_request(0, 40, local, owner_pages, d); }, &what),
+      StatusCode::kInvalidArgument);
   EXPECT_TRUE(has(what, "resource 'kv'")) << what;
   EXPECT_TRUE(has(what, "manager of resource 'talker_kv'")) << what;
 }

@@ -24,8 +24,8 @@
 #include "common/layouts.hpp"
 #include "core/span_table.hpp"
 #include "core/span_walk.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -67,8 +67,8 @@ std::vector<std::byte> random_bytes(std::uint64_t n, std::uint64_t seed) {
 void reference_copy(std::span<const StridedSpan> spans, const std::byte* src, std::byte* dst) {
   for (const StridedSpan& s : spans) {
     for (std::uint64_t r = 0; r < s.rows; ++r) {
-      std::memcpy(dst + s.local_offset + r * s.local_stride, src + s.remote_offset + r * s.remote_stride,
-                  s.length);
+      std::memcpy(dst + s.local_offset + r * s.local_stride,
+                  src + s.remote_offset + r * s.remote_stride, s.length);
     }
   }
 }
@@ -201,16 +201,31 @@ constexpr PageOrder kHND = PageOrder::kHND;
 std::vector<Pull> geometry_cases(CacheOrder lco, CacheOrder rco) {
   std::vector<Pull> v;
   for (std::uint32_t rank : {0u, 1u}) {
-    v.push_back({"TP 1 -> 2", geo(16, 4, rank * 4, 8, kNHD, lco), {{geo(16, 8, 0, 8, kNHD, rco), kAll}}, 0, 100});
+    v.push_back({"TP 1 -> 2",
+                 geo(16, 4, rank * 4, 8, kNHD, lco),
+                 {{geo(16, 8, 0, 8, kNHD, rco), kAll}},
+                 0,
+                 100});
   }
-  v.push_back({"TP 2 -> 1", geo(16, 8, 0, 8, kNHD, lco),
-               {{geo(16, 4, 0, 8, kNHD, rco), {0, 4}}, {geo(16, 4, 4, 8, kHND, rco), {4, 8}}}, 0, 100});
+  v.push_back({"TP 2 -> 1",
+               geo(16, 8, 0, 8, kNHD, lco),
+               {{geo(16, 4, 0, 8, kNHD, rco), {0, 4}}, {geo(16, 4, 4, 8, kHND, rco), {4, 8}}},
+               0,
+               100});
   for (std::uint32_t rank : {0u, 5u}) {
-    v.push_back({"TP 1 -> 8", geo(16, 1, rank, 8, kHND, lco), {{geo(16, 8, 0, 8, kNHD, rco), kAll}}, 0, 100});
+    v.push_back({"TP 1 -> 8",
+                 geo(16, 1, rank, 8, kHND, lco),
+                 {{geo(16, 8, 0, 8, kNHD, rco), kAll}},
+                 0,
+                 100});
   }
-  v.push_back({"TP 2 -> 4", geo(16, 2, 6, 8, kNHD, lco), {{geo(16, 4, 4, 8, kNHD, rco), kAll}}, 0, 100});
-  v.push_back({"page sizes, shards, orders at once", geo(64, 2, 2, 8, kHND, lco),
-               {{geo(16, 4, 0, 8, kNHD, rco, 40), kAll}}, 37, 300});
+  v.push_back(
+      {"TP 2 -> 4", geo(16, 2, 6, 8, kNHD, lco), {{geo(16, 4, 4, 8, kNHD, rco), kAll}}, 0, 100});
+  v.push_back({"page sizes, shards, orders at once",
+               geo(64, 2, 2, 8, kHND, lco),
+               {{geo(16, 4, 0, 8, kNHD, rco, 40), kAll}},
+               37,
+               300});
   KVLayout mla = geo(16, 1, 0, 1, kNHD, lco);
   mla.has_v = false;
   mla.head_dim = 36;  // 72-byte latent rows: not a multiple of 16
@@ -221,13 +236,24 @@ std::vector<Pull> geometry_cases(CacheOrder lco, CacheOrder rco) {
   for (auto [lps, rps] : {std::pair{16u, 64u}, {64u, 16u}, {16u, 24u}, {24u, 16u}, {7u, 5u}}) {
     for (auto [s, e] : {std::pair<std::uint64_t, std::uint64_t>{0, 250}, {63, 129}, {5, 6}}) {
       v.push_back({"page sizes " + std::to_string(lps) + " <- " + std::to_string(rps),
-                   geo(lps, 2, 0, 2, kNHD, lco, 60), {{geo(rps, 2, 0, 2, kHND, rco, 60), kAll}}, s, e});
+                   geo(lps, 2, 0, 2, kNHD, lco, 60),
+                   {{geo(rps, 2, 0, 2, kHND, rco, 60), kAll}},
+                   s,
+                   e});
     }
   }
   for (auto lpo : {kNHD, kHND}) {
     for (auto rpo : {kNHD, kHND}) {
-      v.push_back({"in-page orders, shard", geo(16, 4, 4, 8, lpo, lco), {{geo(16, 8, 0, 8, rpo, rco), kAll}}, 20, 90});
-      v.push_back({"in-page orders", geo(16, 8, 0, 8, lpo, lco), {{geo(16, 8, 0, 8, rpo, rco), kAll}}, 20, 90});
+      v.push_back({"in-page orders, shard",
+                   geo(16, 4, 4, 8, lpo, lco),
+                   {{geo(16, 8, 0, 8, rpo, rco), kAll}},
+                   20,
+                   90});
+      v.push_back({"in-page orders",
+                   geo(16, 8, 0, 8, lpo, lco),
+                   {{geo(16, 8, 0, 8, rpo, rco), kAll}},
+                   20,
+                   90});
     }
   }
   return v;
@@ -239,20 +265,33 @@ std::vector<Pull> conformance_cases(CacheOrder lco, CacheOrder rco) {
   using testing::shard_layout;
   using testing::small_layout;
   std::vector<Pull> v;
-  v.push_back({"full pull, last page partial", small_layout(lco), {{small_layout(rco), kAll}}, 0, 300});
-  v.push_back({"prefix hit mid-page", small_layout(lco, kNHD, 64), {{small_layout(rco), kAll}}, 197, 256});
+  v.push_back(
+      {"full pull, last page partial", small_layout(lco), {{small_layout(rco), kAll}}, 0, 300});
+  v.push_back(
+      {"prefix hit mid-page", small_layout(lco, kNHD, 64), {{small_layout(rco), kAll}}, 197, 256});
   v.push_back({"orders differ", small_layout(lco, kHND), {{small_layout(rco, kNHD), kAll}}, 5, 90});
   const KVLayout owner = shard_layout(16, 8, 0, 8, kHND, rco, 64);
-  v.push_back({"TP 1 -> 2 rank 1, 64-token NHD pages", shard_layout(64, 4, 4, 8, kNHD, lco, 16),
-               {{owner, kAll}}, 0, 300});
+  v.push_back({"TP 1 -> 2 rank 1, 64-token NHD pages",
+               shard_layout(64, 4, 4, 8, kNHD, lco, 16),
+               {{owner, kAll}},
+               0,
+               300});
   v.push_back({"TP 1 -> 8 rank 5, 24-token pages, prefix mid-page",
-               shard_layout(24, 1, 5, 8, kNHD, lco, 20), {{owner, kAll}}, 37, 300});
-  v.push_back({"all heads, 128-token HND pages", shard_layout(128, 8, 0, 8, kHND, lco, 4),
-               {{owner, kAll}}, 0, 300});
-  v.push_back({"TP 2 -> 1 from two peers", shard_layout(64, 8, 0, 8, kNHD, lco, 16),
+               shard_layout(24, 1, 5, 8, kNHD, lco, 20),
+               {{owner, kAll}},
+               37,
+               300});
+  v.push_back({"all heads, 128-token HND pages",
+               shard_layout(128, 8, 0, 8, kHND, lco, 4),
+               {{owner, kAll}},
+               0,
+               300});
+  v.push_back({"TP 2 -> 1 from two peers",
+               shard_layout(64, 8, 0, 8, kNHD, lco, 16),
                {{shard_layout(16, 4, 0, 8, kNHD, rco, 64), {0, 4}},
                 {shard_layout(32, 4, 4, 8, kHND, rco, 32), {4, 8}}},
-               0, 200});
+               0,
+               200});
   return v;
 }
 
@@ -261,7 +300,8 @@ TEST(SpanWalk, EveryGeometryInEveryCacheOrderByteExact) {
   ASSERT_GE(orders.size(), 2u);
   for (CacheOrder lco : orders) {
     for (CacheOrder rco : orders) {
-      SCOPED_TRACE("local " + std::string(to_string(lco)) + ", remote " + std::string(to_string(rco)));
+      SCOPED_TRACE("local " + std::string(to_string(lco)) + ", remote " +
+                   std::string(to_string(rco)));
       for (const Pull& p : geometry_cases(lco, rco)) check_pull(p);
       for (const Pull& p : conformance_cases(lco, rco)) check_pull(p);
     }
@@ -280,16 +320,19 @@ TEST(SpanWalk, LargestPlansOfTheBenchmarkByteExact) {
     return l;
   };
   for (CacheOrder co : cache_orders()) {
-    const std::uint64_t layer_major_spans =
-        check_pull({"Llama-3-8B shape", llama(co, kNHD, 8, 0), {{llama(co, kNHD, 8, 0), kAll}}, 0, 4096}, 132 * 8);
+    const std::uint64_t layer_major_spans = check_pull(
+        {"Llama-3-8B shape", llama(co, kNHD, 8, 0), {{llama(co, kNHD, 8, 0), kAll}}, 0, 4096},
+        132 * 8);
     if (co == CacheOrder::kLayerMajor) {
       EXPECT_EQ(layer_major_spans, 16384u);
     }
   }
   // The geometry changes once (every order pairing is the first test's).
   const CacheOrder co = CacheOrder::kLayerMajor;
-  check_pull({"NHD <- HND", llama(co, kNHD, 8, 0), {{llama(co, kHND, 8, 0), kAll}}, 0, 4096}, 132 * 8);
-  check_pull({"TP 1 -> 2", llama(co, kNHD, 4, 4), {{llama(co, kNHD, 8, 0), kAll}}, 0, 4096}, 132 * 8);
+  check_pull({"NHD <- HND", llama(co, kNHD, 8, 0), {{llama(co, kHND, 8, 0), kAll}}, 0, 4096},
+             132 * 8);
+  check_pull({"TP 1 -> 2", llama(co, kNHD, 4, 4), {{llama(co, kNHD, 8, 0), kAll}}, 0, 4096},
+             132 * 8);
 }
 
 // Spans of every small length, odd offsets and strides, both base pointers
@@ -371,10 +414,10 @@ TEST(SpanWalk, EmptyPlansWalkNothing) {
 TEST(SpanWalk, SpansPastAnEntrysLimitsSplitAndMapRight) {
   constexpr std::uint64_t kGiB = std::uint64_t{1} << 30;
   const std::vector<StridedSpan> spans{
-      {5 * kGiB, 7, 3 * kGiB + 5, 1, 0, 0},                      // one 3 GiB row
+      {5 * kGiB, 7, 3 * kGiB + 5, 1, 0, 0},                            // one 3 GiB row
       {1 << 20, 40 * kGiB, 48, (std::uint64_t{1} << 32) + 3, 64, 96},  // 2^32 + 3 rows
-      {1, 2, 100, 3, 5 * kGiB, 6 * kGiB},                         // strides past 4 GiB
-      {9, 11, 2 * kGiB + 16, 2, 3 * kGiB, 3 * kGiB},              // rows past 2 GiB
+      {1, 2, 100, 3, 5 * kGiB, 6 * kGiB},                              // strides past 4 GiB
+      {9, 11, 2 * kGiB + 16, 2, 3 * kGiB, 3 * kGiB},                   // rows past 2 GiB
   };
   const SpanTable t = walk::make_table(spans);
   EXPECT_EQ(t.size.entries, 2u + 2u + 3u + 4u);
@@ -402,7 +445,8 @@ TEST(SpanWalk, SpansPastAnEntrysLimitsSplitAndMapRight) {
   const std::uint64_t stride = t.table.units / 97 + 1;
   walk::walk_units(t.table, 5, t.table.units, stride, [&](const WalkStep& st) {
     const WalkStep want = walk::locate(t.table, 5 + n * stride);
-    EXPECT_TRUE(st.dst == want.dst && st.src == want.src && st.bytes == want.bytes) << "unit " << 5 + n * stride;
+    EXPECT_TRUE(st.dst == want.dst && st.src == want.src && st.bytes == want.bytes)
+        << "unit " << 5 + n * stride;
     ++n;
   });
   EXPECT_EQ(n, (t.table.units - 5 + stride - 1) / stride);
@@ -412,7 +456,8 @@ TEST(SpanWalk, SpansPastAnEntrysLimitsSplitAndMapRight) {
 // jumps (a thread's next unit 256 entries on) land on the right entry.
 TEST(SpanWalk, ManyTinySpansOnAWideGrid) {
   std::vector<StridedSpan> spans;
-  for (std::uint64_t i = 0; i < 100000; ++i) spans.push_back({i * 8, (i * 7919) % 100000 * 8, 3 + i % 5, 1, 0, 0});
+  for (std::uint64_t i = 0; i < 100000; ++i)
+    spans.push_back({i * 8, (i * 7919) % 100000 * 8, 3 + i % 5, 1, 0, 0});
   const std::vector<std::byte> src = random_bytes(800064, 2);
   std::vector<std::byte> want(800064, kSentinel);
   std::vector<std::byte> got(800064, kSentinel);

@@ -20,7 +20,7 @@
 
 #include "common/layouts.hpp"
 #include "core/staging.hpp"
-#include "mstar/kv/planner.hpp"
+#include "mstar/kv/core/planner.hpp"
 
 namespace mstar::kv::staging {
 namespace {
@@ -130,8 +130,8 @@ struct Outcome {
 // for a random number of rounds (so they arrive out of order); a message
 // that finds no reader buffer waits on the wire.
 Outcome transfer(const Plan& p, const std::vector<std::byte>& remote, SlowCopier& oc,
-                 SlowCopier& rc, std::size_t buffers, std::uint64_t max_bytes,
-                 std::uint64_t seed, int abort_after_round = -1) {
+                 SlowCopier& rc, std::size_t buffers, std::uint64_t max_bytes, std::uint64_t seed,
+                 int abort_after_round = -1) {
   Outcome out;
   out.local.assign(p.local.total_bytes(), std::byte{0xEE});
   const auto messages = split_messages(p.spans, max_bytes, 64);
@@ -207,11 +207,14 @@ TEST(Staging, PipelinesMoveThePlanByteExactWithBoundedBuffers) {
       const Plan p = plan_of(lco, rco, 37);
       const auto remote = random_bytes(p.remote.total_bytes(), 9);
       for (std::size_t buffers : {1u, 2u, 3u}) {
-        for (std::uint64_t max_bytes : {std::uint64_t{1}, std::uint64_t{4096}, std::uint64_t{1} << 20}) {
-          SCOPED_TRACE(std::to_string(buffers) + " buffers, messages of " + std::to_string(max_bytes) + " bytes");
+        for (std::uint64_t max_bytes :
+             {std::uint64_t{1}, std::uint64_t{4096}, std::uint64_t{1} << 20}) {
+          SCOPED_TRACE(std::to_string(buffers) + " buffers, messages of " +
+                       std::to_string(max_bytes) + " bytes");
           SlowCopier oc(3);
           SlowCopier rc(2);
-          const Outcome o = transfer(p, remote, oc, rc, buffers, max_bytes, buffers * 31 + max_bytes);
+          const Outcome o =
+              transfer(p, remote, oc, rc, buffers, max_bytes, buffers * 31 + max_bytes);
           EXPECT_TRUE(o.owner.is_ok()) << o.owner.to_string();
           EXPECT_TRUE(o.reader.is_ok()) << o.reader.to_string();
           EXPECT_TRUE(o.finished);
@@ -300,8 +303,10 @@ TEST(Staging, TheReaderRefusesMessagesItDidNotAskForOrGotTwice) {
 }
 
 TEST(Staging, MessagesSplitByBytesAndSpansAndAreChecked) {
-  const std::vector<StridedSpan> spans{{0, 0, 10, 1, 0, 0}, {0, 0, 10, 3, 20, 20},
-                                       {0, 0, 100, 1, 0, 0}, {0, 0, 5, 1, 0, 0},
+  const std::vector<StridedSpan> spans{{0, 0, 10, 1, 0, 0},
+                                       {0, 0, 10, 3, 20, 20},
+                                       {0, 0, 100, 1, 0, 0},
+                                       {0, 0, 5, 1, 0, 0},
                                        {0, 0, 5, 1, 0, 0}};
   const auto m = split_messages(spans, 40, 2);
   ASSERT_EQ(m.size(), 3u);

@@ -3,11 +3,11 @@
 
 #include <thread>
 
-#include "mstar/kv/local_only.hpp"
-#include "mstar/kv/manager.hpp"
-#include "mstar/kv/log.hpp"
-#include "mstar/kv/stats.hpp"
 #include "common/layouts.hpp"
+#include "mstar/kv/core/stats.hpp"
+#include "mstar/kv/engines/local_only.hpp"
+#include "mstar/kv/manager.hpp"
+#include "mstar/kv/util/log.hpp"
 
 #include <cstdlib>
 
@@ -18,10 +18,10 @@ using namespace std::chrono_literals;
 
 TEST(LatencyHistogram, BucketsByUpperBound) {
   LatencyHistogram h;
-  h.add(0.0);     // <= 1e-6
-  h.add(1e-6);    // <= 1e-6 (bounds are inclusive)
-  h.add(3e-3);    // <= 5e-3
-  h.add(100.0);   // +Inf
+  h.add(0.0);    // <= 1e-6
+  h.add(1e-6);   // <= 1e-6 (bounds are inclusive)
+  h.add(3e-3);   // <= 5e-3
+  h.add(100.0);  // +Inf
   EXPECT_EQ(h.count, 4u);
   EXPECT_EQ(h.buckets[0], 2u);
   EXPECT_EQ(h.buckets[11], 1u);  // 5e-3

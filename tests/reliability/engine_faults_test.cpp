@@ -14,11 +14,12 @@
 #include <thread>
 
 #include "common/engine_cases.hpp"
-#include "common/peer_process.hpp"
-#include "mstar/kv/fault_injection.hpp"
-#include "mstar/kv/kv.hpp"
-#include "reliability/invariants.hpp"
 #include "common/layouts.hpp"
+#include "common/peer_process.hpp"
+#include "mstar/kv/engines/fault_injection.hpp"
+#include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
+#include "reliability/invariants.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -46,15 +47,24 @@ enum class Fault {
 
 std::string fault_name(Fault f) {
   switch (f) {
-    case Fault::kNone: return "none";
-    case Fault::kDelay: return "delay";
-    case Fault::kDrop: return "drop";
-    case Fault::kFailAfterBytes: return "fail_after_bytes";
-    case Fault::kKillBeforeIssue: return "kill_before_issue";
-    case Fault::kKillAfterIssue: return "kill_after_issue";
-    case Fault::kKillDuringRead: return "kill_during_read";
-    case Fault::kDuplicate: return "duplicate";
-    case Fault::kCancel: return "cancel";
+    case Fault::kNone:
+      return "none";
+    case Fault::kDelay:
+      return "delay";
+    case Fault::kDrop:
+      return "drop";
+    case Fault::kFailAfterBytes:
+      return "fail_after_bytes";
+    case Fault::kKillBeforeIssue:
+      return "kill_before_issue";
+    case Fault::kKillAfterIssue:
+      return "kill_after_issue";
+    case Fault::kKillDuringRead:
+      return "kill_during_read";
+    case Fault::kDuplicate:
+      return "duplicate";
+    case Fault::kCancel:
+      return "cancel";
   }
   return "?";
 }
@@ -105,18 +115,33 @@ TEST_P(EngineFaults, InvariantsHoldAfterTheFaultAndOtherPeersAreStillServed) {
     FaultConfig cfg;
     cfg.drop_timeout = 500ms;
     switch (fault) {
-      case Fault::kNone: break;
-      case Fault::kDelay: cfg.delay = 50ms; break;
-      case Fault::kDrop: cfg.drop = true; break;
-      case Fault::kFailAfterBytes: cfg.fail_after_bytes = 100 * l.token_bytes(); break;
-      case Fault::kKillBeforeIssue: cfg.kill_point = KillPoint::kBeforeIssue; break;
-      case Fault::kKillAfterIssue: cfg.kill_point = KillPoint::kAfterIssue; break;
+      case Fault::kNone:
+        break;
+      case Fault::kDelay:
+        cfg.delay = 50ms;
+        break;
+      case Fault::kDrop:
+        cfg.drop = true;
+        break;
+      case Fault::kFailAfterBytes:
+        cfg.fail_after_bytes = 100 * l.token_bytes();
+        break;
+      case Fault::kKillBeforeIssue:
+        cfg.kill_point = KillPoint::kBeforeIssue;
+        break;
+      case Fault::kKillAfterIssue:
+        cfg.kill_point = KillPoint::kAfterIssue;
+        break;
       case Fault::kKillDuringRead:
         cfg.kill_point = KillPoint::kAfterDelay;
         cfg.kill_after = 1ms;
         break;
-      case Fault::kDuplicate: cfg.duplicate_completion = true; break;
-      case Fault::kCancel: cfg.cancel_after = 0ms; break;
+      case Fault::kDuplicate:
+        cfg.duplicate_completion = true;
+        break;
+      case Fault::kCancel:
+        cfg.cancel_after = 0ms;
+        break;
     }
     FaultInjectingEngine e(inner(cache), l, cfg, [&victim] { victim.kill_now(); });
 
@@ -167,7 +192,8 @@ TEST_P(EngineFaults, InvariantsHoldAfterTheFaultAndOtherPeersAreStillServed) {
       }
     }
     if (fault == Fault::kDuplicate) {
-      for (int i = 0; i < 1000 && e.counters().duplicates == 0; ++i) std::this_thread::sleep_for(1ms);
+      for (int i = 0; i < 1000 && e.counters().duplicates == 0; ++i)
+        std::this_thread::sleep_for(1ms);
       EXPECT_EQ(e.counters().duplicates_ignored, e.counters().duplicates);
       EXPECT_EQ(e.counters().duplicates, 1u);
     }

@@ -9,11 +9,12 @@
 #include <cstring>
 #include <thread>
 
-#include "mstar/kv/fault_injection.hpp"
+#include "common/layouts.hpp"
+#include "mstar/kv/engines/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "reliability/inproc_engine.hpp"
 #include "reliability/invariants.hpp"
-#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -38,13 +39,11 @@ struct Rig {
     reads = plan_reads(layout, 0, tokens, lpages, rpages);
   }
 
-  std::unique_ptr<FaultInjectingEngine> wrap(FaultConfig cfg,
-                                             std::chrono::milliseconds pause = 0ms,
+  std::unique_ptr<FaultInjectingEngine> wrap(FaultConfig cfg, std::chrono::milliseconds pause = 0ms,
                                              FaultInjectingEngine::KillHook hook = {}) {
     auto inner = std::make_unique<InProcessEngine>(local, remote, pause);
     inner_ = inner.get();
-    return std::make_unique<FaultInjectingEngine>(std::move(inner), layout, cfg,
-                                                  std::move(hook));
+    return std::make_unique<FaultInjectingEngine>(std::move(inner), layout, cfg, std::move(hook));
   }
   InProcessEngine& inner() { return *inner_; }
   std::uint64_t batch_bytes() const {
@@ -147,8 +146,7 @@ TEST(FaultWrapper, FailAfterNBytesWritesOnlyThePrefixAndFails) {
       {0, {}},
       {bpt - 1, {}},
       {3 * bpt, {{r0.layer_idx, r0.local_page_idx, r0.remote_page_idx, 0, 3}}},
-      {8 * bpt + 2 * bpt + 5,
-       {r0, {r1.layer_idx, r1.local_page_idx, r1.remote_page_idx, 0, 2}}},
+      {8 * bpt + 2 * bpt + 5, {r0, {r1.layer_idx, r1.local_page_idx, r1.remote_page_idx, 0, 2}}},
       {rig.batch_bytes(), rig.reads},
   };
   for (const Case& c : cases) {
@@ -176,7 +174,8 @@ TEST(FaultWrapper, FailAfterNBytesWritesOnlyThePrefixAndFails) {
 }
 
 TEST(FaultWrapper, KillHookRunsAtEachPoint) {
-  for (KillPoint point : {KillPoint::kBeforeIssue, KillPoint::kAfterIssue, KillPoint::kAfterDelay}) {
+  for (KillPoint point :
+       {KillPoint::kBeforeIssue, KillPoint::kAfterIssue, KillPoint::kAfterDelay}) {
     SCOPED_TRACE(static_cast<int>(point));
     Rig rig;
     std::atomic<int> kills{0};

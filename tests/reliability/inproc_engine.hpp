@@ -17,10 +17,10 @@
 #include <mutex>
 #include <thread>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/engine.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/engine.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::testing {
 
@@ -29,8 +29,11 @@ class InProcessEngine final : public KVTransferEngine {
   InProcessEngine(std::shared_ptr<KVCache> local, std::shared_ptr<KVCache> remote,
                   std::chrono::milliseconds pause_per_span = std::chrono::milliseconds(0),
                   std::chrono::milliseconds timeout = std::chrono::milliseconds(5000))
-      : local_(std::move(local)), remote_(std::move(remote)), pause_(pause_per_span),
-        timeout_(timeout), worker_([this] { run(); }) {}
+      : local_(std::move(local)),
+        remote_(std::move(remote)),
+        pause_(pause_per_span),
+        timeout_(timeout),
+        worker_([this] { run(); }) {}
   ~InProcessEngine() override { shutdown(); }
 
   KVTransferInfo get_kv_transfer_info() const override { return {"inproc", {}}; }
@@ -97,7 +100,8 @@ class InProcessEngine final : public KVTransferEngine {
           std::lock_guard<std::mutex> l(mu_);
           if (stop_) st = {StatusCode::kShutdown, "InProcessEngine shut down mid-read"};
         }
-        if (st.is_ok() && job.promise.cancel_requested()) st = {StatusCode::kCancelled, "cancelled"};
+        if (st.is_ok() && job.promise.cancel_requested())
+          st = {StatusCode::kCancelled, "cancelled"};
         if (st.is_ok() && std::chrono::steady_clock::now() > job.deadline) {
           st = {StatusCode::kTimeout, "InProcessEngine read timed out"};
         }
@@ -122,8 +126,8 @@ class InProcessEngine final : public KVTransferEngine {
   const std::chrono::milliseconds timeout_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Job> jobs_;  // guarded by mu_
-  bool stop_ = false;     // guarded by mu_
+  std::deque<Job> jobs_;      // guarded by mu_
+  bool stop_ = false;         // guarded by mu_
   std::uint64_t issued_ = 0;  // guarded by mu_
   std::thread worker_;
 };

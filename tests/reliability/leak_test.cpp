@@ -13,10 +13,10 @@
 #include <thread>
 
 #include "common/engine_cases.hpp"
+#include "common/layouts.hpp"
 #include "common/peer_process.hpp"
 #include "mstar/kv/kv.hpp"
 #include "reliability/invariants.hpp"
-#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -65,10 +65,11 @@ TEST_P(NothingLeftBehind, AfterPullsAndKilledPeers) {
   EXPECT_EQ(testing::ResourceSnapshot::take().leaks_since(before), "");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Engines, NothingLeftBehind,
-    ::testing::ValuesIn(testing::self_contained_cases()),
-    [](const ::testing::TestParamInfo<testing::EngineCase>& p) { return p.param.label; });
+INSTANTIATE_TEST_SUITE_P(Engines, NothingLeftBehind,
+                         ::testing::ValuesIn(testing::self_contained_cases()),
+                         [](const ::testing::TestParamInfo<testing::EngineCase>& p) {
+                           return p.param.label;
+                         });
 
 }  // namespace
 }  // namespace mstar::kv

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace {
 
@@ -133,8 +134,7 @@ class Reader {
       if (!token_.empty()) eo.extra["auth_token"] = token_;
       cache_ = make_kv_cache(l, MemoryKind::kHost);
       manager_ = std::make_unique<KVTransferManager>(
-          TransferEngineInfo{"net_reader", listen_, seq_.info.kv_transfer_info.engine, eo},
-          cache_);
+          TransferEngineInfo{"net_reader", listen_, seq_.info.kv_transfer_info.engine, eo}, cache_);
       local_.resize(l.num_pages);
       for (std::uint32_t i = 0; i < l.num_pages; ++i) local_[i] = l.num_pages - 1 - i;
     }
@@ -172,9 +172,9 @@ class Reader {
     const double ms = ms_since(t0);
     const VerifyResult v = verify_pattern(*cache_, seq_.seed, local_, 0, seq_.info.num_tokens);
     if (!v.ok()) {
-      say("CORRUPT ms=" + std::to_string(ms) + " mismatched=" +
-          std::to_string(v.mismatched_blocks) + "/" + std::to_string(v.blocks_checked) +
-          " first=" + one_line(v.first_mismatch));
+      say("CORRUPT ms=" + std::to_string(ms) +
+          " mismatched=" + std::to_string(v.mismatched_blocks) + "/" +
+          std::to_string(v.blocks_checked) + " first=" + one_line(v.first_mismatch));
       return;
     }
     say("OK ms=" + std::to_string(ms) + " bytes=" + std::to_string(f->bytes()) +
@@ -205,8 +205,7 @@ class Reader {
   std::string get(const std::string& path) {
     auto res = http_.Get(path.c_str());
     if (!res) {
-      throw Error(StatusCode::kUnavailable,
-                  "GET " + path + ": " + httplib::to_string(res.error()));
+      throw Error(StatusCode::kUnavailable, "GET " + path + ": " + httplib::to_string(res.error()));
     }
     if (res->status != 200) {
       throw Error(StatusCode::kUnavailable,

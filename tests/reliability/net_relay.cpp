@@ -194,8 +194,8 @@ void write_side(const std::shared_ptr<Conn>& c, Direction& d) {
       if (c->dead.load()) return;
       const auto due = d.queue.front().due;
       if (faults.stalled.load() || Clock::now() < due) {
-        const auto until = faults.stalled.load() ? Clock::now() + std::chrono::milliseconds(2)
-                                                 : due;
+        const auto until =
+            faults.stalled.load() ? Clock::now() + std::chrono::milliseconds(2) : due;
         d.cv.wait_until(lk, until, [&] { return c->dead.load(); });
         continue;
       }

@@ -112,9 +112,9 @@ class Hosts {
   // token at 8 layers), never freed until a reader marks it done.
   void start_owner(int tokens, int layers) {
     serve_ = std::make_unique<testkit::Child>(
-        ns_.in_a({MSTAR_KV_CLI_PATH, "serve", "--engine", "ucx", "--listen", http(),
-                  "--token-file", token_, "--sequences", "1", "--tokens", std::to_string(tokens),
-                  "--layers", std::to_string(layers), "--lease-ms", "0", "--exit-when-done"}),
+        ns_.in_a({MSTAR_KV_CLI_PATH, "serve", "--engine", "ucx", "--listen", http(), "--token-file",
+                  token_, "--sequences", "1", "--tokens", std::to_string(tokens), "--layers",
+                  std::to_string(layers), "--lease-ms", "0", "--exit-when-done"}),
         tcp_env(ns_.veth_a()));
     ASSERT_TRUE(serve_->wait_for_output("/v1/sequences/", 30s)) << serve_->output();
   }
@@ -128,15 +128,15 @@ class Hosts {
       argv.insert(argv.end(), {"--stand-in", ns_.router_a() + "=" + ns_.addr_b(), "--stand-in",
                                ns_.router_b() + "=" + ns_.addr_a()});
     }
-    relay_ = std::make_unique<testkit::Child>(ns_.in_r(argv),
-                                              std::map<std::string, std::string>{}, false);
+    relay_ = std::make_unique<testkit::Child>(ns_.in_r(argv), std::map<std::string, std::string>{},
+                                              false);
     ASSERT_EQ(relay_->read_line(10s), "READY");
-    ASSERT_EQ(nft(ns_.ns_r(), "table ip nfrelay {\n"
-                              "  chain pre {\n"
-                              "    type nat hook prerouting priority dstnat; policy accept;\n"
-                              "    ip protocol tcp redirect to :" +
-                                  std::to_string(kRelayPort) +
-                                  "\n  }\n}\n"),
+    ASSERT_EQ(nft(ns_.ns_r(),
+                  "table ip nfrelay {\n"
+                  "  chain pre {\n"
+                  "    type nat hook prerouting priority dstnat; policy accept;\n"
+                  "    ip protocol tcp redirect to :" +
+                      std::to_string(kRelayPort) + "\n  }\n}\n"),
               0);
   }
   std::string relay(const std::string& cmd) {
@@ -208,8 +208,7 @@ class Hosts {
     ASSERT_EQ(pull.wait_exit(60s), 0) << pull.output();
     EXPECT_NE(pull.output().find("every page verified"), std::string::npos) << pull.output();
     EXPECT_EQ(serve_->wait_exit(30s), 0) << serve_->output();
-    EXPECT_NE(serve_->output().find("all sequences done"), std::string::npos)
-        << serve_->output();
+    EXPECT_NE(serve_->output().find("all sequences done"), std::string::npos) << serve_->output();
   }
 
   // nftables: a ruleset into namespace ns; 0 on success.
@@ -220,13 +219,21 @@ class Hosts {
   // or e.g. "numgen random mod 100 < 5 drop" (5% loss).
   int fault_b(const std::string& verdict) {
     const std::string& dev = ns_.veth_b();
-    return nft(ns_.ns_b(), "table inet nffault {\n"
-                           "  chain in {\n    type filter hook input priority 0; policy accept;\n"
-                           "    iifname \"" + dev + "\" counter\n"
-                           "    iifname \"" + dev + "\" " + verdict + "\n  }\n"
-                           "  chain out {\n    type filter hook output priority 0; policy accept;\n"
-                           "    oifname \"" + dev + "\" counter\n"
-                           "    oifname \"" + dev + "\" " + verdict + "\n  }\n}\n");
+    return nft(ns_.ns_b(),
+               "table inet nffault {\n"
+               "  chain in {\n    type filter hook input priority 0; policy accept;\n"
+               "    iifname \"" +
+                   dev +
+                   "\" counter\n"
+                   "    iifname \"" +
+                   dev + "\" " + verdict +
+                   "\n  }\n"
+                   "  chain out {\n    type filter hook output priority 0; policy accept;\n"
+                   "    oifname \"" +
+                   dev +
+                   "\" counter\n"
+                   "    oifname \"" +
+                   dev + "\" " + verdict + "\n  }\n}\n");
   }
   int heal_b() { return NetNamespaces::exec(ns_.ns_b(), "nft delete table inet nffault"); }
   // A tbf cap on the owner's link (what the owner sends: the data).
@@ -240,8 +247,7 @@ class Hosts {
   // Packets on B's link and those the fault rule dropped, so far (the
   // rules' counters: every packet, then the dropped ones, per direction).
   std::pair<long long, long long> seen_and_dropped_b() {
-    testkit::Child list(
-        NetNamespaces::in(ns_.ns_b(), {"nft", "list", "table", "inet", "nffault"}));
+    testkit::Child list(NetNamespaces::in(ns_.ns_b(), {"nft", "list", "table", "inet", "nffault"}));
     const std::string out = list.read_all(10s);
     long long n[2] = {0, 0};
     int i = 0;
@@ -263,7 +269,7 @@ class Hosts {
   int timeout_ms_ = 0, grace_ms_ = 0;
 };
 
-#define NETFAULT_SETUP(hosts)                                          \
+#define NETFAULT_SETUP(hosts) \
   if (!(hosts).skip_reason().empty()) GTEST_SKIP() << (hosts).skip_reason()
 
 // Loss: TCP retransmits under the engine; every pull must verify.

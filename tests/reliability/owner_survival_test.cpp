@@ -26,6 +26,7 @@
 #include "common/peer_process.hpp"
 #include "common/wire.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "testkit/seq_line.hpp"
 
 #ifndef MSTAR_KV_SURVIVAL_READER_PATH
@@ -92,9 +93,15 @@ TEST_P(OwnerSurvival, OwnerServesAFreshReaderAfterEveryReaderThatGoesAwayBadly) 
 
   for (const std::string what : {"kill", "stall", "cleanup", "destroy", "vanish"}) {
     const std::string after = "a reader that did '" + what + "'";
-    std::vector<std::string> argv = {MSTAR_KV_SURVIVAL_READER_PATH, "--engine", c.traits.name,
-                                     "--layout", layout_arg(layout()), "--seq", hex,
-                                     "--do", what};
+    std::vector<std::string> argv = {MSTAR_KV_SURVIVAL_READER_PATH,
+                                     "--engine",
+                                     c.traits.name,
+                                     "--layout",
+                                     layout_arg(layout()),
+                                     "--seq",
+                                     hex,
+                                     "--do",
+                                     what};
     for (const auto& [k, v] : c.extra) {
       argv.push_back("--extra");
       argv.push_back(k + "=" + v);

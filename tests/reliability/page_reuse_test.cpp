@@ -16,9 +16,10 @@
 #include <random>
 #include <string>
 
+#include "common/layouts.hpp"
 #include "common/peer_process.hpp"
 #include "mstar/kv/kv.hpp"
-#include "common/layouts.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -56,7 +57,8 @@ class PageReuse : public ::testing::TestWithParam<ReuseCase> {
  protected:
   void SetUp() override {
     if (!GetParam().skip_reason.empty()) GTEST_SKIP() << GetParam().skip_reason;
-    if (!built(GetParam().engine)) GTEST_SKIP() << "engine '" << GetParam().engine << "' is not built";
+    if (!built(GetParam().engine))
+      GTEST_SKIP() << "engine '" << GetParam().engine << "' is not built";
     for (const auto& [k, v] : GetParam().env) ::setenv(k.c_str(), v.c_str(), 1);
   }
   PeerSpec spec(long long lease_ms = -1) const {
@@ -84,8 +86,8 @@ class PageReuse : public ::testing::TestWithParam<ReuseCase> {
 // before any byte moved or through the future.
 Status pull(KVTransferManager& m, const SequenceInfo& seq, std::span<const std::uint32_t> local) {
   try {
-    auto f = m.start_async_retrieve(0, seq.num_tokens, local, seq.page_indices,
-                                    seq.kv_transfer_info);
+    auto f =
+        m.start_async_retrieve(0, seq.num_tokens, local, seq.page_indices, seq.kv_transfer_info);
     if (!f) return Status(StatusCode::kInternal, "no future");
     f->get();
     return Status::ok();
@@ -158,10 +160,10 @@ TEST_P(PageReuse, ExpiredLeaseFreesTheSequenceAndALatePullFailsStale) {
   auto m = reader(cache);
   std::vector<std::uint32_t> local = testing::iota_pages(8);
   const SequenceInfo seq = peer.sequence();
-  const auto now_ms = static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::milliseconds>(
-          std::chrono::system_clock::now().time_since_epoch())
-          .count());
+  const auto now_ms =
+      static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     std::chrono::system_clock::now().time_since_epoch())
+                                     .count());
   EXPECT_GT(seq.lease_expiry_ms, now_ms - 5000);
   EXPECT_LE(seq.lease_expiry_ms, now_ms + 200);
   // Within the lease: the pull verifies.
@@ -222,8 +224,9 @@ std::vector<ReuseCase> reuse_cases() {
   ReuseCase mc{"mooncake", "mooncake", {}, {}, 2, 1, ""};
   const char* lib = std::getenv("MSTAR_KV_MOONCAKE_LIB");
   if (lib == nullptr || *lib == '\0') {
-    mc.skip_reason = "MSTAR_KV_MOONCAKE_LIB is not set: no Mooncake library with the C API here "
-                     "(the wheel's engine is covered by python/tests/test_leases.py)";
+    mc.skip_reason =
+        "MSTAR_KV_MOONCAKE_LIB is not set: no Mooncake library with the C API here "
+        "(the wheel's engine is covered by python/tests/test_leases.py)";
   } else if (void* h = ::dlopen(lib, RTLD_NOW | RTLD_LOCAL); h == nullptr) {
     mc.skip_reason = std::string("cannot load MSTAR_KV_MOONCAKE_LIB: ") + ::dlerror();
   } else {

@@ -6,9 +6,9 @@
 
 #include <limits>
 
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/status.hpp"
 #include "common/layouts.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -52,9 +52,8 @@ TEST(PlannerRegression, ExtremeReadFieldsAreRefusedNotOverflowed) {
   for (std::int64_t v : {kMin, kMin + 1, std::int64_t{-2}, kMax - 1, kMax}) {
     for (int field = 0; field < 8; ++field) {
       KVReadInfo r = good;
-      std::int64_t* f[] = {&r.layer_idx,  &r.local_page_idx,     &r.remote_page_idx,
-                           &r.token_start, &r.token_end,         &r.remote_token_start,
-                           &r.head_start,  &r.head_end};
+      std::int64_t* f[] = {&r.layer_idx, &r.local_page_idx,     &r.remote_page_idx, &r.token_start,
+                           &r.token_end, &r.remote_token_start, &r.head_start,      &r.head_end};
       *f[field] = v;
       if (field == 7) r.head_start = 0;  // a head range needs both ends
       for (bool strided : {false, true}) {

@@ -24,11 +24,11 @@
 #include "mstar/kv/kv.hpp"
 #include "reliability/invariants.hpp"
 #if MSTAR_KV_TEST_SHM
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/engines/shm.hpp"
 #endif
 #if MSTAR_KV_TEST_UCX
-#include "mstar/kv/ucx.hpp"
 #include "common/layouts.hpp"
+#include "mstar/kv/engines/ucx.hpp"
 #endif
 
 namespace mstar::kv {
@@ -82,8 +82,7 @@ TEST(Security, SharedCacheOfAnotherUserCannotBeOpened) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to act as another uid (setuid to nobody)";
   PeerProcess owner(spec("shm"));
   const auto info = ShmKVTransferInfo::decode(owner.sequence().kv_transfer_info);
-  const std::string path =
-      "/proc/" + std::to_string(info.pid) + "/fd/" + std::to_string(info.fd);
+  const std::string path = "/proc/" + std::to_string(info.pid) + "/fd/" + std::to_string(info.fd);
   // The same user (root here) can open it: the path is right.
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   ASSERT_GE(fd, 0) << path << ": " << std::strerror(errno);
@@ -124,8 +123,8 @@ class RegionChecks : public ::testing::TestWithParam<std::string> {
 
   // Reads the whole sequence with `info` (a doctored descriptor) and expects
   // it refused before any byte moves.
-  void expect_refused(const PeerProcess& owner, const KVTransferInfo& info,
-                      const std::string& what, const KVLayout& claimed) {
+  void expect_refused(const PeerProcess& owner, const KVTransferInfo& info, const std::string& what,
+                      const KVLayout& claimed) {
     SCOPED_TRACE(what);
     const KVLayout l = layout();
     auto cache = make_kv_cache(l, MemoryKind::kHost);
@@ -135,7 +134,8 @@ class RegionChecks : public ::testing::TestWithParam<std::string> {
     const auto& seq = owner.sequence();
     std::vector<std::uint32_t> lp(seq.page_indices.size());
     for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>(i);
-    testing::ReadChecker check(*cache, claimed, plan_reads(l, 0, seq.num_tokens, lp, seq.page_indices));
+    testing::ReadChecker check(*cache, claimed,
+                               plan_reads(l, 0, seq.num_tokens, lp, seq.page_indices));
     try {
       auto f = m.start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, info);
       ASSERT_TRUE(f.has_value());
@@ -194,8 +194,7 @@ TEST_P(RegionChecks, DescriptorLargerThanTheRegisteredRegionIsRefused) {
     expect_refused(owner, moved.encode(), "ucx descriptor shifted by 4 KiB", layout());
     auto below = info;
     below.data_ptr -= 1u << 20;  // memory before the region
-    expect_refused(owner, below.encode(), "ucx descriptor 1 MiB below the region",
-                   layout());
+    expect_refused(owner, below.encode(), "ucx descriptor 1 MiB below the region", layout());
   }
 #endif
 }

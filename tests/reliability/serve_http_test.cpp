@@ -95,10 +95,10 @@ std::string get(const std::string& path, const std::string& extra_headers = "") 
 }
 
 std::vector<std::string> small_serve(int port, std::vector<std::string> more = {}) {
-  std::vector<std::string> a = {"serve",      "--engine",   "shm",      "--listen",
-                                "127.0.0.1:" + std::to_string(port),   "--tokens",
-                                "40",         "--layers",   "2",        "--kv-heads",
-                                "2",          "--head-dim", "64"};
+  std::vector<std::string> a = {
+      "serve",    "--engine",   "shm",      "--listen", "127.0.0.1:" + std::to_string(port),
+      "--tokens", "40",         "--layers", "2",        "--kv-heads",
+      "2",        "--head-dim", "64"};
   a.insert(a.end(), more.begin(), more.end());
   return a;
 }
@@ -285,13 +285,15 @@ TEST_F(ServeHttp, MalformedOversizedAndUnknownRequestsGetTheir4xx) {
       {"unknown HTTP version", "GET /v1/sequences/0 HTTP/9.9\r\nHost: x\r\n\r\n", 505},
       {"40 kB header", get("/v1/sequences/0", "X-Big: " + big + "\r\n"), 431},
       {"40 kB URI", get("/v1/" + big), 414},
-      {"10 kB body", "POST /v1/sequences/0/done HTTP/1.1\r\nHost: x\r\nContent-Length: 10000\r\n\r\n",
-       413},
+      {"10 kB body",
+       "POST /v1/sequences/0/done HTTP/1.1\r\nHost: x\r\nContent-Length: 10000\r\n\r\n", 413},
       {"huge Content-Length",
-       "POST /v1/sequences/0/done HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999999999999\r\n\r\n",
+       "POST /v1/sequences/0/done HTTP/1.1\r\nHost: x\r\nContent-Length: "
+       "99999999999999999999\r\n\r\n",
        413},
       {"8 kB chunked body",
-       "POST /v1/sequences/0/done HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2000\r\n" +
+       "POST /v1/sequences/0/done HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: "
+       "chunked\r\n\r\n2000\r\n" +
            std::string(0x2000, 'b') + "\r\n0\r\n\r\n",
        413},
       {"unknown path", get("/etc/passwd"), 404},
@@ -388,8 +390,8 @@ TEST_F(ServeHttp, BearerTokenIsRequiredOnEveryRequest) {
   const int port = random_port();
   Proc s(small_serve(port, {"--token-file", file}));
   ASSERT_TRUE(s.wait_for_output("http://", 30s)) << s.output();
-  for (const char* path : {"/v1/sequences/0", "/v1/sequences/0/meta", "/v1/sequences", "/metrics",
-                           "/nope"}) {
+  for (const char* path :
+       {"/v1/sequences/0", "/v1/sequences/0/meta", "/v1/sequences", "/metrics", "/nope"}) {
     SCOPED_TRACE(path);
     const Reply none = raw(port, get(path));
     EXPECT_EQ(none.status, 401);
@@ -418,8 +420,7 @@ TEST_F(ServeHttp, ShortOrMissingTokenFilesAreRefused) {
   const std::string file = write_token("short", "fifteen-bytes!!\n");  // 15 after the newline
   Proc s(small_serve(random_port(), {"--token-file", file}));
   EXPECT_NE(s.wait_exit(30s), 0);
-  EXPECT_NE(s.output().find("the token is 15 bytes, at least 16"), std::string::npos)
-      << s.output();
+  EXPECT_NE(s.output().find("the token is 15 bytes, at least 16"), std::string::npos) << s.output();
   Proc m(small_serve(random_port(), {"--token-file", "/nonexistent/token"}));
   EXPECT_NE(m.wait_exit(30s), 0);
   EXPECT_NE(m.output().find("'/nonexistent/token' cannot be read"), std::string::npos)
@@ -432,13 +433,12 @@ TEST_F(ServeHttp, ShortOrMissingTokenFilesAreRefused) {
 TEST_F(ServeHttp, NonLoopbackListenNeedsATokenOrInsecure) {
   const int port = random_port();
   const std::string addr = "0.0.0.0:" + std::to_string(port);
-  std::vector<std::string> args = {"serve",    "--engine", "shm",  "--listen", addr,
+  std::vector<std::string> args = {"serve",    "--engine", "shm",      "--listen", addr,
                                    "--tokens", "40",       "--layers", "2"};
   {
     Proc s(args);
     EXPECT_NE(s.wait_exit(30s), 0);
-    EXPECT_NE(s.output().find("--listen " + addr + " is not a loopback address"),
-              std::string::npos)
+    EXPECT_NE(s.output().find("--listen " + addr + " is not a loopback address"), std::string::npos)
         << s.output();
     EXPECT_NE(s.output().find("--token-file"), std::string::npos) << s.output();
   }

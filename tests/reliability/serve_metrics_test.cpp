@@ -28,11 +28,13 @@ using Proc = mstar::kv::testing::CliProcess;
 std::string http_get(int port, const std::string& path) {
   const int fd = mstar::kv::testkit::connect_loopback(port);
   if (fd < 0) return "";
-  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+  const std::string req =
+      "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
   ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
   std::string all;
   char buf[65536];
-  for (ssize_t n; (n = ::recv(fd, buf, sizeof buf, 0)) > 0;) all.append(buf, static_cast<std::size_t>(n));
+  for (ssize_t n; (n = ::recv(fd, buf, sizeof buf, 0)) > 0;)
+    all.append(buf, static_cast<std::size_t>(n));
   ::close(fd);
   const auto body = all.find("\r\n\r\n");
   return body == std::string::npos ? "" : all.substr(body + 4);
@@ -67,15 +69,15 @@ TEST_P(ServeMetrics, ServedCountersMoveWhenAReaderPulls) {
   const int port = 26000 + static_cast<int>(rd() % 2000) * 2;  // +1: the data port
   const std::string from = "127.0.0.1:" + std::to_string(port);
   // 1000 tokens, 4 layers, 8 heads x 128 bf16: 16,384,000 bytes a pull.
-  Proc serve({"serve", "--engine", engine, "--listen", from, "--sequences", "2", "--tokens",
-              "1000", "--layers", "4"},
+  Proc serve({"serve", "--engine", engine, "--listen", from, "--sequences", "2", "--tokens", "1000",
+              "--layers", "4"},
              env);
   ASSERT_TRUE(serve.wait_for_output("/v1/sequences/", 30s)) << serve.output();
   const std::string l = "{engine=\"" + engine + "\"}";
   const std::string before = http_get(port, "/metrics");
   for (const char* m : {"reads", "bytes", "descriptors", "done_notices", "replies_dropped"}) {
-    EXPECT_EQ(metric(before, "mstar_kv_served_" + std::string(m) + "_total" + l), 0)
-        << m << "\n" << before;
+    EXPECT_EQ(metric(before, "mstar_kv_served_" + std::string(m) + "_total" + l), 0) << m << "\n"
+                                                                                     << before;
   }
 
   Proc pull({"pull", "--from", from, "--seq", "0"}, env);

@@ -23,9 +23,9 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/status.hpp"
 #include "common/cli_process.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/util/status.hpp"
 #include "testkit/ports.hpp"
 
 #ifndef MSTAR_KV_CLI_PATH
@@ -43,7 +43,8 @@ constexpr int kDefaultHttpPort = 23480;  // `mstar-kv serve` without --listen
 std::pair<int, std::string> http(int port, const std::string& method, const std::string& path) {
   const int fd = mstar::kv::testkit::connect_loopback(port);
   if (fd < 0) return {-1, ""};
-  const std::string req = method + " " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n";
+  const std::string req =
+      method + " " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n";
   ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
   std::string resp;
   char buf[4096];
@@ -88,8 +89,8 @@ TEST_F(ServeSecurity, DefaultsBindToLoopbackAndUnknownSequencesAre404) {
   std::string checked;
   for (const std::string eng : {"shm", "ucx"}) {
     SCOPED_TRACE(eng);
-    testing::CliProcess s({"serve", "--engine", eng, "--sequences", "2", "--tokens", "40", "--layers", "2",
-              "--kv-heads", "2", "--head-dim", "64"});
+    testing::CliProcess s({"serve", "--engine", eng, "--sequences", "2", "--tokens", "40",
+                           "--layers", "2", "--kv-heads", "2", "--head-dim", "64"});
     if (!s.wait_for_output("http://", 30s)) {
       if (s.output().find("not built") != std::string::npos) continue;  // engine absent
       FAIL() << "serve did not start: " << s.output();
@@ -100,15 +101,15 @@ TEST_F(ServeSecurity, DefaultsBindToLoopbackAndUnknownSequencesAre404) {
     // Served: 0 and 1.
     auto [st0, body0] = http(kDefaultHttpPort, "GET", "/v1/sequences/0");
     ASSERT_EQ(st0, 200) << body0;
-    const SequenceInfo seq = SequenceInfo::decode(
-        std::vector<std::uint8_t>(body0.begin(), body0.end()));
+    const SequenceInfo seq =
+        SequenceInfo::decode(std::vector<std::uint8_t>(body0.begin(), body0.end()));
     EXPECT_EQ(seq.kv_transfer_info.engine, eng);
 
-    for (const char* path : {"/v1/sequences/2", "/v1/sequences/abc", "/v1/sequences/-1",
-                             "/v1/sequences/99999999999999999999999",
-                             "/v1/sequences/18446744073709551615", "/v1/sequences/2/meta",
-                             "/v1/sequences/0%2F..%2F..%2Fetc%2Fpasswd",
-                             "/v1/sequences/../../etc/passwd"}) {
+    for (const char* path :
+         {"/v1/sequences/2", "/v1/sequences/abc", "/v1/sequences/-1",
+          "/v1/sequences/99999999999999999999999", "/v1/sequences/18446744073709551615",
+          "/v1/sequences/2/meta", "/v1/sequences/0%2F..%2F..%2Fetc%2Fpasswd",
+          "/v1/sequences/../../etc/passwd"}) {
       const auto [code, body] = http(kDefaultHttpPort, "GET", path);
       EXPECT_EQ(code, 404) << path << ": " << body;
     }

@@ -44,8 +44,8 @@ int main(int argc, char** argv) {
     for (std::uint32_t i = 0; i < lp.size(); ++i) lp[i] = i;
     std::vector<TransferFuture> kept;
     for (int i = 0; i < 8; ++i) {
-      auto f = m->start_async_retrieve(0, seq->num_tokens, lp, seq->page_indices,
-                                       seq->kv_transfer_info);
+      auto f =
+          m->start_async_retrieve(0, seq->num_tokens, lp, seq->page_indices, seq->kv_transfer_info);
       if (f && i % 2 == 0) kept.push_back(*f);
     }
     if (what == "vanish") ::_exit(0);
@@ -55,7 +55,8 @@ int main(int argc, char** argv) {
     const auto* p = reinterpret_cast<const unsigned char*>(cache->base());
     bool landed = false;
     while (!landed && std::chrono::steady_clock::now() < end) {
-      for (std::size_t i = 0; i < cache->size_bytes() && !landed; i += 4096) landed = __atomic_load_n(p + i, __ATOMIC_RELAXED) != 0xA5;
+      for (std::size_t i = 0; i < cache->size_bytes() && !landed; i += 4096)
+        landed = __atomic_load_n(p + i, __ATOMIC_RELAXED) != 0xA5;
       if (!landed) std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
     testing::say(landed ? "STARTED" : "STARTED (no byte landed yet)");

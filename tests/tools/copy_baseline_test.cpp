@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 #include "testkit/span_copy.hpp"
 
 namespace mstar::kv::testkit {

@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 #include "util/parse.hpp"
 
 namespace mstar::kv::cli {

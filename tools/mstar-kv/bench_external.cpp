@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "bench_proc.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 #include "nixl_peer_script.hpp"  // generated from nixl_peer.py
 #include "testkit/ports.hpp"
 

@@ -18,7 +18,7 @@
 #include <sstream>
 #include <thread>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::cli::bench {
 

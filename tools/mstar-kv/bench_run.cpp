@@ -17,7 +17,8 @@
 #include "bench_proc.hpp"
 #include "bench_server.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/testing/pattern.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 #include "testkit/span_copy.hpp"
 
 namespace mstar::kv::cli::bench {

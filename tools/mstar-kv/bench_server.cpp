@@ -1,5 +1,6 @@
 // Copyright mstar-kv authors.
 #include "bench_server.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 #include <unistd.h>
 

@@ -14,6 +14,7 @@
 #include "bench_proc.hpp"
 #include "bench_run.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv::cli::bench {
 

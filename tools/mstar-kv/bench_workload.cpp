@@ -7,7 +7,7 @@
 #include <random>
 
 #include "layout_args.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::cli::bench {
 

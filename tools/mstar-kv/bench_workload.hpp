@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "layout_args.hpp"
-#include "mstar/kv/cache.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/layout.hpp"
 #include "mstar/kv/factory.hpp"
-#include "mstar/kv/layout.hpp"
 
 namespace mstar::kv::cli::bench {
 

@@ -28,7 +28,8 @@
 #include "testkit/child.hpp"
 #include "testkit/span_copy.hpp"
 #if MSTAR_KV_DEMO_SHM
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/engines/shm.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #endif
 
 namespace mstar::kv::cli {

@@ -46,7 +46,8 @@
 #include "http_server.hpp"
 #include "layout_args.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/testing/pattern.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 #include "serve_pull_layerwise.hpp"
 #include "serve_pull_util.hpp"
 

@@ -12,6 +12,7 @@
 
 #include "demo_proc.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv::cli::demo {
 

@@ -12,7 +12,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::cli::demo {
 

@@ -8,7 +8,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::cli {
 

@@ -24,8 +24,8 @@
 #include <unordered_set>
 
 #include "http_auth.hpp"
-#include "mstar/kv/status.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/util/status.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 
 namespace mstar::kv::cli {
 

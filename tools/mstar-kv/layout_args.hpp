@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "args.hpp"
-#include "mstar/kv/layout.hpp"
+#include "mstar/kv/core/layout.hpp"
 
 namespace mstar::kv::cli {
 

@@ -5,7 +5,7 @@
 #include <exception>
 
 #include "commands.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace {
 

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "demo_layerwise.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "serve_pull_util.hpp"
 
 namespace mstar::kv::cli {

@@ -38,7 +38,7 @@
 
 #include "http_server.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 
 namespace mstar::kv::cli {
 

@@ -8,6 +8,7 @@
 #include <random>
 #include <thread>
 
+#include "mstar/kv/testing/pattern.hpp"
 #include "soak_shared.hpp"
 
 namespace mstar::kv::cli::soak {

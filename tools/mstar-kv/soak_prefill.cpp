@@ -10,6 +10,7 @@
 
 #include "layout_args.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "soak_shared.hpp"
 #include "testkit/seq_line.hpp"
 

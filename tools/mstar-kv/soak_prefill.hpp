@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "args.hpp"
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/pool.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/core/pool.hpp"
 
 namespace mstar::kv::cli {
 

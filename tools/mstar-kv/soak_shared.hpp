@@ -19,9 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/fault_injection.hpp"
+#include "mstar/kv/engines/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 #include "testkit/child.hpp"
 #include "testkit/read_check.hpp"
 

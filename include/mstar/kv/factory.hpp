@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/engine.hpp"
-#include "mstar/kv/engine_options.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/engine.hpp"
+#include "mstar/kv/core/engine_options.hpp"
 
 namespace mstar::kv {
 

@@ -17,14 +17,14 @@
 #include <string_view>
 #include <vector>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/engine.hpp"
-#include "mstar/kv/engine_options.hpp"
-#include "mstar/kv/requests.hpp"
-#include "mstar/kv/stats.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/core/engine.hpp"
+#include "mstar/kv/core/engine_options.hpp"
+#include "mstar/kv/core/requests.hpp"
+#include "mstar/kv/core/stats.hpp"
 #include "mstar/kv/streaming.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 
 namespace mstar::kv {
 

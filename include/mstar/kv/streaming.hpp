@@ -12,8 +12,8 @@
 #include <optional>
 #include <span>
 
-#include "mstar/kv/future.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/future.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

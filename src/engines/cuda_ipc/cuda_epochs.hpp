@@ -18,9 +18,9 @@
 #include <span>
 #include <string_view>
 
-#include "mstar/kv/cuda_ipc.hpp"
-#include "mstar/kv/epochs.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/epochs.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::cuda_ipc {
 

@@ -32,10 +32,10 @@
 #include "engines/engine_makers.hpp"
 #include "engines/option_keys.hpp"
 #include "host_tables.hpp"
-#include "mstar/kv/cuda_ipc.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/status.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
+#include "mstar/kv/util/status.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 #include "span_kernel.hpp"
 
 namespace mstar::kv {

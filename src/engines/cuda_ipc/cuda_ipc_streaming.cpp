@@ -5,8 +5,8 @@
 // owner's mark enqueued on a CUDA stream.
 #include "core/mapped_watch.hpp"
 #include "cuda_ipc_impl.hpp"
-#include "mstar/kv/log.hpp"
-#include "mstar/kv/pool.hpp"
+#include "mstar/kv/core/pool.hpp"
+#include "mstar/kv/util/log.hpp"
 
 namespace mstar::kv {
 

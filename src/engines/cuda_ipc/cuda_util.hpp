@@ -12,7 +12,7 @@
 #include <string>
 #include <string_view>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::cuda_ipc {
 

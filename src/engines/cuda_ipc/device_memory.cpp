@@ -9,7 +9,7 @@
 #include "cuda_util.hpp"
 #include "device_copier.hpp"
 #include "host_tables.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

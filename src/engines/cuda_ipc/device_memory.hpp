@@ -13,8 +13,8 @@
 #include <mutex>
 #include <string>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 
 namespace mstar::kv::cuda_ipc {
 

@@ -10,7 +10,7 @@
 #include <cstring>
 #include <utility>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 #include "util/posix_fd.hpp"
 
 namespace mstar::kv::cuda_ipc {

@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/readiness.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/readiness.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::cuda_ipc {
 

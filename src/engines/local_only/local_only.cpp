@@ -1,5 +1,5 @@
 // Copyright mstar-kv authors.
-#include "mstar/kv/local_only.hpp"
+#include "mstar/kv/engines/local_only.hpp"
 
 #include <string>
 

@@ -8,7 +8,7 @@
 #include <optional>
 #include <utility>
 
-#include "mstar/kv/planner.hpp"
+#include "mstar/kv/core/planner.hpp"
 #include "rma/rma_engine.hpp"
 
 namespace mstar::kv::mooncake {

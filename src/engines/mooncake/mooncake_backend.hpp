@@ -2,7 +2,7 @@
 //
 // MooncakeBackend: the RMA backend (rma/rma_backend.hpp) over Mooncake's
 // transfer engine C API. Private to the Mooncake engine; the behaviour users
-// see is documented in include/mstar/kv/mooncake.hpp.
+// see is documented in include/mstar/kv/engines/mooncake.hpp.
 //
 // Progress model: post_reads() splits the reads into requests of at most
 // kMaxRequestBytes and queues them as one batch; it never calls Mooncake.
@@ -46,9 +46,9 @@
 #include <vector>
 
 #include "mooncake_api.hpp"
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/mooncake.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/engines/mooncake.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 #include "rma/rma_backend.hpp"
 
 namespace mstar::kv::mooncake {

@@ -18,8 +18,8 @@
 #include "mooncake_backend.hpp"
 #include "mooncake_readiness.hpp"
 #include "mooncake_words.hpp"
-#include "mstar/kv/epochs.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/core/epochs.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 
 namespace mstar::kv::mooncake {
 

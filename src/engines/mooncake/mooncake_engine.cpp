@@ -1,14 +1,14 @@
 // Copyright mstar-kv authors.
 //
 // MooncakeKVTransferEngine: the RMA engine over MooncakeBackend, plus its
-// options and descriptor (include/mstar/kv/mooncake.hpp).
+// options and descriptor (include/mstar/kv/engines/mooncake.hpp).
 #include <string>
 #include <utility>
 
 #include "engines/engine_makers.hpp"
 #include "mooncake_api.hpp"
 #include "mooncake_backend.hpp"
-#include "mstar/kv/mooncake.hpp"
+#include "mstar/kv/engines/mooncake.hpp"
 #include "rma/rma_engine.hpp"
 #include "util/parse.hpp"
 

@@ -10,8 +10,8 @@
 #include <utility>
 
 #include "mooncake_words.hpp"
-#include "mstar/kv/epochs.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/core/epochs.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 
 namespace mstar::kv::mooncake {
 

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "mooncake_backend.hpp"
-#include "mstar/kv/readiness.hpp"
+#include "mstar/kv/core/readiness.hpp"
 
 namespace mstar::kv::mooncake {
 

@@ -6,8 +6,8 @@
 #include <limits>
 #include <string>
 
-#include "mstar/kv/epochs.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/epochs.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::mooncake {
 

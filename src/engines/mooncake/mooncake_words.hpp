@@ -23,7 +23,7 @@
 #include <string_view>
 #include <vector>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 #include "rma/rma_backend.hpp"
 
 namespace mstar::kv::mooncake {

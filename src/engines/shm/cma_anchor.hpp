@@ -21,8 +21,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/engines/shm.hpp"
 
 namespace mstar::kv::shm {
 

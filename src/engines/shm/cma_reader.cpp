@@ -19,7 +19,7 @@
 #include <utility>
 
 #include "cma_anchor.hpp"
-#include "mstar/kv/epochs.hpp"
+#include "mstar/kv/core/epochs.hpp"
 #include "shm_memory.hpp"
 #include "util/posix_fd.hpp"
 

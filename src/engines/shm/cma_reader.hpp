@@ -24,11 +24,11 @@
 #include <string_view>
 #include <vector>
 
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/readiness.hpp"
-#include "mstar/kv/regions.hpp"
-#include "mstar/kv/shm.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/core/readiness.hpp"
+#include "mstar/kv/core/regions.hpp"
+#include "mstar/kv/engines/shm.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::shm {
 

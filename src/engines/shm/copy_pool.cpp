@@ -5,7 +5,7 @@
 #include <atomic>
 #include <cstring>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::shm {
 

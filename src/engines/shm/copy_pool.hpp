@@ -27,11 +27,11 @@
 #include <vector>
 
 #include "cma_reader.hpp"
-#include "mstar/kv/future.hpp"
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/read_info.hpp"
-#include "mstar/kv/regions.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/core/future.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/core/read_info.hpp"
+#include "mstar/kv/core/regions.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 #include "span_copy.hpp"
 
 namespace mstar::kv::shm {

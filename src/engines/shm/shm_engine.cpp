@@ -18,8 +18,8 @@
 #include "core/planner_detail.hpp"
 #include "engines/engine_makers.hpp"
 #include "engines/option_keys.hpp"
-#include "mstar/kv/shm.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/engines/shm.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 #include "shm_mapping.hpp"
 #include "shm_memory.hpp"
 

@@ -9,8 +9,8 @@
 
 #include "cma_anchor.hpp"
 #include "core/codec.hpp"
-#include "mstar/kv/regions.hpp"
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/core/regions.hpp"
+#include "mstar/kv/engines/shm.hpp"
 
 namespace mstar::kv {
 

@@ -14,7 +14,7 @@
 #include <string>
 #include <utility>
 
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/engines/shm.hpp"
 #include "shm_mapping.hpp"
 #include "shm_memory.hpp"
 #include "util/posix_fd.hpp"

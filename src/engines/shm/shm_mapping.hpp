@@ -8,8 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "mstar/kv/shm.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/engines/shm.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

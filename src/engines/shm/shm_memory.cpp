@@ -11,7 +11,7 @@
 #include <random>
 #include <string>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::shm {
 

@@ -9,7 +9,7 @@
 #include <memory>
 #include <string>
 
-#include "mstar/kv/cache.hpp"
+#include "mstar/kv/core/cache.hpp"
 
 namespace mstar::kv::shm {
 

@@ -20,7 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "mstar/kv/planner.hpp"
+#include "mstar/kv/core/planner.hpp"
 #include "util/stream_copy.hpp"
 
 namespace mstar::kv::shm {

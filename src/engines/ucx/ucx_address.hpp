@@ -13,7 +13,7 @@
 #include <cstring>
 #include <string>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 #include "util/host_port.hpp"
 
 namespace mstar::kv::ucx {

@@ -1,25 +1,25 @@
 // Copyright mstar-kv authors.
 //
-// The UCX RmaBackend (see include/mstar/kv/ucx.hpp for the behaviour).
+// The UCX RmaBackend (see include/mstar/kv/engines/ucx.hpp for the behaviour).
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/log.hpp"
-#include "mstar/kv/manager.hpp"
-#include "mstar/kv/stats.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/engine_options.hpp"
+#include "mstar/kv/core/stats.hpp"
+#include "mstar/kv/util/log.hpp"
 #include "rma/rma_backend.hpp"
 
 namespace mstar::kv::ucx {
 
-// See include/mstar/kv/ucx.hpp ("ucx_mode").
+// See include/mstar/kv/engines/ucx.hpp ("ucx_mode").
 enum class Mode : std::uint8_t { kAuto, kGet, kAm, kAmShm };
-// See include/mstar/kv/ucx.hpp ("ucx_progress").
+// See include/mstar/kv/engines/ucx.hpp ("ucx_progress").
 enum class Progress : std::uint8_t { kAdaptive, kBusy, kEvent };
-// See include/mstar/kv/ucx.hpp ("ucx_staging").
+// See include/mstar/kv/engines/ucx.hpp ("ucx_staging").
 enum class Staging : std::uint8_t { kAuto, kOn, kOff };
 
 // ucx_am_proto=auto: replies of at least this many bytes go by rendezvous

@@ -40,7 +40,7 @@
 #include <utility>
 #include <vector>
 
-#include "mstar/kv/epochs.hpp"
+#include "mstar/kv/core/epochs.hpp"
 #include "rma/rma_engine.hpp"
 #include "ucx_address.hpp"
 #include "ucx_auth.hpp"
@@ -50,7 +50,7 @@
 #include "ucx_wire.hpp"
 #include "util/auth.hpp"
 
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 #include "ucx_backend.hpp"
 #include "ucx_state.hpp"
 

@@ -5,7 +5,7 @@
 #include <memory>
 
 #include "engines/engine_makers.hpp"
-#include "mstar/kv/ucx.hpp"
+#include "mstar/kv/engines/ucx.hpp"
 #include "rma/rma_engine.hpp"
 #include "ucx_backend.hpp"
 

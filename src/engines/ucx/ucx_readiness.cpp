@@ -10,7 +10,7 @@
 // syscall): the owner's progress thread notices the words change.
 #include "ucx_core.hpp"
 
-#include "mstar/kv/readiness.hpp"
+#include "mstar/kv/core/readiness.hpp"
 
 namespace mstar::kv::ucx {
 

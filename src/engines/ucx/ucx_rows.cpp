@@ -5,7 +5,7 @@
 #include <cstring>
 #include <string>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 #include "util/stream_copy.hpp"
 
 namespace mstar::kv::ucx {

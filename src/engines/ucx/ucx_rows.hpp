@@ -17,8 +17,8 @@
 #include <utility>
 #include <vector>
 
-#include "mstar/kv/planner.hpp"
-#include "mstar/kv/regions.hpp"
+#include "mstar/kv/core/planner.hpp"
+#include "mstar/kv/core/regions.hpp"
 
 namespace mstar::kv::ucx {
 

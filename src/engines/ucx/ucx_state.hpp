@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "core/staging.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 #include "rma/rma_engine.hpp"
 #include "ucx_auth.hpp"
 #include "ucx_backend.hpp"

@@ -14,9 +14,10 @@
 #include <thread>
 #include <tuple>
 
-#include "engine_suite.hpp"
 #include "common/expectations.hpp"
+#include "engine_suite.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv::testing {
 namespace {
@@ -44,16 +45,17 @@ class Conformance : public EngineSuite {
 
 TEST_P(Conformance, FullPullMovesEveryByte) {
   MSTAR_KV_NEED_REMOTE();
-  auto [l, peer, cache, m] = pull_setup(small_layout(), 300);  // last page partial (300 = 18*16 + 12)
+  auto [l, peer, cache, m] =
+      pull_setup(small_layout(), 300);  // last page partial (300 = 18*16 + 12)
   const auto& seq = peer->sequence();
   const auto lp = local_pages(seq.page_indices.size());
-  const std::uint64_t bytes = m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices,
-                                               seq.kv_transfer_info);
+  const std::uint64_t bytes =
+      m->sync_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
   EXPECT_EQ(bytes, 300u * l.token_bytes() * 2 * l.num_layers);
   auto v = testing::verify_pattern_any(*cache, kSeed, lp, 0, seq.num_tokens);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
-  expect_only_named_bytes_written(
-      *cache, l, plan_reads(l, 0, seq.num_tokens, lp, seq.page_indices));
+  expect_only_named_bytes_written(*cache, l,
+                                  plan_reads(l, 0, seq.num_tokens, lp, seq.page_indices));
 }
 
 TEST_P(Conformance, PrefixHitPullsOnlyTheTail) {
@@ -62,14 +64,14 @@ TEST_P(Conformance, PrefixHitPullsOnlyTheTail) {
   const auto& seq = peer->sequence();
   const auto lp = local_pages(seq.page_indices.size());
   const std::uint64_t start = 197;  // inside page 12
-  auto f = m->start_async_retrieve(start, seq.num_tokens, lp, seq.page_indices,
-                                   seq.kv_transfer_info);
+  auto f =
+      m->start_async_retrieve(start, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
   ASSERT_TRUE(f.has_value());
   EXPECT_EQ(f->get(), (256u - start) * l.token_bytes() * 2 * l.num_layers);
   auto v = testing::verify_pattern_any(*cache, kSeed, lp, start, seq.num_tokens);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
-  expect_only_named_bytes_written(
-      *cache, l, plan_reads(l, start, seq.num_tokens, lp, seq.page_indices));
+  expect_only_named_bytes_written(*cache, l,
+                                  plan_reads(l, start, seq.num_tokens, lp, seq.page_indices));
 }
 
 TEST_P(Conformance, OrdersMayDifferBetweenTheTwoCaches) {
@@ -106,9 +108,9 @@ TEST_P(Conformance, NothingToReadReturnsNoFuture) {
   }
   PeerProcess peer(peer_spec(l, 32));
   const auto& seq = peer.sequence();
-  EXPECT_FALSE(m->start_async_retrieve(32, 32, local_pages(2), seq.page_indices,
-                                       seq.kv_transfer_info)
-                   .has_value());
+  EXPECT_FALSE(
+      m->start_async_retrieve(32, 32, local_pages(2), seq.page_indices, seq.kv_transfer_info)
+          .has_value());
   expect_only_named_bytes_written(*cache, l, {});
 }
 
@@ -185,8 +187,8 @@ TEST_P(Conformance, EmptyRangeIsValidatedFirst) {
   std::vector<std::uint32_t> remote = seq.page_indices;
   remote[2] = 64;
   expect_error([&] { m->start_async_retrieve(40, 40, local_pages(4), remote, good); },
-                        StatusCode::kInvalidArgument,
-                        {"remote page 64 (table entry 2) out of range [0, 64)"});
+               StatusCode::kInvalidArgument,
+               {"remote page 64 (table entry 2) out of range [0, 64)"});
   expect_only_named_bytes_written(*cache, l, {});
 }
 
@@ -229,7 +231,8 @@ TEST_P(Conformance, CorruptDescriptorIsRejectedBeforeAnyByteMoves) {
   // Truncated payloads and flipped bytes: every one is an Error thrown now
   // (or, where a flipped byte still decodes, a read that fails cleanly).
   const auto& good = seq.kv_transfer_info;
-  for (std::size_t n = 0; n < good.payload.size(); n += std::max<std::size_t>(1, good.payload.size() / 16)) {
+  for (std::size_t n = 0; n < good.payload.size();
+       n += std::max<std::size_t>(1, good.payload.size() / 16)) {
     KVTransferInfo bad = good;
     bad.payload.resize(n);
     EXPECT_THROW(m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, bad), Error)
@@ -499,12 +502,13 @@ TEST_P(Conformance, MixedGeometriesPullByteExact) {
     auto m = manager(cache);
     const std::size_t n = (300 + c.local.page_size - 1) / c.local.page_size;
     std::vector<std::uint32_t> lp(n);
-    for (std::size_t i = 0; i < n; ++i) lp[i] = static_cast<std::uint32_t>((i * 3 + 1) % c.local.num_pages);
+    for (std::size_t i = 0; i < n; ++i)
+      lp[i] = static_cast<std::uint32_t>((i * 3 + 1) % c.local.num_pages);
     m->sync_retrieve(c.start, 300, lp, seq.page_indices, seq.kv_transfer_info);
     auto v = testing::verify_pattern_any(*cache, kSeed, lp, c.start, 300);
     EXPECT_TRUE(v.ok()) << v.first_mismatch;
-    expect_only_named_bytes_written(
-        *cache, owner, plan_reads(c.local, owner, c.start, 300, lp, seq.page_indices));
+    expect_only_named_bytes_written(*cache, owner,
+                                    plan_reads(c.local, owner, c.start, 300, lp, seq.page_indices));
   }
   // A shard that does not hold the local heads is refused before any byte moves.
   {
@@ -547,8 +551,7 @@ TEST_P(Conformance, TensorParallelMergeFromTwoPeers) {
   // Without the second rank, heads 4-7 are held by nobody: refused.
   testing::fill_bytes(*cache, kSentinel);
   expect_error([&] { m->start_async_retrieve(0, 200, lp, std::span(shards).first(1)); },
-                        StatusCode::kIncompatibleLayout,
-                        {"local KV heads [4, 8) of 8 are held by none"});
+               StatusCode::kIncompatibleLayout, {"local KV heads [4, 8) of 8 are held by none"});
   expect_only_named_bytes_written(*cache, r0, {});
 }
 

@@ -73,11 +73,11 @@ class EngineSuite : public ::testing::TestWithParam<EngineCase> {
 };
 
 // The start of a case that reads a peer's cache: skips for the local engine.
-#define MSTAR_KV_NEED_REMOTE()                                         \
-  do {                                                                 \
-    if (!remote_reads()) {                                             \
-      GTEST_SKIP() << "the local engine reads no remote cache";        \
-    }                                                                  \
+#define MSTAR_KV_NEED_REMOTE()                                  \
+  do {                                                          \
+    if (!remote_reads()) {                                      \
+      GTEST_SKIP() << "the local engine reads no remote cache"; \
+    }                                                           \
   } while (0)
 
 }  // namespace mstar::kv::testing

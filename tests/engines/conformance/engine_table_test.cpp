@@ -15,6 +15,7 @@
 #include "common/expectations.hpp"
 #include "common/layouts.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -105,7 +106,9 @@ TEST(EngineTable, EnginesWithoutLayerRegionsRefuseThemByName) {
   }
   auto cache = KVCache::create_host_layers(small_layout(4));
   testing::expect_error(
-      [&] { make_engine(TransferEngineInfo{"x", "", "mooncake", {}}, cache); },
+      [&] {
+        make_engine(TransferEngineInfo{"x", "", "mooncake", {}}, cache);
+      },
       StatusCode::kNotSupported, {"C++ Mooncake engine", "4 (one per layer)", "wheel engine"});
   // The local engine needs no memory of its own: any cache.
   EXPECT_NO_THROW(make_engine(std::nullopt, cache));

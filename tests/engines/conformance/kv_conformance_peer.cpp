@@ -25,6 +25,7 @@
 #include "common/cache_probe.hpp"
 #include "common/peer.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 using namespace mstar::kv;
 using testing::say;

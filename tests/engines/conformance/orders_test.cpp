@@ -13,10 +13,11 @@
 #include <string>
 #include <vector>
 
+#include "common/expectations.hpp"
 #include "core/codec.hpp"
 #include "engine_suite.hpp"
-#include "common/expectations.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv::testing {
 namespace {
@@ -46,8 +47,8 @@ class CacheOrders : public EngineSuite {
     EXPECT_EQ(bytes, (kTokens - start) * l.token_bytes() * l.num_kv() * l.num_layers);
     auto v = verify_pattern_any(*cache, kSeed, lp, start, kTokens);
     EXPECT_TRUE(v.ok()) << v.first_mismatch;
-    expect_only_named_bytes_written(
-        *cache, owner, plan_reads(l, owner, start, kTokens, lp, seq.page_indices));
+    expect_only_named_bytes_written(*cache, owner,
+                                    plan_reads(l, owner, start, kTokens, lp, seq.page_indices));
   }
 };
 

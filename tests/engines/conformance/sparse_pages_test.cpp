@@ -19,6 +19,7 @@
 
 #include "engine_suite.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv::testing {
 namespace {

@@ -14,9 +14,10 @@
 #include <thread>
 #include <utility>
 
-#include "engine_suite.hpp"
 #include "common/expectations.hpp"
+#include "engine_suite.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv::testing {
 namespace {
@@ -117,8 +118,7 @@ TEST_P(Streaming, RefusedWithoutAReadinessChannel) {
     FAIL() << "streaming over " << engine() << " was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kNotSupported) << e.what();
-    EXPECT_NE(std::string(e.what()).find("'" + engine() + "'"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("'" + engine() + "'"), std::string::npos) << e.what();
   }
   EXPECT_TRUE(layer_untouched(*cache, 0, local_pages(4)));
 }
@@ -139,8 +139,8 @@ TEST_P(Streaming, EachLayerArrivesAfterTheOwnerMarksItAndBeforeTheNext) {
     std::lock_guard<std::mutex> lock(mu);
     done_at[layer] = now_ns();
   };
-  auto s = m->start_streaming_retrieve(0, seq.num_tokens, lp, seq.page_indices,
-                                       seq.kv_transfer_info, o);
+  auto s =
+      m->start_streaming_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info, o);
   ASSERT_TRUE(s.has_value());
   EXPECT_EQ(s->num_layers(), 4u);
   for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
@@ -149,8 +149,8 @@ TEST_P(Streaming, EachLayerArrivesAfterTheOwnerMarksItAndBeforeTheNext) {
     // The owner marks the next layer 150 ms later: two layers ahead must
     // still be untouched here.
     if (layer + 2 < l.num_layers) {
-      EXPECT_TRUE(layer_untouched(*cache, layer + 2, lp)) << "layer " << layer + 2
-                                                          << " was read before it was marked";
+      EXPECT_TRUE(layer_untouched(*cache, layer + 2, lp))
+          << "layer " << layer + 2 << " was read before it was marked";
     }
   }
   EXPECT_EQ(s->future().get(), 300u * l.token_bytes() * 2 * l.num_layers);
@@ -191,8 +191,8 @@ TEST_P(Streaming, PrefixHitAndDifferentOrdersStreamLikeAPull) {
   const auto host = testing::download(*cache);
   const auto b = host->block(0, KV::kKey, lp[2]);
   EXPECT_EQ(b[0], kSentinel);
-  EXPECT_FALSE(m->start_streaming_retrieve(90, 90, lp, seq.page_indices, seq.kv_transfer_info)
-                   .has_value());
+  EXPECT_FALSE(
+      m->start_streaming_retrieve(90, 90, lp, seq.page_indices, seq.kv_transfer_info).has_value());
 }
 
 TEST_P(Streaming, LayersOverAMebibyteGoThroughTheEnginesWorkers) {
@@ -208,8 +208,8 @@ TEST_P(Streaming, LayersOverAMebibyteGoThroughTheEnginesWorkers) {
   for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>(1023 - i);
   StreamOptions o;
   o.max_reads_in_flight = 2;
-  auto s = m->start_streaming_retrieve(0, seq.num_tokens, lp, seq.page_indices,
-                                       seq.kv_transfer_info, o);
+  auto s =
+      m->start_streaming_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info, o);
   ASSERT_TRUE(s.has_value());
   ASSERT_TRUE(s->wait_for_layer(0, 30s).is_ok());
   EXPECT_EQ(s->future().get(), 512u * 16 * l.token_bytes() * 2 * l.num_layers);
@@ -299,7 +299,8 @@ TEST_P(Streaming, CancelMidStreamStopsIssuingAndResolvesOnceNothingIsInFlight) {
   s_->cancel();
   ASSERT_TRUE(s_->future().wait_for(2s));
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 250ms);
-  EXPECT_EQ(s_->future().status().code(), StatusCode::kCancelled) << s_->future().status().to_string();
+  EXPECT_EQ(s_->future().status().code(), StatusCode::kCancelled)
+      << s_->future().status().to_string();
   EXPECT_EQ(s_->wait_for_layer(1, 0s).code(), StatusCode::kCancelled);
   // The owner_ goes on marking; nothing more lands here.
   read_marks(*owner_, 4);
@@ -329,7 +330,8 @@ TEST_P(Streaming, ReadinessBeyondTheLayerCountIsRejected) {
   EXPECT_EQ(st.code(), StatusCode::kCorruptDescriptor) << st.to_string();
   EXPECT_NE(st.message().find("says 9 layers"), std::string::npos) << st.message();
   EXPECT_NE(st.message().find("4 layers"), std::string::npos) << st.message();
-  for (std::uint32_t layer = 0; layer < 4; ++layer) EXPECT_TRUE(layer_untouched(*cache_, layer, lp_));
+  for (std::uint32_t layer = 0; layer < 4; ++layer)
+    EXPECT_TRUE(layer_untouched(*cache_, layer, lp_));
 }
 
 TEST_P(Streaming, ReadinessGoingBackwardsIsRejected) {
@@ -362,7 +364,8 @@ TEST_P(Streaming, ANewGenerationOfThePagesIsRejected) {
   ASSERT_TRUE(s_->future().wait_for(5s));
   const Status st = s_->future().status();
   EXPECT_EQ(st.code(), StatusCode::kStaleDescriptor) << st.to_string();
-  for (std::uint32_t layer = 1; layer < 4; ++layer) EXPECT_TRUE(layer_untouched(*cache_, layer, lp_));
+  for (std::uint32_t layer = 1; layer < 4; ++layer)
+    EXPECT_TRUE(layer_untouched(*cache_, layer, lp_));
 }
 
 TEST_P(Streaming, AnOwnerThatDiesMidStreamFailsTheStreamWithinTheTimeout) {
@@ -436,8 +439,8 @@ TEST_P(Streaming, BadArgumentsAreRejectedBeforeAnyByteMoves) {
                                           seq.kv_transfer_info, bad);
             }),
             StatusCode::kInvalidArgument);
-  auto s = m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices,
-                                       seq.kv_transfer_info);
+  auto s =
+      m->start_streaming_retrieve(0, 64, local_pages(4), seq.page_indices, seq.kv_transfer_info);
   ASSERT_TRUE(s.has_value());
   EXPECT_THROW(s->wait_for_layer(4, 0s), Error);
   s->future().get();

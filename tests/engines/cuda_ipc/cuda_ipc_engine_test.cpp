@@ -9,22 +9,23 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <numeric>
 #include <atomic>
 #include <cstring>
+#include <numeric>
 #include <thread>
 
-#include "cuda_ipc_test_util.hpp"
-#include "mstar/kv/cuda_ipc.hpp"
-#include "mstar/kv/kv.hpp"
-#include "common/managers.hpp"
 #include "common/expectations.hpp"
 #include "common/layouts.hpp"
+#include "common/managers.hpp"
+#include "cuda_ipc_test_util.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
+#include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -85,7 +86,6 @@ class CudaIpcEngine : public ::testing::Test {
     EXPECT_EQ(testing::bytes_written_outside(local, remote, reads, std::byte{kSentinel}), 0u)
         << "bytes outside the read were written";
   }
-
 };
 
 TEST_F(CudaIpcEngine, DescriptorDescribesTheAllocation) {
@@ -255,8 +255,7 @@ TEST_F(CudaIpcEngine, BadReadsAreRejectedBeforeAnyByteMoves) {
   for (std::size_t n = 0; n < good.payload.size(); n += 7) {
     KVTransferInfo bad = good;
     bad.payload.resize(n);
-    EXPECT_THROW(m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, bad), Error)
-        << n;
+    EXPECT_THROW(m->start_async_retrieve(0, 64, local_pages(4), seq.page_indices, bad), Error) << n;
   }
   KVTransferInfo other = good;
   other.engine = "shm";
@@ -339,8 +338,8 @@ TEST_F(CudaIpcEngine, ReusedPagesFailStaleNeverAsAnotherRequest) {
     owner.send_reuse(seed + 1);  // the owner frees and rewrites while we read
     Status st;
     try {
-      auto f = m->start_async_retrieve(0, cur.num_tokens, lp, cur.page_indices,
-                                       cur.kv_transfer_info);
+      auto f =
+          m->start_async_retrieve(0, cur.num_tokens, lp, cur.page_indices, cur.kv_transfer_info);
       if (f) f->get();
     } catch (const Error& e) {
       st = e.status();
@@ -492,8 +491,7 @@ TEST_F(CudaIpcEngine, CancelAndTimeoutResolveOnlyAfterTheCopiesDrain) {
   for (const bool cancel : {true, false}) {
     auto cache = local_cache(l);
     auto m = manager(cache, cancel ? 20000ms : 1ms, {{"cuda_ipc_batch", "0"}});
-    auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices,
-                                     seq.kv_transfer_info);
+    auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
     ASSERT_TRUE(f.has_value());
     if (cancel) f->cancel();
     ASSERT_TRUE(f->wait_for(30s));
@@ -562,8 +560,8 @@ TEST_F(CudaIpcEngine, VmmAllocationsAreRefused) {
   // cuMemCreate + cuMemAddressReserve + cuMemMap, as PyTorch's expandable
   // segments allocate.
   auto create = driver_fn<PFN_cuMemCreate_v10020>("cuMemCreate");
-  auto granularity = driver_fn<PFN_cuMemGetAllocationGranularity_v10020>(
-      "cuMemGetAllocationGranularity");
+  auto granularity =
+      driver_fn<PFN_cuMemGetAllocationGranularity_v10020>("cuMemGetAllocationGranularity");
   auto reserve = driver_fn<PFN_cuMemAddressReserve_v10020>("cuMemAddressReserve");
   auto map = driver_fn<PFN_cuMemMap_v10020>("cuMemMap");
   auto set_access = driver_fn<PFN_cuMemSetAccess_v10020>("cuMemSetAccess");

@@ -7,12 +7,11 @@
 #include <string>
 #include <vector>
 
-#include "core/codec.hpp"
 #include "common/expectations.hpp"
 #include "common/layouts.hpp"
-#include "mstar/kv/cuda_ipc.hpp"
+#include "core/codec.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
-#include "common/layouts.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -25,7 +24,8 @@ CudaIpcKVTransferInfo sample(const KVLayout& l = small_layout()) {
     i.cuda_share.handle[b] = static_cast<std::uint8_t>(b * 7 + 1);
   }
   i.cuda_share.device = 3;
-  for (std::size_t b = 0; b < 16; ++b) i.cuda_share.device_uuid[b] = static_cast<std::uint8_t>(0xA0 + b);
+  for (std::size_t b = 0; b < 16; ++b)
+    i.cuda_share.device_uuid[b] = static_cast<std::uint8_t>(0xA0 + b);
   i.offset = 2048;  // 4 KiB into the allocation
   i.cuda_share.allocation_bytes = l.total_bytes() + 4096;
   i.size = CudaIpcKVTransferInfo::view_size(l);
@@ -126,8 +126,8 @@ TEST(CudaIpcInfo, ViewIsTheLayoutsContiguousTensor) {
   const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
   EXPECT_EQ(CudaIpcKVTransferInfo::view_size(l), (std::vector<std::int64_t>{4, 2, 64, 16, 2, 64}));
   EXPECT_EQ(CudaIpcKVTransferInfo::view_stride(l),
-            (std::vector<std::int64_t>{2 * 64 * 16 * 2 * 64, 64 * 16 * 2 * 64, 16 * 2 * 64,
-                                       2 * 64, 64, 1}));
+            (std::vector<std::int64_t>{2 * 64 * 16 * 2 * 64, 64 * 16 * 2 * 64, 16 * 2 * 64, 2 * 64,
+                                       64, 1}));
   KVLayout p = small_layout(CacheOrder::kPageMajor, PageOrder::kHND);
   p.has_v = false;
   EXPECT_EQ(CudaIpcKVTransferInfo::view_size(p), (std::vector<std::int64_t>{64, 4, 1, 2, 16, 64}));

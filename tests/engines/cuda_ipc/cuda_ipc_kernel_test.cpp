@@ -23,8 +23,9 @@
 #include "core/span_table.hpp"
 #include "cuda_ipc_test_util.hpp"
 #include "engines/cuda_ipc/span_kernel.hpp"
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -32,8 +33,8 @@ namespace {
 using namespace std::chrono_literals;
 using cuda_test::OwnerProcess;
 using cuda_test::OwnerSpec;
-using testing::shard_layout;
 using testing::ScopedEnv;
+using testing::shard_layout;
 using testing::small_layout;
 
 constexpr std::uint8_t kSentinel = 0xA5;
@@ -47,8 +48,7 @@ TEST(CudaIpcCopyOption, BadValuesAreRefusedNamingWhereTheyCameFrom) {
   auto host = make_kv_cache(small_layout(), MemoryKind::kHost);
   EngineOptions o;
   o.extra["cuda_ipc_copy"] = "warp";
-  testing::expect_error([&] { CudaIpcKVTransferEngine e(host, o); },
-                        StatusCode::kInvalidArgument,
+  testing::expect_error([&] { CudaIpcKVTransferEngine e(host, o); }, StatusCode::kInvalidArgument,
                         {"cuda_ipc_copy='warp'", "expected kernel or memcpy"});
   {
     ScopedEnv env("MSTAR_KV_CUDA_IPC_COPY", "fast");
@@ -57,19 +57,19 @@ TEST(CudaIpcCopyOption, BadValuesAreRefusedNamingWhereTheyCameFrom) {
                           {"MSTAR_KV_CUDA_IPC_COPY='fast'", "expected kernel or memcpy"});
     // The option wins over the environment: this one gets to the cache check.
     o.extra["cuda_ipc_copy"] = "memcpy";
-    testing::expect_error([&] { CudaIpcKVTransferEngine e(host, o); },
-                          StatusCode::kInvalidArgument, {"device cache"});
+    testing::expect_error([&] { CudaIpcKVTransferEngine e(host, o); }, StatusCode::kInvalidArgument,
+                          {"device cache"});
   }
   o.extra["cuda_ipc_copie"] = "kernel";  // a typo of the key
-  testing::expect_error([&] { CudaIpcKVTransferEngine e(host, o); },
-                        StatusCode::kInvalidArgument, {"cuda_ipc_copie", "cuda_ipc_copy"});
+  testing::expect_error([&] { CudaIpcKVTransferEngine e(host, o); }, StatusCode::kInvalidArgument,
+                        {"cuda_ipc_copie", "cuda_ipc_copy"});
   std::cout << "[ INFO     ] copy kernel built: " << (cuda_ipc::span_kernel_built() ? "yes" : "no")
             << std::endl;
   if (!cuda_ipc::span_kernel_built()) {
     o.extra.erase("cuda_ipc_copie");
     o.extra["cuda_ipc_copy"] = "kernel";
-    testing::expect_error([&] { CudaIpcKVTransferEngine e(host, o); },
-                          StatusCode::kInvalidArgument, {"no copy kernel"});
+    testing::expect_error([&] { CudaIpcKVTransferEngine e(host, o); }, StatusCode::kInvalidArgument,
+                          {"no copy kernel"});
   }
 }
 
@@ -104,8 +104,8 @@ class CudaIpcKernel : public ::testing::Test {
   static std::unique_ptr<KVTransferManager> manager(std::shared_ptr<KVCache> cache,
                                                     const char* path,
                                                     std::chrono::milliseconds timeout = 20000ms) {
-    auto m = testing::reader_manager("cuda_ipc", std::move(cache), timeout,
-                                     {{"cuda_ipc_copy", path}});
+    auto m =
+        testing::reader_manager("cuda_ipc", std::move(cache), timeout, {{"cuda_ipc_copy", path}});
     EXPECT_EQ(dynamic_cast<CudaIpcKVTransferEngine&>(m->engine()).copy_path(), path);
     return m;
   }
@@ -145,7 +145,8 @@ TEST_F(CudaIpcKernel, KernelCopiesWhatTheHostReferenceCopies) {
   }
   // And 20,000 aligned 4 KiB blocks, scattered (a layer-major pull's shape).
   for (std::uint64_t i = 0; i < 20000; ++i) {
-    spans.push_back({(dst + 4095) / 4096 * 4096 + i * 4096, ((i * 7919) % 20000) * 4096, 4096, 1, 0, 0});
+    spans.push_back(
+        {(dst + 4095) / 4096 * 4096 + i * 4096, ((i * 7919) % 20000) * 4096, 4096, 1, 0, 0});
   }
   const std::uint64_t dst_size = (dst + 4095) / 4096 * 4096 + 20000 * 4096 + 64;
   const std::uint64_t src_size = std::max<std::uint64_t>(src, 20000 * 4096) + 64;
@@ -166,7 +167,8 @@ TEST_F(CudaIpcKernel, KernelCopiesWhatTheHostReferenceCopies) {
       check_cuda(cudaMemcpy(d_src + sa, host_src.data(), src_size, cudaMemcpyHostToDevice), "up");
       check_cuda(cudaMemset(d_dst, 0xEE, dst_size + 16), "memset");
       for (unsigned blocks : {1u, cuda_ipc::span_kernel_blocks(0)}) {
-        check_cuda(cuda_ipc::launch_span_copy(t, d_src + sa, d_dst + da, blocks, nullptr), "launch");
+        check_cuda(cuda_ipc::launch_span_copy(t, d_src + sa, d_dst + da, blocks, nullptr),
+                   "launch");
         check_cuda(cudaDeviceSynchronize(), "sync");
       }
       std::vector<std::byte> got(dst_size);
@@ -194,7 +196,8 @@ TEST_F(CudaIpcKernel, KernelCopiesWhatTheHostReferenceCopies) {
 // owner (all heads, 16-token HND pages, page-major): byte-exact by the
 // pattern, nothing outside the read written.
 TEST_F(CudaIpcKernel, KernelAndMemcpyPathsAgreeOnEveryGeometry) {
-  const KVLayout owner_layout = shard_layout(16, 8, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
+  const KVLayout owner_layout =
+      shard_layout(16, 8, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
   OwnerProcess owner(spec(owner_layout, 300));
   const auto& seq = owner.sequence();
   struct Case {
@@ -208,8 +211,10 @@ TEST_F(CudaIpcKernel, KernelAndMemcpyPathsAgreeOnEveryGeometry) {
        shard_layout(16, 8, 0, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 64), 37},
       {"TP 1 -> 2 rank 1, 64-token NHD pages",
        shard_layout(64, 4, 4, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 16), 0},
-      {"TP 1 -> 8 rank 5, 24-token pages", shard_layout(24, 1, 5, 8, PageOrder::kNHD, CacheOrder::kPageMajor, 20), 5},
-      {"128-token HND pages", shard_layout(128, 8, 0, 8, PageOrder::kHND, CacheOrder::kLayerMajor, 4), 0},
+      {"TP 1 -> 8 rank 5, 24-token pages",
+       shard_layout(24, 1, 5, 8, PageOrder::kNHD, CacheOrder::kPageMajor, 20), 5},
+      {"128-token HND pages",
+       shard_layout(128, 8, 0, 8, PageOrder::kHND, CacheOrder::kLayerMajor, 4), 0},
   };
   for (const Case& c : cases) {
     for (const char* path : {"kernel", "memcpy"}) {
@@ -218,7 +223,8 @@ TEST_F(CudaIpcKernel, KernelAndMemcpyPathsAgreeOnEveryGeometry) {
       auto m = manager(cache, path);
       const std::size_t n = (300 + c.local.page_size - 1) / c.local.page_size;
       std::vector<std::uint32_t> lp(n);
-      for (std::size_t i = 0; i < n; ++i) lp[i] = static_cast<std::uint32_t>((i * 3 + 1) % c.local.num_pages);
+      for (std::size_t i = 0; i < n; ++i)
+        lp[i] = static_cast<std::uint32_t>((i * 3 + 1) % c.local.num_pages);
       m->sync_retrieve(c.start, 300, lp, seq.page_indices, seq.kv_transfer_info);
       auto v = testing::verify_pattern_any(*cache, kSeed, lp, c.start, 300);
       EXPECT_TRUE(v.ok()) << v.first_mismatch;
@@ -283,7 +289,8 @@ TEST_F(CudaIpcKernel, CancelAndTimeoutResolveOnlyAfterTheLaunchDrains) {
       auto v = testing::verify_pattern_any(*cache, kSeed, lp, 0, seq.num_tokens);
       EXPECT_TRUE(v.ok()) << v.first_mismatch;
     } else {
-      EXPECT_EQ(c, cancel ? StatusCode::kCancelled : StatusCode::kTimeout) << f->status().to_string();
+      EXPECT_EQ(c, cancel ? StatusCode::kCancelled : StatusCode::kTimeout)
+          << f->status().to_string();
       testing::expect_quiet(*cache, 50ms);
     }
   }
@@ -334,17 +341,21 @@ TEST_F(CudaIpcKernel, OwnerKilledMidCopyResolvesInBoundedTime) {
     for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>((i * 7) % 1024);
     std::vector<TransferFuture> fs;
     for (int i = 0; i < 8; ++i) {
-      auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
+      auto f =
+          m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
       ASSERT_TRUE(f.has_value());
       fs.push_back(std::move(*f));
     }
     owner->kill_now();
     for (auto& f : fs) {
       ASSERT_TRUE(f.wait_for(30s)) << "a read of a killed owner never resolved";
-      std::cout << "[ INFO     ] " << path << ", owner killed: " << f.status().to_string() << std::endl;
+      std::cout << "[ INFO     ] " << path << ", owner killed: " << f.status().to_string()
+                << std::endl;
     }
     testing::expect_error(
-        [&] { m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info); },
+        [&] {
+          m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
+        },
         StatusCode::kNotFound);
     OwnerProcess again(spec(small_layout(), 64));
     auto small = local_cache(small_layout());

@@ -21,8 +21,9 @@
 #include "common/cache_probe.hpp"
 #include "common/peer.hpp"
 #include "common/wire.hpp"
-#include "mstar/kv/cuda_ipc.hpp"
+#include "mstar/kv/engines/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 using namespace mstar::kv;
 using testing::say_sequence;
@@ -58,8 +59,8 @@ std::unique_ptr<Generation> make_generation(const KVLayout& layout, std::uint64_
                                  layout.total_bytes(), 0);
   }
   testing::fill_bytes(*g->cache, std::byte{0x5A});
-  g->manager = std::make_unique<KVTransferManager>(
-      TransferEngineInfo{"owner", "", "cuda_ipc", {}}, g->cache);
+  g->manager = std::make_unique<KVTransferManager>(TransferEngineInfo{"owner", "", "cuda_ipc", {}},
+                                                   g->cache);
   g->pool = std::make_unique<KVCachePool>(g->cache, g->manager->get_kv_transfer_info(), scatter);
   const auto pages = g->pool->allocate(1, tokens);
   testing::fill_pattern_any(*g->cache, seed, pages, 0, tokens);

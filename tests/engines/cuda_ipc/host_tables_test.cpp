@@ -27,9 +27,9 @@ std::unique_ptr<LayerWatch> watch_of(std::shared_ptr<const HostTablesView> view,
                                      std::uint32_t layers, std::vector<std::uint32_t> pages,
                                      std::uint64_t epoch) {
   const HostTablesView* t = view.get();
-  return make_mapped_layer_watch(t->ready(), t->epochs(), t->num_pages(), layers,
-                                 std::move(pages), epoch, [t] { return t->check_owner(); },
-                                 std::move(view));
+  return make_mapped_layer_watch(
+      t->ready(), t->epochs(), t->num_pages(), layers, std::move(pages), epoch,
+      [t] { return t->check_owner(); }, std::move(view));
 }
 
 using namespace std::chrono_literals;
@@ -73,16 +73,16 @@ TEST(CudaHostTables, ForgedOrStaleDescriptorsAreRefusedNamingWhy) {
   testing::expect_error([&] { HostTablesView(kPid, static_cast<std::uint32_t>(m), kUid, 42, 8); },
                         StatusCode::kStaleDescriptor, {"sealed"});
   ::close(m);
-  testing::expect_error([&] { HostTablesView(kPid, 1u << 30, kUid, 42, 8); },
-                        StatusCode::kNotFound, {"does not exist"});
+  testing::expect_error([&] { HostTablesView(kPid, 1u << 30, kUid, 42, 8); }, StatusCode::kNotFound,
+                        {"does not exist"});
 }
 
 TEST(CudaHostTables, TheWatchFollowsReadinessAndRefusesWhatAnOwnerCannotSay) {
   HostTables owner(8, 42);
   const std::vector<std::uint32_t> pages{1, 4};
   for (std::uint32_t p : pages) owner.epochs()[p] = 5;
-  auto view = std::make_shared<const HostTablesView>(
-      kPid, static_cast<std::uint32_t>(owner.fd()), owner.uid(), 42, 8);
+  auto view = std::make_shared<const HostTablesView>(kPid, static_cast<std::uint32_t>(owner.fd()),
+                                                     owner.uid(), 42, 8);
   PageReadiness ready(owner.ready(), 8);
   auto watch = watch_of(view, 4, pages, 5);
   std::uint32_t r = 99;

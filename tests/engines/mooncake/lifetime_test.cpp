@@ -15,8 +15,9 @@
 #include "common/layouts.hpp"
 #include "common/peer_process.hpp"
 #include "engines/mooncake/mooncake_test_util.hpp"
+#include "mstar/kv/engines/mooncake.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/mooncake.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv {
 namespace {

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "engines/mooncake/mooncake_api.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::mooncake {
 namespace {
@@ -30,8 +30,7 @@ TEST(MooncakeLoader, AbsentLibraryIsUnavailableAndNamesThePathAndTheFix) {
   const std::string path = "/nonexistent/dir/libtransfer_engine.so";
   const Status s = load_error(path);
   EXPECT_EQ(s.code(), StatusCode::kUnavailable);
-  EXPECT_TRUE(contains(s.message(), "cannot load Mooncake library '" + path + "'"))
-      << s.message();
+  EXPECT_TRUE(contains(s.message(), "cannot load Mooncake library '" + path + "'")) << s.message();
   EXPECT_TRUE(contains(s.message(), "--mooncake-lib")) << s.message();
   EXPECT_TRUE(contains(s.message(), "MSTAR_KV_MOONCAKE_LIB")) << s.message();
 }

@@ -13,21 +13,22 @@
 #include <thread>
 #include <vector>
 
-#include "common/managers.hpp"
 #include "common/expectations.hpp"
+#include "common/managers.hpp"
 #include "common/peer_process.hpp"
 #include "engines/mooncake/mooncake_test_util.hpp"
 #include "engines/mooncake/read_error.hpp"
+#include "mstar/kv/engines/mooncake.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/mooncake.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv {
 namespace {
 
 using namespace std::chrono_literals;
 using testing::PeerProcess;
-using testing::read_error;
 using testing::PeerSpec;
+using testing::read_error;
 
 using testing::count_changed;
 using testing::iota_pages;
@@ -62,7 +63,6 @@ class MooncakeEngine : public ::testing::Test {
                                                     std::map<std::string, std::string> extra = {}) {
     return testing::reader_manager("mooncake", std::move(c), timeout, std::move(extra));
   }
-
 };
 
 TEST_F(MooncakeEngine, SessionIdIsMooncakesHostAndPort) {
@@ -89,8 +89,8 @@ TEST_F(MooncakeEngine, FullAndPartialPullsMoveExactlyTheNamedTokens) {
   auto m = manager(c);
   const auto lp = iota_pages(seq.page_indices.size(), 100);
   // A prefix hit: tokens [0, 333) are already here; pull the rest.
-  const std::uint64_t bytes = m->sync_retrieve(333, 1000, lp, seq.page_indices,
-                                               seq.kv_transfer_info);
+  const std::uint64_t bytes =
+      m->sync_retrieve(333, 1000, lp, seq.page_indices, seq.kv_transfer_info);
   EXPECT_EQ(bytes, (1000u - 333u) * l.token_bytes() * 2 * l.num_layers);
   auto v = verify_pattern(*c, kSeed, lp, 333, 1000);
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
@@ -200,8 +200,7 @@ TEST_F(MooncakeEngine, PeerKilledMidPullFailsWithinTheConfiguredTime) {
   auto c = make_kv_cache(l, MemoryKind::kHost);
   auto m = manager(c, 2000ms);
   const auto lp = iota_pages(seq.page_indices.size());
-  auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices,
-                                   seq.kv_transfer_info);
+  auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
   ASSERT_TRUE(f.has_value());
   std::this_thread::sleep_for(20ms);
   const auto t0 = std::chrono::steady_clock::now();
@@ -216,10 +215,10 @@ TEST_F(MooncakeEngine, PeerKilledMidPullFailsWithinTheConfiguredTime) {
     EXPECT_TRUE(code == StatusCode::kPeerFailure || code == StatusCode::kTimeout)
         << f->status().to_string();
   }
-  std::printf("peer killed: future resolved %lld ms later: %s\n",
-              static_cast<long long>(
-                  std::chrono::duration_cast<std::chrono::milliseconds>(took).count()),
-              f->status().to_string().c_str());
+  std::printf(
+      "peer killed: future resolved %lld ms later: %s\n",
+      static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()),
+      f->status().to_string().c_str());
 }
 
 TEST_F(MooncakeEngine, HungPeerCostsTheEngineNeverALateWrite) {
@@ -229,8 +228,7 @@ TEST_F(MooncakeEngine, HungPeerCostsTheEngineNeverALateWrite) {
   auto c = cache(l);
   auto m = manager(c, 1000ms, {{"mooncake_abort_grace_ms", "500"}});
   const auto lp = iota_pages(seq.page_indices.size());
-  auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices,
-                                   seq.kv_transfer_info);
+  auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
   ASSERT_TRUE(f.has_value());
   ASSERT_EQ(::kill(peer.pid(), SIGSTOP), 0);
   const auto t0 = std::chrono::steady_clock::now();
@@ -276,15 +274,14 @@ EngineOptions with_extra(std::map<std::string, std::string> extra) {
 TEST(MooncakeEngineAnywhere, OptionsAreCheckedByName) {
   EXPECT_EQ(MooncakeOptions::parse(with_extra({})).metadata, "P2PHANDSHAKE");
   EXPECT_EQ(MooncakeOptions::parse(with_extra({{"ucx_tls", "tcp"}})).protocol, "tcp");
-  const auto o = MooncakeOptions::parse(with_extra(
-      {{"mooncake_lib", "/x.so"}, {"mooncake_abort_grace_ms", "250"}}));
+  const auto o = MooncakeOptions::parse(
+      with_extra({{"mooncake_lib", "/x.so"}, {"mooncake_abort_grace_ms", "250"}}));
   EXPECT_EQ(o.library_path, "/x.so");
   EXPECT_EQ(o.abort_grace_ms, 250u);
-  for (const auto& [k, v] : std::map<std::string, std::string>{
-           {"mooncake_libb", "/x.so"},
-           {"mooncake_abort_grace_ms", "0"},
-           {"mooncake_abort_grace_ms", "12x"},
-           {"mooncake_protocol", ""}}) {
+  for (const auto& [k, v] : std::map<std::string, std::string>{{"mooncake_libb", "/x.so"},
+                                                               {"mooncake_abort_grace_ms", "0"},
+                                                               {"mooncake_abort_grace_ms", "12x"},
+                                                               {"mooncake_protocol", ""}}) {
     testing::expect_error(
         [&] {
           MooncakeOptions::parse(with_extra({{k, v}}));

@@ -18,8 +18,9 @@
 
 #include "common/peer.hpp"
 #include "engines/mooncake/mooncake_test_util.hpp"
+#include "mstar/kv/engines/mooncake.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/mooncake.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 using namespace mstar::kv;
 
@@ -34,8 +35,8 @@ int main(int argc, char** argv) {
     auto start = [&] {
       engine = std::make_unique<MooncakeKVTransferEngine>(cache, "peer", app.handle(), a.options);
       if (engine->session_id() != app.ip_port()) {
-        throw std::runtime_error("session id " + engine->session_id() +
-                                 " is not the handle's " + app.ip_port());
+        throw std::runtime_error("session id " + engine->session_id() + " is not the handle's " +
+                                 app.ip_port());
       }
       KVCachePool pool(cache, engine->get_kv_transfer_info(), a.scatter);
       auto pages = pool.allocate(1, a.tokens);

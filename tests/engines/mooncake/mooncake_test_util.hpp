@@ -17,11 +17,11 @@
 #include <string>
 #include <vector>
 
-#include "common/engine_cases.hpp"
 #include "common/cache_probe.hpp"
+#include "common/engine_cases.hpp"
 #include "common/layouts.hpp"
+#include "mstar/kv/engines/mooncake.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/mooncake.hpp"
 
 namespace mstar::kv::testing {
 

@@ -5,16 +5,24 @@
 #include <stddef.h>
 #include <stdint.h>
 
-void* createTransferEngine(const char* a, const char* b, const char* c,
-                           uint64_t port, int discover) {
-  (void)a; (void)b; (void)c; (void)port; (void)discover;
+void* createTransferEngine(const char* a, const char* b, const char* c, uint64_t port,
+                           int discover) {
+  (void)a;
+  (void)b;
+  (void)c;
+  (void)port;
+  (void)discover;
   return NULL;
 }
 int getLocalIpAndPort(void* e, char* buf, size_t len) {
-  (void)e; (void)buf; (void)len;
+  (void)e;
+  (void)buf;
+  (void)len;
   return -1;
 }
 void* installTransport(void* e, const char* proto, void** args) {
-  (void)e; (void)proto; (void)args;
+  (void)e;
+  (void)proto;
+  (void)args;
   return NULL;
 }

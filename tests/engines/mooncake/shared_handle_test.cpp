@@ -21,8 +21,9 @@
 #include "common/wire.hpp"
 #include "engines/mooncake/mooncake_test_util.hpp"
 #include "engines/mooncake/read_error.hpp"
+#include "mstar/kv/engines/mooncake.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/mooncake.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 #ifndef MSTAR_KV_SHARED_PEER_PATH
 #error "MSTAR_KV_SHARED_PEER_PATH must name the mooncake_shared_peer executable"
@@ -36,11 +37,11 @@ namespace {
 
 using namespace std::chrono_literals;
 using testing::AppMooncake;
-using testing::read_error;
 using testing::count_changed;
 using testing::iota_pages;
 using testing::kSeed;
 using testing::kSentinel;
+using testing::read_error;
 using testing::sentinel_cache;
 
 KVLayout layout(std::uint32_t pages = 256) { return testing::mooncake_test_layout(pages); }
@@ -77,7 +78,6 @@ class MooncakeSharedHandle : public ::testing::Test {
     return std::make_unique<KVTransferManager>(std::move(c), std::move(e));
   }
 
-
   std::string lib_;
 };
 
@@ -93,7 +93,8 @@ TEST_F(MooncakeSharedHandle, SharedHandlesInTwoProcessesPullEveryByte) {
   // The session is the application's engine's.
   EXPECT_EQ(e->session_id(), app.ip_port());
   EXPECT_EQ(MooncakeKVTransferInfo::decode(e->get_kv_transfer_info()).session_id, app.ip_port());
-  EXPECT_EQ(MooncakeKVTransferInfo::decode(e->get_kv_transfer_info()).data_ptr, reinterpret_cast<std::uintptr_t>(c->base()));
+  EXPECT_EQ(MooncakeKVTransferInfo::decode(e->get_kv_transfer_info()).data_ptr,
+            reinterpret_cast<std::uintptr_t>(c->base()));
   KVTransferManager m(c, std::move(e));
 
   // Forged descriptors are refused via the peer's identity page first.
@@ -107,9 +108,9 @@ TEST_F(MooncakeSharedHandle, SharedHandlesInTwoProcessesPullEveryByte) {
             StatusCode::kStaleDescriptor);
   EXPECT_EQ(read_error(m, seq.page_indices, forged([](auto& f) { f.data_ptr += 4096; })).code(),
             StatusCode::kPermissionDenied);
-  EXPECT_EQ(read_error(m, seq.page_indices,
-                       forged([](auto& f) { f.identity_ptr = f.data_ptr; })).code(),
-            StatusCode::kPermissionDenied);
+  EXPECT_EQ(
+      read_error(m, seq.page_indices, forged([](auto& f) { f.identity_ptr = f.data_ptr; })).code(),
+      StatusCode::kPermissionDenied);
   EXPECT_EQ(count_changed(*c), 0u) << "a rejected descriptor wrote bytes";
 
   // A prefix hit first, then the prefix: every byte of the sequence.
@@ -171,8 +172,7 @@ TEST_F(MooncakeSharedHandle, HungPeerNeverLandsALateByteAndSparesTheHandle) {
   auto c = sentinel_cache(l);
   auto m = manager(c, app.handle(), 1000ms, {{"mooncake_abort_grace_ms", "500"}});
   const auto lp = iota_pages(seq.page_indices.size());
-  auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices,
-                                   seq.kv_transfer_info);
+  auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
   ASSERT_TRUE(f.has_value());
   ASSERT_EQ(::kill(peer.pid(), SIGSTOP), 0);
   struct Resume {  // the peer runs again whatever happens below
@@ -289,8 +289,7 @@ TEST(MooncakeSharedHandleAnywhere, BadArgumentsAreRejectedNamingTheValue) {
   EXPECT_NE(std::string(e.what()).find("'mooncake_session_id' = '10.0.0.7:1234'"),
             std::string::npos)
       << e.what();
-  EXPECT_EQ(MooncakeOptions::parse(own, /*shared_handle=*/true).session_id,
-            "10.0.0.7:1234");
+  EXPECT_EQ(MooncakeOptions::parse(own, /*shared_handle=*/true).session_id, "10.0.0.7:1234");
   // With valid arguments the missing library is what fails, naming the path.
   e = error([&] { MooncakeKVTransferEngine x(c, "me", never_used, o); });
   EXPECT_EQ(e.code(), StatusCode::kUnavailable) << e.what();

@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "engines/mooncake/mooncake_words.hpp"
-#include "mstar/kv/mooncake.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/engines/mooncake.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::mooncake {
 namespace {

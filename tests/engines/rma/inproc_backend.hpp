@@ -27,11 +27,11 @@
 #include <thread>
 #include <vector>
 
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/epochs.hpp"
+#include "mstar/kv/core/readiness.hpp"
 #include "rma/rma_backend.hpp"
 #include "rma/rma_engine.hpp"
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/epochs.hpp"
-#include "mstar/kv/readiness.hpp"
 
 namespace mstar::kv::testing {
 
@@ -125,14 +125,16 @@ class InProcessRmaBackend final : public rma::RmaBackend {
    public:
     Watch(std::shared_ptr<KVCache> owner, std::vector<std::uint32_t> pages, std::uint64_t epoch,
           std::uint32_t num_layers, std::shared_ptr<RmaLiveCounts> counts)
-        : owner_(std::move(owner)), pages_(std::move(pages)), epoch_(epoch),
-          num_layers_(num_layers), counts_(std::move(counts)) {
+        : owner_(std::move(owner)),
+          pages_(std::move(pages)),
+          epoch_(epoch),
+          num_layers_(num_layers),
+          counts_(std::move(counts)) {
       ++counts_->watches;
     }
     ~Watch() override { --counts_->watches; }
     Status poll(std::uint32_t* layers_ready) override {
-      const Status s = check_layer_readiness(owner_->readiness().words(),
-                                             owner_->epochs().words(),
+      const Status s = check_layer_readiness(owner_->readiness().words(), owner_->epochs().words(),
                                              owner_->layout().num_pages, pages_, epoch_,
                                              num_layers_, floor_, layers_ready);
       if (s.is_ok()) floor_ = *layers_ready;
@@ -167,11 +169,9 @@ class InProcessRmaBackend final : public rma::RmaBackend {
       reader_.enqueue(b);
       return b;
     }
-    std::unique_ptr<LayerWatch> watch_layers(std::vector<std::uint32_t> pages,
-                                             std::uint64_t epoch,
+    std::unique_ptr<LayerWatch> watch_layers(std::vector<std::uint32_t> pages, std::uint64_t epoch,
                                              std::uint32_t num_layers) override {
-      return std::make_unique<Watch>(owner_, std::move(pages), epoch, num_layers,
-                                     reader_.counts_);
+      return std::make_unique<Watch>(owner_, std::move(pages), epoch, num_layers, reader_.counts_);
     }
 
    private:
@@ -191,8 +191,8 @@ class InProcessRmaBackend final : public rma::RmaBackend {
 
   static Status epochs_of(const Batch& b, const char* when, bool after_copy) {
     if (b.check.epoch == 0) return Status::ok();
-    return check_page_epochs(b.owner->epochs().words(), b.owner->layout().num_pages,
-                             b.check.pages, b.check.epoch, when, after_copy);
+    return check_page_epochs(b.owner->epochs().words(), b.owner->layout().num_pages, b.check.pages,
+                             b.check.epoch, when, after_copy);
   }
 
   // Copies each batch in turn; with hold_, a batch waits for its abort (or

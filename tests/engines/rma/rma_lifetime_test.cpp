@@ -22,8 +22,9 @@
 
 #include "common/layouts.hpp"
 #include "engines/rma/inproc_backend.hpp"
-#include "rma/rma_engine.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
+#include "rma/rma_engine.hpp"
 
 namespace mstar::kv::testing {
 namespace {
@@ -59,8 +60,8 @@ struct OwnerAndReader {
     std::memset(reader_cache->base(), static_cast<int>(kSentinel), reader_cache->size_bytes());
     auto backend = std::make_unique<InProcessRmaBackend>(reader_cache, "reader", hold);
     counts = backend->counts();
-    reader = std::make_unique<rma::RmaKVTransferEngine>(reader_cache, std::move(backend),
-                                                        options());
+    reader =
+        std::make_unique<rma::RmaKVTransferEngine>(reader_cache, std::move(backend), options());
     local_pages = iota_pages(seq.page_indices.size(), 2000);
   }
   std::uint32_t high_pages() const {
@@ -87,8 +88,7 @@ struct OwnerAndReader {
 TEST(RmaLifetimes, APullMovesTheSequencesBytes) {
   OwnerAndReader s(/*hold=*/false);
   ASSERT_GT(s.high_pages(), 500u) << "the sequence's pages are not mostly >= 512";
-  const auto reads = plan_reads(layout(), 0, s.seq.num_tokens, s.local_pages,
-                                s.seq.page_indices);
+  const auto reads = plan_reads(layout(), 0, s.seq.num_tokens, s.local_pages, s.seq.page_indices);
   auto f = s.reader->read_batched_async(s.seq.kv_transfer_info, reads);
   ASSERT_TRUE(f.has_value());
   EXPECT_EQ(f->get(), s.seq.num_tokens * layout().token_bytes() * 2 * layout().num_layers);
@@ -98,8 +98,7 @@ TEST(RmaLifetimes, APullMovesTheSequencesBytes) {
 
 TEST(RmaLifetimes, ShutdownHoldsNoAbortedReadWhenTheBackendShutsDown) {
   OwnerAndReader s(/*hold=*/true);  // every read stays in flight until aborted
-  const auto reads = plan_reads(layout(), 0, s.seq.num_tokens, s.local_pages,
-                                s.seq.page_indices);
+  const auto reads = plan_reads(layout(), 0, s.seq.num_tokens, s.local_pages, s.seq.page_indices);
   auto a = s.reader->read_batched_async(s.seq.kv_transfer_info, reads);
   auto b = s.reader->read_batched_async(s.seq.kv_transfer_info, reads);
   ASSERT_TRUE(a.has_value() && b.has_value());
@@ -117,8 +116,8 @@ TEST(RmaLifetimes, AFinishedStreamLetsGoOfItsWatchBeforeItsFutureResolves) {
   OwnerAndReader s(/*hold=*/false);  // a finished sequence: every layer ready
   auto reader_cache = s.reader_cache;
   KVTransferManager m(reader_cache, std::move(s.reader), 5000ms);
-  auto stream = m.start_streaming_retrieve(0, s.seq.num_tokens, s.local_pages,
-                                           s.seq.page_indices, s.seq.kv_transfer_info, {});
+  auto stream = m.start_streaming_retrieve(0, s.seq.num_tokens, s.local_pages, s.seq.page_indices,
+                                           s.seq.kv_transfer_info, {});
   ASSERT_TRUE(stream.has_value());
   EXPECT_EQ(stream->future().get(),
             s.seq.num_tokens * layout().token_bytes() * 2 * layout().num_layers);
@@ -135,8 +134,8 @@ TEST(RmaLifetimes, ACancelledStreamLetsGoOfItsWatch) {
   OwnerAndReader s(/*hold=*/false, /*layers_ready=*/0);  // the owner never marks a layer
   auto reader_cache = s.reader_cache;
   KVTransferManager m(reader_cache, std::move(s.reader), 5000ms);
-  auto stream = m.start_streaming_retrieve(0, s.seq.num_tokens, s.local_pages,
-                                           s.seq.page_indices, s.seq.kv_transfer_info, {});
+  auto stream = m.start_streaming_retrieve(0, s.seq.num_tokens, s.local_pages, s.seq.page_indices,
+                                           s.seq.kv_transfer_info, {});
   ASSERT_TRUE(stream.has_value());
   EXPECT_EQ(s.counts->watches.load(), 1);
   stream->cancel();
@@ -151,8 +150,8 @@ TEST(RmaLifetimes, CleanupStopsAWaitingStreamAndLetsGoOfItsWatch) {
   OwnerAndReader s(/*hold=*/false, /*layers_ready=*/0);
   auto reader_cache = s.reader_cache;
   KVTransferManager m(reader_cache, std::move(s.reader), 5000ms);
-  auto stream = m.start_streaming_retrieve(0, s.seq.num_tokens, s.local_pages,
-                                           s.seq.page_indices, s.seq.kv_transfer_info, {});
+  auto stream = m.start_streaming_retrieve(0, s.seq.num_tokens, s.local_pages, s.seq.page_indices,
+                                           s.seq.kv_transfer_info, {});
   ASSERT_TRUE(stream.has_value());
   m.cleanup();
   ASSERT_TRUE(stream->future().ready());

@@ -38,15 +38,16 @@ void expect_children_gone(const std::string& out) {
   const auto pa = out.find(a);
   const auto pb = out.find(b, pa);
   ASSERT_TRUE(pa != std::string::npos && pb != std::string::npos) << out;
-  for (const pid_t pid : {std::stoi(out.substr(pa + a.size())), std::stoi(out.substr(pb + b.size()))}) {
+  for (const pid_t pid :
+       {std::stoi(out.substr(pa + a.size())), std::stoi(out.substr(pb + b.size()))}) {
     EXPECT_NE(::kill(pid, 0), 0) << "process " << pid << " is still there";
     EXPECT_EQ(errno, ESRCH);
   }
 }
 
 TEST(Demo, SmallGeometryPullsVerifiesAndReportsTheBaseline) {
-  const DemoRun r = run_demo({"--layers", "4", "--tokens", "1000", "--repeat", "2", "--timeout-ms",
-                          "10000"});
+  const DemoRun r =
+      run_demo({"--layers", "4", "--tokens", "1000", "--repeat", "2", "--timeout-ms", "10000"});
   ASSERT_TRUE(WIFEXITED(r.status) && WEXITSTATUS(r.status) == 0) << r.out;
   EXPECT_NE(r.out.find("result: OK"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("request 1: 1000 tokens, 63 pages scattered"), std::string::npos) << r.out;
@@ -68,8 +69,8 @@ TEST(Demo, SmallGeometryPullsVerifiesAndReportsTheBaseline) {
 
 TEST(Demo, ContiguousPagesAndOtherOrdersWork) {
   const DemoRun r = run_demo({"--model", "qwen2.5-7b", "--layers", "2", "--tokens", "333",
-                          "--contiguous", "--cache-order", "page", "--page-order", "hnd",
-                          "--workers", "2", "--prefix-hit", "0.5"});
+                              "--contiguous", "--cache-order", "page", "--page-order", "hnd",
+                              "--workers", "2", "--prefix-hit", "0.5"});
   ASSERT_TRUE(WIFEXITED(r.status) && WEXITSTATUS(r.status) == 0) << r.out;
   EXPECT_NE(r.out.find("pages contiguous"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("result: OK"), std::string::npos) << r.out;
@@ -77,8 +78,8 @@ TEST(Demo, ContiguousPagesAndOtherOrdersWork) {
 
 TEST(Demo, DeathOfEitherProcessFailsClearlyAndLeavesNothing) {
   for (const char* role : {"prefill", "decode"}) {
-    const DemoRun r = run_demo({"--layers", "2", "--tokens", "256", "--crash", role,
-                            "--timeout-ms", "5000"}, 30s);
+    const DemoRun r = run_demo(
+        {"--layers", "2", "--tokens", "256", "--crash", role, "--timeout-ms", "5000"}, 30s);
     EXPECT_TRUE(WIFEXITED(r.status) && WEXITSTATUS(r.status) == 1) << role << ": " << r.out;
     EXPECT_NE(r.out.find("FAILED"), std::string::npos) << r.out;
     EXPECT_EQ(r.out.find("result: OK"), std::string::npos) << r.out;
@@ -112,9 +113,13 @@ TEST(Demo, LayerwiseStreamsAndReportsTheBaselineInTheSameRun) {
 
 TEST(Demo, BadArgumentsFailBeforeStartingAnything) {
   for (std::vector<std::string> args :
-       {std::vector<std::string>{"--engine", "carrier-pigeon"}, {"--tokens", "0"},
-        {"--prefix-hit", "1.5"}, {"--workers", "0"}, {"--bogus"},
-        {"--prefill-ms-per-layer", "2"}, {"--layerwise", "--prefill-ms-per-layer", "-1"},
+       {std::vector<std::string>{"--engine", "carrier-pigeon"},
+        {"--tokens", "0"},
+        {"--prefix-hit", "1.5"},
+        {"--workers", "0"},
+        {"--bogus"},
+        {"--prefill-ms-per-layer", "2"},
+        {"--layerwise", "--prefill-ms-per-layer", "-1"},
         // Every engine that crosses processes streams now (mooncake since
         // this stop, by polling): a layer-wise run over one that cannot.
         {"--layerwise", "--engine", "local"}}) {

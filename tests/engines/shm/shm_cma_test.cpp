@@ -28,8 +28,9 @@
 #include "common/layouts.hpp"
 #include "common/peer.hpp"
 #include "common/wire.hpp"
+#include "mstar/kv/engines/shm.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "testkit/read_check.hpp"
 
 namespace mstar::kv {
@@ -56,10 +57,11 @@ struct PrivateOwner : testing::Peer {
 enum class ReaderCache { kShared, kPrivate, kLayers };
 
 std::shared_ptr<KVCache> reader_cache(const KVLayout& l, ReaderCache kind) {
-  std::shared_ptr<KVCache> c = kind == ReaderCache::kLayers ? KVCache::create_host_layers(l)
-                               : make_kv_cache(l, kind == ReaderCache::kShared
-                                                      ? MemoryKind::kSharedHost
-                                                      : MemoryKind::kHost);
+  std::shared_ptr<KVCache> c =
+      kind == ReaderCache::kLayers
+          ? KVCache::create_host_layers(l)
+          : make_kv_cache(
+                l, kind == ReaderCache::kShared ? MemoryKind::kSharedHost : MemoryKind::kHost);
   testing::fill_bytes(*c, kSentinel);
   return c;
 }
@@ -92,8 +94,8 @@ TEST(ShmCma, TheLoopbackSetupsMakeTheCachesTheyName) {
     regions[s.name] = info.access == ShmKVTransferInfo::Access::kCma ? info.regions.size() : 0;
     EXPECT_EQ(reader->split(), s.layer_regions) << s.name;
     // A page-major cache cannot be split: one region.
-    EXPECT_FALSE(make_loopback_cache(shm, s, testing::small_layout(CacheOrder::kPageMajor), true)
-                     ->split());
+    EXPECT_FALSE(
+        make_loopback_cache(shm, s, testing::small_layout(CacheOrder::kPageMajor), true)->split());
   }
   EXPECT_EQ(regions, (std::map<std::string, std::size_t>{
                          {"shm", 0}, {"shm-cma", 1}, {"shm-cma-layers", 4}}));
@@ -163,9 +165,11 @@ TEST(ShmCma, OwnerKilledMidReadFailsInBoundedTimeAndNothingLandsAfter) {
       EXPECT_NE(f->status().message().find("exited"), std::string::npos);
     }
     // Whatever happened to that read, the next one names the dead owner.
-    expect_error([&] {
-      m->sync_retrieve(0, tokens, pages, owner.seq.page_indices, owner.seq.kv_transfer_info);
-    }, StatusCode::kNotFound, {"owner process"});
+    expect_error(
+        [&] {
+          m->sync_retrieve(0, tokens, pages, owner.seq.page_indices, owner.seq.kv_transfer_info);
+        },
+        StatusCode::kNotFound, {"owner process"});
   }
   EXPECT_GT(killed_mid_read, 0) << "no read was in flight when its owner died";
   std::printf("reads killed mid-read: %d of 2\n", killed_mid_read);
@@ -205,7 +209,8 @@ TEST(ShmCma, ANewEngineOrCacheOfTheOwnerMakesItsOldDescriptorsStale) {
 
 // Re-encodes the owner's descriptor after `edit`; decoding it is the
 // reader's first check.
-KVTransferInfo forged(const SequenceInfo& seq, const std::function<void(ShmKVTransferInfo&)>& edit) {
+KVTransferInfo forged(const SequenceInfo& seq,
+                      const std::function<void(ShmKVTransferInfo&)>& edit) {
   ShmKVTransferInfo info = ShmKVTransferInfo::decode(seq.kv_transfer_info);
   edit(info);
   KVTransferInfo out = info.encode();
@@ -229,9 +234,8 @@ TEST(ShmCma, ForgedDescriptorsAreRefusedByNameBeforeAnyByteMoves) {
        StatusCode::kCorruptDescriptor, "region count 2 is neither 1 nor one per layer (4)"},
       {"more regions than the limit", [](auto& i) { i.regions.resize(5000, 0x10000); },
        StatusCode::kCorruptDescriptor, "region count 5000 out of range [1, 4096]"},
-      {"a region beyond the address space",
-       [](auto& i) { i.regions[2] = (1ull << 57) - 4096; }, StatusCode::kCorruptDescriptor,
-       "layer 2 region"},
+      {"a region beyond the address space", [](auto& i) { i.regions[2] = (1ull << 57) - 4096; },
+       StatusCode::kCorruptDescriptor, "layer 2 region"},
       {"overlapping regions", [lb](auto& i) { i.regions[1] = i.regions[0] + lb / 2; },
        StatusCode::kCorruptDescriptor, "overlaps"},
       {"a region over the epoch table", [](auto& i) { i.regions[3] = i.epochs_addr; },
@@ -240,9 +244,8 @@ TEST(ShmCma, ForgedDescriptorsAreRefusedByNameBeforeAnyByteMoves) {
        StatusCode::kCorruptDescriptor, "differ from the layout's layer bytes"},
       {"a misaligned epoch table", [](auto& i) { i.epochs_addr += 4; },
        StatusCode::kCorruptDescriptor, "not 8-byte aligned"},
-      {"a region the owner does not serve",
-       [](auto& i) { std::swap(i.regions[0], i.regions[1]); }, StatusCode::kStaleDescriptor,
-       "region addresses differ"},
+      {"a region the owner does not serve", [](auto& i) { std::swap(i.regions[0], i.regions[1]); },
+       StatusCode::kStaleDescriptor, "region addresses differ"},
       {"an anchor that is not mapped", [](auto& i) { i.anchor = 0x1000; },
        StatusCode::kStaleDescriptor, "no longer maps its anchor"},
       {"another nonce", [](auto& i) { i.nonce ^= 1; }, StatusCode::kStaleDescriptor, "nonce"},
@@ -290,7 +293,9 @@ TEST(ShmCma, AReaderTheKernelForbidsIsToldWhyAndWhatToChange) {
     forbid_cross_memory_attach_on_this_thread();
     // The first read opens the owner (its anchor: the probe) on this thread.
     message = expect_error(
-        [&] { m->sync_retrieve(0, 500, pages, owner.seq.page_indices, owner.seq.kv_transfer_info); },
+        [&] {
+          m->sync_retrieve(0, 500, pages, owner.seq.page_indices, owner.seq.kv_transfer_info);
+        },
         StatusCode::kPermissionDenied,
         {"process_vm_readv", "ptrace", "seccomp", "memory='shared'"});
   });
@@ -298,8 +303,8 @@ TEST(ShmCma, AReaderTheKernelForbidsIsToldWhyAndWhatToChange) {
   EXPECT_EQ(testing::bytes_written_outside(*cache, l, {}, kSentinel), 0u);
   // Another user: the kernel's refusal (the uid check bypassed by the peer).
   if (::geteuid() != 0) GTEST_SKIP() << "switching users needs root";
-  Child other({SHM_PEER_PATH, "--reader", "--as-uid", "65534", "--layout",
-               testing::layout_arg(l), "--seed", std::to_string(kSeed)});
+  Child other({SHM_PEER_PATH, "--reader", "--as-uid", "65534", "--layout", testing::layout_arg(l),
+               "--seed", std::to_string(kSeed)});
   other.write_line("tryopen " + testing::to_hex(owner.seq.encode()));
   const std::string line = other.read_line();
   EXPECT_EQ(line.rfind("CODE " + std::string(to_string(StatusCode::kPermissionDenied)), 0), 0u)

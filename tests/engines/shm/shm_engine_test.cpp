@@ -10,23 +10,24 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <dirent.h>
 #include <algorithm>
 #include <atomic>
-#include <filesystem>
 #include <cstring>
-#include <dirent.h>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <thread>
 
-#include "engines/shm/span_copy.hpp"
-#include "mstar/kv/kv.hpp"
-#include "mstar/kv/shm.hpp"
-#include "engines/shm/shm_mapping.hpp"  // the engine's own mapping
 #include "common/expectations.hpp"
 #include "common/layouts.hpp"
 #include "common/peer.hpp"
 #include "common/wire.hpp"
+#include "engines/shm/shm_mapping.hpp"  // the engine's own mapping
+#include "engines/shm/span_copy.hpp"
+#include "mstar/kv/engines/shm.hpp"
+#include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -43,9 +44,8 @@ constexpr std::uint64_t kSeed = 4242;
 // A shm_peer owning a cache with one sequence filled with the pattern.
 struct Owner : testing::Peer {
   Owner(const KVLayout& l, std::uint64_t tokens, std::uint64_t scatter = 5)
-      : Peer({SHM_PEER_PATH, "--layout", testing::layout_arg(l), "--tokens",
-              std::to_string(tokens), "--seed", std::to_string(kSeed), "--scatter",
-              std::to_string(scatter)}),
+      : Peer({SHM_PEER_PATH, "--layout", testing::layout_arg(l), "--tokens", std::to_string(tokens),
+              "--seed", std::to_string(kSeed), "--scatter", std::to_string(scatter)}),
         seq(sequence()) {}
   SequenceInfo next_sequence() { return read_sequence(); }
   SequenceInfo seq;
@@ -70,7 +70,8 @@ std::unique_ptr<KVTransferManager> shm_manager(std::shared_ptr<KVCache> cache,
 std::vector<std::uint32_t> spread_pages(std::size_t n, std::uint32_t num_pages,
                                         std::uint32_t first = 3) {
   std::vector<std::uint32_t> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::uint32_t>((first + i * 7) % num_pages);
+  for (std::size_t i = 0; i < n; ++i)
+    v[i] = static_cast<std::uint32_t>((first + i * 7) % num_pages);
   return v;
 }
 
@@ -135,8 +136,7 @@ TEST(ShmEngine, PartialPagesInBothInPageOrders) {
       const auto lp = spread_pages(6, 64);
       m->sync_retrieve(7, 90, lp, owner.seq.page_indices, owner.seq.kv_transfer_info);
       auto v = verify_pattern(*cache, kSeed, lp, 7, 90);
-      EXPECT_TRUE(v.ok()) << to_string(lpo) << " <- " << to_string(rpo) << ": "
-                          << v.first_mismatch;
+      EXPECT_TRUE(v.ok()) << to_string(lpo) << " <- " << to_string(rpo) << ": " << v.first_mismatch;
       EXPECT_EQ(bytes_written_outside(*cache, remote,
                                       plan_reads(local, 7, 90, lp, owner.seq.page_indices)),
                 0u)
@@ -206,8 +206,8 @@ TEST(ShmEngine, ManyReadsArePlannedOnTheWorkersByteExact) {
     const KVLayout remote = testing::make_layout(4, c.pages, c.page_size, 2, 64);
     Owner owner(remote, c.tokens);
     for (auto co : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor, CacheOrder::kLayerPage}) {
-      const KVLayout local = testing::make_layout(4, c.pages, c.page_size, 2, 64,
-                                                  DType::kBFloat16, co);
+      const KVLayout local =
+          testing::make_layout(4, c.pages, c.page_size, 2, 64, DType::kBFloat16, co);
       auto cache = sentinel_cache(local);
       auto m = shm_manager(cache);
       const auto lp = spread_pages(owner.seq.page_indices.size(), c.pages);
@@ -234,8 +234,7 @@ TEST(ShmEngine, ManyReadsAreAllCheckedBeforeAnyByteMoves) {
   Owner owner(l, 1100);
   auto cache = sentinel_cache(l);
   ShmKVTransferEngine engine(cache);
-  const auto reads =
-      plan_reads(l, 0, 1100, spread_pages(1100, 2048), owner.seq.page_indices);
+  const auto reads = plan_reads(l, 0, 1100, spread_pages(1100, 2048), owner.seq.page_indices);
   ASSERT_GE(reads.size(), ShmKVTransferEngine::kPiecewiseReads);
   const std::string last = "read_info[" + std::to_string(reads.size() - 1) + "]";
   struct Bad {
@@ -243,8 +242,11 @@ TEST(ShmEngine, ManyReadsAreAllCheckedBeforeAnyByteMoves) {
     void (*mutate)(std::vector<KVReadInfo>&);
   };
   const Bad cases[] = {
-      {"duplicate destination", [](auto& r) { r.back().local_page_idx = r.front().local_page_idx;
-                                              r.back().layer_idx = r.front().layer_idx; }},
+      {"duplicate destination",
+       [](auto& r) {
+         r.back().local_page_idx = r.front().local_page_idx;
+         r.back().layer_idx = r.front().layer_idx;
+       }},
       {"remote page", [](auto& r) { r.back().remote_page_idx = 2048; }},
       {"local page", [](auto& r) { r.back().local_page_idx = -1; }},
       {"token range", [](auto& r) { r.back().token_end = 2; }},
@@ -354,8 +356,8 @@ TEST_F(ShmRejects, AnotherUserCannotOpenItEvenWithAForgedUid) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to start a reader as another user";
   // A reader running as nobody rewrites the descriptor's uid to its own: the
   // kernel's access check on /proc/<pid>/fd must still refuse it.
-  Child other({SHM_PEER_PATH, "--reader", "--as-uid", "65534", "--layout",
-               testing::layout_arg(l_), "--seed", std::to_string(kSeed)});
+  Child other({SHM_PEER_PATH, "--reader", "--as-uid", "65534", "--layout", testing::layout_arg(l_),
+               "--seed", std::to_string(kSeed)});
   other.write_line("tryopen " + testing::to_hex(owner_->seq.encode()));
   const std::string line = other.read_line();
   EXPECT_EQ(line.rfind("CODE " + std::string(to_string(StatusCode::kPermissionDenied)), 0), 0u)
@@ -398,8 +400,8 @@ TEST_F(ShmRejects, IncompatibleLayout) {
 // (found by a bit flip of the pid that landed on a thread).
 TEST_F(ShmRejects, APidThatIsOneOfTheOwnersThreads) {
   std::uint32_t tid = 0;
-  for (const auto& e : std::filesystem::directory_iterator(
-           "/proc/" + std::to_string(good_.pid) + "/task")) {
+  for (const auto& e :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(good_.pid) + "/task")) {
     const auto t = static_cast<std::uint32_t>(std::stoul(e.path().filename().string()));
     if (t != good_.pid) tid = t;
   }
@@ -452,9 +454,9 @@ TEST(ShmEngine, OwnerKilledDuringReadsNeverCrashesHangsOrLies) {
   for (std::uint32_t i = 0; i < 1024; ++i) lp[i] = i;
   const auto& seq = owner.seq;
   std::atomic<bool> killed{false};
-  std::jthread killer([&] {  // joined on every way out of the test
+  std::jthread killer([&] {             // joined on every way out of the test
     std::this_thread::sleep_for(30ms);  // a few reads in
-    killed = true;  // before the kill: a read may fail from now on
+    killed = true;                      // before the kill: a read may fail from now on
     owner.child().kill_now();
   });
   const auto t0 = std::chrono::steady_clock::now();
@@ -493,8 +495,8 @@ TEST(ShmEngine, ShutdownUnmapsEveryPeersCache) {
   auto cache = make_kv_cache(l, MemoryKind::kHost);
   auto m = shm_manager(cache, 20000ms, 2);
   const auto lp = spread_pages(512, 512);
-  auto f = m->start_async_retrieve(0, 512 * 16, lp, owner.seq.page_indices,
-                                   owner.seq.kv_transfer_info);
+  auto f =
+      m->start_async_retrieve(0, 512 * 16, lp, owner.seq.page_indices, owner.seq.kv_transfer_info);
   auto& engine = static_cast<ShmKVTransferEngine&>(m->engine());
   EXPECT_EQ(engine.cached_mappings(), 1u);
   m->cleanup();

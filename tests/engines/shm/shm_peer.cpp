@@ -26,8 +26,9 @@
 
 #include "common/peer.hpp"
 #include "common/wire.hpp"
+#include "mstar/kv/engines/shm.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/shm.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 using namespace mstar::kv;
 using testing::say;
@@ -44,9 +45,12 @@ enum class OwnerMemory { kShared, kPrivate, kLayers };
 
 std::shared_ptr<KVCache> owner_cache(const KVLayout& l, OwnerMemory memory) {
   switch (memory) {
-    case OwnerMemory::kPrivate: return make_kv_cache(l, MemoryKind::kHost);
-    case OwnerMemory::kLayers: return KVCache::create_host_layers(l);
-    default: return make_kv_cache(l, MemoryKind::kSharedHost);
+    case OwnerMemory::kPrivate:
+      return make_kv_cache(l, MemoryKind::kHost);
+    case OwnerMemory::kLayers:
+      return KVCache::create_host_layers(l);
+    default:
+      return make_kv_cache(l, MemoryKind::kSharedHost);
   }
 }
 

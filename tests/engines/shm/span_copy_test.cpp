@@ -24,7 +24,8 @@ void check(const StridedSpan& s, bool streaming, const StridedSpan* next = nullp
   for (std::uint64_t i = 0; i < src_size; ++i) src[i] = std::byte(i * 131 + 7);
   for (std::uint64_t r = 0; r < s.rows; ++r) {
     for (std::uint64_t b = 0; b < s.length; ++b) {
-      want[s.local_offset + r * s.local_stride + b] = src[s.remote_offset + r * s.remote_stride + b];
+      want[s.local_offset + r * s.local_stride + b] =
+          src[s.remote_offset + r * s.remote_stride + b];
     }
   }
   copy_span(dst.data(), src.data(), s, streaming, next);
@@ -39,8 +40,8 @@ void check(const StridedSpan& s, bool streaming, const StridedSpan* next = nullp
 
 TEST(SpanCopy, ContiguousRunsAtEveryAlignmentAndLength) {
   for (bool streaming : {false, true}) {
-    for (std::uint64_t length : {1u, 63u, 64u, 65u, 4095u, 16383u, 16384u, 16385u, 20000u,
-                                 65536u + 64u, 131072u + 17u}) {
+    for (std::uint64_t length :
+         {1u, 63u, 64u, 65u, 4095u, 16383u, 16384u, 16385u, 20000u, 65536u + 64u, 131072u + 17u}) {
       for (std::uint64_t local : {0u, 1u, 16u, 63u, 64u}) {
         for (std::uint64_t remote : {0u, 3u, 64u}) check({local, remote, length}, streaming);
       }
@@ -54,8 +55,8 @@ TEST(SpanCopy, RowsApartOnEitherSide) {
     for (std::uint64_t length : {64u, 128u, 200u, 256u, 512u, 1024u}) {
       // NHD <- HND (rows apart locally), a head split (rows apart remotely),
       // both, and unaligned local rows (cached stores then).
-      const std::uint64_t strides[][2] = {{2048, length}, {length, 2048}, {4096, 1024 + length},
-                                          {length + 8, length}};
+      const std::uint64_t strides[][2] = {
+          {2048, length}, {length, 2048}, {4096, 1024 + length}, {length + 8, length}};
       for (const auto& st : strides) {
         for (std::uint64_t rows : {2u, 9u, 33u}) {
           const std::uint64_t local = (rng() % 4) * 64 + (st[0] % 64 != 0 ? 8 : 0);

@@ -136,8 +136,7 @@ inline std::unique_ptr<KVTransferManager> tcp_ucx_owner(std::shared_ptr<KVCache>
     *port = static_cast<std::uint16_t>(30000 + (::getpid() * 13 + attempt * 151) % 9000);
     try {
       return std::make_unique<KVTransferManager>(
-          TransferEngineInfo{"owner", "127.0.0.1:" + std::to_string(*port), "ucx", options},
-          cache);
+          TransferEngineInfo{"owner", "127.0.0.1:" + std::to_string(*port), "ucx", options}, cache);
     } catch (const Error&) {
     }
   }

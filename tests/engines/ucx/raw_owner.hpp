@@ -24,10 +24,10 @@
 #include <thread>
 #include <vector>
 
-#include "rma/rma_backend.hpp"
 #include "engines/ucx/raw_ucp.hpp"
 #include "engines/ucx/ucx_wire.hpp"
 #include "mstar/kv/kv.hpp"
+#include "rma/rma_backend.hpp"
 
 namespace mstar::kv::testing {
 
@@ -49,7 +49,7 @@ class RawOwner {
                       UCP_AM_HANDLER_PARAM_FIELD_ARG;
       hp.id = id;
       hp.arg = this;
-      hp.cb = id == ucx::kAmHello ? &RawOwner::on_hello
+      hp.cb = id == ucx::kAmHello     ? &RawOwner::on_hello
               : id == ucx::kAmReadReq ? &RawOwner::on_read_req
                                       : &RawOwner::on_ignored;
       EXPECT_EQ(ucp_worker_set_am_recv_handler(ucp_.worker, &hp), UCS_OK);
@@ -107,8 +107,8 @@ class RawOwner {
     ucp_ep_h h = nullptr;
     if (ucp_ep_create(self->ucp_.worker, &ep, &h) == UCS_OK) self->eps_.push_back(h);
   }
-  static ucs_status_t on_hello(void* arg, const void* header, std::size_t hlen, void*,
-                               std::size_t, const ucp_am_recv_param_t* param) {
+  static ucs_status_t on_hello(void* arg, const void* header, std::size_t hlen, void*, std::size_t,
+                               const ucp_am_recv_param_t* param) {
     auto* self = static_cast<RawOwner*>(arg);
     if (hlen != sizeof(ucx::HelloHdr) ||
         (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0) {
@@ -165,8 +165,8 @@ class RawOwner {
   OnRead on_read_;
   ucp_listener_h listener_ = nullptr;
   std::uint16_t port_ = 0;
-  std::vector<ucp_ep_h> eps_;                  // [progress thread]
-  std::deque<std::function<void()>> tasks_;    // [progress thread]
+  std::vector<ucp_ep_h> eps_;                // [progress thread]
+  std::deque<std::function<void()>> tasks_;  // [progress thread]
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };

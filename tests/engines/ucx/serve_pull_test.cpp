@@ -45,8 +45,9 @@ std::map<std::string, std::string> tcp_env(const std::string& dev) {
 const std::vector<std::string> kSmall = {"--layers", "4", "--tokens", "1000"};
 
 std::vector<std::string> serve_args(const std::string& listen) {
-  std::vector<std::string> a = {MSTAR_KV_CLI_PATH, "serve", "--engine", "ucx", "--listen",
-                                listen, "--sequences", "2", "--exit-when-done"};
+  std::vector<std::string> a = {MSTAR_KV_CLI_PATH, "serve", "--engine",    "ucx",
+                                "--listen",        listen,  "--sequences", "2",
+                                "--exit-when-done"};
   a.insert(a.end(), kSmall.begin(), kSmall.end());
   return a;
 }
@@ -114,7 +115,7 @@ TEST(ServePull, ServerKilledMidPullFailsThePullInTime) {
   const int port = random_port();
   const std::string http = "127.0.0.1:" + std::to_string(port);
   std::vector<std::string> a = {MSTAR_KV_CLI_PATH, "serve", "--listen", http,
-                                "--tokens", "2048"};  // 256 MiB
+                                "--tokens",        "2048"};  // 256 MiB
   Child serve(a, tcp_env("lo"));
   ASSERT_TRUE(serve.wait_for_output("/v1/sequences/", 30s)) << serve.output();
   Child pull({MSTAR_KV_CLI_PATH, "pull", "--from", http, "--repeat", "50", "--timeout-ms", "3000"},
@@ -128,8 +129,7 @@ TEST(ServePull, ServerKilledMidPullFailsThePullInTime) {
 }
 
 TEST(ServePull, AcrossTwoNetworkNamespacesOverTcp) {
-  mstar::kv::testing::NetNamespaces ns(mstar::kv::testing::NetNamespaces::Shape::kPair,
-                                       "mskv");
+  mstar::kv::testing::NetNamespaces ns(mstar::kv::testing::NetNamespaces::Shape::kPair, "mskv");
   if (!ns.skip_reason().empty()) GTEST_SKIP() << ns.skip_reason();
   const int port = random_port();
   const std::string http = ns.addr_a() + ":" + std::to_string(port);
@@ -142,10 +142,10 @@ TEST(ServePull, AcrossTwoNetworkNamespacesOverTcp) {
   Child serve(ns.in_a(sargs), tcp_env(ns.veth_a()));
   ASSERT_TRUE(serve.wait_for_output("/v1/sequences/", 20s)) << serve.output();
   for (const char* seq : {"0", "1"}) {
-    Child pull(ns.in_b({MSTAR_KV_CLI_PATH, "pull", "--from", http, "--seq", seq, "--repeat", "2",
-                        "--listen", ns.addr_b() + ":" + std::to_string(port + 1),
-                        "--token-file", token}),
-               tcp_env(ns.veth_b()));
+    Child pull(
+        ns.in_b({MSTAR_KV_CLI_PATH, "pull", "--from", http, "--seq", seq, "--repeat", "2",
+                 "--listen", ns.addr_b() + ":" + std::to_string(port + 1), "--token-file", token}),
+        tcp_env(ns.veth_b()));
     ASSERT_EQ(pull.wait_exit(60s), 0) << pull.output();
     EXPECT_NE(pull.output().find("every page verified"), std::string::npos) << pull.output();
   }

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "common/expectations.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "ucx_fixture.hpp"
 
 namespace mstar::kv::ucx_test {
@@ -24,9 +25,7 @@ class UcxDataPath : public UcxFixture {
   // 128-byte rows on both sides (page-major HND owner, layer-major NHD
   // reader): every read is gathered, in groups big enough for rendezvous.
   static constexpr std::uint32_t kPages = 2048;  // 64 MiB
-  static KVLayout owner_layout() {
-    return layout(kPages, CacheOrder::kPageMajor, PageOrder::kHND);
-  }
+  static KVLayout owner_layout() { return layout(kPages, CacheOrder::kPageMajor, PageOrder::kHND); }
   static KVLayout reader_layout() { return layout(kPages); }
 
   // Waits until some byte of `c` left the sentinel (a reply landed), up to
@@ -46,13 +45,12 @@ class UcxDataPath : public UcxFixture {
     return false;
   }
 
-  std::vector<TransferFuture> start_pulls(KVTransferManager& m, const SequenceInfo& seq,
-                                          int n) {
+  std::vector<TransferFuture> start_pulls(KVTransferManager& m, const SequenceInfo& seq, int n) {
     const auto lp = iota_pages(seq.page_indices.size());
     std::vector<TransferFuture> fs;
     for (int i = 0; i < n; ++i) {
-      fs.push_back(*m.start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices,
-                                           seq.kv_transfer_info));
+      fs.push_back(
+          *m.start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info));
     }
     return fs;
   }

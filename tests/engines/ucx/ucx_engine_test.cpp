@@ -4,11 +4,12 @@
 // UCX's tcp transport and its shared-memory transports on loopback, in both
 // read modes: big and partial pulls, forged descriptors, a peer killed in
 // the middle of a pull, shutdown with reads in flight.
+#include <unistd.h>
 #include <functional>
 #include <thread>
-#include <unistd.h>
 
 #include "common/expectations.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "ucx_fixture.hpp"
 
 namespace mstar::kv::ucx_test {
@@ -49,7 +50,8 @@ TEST_P(UcxEngine, LayerSplitCachesPullByteExact) {
     for (bool split : {true, false}) {
       SCOPED_TRACE(std::string(to_string(po)) + (split ? " split reader" : " one region"));
       const KVLayout local = small_layout(256, CacheOrder::kLayerMajor, po);
-      auto cache = split ? KVCache::create_host_layers(local) : make_kv_cache(local, MemoryKind::kHost);
+      auto cache =
+          split ? KVCache::create_host_layers(local) : make_kv_cache(local, MemoryKind::kHost);
       testing::fill_bytes(*cache, kSentinel);
       auto m = manager(cache, 20000ms);
       m->sync_retrieve(40, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
@@ -168,8 +170,8 @@ TEST_P(UcxEngine, PartialPagesInEveryOrderTouchOnlyTheirTokens) {
                                     [](std::byte x) { return x == kSentinel; }));
           }
           const auto other = cache->block(layer, kv, 0);
-          EXPECT_TRUE(std::all_of(other.begin(), other.end(),
-                                  [](std::byte x) { return x == kSentinel; }));
+          EXPECT_TRUE(
+              std::all_of(other.begin(), other.end(), [](std::byte x) { return x == kSentinel; }));
         }
       }
     }
@@ -185,8 +187,7 @@ TEST_P(UcxEngine, ForgedDescriptorsAreRejectedBeforeAnyRead) {
   const auto good = UcxKVTransferInfo::decode(seq.kv_transfer_info);
   auto expect_rejected = [&](UcxKVTransferInfo forged, StatusCode code, const char* what) {
     try {
-      auto f = m->start_async_retrieve(0, 64, iota_pages(4), seq.page_indices,
-                                       forged.encode());
+      auto f = m->start_async_retrieve(0, 64, iota_pages(4), seq.page_indices, forged.encode());
       ADD_FAILURE() << what << ": accepted";
       if (f) f->wait_for(5s);
     } catch (const Error& e) {
@@ -280,8 +281,7 @@ TEST_P(UcxEngine, LayoutChangesGatherManySmallRows) {
     auto m = manager(cache, 20000ms);
     std::vector<std::uint32_t> lp = iota_pages(seq.page_indices.size());
     std::reverse(lp.begin(), lp.end());
-    auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices,
-                                     seq.kv_transfer_info);
+    auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
     ASSERT_TRUE(f.has_value());
     EXPECT_EQ(f->get(), l.total_bytes());
     // Planned as strided spans (kReqStrided on the wire): NHD <- HND one per
@@ -382,8 +382,8 @@ TEST_P(UcxEngine, KilledPeerFailsInTimeOthersKeepWorkingAndANewPeerServes) {
   // Several pulls in flight so that the kill lands in the middle of one.
   std::vector<TransferFuture> fs;
   for (int i = 0; i < 4; ++i) {
-    fs.push_back(*m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices,
-                                          seq.kv_transfer_info));
+    fs.push_back(
+        *m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info));
   }
   std::this_thread::sleep_for(5ms);
   doomed.kill_now();

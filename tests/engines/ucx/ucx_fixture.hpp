@@ -15,10 +15,10 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/kv.hpp"
-#include "mstar/kv/ucx.hpp"
 #include "common/layouts.hpp"
 #include "common/peer_process.hpp"
+#include "mstar/kv/engines/ucx.hpp"
+#include "mstar/kv/kv.hpp"
 
 namespace mstar::kv::ucx_test {
 
@@ -28,9 +28,9 @@ using testing::PeerSpec;
 
 struct UcxCase {
   std::string label;
-  std::string tls;   // UCX_TLS
-  std::string mode;  // ucx_mode
-  std::string proto; // ucx_am_proto ("" = default)
+  std::string tls;    // UCX_TLS
+  std::string mode;   // ucx_mode
+  std::string proto;  // ucx_am_proto ("" = default)
   // Why kill -9 of an owner is not tested ("" = it is): see ucx.hpp.
   std::string no_kill = "";
 };
@@ -56,8 +56,7 @@ class UcxFixture : public ::testing::TestWithParam<UcxCase> {
 
   std::map<std::string, std::string> env() const {
     // REUSEADDR: a new owner listens where an old one did (see ucx.hpp).
-    return {{"UCX_TLS", GetParam().tls}, {"UCX_NET_DEVICES", "lo"},
-            {"UCX_TCP_CM_REUSEADDR", "y"}};
+    return {{"UCX_TLS", GetParam().tls}, {"UCX_NET_DEVICES", "lo"}, {"UCX_TCP_CM_REUSEADDR", "y"}};
   }
   std::map<std::string, std::string> extra() const {
     std::map<std::string, std::string> e{{"ucx_mode", GetParam().mode}};
@@ -88,8 +87,8 @@ class UcxFixture : public ::testing::TestWithParam<UcxCase> {
     o.timeout = timeout;
     o.extra = extra();
     for (const auto& [k, v] : more) o.extra[k] = v;
-    return std::make_unique<KVTransferManager>(
-        TransferEngineInfo{"decode", "", "ucx", o}, std::move(cache));
+    return std::make_unique<KVTransferManager>(TransferEngineInfo{"decode", "", "ucx", o},
+                                               std::move(cache));
   }
 
   static std::shared_ptr<KVCache> local_cache(const KVLayout& l) {
@@ -123,10 +122,8 @@ class UcxFixture : public ::testing::TestWithParam<UcxCase> {
 // Every transport and read mode the engine has on loopback.
 inline auto ucx_cases() {
   return ::testing::Values(
-      UcxCase{"tcp_auto", "tcp", "auto", ""},
-      UcxCase{"tcp_am_eager", "tcp", "am", "eager"},
-      UcxCase{"tcp_get", "tcp", "get", ""},
-      UcxCase{"shm_auto", "sm,self,tcp", "auto", ""},
+      UcxCase{"tcp_auto", "tcp", "auto", ""}, UcxCase{"tcp_am_eager", "tcp", "am", "eager"},
+      UcxCase{"tcp_get", "tcp", "get", ""}, UcxCase{"shm_auto", "sm,self,tcp", "auto", ""},
       UcxCase{"shm_am_shm", "sm,self,tcp", "am_shm", "",
               "UCX 1.13 shared-memory endpoints have no peer error handling: a killed "
               "owner can stall the reader's fifo (documented in ucx.hpp)"},
@@ -135,8 +132,6 @@ inline auto ucx_cases() {
               "owner can stall the reader's fifo (documented in ucx.hpp)"});
 }
 
-inline std::string case_name(const ::testing::TestParamInfo<UcxCase>& i) {
-  return i.param.label;
-}
+inline std::string case_name(const ::testing::TestParamInfo<UcxCase>& i) { return i.param.label; }
 
 }  // namespace mstar::kv::ucx_test

@@ -105,65 +105,65 @@ class UcxForgedOwner : public ::testing::TestWithParam<ForgedCase> {
     region.size = remote_.total_bytes();
     region.layout = remote_;
     region.generation = 77;
-    RawOwner owner(region, [this, lie, groups_of_16](RawOwner& o, ucp_ep_h ep,
-                                                     const RawOwner::Request& r) {
-      EXPECT_NE(r.hdr.flags & kReqGather, 0u) << "the test needs a gathered read";
-      const std::vector<Unit> u = units_of(r);
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        units_ = u;
-      }
-      auto group = [&](std::size_t first, std::size_t count, std::int64_t extra = 0) {
-        std::vector<std::uint8_t> data = bytes_of(u, first, count);
-        if (extra > 0) data.resize(data.size() + static_cast<std::size_t>(extra), 0x77);
-        if (extra < 0) data.resize(data.size() - static_cast<std::size_t>(-extra));
-        const GatherHdr h{r.hdr.batch_id, first, count, data.size()};
-        o.send(ep, kAmGatherData, &h, sizeof h, data.data(), data.size());
-      };
-      const std::size_t n = u.size();
-      switch (lie) {
-        case Lie::kGroupBeyond:
-          group(0, 8);
-          group(n - 1, 1);
+    RawOwner owner(
+        region, [this, lie, groups_of_16](RawOwner& o, ucp_ep_h ep, const RawOwner::Request& r) {
+          EXPECT_NE(r.hdr.flags & kReqGather, 0u) << "the test needs a gathered read";
+          const std::vector<Unit> u = units_of(r);
           {
-            const GatherHdr h{r.hdr.batch_id, n, 1, 16};
-            const std::vector<std::uint8_t> data(16, 0x77);
+            std::lock_guard<std::mutex> lk(mu_);
+            units_ = u;
+          }
+          auto group = [&](std::size_t first, std::size_t count, std::int64_t extra = 0) {
+            std::vector<std::uint8_t> data = bytes_of(u, first, count);
+            if (extra > 0) data.resize(data.size() + static_cast<std::size_t>(extra), 0x77);
+            if (extra < 0) data.resize(data.size() - static_cast<std::size_t>(-extra));
+            const GatherHdr h{r.hdr.batch_id, first, count, data.size()};
             o.send(ep, kAmGatherData, &h, sizeof h, data.data(), data.size());
+          };
+          const std::size_t n = u.size();
+          switch (lie) {
+            case Lie::kGroupBeyond:
+              group(0, 8);
+              group(n - 1, 1);
+              {
+                const GatherHdr h{r.hdr.batch_id, n, 1, 16};
+                const std::vector<std::uint8_t> data(16, 0x77);
+                o.send(ep, kAmGatherData, &h, sizeof h, data.data(), data.size());
+              }
+              return;
+            case Lie::kGroupTwice:
+              group(0, 8);
+              group(0, 8);
+              return;
+            case Lie::kLengthTooLong:
+              group(0, 8, 64);
+              return;
+            case Lie::kLengthTooShort:
+              group(0, 8, -1);
+              return;
+            case Lie::kNone:
+              if (groups_of_16) {
+                for (std::size_t first = 0; first < n; first += 16) {
+                  group(first, std::min<std::size_t>(16, n - first));
+                }
+                return;
+              }
+              for (const auto& [first, count] : gather_groups(
+                       n, [&](std::size_t i) { return u[i].bytes(); },
+                       [&](std::size_t i) { return u[i].s.rows; })) {
+                group(first, count);
+              }
+              return;
           }
-          return;
-        case Lie::kGroupTwice:
-          group(0, 8);
-          group(0, 8);
-          return;
-        case Lie::kLengthTooLong:
-          group(0, 8, 64);
-          return;
-        case Lie::kLengthTooShort:
-          group(0, 8, -1);
-          return;
-        case Lie::kNone:
-          if (groups_of_16) {
-            for (std::size_t first = 0; first < n; first += 16) {
-              group(first, std::min<std::size_t>(16, n - first));
-            }
-            return;
-          }
-          for (const auto& [first, count] : gather_groups(
-                   n, [&](std::size_t i) { return u[i].bytes(); },
-                   [&](std::size_t i) { return u[i].s.rows; })) {
-            group(first, count);
-          }
-          return;
-      }
-    });
+        });
     cache_ = make_kv_cache(local_, MemoryKind::kHost);
     std::memset(cache_->base(), static_cast<int>(kSentinel), cache_->size_bytes());
     EngineOptions o;
     o.timeout = 5000ms;
     if (GetParam().staged) o.extra["ucx_staging"] = "on";
     KVTransferManager m(TransferEngineInfo{"reader", "", "ucx", o}, cache_);
-    auto f = m.start_async_retrieve(0, kPages * 16, local_pages_, remote_pages_,
-                                    owner.descriptor());
+    auto f =
+        m.start_async_retrieve(0, kPages * 16, local_pages_, remote_pages_, owner.descriptor());
     if (!f) return Status(StatusCode::kInternal, "no future");
     EXPECT_TRUE(f->wait_for(10s)) << "the read did not resolve";
     return f->status();
@@ -213,11 +213,10 @@ TEST_P(UcxForgedOwner, AnHonestGatheredReplyLandsWhereTheReadAsked) {
 }
 
 TEST_P(UcxForgedOwner, AGroupNotAskedForFailsTheRead) {
-  for (const Lie lie : {Lie::kGroupBeyond, Lie::kGroupTwice, Lie::kLengthTooLong,
-                        Lie::kLengthTooShort}) {
+  for (const Lie lie :
+       {Lie::kGroupBeyond, Lie::kGroupTwice, Lie::kLengthTooLong, Lie::kLengthTooShort}) {
     const Status st = read_from(lie);
-    EXPECT_EQ(st.code(), StatusCode::kInternal)
-        << static_cast<int>(lie) << ": " << st.to_string();
+    EXPECT_EQ(st.code(), StatusCode::kInternal) << static_cast<int>(lie) << ": " << st.to_string();
     EXPECT_NE(st.message().find("did not ask for"), std::string::npos) << st.to_string();
     EXPECT_EQ(check_cache().first, 0u)
         << static_cast<int>(lie) << ": bytes written outside the rows asked for";

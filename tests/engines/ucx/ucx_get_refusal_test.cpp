@@ -10,6 +10,7 @@
 // them serves the same reader every byte. (A bad value of the option:
 // UcxOptions in ucx_engine_test.cpp.)
 #include "common/expectations.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 #include "ucx_fixture.hpp"
 
 namespace mstar::kv::ucx_test {

@@ -28,12 +28,13 @@
 #include <vector>
 
 #include "common/layouts.hpp"
-#include "rma/rma_engine.hpp"
 #include "engines/ucx/raw_client.hpp"
 #include "engines/ucx/ucx_backend.hpp"
 #include "engines/ucx/ucx_core.hpp"
+#include "mstar/kv/engines/ucx.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/ucx.hpp"
+#include "mstar/kv/testing/pattern.hpp"
+#include "rma/rma_engine.hpp"
 
 namespace mstar::kv::ucx {
 namespace {
@@ -64,8 +65,8 @@ class UcxOwnerLifetime : public ::testing::TestWithParam<HeldCase> {
     for (int attempt = 0; attempt < 40 && !owner_; ++attempt) {
       port_ = static_cast<std::uint16_t>(30000 + (::getpid() * 17 + attempt * 151) % 9000);
       try {
-        auto backend = std::make_unique<UcxBackend>(
-            cache_, "owner", "127.0.0.1:" + std::to_string(port_), o);
+        auto backend =
+            std::make_unique<UcxBackend>(cache_, "owner", "127.0.0.1:" + std::to_string(port_), o);
         backend_ = backend.get();
         owner_ = std::make_unique<rma::RmaKVTransferEngine>(cache_, std::move(backend), eo);
       } catch (const Error&) {
@@ -122,8 +123,13 @@ TEST_P(UcxOwnerLifetime, RepliesHeldPastTheReadersCloseReachNobodyAndAreCounted)
     std::vector<std::uint8_t> body(n * sizeof(WireSpan) + pages.size() * 4);
     std::memcpy(body.data(), spans.data(), n * sizeof(WireSpan));
     std::memcpy(body.data() + n * sizeof(WireSpan), pages.data(), pages.size() * 4);
-    const ReadReqHdr r{1, UcxKVTransferInfo::decode(owner_->get_kv_transfer_info()).generation,
-                       n, kReqEagerOnly, seq_.kv_transfer_info.epoch, pages.size(), ticket};
+    const ReadReqHdr r{1,
+                       UcxKVTransferInfo::decode(owner_->get_kv_transfer_info()).generation,
+                       n,
+                       kReqEagerOnly,
+                       seq_.kv_transfer_info.epoch,
+                       pages.size(),
+                       ticket};
     a.send(kAmReadReq, &r, sizeof r, body.data(), body.size());
     // The first window arrives; the owner holds what follows (the next
     // replies, or with few spans the verdict) until released.
@@ -148,8 +154,8 @@ TEST_P(UcxOwnerLifetime, RepliesHeldPastTheReadersCloseReachNobodyAndAreCounted)
   ASSERT_TRUE(backend_->core().test_hold(false));
   b.wait_for(kAmReadFin, 500ms);
   for (const Received& m : b.got()) {
-    EXPECT_EQ(m.id, kAmHelloReply) << "the second reader received message " << m.id
-                                   << " meant for the first one";
+    EXPECT_EQ(m.id, kAmHelloReply)
+        << "the second reader received message " << m.id << " meant for the first one";
   }
   // Dropped and counted: the replies never posted and the verdict.
   const std::uint64_t want = n - first_replies + 1;

@@ -45,8 +45,8 @@ std::vector<std::byte> expected(const std::vector<std::byte>& base,
 // Head-split rows (apart), NHD <- HND rows (one run on this side), a single
 // row, odd lengths and strides.
 const std::vector<StridedSpan> kSpans = {
-    {0, 0, 1024, 16, 1024, 2048},  {0, 40000, 256, 16, 2048, 256}, {0, 9000, 100, 1, 0, 0},
-    {0, 20000, 37, 9, 37, 101},    {0, 70000, 64, 3, 64, 4096},
+    {0, 0, 1024, 16, 1024, 2048}, {0, 40000, 256, 16, 2048, 256}, {0, 9000, 100, 1, 0, 0},
+    {0, 20000, 37, 9, 37, 101},   {0, 70000, 64, 3, 64, 4096},
 };
 
 TEST(UcxRows, PacksTheNamedRowsInOrderForAnyFragmentSize) {
@@ -54,8 +54,8 @@ TEST(UcxRows, PacksTheNamedRowsInOrderForAnyFragmentSize) {
   const auto want = expected(base, kSpans);
   const std::uint64_t bytes = total_bytes(kSpans);
   ASSERT_EQ(bytes, want.size());
-  for (const std::size_t frag : {std::size_t{1}, std::size_t{7}, std::size_t{64},
-                                 std::size_t{1000}, std::size_t{4096}, want.size()}) {
+  for (const std::size_t frag : {std::size_t{1}, std::size_t{7}, std::size_t{64}, std::size_t{1000},
+                                 std::size_t{4096}, want.size()}) {
     RowSource src(base.data(), kSpans.data(), kSpans.size(), bytes);
     std::vector<std::byte> got(want.size() + 16, std::byte{0xEE});
     std::uint64_t at = 0;
@@ -94,8 +94,8 @@ TEST(UcxRows, PacksFromAnyOffsetAlsoBackwards) {
 // one run of rows, a single row in the gaps of the first, odd lengths and
 // strides, rows of whole pages.
 std::vector<StridedSpan> local_rows() {
-  return {{3, 0, 1024, 16, 2048, 0},  {40003, 0, 256, 16, 256, 0}, {1030, 0, 100, 1, 0, 0},
-          {50003, 0, 37, 9, 101, 0},  {60003, 0, 64, 3, 4096, 0},  {90000, 0, 4096, 2, 4096, 0}};
+  return {{3, 0, 1024, 16, 2048, 0}, {40003, 0, 256, 16, 256, 0}, {1030, 0, 100, 1, 0, 0},
+          {50003, 0, 37, 9, 101, 0}, {60003, 0, 64, 3, 4096, 0},  {90000, 0, 4096, 2, 4096, 0}};
 }
 
 // What the rows should hold after receiving `msg`, and the sentinel
@@ -126,16 +126,15 @@ TEST(UcxRows, ASinkWritesTheRowsAndNothingElseStreamingOrNot) {
   const SinkCase c;
   const auto& [spans, bytes, msg, want] = c;
   for (const bool stream : {false, true}) {
-    for (const std::size_t frag : {std::size_t{1}, std::size_t{100}, std::size_t{4096},
-                                   std::size_t{65536}, msg.size()}) {
+    for (const std::size_t frag :
+         {std::size_t{1}, std::size_t{100}, std::size_t{4096}, std::size_t{65536}, msg.size()}) {
       std::vector<std::byte> mem(128 * 1024, std::byte{0x5A});
       RowSink sink(mem.data(), spans.data(), spans.size(), bytes, stream);
       for (std::size_t at = 0; at < msg.size(); at += frag) {
         const std::size_t n = std::min(frag, msg.size() - at);
         sink.unpack(at, msg.data() + at, n);
       }
-      EXPECT_TRUE(mem == want) << (stream ? "streaming" : "cached") << ", fragments of "
-                               << frag;
+      EXPECT_TRUE(mem == want) << (stream ? "streaming" : "cached") << ", fragments of " << frag;
     }
   }
 }

@@ -21,6 +21,7 @@
 #include "common/cache_probe.hpp"
 #include "common/layouts.hpp"
 #include "mstar/kv/kv.hpp"
+#include "mstar/kv/testing/pattern.hpp"
 
 namespace mstar::kv::ucx_test {
 namespace {
@@ -90,8 +91,7 @@ TEST_P(UcxStaging, EveryPairingMovesEveryByteWhereAskedAndNothingElse) {
   }
   const ServedStats served = owner->stats().served;
   EXPECT_EQ(served.bytes, expected_staged);
-  EXPECT_EQ(served.staged_bytes, c.owner_staged ? served.bytes : 0u)
-      << "the owner's staged bytes";
+  EXPECT_EQ(served.staged_bytes, c.owner_staged ? served.bytes : 0u) << "the owner's staged bytes";
 }
 
 // A reader killed mid-read is the reader's business; a stopped read is
@@ -123,16 +123,17 @@ TEST_P(UcxStaging, ACancelledStagedReadResolvesAndTheNextReadIsWhole) {
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Pairings, UcxStaging,
-    ::testing::Values(StagingCase{true, true, ""}, StagingCase{true, false, ""},
-                      StagingCase{false, true, ""}, StagingCase{true, true, "eager"},
-                      StagingCase{true, true, "rndv"}),
-    [](const auto& p) {
-      return std::string(p.param.owner_staged ? "staged" : "direct") + "_owner_" +
-             (p.param.reader_staged ? "staged" : "direct") + "_reader" +
-             (p.param.proto.empty() ? "" : "_" + p.param.proto);
-    });
+INSTANTIATE_TEST_SUITE_P(Pairings, UcxStaging,
+                         ::testing::Values(StagingCase{true, true, ""},
+                                           StagingCase{true, false, ""},
+                                           StagingCase{false, true, ""},
+                                           StagingCase{true, true, "eager"},
+                                           StagingCase{true, true, "rndv"}),
+                         [](const auto& p) {
+                           return std::string(p.param.owner_staged ? "staged" : "direct") +
+                                  "_owner_" + (p.param.reader_staged ? "staged" : "direct") +
+                                  "_reader" + (p.param.proto.empty() ? "" : "_" + p.param.proto);
+                         });
 
 TEST(UcxStagingOptions, ABadValueOrAGetReaderIsRefusedByName) {
   const auto b = built_engines();
@@ -148,8 +149,7 @@ TEST(UcxStagingOptions, ABadValueOrAGetReaderIsRefusedByName) {
     FAIL() << "ucx_staging=sometimes was taken";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("ucx_staging 'sometimes'"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("ucx_staging 'sometimes'"), std::string::npos) << e.what();
   }
   try {
     make({{"ucx_staging", "on"}, {"ucx_mode", "get"}});

@@ -16,8 +16,8 @@
 
 #include "common/layouts.hpp"
 #include "engines/ucx/raw_client.hpp"
+#include "mstar/kv/engines/ucx.hpp"
 #include "mstar/kv/kv.hpp"
-#include "mstar/kv/ucx.hpp"
 
 namespace mstar::kv::ucx {
 namespace {
@@ -137,7 +137,8 @@ TEST_F(UcxStridedWire, MessagesHoldWholeSpansUpToTheRowLimit) {
     std::vector<std::uint8_t> want;
     for (std::uint64_t k = g.first; k < g.first + g.count; ++k) {
       for (std::uint64_t r = 0; r < 2000; ++r) {
-        for (std::uint64_t b = 0; b < 8; ++b) want.push_back(pattern(spans[k].remote_offset + r * 16 + b));
+        for (std::uint64_t b = 0; b < 8; ++b)
+          want.push_back(pattern(spans[k].remote_offset + r * 16 + b));
       }
     }
     EXPECT_TRUE(data == want) << "message " << m << " is not its spans' rows";
@@ -155,9 +156,13 @@ TEST_F(UcxStridedWire, SpansOutsideTheRegionOrOfNoBytesAreRefusedBeforeAnyByte) 
   };
   const std::vector<Case> cases = {
       // The last row ends one byte past the region.
-      {{size - 2 * 64, 64, 0, 3, 64, 64}, StatusCode::kPermissionDenied, "outside the registered region"},
+      {{size - 2 * 64, 64, 0, 3, 64, 64},
+       StatusCode::kPermissionDenied,
+       "outside the registered region"},
       // A stride that wraps around 2^64 back into the region.
-      {{0, 64, 0, 3, big / 2 + 1, 64}, StatusCode::kPermissionDenied, "outside the registered region"},
+      {{0, 64, 0, 3, big / 2 + 1, 64},
+       StatusCode::kPermissionDenied,
+       "outside the registered region"},
       {{0, 64, 0, 2, big - 63, 64}, StatusCode::kPermissionDenied, "outside the registered region"},
       // Offset + length overflowing.
       {{big - 10, 64, 0, 1, 0, 0}, StatusCode::kPermissionDenied, "outside the registered region"},
@@ -221,8 +226,8 @@ TEST_F(UcxStridedWireLayers, ServesEachLayersRowsAndRefusesSpansAcrossLayers) {
   for (std::uint64_t b = 0; b < 64; ++b) want.push_back(pattern(lb - 64 + b));
   EXPECT_TRUE(got.data == want) << "the gathered bytes are not the named rows";
   // Rows that run from layer 0 into layer 1, and one row across the boundary.
-  for (const WireStrided& bad : {WireStrided{lb - 1000, 48, 0, 3, 600, 48},
-                                 WireStrided{lb - 32, 64, 0, 1, 0, 0}}) {
+  for (const WireStrided& bad :
+       {WireStrided{lb - 1000, 48, 0, 3, 600, 48}, WireStrided{lb - 32, 64, 0, 1, 0, 0}}) {
     send({{0, 64, 0, 2, 128, 64}, bad});
     const auto [code, message] = refusal();
     EXPECT_EQ(code, static_cast<std::uint32_t>(StatusCode::kInvalidArgument)) << message;

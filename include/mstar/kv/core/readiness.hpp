@@ -12,7 +12,7 @@
 #include <functional>
 #include <span>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

@@ -13,9 +13,9 @@
 #include <unordered_set>
 #include <vector>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 
 namespace mstar::kv {
 

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/descriptor.hpp"
+#include "mstar/kv/core/descriptor.hpp"
 
 namespace mstar::kv {
 

@@ -8,8 +8,8 @@
 #include <span>
 #include <vector>
 
-#include "mstar/kv/layout.hpp"
-#include "mstar/kv/read_info.hpp"
+#include "mstar/kv/core/layout.hpp"
+#include "mstar/kv/core/read_info.hpp"
 
 namespace mstar::kv {
 

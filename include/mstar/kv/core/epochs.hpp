@@ -10,8 +10,8 @@
 #include <string_view>
 #include <vector>
 
-#include "mstar/kv/read_info.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/read_info.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

@@ -9,10 +9,10 @@
 #include <span>
 #include <vector>
 
-#include "mstar/kv/epochs.hpp"
-#include "mstar/kv/layout.hpp"
-#include "mstar/kv/readiness.hpp"
-#include "mstar/kv/regions.hpp"
+#include "mstar/kv/core/epochs.hpp"
+#include "mstar/kv/core/layout.hpp"
+#include "mstar/kv/core/readiness.hpp"
+#include "mstar/kv/core/regions.hpp"
 
 namespace mstar::kv {
 

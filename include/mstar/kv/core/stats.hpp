@@ -16,9 +16,9 @@
 #include <utility>
 #include <vector>
 
-#include "mstar/kv/future.hpp"
-#include "mstar/kv/status.hpp"
-#include "mstar/kv/thread_annotations.hpp"
+#include "mstar/kv/core/future.hpp"
+#include "mstar/kv/util/status.hpp"
+#include "mstar/kv/util/thread_annotations.hpp"
 
 namespace mstar::kv {
 

@@ -24,8 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/layout.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/layout.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

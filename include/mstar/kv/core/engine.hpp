@@ -12,13 +12,13 @@
 #include <string>
 #include <utility>
 
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/future.hpp"
-#include "mstar/kv/layout.hpp"
-#include "mstar/kv/read_info.hpp"
-#include "mstar/kv/readiness.hpp"
-#include "mstar/kv/stats.hpp"
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/core/future.hpp"
+#include "mstar/kv/core/layout.hpp"
+#include "mstar/kv/core/read_info.hpp"
+#include "mstar/kv/core/readiness.hpp"
+#include "mstar/kv/core/stats.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <utility>
 
-#include "mstar/kv/status.hpp"
+#include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 

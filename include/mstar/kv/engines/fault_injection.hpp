@@ -12,8 +12,8 @@
 #include <optional>
 #include <span>
 
-#include "mstar/kv/engine.hpp"
-#include "mstar/kv/layout.hpp"
+#include "mstar/kv/core/engine.hpp"
+#include "mstar/kv/core/layout.hpp"
 
 namespace mstar::kv {
 

@@ -14,11 +14,11 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/cache.hpp"
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/engine.hpp"
-#include "mstar/kv/engine_options.hpp"
-#include "mstar/kv/layout.hpp"
+#include "mstar/kv/core/cache.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/core/engine.hpp"
+#include "mstar/kv/core/engine_options.hpp"
+#include "mstar/kv/core/layout.hpp"
 
 namespace mstar::kv {
 

@@ -9,7 +9,7 @@
 #include <map>
 #include <string>
 
-#include "mstar/kv/log.hpp"
+#include "mstar/kv/util/log.hpp"
 
 namespace mstar::kv {
 

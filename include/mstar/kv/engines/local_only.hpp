@@ -7,7 +7,7 @@
 #include <optional>
 #include <span>
 
-#include "mstar/kv/engine.hpp"
+#include "mstar/kv/core/engine.hpp"
 
 namespace mstar::kv {
 

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "mstar/kv/descriptor.hpp"
-#include "mstar/kv/layout.hpp"
+#include "mstar/kv/core/descriptor.hpp"
+#include "mstar/kv/core/layout.hpp"
 
 namespace mstar::kv {
 

@@ -8,7 +8,7 @@
 #include <span>
 #include <string>
 
-#include "mstar/kv/cache.hpp"
+#include "mstar/kv/core/cache.hpp"
 
 namespace mstar::kv {
 
