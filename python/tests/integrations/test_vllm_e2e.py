@@ -91,16 +91,16 @@ def cluster(request, shared, tmp_path_factory):
         ["--layerwise"] if streaming else [])
     specs = [
         (("prefill", model, d / "prefill.log"),
-         dict(engine=engine, port=port, extra_args=p_args, env={"MSTAR_KV_VLLM_STATS": str(stp)})),
+         dict(engine=engine, port=port, extra_args=p_args, env={"MSTAR_KV_TEST_STATS": str(stp)})),
         (("decode", model, d / "decode.log"),
-         dict(engine=engine, port=port, extra_args=d_args, env={"MSTAR_KV_VLLM_STATS": str(st)})),
+         dict(engine=engine, port=port, extra_args=d_args, env={"MSTAR_KV_TEST_STATS": str(st)})),
     ]
     if not streaming:  # the negative control needs one engine: the ucx cluster's
         specs.append((("decode", model, d / "corrupt.log"),
                       dict(engine=engine, port=port,
                            extra_args=["--corrupt", "--fetch-timeout", "120",
                                        "--transfer-timeout", "60"] + cached,
-                           env={"MSTAR_KV_VLLM_STATS": str(stc)})))
+                           env={"MSTAR_KV_TEST_STATS": str(stc)})))
     engines = E.start_all(specs)
     if not shared["ready"]:
         try:

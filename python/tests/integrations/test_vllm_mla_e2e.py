@@ -90,12 +90,12 @@ def cluster(request, shared, tmp_path_factory):
     specs = [
         (("prefill", shared["model"], d / "prefill.log"),
          dict(engine=engine, port=port, extra_args=common + ["--lease", "600"],
-              env={"MSTAR_KV_VLLM_STATS": str(stp)})),
+              env={"MSTAR_KV_TEST_STATS": str(stp)})),
         (("decode", shared["model"], d / "decode.log"),
          dict(engine=engine, port=port,
               extra_args=common + ["--block-size", decode_bs, "--fetch-timeout", "120",
                                    "--transfer-timeout", "60"],
-              env={"MSTAR_KV_VLLM_STATS": str(st)})),
+              env={"MSTAR_KV_TEST_STATS": str(st)})),
     ]
     if engine == "ucx":  # the negative control needs one other prefill: the ucx cluster's
         specs.append((("prefill", shared["other"], d / "other.log"),

@@ -7,6 +7,11 @@ to end tests and the benchmark: a single engine, a prefill engine
          [--transfer-timeout S] [--corrupt] [--prefix-cache] [--record] [--layerwise]
          [--publish-early] [--save-delay S]
 
+--record, --corrupt and --save-delay (and MSTAR_KV_TEST_STATS in the
+environment) load mstar_test_connector.MstarTestConnector, which records,
+corrupts or slows down through the connector's override points; without
+them the engine runs MstarKVConnector as it is.
+
 Prints "READY" once the engine is up, then reads one JSON request a line
 from stdin: {"prompt": [ids], "max_tokens": N, "params": {...} | null,
 "remote_decode": bool, "name": str} and answers each with a line "RESULT {"tokens": [...],
@@ -15,8 +20,10 @@ time to its last token). Exits when stdin closes.
 """
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 
 def build(args):
@@ -31,18 +38,24 @@ def build(args):
                  "fetch_timeout_s": args.fetch_timeout,
                  "transfer_timeout_s": args.transfer_timeout,
                  "lease_s": args.lease}
-        if args.corrupt:
-            extra["test_corrupt_loaded"] = True
-        if args.record:
-            extra["test_record"] = True
         if args.layerwise:
             extra["layerwise"] = True
         if args.publish_early:
             extra["publish_early"] = True
-        if args.save_delay:
-            extra["test_save_layer_delay_s"] = args.save_delay
+        module, cls = "mstar_kv.integrations.vllm", "MstarKVConnector"
+        if args.corrupt or args.record or args.save_delay or os.environ.get("MSTAR_KV_TEST_STATS"):
+            module, cls = "mstar_test_connector", "MstarTestConnector"
+            # vLLM builds the connector in processes it spawns: they inherit
+            # the environment, so this is how they find the module and what
+            # it should do.
+            here = str(Path(__file__).resolve().parent)
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [here, os.environ.get("PYTHONPATH")]))
+            os.environ["MSTAR_KV_TEST_RECORD"] = "1" if args.record else ""
+            os.environ["MSTAR_KV_TEST_CORRUPT"] = "1" if args.corrupt else ""
+            os.environ["MSTAR_KV_TEST_SAVE_DELAY_S"] = str(args.save_delay)
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="MstarKVConnector", kv_connector_module_path="mstar_kv.integrations.vllm",
+            kv_connector=cls, kv_connector_module_path=module,
             kv_role="kv_producer" if args.role == "prefill" else "kv_consumer",
             kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
     return LLM(**kw)

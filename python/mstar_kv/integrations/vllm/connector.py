@@ -9,7 +9,6 @@ abstract methods).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -31,31 +30,6 @@ from .scheduler import SchedulerSide
 from .stats import MstarKVConnectorStats, MstarPromMetrics, StatsRecorder
 
 log = logging.getLogger("mstar_kv.vllm")
-
-
-class _Recorder:
-    """Tests (test_record with MSTAR_KV_VLLM_STATS): JSON lines in the stats
-    file, and a digest of a request's blocks in every layer of vLLM's own
-    tensors (what the producer published, what the consumer loaded)."""
-
-    def __init__(self, path: str, tensors: dict, layer_names: list):
-        self.path = path
-        self.tensors = [tensors[n] for n in layer_names]
-
-    def line(self, d: dict) -> None:
-        import json
-        with open(self.path, "a") as f:
-            f.write(json.dumps(d) + "\n")
-
-    def digest(self, block_ids) -> str:
-        import hashlib
-
-        import torch
-        h = hashlib.blake2b(digest_size=16)
-        for t in self.tensors:
-            for b in block_ids:
-                h.update(t[b].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
 
 
 class MstarHandshake(KVConnectorHandshakeMetadata):
@@ -128,11 +102,8 @@ class MstarKVConnector(KVConnectorBase_V1):
 
     # ======================= worker side =======================
     def register_kv_caches(self, kv_caches: dict) -> None:
-        from .consumer import Consumer
         from .layout import map_kv_caches
-        from .producer import Producer
 
-        self._kv_tensors = kv_caches
         self.mapped = map_kv_caches(kv_caches, self.tp_rank, self.tp_size, self._total_kv_heads,
                                     self.cell_layout)
         self._layer_index = {n: i for i, n in enumerate(self.mapped.layer_names)}
@@ -145,26 +116,27 @@ class MstarKVConnector(KVConnectorBase_V1):
         self.manager = kv.KVTransferManager(info, self.mapped.cache)
         log.info("MstarKVConnector %s rank %d: %s over %s", self.engine_id, self.tp_rank,
                  self.mapped.layout, self.cfg.engine)
-        stats = os.environ.get("MSTAR_KV_VLLM_STATS", "")
-        recorder = _Recorder(stats, kv_caches, self.mapped.layer_names) \
-            if self.cfg.test_record and stats else None
         if self.is_producer:
-            self.producer = Producer(self.cfg, self.manager, self.tp_rank, self.mapped,
-                                     recorder)
+            self.producer = self._make_producer()
         if self.is_consumer:
-            corrupt = self._corrupt_blocks if self.cfg.test_corrupt_loaded else None
             policy = str(getattr(self._vllm_config.kv_transfer_config,
                                  "kv_load_failure_policy", "recompute"))
-            self.consumer = Consumer(self.cfg, self.manager, self.tp_rank, self.tp_size,
-                                     self.engine_id, stats, corrupt, self.mapped, recorder,
-                                     policy, kv_stats=self._stats)
+            self.consumer = self._make_consumer(policy)
 
-    def _corrupt_blocks(self, block_ids) -> None:
-        """The tests' negative control: overwrite what a pull just wrote, in
-        every layer of vLLM's own tensors."""
-        for t in self._kv_tensors.values():
-            for b in block_ids:
-                t[b].normal_()
+    def _make_producer(self):
+        """The prefill worker's half, once the caches are registered. An
+        override point: a subclass may return a Producer of its own (one
+        that observes what it publishes, say)."""
+        from .producer import Producer
+        return Producer(self.cfg, self.manager, self.tp_rank, self.mapped)
+
+    def _make_consumer(self, failure_policy: str):
+        """The decode worker's half, once the caches are registered. An
+        override point, as _make_producer."""
+        from .consumer import Consumer
+        return Consumer(self.cfg, self.manager, self.tp_rank, self.tp_size, self.engine_id,
+                        mapped=self.mapped, failure_policy=failure_policy,
+                        kv_stats=self._stats)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)

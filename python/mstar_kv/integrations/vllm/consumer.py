@@ -4,7 +4,6 @@ sends the producer its done notice."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import logging
 import threading
 import time
@@ -59,8 +58,7 @@ _DONE = _Done()
 
 class _Load:
     __slots__ = ("req", "future", "stream", "cancelled", "error", "ok", "t0", "t1", "lock",
-                 "landed", "digest", "direct", "seqs", "nbytes", "started", "ended", "via",
-                 "retried")
+                 "direct", "seqs", "nbytes", "started", "ended", "via", "retried")
 
     def __init__(self, req: LoadReq):
         self.req = req
@@ -72,8 +70,6 @@ class _Load:
         self.t0 = time.monotonic()
         self.t1 = 0.0
         self.lock = threading.Lock()
-        self.landed: list = []  # tests: (layer, when it was in vLLM's blocks) of a stream
-        self.digest = ""        # tests: of the loaded blocks, before anything else writes them
         self.direct = False     # started on the engine's thread from the params
         self.via = ""           # where its sequences came from: "params" or "side_channel"
         self.retried = False    # pulled again after its params' epochs were stale
@@ -95,13 +91,11 @@ class Consumer:
     after the load is reported."""
 
     def __init__(self, cfg: ConnectorConfig, manager: "kv.KVTransferManager", tp_rank: int,
-                 tp_size: int, reader_name: str, stats_path: str = "",
-                 corrupt=None, mapped=None, recorder=None, failure_policy: str = "recompute",
+                 tp_size: int, reader_name: str, mapped=None, failure_policy: str = "recompute",
                  kv_stats=None):
         self.cfg = cfg
         self._kv_stats = kv_stats  # stats.StatsRecorder (vLLM's connector metrics), or None
         self._recomputes = failure_policy == "recompute"
-        self._recorder = recorder
         # What vLLM does with a failed load's request (kv_load_failure_policy).
         self._after_failure = "vLLM recomputes" if failure_policy == "recompute" else \
             f"vLLM fails the request: kv_load_failure_policy={failure_policy!r}"
@@ -112,8 +106,6 @@ class Consumer:
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.reader = f"{reader_name}:{tp_rank}"
-        self.stats_path = stats_path
-        self._corrupt = corrupt  # test-only negative control: corrupt(block_ids)
         self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="mstar-kv-load")
         self._lock = threading.Lock()
         self._loads: dict = {}
@@ -207,6 +199,7 @@ class Consumer:
             ld.direct = True
             ld.via = "params"
             self._issue(ld, seqs)
+            self._on_issued(ld)
             ld.started = True
         except Exception as e:  # as above: the load fails, vLLM goes on
             self._fail(ld, e)
@@ -253,11 +246,7 @@ class Consumer:
                 with self._lock:
                     self.stats["loads_side_channel"] += 1
             self._issue(ld, seqs)
-            if ld.stream is not None and self._recorder is not None:
-                for layer in range(ld.stream.num_layers):
-                    if not ld.stream.wait_for_layer(layer, self.cfg.transfer_timeout_s):
-                        break
-                    ld.landed.append((layer, time.monotonic()))
+            self._on_issued(ld)
             ld.started = True
         except (kv.KVTransferError, SideChannelError, RuntimeError, ValueError,
                 cf.CancelledError) as e:
@@ -316,11 +305,6 @@ class Consumer:
             self._kv_stats.record_pull(ld.nbytes, ld.t1 - ld.t0, self.cfg.engine)
         for s in ld.seqs:
             self._peers.add(_peer_key(s.kv_transfer_info))
-        if self._recorder is not None:
-            ps = self.block_size
-            ld.digest = self._recorder.digest(r.block_ids[r.start // ps:-(-r.end // ps)])
-        if self._corrupt is not None:
-            self._corrupt(r.block_ids[r.start // self.block_size:])
         ld.ok = True
         with self._lock:
             self.stats["loads_ok"] += 1
@@ -340,19 +324,18 @@ class Consumer:
             except SideChannelError as e:  # the lease frees it then
                 log.info("request %s: done notice not delivered: %s", req_id, e)
 
-    def _record(self, ld: _Load) -> None:
-        if not self.stats_path:
-            return
-        r = ld.req
-        line = {"req": r.req_id, "remote_req": r.remote.request_id, "ok": ld.ok,
-                "error": ld.error, "start": r.start, "end": r.end,
-                "tokens": (r.end - r.start) if ld.ok else 0,
-                "seconds": round(ld.t1 - ld.t0, 6), "rank": self.tp_rank, "via": ld.via,
-                "retried_stale": ld.retried}
-        if self._recorder is not None:
-            line.update(digest=ld.digest, landed=ld.landed, t_end=ld.t1)
-        with open(self.stats_path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+    # Override points for a subclass that watches the loads (what runs on
+    # the engine's thread delays vLLM's step).
+    def _on_issued(self, ld: _Load) -> None:
+        """``ld``'s pull was just issued (ld.future, or ld.stream of a
+        layer-wise pull), on the thread that issued it: the engine's for a
+        pull started from the params, a load thread otherwise. It is not
+        reaped before this returns."""
+
+    def _on_finished(self, ld: _Load) -> None:
+        """The engine's thread: ``ld`` ended (ld.ok, or ld.error) and
+        get_finished is about to report it; nothing has touched its blocks
+        since the pull."""
 
     def finished_recving(self) -> set:
         """The engine's thread, every step: reaps the pulls that ended
@@ -375,7 +358,7 @@ class Consumer:
                     ps = self.block_size
                     self._bad_blocks.update(r.block_ids[r.start // ps:(r.end + ps - 1) // ps])
         for ld in done:
-            self._record(ld)
+            self._on_finished(ld)
             self._pool.submit(self._notify_done, ld.req.req_id, ld.req.remote)
         return out
 

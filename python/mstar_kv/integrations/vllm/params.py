@@ -103,9 +103,6 @@ class ConnectorConfig:
     engine_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     cell_layout: str = "auto"
     publish_early: bool = False
-    test_corrupt_loaded: bool = False  # negative control of the tests only
-    test_record: bool = False          # tests: digests and layer times in the stats file
-    test_save_layer_delay_s: float = 0.0  # tests: a slower prefill (sleep per saved layer)
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> "ConnectorConfig":
@@ -134,10 +131,6 @@ class ConnectorConfig:
             engine_options={str(k): str(v) for k, v in opts.items()},
             cell_layout=_choice(extra, "cell_layout", "auto", ("auto",) + CELL_LAYOUTS, where),
             publish_early=bool(extra.get("publish_early", False)),
-            test_corrupt_loaded=bool(extra.get("test_corrupt_loaded", False)),
-            test_record=bool(extra.get("test_record", False)),
-            test_save_layer_delay_s=_num(extra, "test_save_layer_delay_s", 0.0, float, 0.0,
-                                         10.0, where),
         )
 
 

@@ -24,14 +24,13 @@ def seq_id_of(req_id: str) -> int:
 
 
 class _Published:
-    __slots__ = ("req_id", "seq_id", "data", "deadline", "readers_done", "error", "req", "marks",
+    __slots__ = ("req_id", "seq_id", "data", "deadline", "readers_done", "error", "req",
                  "complete")
 
     def __init__(self, req_id: str, seq_id: int, data: Optional[bytes], deadline: float,
                  error: str = "", req: Optional[PublishReq] = None):
         self.req_id = req_id
         self.req = req
-        self.marks: list = []  # tests: (layer, when marked) of a request published early
         self.seq_id = seq_id
         self.data = data
         self.deadline = deadline
@@ -43,9 +42,8 @@ class _Published:
 
 class Producer:
     def __init__(self, cfg: ConnectorConfig, manager: "kv.KVTransferManager", tp_rank: int,
-                 mapped=None, recorder=None):
+                 mapped=None):
         self.cfg = cfg
-        self._record = recorder  # tests: .line(dict) to the stats file, .digest(block_ids)
         self._streaming: dict = {}  # name -> layers marked, of requests published early
         self.mapped = mapped
         self.cache = manager.kv_cache
@@ -129,8 +127,8 @@ class Producer:
                 self._free_locked(r.name, "failed")
             elif r.layers_ready == 0:
                 self._streaming[r.name] = 0
-            elif self._record is not None:
-                self._record_published(p)
+            else:
+                self._on_complete(p)
 
     def mark_layers_ready(self, name: str, layers_done: int) -> None:
         """Layers [0, layers_done) of a request published with layers_ready=0
@@ -148,8 +146,6 @@ class Producer:
         gets layers [0, layer + 1) marked ready."""
         if not self._streaming:
             return
-        if self.cfg.test_save_layer_delay_s:
-            time.sleep(self.cfg.test_save_layer_delay_s)
         now = time.monotonic()
         completed = False
         with self._lock:
@@ -166,16 +162,14 @@ class Producer:
                     log.warning("request %s: layer %d not marked ready: %s", p.req_id, layer, e)
                     continue
                 self._streaming[name] = layer + 1
-                if self._record is not None:
-                    p.marks.append((layer, now))
+                self._on_marked(p, range(done, layer + 1), now)
                 if layer + 1 >= self.cache.layout.num_layers:
                     # Every layer is ready: a reader may be done (and free it)
                     # before wait_for_save.
                     del self._streaming[name]
                     p.complete = True
                     completed = True
-                    if self._record is not None:
-                        self._record_published(p)
+                    self._on_complete(p)
         if completed:
             self.server.published()
 
@@ -197,12 +191,10 @@ class Producer:
                         self.pool.mark_layers_ready(p.seq_id, num_layers)
                     except kv.KVTransferError as e:
                         log.warning("request %s: layers not marked ready: %s", p.req_id, e)
-                    if self._record is not None:
-                        p.marks.extend(
-                            (x, now) for x in range(done, num_layers))
+                    else:
+                        self._on_marked(p, range(done, num_layers), now)
                 p.complete = True
-                if self._record is not None:
-                    self._record_published(p)
+                self._on_complete(p)
         self.server.published()
 
     def unpublish(self, reqs) -> None:
@@ -216,11 +208,15 @@ class Producer:
                     continue
                 self._free_locked(r.name, "unpublished", report=r.report)
 
-    def _record_published(self, p: "_Published") -> None:
-        r = p.req
-        self._record.line({"published": r.name, "req": r.req_id, "tokens": r.num_tokens,
-                           "blocks": list(r.block_ids), "marks": p.marks,
-                           "digest": self._record.digest(r.block_ids)})
+    # Override points, called with the lock held, on the engine's thread:
+    # a subclass may watch a publication's layers become readable.
+    def _on_marked(self, p: _Published, layers: range, when: float) -> None:
+        """``layers`` of ``p`` (published early) were marked ready at
+        ``when`` (time.monotonic())."""
+
+    def _on_complete(self, p: _Published) -> None:
+        """Every layer of ``p`` is in vLLM's blocks and readable: published
+        whole, or the last of its layers was marked."""
 
     def _free_locked(self, name: str, why: str, report: bool = True) -> None:
         p = self._pub.pop(name, None)
