@@ -60,15 +60,15 @@ struct Task {
 
 struct FaultInjectingEngine::Impl {
   Impl(std::shared_ptr<KVTransferEngine> in, const KVLayout& l, FaultConfig c, KillHook k)
-      : inner(std::move(in)), local(l), cfg(c), kill(std::move(k)), rng(cfg.seed) {}
+      : inner(std::move(in)), local(l), kill(std::move(k)), cfg(c), rng(cfg.seed) {}
 
   std::shared_ptr<KVTransferEngine> inner;
   const KVLayout local;
+  const KillHook kill;  // fixed at construction: called without the lock
 
   mutable std::mutex mu;
   std::condition_variable cv;
   FaultConfig cfg MSTAR_KV_GUARDED_BY(mu);
-  KillHook kill MSTAR_KV_GUARDED_BY(mu);
   std::mt19937_64 rng MSTAR_KV_GUARDED_BY(mu);
   std::multimap<Clock::time_point, Task> timers MSTAR_KV_GUARDED_BY(mu);
   std::vector<std::shared_ptr<Batch>> batches MSTAR_KV_GUARDED_BY(mu);  // watched until resolved
@@ -182,13 +182,8 @@ struct FaultInjectingEngine::Impl {
   }
 
   void call_kill() {
-    KillHook hook;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      hook = kill;
-    }
     n_kills.fetch_add(1, std::memory_order_relaxed);
-    if (hook) hook();
+    if (kill) kill();
   }
 
   void schedule(Clock::time_point at, TaskKind kind, std::shared_ptr<Batch> b) {
@@ -510,11 +505,6 @@ void FaultInjectingEngine::set_config(FaultConfig config) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (config.seed != impl_->cfg.seed) impl_->rng.seed(config.seed);
   impl_->cfg = config;
-}
-
-void FaultInjectingEngine::set_kill_hook(KillHook kill) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->kill = std::move(kill);
 }
 
 FaultConfig FaultInjectingEngine::config() const {

@@ -62,7 +62,6 @@ class KVCachePool {
               std::uint64_t scatter_seed = 0, std::chrono::milliseconds lease = kDefaultLease);
 
   const KVCache& cache() const noexcept { return *cache_; }
-  std::shared_ptr<KVCache> shared_cache() const noexcept { return cache_; }
 
   // Pages for a new sequence of num_tokens tokens: ceil(num_tokens/page_size)
   // (any num_tokens, up to 2^64 - 1, is checked against the cache's size).

@@ -149,9 +149,8 @@ class FaultInjectingEngine final : public KVTransferEngine {
                                            std::span<const KVReadInfo> read_info) override;
 
   // Replaces the fault configuration (the random generator is reseeded when
-  // the seed changes) and the kill hook.
+  // the seed changes).
   void set_config(FaultConfig config);
-  void set_kill_hook(KillHook kill);
   FaultConfig config() const;
   FaultCounters counters() const;
   // Batches whose outer future has not resolved yet.
