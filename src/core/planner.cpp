@@ -163,32 +163,12 @@ detail::PlainTotals check_plain(const KVLayout& local, const KVLayout& remote,
   detail::PlainTotals totals;
   for (std::size_t n = 0; n < reads.size(); ++n) {
     const KVReadInfo& r = reads[n];
-    // Built only on the error path: planning allocates nothing per read.
-    // An index into the caller's read_info (KVTransferManager checks the
-    // page tables first, naming table entries, so its reads never get here).
-    auto where = [n] { return "read_info[" + std::to_string(n) + "]: "; };
-    if (r.layer_idx < 0 || r.layer_idx >= std::int64_t{local.num_layers}) {
-      invalid(where() + "layer " + std::to_string(r.layer_idx) + " out of range " +
-              range(0, local.num_layers));
-    }
-    if (r.local_page_idx < 0 || r.local_page_idx >= std::int64_t{local.num_pages}) {
-      invalid(where() + "local page " + std::to_string(r.local_page_idx) + " out of range " +
-              range(0, local.num_pages) + " in local cache");
-    }
-    if (r.remote_page_idx < 0 || r.remote_page_idx >= std::int64_t{remote.num_pages}) {
-      invalid(where() + "remote page " + std::to_string(r.remote_page_idx) + " out of range " +
-              range(0, remote.num_pages) + " in remote cache");
-    }
-    if (r.token_start < 0 || r.token_start >= r.token_end || r.token_end > ps) {
-      invalid(where() + "token range [" + std::to_string(r.token_start) + ", " +
-              std::to_string(r.token_end) +
-              ") must satisfy 0 <= start < end <= " + std::to_string(ps));
-    }
+    detail::check_read(local, remote, r, n);
     const auto layer = static_cast<std::uint64_t>(r.layer_idx);
     const auto lpage = static_cast<std::uint64_t>(r.local_page_idx);
     if (!seen.insert(layer * local.num_pages + lpage)) {
-      invalid(where() + "duplicate destination: layer " + std::to_string(layer) + " local page " +
-              std::to_string(lpage) + " appears twice in one batch");
+      invalid(detail::read_name(n) + ": duplicate destination: layer " + std::to_string(layer) +
+              " local page " + std::to_string(lpage) + " appears twice in one batch");
     }
     const auto tokens = static_cast<std::uint64_t>(r.token_end - r.token_start);
     const bool full = r.token_start == 0 && r.token_end == ps;

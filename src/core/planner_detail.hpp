@@ -134,6 +134,33 @@ struct BlockStrides {
 // table entries, so its own reads never get here.
 inline std::string read_name(std::size_t n) { return "read_info[" + std::to_string(n) + "]"; }
 
+// The checks every read passes in both planners before anything is
+// planned: its layer, both pages and its tokens of the local page in
+// range. Inline: planning checks millions of reads, and builds a message
+// only on the error path.
+inline void check_read(const KVLayout& local, const KVLayout& remote, const KVReadInfo& r,
+                       std::size_t n) {
+  auto where = [n] { return read_name(n) + ": "; };
+  if (r.layer_idx < 0 || r.layer_idx >= std::int64_t{local.num_layers}) {
+    invalid(where() + "layer " + std::to_string(r.layer_idx) + " out of range " +
+            range(0, local.num_layers));
+  }
+  if (r.local_page_idx < 0 || r.local_page_idx >= std::int64_t{local.num_pages}) {
+    invalid(where() + "local page " + std::to_string(r.local_page_idx) + " out of range " +
+            range(0, local.num_pages) + " in local cache");
+  }
+  if (r.remote_page_idx < 0 || r.remote_page_idx >= std::int64_t{remote.num_pages}) {
+    invalid(where() + "remote page " + std::to_string(r.remote_page_idx) + " out of range " +
+            range(0, remote.num_pages) + " in remote cache");
+  }
+  if (r.token_start < 0 || r.token_start >= r.token_end ||
+      r.token_end > std::int64_t{local.page_size}) {
+    invalid(where() + "token range [" + std::to_string(r.token_start) + ", " +
+            std::to_string(r.token_end) +
+            ") must satisfy 0 <= start < end <= " + std::to_string(local.page_size));
+  }
+}
+
 // Reads are listed page by page (every layer of a page before the next
 // page) for a page-major local cache, layer by layer for the other two:
 // the order in which neighbouring pages of the local cache follow each

@@ -67,28 +67,14 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local, const KVLayout& remote
   if (local.page_size == remote.page_size && all_heads) {
     return plan_reads(local, start_len, end_len, local_pages, remote_pages);
   }
-  if (start_len > end_len) {
-    invalid("start_len " + std::to_string(start_len) + " is greater than end_len " +
-            std::to_string(end_len));
-  }
+  check_local_pages(local, start_len, end_len, local_pages);
   std::vector<KVReadInfo> reads;
   const std::uint64_t lps = local.page_size, rps = remote.page_size;
-  const std::uint64_t lneed = pages_for(end_len, lps), rneed = pages_for(end_len, rps);
-  if (local_pages.size() < lneed) {
-    invalid("local page table has " + std::to_string(local_pages.size()) + " entries of " +
-            std::to_string(lps) + " tokens, tokens " + range(start_len, end_len) + " need " +
-            std::to_string(lneed));
-  }
+  const std::uint64_t rneed = pages_for(end_len, rps);
   if (remote_pages.size() < rneed) {
     invalid("remote page table has " + std::to_string(remote_pages.size()) + " entries of " +
             std::to_string(rps) + " tokens, tokens " + range(start_len, end_len) + " need " +
             std::to_string(rneed));
-  }
-  for (std::uint64_t i = start_len / lps; i < lneed; ++i) {
-    if (local_pages[i] >= local.num_pages) {
-      invalid("local page " + std::to_string(local_pages[i]) + " (table entry " +
-              std::to_string(i) + ") out of range " + range(0, local.num_pages));
-    }
   }
   for (std::uint64_t i = start_len / rps; i < rneed; ++i) {
     if (remote_pages[i] >= remote.num_pages) {
@@ -143,24 +129,7 @@ std::vector<Resolved> resolve_reads(const KVLayout& local, const KVLayout& remot
   for (std::size_t n = 0; n < reads.size(); ++n) {
     const KVReadInfo& r = reads[n];
     auto where = [&] { return detail::read_name(n) + ": "; };
-    if (r.layer_idx < 0 || r.layer_idx >= std::int64_t{local.num_layers}) {
-      invalid(where() + "layer " + std::to_string(r.layer_idx) + " out of range " +
-              range(0, local.num_layers));
-    }
-    if (r.local_page_idx < 0 || r.local_page_idx >= std::int64_t{local.num_pages}) {
-      invalid(where() + "local page " + std::to_string(r.local_page_idx) + " out of range " +
-              range(0, local.num_pages) + " in local cache");
-    }
-    if (r.remote_page_idx < 0 || r.remote_page_idx >= std::int64_t{remote.num_pages}) {
-      invalid(where() + "remote page " + std::to_string(r.remote_page_idx) + " out of range " +
-              range(0, remote.num_pages) + " in remote cache");
-    }
-    if (r.token_start < 0 || r.token_start >= r.token_end ||
-        r.token_end > std::int64_t{local.page_size}) {
-      invalid(where() + "token range [" + std::to_string(r.token_start) + ", " +
-              std::to_string(r.token_end) +
-              ") must satisfy 0 <= start < end <= " + std::to_string(local.page_size));
-    }
+    detail::check_read(local, remote, r, n);
     // The tokens (1 to the local page size of them, checked above) must fit
     // the remote page from rts on. Compared without forming rts + count: a
     // remote_token_start near INT64_MAX overflowed (UB), wrapped negative and
