@@ -147,12 +147,6 @@ std::size_t check_tensor(const nb::ndarray<>& a, const KVLayout& layout) {
   return layout.total_bytes();
 }
 
-void release_ndarray(nb::ndarray<>* keep) {
-  if (!python_alive()) return;  // finalising: never touch Python
-  nb::gil_scoped_acquire gil;
-  delete keep;
-}
-
 PyKVCache from_dlpack(nb::handle obj, const KVLayout& layout) {
   nb::ndarray<> a;
   if (!nb::try_cast(obj, a)) {

@@ -161,9 +161,7 @@ PyKVCache from_layer_tensors(nb::handle tensors, const KVLayout& layout) {
   return PyKVCache{std::shared_ptr<KVCache>(raw,
                                             [keep](KVCache* c) {
                                               delete c;
-                                              if (!python_alive()) return;
-                                              nb::gil_scoped_acquire gil;
-                                              delete keep;
+                                              release_ndarray(keep);
                                             }),
                    dev == nb::device::cuda::value ? dev_id : 0};
 }

@@ -45,6 +45,17 @@ std::vector<std::size_t> view_shape(const KVLayout& l);
 // "[2, 64, 16]".
 std::string shape_str(const std::vector<std::size_t>& s);
 
+// What a cache made over the caller's tensors does when its last owner lets
+// go: drops its references to them (`keep`, heap-allocated when the cache
+// was made), under the GIL, from whatever thread that is. While Python
+// finalises it touches nothing and leaks them.
+template <typename Arrays>
+void release_ndarray(Arrays* keep) {
+  if (!python_alive()) return;
+  nb::gil_scoped_acquire gil;
+  delete keep;
+}
+
 // KVCache.from_layer_tensors (bind_layer_tensors.cpp).
 PyKVCache from_layer_tensors(nb::handle tensors, const KVLayout& layout);
 

@@ -1,6 +1,8 @@
 """Caches from the caller's memory without a copy, and the library's caches
 seen from numpy / torch without a copy."""
+import gc
 import sys
+import weakref
 
 import mstar_kv as kv
 import numpy as np
@@ -25,6 +27,26 @@ def test_numpy_array_wrapped_without_copy_and_kept_alive():
     view[1, 0, 3] = 7.0  # layer 1, K, page 3
     assert np.all(np.asarray(cache)[1, 0, 3] == 7.0)
     assert refs >= 3
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["from_dlpack", "from_layer_tensors"])
+def test_the_callers_arrays_live_exactly_as_long_as_the_cache(per_layer):
+    layout = local_layout(dtype="fp16", num_pages=8)
+    if per_layer:
+        shape = (layout.num_kv, layout.num_pages, layout.page_size, layout.num_kv_heads,
+                 layout.head_dim)
+        arrays = [np.zeros(shape, dtype=np.float16) for _ in range(layout.num_layers)]
+        cache = kv.KVCache.from_layer_tensors(arrays, layout)
+    else:
+        arrays = [np.zeros((4, 2, 8, 16, 2, 64), dtype=np.float16)]
+        cache = kv.KVCache.from_dlpack(arrays[0], layout)
+    alive = [weakref.ref(a) for a in arrays]
+    del arrays
+    gc.collect()
+    assert all(a() is not None for a in alive), "the cache let go of the caller's arrays"
+    del cache
+    gc.collect()
+    assert all(a() is None for a in alive), "the cache's end did not release the arrays"
 
 
 def test_numpy_bytes_and_same_size_integers_accepted():
