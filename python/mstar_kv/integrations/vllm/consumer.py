@@ -11,20 +11,12 @@ from typing import NamedTuple, Optional
 
 import mstar_kv as kv
 
-from .layout import KV_LATENT, KV_PLANES, to_mstar_tokens
+from .layout import KV_LATENT, KV_PLANES, heads_of_rank, to_mstar_tokens
 from .metadata import LoadReq
 from .params import ConnectorConfig, RemotePrefill
 from .side_channel import SideChannelError, fetch_sequence, send_done
 
 log = logging.getLogger("mstar_kv.vllm")
-
-
-def _heads(total: int, tp: int, rank: int) -> range:
-    if total >= tp:
-        n = total // tp
-        return range(rank * n, (rank + 1) * n)
-    h = (rank * total) // tp
-    return range(h, h + 1)
 
 
 def _overlap(a: range, b: range) -> bool:
@@ -123,7 +115,8 @@ class Consumer:
             return [self.tp_rank % rp.tp_size]
         total = self.layout.model_kv_heads
         mine = range(self.layout.first_kv_head, self.layout.first_kv_head + self.layout.num_kv_heads)
-        return [p for p in range(rp.tp_size) if _overlap(_heads(total, rp.tp_size, p), mine)]
+        return [p for p in range(rp.tp_size)
+                if _overlap(heads_of_rank(total, rp.tp_size, p), mine)]
 
     def _notified(self, rp: RemotePrefill, d: int) -> list:
         """The prefill ranks decode rank d sends a done notice to: those it
@@ -131,8 +124,9 @@ class Consumer:
         (they hold the request too, until told)."""
         if self.cell_layout != KV_LATENT:
             total = self.layout.model_kv_heads
-            mine = _heads(total, self.tp_size, d)
-            return [p for p in range(rp.tp_size) if _overlap(_heads(total, rp.tp_size, p), mine)]
+            mine = heads_of_rank(total, self.tp_size, d)
+            return [p for p in range(rp.tp_size)
+                    if _overlap(heads_of_rank(total, rp.tp_size, p), mine)]
         return sorted({d % rp.tp_size} | {p for p in range(rp.tp_size) if p % self.tp_size == d})
 
     def _readers_of(self, rp: RemotePrefill, p: int) -> int:

@@ -119,15 +119,17 @@ class MappedCache:
     block_size: int = 0         # vLLM's tokens per block
 
 
-def _heads_of_rank(total_heads: int, tp_size: int, tp_rank: int) -> tuple:
-    """(first, num) KV heads of a TP rank, as vLLM shards them (replicated
-    when there are fewer heads than ranks)."""
+def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int) -> range:
+    """The KV heads TP rank ``tp_rank`` of ``tp_size`` holds, as vLLM shards
+    them (one head, replicated, when there are fewer heads than ranks).
+    Raises LayoutError when they do not split evenly."""
     if total_heads >= tp_size:
         if total_heads % tp_size:
             raise LayoutError(f"{total_heads} KV heads do not split over TP {tp_size}")
         n = total_heads // tp_size
-        return tp_rank * n, n
-    return (tp_rank * total_heads) // tp_size, 1
+        return range(tp_rank * n, (tp_rank + 1) * n)
+    h = (tp_rank * total_heads) // tp_size
+    return range(h, h + 1)
 
 
 def map_kv_caches(kv_caches: Mapping[str, "object"], tp_rank: int = 0, tp_size: int = 1,
@@ -200,7 +202,8 @@ def map_kv_caches(kv_caches: Mapping[str, "object"], tp_rank: int = 0, tp_size: 
     regions = None if one else [_bytes_view(torch, t, n, num_blocks * page_b)
                                 for n, t in zip(names, tensors)]
     tp_total = total_kv_heads or heads * tp_size
-    first, num = _heads_of_rank(tp_total, tp_size, tp_rank)
+    mine = heads_of_rank(tp_total, tp_size, tp_rank)
+    first, num = mine.start, len(mine)
     if num != heads:
         raise LayoutError(f"TP rank {tp_rank} of {tp_size} holds {heads} KV heads in its tensors, "
                           f"{num} of {tp_total} expected")
