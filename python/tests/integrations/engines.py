@@ -29,6 +29,7 @@ class Engine:
         # small machine is the tests' set-up, not a deployment's.
         e.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         self.role = role
+        self.ready = False
         self.log_path = log
         self._log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -56,7 +57,9 @@ class Engine:
         return line
 
     def wait_ready(self, timeout: float = 400.0) -> None:
-        assert self._next(timeout).startswith("READY")
+        if not self.ready:
+            assert self._next(timeout).startswith("READY")
+            self.ready = True
 
     def send(self, prompt, max_tokens=8, params=None, remote_decode=False, name="") -> None:
         """Sends one request; result() reads its answer."""
@@ -95,11 +98,13 @@ class Engine:
         self._log.close()
 
 
-def start_all(specs) -> list:
-    """Starts engines in parallel (their start-up is the slow part)."""
+def start_all(specs, started=()) -> list:
+    """Starts engines in parallel (their start-up is the slow part) and waits
+    for them and for the engines in ``started`` (begun earlier, shared by
+    several test clusters); on a failure closes the ones it started."""
     engines = [Engine(*a, **kw) for a, kw in specs]
     try:
-        for e in engines:
+        for e in (*engines, *started):
             e.wait_ready()
     except BaseException:
         for e in engines:

@@ -45,7 +45,7 @@ def shared(tmp_path_factory):
     d = tmp_path_factory.mktemp("e2e")
     model = K.make_tiny_llama(d / "model", seed=3, num_hidden_layers=LAYERS)
     single = E.Engine("single", model, d / "single.log")
-    s = dict(model=model, single=single, ready=False)
+    s = dict(model=model, single=single)
     yield s
     single.close()
 
@@ -87,15 +87,7 @@ def cluster(request, shared, tmp_path_factory):
                            extra_args=["--corrupt", "--fetch-timeout", "120",
                                        "--transfer-timeout", "60"] + cached,
                            env={"MSTAR_KV_TEST_STATS": str(stc)})))
-    engines = E.start_all(specs)
-    if not shared["ready"]:
-        try:
-            shared["single"].wait_ready()
-        except BaseException:
-            for e in engines:
-                e.close()
-            raise
-        shared["ready"] = True
+    engines = E.start_all(specs, started=[shared["single"]])
     c = dict(single=shared["single"], prefill=engines[0], decode=engines[1],
              corrupt=engines[2] if len(engines) > 2 else None, stats=st, corrupt_stats=stc,
              prefill_stats=stp, dir=d, model=model, port=port, engine=engine,

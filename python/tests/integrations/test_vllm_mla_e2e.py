@@ -48,7 +48,7 @@ def shared(tmp_path_factory):
     other = K.make_tiny_deepseek_v2(d / "other", seed=1)
     single = E.Engine("single", model, d / "single.log", extra_args=BF16 + ["--prefix-cache"])
     refs: dict = {}
-    yield dict(model=model, other=other, single=single, refs=refs, ready=False)
+    yield dict(model=model, other=other, single=single, refs=refs)
     single.close()
 
 
@@ -88,15 +88,7 @@ def cluster(request, shared, tmp_path_factory):
         specs.append((("prefill", shared["other"], d / "other.log"),
                       dict(engine=engine, port=other_port,
                            extra_args=BF16 + ["--prefix-cache", "--lease", "600"])))
-    engines = E.start_all(specs)
-    if not shared["ready"]:
-        try:
-            shared["single"].wait_ready()
-        except BaseException:
-            for e in engines:
-                e.close()
-            raise
-        shared["ready"] = True
+    engines = E.start_all(specs, started=[shared["single"]])
     yield dict(prefill=engines[0], decode=engines[1],
                other=engines[2] if len(engines) > 2 else None, stats=st, prefill_stats=stp)
     for e in engines:
