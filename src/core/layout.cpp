@@ -2,65 +2,53 @@
 #include "mstar/kv/core/layout.hpp"
 
 #include <algorithm>
+#include <array>
 #include <string>
 
+#include "mstar/kv/util/enum_names.hpp"
 #include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 
+namespace {
+
+constexpr std::array<std::string_view, 5> kDTypeNames{"fp32", "fp16", "bf16", "fp8_e4m3",
+                                                      "fp8_e5m2"};
+static_assert(kDTypeNames.size() == static_cast<std::size_t>(DType::kFloat8E5M2) + 1);
+constexpr std::array<std::string_view, 3> kCacheOrderNames{"layer", "page", "layer_page"};
+static_assert(kCacheOrderNames.size() == kMaxCacheOrder + 1);
+constexpr std::array<std::string_view, 2> kPageOrderNames{"nhd", "hnd"};
+static_assert(kPageOrderNames.size() == kMaxPageOrder + 1);
+
+}  // namespace
+
 std::string_view to_string(DType dtype) noexcept {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "fp32";
-    case DType::kFloat16:
-      return "fp16";
-    case DType::kBFloat16:
-      return "bf16";
-    case DType::kFloat8E4M3:
-      return "fp8_e4m3";
-    case DType::kFloat8E5M2:
-      return "fp8_e5m2";
-  }
-  return "unknown";
+  return enum_name(dtype, kDTypeNames, "unknown");
 }
 
 std::string_view to_string(CacheOrder order) noexcept {
-  switch (order) {
-    case CacheOrder::kLayerMajor:
-      return "layer";
-    case CacheOrder::kPageMajor:
-      return "page";
-    case CacheOrder::kLayerPage:
-      return "layer_page";
-  }
-  return "unknown";
+  return enum_name(order, kCacheOrderNames, "unknown");
 }
 
 std::string_view to_string(PageOrder order) noexcept {
-  return order == PageOrder::kNHD ? "nhd" : "hnd";
+  return enum_name(order, kPageOrderNames, "unknown");
 }
 
 DType parse_dtype(std::string_view name) {
-  for (DType d : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3,
-                  DType::kFloat8E5M2}) {
-    if (name == to_string(d)) return d;
-  }
+  if (auto d = enum_from_name<DType>(name, kDTypeNames)) return *d;
   throw Error(StatusCode::kInvalidArgument,
               "unknown dtype '" + std::string(name) +
                   "' (expected fp32, fp16, bf16, fp8_e4m3 or fp8_e5m2)");
 }
 
 CacheOrder parse_cache_order(std::string_view name) {
-  for (CacheOrder o : {CacheOrder::kLayerMajor, CacheOrder::kPageMajor, CacheOrder::kLayerPage}) {
-    if (name == to_string(o)) return o;
-  }
+  if (auto o = enum_from_name<CacheOrder>(name, kCacheOrderNames)) return *o;
   throw Error(StatusCode::kInvalidArgument, "unknown cache order '" + std::string(name) +
                                                 "' (expected layer, page or layer_page)");
 }
 
 PageOrder parse_page_order(std::string_view name) {
-  if (name == "nhd") return PageOrder::kNHD;
-  if (name == "hnd") return PageOrder::kHND;
+  if (auto o = enum_from_name<PageOrder>(name, kPageOrderNames)) return *o;
   throw Error(StatusCode::kInvalidArgument,
               "unknown page order '" + std::string(name) + "' (expected nhd or hnd)");
 }

@@ -1,37 +1,31 @@
 // Copyright mstar-kv authors.
 #include "mstar/kv/util/log.hpp"
 
+#include <array>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 
+#include "mstar/kv/util/enum_names.hpp"
 #include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
 
+namespace {
+
+constexpr std::array<std::string_view, 5> kLogLevelNames{"off", "error", "warn", "info", "debug"};
+static_assert(kLogLevelNames.size() == static_cast<std::size_t>(LogLevel::kDebug) + 1);
+
+}  // namespace
+
 LogLevel parse_log_level(std::string_view name) {
-  if (name == "off") return LogLevel::kOff;
-  if (name == "error") return LogLevel::kError;
-  if (name == "warn") return LogLevel::kWarn;
-  if (name == "info") return LogLevel::kInfo;
-  if (name == "debug") return LogLevel::kDebug;
+  if (auto level = enum_from_name<LogLevel>(name, kLogLevelNames)) return *level;
   throw Error(StatusCode::kInvalidArgument,
               "log level '" + std::string(name) + "' is not one of off, error, warn, info, debug");
 }
 
 std::string_view to_string(LogLevel level) noexcept {
-  switch (level) {
-    case LogLevel::kOff:
-      return "off";
-    case LogLevel::kError:
-      return "error";
-    case LogLevel::kWarn:
-      return "warn";
-    case LogLevel::kInfo:
-      return "info";
-    case LogLevel::kDebug:
-      return "debug";
-  }
-  return "?";
+  return enum_name(level, kLogLevelNames, "?");
 }
 
 Logger::Logger(LogLevel level, Sink sink)

@@ -1,44 +1,37 @@
 // Copyright mstar-kv authors.
 #include "mstar/kv/util/status.hpp"
 
+#include <array>
+#include <cstddef>
+
+#include "mstar/kv/util/enum_names.hpp"
+
 namespace mstar::kv {
 
+namespace {
+
+constexpr std::array<std::string_view, 16> kStatusCodeNames{"OK",
+                                                            "InProgress",
+                                                            "RetryLater",
+                                                            "InvalidArgument",
+                                                            "IncompatibleLayout",
+                                                            "CorruptDescriptor",
+                                                            "StaleDescriptor",
+                                                            "PermissionDenied",
+                                                            "NotFound",
+                                                            "Unavailable",
+                                                            "PeerFailure",
+                                                            "Timeout",
+                                                            "Cancelled",
+                                                            "Shutdown",
+                                                            "Internal",
+                                                            "NotSupported"};
+static_assert(kStatusCodeNames.size() == static_cast<std::size_t>(kLastStatusCode) + 1);
+
+}  // namespace
+
 std::string_view to_string(StatusCode code) noexcept {
-  switch (code) {
-    case StatusCode::kOk:
-      return "OK";
-    case StatusCode::kInProgress:
-      return "InProgress";
-    case StatusCode::kRetryLater:
-      return "RetryLater";
-    case StatusCode::kInvalidArgument:
-      return "InvalidArgument";
-    case StatusCode::kIncompatibleLayout:
-      return "IncompatibleLayout";
-    case StatusCode::kCorruptDescriptor:
-      return "CorruptDescriptor";
-    case StatusCode::kStaleDescriptor:
-      return "StaleDescriptor";
-    case StatusCode::kPermissionDenied:
-      return "PermissionDenied";
-    case StatusCode::kNotFound:
-      return "NotFound";
-    case StatusCode::kUnavailable:
-      return "Unavailable";
-    case StatusCode::kPeerFailure:
-      return "PeerFailure";
-    case StatusCode::kTimeout:
-      return "Timeout";
-    case StatusCode::kCancelled:
-      return "Cancelled";
-    case StatusCode::kShutdown:
-      return "Shutdown";
-    case StatusCode::kInternal:
-      return "Internal";
-    case StatusCode::kNotSupported:
-      return "NotSupported";
-  }
-  return "Unknown";
+  return enum_name(code, kStatusCodeNames, "Unknown");
 }
 
 FailureScope Status::scope() const noexcept {

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <map>
 #include <thread>
@@ -19,6 +20,7 @@
 #include "mstar/kv/engines/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/testing/pattern.hpp"
+#include "mstar/kv/util/enum_names.hpp"
 #include "reliability/invariants.hpp"
 
 namespace mstar::kv {
@@ -45,29 +47,18 @@ enum class Fault {
   kCancel,
 };
 
-std::string fault_name(Fault f) {
-  switch (f) {
-    case Fault::kNone:
-      return "none";
-    case Fault::kDelay:
-      return "delay";
-    case Fault::kDrop:
-      return "drop";
-    case Fault::kFailAfterBytes:
-      return "fail_after_bytes";
-    case Fault::kKillBeforeIssue:
-      return "kill_before_issue";
-    case Fault::kKillAfterIssue:
-      return "kill_after_issue";
-    case Fault::kKillDuringRead:
-      return "kill_during_read";
-    case Fault::kDuplicate:
-      return "duplicate";
-    case Fault::kCancel:
-      return "cancel";
-  }
-  return "?";
-}
+constexpr std::array<std::string_view, 9> kFaultNames{"none",
+                                                      "delay",
+                                                      "drop",
+                                                      "fail_after_bytes",
+                                                      "kill_before_issue",
+                                                      "kill_after_issue",
+                                                      "kill_during_read",
+                                                      "duplicate",
+                                                      "cancel"};
+static_assert(kFaultNames.size() == static_cast<std::size_t>(Fault::kCancel) + 1);
+
+std::string fault_name(Fault f) { return std::string(enum_name(f, kFaultNames, "?")); }
 
 constexpr auto kEngineTimeout = 3000ms;
 

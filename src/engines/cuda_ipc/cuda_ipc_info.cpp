@@ -3,11 +3,13 @@
 // CudaIpcKVTransferInfo encoding and validation. Plain C++: no CUDA call, so
 // descriptors are checked (and tested) on hosts without a GPU.
 #include <algorithm>
+#include <array>
 #include <string>
 #include <string_view>
 
 #include "core/codec.hpp"
 #include "mstar/kv/engines/cuda_ipc.hpp"
+#include "mstar/kv/util/enum_names.hpp"
 #include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv {
@@ -30,22 +32,12 @@ std::string dims_string(const std::vector<std::int64_t>& v) {
   return s + ")";
 }
 
-// PyTorch's names of the dtypes a layout can hold.
-std::string_view torch_name(DType d) {
-  switch (d) {
-    case DType::kFloat32:
-      return "torch.float32";
-    case DType::kFloat16:
-      return "torch.float16";
-    case DType::kBFloat16:
-      return "torch.bfloat16";
-    case DType::kFloat8E4M3:
-      return "torch.float8_e4m3fn";
-    case DType::kFloat8E5M2:
-      return "torch.float8_e5m2";
-  }
-  return "";
-}
+// PyTorch's names of the dtypes a layout can hold, indexed by DType.
+constexpr std::array<std::string_view, 5> kTorchDTypeNames{
+    "torch.float32", "torch.float16", "torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2"};
+static_assert(kTorchDTypeNames.size() == static_cast<std::size_t>(DType::kFloat8E5M2) + 1);
+
+std::string_view torch_name(DType d) { return enum_name(d, kTorchDTypeNames, ""); }
 
 }  // namespace
 
