@@ -9,12 +9,14 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <string>
 #include <vector>
 
 #include "cache_tensors.hpp"
 #include "mstar/kv/factory.hpp"
 #include "mstar/kv/testing/pattern.hpp"
+#include "mstar/kv/util/enum_names.hpp"
 #include "py_common.hpp"
 #if MSTAR_KV_PY_HAVE_CUDA_IPC
 #include "mstar/kv/engines/cuda_ipc.hpp"
@@ -26,22 +28,13 @@ namespace dl = nb::dlpack;
 
 namespace {
 
-const char* memory_name(MemoryKind k) {
-  switch (k) {
-    case MemoryKind::kHost:
-      return "host";
-    case MemoryKind::kSharedHost:
-      return "shared";
-    case MemoryKind::kDevice:
-      return "device";
-  }
-  return "?";
-}
+constexpr std::array<std::string_view, 3> kMemoryNames{"host", "shared", "device"};
+static_assert(kMemoryNames.size() == static_cast<std::size_t>(MemoryKind::kDevice) + 1);
+
+std::string memory_name(MemoryKind k) { return std::string(enum_name(k, kMemoryNames, "?")); }
 
 MemoryKind parse_memory(const std::string& s) {
-  if (s == "host") return MemoryKind::kHost;
-  if (s == "shared") return MemoryKind::kSharedHost;
-  if (s == "device") return MemoryKind::kDevice;
+  if (auto k = enum_from_name<MemoryKind>(s, kMemoryNames)) return *k;
   throw Error(StatusCode::kInvalidArgument,
               "memory '" + s + "' is not one of 'host', 'shared', 'device'");
 }
@@ -179,20 +172,8 @@ PyKVCache from_dlpack(nb::handle obj, const KVLayout& layout) {
                                                   std::to_string(dev) +
                                                   " is neither host (1, 3) nor CUDA (2) memory");
   }
-  auto* keep = new nb::ndarray<>(a);
-  KVCache* raw = nullptr;
-  try {
-    raw = new KVCache(layout, std::move(memory));
-  } catch (...) {
-    delete keep;
-    throw;
-  }
-  return PyKVCache{std::shared_ptr<KVCache>(raw,
-                                            [keep](KVCache* c) {
-                                              delete c;
-                                              release_ndarray(keep);
-                                            }),
-                   dev == nb::device::cuda::value ? static_cast<int>(a.device_id()) : 0};
+  const int device = dev == nb::device::cuda::value ? static_cast<int>(a.device_id()) : 0;
+  return cache_over_arrays(layout, std::move(memory), a, device);
 }
 
 // A cache of one region per layer has no one tensor view.

@@ -150,20 +150,8 @@ PyKVCache from_layer_tensors(nb::handle tensors, const KVLayout& layout) {
 #endif
     }
   }
-  auto* keep = new std::vector<nb::ndarray<>>(std::move(arrays));
-  KVCache* raw = nullptr;
-  try {
-    raw = new KVCache(layout, std::move(memories));  // overlaps, kinds: named there
-  } catch (...) {
-    delete keep;
-    throw;
-  }
-  return PyKVCache{std::shared_ptr<KVCache>(raw,
-                                            [keep](KVCache* c) {
-                                              delete c;
-                                              release_ndarray(keep);
-                                            }),
-                   dev == nb::device::cuda::value ? dev_id : 0};
+  return cache_over_arrays(layout, std::move(memories), std::move(arrays),
+                           dev == nb::device::cuda::value ? dev_id : 0);
 }
 
 }  // namespace mstar::kv::py

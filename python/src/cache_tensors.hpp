@@ -12,6 +12,7 @@
 #include <nanobind/stl/string.h>
 
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -45,15 +46,28 @@ std::vector<std::size_t> view_shape(const KVLayout& l);
 // "[2, 64, 16]".
 std::string shape_str(const std::vector<std::size_t>& s);
 
-// What a cache made over the caller's tensors does when its last owner lets
-// go: drops its references to them (`keep`, heap-allocated when the cache
-// was made), under the GIL, from whatever thread that is. While Python
-// finalises it touches nothing and leaks them.
-template <typename Arrays>
-void release_ndarray(Arrays* keep) {
-  if (!python_alive()) return;
-  nb::gil_scoped_acquire gil;
-  delete keep;
+// A cache over the caller's tensors: `memory` is their bytes, `arrays` the
+// references that keep them alive. When the cache's last owner lets go, the
+// references are dropped under the GIL, from whatever thread that is; while
+// Python finalises, nothing is touched and they leak.
+template <typename Memory, typename Arrays>
+PyKVCache cache_over_arrays(const KVLayout& layout, Memory memory, Arrays arrays, int device) {
+  auto* keep = new Arrays(std::move(arrays));
+  KVCache* raw = nullptr;
+  try {
+    raw = new KVCache(layout, std::move(memory));  // its checks name overlaps and kinds
+  } catch (...) {
+    delete keep;
+    throw;
+  }
+  return PyKVCache{std::shared_ptr<KVCache>(raw,
+                                            [keep](KVCache* c) {
+                                              delete c;
+                                              if (!python_alive()) return;
+                                              nb::gil_scoped_acquire gil;
+                                              delete keep;
+                                            }),
+                   device};
 }
 
 // KVCache.from_layer_tensors (bind_layer_tensors.cpp).
