@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/row_prefetch.hpp"
 #include "util/stream_copy.hpp"
 
 namespace mstar::kv::shm {
@@ -36,14 +37,7 @@ void copy_rows(std::byte* d, const std::byte* r, const StridedSpan& s, const std
   const std::uint64_t ahead_bytes = std::min(length, kPrefetchRowBytes);
   for (std::uint64_t i = 0; i < s.rows; ++i, d += s.local_stride, r += s.remote_stride) {
     if (kPrefetch) {
-      const std::uint64_t a = i + kRowsAhead;
-      const std::byte* p = a < s.rows ? r + kRowsAhead * s.remote_stride
-                           : next != nullptr && a - s.rows < next->rows
-                               ? next_rows + (a - s.rows) * next->remote_stride
-                               : nullptr;
-      if (p != nullptr) {
-        for (std::uint64_t b = 0; b < ahead_bytes; b += kLine) __builtin_prefetch(p + b, 0, 2);
-      }
+      prefetch_bytes<2>(row_ahead(r, s, i, kRowsAhead, next_rows, next), ahead_bytes);
     }
 #if MSTAR_KV_STREAMING_STORES
     if (kStream) {

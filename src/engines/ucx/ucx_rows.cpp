@@ -5,6 +5,7 @@
 #include <cstring>
 #include <string>
 
+#include "core/row_prefetch.hpp"
 #include "mstar/kv/util/status.hpp"
 #include "util/stream_copy.hpp"
 
@@ -17,7 +18,6 @@ namespace {
 // rows ahead in a microbenchmark; 8 no better).
 constexpr std::uint64_t kRowsAhead = 4;
 constexpr std::uint64_t kPrefetchRowBytes = 1024;
-constexpr std::uint64_t kLine = 64;
 // Row pieces shorter than this are memcpy'd even when streaming.
 constexpr std::uint64_t kStreamMin = 256;
 
@@ -32,17 +32,11 @@ std::size_t RowSource::pack(std::uint64_t offset, std::byte* dest,
         // At a row's start, the rows ahead (on into the next span).
         const std::byte* first = map.pointer<const std::byte>(s.remote_offset);
         if (p == first + row * s.remote_stride && !RowCursor<false>::one_run(s)) {
-          const std::uint64_t a = row + kRowsAhead;
-          const std::byte* q = a < s.rows ? first + a * s.remote_stride
-                               : &s + 1 < spans + count
-                                   ? map.pointer<const std::byte>((&s + 1)->remote_offset)
-                                   : nullptr;
-          if (q != nullptr) {
-            const std::uint64_t ahead = std::min(s.length, kPrefetchRowBytes);
-            for (std::uint64_t b = 0; b < ahead; b += kLine) {
-              __builtin_prefetch(q + b, 0, 3);
-            }
-          }
+          const StridedSpan* next = &s + 1 < spans + count ? &s + 1 : nullptr;
+          const std::byte* next_first =
+              next != nullptr ? map.pointer<const std::byte>(next->remote_offset) : nullptr;
+          prefetch_bytes<3>(row_ahead(p, s, row, kRowsAhead, next_first, next),
+                            std::min(s.length, kPrefetchRowBytes));
         }
         std::memcpy(dest + done, p, c);
       });
