@@ -26,7 +26,39 @@ def local_layout(**kw):
     return kv.KVLayout(**args)
 
 
-class Peer:
+class LineProcess:
+    """A child process driven one line at a time: a command on its stdin, a
+    one-line answer on its stdout; `quit` ends it, SIGKILL if it does not."""
+
+    proc: subprocess.Popen
+
+    def command(self, cmd):
+        """Sends one command and returns its one-line answer."""
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=20)
+            except Exception:
+                self.kill()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except Exception:
+                pass
+
+
+class Peer(LineProcess):
     """A prefill process (peer.py) publishing sequences 1 and 2."""
 
     def __init__(self, engine, *args, env=None):
@@ -54,30 +86,6 @@ class Peer:
         self.seqs = self._ready()
         return self.seqs
 
-    def command(self, cmd):
-        """Sends one command and returns its one-line answer."""
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-        return self.proc.stdout.readline().strip()
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def close(self):
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=20)
-            except Exception:
-                self.kill()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except Exception:
-                pass
 
 
 @pytest.fixture

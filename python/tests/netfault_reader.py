@@ -31,20 +31,14 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 
 import mstar_kv as kv
 import numpy as np
-
-SEED = 1234  # peer.py's
+from peer import SEED, add_geometry_args
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("host")
     p.add_argument("seq_hex")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--pages", type=int, default=64)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", default="bf16")
+    add_geometry_args(p)
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--grace", type=float, default=2.0)
     p.add_argument("--no-bounce", action="store_true")

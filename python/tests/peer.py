@@ -84,15 +84,21 @@ def poison(cache, value):
         ctypes.memset(addr, value, size)
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("engine")
+def add_geometry_args(p):
+    """The cache geometry flags (conftest.LAYOUT_ARGS by default); readers of
+    this peer's sequences take the same."""
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--pages", type=int, default=64)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="bf16")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("engine")
+    add_geometry_args(p)
     p.add_argument("--cache-order", default="layer")
     p.add_argument("--page-order", default="nhd")
     p.add_argument("--tokens", type=int, default=100)

@@ -8,7 +8,6 @@ owner killed fails only its own request's future; nothing is left in
 /dev/shm after kill -9 of the producer."""
 import os
 import pickle
-import signal
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (./scripts/t
 
 import mstar_kv as kv  # noqa: E402
 import mstar_upstream as up  # noqa: E402
+from conftest import LineProcess  # noqa: E402
 from mstar_kv.integrations.mstar import KVTransferManager, TransferEngineInfo  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -29,7 +29,7 @@ except ImportError:
     HAVE_MOONCAKE = False
 
 
-class Producer:
+class Producer(LineProcess):
     def __init__(self, order, engine="local", seed=1, resource_key="kv"):
         env = dict(os.environ, GLOG_minloglevel="2")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), HERE]))
@@ -42,29 +42,10 @@ class Producer:
         self.expected = up.KVCache(order)
         self.expected.tensor.copy_(up.content(self.expected, seed))
 
-    def ask(self, line):
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self.proc.stdout.readline().strip()
-
     def publish(self, rid, pages, seq_len, label="main", gen="-"):
-        answer = self.ask(f"publish {rid} {label} {','.join(map(str, pages))} {seq_len} {gen}")
+        answer = self.command(f"publish {rid} {label} {','.join(map(str, pages))} {seq_len} {gen}")
         assert answer.startswith("INFO "), answer
         return pickle.loads(bytes.fromhex(answer.split()[1]))
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def close(self):
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=20)
-            except Exception:
-                self.kill()
 
 
 @pytest.fixture
@@ -114,7 +95,7 @@ def test_stale_after_remove_and_after_a_new_generation_in_another_process(produc
     p = producers("layer_page", engine)
     cache, m = consumer("layer_page", engine)
     old = p.publish("r", [3], 4, gen=0)
-    assert p.ask("rewrite 5 3") == "OK"  # computed again: another generation
+    assert p.command("rewrite 5 3") == "OK"  # computed again: another generation
     new = p.publish("r", [3], 4, gen=1)
     assert isinstance(m.start_async_retrieve(0, 4, [1], [3], old).exception(timeout=30),
                       kv.StaleDescriptorError)
@@ -122,7 +103,7 @@ def test_stale_after_remove_and_after_a_new_generation_in_another_process(produc
     assert m.start_async_retrieve(0, 4, [1], [3], new).result(timeout=30) > 0
     fresh = up.content(p.expected, 5)
     assert torch.equal(cache.page(1), p.expected.page(3, fresh))
-    assert p.ask("remove r") == "OK"
+    assert p.command("remove r") == "OK"
     e = m.start_async_retrieve(0, 4, [1], [3], new).exception(timeout=30)
     assert isinstance(e, kv.StaleDescriptorError), e
     m.cleanup()

@@ -52,11 +52,7 @@ def shared(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["ucx", "shm"])
 def cluster(request, shared, tmp_path_factory):
-    engine = request.param
-    if engine == "shm":
-        why = K.shm_unavailable_reason()
-        if why:
-            pytest.skip(why)
+    engine = K.engine_param(request)
     d = tmp_path_factory.mktemp(f"e2e-{engine}")
     model = shared["model"]
     port = K.free_port_pair()

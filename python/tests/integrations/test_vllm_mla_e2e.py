@@ -64,11 +64,7 @@ def reference(shared, prompt):
 
 @pytest.fixture(scope="module", params=["ucx", "shm"])
 def cluster(request, shared, tmp_path_factory):
-    engine = request.param
-    if engine == "shm":
-        why = K.shm_unavailable_reason()
-        if why:
-            pytest.skip(why)
+    engine = K.engine_param(request)
     d = tmp_path_factory.mktemp(f"mla-{engine}")
     port, other_port = K.free_port_pair(), K.free_port_pair()
     st, stp = d / "decode.stats", d / "prefill.stats"

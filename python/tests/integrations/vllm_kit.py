@@ -56,6 +56,18 @@ def shm_unavailable_reason():
         eng.shutdown()
 
 
+def engine_param(request):
+    """A fixture's engine parameter ("ucx" or "shm"); skips shm, saying why,
+    where it cannot serve vLLM's cache."""
+    import pytest
+    engine = request.param
+    if engine == "shm":
+        why = shm_unavailable_reason()
+        if why:
+            pytest.skip(why)
+    return engine
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
