@@ -94,6 +94,16 @@ std::uint32_t ByteReader::u32(std::string_view field) {
   return v;
 }
 
+std::uint32_t ByteReader::u32_in(std::string_view field, std::string_view what, std::uint32_t lo,
+                                 std::uint32_t hi) {
+  const std::uint32_t v = u32(field);
+  if (v < lo || v > hi) {
+    fail(field, std::string(what) + " " + std::to_string(v) + " out of range [" +
+                    std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  }
+  return v;
+}
+
 std::uint64_t ByteReader::u64(std::string_view field) {
   auto b = take(field, 8);
   std::uint64_t v = 0;

@@ -58,6 +58,9 @@ class ByteReader {
   std::uint16_t u16(std::string_view field);
   std::uint32_t u32(std::string_view field);
   std::uint64_t u64(std::string_view field);
+  // A u32 in [lo, hi]; else fails "<what> <value> out of range [lo, hi]".
+  std::uint32_t u32_in(std::string_view field, std::string_view what, std::uint32_t lo,
+                       std::uint32_t hi);
   bool boolean(std::string_view field);
   // Length-prefixed; throws when the length exceeds max_len or the input.
   std::span<const std::uint8_t> bytes(std::string_view field, std::size_t max_len);

@@ -145,11 +145,7 @@ SequenceInfo SequenceInfo::decode(std::span<const std::uint8_t> bytes) {
   SequenceInfo s;
   s.seq_id = r.u64("seq_id");
   s.num_tokens = r.u64("num_tokens");
-  s.page_size = r.u32("page_size");
-  if (s.page_size == 0 || s.page_size > LayoutLimits::kMaxPageSize) {
-    r.fail("page_size", "page size " + std::to_string(s.page_size) + " out of range [1, " +
-                            std::to_string(LayoutLimits::kMaxPageSize) + "]");
-  }
+  s.page_size = r.u32_in("page_size", "page size", 1, LayoutLimits::kMaxPageSize);
   const std::uint32_t n = r.u32("page_count");
   if (n > DescriptorLimits::kMaxPagesPerSequence) {
     r.fail("page_count", std::to_string(n) + " pages exceed the limit of " +

@@ -6,6 +6,7 @@
 // and in-page orders. plan_copies hands reads that need it here.
 #include <algorithm>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -25,6 +26,28 @@ std::uint64_t pages_for(std::uint64_t tokens, std::uint64_t page_size) {
   return tokens / page_size + (tokens % page_size != 0 ? 1 : 0);
 }
 
+// A page table (`side` "local" or "remote") covers tokens [0, end_len) and
+// names pages of `layout` from the one holding start_len on; `where` ends
+// the out-of-range message.
+void check_page_table(std::string_view side, const KVLayout& layout, std::uint64_t start_len,
+                      std::uint64_t end_len, std::span<const std::uint32_t> pages,
+                      std::string_view where) {
+  const std::uint64_t ps = layout.page_size;
+  const std::uint64_t need = pages_for(end_len, ps);
+  if (pages.size() < need) {
+    invalid(std::string(side) + " page table has " + std::to_string(pages.size()) + " entries of " +
+            std::to_string(ps) + " tokens, tokens " + range(start_len, end_len) + " need " +
+            std::to_string(need));
+  }
+  for (std::uint64_t i = start_len / ps; i < need; ++i) {
+    if (pages[i] >= layout.num_pages) {
+      invalid(std::string(side) + " page " + std::to_string(pages[i]) + " (table entry " +
+              std::to_string(i) + ") out of range " + range(0, layout.num_pages) +
+              std::string(where));
+    }
+  }
+}
+
 // A read's resolved fields.
 struct Resolved {
   std::uint32_t layer, lpage, rpage, ts, te, rts, hs, he;
@@ -38,19 +61,7 @@ void check_local_pages(const KVLayout& local, std::uint64_t start_len, std::uint
     invalid("start_len " + std::to_string(start_len) + " is greater than end_len " +
             std::to_string(end_len));
   }
-  const std::uint64_t lps = local.page_size;
-  const std::uint64_t lneed = pages_for(end_len, lps);
-  if (local_pages.size() < lneed) {
-    invalid("local page table has " + std::to_string(local_pages.size()) + " entries of " +
-            std::to_string(lps) + " tokens, tokens " + range(start_len, end_len) + " need " +
-            std::to_string(lneed));
-  }
-  for (std::uint64_t i = start_len / lps; i < lneed; ++i) {
-    if (local_pages[i] >= local.num_pages) {
-      invalid("local page " + std::to_string(local_pages[i]) + " (table entry " +
-              std::to_string(i) + ") out of range " + range(0, local.num_pages));
-    }
-  }
+  check_page_table("local", local, start_len, end_len, local_pages, "");
 }
 
 std::vector<KVReadInfo> plan_reads(const KVLayout& local, const KVLayout& remote,
@@ -70,19 +81,7 @@ std::vector<KVReadInfo> plan_reads(const KVLayout& local, const KVLayout& remote
   check_local_pages(local, start_len, end_len, local_pages);
   std::vector<KVReadInfo> reads;
   const std::uint64_t lps = local.page_size, rps = remote.page_size;
-  const std::uint64_t rneed = pages_for(end_len, rps);
-  if (remote_pages.size() < rneed) {
-    invalid("remote page table has " + std::to_string(remote_pages.size()) + " entries of " +
-            std::to_string(rps) + " tokens, tokens " + range(start_len, end_len) + " need " +
-            std::to_string(rneed));
-  }
-  for (std::uint64_t i = start_len / rps; i < rneed; ++i) {
-    if (remote_pages[i] >= remote.num_pages) {
-      invalid("remote page " + std::to_string(remote_pages[i]) + " (table entry " +
-              std::to_string(i) + ") out of range " + range(0, remote.num_pages) +
-              " in remote cache");
-    }
-  }
+  check_page_table("remote", remote, start_len, end_len, remote_pages, " in remote cache");
   if (start_len == end_len) return reads;  // validated all the same
   // Segments: token runs that stay inside one page on both sides.
   struct Segment {

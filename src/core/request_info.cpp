@@ -65,11 +65,7 @@ RequestKVTransferInfo RequestKVTransferInfo::decode(std::span<const std::uint8_t
     r.fail("reset_generation", "no generation, yet value " + std::to_string(generation));
   }
   d.seq_len = r.u64("seq_len");
-  d.page_size = r.u32("page_size");
-  if (d.page_size == 0 || d.page_size > LayoutLimits::kMaxPageSize) {
-    r.fail("page_size", "page size " + std::to_string(d.page_size) + " out of range [1, " +
-                            std::to_string(LayoutLimits::kMaxPageSize) + "]");
-  }
+  d.page_size = r.u32_in("page_size", "page size", 1, LayoutLimits::kMaxPageSize);
   const std::uint32_t n = r.u32("page_count");
   if (n > DescriptorLimits::kMaxPagesPerSequence || std::size_t{n} * 4 > r.remaining()) {
     r.fail("page_count", std::to_string(n) + " pages: beyond the limit of " +
