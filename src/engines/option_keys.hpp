@@ -7,6 +7,7 @@
 // does not know is a typo and is refused, naming the known ones.
 #pragma once
 
+#include <cstdint>
 #include <initializer_list>
 #include <map>
 #include <string>
@@ -32,6 +33,24 @@ inline void reject_unknown_keys(const std::map<std::string, std::string>& extra,
                 "unknown " + std::string(engine) + " option '" + key + "' = '" + value +
                     "' (known " + std::string(prefix) +
                     "* options: " + (list.empty() ? std::string("none") : list) + ")");
+  }
+}
+
+// The limits every engine puts on the shared options: max_workers in
+// [1, max_workers_limit] and a timeout of at least 1 ms (0 once failed every
+// read over the inline size at once). `engine` begins the messages.
+template <typename Options>  // EngineOptions, or an engine's own with the same two fields
+void check_workers_and_timeout(const Options& options, std::string_view engine,
+                               std::uint64_t max_workers_limit) {
+  if (options.max_workers < 1 || options.max_workers > max_workers_limit) {
+    throw Error(StatusCode::kInvalidArgument,
+                std::string(engine) + " max_workers " + std::to_string(options.max_workers) +
+                    " out of range [1, " + std::to_string(max_workers_limit) + "]");
+  }
+  if (options.timeout.count() <= 0) {
+    throw Error(StatusCode::kInvalidArgument, std::string(engine) + " timeout " +
+                                                  std::to_string(options.timeout.count()) +
+                                                  " ms out of range [1, ...)");
   }
 }
 

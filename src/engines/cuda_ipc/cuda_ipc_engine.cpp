@@ -80,16 +80,7 @@ CudaIpcKVTransferEngine::Impl::Impl(std::shared_ptr<KVCache> cache, const Engine
                 "MemoryKind::kDevice) or wrap_device_cache), got memory kind " +
                     std::to_string(static_cast<int>(cache_->memory_kind())));
   }
-  if (options_.max_workers < 1 || options_.max_workers > kMaxStreams) {
-    throw Error(StatusCode::kInvalidArgument,
-                "cuda_ipc max_workers " + std::to_string(options_.max_workers) +
-                    " out of range [1, " + std::to_string(kMaxStreams) + "]");
-  }
-  if (options_.timeout.count() <= 0) {
-    throw Error(StatusCode::kInvalidArgument, "cuda_ipc timeout " +
-                                                  std::to_string(options_.timeout.count()) +
-                                                  " ms out of range [1, ...)");
-  }
+  engines::check_workers_and_timeout(options_, "cuda_ipc", kMaxStreams);
   batch_.store(flag(options_, "cuda_ipc_batch", true), std::memory_order_relaxed);
   check_owner_pid_ = flag(options_, "cuda_ipc_check_owner_pid", true);
   device_ = memory_->device();

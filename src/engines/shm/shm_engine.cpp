@@ -76,71 +76,72 @@ struct ShmKVTransferEngine::Impl {
   // The peer for a kCma descriptor: cached per (pid, nonce) as mappings are.
   std::shared_ptr<const shm::CmaPeer> cma_for(const ShmKVTransferInfo& info) {
     std::lock_guard<std::mutex> lock(map_mu);
-    if (shut) {
-      throw Error(StatusCode::kShutdown, "shm engine is shut down: no new reads");
-    }
-    const auto key = std::make_pair(info.pid, info.nonce);
-    if (auto it = peers.find(key); it != peers.end()) {
-      if (!(it->second->info() == info)) {
-        throw Error(StatusCode::kStaleDescriptor,
-                    it->second->who() +
-                        ": the descriptor differs from the one this reader "
-                        "opened under the same nonce (a forged descriptor)");
-      }
-      Status s = it->second->check_alive();
-      if (s.is_ok()) return it->second;
-      peers.erase(it);
-      throw Error(s);
-    }
-    for (auto it = peers.begin(); it != peers.end();) {
-      it = it->first.first == info.pid ? peers.erase(it) : std::next(it);
-    }
-    if (peers.size() >= kMaxCachedMappings) {
-      std::erase_if(peers, [](const auto& kv) { return !kv.second->check_alive().is_ok(); });
-      if (peers.size() >= kMaxCachedMappings) peers.erase(peers.begin());
-    }
-    auto p = shm::CmaPeer::open(info);
-    peers.emplace(key, p);
-    return p;
+    return cached_for(
+        peers, info,
+        [&](const shm::CmaPeer& p) {
+          throw Error(StatusCode::kStaleDescriptor,
+                      p.who() +
+                          ": the descriptor differs from the one this reader "
+                          "opened under the same nonce (a forged descriptor)");
+        },
+        [](const shm::CmaPeer& p) { return p.check_alive(); },
+        [&] { return shm::CmaPeer::open(info); });
   }
 
   // The mapping for this descriptor: cached per (pid, nonce), re-checked on
   // every use; a new generation of the same pid evicts the old one.
   std::shared_ptr<const ShmMapping> mapping_for(const ShmKVTransferInfo& info) {
     std::lock_guard<std::mutex> lock(map_mu);
+    return cached_for(
+        mappings, info,
+        [&](const ShmMapping& m) {
+          // The cached mapping came from a validated descriptor: its fields
+          // must all match, or this descriptor is forged (e.g. another uid).
+          if (info.uid != m.info().uid) {
+            throw Error(StatusCode::kPermissionDenied,
+                        "shm descriptor names uid " + std::to_string(info.uid) +
+                            " for a cache owned by uid " + std::to_string(m.info().uid));
+          }
+          throw Error(StatusCode::kStaleDescriptor,
+                      "shm descriptor for pid " + std::to_string(info.pid) +
+                          " differs from the cache it names (fd, size, start time or layout)");
+        },
+        [](const ShmMapping& m) { return m.check_owner(); },
+        [&] { return std::make_shared<const ShmMapping>(ShmMapping::open(info)); });
+  }
+
+  // What the two caches above share. The entry for (pid, nonce) if its
+  // descriptor is this one (else `mismatch` throws) and its owner is alive
+  // (else it is dropped, in-flight reads keeping their own reference, and the
+  // owner's status thrown); otherwise a new one from `open`, after dropping
+  // every other generation of the pid (dead) and, at the limit, dead entries
+  // or the oldest.
+  template <typename T, typename Mismatch, typename Alive, typename Open>
+  std::shared_ptr<const T> cached_for(
+      std::map<std::pair<std::uint32_t, std::uint64_t>, std::shared_ptr<const T>>& cached,
+      const ShmKVTransferInfo& info, Mismatch mismatch, Alive alive, Open open)
+      MSTAR_KV_REQUIRES(map_mu) {
     if (shut) {
       throw Error(StatusCode::kShutdown, "shm engine is shut down: no new reads");
     }
     const auto key = std::make_pair(info.pid, info.nonce);
-    if (auto it = mappings.find(key); it != mappings.end()) {
-      // The cached mapping came from a validated descriptor: its fields must
-      // all match, or this descriptor is forged (e.g. another uid).
-      if (!(it->second->info() == info)) {
-        if (info.uid != it->second->info().uid) {
-          throw Error(StatusCode::kPermissionDenied,
-                      "shm descriptor names uid " + std::to_string(info.uid) +
-                          " for a cache owned by uid " + std::to_string(it->second->info().uid));
-        }
-        throw Error(StatusCode::kStaleDescriptor,
-                    "shm descriptor for pid " + std::to_string(info.pid) +
-                        " differs from the cache it names (fd, size, start time or layout)");
-      }
-      Status s = it->second->check_owner();
+    if (auto it = cached.find(key); it != cached.end()) {
+      if (!(it->second->info() == info)) mismatch(*it->second);
+      Status s = alive(*it->second);
       if (s.is_ok()) return it->second;
-      mappings.erase(it);  // in-flight reads keep their own reference
+      cached.erase(it);
       throw Error(s);
     }
-    // Any other generation of this pid is dead: drop it.
-    for (auto it = mappings.begin(); it != mappings.end();) {
-      it = it->first.first == info.pid ? mappings.erase(it) : std::next(it);
+    for (auto it = cached.begin(); it != cached.end();) {
+      it = it->first.first == info.pid ? cached.erase(it) : std::next(it);
     }
-    if (mappings.size() >= kMaxCachedMappings) {
-      std::erase_if(mappings, [](const auto& kv) { return !kv.second->check_owner().is_ok(); });
-      if (mappings.size() >= kMaxCachedMappings) mappings.erase(mappings.begin());
+    if (cached.size() >= kMaxCachedMappings) {
+      std::erase_if(cached, [&](const auto& kv) { return !alive(*kv.second).is_ok(); });
+      if (cached.size() >= kMaxCachedMappings) cached.erase(cached.begin());
     }
-    auto m = std::make_shared<const ShmMapping>(ShmMapping::open(info));
-    mappings.emplace(key, m);
-    return m;
+    std::shared_ptr<const T> made = open();
+    cached.emplace(key, made);
+    return made;
   }
 
   std::shared_ptr<KVCache> cache;
@@ -165,18 +166,7 @@ std::shared_ptr<KVCache> checked_cache(std::shared_ptr<KVCache> cache,
                 "shm engine needs a host cache (kSharedHost or kHost), got device memory "
                 "(use the cuda_ipc engine)");
   }
-  if (options.max_workers == 0 || options.max_workers > kMaxWorkers) {
-    throw Error(StatusCode::kInvalidArgument,
-                "shm engine max_workers " + std::to_string(options.max_workers) +
-                    " out of range [1, " + std::to_string(kMaxWorkers) + "]");
-  }
-  // One rule for every engine (the RMA engines and cuda_ipc too): a timeout
-  // of at least 1 ms; 0 failed every read over the inline size at once.
-  if (options.timeout.count() <= 0) {
-    throw Error(StatusCode::kInvalidArgument, "shm engine timeout " +
-                                                  std::to_string(options.timeout.count()) +
-                                                  " ms out of range [1, ...)");
-  }
+  engines::check_workers_and_timeout(options, "shm engine", kMaxWorkers);
   return cache;
 }
 
