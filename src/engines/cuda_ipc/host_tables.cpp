@@ -26,8 +26,7 @@ struct Header {
 };
 static_assert(sizeof(Header) == 64);
 
-std::string errno_text(int err) { return std::strerror(err); }
-
+using posix::errno_text;
 using posix::Fd;
 
 [[noreturn]] void fail_syscall(const char* call, int err) {
@@ -88,36 +87,11 @@ HostTablesView::HostTablesView(std::uint32_t owner_pid, std::uint32_t fd, std::u
     throw Error(StatusCode::kNotFound,
                 who + ": owner process " + std::to_string(owner_pid) + " no longer exists");
   }
-  // A forged fd may name a FIFO (open would block) or a device: look first,
-  // and open non-blocking.
-  struct stat pre {};
-  if (::stat(path.c_str(), &pre) == 0 && !S_ISREG(pre.st_mode)) {
-    throw Error(StatusCode::kStaleDescriptor,
-                who + ": not a regular file: the owner closed its tables and reused the fd");
-  }
-  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
-  if (f.get() < 0) {
-    const int err = errno;
-    if (err == EACCES || err == EPERM) {
-      throw Error(StatusCode::kPermissionDenied,
-                  who + ": cannot open " + path + ": " + errno_text(err) +
-                      " (only the owner's user may watch its readiness)");
-    }
-    if (err == ENOENT || err == ESRCH) {
-      throw Error(StatusCode::kNotFound,
-                  who + ": " + path + " does not exist: the cache was freed or its owner exited");
-    }
-    throw Error(StatusCode::kInternal, who + ": open " + path + ": " + errno_text(err));
-  }
-  struct stat st {};
-  if (::fstat(f.get(), &st) != 0) {
-    throw Error(StatusCode::kInternal, who + ": fstat: " + errno_text(errno));
-  }
-  if (st.st_uid != uid) {
-    throw Error(StatusCode::kPermissionDenied,
-                who + ": the file belongs to uid " + std::to_string(st.st_uid) +
-                    ", the descriptor says uid " + std::to_string(uid));
-  }
+  const posix::PeerFile file = posix::open_peer_file(
+      path, who, uid, "not a regular file: the owner closed its tables and reused the fd",
+      "(only the owner's user may watch its readiness)", "file");
+  const Fd& f = file.fd;
+  const struct stat& st = file.st;
   const int seals = ::fcntl(f.get(), F_GET_SEALS);
   const std::uint64_t want = host_tables_bytes(num_pages);
   if (!S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0 ||

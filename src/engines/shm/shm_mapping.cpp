@@ -59,38 +59,13 @@ ShmMapping ShmMapping::open(const ShmKVTransferInfo& info) {
   }
   shm::check_owner_identity(info.pid, info.start_time, who);
   const std::string path = fd_path(info);
-  // A forged fd may name a FIFO (open would block), a device (open may have
-  // side effects) or a socket: look before opening, and open non-blocking.
-  struct stat pre {};
-  if (::stat(path.c_str(), &pre) == 0 && !S_ISREG(pre.st_mode)) {
-    throw Error(StatusCode::kStaleDescriptor,
-                who + ": fd " + std::to_string(info.fd) +
-                    " is not a shared cache (not a regular file): the cache was freed and the "
-                    "fd reused");
-  }
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
-  if (fd.get() < 0) {
-    const int err = errno;
-    if (err == EACCES || err == EPERM) {
-      throw Error(StatusCode::kPermissionDenied, who + ": cannot open " + path + ": " +
-                                                     errno_text(err) +
-                                                     " (only the owner's user may map its cache)");
-    }
-    if (err == ENOENT || err == ESRCH) {
-      throw Error(StatusCode::kNotFound,
-                  who + ": " + path + " does not exist: the cache was freed or its owner exited");
-    }
-    throw Error(StatusCode::kInternal, who + ": open " + path + ": " + errno_text(err));
-  }
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) {
-    throw Error(StatusCode::kInternal, who + ": fstat: " + errno_text(errno));
-  }
-  if (st.st_uid != info.uid) {
-    throw Error(StatusCode::kPermissionDenied,
-                who + ": the memory belongs to uid " + std::to_string(st.st_uid) +
-                    ", the descriptor says uid " + std::to_string(info.uid));
-  }
+  const posix::PeerFile file = posix::open_peer_file(
+      path, who, info.uid,
+      "fd " + std::to_string(info.fd) +
+          " is not a shared cache (not a regular file): the cache was freed and the fd reused",
+      "(only the owner's user may map its cache)", "memory");
+  const Fd& fd = file.fd;
+  const struct stat& st = file.st;
   // Only a size-sealed memfd is ours: the seal is what keeps SIGBUS away.
   const int seals = ::fcntl(fd.get(), F_GET_SEALS);
   const std::uint64_t want = shm::shm_file_bytes(info.size, info.layout.num_pages);

@@ -15,8 +15,6 @@
 
 namespace mstar::kv::shm {
 
-std::string errno_text(int err) { return std::strerror(err); }
-
 void check_owner_identity(std::uint32_t pid, std::uint64_t start_time, const std::string& who) {
   if (const std::uint32_t tgid = thread_group_of(pid); tgid != 0 && tgid != pid) {
     throw Error(StatusCode::kStaleDescriptor,

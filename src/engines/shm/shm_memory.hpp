@@ -10,6 +10,7 @@
 #include <string>
 
 #include "mstar/kv/core/cache.hpp"
+#include "util/posix_fd.hpp"
 
 namespace mstar::kv::shm {
 
@@ -95,8 +96,7 @@ std::uint64_t process_start_time(int pid) noexcept;
 // A random nonzero 64-bit nonce (getrandom).
 std::uint64_t random_nonce();
 
-// "open: No such file or directory" style text for errno.
-std::string errno_text(int err);
+using posix::errno_text;
 // The process (thread group) a pid or thread id belongs to, from
 // /proc/<pid>/status; 0 when it cannot be read.
 std::uint32_t thread_group_of(std::uint32_t pid) noexcept;
