@@ -53,6 +53,22 @@ std::uint32_t PageReadiness::load(std::uint32_t page) const noexcept {
 
 // Here, not in streaming.cpp: the engines' vtable needs it, and an engine
 // need not link the stream driver.
+Status check_readiness_word(std::uint32_t page, std::uint32_t word, std::uint32_t num_layers,
+                            std::uint32_t floor) {
+  if (word > num_layers) {
+    return {StatusCode::kCorruptDescriptor,
+            "remote page " + std::to_string(page) + " says " + std::to_string(word) +
+                " layers are ready, beyond the layout's " + std::to_string(num_layers) + " layers"};
+  }
+  if (word < floor) {
+    return {StatusCode::kCorruptDescriptor,
+            "remote page " + std::to_string(page) +
+                " readiness went backwards: " + std::to_string(word) + " layers ready, " +
+                std::to_string(floor) + " were ready before"};
+  }
+  return Status::ok();
+}
+
 Status check_layer_readiness(const std::uint32_t* ready, const std::uint64_t* epochs,
                              std::uint32_t num_pages, std::span<const std::uint32_t> pages,
                              std::uint64_t expect_epoch, std::uint32_t num_layers,
@@ -69,18 +85,7 @@ Status check_layer_readiness(const std::uint32_t* ready, const std::uint64_t* ep
   Status odd = Status::ok();  // judged only once the epochs after are checked
   for (std::uint32_t p : pages) {
     const std::uint32_t r = load_ready(ready + p);  // p < num_pages: checked above
-    if (r > num_layers && odd.is_ok()) {
-      odd = {StatusCode::kCorruptDescriptor, "remote page " + std::to_string(p) + " says " +
-                                                 std::to_string(r) +
-                                                 " layers are ready, beyond the layout's " +
-                                                 std::to_string(num_layers) + " layers"};
-    }
-    if (r < floor && odd.is_ok()) {
-      odd = {StatusCode::kCorruptDescriptor, "remote page " + std::to_string(p) +
-                                                 " readiness went backwards: " + std::to_string(r) +
-                                                 " layers ready, " + std::to_string(floor) +
-                                                 " were ready before"};
-    }
+    if (odd.is_ok()) odd = check_readiness_word(p, r, num_layers, floor);
     lowest = std::min(lowest, r);
   }
   // Epochs again (the seqlock's reader half): a value stamped by a later

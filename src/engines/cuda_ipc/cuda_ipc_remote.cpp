@@ -7,6 +7,26 @@ namespace mstar::kv {
 
 using namespace cuda_ipc_detail;
 
+namespace {
+
+// Opens an owner's exported allocation (`handle`, cudaIpcMemHandle_t bytes)
+// on `device`; `what` names it when CUDA refuses.
+void* open_ipc_handle(const std::array<std::uint8_t, CudaIpcShare::kHandleBytes>& handle,
+                      int device, const std::string& what) {
+  cudaIpcMemHandle_t h{};
+  std::memcpy(h.reserved, handle.data(), CudaIpcShare::kHandleBytes);
+  void* base = nullptr;
+  cuda_ipc::DeviceGuard guard(device);
+  const cudaError_t err = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess);
+  if (err != cudaSuccess) {
+    throw Error(StatusCode::kPeerFailure,
+                "cudaIpcOpenMemHandle " + what + " failed: " + cuda_ipc::error_text(err));
+  }
+  return base;
+}
+
+}  // namespace
+
 std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
     const CudaIpcKVTransferInfo& remote) {
   const std::uint32_t pid = remote.owner_pid;
@@ -65,30 +85,13 @@ std::shared_ptr<RemoteMapping> CudaIpcKVTransferEngine::Impl::acquire(
     }
   }
 
-  cudaIpcMemHandle_t handle{};
-  std::memcpy(handle.reserved, remote.cuda_share.handle.data(), CudaIpcShare::kHandleBytes);
-  void* base = nullptr;
-  {
-    cuda_ipc::DeviceGuard guard(device_);
-    const cudaError_t err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
-    if (err != cudaSuccess) {
-      throw Error(StatusCode::kPeerFailure, "cudaIpcOpenMemHandle for " +
-                                                gen_string(pid, remote.generation) +
-                                                " failed: " + cuda_ipc::error_text(err));
-    }
-  }
+  void* base = open_ipc_handle(remote.cuda_share.handle, device_,
+                               "for " + gen_string(pid, remote.generation));
   auto mapping = std::make_shared<RemoteMapping>(base, device_);
   if (remote.has_epoch_table) {
-    cudaIpcMemHandle_t eh{};
-    std::memcpy(eh.reserved, remote.epoch_handle.data(), CudaIpcShare::kHandleBytes);
-    void* ep = nullptr;
+    void* ep = open_ipc_handle(remote.epoch_handle, device_,
+                               "of the page epoch table of " + gen_string(pid, remote.generation));
     cuda_ipc::DeviceGuard guard(device_);
-    const cudaError_t err = cudaIpcOpenMemHandle(&ep, eh, cudaIpcMemLazyEnablePeerAccess);
-    if (err != cudaSuccess) {
-      throw Error(StatusCode::kPeerFailure, "cudaIpcOpenMemHandle of the page epoch table of " +
-                                                gen_string(pid, remote.generation) +
-                                                " failed: " + cuda_ipc::error_text(err));
-    }
     mapping->set_epochs(ep);
     // Untrusted length: the table must hold epoch_pages words.
     cuda_ipc::AddressRange er;

@@ -3,10 +3,12 @@
 
 #include <dlfcn.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdlib>
 #include <utility>
 
+#include "mstar/kv/util/enum_names.hpp"
 #include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::mooncake {
@@ -22,24 +24,13 @@ static_assert(sizeof(McTransferRequest) == 40);
 static_assert(offsetof(McTransferStatus, transferred_bytes) == 8);
 static_assert(sizeof(McTransferStatus) == 16);
 
+constexpr std::array<std::string_view, 7> kTaskStatusNames{
+    "WAITING", "PENDING", "INVALID", "CANCELED", "COMPLETED", "TIMEOUT", "FAILED"};
+static_assert(kTaskStatusNames.size() == static_cast<std::size_t>(McTaskStatus::kFailed) + 1);
+
 const char* task_status_name(int status) noexcept {
-  switch (static_cast<McTaskStatus>(status)) {
-    case McTaskStatus::kWaiting:
-      return "WAITING";
-    case McTaskStatus::kPending:
-      return "PENDING";
-    case McTaskStatus::kInvalid:
-      return "INVALID";
-    case McTaskStatus::kCanceled:
-      return "CANCELED";
-    case McTaskStatus::kCompleted:
-      return "COMPLETED";
-    case McTaskStatus::kTimeout:
-      return "TIMEOUT";
-    case McTaskStatus::kFailed:
-      return "FAILED";
-  }
-  return "UNKNOWN";
+  // Every name is a literal, so its data() is NUL-terminated.
+  return enum_name(static_cast<McTaskStatus>(status), kTaskStatusNames, "UNKNOWN").data();
 }
 
 std::string status_code_name(int code) {

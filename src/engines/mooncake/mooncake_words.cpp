@@ -7,6 +7,7 @@
 #include <string>
 
 #include "mstar/kv/core/epochs.hpp"
+#include "mstar/kv/core/readiness.hpp"
 #include "mstar/kv/util/status.hpp"
 
 namespace mstar::kv::mooncake {
@@ -116,17 +117,8 @@ Status check_watch_words(const WatchReads& reads, std::span<const std::uint32_t>
   std::uint32_t lowest = std::numeric_limits<std::uint32_t>::max();
   for (std::size_t i = 0; i < pages.size(); ++i) {
     const auto word = word_at<std::uint32_t>(scratch, reads.phase[1].slot.at(i));
-    if (word > num_layers) {
-      return {StatusCode::kCorruptDescriptor, "remote page " + std::to_string(pages[i]) + " says " +
-                                                  std::to_string(word) +
-                                                  " layers are ready, beyond the layout's " +
-                                                  std::to_string(num_layers) + " layers"};
-    }
-    if (word < floor) {
-      return {StatusCode::kCorruptDescriptor,
-              "remote page " + std::to_string(pages[i]) +
-                  " readiness went backwards: " + std::to_string(word) + " layers ready, " +
-                  std::to_string(floor) + " were ready before"};
+    if (Status odd = check_readiness_word(pages[i], word, num_layers, floor); !odd.is_ok()) {
+      return odd;
     }
     lowest = std::min(lowest, word);
   }

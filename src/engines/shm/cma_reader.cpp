@@ -60,6 +60,42 @@ class IovList {
   std::vector<iovec> v_;
 };
 
+// Runs for process_vm_readv, gathered on both sides (neighbours merged) and
+// read with one call whenever either side is full, then at flush(). `read`
+// is called as read(local, nlocal, remote, nremote, bytes).
+template <typename Read>
+class VmReadBatch {
+ public:
+  VmReadBatch(IovList& local, IovList& remote, Read read)
+      : local_(local), remote_(remote), read_(read) {
+    local_.clear();
+    remote_.clear();
+  }
+  Status add(std::uint64_t local_addr, std::uint64_t remote_addr, std::uint64_t n) {
+    if (!local_.fits(local_addr) || !remote_.fits(remote_addr)) {
+      if (Status s = flush(); !s.is_ok()) return s;
+    }
+    local_.add(local_addr, n);
+    remote_.add(remote_addr, n);
+    bytes_ += n;
+    return Status::ok();
+  }
+  Status flush() {
+    if (remote_.size() == 0) return Status::ok();
+    Status s = read_(local_.data(), local_.size(), remote_.data(), remote_.size(), bytes_);
+    local_.clear();
+    remote_.clear();
+    bytes_ = 0;
+    return s;
+  }
+
+ private:
+  IovList& local_;
+  IovList& remote_;
+  Read read_;
+  std::size_t bytes_ = 0;
+};
+
 std::string yama_scope() {
   std::ifstream f("/proc/sys/kernel/yama/ptrace_scope");
   std::string v;
@@ -230,25 +266,12 @@ Status CmaPeer::read_words(std::uint64_t table, std::size_t word,
                            std::uint64_t* nonce) const {
   IovList local;
   IovList remote;
-  std::size_t bytes = 0;
-  auto flush = [&]() -> Status {
-    if (remote.size() == 0) return Status::ok();
-    Status s = read(local.data(), local.size(), remote.data(), remote.size(), bytes,
-                    word == 8 ? "its page epochs" : "its readiness words");
-    local.clear();
-    remote.clear();
-    bytes = 0;
-    return s;
-  };
-  auto add = [&](void* dst, std::uint64_t src, std::size_t n) -> Status {
-    const auto d = reinterpret_cast<std::uintptr_t>(dst);
-    if (!local.fits(d) || !remote.fits(src)) {
-      if (Status s = flush(); !s.is_ok()) return s;
-    }
-    local.add(d, n);
-    remote.add(src, n);
-    bytes += n;
-    return Status::ok();
+  const std::string_view what = word == 8 ? "its page epochs" : "its readiness words";
+  VmReadBatch batch(local, remote,
+                    [&](const iovec* l, std::size_t nl, const iovec* r, std::size_t nr,
+                        std::size_t bytes) { return read(l, nl, r, nr, bytes, what); });
+  auto add = [&](void* dst, std::uint64_t src, std::size_t n) {
+    return batch.add(reinterpret_cast<std::uintptr_t>(dst), src, n);
   };
   if (nonce != nullptr) {
     if (Status s = add(nonce, info_.anchor + 8, 8); !s.is_ok()) return s;
@@ -259,7 +282,7 @@ Status CmaPeer::read_words(std::uint64_t table, std::size_t word,
       return s;
     }
   }
-  return flush();
+  return batch.flush();
 }
 
 Status CmaPeer::verify(std::span<const std::uint32_t> pages, std::uint64_t epoch,
@@ -279,42 +302,26 @@ Status CmaPeer::verify(std::span<const std::uint32_t> pages, std::uint64_t epoch
 Status CmaPeer::copy(const RegionMap& dst, const StridedSpan* b, const StridedSpan* e) const {
   thread_local IovList local;
   thread_local IovList remote;
-  local.clear();
-  remote.clear();
-  std::size_t bytes = 0;
-  auto flush = [&]() -> Status {
-    if (remote.size() == 0) return Status::ok();
-    Status s =
-        read(local.data(), local.size(), remote.data(), remote.size(), bytes, "the cache's pages");
-    local.clear();
-    remote.clear();
-    bytes = 0;
-    return s;
-  };
-  auto add = [&](std::uint64_t d, std::uint64_t r, std::uint64_t n) -> Status {
-    if (!local.fits(d) || !remote.fits(r)) {
-      if (Status s = flush(); !s.is_ok()) return s;
-    }
-    local.add(d, n);
-    remote.add(r, n);
-    bytes += n;
-    return Status::ok();
-  };
+  VmReadBatch batch(
+      local, remote,
+      [&](const iovec* l, std::size_t nl, const iovec* r, std::size_t nr, std::size_t bytes) {
+        return read(l, nl, r, nr, bytes, "the cache's pages");
+      });
   for (const StridedSpan* s = b; s != e; ++s) {
     const std::uint64_t d = dst.address(s->local_offset);
     const std::uint64_t r = regions_.address(s->remote_offset);
     if (s->rows == 1 || (s->local_stride == s->length && s->remote_stride == s->length)) {
-      if (Status st = add(d, r, s->bytes()); !st.is_ok()) return st;
+      if (Status st = batch.add(d, r, s->bytes()); !st.is_ok()) return st;
       continue;
     }
     for (std::uint64_t i = 0; i < s->rows; ++i) {
-      if (Status st = add(d + i * s->local_stride, r + i * s->remote_stride, s->length);
+      if (Status st = batch.add(d + i * s->local_stride, r + i * s->remote_stride, s->length);
           !st.is_ok()) {
         return st;
       }
     }
   }
-  return flush();
+  return batch.flush();
 }
 
 namespace {
@@ -360,17 +367,8 @@ class CmaLayerWatch final : public LayerWatch {
         return stale_page_status(pages_[i], after_[i], epoch_, "while its readiness was read");
       }
       const std::uint32_t r = words_[i];
-      if (r > layers_) {
-        return {StatusCode::kCorruptDescriptor, "remote page " + std::to_string(pages_[i]) +
-                                                    " says " + std::to_string(r) +
-                                                    " layers are ready, beyond the layout's " +
-                                                    std::to_string(layers_) + " layers"};
-      }
-      if (r < floor_) {
-        return {StatusCode::kCorruptDescriptor,
-                "remote page " + std::to_string(pages_[i]) +
-                    " readiness went backwards: " + std::to_string(r) + " layers ready, " +
-                    std::to_string(floor_) + " were ready before"};
+      if (Status odd = check_readiness_word(pages_[i], r, layers_, floor_); !odd.is_ok()) {
+        return odd;
       }
       lowest = std::min(lowest, r);
     }

@@ -61,6 +61,12 @@ class PageReadiness {
   std::uint32_t num_pages_ = 0;
 };
 
+// One page's readiness word as every reader judges it: kCorruptDescriptor
+// naming the page and both values when `word` is above `num_layers` or
+// below `floor` (readiness never goes backwards); else OK.
+Status check_readiness_word(std::uint32_t page, std::uint32_t word, std::uint32_t num_layers,
+                            std::uint32_t floor);
+
 // Reader side: how many layers are ready on every page of `pages`, checked.
 // `ready` and `epochs` are num_pages words (read-only mappings of the
 // owner's tables); every page must carry `expect_epoch` before and after the
