@@ -21,16 +21,14 @@ using namespace mstar::kv;
 constexpr std::uint64_t kTokens = 128 * 1024;
 
 KVLayout llama3_8b(std::uint64_t tokens, CacheOrder co, PageOrder po) {
-  KVLayout l;
-  l.num_layers = 32;
-  l.num_kv_heads = 8;
-  l.head_dim = 128;
-  l.dtype = DType::kBFloat16;
-  l.page_size = 16;
-  l.num_pages = static_cast<std::uint32_t>((tokens + 15) / 16);
-  l.cache_order = co;
-  l.page_order = po;
-  return l;
+  return {.num_layers = 32,
+          .num_pages = static_cast<std::uint32_t>((tokens + 15) / 16),
+          .page_size = 16,
+          .num_kv_heads = 8,
+          .head_dim = 128,
+          .dtype = DType::kBFloat16,
+          .cache_order = co,
+          .page_order = po};
 }
 
 std::vector<std::uint32_t> page_table(std::uint32_t pages, bool scattered, std::uint64_t seed) {

@@ -31,6 +31,7 @@ mstar_kv_retrieve_bench), the package installed (pip install ./python) and,
 for mooncake, the wheel mooncake-transfer-engine-non-cuda.
 """
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -251,12 +252,15 @@ def wheel_engine_gbps(seq, seconds, pages=256, te=None, **engine_kw):
     return gbps, spans
 
 
-def case_mooncake(rounds, seconds=2):
-    binary = mooncake_bench_binary()
+@contextlib.contextmanager
+def mooncake_owner(pages, tokens):
+    """The test peer owning `tokens` tokens of one layer of 64 KiB blocks
+    (8 heads x 256) in a cache of `pages` pages, through the wheel engine:
+    yields its SequenceInfo; stopped (stdin closed) on leaving."""
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python", "tests"))
-    # 64 pages x (K, V) of one layer: 128 blocks of 64 KiB, scattered.
     owner = subprocess.Popen([sys.executable, PEER, "mooncake", "--layers", "1", "--pages",
-                              "256", "--heads", "8", "--head-dim", "256", "--tokens", "1024"],
+                              str(pages), "--heads", "8", "--head-dim", "256", "--tokens",
+                              str(tokens)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         line = ""
@@ -264,16 +268,22 @@ def case_mooncake(rounds, seconds=2):
             line = owner.stdout.readline()
             if not line:
                 raise SystemExit("the Mooncake owner did not start")
-        seq = kv.SequenceInfo.from_bytes(bytes.fromhex(line.split()[1]))
+        yield kv.SequenceInfo.from_bytes(bytes.fromhex(line.split()[1]))
+    finally:
+        owner.stdin.close()
+        owner.wait(timeout=30)
+
+
+def case_mooncake(rounds, seconds=2):
+    binary = mooncake_bench_binary()
+    # 64 pages x (K, V) of one layer: 128 blocks of 64 KiB, scattered.
+    with mooncake_owner(256, 1024) as seq:
         ours, theirs, spans = [], [], 0
         for _ in range(rounds):
             g, spans = wheel_engine_gbps(seq, seconds)
             ours.append(g)
             if binary:
                 theirs.append(run_transfer_engine_bench(binary, seconds))
-    finally:
-        owner.stdin.close()
-        owner.wait(timeout=30)
     return {"case": f"mooncake wheel, TCP, 64 KiB x 128 ({spans} spans after coalescing)",
             "mstar_kv_gbps": median(ours), "transfer_engine_bench_gbps": median(theirs),
             "ratio": median(ours) / median(theirs) if theirs else float("nan"),
@@ -283,18 +293,8 @@ def case_mooncake(rounds, seconds=2):
 
 def case_mooncake_bounce(rounds, seconds=2):
     from mooncake.engine import TransferEngine
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python", "tests"))
-    owner = subprocess.Popen([sys.executable, PEER, "mooncake", "--layers", "1", "--pages",
-                              "2048", "--heads", "8", "--head-dim", "256", "--tokens", "16384"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     out = []
-    try:
-        line = ""
-        while not line.startswith("READY"):
-            line = owner.stdout.readline()
-            if not line:
-                raise SystemExit("the Mooncake owner did not start")
-        big = kv.SequenceInfo.from_bytes(bytes.fromhex(line.split()[1]))
+    with mooncake_owner(2048, 16384) as big:
         small = kv.SequenceInfo(big.seq_id, 1024, big.page_indices[:64], big.kv_transfer_info,
                                page_size=big.page_size)
         te = TransferEngine()  # one for every engine: one connection to the owner
@@ -308,9 +308,6 @@ def case_mooncake_bounce(rounds, seconds=2):
                         "bounce_gbps": median(on), "direct_gbps": median(off),
                         "ratio": median(on) / median(off), "bounce_range": [min(on), max(on)],
                         "direct_range": [min(off), max(off)]})
-    finally:
-        owner.stdin.close()
-        owner.wait(timeout=30)
     return out
 
 

@@ -23,30 +23,43 @@ namespace {
 
 using namespace mstar::kv;
 
-KVLayout geometry(bool tiny) {
-  KVLayout l;
-  l.num_layers = tiny ? 1 : 32;
-  l.num_kv_heads = tiny ? 1 : 8;
-  l.head_dim = tiny ? 64 : 128;
-  l.dtype = DType::kBFloat16;
-  l.page_size = 16;
-  l.num_pages = 16;
-  return l;
+// A bf16 cache of 16-token pages.
+KVLayout bf16_layout(std::uint32_t layers, std::uint32_t heads, std::uint32_t head_dim,
+                     std::uint32_t pages) {
+  return {.num_layers = layers,
+          .num_pages = pages,
+          .page_size = 16,
+          .num_kv_heads = heads,
+          .head_dim = head_dim,
+          .dtype = DType::kBFloat16};
 }
 
+// An owner's shared cache and a reader's private one of layout `l`, each
+// under its manager over the shm engine (both in this process), the
+// reader's statistics on or off.
+struct ShmPair {
+  ShmPair(const KVLayout& l, bool stats)
+      : src(make_kv_cache(l, MemoryKind::kSharedHost)),
+        owner(TransferEngineInfo{"prefill", "", "shm", {}}, src),
+        info(owner.get_kv_transfer_info()),
+        dst(make_kv_cache(l, MemoryKind::kHost)),
+        reader(TransferEngineInfo{"decode", "", "shm", {}}, dst) {
+    reader.set_stats_enabled(stats);
+  }
+  std::shared_ptr<KVCache> src;
+  KVTransferManager owner;
+  KVTransferInfo info;
+  std::shared_ptr<KVCache> dst;
+  KVTransferManager reader;
+};
+
 void OnePage(benchmark::State& state, bool tiny) {
-  const KVLayout l = geometry(tiny);
-  const bool stats = state.range(0) != 0;
-  auto src = make_kv_cache(l, MemoryKind::kSharedHost);
-  KVTransferManager owner(TransferEngineInfo{"prefill", "", "shm", {}}, src);
-  const KVTransferInfo info = owner.get_kv_transfer_info();
-  auto dst = make_kv_cache(l, MemoryKind::kHost);
-  KVTransferManager reader(TransferEngineInfo{"decode", "", "shm", {}}, dst);
-  reader.set_stats_enabled(stats);
+  const KVLayout l = tiny ? bf16_layout(1, 1, 64, 16) : bf16_layout(32, 8, 128, 16);
+  ShmPair p(l, state.range(0) != 0);
   const std::vector<std::uint32_t> local{3}, remote{5};
-  reader.sync_retrieve(0, 16, local, remote, info);  // maps the peer's cache
+  p.reader.sync_retrieve(0, 16, local, remote, p.info);  // maps the peer's cache
   for (auto _ : state) {
-    auto f = reader.start_async_retrieve(0, 16, local, remote, info);
+    auto f = p.reader.start_async_retrieve(0, 16, local, remote, p.info);
     benchmark::DoNotOptimize(f->get());
   }
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * 2 * l.num_layers *
@@ -56,28 +69,17 @@ void OnePage(benchmark::State& state, bool tiny) {
 // 4 KiB x 4096: one layer, 1 head x 128 dim bf16, 16-token pages (4 KiB
 // blocks), 2048 pages scattered on the remote side: 4096 copies of 4 KiB.
 void Small4K(benchmark::State& state) {
-  KVLayout l;
-  l.num_layers = 1;
-  l.num_kv_heads = 1;
-  l.head_dim = 128;
-  l.dtype = DType::kBFloat16;
-  l.page_size = 16;
-  l.num_pages = 2048;
-  auto src = make_kv_cache(l, MemoryKind::kSharedHost);
-  KVTransferManager owner(TransferEngineInfo{"prefill", "", "shm", {}}, src);
-  const KVTransferInfo info = owner.get_kv_transfer_info();
-  auto dst = make_kv_cache(l, MemoryKind::kHost);
-  KVTransferManager reader(TransferEngineInfo{"decode", "", "shm", {}}, dst);
-  reader.set_stats_enabled(state.range(0) != 0);
+  const KVLayout l = bf16_layout(1, 1, 128, 2048);
+  ShmPair p(l, state.range(0) != 0);
   std::vector<std::uint32_t> local(l.num_pages), remote(l.num_pages);
   for (std::uint32_t i = 0; i < l.num_pages; ++i) {
     local[i] = i;
     remote[i] = (i * 1031u) % l.num_pages;  // 1031 is prime: a permutation, no neighbours
   }
   const std::uint64_t tokens = std::uint64_t{l.num_pages} * l.page_size;
-  reader.sync_retrieve(0, tokens, local, remote, info);
+  p.reader.sync_retrieve(0, tokens, local, remote, p.info);
   for (auto _ : state) {
-    benchmark::DoNotOptimize(reader.sync_retrieve(0, tokens, local, remote, info));
+    benchmark::DoNotOptimize(p.reader.sync_retrieve(0, tokens, local, remote, p.info));
   }
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * 2 * l.num_pages *
                           l.block_bytes());

@@ -9,9 +9,6 @@
 #include "mstar/kv/engines/mooncake.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  using namespace mstar::kv;
-  const KVTransferInfo info = fuzz::payload("mooncake", data, size);
-  const auto m = fuzz::decoded([&] { return MooncakeKVTransferInfo::decode(info); });
-  if (m) fuzz::require_region(*m, info);
-  return 0;
+  return mstar::kv::fuzz::fuzz_region_decoder<mstar::kv::MooncakeKVTransferInfo>("mooncake", data,
+                                                                                 size);
 }

@@ -10,9 +10,5 @@
 #include "mstar/kv/engines/ucx.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  using namespace mstar::kv;
-  const KVTransferInfo info = fuzz::payload("ucx", data, size);
-  const auto u = fuzz::decoded([&] { return UcxKVTransferInfo::decode(info); });
-  if (u) fuzz::require_region(*u, info);
-  return 0;
+  return mstar::kv::fuzz::fuzz_region_decoder<mstar::kv::UcxKVTransferInfo>("ucx", data, size);
 }

@@ -74,4 +74,31 @@ void require_region(const Region& r, const KVTransferInfo& from) {
   require(r.encode() == from, "decode(payload) does not encode back to it");
 }
 
+// A region descriptor's decoder (Region::decode: ucx, mooncake) on an
+// untrusted payload of `engine`: it throws Error(kCorruptDescriptor) or
+// returns a region require_region accepts. The whole of such a fuzz target.
+template <typename Region>
+int fuzz_region_decoder(const char* engine, const std::uint8_t* data, std::size_t size) {
+  const KVTransferInfo info = payload(engine, data, size);
+  const auto r = decoded([&] { return Region::decode(info); });
+  if (r) require_region(*r, info);
+  return 0;
+}
+
+// A decoded KVTransferInfo (alone or inside a SequenceInfo) within the
+// descriptor limits; a local-only one carries no epoch (nothing could check
+// it); page_epochs name ascending pages once, each with an epoch neither 0
+// nor the descriptor's own, on a descriptor with an epoch.
+inline void require_transfer_info(const KVTransferInfo& info) {
+  require(info.engine.size() <= DescriptorLimits::kMaxEngineName, "engine name limit");
+  require(info.payload.size() <= DescriptorLimits::kMaxTransferPayload, "payload limit");
+  require(!info.empty() || info.epoch == 0, "local-only descriptor with an epoch");
+  const auto& pe = info.page_epochs;
+  for (std::size_t i = 0; i < pe.size(); ++i) {
+    require(pe[i].epoch != 0 && pe[i].epoch != info.epoch, "page_epochs epoch");
+    require(i == 0 || pe[i - 1].page < pe[i].page, "page_epochs order");
+  }
+  require(pe.empty() || info.epoch != 0, "page_epochs without an epoch");
+}
+
 }  // namespace mstar::kv::fuzz

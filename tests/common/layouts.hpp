@@ -53,6 +53,36 @@ inline KVLayout shard_layout(std::uint32_t page_size, std::uint32_t heads, std::
   return l;
 }
 
+// The owner the geometry cases read: all 8 heads, 16-token HND pages,
+// page-major, 64 pages.
+inline KVLayout geometry_owner() {
+  return shard_layout(16, 8, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
+}
+
+// A decode cache of another page size, in-page order, cache order or head
+// shard than geometry_owner()'s, and the token its read starts at.
+struct GeometryCase {
+  const char* what;
+  KVLayout local;
+  std::uint64_t start;
+};
+
+inline std::vector<GeometryCase> geometry_cases() {
+  return {
+      {"same geometry", geometry_owner(), 0},
+      {"NHD layer-major, prefix hit mid-page",
+       shard_layout(16, 8, 0, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 64), 37},
+      {"TP 1 -> 2, rank 1, 64-token NHD pages",
+       shard_layout(64, 4, 4, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 16), 0},
+      {"TP 1 -> 8, rank 5, 24-token pages, prefix hit in the first page",
+       shard_layout(24, 1, 5, 8, PageOrder::kNHD, CacheOrder::kPageMajor, 20), 5},
+      {"TP 1 -> 8, rank 5, 24-token pages, prefix hit mid-page",
+       shard_layout(24, 1, 5, 8, PageOrder::kNHD, CacheOrder::kPageMajor, 20), 37},
+      {"all heads, 128-token HND pages",
+       shard_layout(128, 8, 0, 8, PageOrder::kHND, CacheOrder::kLayerMajor, 4), 0},
+  };
+}
+
 // Pages first, first + 1, ..., n of them.
 inline std::vector<std::uint32_t> iota_pages(std::size_t n, std::uint32_t first = 0) {
   std::vector<std::uint32_t> v(n);

@@ -26,6 +26,19 @@ constexpr std::uint8_t kSentinel = 0xEE;
 constexpr CacheOrder kOrders[] = {CacheOrder::kLayerMajor, CacheOrder::kPageMajor,
                                   CacheOrder::kLayerPage};
 
+// fn(local in-page order, remote in-page order, local cache order, remote
+// cache order) for every combination.
+template <typename Fn>
+void for_every_order(Fn&& fn) {
+  for (auto lpo : {PageOrder::kNHD, PageOrder::kHND}) {
+    for (auto rpo : {PageOrder::kNHD, PageOrder::kHND}) {
+      for (CacheOrder lco : kOrders) {
+        for (CacheOrder rco : kOrders) fn(lpo, rpo, lco, rco);
+      }
+    }
+  }
+}
+
 KVLayout geo(std::uint32_t page_size, std::uint32_t heads, std::uint32_t first, std::uint32_t total,
              PageOrder po = PageOrder::kNHD, CacheOrder co = CacheOrder::kLayerMajor,
              std::uint32_t pages = 40) {
@@ -237,20 +250,14 @@ TEST(Geometry, PageSizesThatDifferMapTokensByPosition) {
 }
 
 TEST(Geometry, InPageAndCacheOrdersInEveryCombination) {
-  for (auto lpo : {PageOrder::kNHD, PageOrder::kHND}) {
-    for (auto rpo : {PageOrder::kNHD, PageOrder::kHND}) {
-      for (CacheOrder lco : kOrders) {
-        for (CacheOrder rco : kOrders) {
-          // Prefix hit mid-page: tokens [20, 90).
-          check_pull(geo(16, 4, 4, 8, lpo, lco), 20, 90, {{geo(16, 8, 0, 8, rpo, rco), kAll}});
-          check_pull(geo(16, 8, 0, 8, lpo, lco), 20, 90, {{geo(16, 8, 0, 8, rpo, rco), kAll}});
-          // Page sizes that differ, and a whole sequence of full pages.
-          check_pull(geo(32, 8, 0, 8, lpo, lco), 3, 150, {{geo(8, 8, 0, 8, rpo, rco), kAll}});
-          check_pull(geo(16, 8, 0, 8, lpo, lco), 0, 160, {{geo(16, 8, 0, 8, rpo, rco), kAll}});
-        }
-      }
-    }
-  }
+  for_every_order([](PageOrder lpo, PageOrder rpo, CacheOrder lco, CacheOrder rco) {
+    // Prefix hit mid-page: tokens [20, 90).
+    check_pull(geo(16, 4, 4, 8, lpo, lco), 20, 90, {{geo(16, 8, 0, 8, rpo, rco), kAll}});
+    check_pull(geo(16, 8, 0, 8, lpo, lco), 20, 90, {{geo(16, 8, 0, 8, rpo, rco), kAll}});
+    // Page sizes that differ, and a whole sequence of full pages.
+    check_pull(geo(32, 8, 0, 8, lpo, lco), 3, 150, {{geo(8, 8, 0, 8, rpo, rco), kAll}});
+    check_pull(geo(16, 8, 0, 8, lpo, lco), 0, 160, {{geo(16, 8, 0, 8, rpo, rco), kAll}});
+  });
 }
 
 // Every case above again, planned with plan_strided_copies.
@@ -262,17 +269,11 @@ TEST(Geometry, StridedPlansMoveTheSameBytes) {
   check_pull(geo(16, 8, 0, 8), 0, 100, {{geo(16, 4, 0, 8), {0, 4}}, {geo(16, 4, 4, 8), {4, 8}}});
   check_pull(geo(64, 2, 2, 8, PageOrder::kHND), 37, 300,
              {{geo(16, 4, 0, 8, PageOrder::kNHD, CacheOrder::kPageMajor, 40), kAll}});
-  for (auto lpo : {PageOrder::kNHD, PageOrder::kHND}) {
-    for (auto rpo : {PageOrder::kNHD, PageOrder::kHND}) {
-      for (CacheOrder lco : kOrders) {
-        for (CacheOrder rco : kOrders) {
-          check_pull(geo(16, 4, 4, 8, lpo, lco), 20, 90, {{geo(16, 8, 0, 8, rpo, rco), kAll}});
-          check_pull(geo(16, 8, 0, 8, lpo, lco), 20, 90, {{geo(24, 8, 0, 8, rpo, rco), kAll}});
-          check_pull(geo(16, 8, 0, 8, lpo, lco), 0, 96, {{geo(16, 8, 0, 8, rpo, rco), kAll}});
-        }
-      }
-    }
-  }
+  for_every_order([](PageOrder lpo, PageOrder rpo, CacheOrder lco, CacheOrder rco) {
+    check_pull(geo(16, 4, 4, 8, lpo, lco), 20, 90, {{geo(16, 8, 0, 8, rpo, rco), kAll}});
+    check_pull(geo(16, 8, 0, 8, lpo, lco), 20, 90, {{geo(24, 8, 0, 8, rpo, rco), kAll}});
+    check_pull(geo(16, 8, 0, 8, lpo, lco), 0, 96, {{geo(16, 8, 0, 8, rpo, rco), kAll}});
+  });
   // NHD <- HND, one geometry: one strided span per (page, layer, k|v, head)
   // instead of one per (token, head) row.
   std::uint64_t spans = 0;

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/expectations.hpp"
 #include "common/layouts.hpp"
 #include "mstar/kv/core/cache.hpp"
 #include "mstar/kv/core/planner.hpp"
@@ -26,15 +27,7 @@ std::vector<std::uint32_t> iota(std::uint32_t n, std::uint32_t from = 0) {
   return v;
 }
 
-void expect_error(auto&& fn, StatusCode code, const std::string& needle) {
-  try {
-    fn();
-    FAIL() << "expected an error containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using testing::expect_error;
 
 TEST(PlanReads, ClipsFirstAndLastPage) {
   const KVLayout l = layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
@@ -49,22 +42,18 @@ TEST(PlanReads, ClipsFirstAndLastPage) {
   EXPECT_EQ(reads[3], (KVReadInfo{1, 10, 5, 2, 4}));
 }
 
-TEST(PlanReads, PageMajorEmitsPageOuter) {
-  const KVLayout l = layout(CacheOrder::kPageMajor, PageOrder::kNHD);
-  auto reads = plan_reads(l, 0, 8, iota(2), iota(2));
-  ASSERT_EQ(reads.size(), 6u);
-  EXPECT_EQ(reads[0], (KVReadInfo{0, 0, 0, 0, 4}));
-  EXPECT_EQ(reads[1], (KVReadInfo{1, 0, 0, 0, 4}));
-  EXPECT_EQ(reads[3], (KVReadInfo{0, 1, 1, 0, 4}));
-}
-
-TEST(PlanReads, LayerPageEmitsLayerOuter) {
-  const KVLayout l = layout(CacheOrder::kLayerPage, PageOrder::kNHD);
-  auto reads = plan_reads(l, 0, 8, iota(2), iota(2));
-  ASSERT_EQ(reads.size(), 6u);
-  EXPECT_EQ(reads[0], (KVReadInfo{0, 0, 0, 0, 4}));
-  EXPECT_EQ(reads[1], (KVReadInfo{0, 1, 1, 0, 4}));
-  EXPECT_EQ(reads[2], (KVReadInfo{1, 0, 0, 0, 4}));
+// The reads come in the cache's order: pages outer for page-major, layers
+// outer for layer-page (layer-major: ClipsFirstAndLastPage).
+TEST(PlanReads, ReadsComeInTheCacheOrder) {
+  const std::vector<KVReadInfo> pages_outer = {{0, 0, 0, 0, 4}, {1, 0, 0, 0, 4}, {2, 0, 0, 0, 4},
+                                               {0, 1, 1, 0, 4}, {1, 1, 1, 0, 4}, {2, 1, 1, 0, 4}};
+  const std::vector<KVReadInfo> layers_outer = {{0, 0, 0, 0, 4}, {0, 1, 1, 0, 4}, {1, 0, 0, 0, 4},
+                                                {1, 1, 1, 0, 4}, {2, 0, 0, 0, 4}, {2, 1, 1, 0, 4}};
+  for (const auto& [co, want] : {std::pair{CacheOrder::kPageMajor, pages_outer},
+                                 std::pair{CacheOrder::kLayerPage, layers_outer}}) {
+    SCOPED_TRACE(to_string(co));
+    EXPECT_EQ(plan_reads(layout(co, PageOrder::kNHD), 0, 8, iota(2), iota(2)), want);
+  }
 }
 
 TEST(PlanReads, PrefixHitPullsOnlyTheTail) {
@@ -87,30 +76,30 @@ TEST(PlanReads, EmptyRangeIsNoWorkButIsValidated) {
   // The same checks as a non-empty range: the tables must cover
   // end_len, and the entry holding a mid-page start_len must be in range.
   expect_error([&] { plan_reads(l, 7, 7, {}, {}); }, StatusCode::kInvalidArgument,
-               "local page table has 0 entries, tokens [7, 7) need 2");
+               {"local page table has 0 entries, tokens [7, 7) need 2"});
   expect_error([&] { plan_reads(l, 7, 7, iota(2), iota(1)); }, StatusCode::kInvalidArgument,
-               "remote page table has 1 entries");
+               {"remote page table has 1 entries"});
   std::vector<std::uint32_t> bad = iota(2);
   bad[1] = 1000;
   expect_error([&] { plan_reads(l, 7, 7, bad, iota(2)); }, StatusCode::kInvalidArgument,
-               "local page 1000 (table entry 1) out of range");
+               {"local page 1000 (table entry 1) out of range"});
 }
 
 TEST(PlanReads, RejectsBadArguments) {
   const KVLayout l = layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
   expect_error([&] { plan_reads(l, 9, 2, iota(3), iota(3)); }, StatusCode::kInvalidArgument,
-               "start_len 9 is greater than end_len 2");
+               {"start_len 9 is greater than end_len 2"});
   expect_error([&] { plan_reads(l, 0, 9, iota(2), iota(3)); }, StatusCode::kInvalidArgument,
-               "local page table has 2 entries");
+               {"local page table has 2 entries"});
   expect_error([&] { plan_reads(l, 0, 9, iota(3), iota(2)); }, StatusCode::kInvalidArgument,
-               "remote page table has 2 entries");
+               {"remote page table has 2 entries"});
   std::vector<std::uint32_t> bad = {0, 16, 2};
   expect_error([&] { plan_reads(l, 0, 9, bad, iota(3)); }, StatusCode::kInvalidArgument,
-               "local page 16 (table entry 1) out of range [0, 16)");
+               {"local page 16 (table entry 1) out of range [0, 16)"});
   // A local page named twice: the table entries, not "read N".
   std::vector<std::uint32_t> twice = {5, 7, 5};
   expect_error([&] { plan_reads(l, 0, 9, twice, iota(3)); }, StatusCode::kInvalidArgument,
-               "local page 5 appears twice in the local page table (entries 0 and 2)");
+               {"local page 5 appears twice in the local page table (entries 0 and 2)"});
   // Entries outside the range are not read, so not checked.
   EXPECT_NO_THROW(plan_reads(l, 4, 9, twice, iota(3)));
 }
@@ -122,64 +111,53 @@ TEST(CheckRemotePages, NamesTheTableEntryAndPage) {
   r.num_pages = 8;
   std::vector<std::uint32_t> remote = {0, 1, 8, 3};
   expect_error([&] { check_remote_pages(l, r, 0, 16, remote); }, StatusCode::kInvalidArgument,
-               "remote page 8 (table entry 2) out of range [0, 8) in remote cache");
+               {"remote page 8 (table entry 2) out of range [0, 8) in remote cache"});
   // Page size 4: tokens [12, 16) touch entry 3 only; [8, 8) (aligned) none.
   EXPECT_NO_THROW(check_remote_pages(l, r, 12, 16, remote));
   EXPECT_NO_THROW(check_remote_pages(l, r, 8, 8, remote));
   expect_error([&] { check_remote_pages(l, r, 9, 9, remote); }, StatusCode::kInvalidArgument,
-               "(table entry 2)");
+               {"(table entry 2)"});
   r.head_dim = 16;
   expect_error([&] { check_remote_pages(l, r, 0, 4, remote); }, StatusCode::kIncompatibleLayout,
-               "head_dim");
+               {"head_dim"});
 }
 
 TEST(PlanCopies, RejectsEveryBadRead) {
   const KVLayout l = layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
+  struct Bad {
+    std::uint32_t remote_page_size;  // of the remote cache (8 pages); l has 4
+    KVReadInfo read;
+    const char* says;
+  };
+  const Bad bad[] = {
+      {4, {3, 0, 0, 0, 4}, "layer 3 out of range [0, 3)"},
+      {4, {-1, 0, 0, 0, 4}, "layer -1"},
+      {4, {0, 16, 0, 0, 4}, "local page 16 out of range [0, 16)"},
+      {4, {0, 0, 8, 0, 4}, "read_info[0]: remote page 8 out of range [0, 8) in remote cache"},
+      {4, {0, 0, 0, 2, 2}, "token range [2, 2)"},
+      {4, {0, 0, 0, 0, 5}, "<= 4"},
+      {4, {0, 0, 0, -1, 3}, "token range [-1, 3)"},
+      // Page sizes may differ (tokens map by position), but the remote
+      // tokens must fit in the remote page.
+      {2, {0, 0, 0, 0, 4}, "do not fit in a remote page of 2 tokens"},
+      {2, {0, 0, 0, 0, 2, /*remote_token_start=*/1}, "remote tokens [1, 3)"},
+  };
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.says);
+    KVLayout r = l;
+    r.num_pages = 8;
+    r.page_size = b.remote_page_size;
+    const std::vector<KVReadInfo> one{b.read};
+    expect_error([&] { plan_copies(l, r, one); }, StatusCode::kInvalidArgument, {b.says});
+  }
   KVLayout r = l;
   r.num_pages = 8;
-  auto one = [&](KVReadInfo ri) {
-    std::vector<KVReadInfo> v{ri};
-    return plan_copies(l, r, v);
-  };
-  expect_error(
-      [&] {
-        one({3, 0, 0, 0, 4});
-      },
-      StatusCode::kInvalidArgument, "layer 3 out of range [0, 3)");
-  expect_error([&] { one({-1, 0, 0, 0, 4}); }, StatusCode::kInvalidArgument, "layer -1");
-  expect_error(
-      [&] {
-        one({0, 16, 0, 0, 4});
-      },
-      StatusCode::kInvalidArgument, "local page 16 out of range [0, 16)");
-  expect_error(
-      [&] {
-        one({0, 0, 8, 0, 4});
-      },
-      StatusCode::kInvalidArgument,
-      "read_info[0]: remote page 8 out of range [0, 8) in remote cache");
-  expect_error([&] { one({0, 0, 0, 2, 2}); }, StatusCode::kInvalidArgument, "token range [2, 2)");
-  expect_error([&] { one({0, 0, 0, 0, 5}); }, StatusCode::kInvalidArgument, "<= 4");
-  expect_error([&] { one({0, 0, 0, -1, 3}); }, StatusCode::kInvalidArgument, "token range [-1, 3)");
   std::vector<KVReadInfo> dup{{1, 2, 0, 0, 2}, {1, 2, 1, 2, 4}};
   expect_error([&] { plan_copies(l, r, dup); }, StatusCode::kInvalidArgument,
-               "read_info[1]: duplicate destination: layer 1 local page 2");
-  // Page sizes may differ (tokens map by position), but the
-  // remote tokens must fit in the remote page.
-  r.page_size = 2;
-  expect_error(
-      [&] {
-        one({0, 0, 0, 0, 4});
-      },
-      StatusCode::kInvalidArgument, "do not fit in a remote page of 2 tokens");
-  expect_error(
-      [&] {
-        one({0, 0, 0, 0, 2, /*remote_token_start=*/1});
-      },
-      StatusCode::kInvalidArgument, "remote tokens [1, 3)");
-  r.page_size = l.page_size;
+               {"read_info[1]: duplicate destination: layer 1 local page 2"});
   r.head_dim = l.head_dim * 2;
-  expect_error([&] { one({0, 0, 0, 0, 4}); }, StatusCode::kIncompatibleLayout, "head_dim");
+  const std::vector<KVReadInfo> whole{{0, 0, 0, 0, 4}};
+  expect_error([&] { plan_copies(l, r, whole); }, StatusCode::kIncompatibleLayout, {"head_dim"});
 }
 
 TEST(PlanCopies, SameLayerTwoPagesIsNotADuplicate) {

@@ -6,6 +6,7 @@
 #include <set>
 #include <thread>
 
+#include "common/expectations.hpp"
 #include "common/layouts.hpp"
 #include "mstar/kv/core/pool.hpp"
 #include "mstar/kv/util/status.hpp"
@@ -29,13 +30,8 @@ TEST(KVCachePool, AllocatesCeilTokensOverPageSize) {
 TEST(KVCachePool, ExhaustionIsRetryLaterAndChangesNothing) {
   KVCachePool pool(cache(4), {});
   pool.allocate(1, 48);
-  try {
-    pool.allocate(2, 32);
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kRetryLater);
-    EXPECT_NE(std::string(e.what()).find("need 2 pages, 1 free of 4"), std::string::npos);
-  }
+  testing::expect_error([&] { pool.allocate(2, 32); }, StatusCode::kRetryLater,
+                        {"need 2 pages, 1 free of 4"});
   EXPECT_FALSE(pool.contains(2));
   EXPECT_EQ(pool.free_page_count(), 1u);
 }
@@ -170,14 +166,9 @@ TEST(KVCachePool, HugeTokenCountIsRejectedNotWrapped) {
   KVCachePool pool(cache(4), {});
   for (std::uint64_t n :
        {~std::uint64_t{0}, ~std::uint64_t{0} - 1, ~std::uint64_t{0} - 2, std::uint64_t{65}}) {
-    try {
-      pool.allocate(1, n);
-      FAIL() << n;
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), StatusCode::kInvalidArgument) << e.what();
-      EXPECT_NE(std::string(e.what()).find(std::to_string(n) + " tokens"), std::string::npos)
-          << e.what();
-    }
+    SCOPED_TRACE(n);
+    testing::expect_error([&] { pool.allocate(1, n); }, StatusCode::kInvalidArgument,
+                          {std::to_string(n) + " tokens"});
     EXPECT_FALSE(pool.contains(1));
     EXPECT_EQ(pool.free_page_count(), 4u);
   }
@@ -190,13 +181,8 @@ TEST(KVCachePool, FreePagesOfALiveSequencesPageIsRefused) {
   KVCachePool pool(cache(4), {});
   const auto owned = pool.allocate(7, 32);  // 2 pages
   const std::vector<std::uint32_t> one = {owned[1]};
-  try {
-    pool.free_pages(one);
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("sequence 7 holds"), std::string::npos) << e.what();
-  }
+  testing::expect_error([&] { pool.free_pages(one); }, StatusCode::kInvalidArgument,
+                        {"sequence 7 holds"});
   EXPECT_EQ(pool.free_page_count(), 2u);
   const auto other = pool.allocate(8, 32);
   for (std::uint32_t p : other) {
@@ -217,17 +203,9 @@ TEST(KVCachePool, FreePagesOfALiveSequencesPageIsRefused) {
 // (kInvalidArgument); pages and publish of one are kNotFound.
 TEST(KVCachePool, UnknownSequenceErrorsMatchTheHeader) {
   KVCachePool pool(cache(4), {});
-  for (int op = 0; op < 3; ++op) {
-    try {
-      if (op == 0) pool.release(9);
-      if (op == 1) (void)pool.pages(9);
-      if (op == 2) (void)pool.publish(9);
-      FAIL() << op;
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), op == 0 ? StatusCode::kInvalidArgument : StatusCode::kNotFound)
-          << op << ": " << e.what();
-    }
-  }
+  testing::expect_error([&] { pool.release(9); }, StatusCode::kInvalidArgument);
+  testing::expect_error([&] { (void)pool.pages(9); }, StatusCode::kNotFound);
+  testing::expect_error([&] { (void)pool.publish(9); }, StatusCode::kNotFound);
 }
 
 // adopt: a sequence over the caller's pages (vLLM's blocks), stamped with a
@@ -272,13 +250,8 @@ TEST(KVCachePool, AdoptRefusesBadPagesAndChangesNothing) {
       {{3, loose[0]}, 32, "is held (allocate_pages)"},
   };
   for (const Case& k : cases) {
-    try {
-      pool.adopt(2, k.tokens, k.pages);
-      FAIL() << k.says;
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), StatusCode::kInvalidArgument);
-      EXPECT_NE(std::string(e.what()).find(k.says), std::string::npos) << e.what();
-    }
+    testing::expect_error([&] { pool.adopt(2, k.tokens, k.pages); }, StatusCode::kInvalidArgument,
+                          {k.says});
     EXPECT_FALSE(pool.contains(2));
     EXPECT_EQ(pool.free_page_count(), 6u);
     EXPECT_EQ(c->epochs().load(3), 0u);

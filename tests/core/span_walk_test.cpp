@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/layouts.hpp"
+#include "common/strided_spans.hpp"
 #include "core/span_table.hpp"
 #include "core/span_walk.hpp"
 #include "mstar/kv/core/planner.hpp"
@@ -30,6 +31,7 @@
 namespace mstar::kv {
 namespace {
 
+using testing::reference_copy;
 using walk::Packing;
 using walk::SpanTable;
 using walk::WalkStep;
@@ -61,16 +63,6 @@ std::vector<std::byte> random_bytes(std::uint64_t n, std::uint64_t seed) {
     std::memcpy(v.data() + i, &r, std::min<std::uint64_t>(8, n - i));
   }
   return v;
-}
-
-// The reference: every row of every span with memcpy.
-void reference_copy(std::span<const StridedSpan> spans, const std::byte* src, std::byte* dst) {
-  for (const StridedSpan& s : spans) {
-    for (std::uint64_t r = 0; r < s.rows; ++r) {
-      std::memcpy(dst + s.local_offset + r * s.local_stride,
-                  src + s.remote_offset + r * s.remote_stride, s.length);
-    }
-  }
 }
 
 // Every unit of `t` belongs to exactly one (block, thread) of a grid of
@@ -270,22 +262,13 @@ std::vector<Pull> conformance_cases(CacheOrder lco, CacheOrder rco) {
   v.push_back(
       {"prefix hit mid-page", small_layout(lco, kNHD, 64), {{small_layout(rco), kAll}}, 197, 256});
   v.push_back({"orders differ", small_layout(lco, kHND), {{small_layout(rco, kNHD), kAll}}, 5, 90});
-  const KVLayout owner = shard_layout(16, 8, 0, 8, kHND, rco, 64);
-  v.push_back({"TP 1 -> 2 rank 1, 64-token NHD pages",
-               shard_layout(64, 4, 4, 8, kNHD, lco, 16),
-               {{owner, kAll}},
-               0,
-               300});
-  v.push_back({"TP 1 -> 8 rank 5, 24-token pages, prefix mid-page",
-               shard_layout(24, 1, 5, 8, kNHD, lco, 20),
-               {{owner, kAll}},
-               37,
-               300});
-  v.push_back({"all heads, 128-token HND pages",
-               shard_layout(128, 8, 0, 8, kHND, lco, 4),
-               {{owner, kAll}},
-               0,
-               300});
+  // The mixed geometries (geometry_cases(), layouts.hpp) in these orders.
+  KVLayout owner = testing::geometry_owner();
+  owner.cache_order = rco;
+  for (testing::GeometryCase c : testing::geometry_cases()) {
+    c.local.cache_order = lco;
+    v.push_back({c.what, c.local, {{owner, kAll}}, c.start, 300});
+  }
   v.push_back({"TP 2 -> 1 from two peers",
                shard_layout(64, 8, 0, 8, kNHD, lco, 16),
                {{shard_layout(16, 4, 0, 8, kNHD, rco, 64), {0, 4}},
@@ -339,19 +322,10 @@ TEST(SpanWalk, LargestPlansOfTheBenchmarkByteExact) {
 // at every misalignment: byte-exact, and full aligned units go as vectors.
 TEST(SpanWalk, OddLengthsOffsetsStridesAndAlignments) {
   std::mt19937_64 g(3);
-  std::vector<StridedSpan> spans;
-  std::uint64_t dst = 3;
-  std::uint64_t src = 1;
-  for (std::uint64_t len = 1; len <= 70; ++len) {
-    const std::uint64_t rows = 1 + g() % 5;
-    const std::uint64_t ls = rows > 1 ? len + g() % 19 : 0;
-    const std::uint64_t rs = rows > 1 ? len + g() % 23 : 0;
-    spans.push_back({dst, src, len, rows, ls, rs});
-    dst += (rows - 1) * ls + len + g() % 7;
-    src += (rows - 1) * rs + len + g() % 5;
-  }
-  const std::uint64_t dst_size = dst + 64;
-  const std::uint64_t src_size = src + 64;
+  const testing::OddSpans odd = testing::odd_spans(70, 5, g);
+  const std::vector<StridedSpan>& spans = odd.spans;
+  const std::uint64_t dst_size = odd.dst_end + 64;
+  const std::uint64_t src_size = odd.src_end + 64;
   const std::vector<std::byte> source = random_bytes(src_size + 32, 11);
   const SpanTable t = walk::make_table(spans);
   expect_exact_cover(t.table, spans, dst_size, 5);

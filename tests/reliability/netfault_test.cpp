@@ -21,6 +21,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -77,7 +78,7 @@ Pull parse_pull(const std::string& line) {
 // The hosts, the owner, the reader and (routed) the relay of one case.
 class Hosts {
  public:
-  explicit Hosts(Shape shape) : ns_(shape, "nf") {
+  explicit Hosts(Shape shape) : shape_(shape), ns_(shape, "nf") {
     if (!ns_.skip_reason().empty()) {
       reason_ = ns_.skip_reason();
     } else if (run_shell("nft --version") != 0) {
@@ -162,6 +163,19 @@ class Hosts {
     ASSERT_EQ(ready.rfind("READY ", 0), 0u) << ready;
   }
 
+  // The start of the cases that strike a read in its middle: the owner of
+  // 16 MiB (512 tokens x 8 layers), the relay where routed, a 300 Mbit/s cap
+  // on the owner's link (a read then lasts about half a second, so that the
+  // fault lands in its middle however fast this machine is), the reader.
+  void start_capped(int timeout_ms, int grace_ms) {
+    ASSERT_NO_FATAL_FAILURE(start_owner(512, 8));
+    if (shape_ == Shape::kRouted) {
+      ASSERT_NO_FATAL_FAILURE(start_relay());
+    }
+    ASSERT_EQ(cap_a("300mbit"), 0) << "tbf refused";
+    ASSERT_NO_FATAL_FAILURE(start_reader(timeout_ms, grace_ms));
+  }
+
   // One pull; with `at_pct` > 0, `fault` runs once about that much of the
   // cache holds bytes (the read is then in its middle).
   Pull pull(int at_pct = 0, const std::function<void()>& fault = {}) {
@@ -178,6 +192,56 @@ class Hosts {
       line = reader_->read_line(budget);
     }
     return parse_pull(line);
+  }
+
+  // One pull that must verify, printed after `what`.
+  Pull pull_ok(const std::string& what) {
+    const Pull p = pull();
+    std::printf("%s: %s\n", what.c_str(), p.line.c_str());
+    EXPECT_EQ(p.kind, "OK") << what << ": " << p.line;
+    return p;
+  }
+
+  // One pull through an outage of `length`: about a quarter into the read,
+  // `cut` starts it (a partition, a stall) and `mend` ends it `length` later,
+  // from another thread; returns, printed after `what`, once both the pull
+  // and the outage ended.
+  Pull pull_through_outage(const std::string& what, std::chrono::milliseconds length,
+                           const std::function<void()>& cut, const std::function<void()>& mend) {
+    std::thread mender;
+    const Pull p = pull(25, [&] {
+      cut();
+      if (::testing::Test::HasFatalFailure()) return;
+      mender = std::thread([&] {
+        std::this_thread::sleep_for(length);
+        mend();
+      });
+    });
+    if (mender.joinable()) mender.join();
+    std::printf("%s: %s\n", what.c_str(), p.line.c_str());
+    return p;
+  }
+  // Every packet on B's link dropped for `length`.
+  Pull pull_through_partition(const std::string& what, std::chrono::milliseconds length) {
+    return pull_through_outage(
+        what, length, [&] { ASSERT_EQ(fault_b("drop"), 0); }, [&] { EXPECT_EQ(heal_b(), 0); });
+  }
+  // The relay forwarding nothing for `length` (TCP pushes back on both ends).
+  Pull pull_through_stall(const std::string& what, std::chrono::milliseconds length) {
+    return pull_through_outage(
+        what, length, [&] { ASSERT_EQ(relay("stall"), "OK stall"); },
+        [&] { EXPECT_EQ(relay("resume"), "OK resume"); });
+  }
+
+  // A pull an outage longer than the timeout cut in its middle: it failed
+  // cleanly (expect_clean_failure) after part of the cache landed, the owner
+  // survived, and the same reader pulls again (printed after `after`).
+  void expect_cut_mid_read(const Pull& cut, const std::string& after) {
+    expect_clean_failure(cut, {"Timeout", "PeerFailure"});
+    EXPECT_GT(cut.landed, 0) << "the outage did not cut the read in its middle";
+    EXPECT_LT(cut.landed, 100) << "the outage did not cut the read in its middle";
+    EXPECT_TRUE(owner_alive());
+    pull_ok(after);
   }
 
   // The checks of a pull that must have failed: bounded, clear, nothing late.
@@ -263,6 +327,7 @@ class Hosts {
     return {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", dev}};
   }
 
+  Shape shape_;
   NetNamespaces ns_;
   std::string reason_, token_;
   std::unique_ptr<testkit::Child> serve_, relay_, reader_;
@@ -280,9 +345,7 @@ void pulls_under_loss(int percent) {
   ASSERT_NO_FATAL_FAILURE(h.start_reader(30000, 1000));
   ASSERT_EQ(h.fault_b("numgen random mod 100 < " + std::to_string(percent) + " counter drop"), 0);
   for (int i = 0; i < 3; ++i) {
-    const Pull p = h.pull();
-    EXPECT_EQ(p.kind, "OK") << "with " << percent << "% loss: " << p.line;
-    std::printf("%d%% loss, pull %d: %s\n", percent, i + 1, p.line.c_str());
+    h.pull_ok(std::to_string(percent) + "% loss, pull " + std::to_string(i + 1));
   }
   // The CLI's own pull under the same loss (--keep: the sequence stays).
   testkit::Child cli(h.ns().in_b({MSTAR_KV_CLI_PATH, "pull", "--from", h.http(), "--seq", "0",
@@ -296,7 +359,7 @@ void pulls_under_loss(int percent) {
   EXPECT_GT(dropped * 100, seen * percent / 2) << dropped << " of " << seen;
   EXPECT_LT(dropped * 100, seen * percent * 2) << dropped << " of " << seen;
   ASSERT_EQ(h.heal_b(), 0);
-  EXPECT_EQ(h.pull().kind, "OK");
+  h.pull_ok(std::to_string(percent) + "% loss, healed");
   h.finish();
 }
 
@@ -315,9 +378,7 @@ TEST(NetFault, BandwidthCapSlowsPullsAndATooLowCapTimesOutCleanly) {
   ASSERT_EQ(h.cap_a("200mbit"), 0) << "tbf refused";
   const double floor_ms = 16.0 * 1048576 * 8 / 200e6 * 1e3 * 0.9;  // 90% of 671 ms
   for (int i = 0; i < 2; ++i) {
-    const Pull p = h.pull();
-    std::printf("200 Mbit/s cap: %s\n", p.line.c_str());
-    EXPECT_EQ(p.kind, "OK") << p.line;
+    const Pull p = h.pull_ok("200 Mbit/s cap");
     EXPECT_GE(p.ms, floor_ms) << "faster than the cap allows: " << p.line;
   }
   ASSERT_EQ(h.cap_a("20mbit"), 0);  // 16 MiB need 6.7 s; the timeout is 3 s
@@ -326,9 +387,7 @@ TEST(NetFault, BandwidthCapSlowsPullsAndATooLowCapTimesOutCleanly) {
   h.expect_clean_failure(slow, {"Timeout"});
   EXPECT_TRUE(h.owner_alive());
   ASSERT_EQ(h.uncap_a(), 0);
-  const Pull after = h.pull();
-  std::printf("cap lifted: %s\n", after.line.c_str());
-  EXPECT_EQ(after.kind, "OK") << after.line;
+  h.pull_ok("cap lifted");
   h.finish();
 }
 
@@ -340,47 +399,18 @@ TEST(NetFault, BandwidthCapSlowsPullsAndATooLowCapTimesOutCleanly) {
 TEST(NetFault, PartitionMidReadFailsInTimeThenHealsAndPullsAgain) {
   Hosts h(Shape::kPair);
   NETFAULT_SETUP(h);
-  ASSERT_NO_FATAL_FAILURE(h.start_owner(512, 8));  // 16 MiB
-  // The cap makes a read last about half a second, so that the partition lands
-  // in its middle however fast this machine is.
-  ASSERT_EQ(h.cap_a("300mbit"), 0) << "tbf refused";
-  ASSERT_NO_FATAL_FAILURE(h.start_reader(3000, 6000));
-  std::thread healer;
-  const Pull cut = h.pull(25, [&] {
-    ASSERT_EQ(h.fault_b("drop"), 0);
-    healer = std::thread([&] {
-      std::this_thread::sleep_for(4s);  // past the timeout, inside the grace period
-      EXPECT_EQ(h.heal_b(), 0);
-    });
-  });
-  if (healer.joinable()) healer.join();
-  std::printf("4 s partition at 25%%, 3 s timeout: %s\n", cut.line.c_str());
-  h.expect_clean_failure(cut, {"Timeout", "PeerFailure"});
-  EXPECT_GT(cut.landed, 0) << "the partition did not cut the read in its middle";
-  EXPECT_LT(cut.landed, 100) << "the partition did not cut the read in its middle";
-  EXPECT_TRUE(h.owner_alive());
-  const Pull after = h.pull();
-  std::printf("after the heal: %s\n", after.line.c_str());
-  EXPECT_EQ(after.kind, "OK") << after.line;
+  ASSERT_NO_FATAL_FAILURE(h.start_capped(3000, 6000));
+  // 4 s: past the timeout, inside the grace period.
+  const Pull cut = h.pull_through_partition("4 s partition at 25%, 3 s timeout", 4s);
+  h.expect_cut_mid_read(cut, "after the heal");
   h.finish();
 }
 
 TEST(NetFault, PartitionShorterThanTheTimeoutIsRiddenOut) {
   Hosts h(Shape::kPair);
   NETFAULT_SETUP(h);
-  ASSERT_NO_FATAL_FAILURE(h.start_owner(512, 8));
-  ASSERT_EQ(h.cap_a("300mbit"), 0) << "tbf refused";
-  ASSERT_NO_FATAL_FAILURE(h.start_reader(15000, 1000));
-  std::thread healer;
-  const Pull p = h.pull(25, [&] {
-    ASSERT_EQ(h.fault_b("drop"), 0);
-    healer = std::thread([&] {
-      std::this_thread::sleep_for(1500ms);
-      EXPECT_EQ(h.heal_b(), 0);
-    });
-  });
-  if (healer.joinable()) healer.join();
-  std::printf("1.5 s partition at 25%%, 15 s timeout: %s\n", p.line.c_str());
+  ASSERT_NO_FATAL_FAILURE(h.start_capped(15000, 1000));
+  const Pull p = h.pull_through_partition("1.5 s partition at 25%, 15 s timeout", 1500ms);
   EXPECT_EQ(p.kind, "OK") << p.line;
   EXPECT_GE(p.ms, 1500) << p.line;
   h.finish();
@@ -398,9 +428,7 @@ TEST(NetFault, RelayDelayAndJitterEveryPullVerifies) {
   ASSERT_NO_FATAL_FAILURE(h.start_reader(30000, 1000));
   const long long before = h.relayed_bytes();
   for (int i = 0; i < 3; ++i) {
-    const Pull p = h.pull();
-    std::printf("relay delay 20 +- 15 ms: %s\n", p.line.c_str());
-    EXPECT_EQ(p.kind, "OK") << p.line;
+    const Pull p = h.pull_ok("relay delay 20 +- 15 ms");
     EXPECT_GE(p.ms, 10) << "faster than one relayed round trip: " << p.line;
   }
   EXPECT_GE(h.relayed_bytes() - before, 3LL * 16 * 1048576) << "the data bypassed the relay";
@@ -415,34 +443,11 @@ TEST(NetFault, RelayDelayAndJitterEveryPullVerifies) {
 TEST(NetFault, RelayStallMidRead) {
   Hosts h(Shape::kRouted);
   NETFAULT_SETUP(h);
-  ASSERT_NO_FATAL_FAILURE(h.start_owner(512, 8));  // 16 MiB
-  ASSERT_NO_FATAL_FAILURE(h.start_relay());
-  ASSERT_EQ(h.cap_a("300mbit"), 0) << "tbf refused";
-  ASSERT_NO_FATAL_FAILURE(h.start_reader(3000, 3000));
-  std::thread resumer;
-  auto stall_for = [&](std::chrono::milliseconds d) {
-    return [&h, &resumer, d] {
-      ASSERT_EQ(h.relay("stall"), "OK stall");
-      resumer = std::thread([&h, d] {
-        std::this_thread::sleep_for(d);
-        EXPECT_EQ(h.relay("resume"), "OK resume");
-      });
-    };
-  };
-  const Pull ridden = h.pull(25, stall_for(1000ms));
-  resumer.join();
-  std::printf("1 s stall at 25%%, 3 s timeout: %s\n", ridden.line.c_str());
+  ASSERT_NO_FATAL_FAILURE(h.start_capped(3000, 3000));
+  const Pull ridden = h.pull_through_stall("1 s stall at 25%, 3 s timeout", 1000ms);
   EXPECT_EQ(ridden.kind, "OK") << ridden.line;
-  const Pull cut = h.pull(25, stall_for(4000ms));
-  resumer.join();
-  std::printf("4 s stall at 25%%, 3 s timeout: %s\n", cut.line.c_str());
-  h.expect_clean_failure(cut, {"Timeout", "PeerFailure"});
-  EXPECT_GT(cut.landed, 0);
-  EXPECT_LT(cut.landed, 100);
-  EXPECT_TRUE(h.owner_alive());
-  const Pull after = h.pull();
-  std::printf("after the stall: %s\n", after.line.c_str());
-  EXPECT_EQ(after.kind, "OK") << after.line;
+  const Pull cut = h.pull_through_stall("4 s stall at 25%, 3 s timeout", 4000ms);
+  h.expect_cut_mid_read(cut, "after the stall");
   h.finish();
 }
 
@@ -453,18 +458,13 @@ TEST(NetFault, RelayStallMidRead) {
 TEST(NetFault, RelayResetMidReadFailsThenReconnects) {
   Hosts h(Shape::kRouted);
   NETFAULT_SETUP(h);
-  ASSERT_NO_FATAL_FAILURE(h.start_owner(512, 8));
-  ASSERT_NO_FATAL_FAILURE(h.start_relay());
-  ASSERT_EQ(h.cap_a("300mbit"), 0) << "tbf refused";
-  ASSERT_NO_FATAL_FAILURE(h.start_reader(5000, 2000));
+  ASSERT_NO_FATAL_FAILURE(h.start_capped(5000, 2000));
   for (int round = 0; round < 2; ++round) {
     const Pull cut = h.pull(25, [&] { ASSERT_EQ(h.relay("reset"), "OK reset"); });
     std::printf("reset at 25%%, round %d: %s\n", round + 1, cut.line.c_str());
     h.expect_clean_failure(cut, {"PeerFailure", "Timeout"});
     EXPECT_TRUE(h.owner_alive());
-    const Pull after = h.pull();
-    std::printf("after the reset: %s\n", after.line.c_str());
-    EXPECT_EQ(after.kind, "OK") << after.line;
+    h.pull_ok("after the reset");
   }
   std::printf("%s\n", h.relay("stats").c_str());
   h.finish();

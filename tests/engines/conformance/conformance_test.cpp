@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "common/expectations.hpp"
+#include "common/geometry_pulls.hpp"
 #include "engine_suite.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/testing/pattern.hpp"
@@ -479,36 +480,13 @@ TEST_P(Conformance, ConcurrentPullsFromManyThreads) {
 // position); bytes the read does not name keep the sentinel.
 TEST_P(Conformance, MixedGeometriesPullByteExact) {
   MSTAR_KV_NEED_REMOTE();
-  // The owner: all 8 heads, 16-token HND pages, page-major.
-  const KVLayout owner = shard_layout(16, 8, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
+  const KVLayout owner = geometry_owner();
   PeerProcess peer(peer_spec(owner, 300));
-  const auto& seq = peer.sequence();
-  struct Case {
-    const char* what;
-    KVLayout local;
-    std::uint64_t start;
-  };
-  const Case cases[] = {
-      {"TP 1 -> 2, rank 1, 64-token NHD pages",
-       shard_layout(64, 4, 4, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 16), 0},
-      {"TP 1 -> 8, rank 5, 24-token pages, prefix hit mid-page",
-       shard_layout(24, 1, 5, 8, PageOrder::kNHD, CacheOrder::kPageMajor, 20), 37},
-      {"all heads, 128-token HND pages",
-       shard_layout(128, 8, 0, 8, PageOrder::kHND, CacheOrder::kLayerMajor, 4), 0},
-  };
-  for (const Case& c : cases) {
+  for (const GeometryCase& c : geometry_cases()) {
     SCOPED_TRACE(c.what);
     auto cache = local_cache(c.local);
     auto m = manager(cache);
-    const std::size_t n = (300 + c.local.page_size - 1) / c.local.page_size;
-    std::vector<std::uint32_t> lp(n);
-    for (std::size_t i = 0; i < n; ++i)
-      lp[i] = static_cast<std::uint32_t>((i * 3 + 1) % c.local.num_pages);
-    m->sync_retrieve(c.start, 300, lp, seq.page_indices, seq.kv_transfer_info);
-    auto v = testing::verify_pattern_any(*cache, kSeed, lp, c.start, 300);
-    EXPECT_TRUE(v.ok()) << v.first_mismatch;
-    expect_only_named_bytes_written(*cache, owner,
-                                    plan_reads(c.local, owner, c.start, 300, lp, seq.page_indices));
+    expect_geometry_pull(*m, *cache, c, owner, peer.sequence(), 300, kSeed, kSentinel);
   }
   // A shard that does not hold the local heads is refused before any byte moves.
   {

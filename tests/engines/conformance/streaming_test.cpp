@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <mutex>
+#include <string_view>
 #include <thread>
 #include <utility>
 
@@ -83,6 +85,18 @@ class Streaming : public EngineSuite {
     s_ = m_->start_streaming_retrieve(0, tokens, lp_, seq_.page_indices, seq_.kv_transfer_info);
     ASSERT_TRUE(s_.has_value());
   }
+  // The stream resolves within `limit` with `code`, its message naming each
+  // of `needles`.
+  void expect_stream_fails(StatusCode code, std::initializer_list<std::string_view> needles = {},
+                           std::chrono::milliseconds limit = 5000ms) {
+    ASSERT_TRUE(s_->future().wait_for(limit)) << "the stream did not resolve";
+    const Status st = s_->future().status();
+    EXPECT_EQ(st.code(), code) << st.to_string();
+    for (std::string_view n : needles) {
+      EXPECT_NE(st.message().find(n), std::string::npos)
+          << "'" << n << "' is not in: " << st.message();
+    }
+  }
   const KVLayout l_ = small_layout();
   std::unique_ptr<PeerProcess> owner_;
   std::shared_ptr<KVCache> cache_;
@@ -105,6 +119,23 @@ class Streaming : public EngineSuite {
   }
 };
 
+// The start of a case that streams: skips where the engine cannot.
+#define MSTAR_KV_NEED_READINESS() \
+  do {                            \
+    need_readiness();             \
+    if (IsSkipped()) return;      \
+  } while (0)
+
+// The start of a case that streams from the slow owner (stream_from_owner's
+// arguments): skips where the engine cannot, ends the case if the stream
+// did not start.
+#define MSTAR_KV_STREAM_FROM_OWNER(...) \
+  do {                                  \
+    MSTAR_KV_NEED_READINESS();          \
+    stream_from_owner(__VA_ARGS__);     \
+    if (HasFatalFailure()) return;      \
+  } while (0)
+
 TEST_P(Streaming, RefusedWithoutAReadinessChannel) {
   MSTAR_KV_NEED_REMOTE();
   if (GetParam().traits.layer_readiness) GTEST_SKIP() << engine() << " has a readiness channel";
@@ -124,8 +155,7 @@ TEST_P(Streaming, RefusedWithoutAReadinessChannel) {
 }
 
 TEST_P(Streaming, EachLayerArrivesAfterTheOwnerMarksItAndBeforeTheNext) {
-  need_readiness();
-  if (IsSkipped()) return;
+  MSTAR_KV_NEED_READINESS();
   const KVLayout l = small_layout();
   PeerProcess peer(peer_spec(l, 300));  // 19 pages, the last partial
   auto cache = local_cache(l);
@@ -173,8 +203,7 @@ TEST_P(Streaming, EachLayerArrivesAfterTheOwnerMarksItAndBeforeTheNext) {
 }
 
 TEST_P(Streaming, PrefixHitAndDifferentOrdersStreamLikeAPull) {
-  need_readiness();
-  if (IsSkipped()) return;
+  MSTAR_KV_NEED_READINESS();
   const KVLayout remote = small_layout(CacheOrder::kPageMajor, PageOrder::kHND);
   PeerProcess peer(peer_spec(remote, 90));
   const KVLayout l = small_layout(CacheOrder::kLayerMajor, PageOrder::kNHD);
@@ -196,8 +225,7 @@ TEST_P(Streaming, PrefixHitAndDifferentOrdersStreamLikeAPull) {
 }
 
 TEST_P(Streaming, LayersOverAMebibyteGoThroughTheEnginesWorkers) {
-  need_readiness();
-  if (IsSkipped()) return;
+  MSTAR_KV_NEED_READINESS();
   KVLayout l = small_layout();
   l.num_pages = 1024;  // 512 pages x 2 x 4 KiB = 4 MiB per layer: not an inline copy
   PeerProcess peer(peer_spec(l, 512 * 16));
@@ -218,8 +246,7 @@ TEST_P(Streaming, LayersOverAMebibyteGoThroughTheEnginesWorkers) {
 }
 
 TEST_P(Streaming, AnotherGeometryStreamsLikeAPull) {
-  need_readiness();
-  if (IsSkipped()) return;
+  MSTAR_KV_NEED_READINESS();
   // The owner: 8 heads, 16-token HND pages, page-major (then layer_page
   // NHD); the reader: tensor parallel rank 1 of 2 (heads 4..7), 64-token NHD
   // pages, layer-major (then layer_page HND).
@@ -244,8 +271,7 @@ TEST_P(Streaming, AnotherGeometryStreamsLikeAPull) {
 }
 
 TEST_P(Streaming, AFinishedSequenceStreamsAsOneRead) {
-  need_readiness();
-  if (IsSkipped()) return;
+  MSTAR_KV_NEED_READINESS();
   const KVLayout l = small_layout();
   PeerProcess peer(peer_spec(l, 200));  // published by publish(seq): every layer ready
   auto cache = local_cache(l);
@@ -260,8 +286,7 @@ TEST_P(Streaming, AFinishedSequenceStreamsAsOneRead) {
 }
 
 TEST_P(Streaming, ALayerNeverMarkedTimesOut) {
-  need_readiness();
-  if (IsSkipped()) return;
+  MSTAR_KV_NEED_READINESS();
   const KVLayout l = small_layout();
   PeerProcess peer(peer_spec(l, 64));
   auto cache = local_cache(l);
@@ -290,10 +315,7 @@ TEST_P(Streaming, ALayerNeverMarkedTimesOut) {
 }
 
 TEST_P(Streaming, CancelMidStreamStopsIssuingAndResolvesOnceNothingIsInFlight) {
-  need_readiness();
-  if (IsSkipped()) return;
-  stream_from_owner(300, 4, 128);
-  if (HasFatalFailure()) return;
+  MSTAR_KV_STREAM_FROM_OWNER(300, 4, 128);
   ASSERT_TRUE(s_->wait_for_layer(0, 10s).is_ok());
   const auto t0 = std::chrono::steady_clock::now();
   s_->cancel();
@@ -310,69 +332,44 @@ TEST_P(Streaming, CancelMidStreamStopsIssuingAndResolvesOnceNothingIsInFlight) {
 }
 
 TEST_P(Streaming, CancellingTheFutureCancelsTheStream) {
-  need_readiness();
-  if (IsSkipped()) return;
-  stream_from_owner(0, 0);
-  if (HasFatalFailure()) return;
+  MSTAR_KV_STREAM_FROM_OWNER(0, 0);
   s_->future().cancel();
-  ASSERT_TRUE(s_->future().wait_for(2s));
-  EXPECT_EQ(s_->future().status().code(), StatusCode::kCancelled);
+  expect_stream_fails(StatusCode::kCancelled, {}, 2s);
 }
 
 TEST_P(Streaming, ReadinessBeyondTheLayerCountIsRejected) {
-  need_readiness();
-  if (IsSkipped()) return;
-  stream_from_owner(0, 0);
-  if (HasFatalFailure()) return;
+  MSTAR_KV_STREAM_FROM_OWNER(0, 0);
   owner_->send("rawready 9");
-  ASSERT_TRUE(s_->future().wait_for(5s));
-  const Status st = s_->future().status();
-  EXPECT_EQ(st.code(), StatusCode::kCorruptDescriptor) << st.to_string();
-  EXPECT_NE(st.message().find("says 9 layers"), std::string::npos) << st.message();
-  EXPECT_NE(st.message().find("4 layers"), std::string::npos) << st.message();
+  ASSERT_NO_FATAL_FAILURE(
+      expect_stream_fails(StatusCode::kCorruptDescriptor, {"says 9 layers", "4 layers"}));
   for (std::uint32_t layer = 0; layer < 4; ++layer)
     EXPECT_TRUE(layer_untouched(*cache_, layer, lp_));
 }
 
 TEST_P(Streaming, ReadinessGoingBackwardsIsRejected) {
-  need_readiness();
-  if (IsSkipped()) return;
-  stream_from_owner(0, 2);
-  if (HasFatalFailure()) return;
+  MSTAR_KV_STREAM_FROM_OWNER(0, 2);
   ASSERT_TRUE(s_->wait_for_layer(1, 10s).is_ok());
   read_marks(*owner_, 2);
   owner_->send("rawready 1");
-  ASSERT_TRUE(s_->future().wait_for(5s));
-  const Status st = s_->future().status();
-  EXPECT_EQ(st.code(), StatusCode::kCorruptDescriptor) << st.to_string();
-  EXPECT_NE(st.message().find("went backwards: 1 layers ready, 2 were ready before"),
-            std::string::npos)
-      << st.message();
+  ASSERT_NO_FATAL_FAILURE(expect_stream_fails(
+      StatusCode::kCorruptDescriptor, {"went backwards: 1 layers ready, 2 were ready before"}));
   EXPECT_TRUE(layer_untouched(*cache_, 2, lp_));
 }
 
 TEST_P(Streaming, ANewGenerationOfThePagesIsRejected) {
-  need_readiness();
-  if (IsSkipped()) return;
-  stream_from_owner(0, 1);
-  if (HasFatalFailure()) return;
+  MSTAR_KV_STREAM_FROM_OWNER(0, 1);
   ASSERT_TRUE(s_->wait_for_layer(0, 10s).is_ok());
   read_marks(*owner_, 1);
   owner_->send("reuse");  // same pages, new epoch, every layer "ready"
   const SequenceInfo next = owner_->read_sequence();
   EXPECT_EQ(next.page_indices, seq_.page_indices);
-  ASSERT_TRUE(s_->future().wait_for(5s));
-  const Status st = s_->future().status();
-  EXPECT_EQ(st.code(), StatusCode::kStaleDescriptor) << st.to_string();
+  ASSERT_NO_FATAL_FAILURE(expect_stream_fails(StatusCode::kStaleDescriptor));
   for (std::uint32_t layer = 1; layer < 4; ++layer)
     EXPECT_TRUE(layer_untouched(*cache_, layer, lp_));
 }
 
 TEST_P(Streaming, AnOwnerThatDiesMidStreamFailsTheStreamWithinTheTimeout) {
-  need_readiness();
-  if (IsSkipped()) return;
-  stream_from_owner(100, 4);
-  if (HasFatalFailure()) return;
+  MSTAR_KV_STREAM_FROM_OWNER(100, 4);
   ASSERT_TRUE(s_->wait_for_layer(0, 10s).is_ok());
   owner_->kill_now();
   const auto t0 = std::chrono::steady_clock::now();
@@ -385,10 +382,7 @@ TEST_P(Streaming, AnOwnerThatDiesMidStreamFailsTheStreamWithinTheTimeout) {
 }
 
 TEST_P(Streaming, ShutdownResolvesAStreamWaitingForTheOwner) {
-  need_readiness();
-  if (IsSkipped()) return;
-  stream_from_owner(0, 1);
-  if (HasFatalFailure()) return;
+  MSTAR_KV_STREAM_FROM_OWNER(0, 1);
   ASSERT_TRUE(s_->wait_for_layer(0, 10s).is_ok());
   m_->cleanup();
   ASSERT_TRUE(s_->future().ready());
@@ -402,8 +396,7 @@ TEST_P(Streaming, ShutdownResolvesAStreamWaitingForTheOwner) {
 }
 
 TEST_P(Streaming, BadArgumentsAreRejectedBeforeAnyByteMoves) {
-  need_readiness();
-  if (IsSkipped()) return;
+  MSTAR_KV_NEED_READINESS();
   const KVLayout l = small_layout();
   PeerProcess peer(peer_spec(l, 64));
   auto cache = local_cache(l);

@@ -22,7 +22,7 @@
 #include "common/expectations.hpp"
 #include "common/layouts.hpp"
 #include "common/managers.hpp"
-#include "cuda_ipc_test_util.hpp"
+#include "cuda_ipc_fixture.hpp"
 #include "mstar/kv/engines/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/testing/pattern.hpp"
@@ -30,15 +30,13 @@
 namespace mstar::kv {
 namespace {
 
-using testing::small_layout;
-
 using namespace std::chrono_literals;
 using cuda_test::OwnerProcess;
 using cuda_test::OwnerSpec;
 using testing::small_layout;
 
-constexpr std::uint8_t kSentinel = 0xA5;
-constexpr std::uint64_t kSeed = 1234;
+using cuda_test::kSeed;
+using cuda_test::kSentinel;
 
 std::vector<std::uint32_t> local_pages(std::size_t n, std::uint32_t first = 3,
                                        std::uint32_t num_pages = 64) {
@@ -49,42 +47,12 @@ std::vector<std::uint32_t> local_pages(std::size_t n, std::uint32_t first = 3,
   return v;
 }
 
-class CudaIpcEngine : public ::testing::Test {
+class CudaIpcEngine : public cuda_test::DeviceTest {
  protected:
-  void SetUp() override {
-    const std::string why = testing::no_device_reason();
-    if (!why.empty()) {
-      if (testing::gpu_required()) FAIL() << "MSTAR_KV_REQUIRE_GPU=1 but " << why;
-      GTEST_SKIP() << "no CUDA device visible: " << why;
-    }
-  }
-
-  static OwnerSpec spec(const KVLayout& l, std::uint64_t tokens) {
-    OwnerSpec s;
-    s.layout = l;
-    s.tokens = tokens;
-    s.seed = kSeed;
-    return s;
-  }
-
-  static std::shared_ptr<KVCache> local_cache(const KVLayout& l) {
-    auto c = make_kv_cache(l, MemoryKind::kDevice, 0);
-    testing::fill_bytes(*c, std::byte{kSentinel});
-    return c;
-  }
-
   static std::unique_ptr<KVTransferManager> manager(std::shared_ptr<KVCache> cache,
                                                     std::chrono::milliseconds timeout = 10000ms,
                                                     std::map<std::string, std::string> extra = {}) {
     return testing::reader_manager("cuda_ipc", std::move(cache), timeout, std::move(extra));
-  }
-
-  // Every byte outside the destination spans of `reads` still holds the
-  // sentinel.
-  static void expect_only_named_bytes_written(const KVCache& local, const KVLayout& remote,
-                                              const std::vector<KVReadInfo>& reads) {
-    EXPECT_EQ(testing::bytes_written_outside(local, remote, reads, std::byte{kSentinel}), 0u)
-        << "bytes outside the read were written";
   }
 };
 
@@ -291,7 +259,7 @@ TEST_F(CudaIpcEngine, StaleGenerationIsRefused) {
   EXPECT_TRUE(v.ok()) << v.first_mismatch;
   EXPECT_EQ(engine.open_handles(), 1u) << "the replaced generation's handle stayed open";
 
-  testing::fill_bytes(*cache, std::byte{kSentinel});
+  testing::fill_bytes(*cache, kSentinel);
   testing::expect_error(
       [&] { m->start_async_retrieve(0, 64, lp, first.page_indices, first.kv_transfer_info); },
       StatusCode::kStaleDescriptor);
@@ -447,7 +415,7 @@ TEST_F(CudaIpcEngine, DeadOwnerIsRefused) {
   const testing::DeadPeer dead = testing::read_then_kill(owner, *m, 64, local_pages(4));
   const KVTransferInfo& stale = dead.descriptor;
   const std::vector<std::uint32_t>& pages = dead.pages;
-  testing::fill_bytes(*cache, std::byte{kSentinel});
+  testing::fill_bytes(*cache, kSentinel);
   testing::expect_error([&] { m->start_async_retrieve(0, 64, local_pages(4), pages, stale); },
                         StatusCode::kNotFound);
   EXPECT_EQ(engine.open_handles(), 0u);
@@ -468,8 +436,7 @@ TEST_F(CudaIpcEngine, ShutdownClosesEveryHandle) {
   auto cache = local_cache(l);
   auto m = manager(cache, 20000ms);
   const auto& seq = owner.sequence();
-  std::vector<std::uint32_t> lp(seq.page_indices.size());
-  for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>(i);
+  const auto lp = testing::iota_pages(seq.page_indices.size());
   auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
   ASSERT_TRUE(f.has_value());
   m->cleanup();
@@ -478,35 +445,13 @@ TEST_F(CudaIpcEngine, ShutdownClosesEveryHandle) {
   EXPECT_EQ(dynamic_cast<CudaIpcKVTransferEngine&>(m->engine()).open_handles(), 0u);
 }
 
+// Many small copies (one span per block, cuda_ipc_batch=0), so the read is
+// still queued when cancel / the 1 ms deadline hits.
 TEST_F(CudaIpcEngine, CancelAndTimeoutResolveOnlyAfterTheCopiesDrain) {
-  // Many small copies (layer-major, scattered: one span per block), so the
-  // read is still queued when cancel / the 1 ms deadline hits.
-  KVLayout l = small_layout();
-  l.num_layers = 32;
-  l.num_pages = 1024;
-  OwnerProcess owner(spec(l, 1024 * 16));
-  const auto& seq = owner.sequence();
-  std::vector<std::uint32_t> lp(seq.page_indices.size());
-  for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>((i * 7) % 1024);
-  for (const bool cancel : {true, false}) {
-    auto cache = local_cache(l);
-    auto m = manager(cache, cancel ? 20000ms : 1ms, {{"cuda_ipc_batch", "0"}});
-    auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
-    ASSERT_TRUE(f.has_value());
-    if (cancel) f->cancel();
-    ASSERT_TRUE(f->wait_for(30s));
-    const StatusCode c = f->status().code();
-    std::cout << "[ INFO     ] " << (cancel ? "cancel" : "1 ms timeout") << ": "
-              << f->status().to_string() << std::endl;
-    if (c == StatusCode::kOk) {
-      auto v = testing::verify_pattern_any(*cache, kSeed, lp, 0, seq.num_tokens);
-      EXPECT_TRUE(v.ok()) << v.first_mismatch;
-    } else {
-      EXPECT_EQ(c, cancel ? StatusCode::kCancelled : StatusCode::kTimeout)
-          << f->status().to_string();
-      testing::expect_quiet(*cache, 50ms);
-    }
-  }
+  cuda_test::expect_cancel_and_timeout_drain(
+      "unbatched copies", [](std::shared_ptr<KVCache> cache, std::chrono::milliseconds timeout) {
+        return manager(std::move(cache), timeout, {{"cuda_ipc_batch", "0"}});
+      });
 }
 
 TEST_F(CudaIpcEngine, BatchedAndPlainCopiesAgree) {

@@ -17,11 +17,13 @@
 #include <thread>
 
 #include "common/expectations.hpp"
+#include "common/geometry_pulls.hpp"
 #include "common/layouts.hpp"
 #include "common/managers.hpp"
 #include "common/scoped_env.hpp"
+#include "common/strided_spans.hpp"
 #include "core/span_table.hpp"
-#include "cuda_ipc_test_util.hpp"
+#include "cuda_ipc_fixture.hpp"
 #include "engines/cuda_ipc/span_kernel.hpp"
 #include "mstar/kv/engines/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
@@ -32,13 +34,10 @@ namespace {
 
 using namespace std::chrono_literals;
 using cuda_test::OwnerProcess;
-using cuda_test::OwnerSpec;
 using testing::ScopedEnv;
-using testing::shard_layout;
 using testing::small_layout;
 
-constexpr std::uint8_t kSentinel = 0xA5;
-constexpr std::uint64_t kSeed = 4321;
+using cuda_test::kSeed;
 
 // ---- the option (no device needed) -------------------------------------------
 
@@ -75,32 +74,17 @@ TEST(CudaIpcCopyOption, BadValuesAreRefusedNamingWhereTheyCameFrom) {
 
 // ---- on a device -----------------------------------------------------------------
 
-class CudaIpcKernel : public ::testing::Test {
+class CudaIpcKernel : public cuda_test::DeviceTest {
  protected:
   void SetUp() override {
-    const std::string why = testing::no_device_reason();
-    if (!why.empty()) {
-      if (testing::gpu_required()) FAIL() << "MSTAR_KV_REQUIRE_GPU=1 but " << why;
-      GTEST_SKIP() << "no CUDA device visible: " << why;
-    }
+    DeviceTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
     if (!cuda_ipc::span_kernel_built()) {
       if (testing::gpu_required()) FAIL() << "MSTAR_KV_REQUIRE_GPU=1 but the kernel is not built";
       GTEST_SKIP() << "this build has no copy kernel (no CUDA compiler at configure time)";
     }
   }
 
-  static OwnerSpec spec(const KVLayout& l, std::uint64_t tokens) {
-    OwnerSpec s;
-    s.layout = l;
-    s.tokens = tokens;
-    s.seed = kSeed;
-    return s;
-  }
-  static std::shared_ptr<KVCache> local_cache(const KVLayout& l) {
-    auto c = make_kv_cache(l, MemoryKind::kDevice, 0);
-    testing::fill_bytes(*c, std::byte{kSentinel});
-    return c;
-  }
   static std::unique_ptr<KVTransferManager> manager(std::shared_ptr<KVCache> cache,
                                                     const char* path,
                                                     std::chrono::milliseconds timeout = 20000ms) {
@@ -108,11 +92,6 @@ class CudaIpcKernel : public ::testing::Test {
         testing::reader_manager("cuda_ipc", std::move(cache), timeout, {{"cuda_ipc_copy", path}});
     EXPECT_EQ(dynamic_cast<CudaIpcKVTransferEngine&>(m->engine()).copy_path(), path);
     return m;
-  }
-  static void expect_only_named(const KVCache& local, const KVLayout& remote,
-                                const std::vector<KVReadInfo>& reads) {
-    EXPECT_EQ(testing::bytes_written_outside(local, remote, reads, std::byte{kSentinel}), 0u)
-        << "bytes outside the read were written";
   }
 };
 
@@ -132,17 +111,10 @@ std::byte* device_alloc(std::size_t n) {
 // bytes as the host reference (memcpy of every row).
 TEST_F(CudaIpcKernel, KernelCopiesWhatTheHostReferenceCopies) {
   std::mt19937_64 g(3);
-  std::vector<StridedSpan> spans;
-  std::uint64_t dst = 3;
-  std::uint64_t src = 1;
-  for (std::uint64_t len = 1; len <= 300; ++len) {
-    const std::uint64_t rows = 1 + g() % 9;
-    const std::uint64_t ls = rows > 1 ? len + g() % 19 : 0;
-    const std::uint64_t rs = rows > 1 ? len + g() % 23 : 0;
-    spans.push_back({dst, src, len, rows, ls, rs});
-    dst += (rows - 1) * ls + len + g() % 7;
-    src += (rows - 1) * rs + len + g() % 5;
-  }
+  testing::OddSpans odd = testing::odd_spans(300, 9, g);
+  std::vector<StridedSpan>& spans = odd.spans;
+  const std::uint64_t dst = odd.dst_end;
+  const std::uint64_t src = odd.src_end;
   // And 20,000 aligned 4 KiB blocks, scattered (a layer-major pull's shape).
   for (std::uint64_t i = 0; i < 20000; ++i) {
     spans.push_back(
@@ -174,12 +146,7 @@ TEST_F(CudaIpcKernel, KernelCopiesWhatTheHostReferenceCopies) {
       std::vector<std::byte> got(dst_size);
       check_cuda(cudaMemcpy(got.data(), d_dst + da, dst_size, cudaMemcpyDeviceToHost), "down");
       std::vector<std::byte> want(dst_size, std::byte{0xEE});
-      for (const StridedSpan& s : spans) {
-        for (std::uint64_t r = 0; r < s.rows; ++r) {
-          std::memcpy(want.data() + s.local_offset + r * s.local_stride,
-                      host_src.data() + s.remote_offset + r * s.remote_stride, s.length);
-        }
-      }
+      testing::reference_copy(spans, host_src.data(), want.data());
       std::uint64_t bad = 0;
       for (std::uint64_t i = 0; i < dst_size; ++i) bad += want[i] != got[i];
       EXPECT_EQ(bad, 0u);
@@ -196,40 +163,15 @@ TEST_F(CudaIpcKernel, KernelCopiesWhatTheHostReferenceCopies) {
 // owner (all heads, 16-token HND pages, page-major): byte-exact by the
 // pattern, nothing outside the read written.
 TEST_F(CudaIpcKernel, KernelAndMemcpyPathsAgreeOnEveryGeometry) {
-  const KVLayout owner_layout =
-      shard_layout(16, 8, 0, 8, PageOrder::kHND, CacheOrder::kPageMajor, 64);
+  const KVLayout owner_layout = testing::geometry_owner();
   OwnerProcess owner(spec(owner_layout, 300));
-  const auto& seq = owner.sequence();
-  struct Case {
-    const char* what;
-    KVLayout local;
-    std::uint64_t start;
-  };
-  const Case cases[] = {
-      {"same geometry", owner_layout, 0},
-      {"NHD layer-major, prefix mid-page",
-       shard_layout(16, 8, 0, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 64), 37},
-      {"TP 1 -> 2 rank 1, 64-token NHD pages",
-       shard_layout(64, 4, 4, 8, PageOrder::kNHD, CacheOrder::kLayerMajor, 16), 0},
-      {"TP 1 -> 8 rank 5, 24-token pages",
-       shard_layout(24, 1, 5, 8, PageOrder::kNHD, CacheOrder::kPageMajor, 20), 5},
-      {"128-token HND pages",
-       shard_layout(128, 8, 0, 8, PageOrder::kHND, CacheOrder::kLayerMajor, 4), 0},
-  };
-  for (const Case& c : cases) {
+  for (const testing::GeometryCase& c : testing::geometry_cases()) {
     for (const char* path : {"kernel", "memcpy"}) {
       SCOPED_TRACE(std::string(c.what) + ", " + path);
       auto cache = local_cache(c.local);
       auto m = manager(cache, path);
-      const std::size_t n = (300 + c.local.page_size - 1) / c.local.page_size;
-      std::vector<std::uint32_t> lp(n);
-      for (std::size_t i = 0; i < n; ++i)
-        lp[i] = static_cast<std::uint32_t>((i * 3 + 1) % c.local.num_pages);
-      m->sync_retrieve(c.start, 300, lp, seq.page_indices, seq.kv_transfer_info);
-      auto v = testing::verify_pattern_any(*cache, kSeed, lp, c.start, 300);
-      EXPECT_TRUE(v.ok()) << v.first_mismatch;
-      expect_only_named(*cache, owner_layout,
-                        plan_reads(c.local, owner_layout, c.start, 300, lp, seq.page_indices));
+      testing::expect_geometry_pull(*m, *cache, c, owner_layout, owner.sequence(), 300, kSeed,
+                                    cuda_test::kSentinel);
     }
   }
 }
@@ -268,32 +210,10 @@ TEST_F(CudaIpcKernel, ManyReadsInFlightEachWithItsTable) {
 // Cancel and a 1 ms deadline on a large kernel read resolve only once the
 // launch drained (no byte after), or the read finished first, byte-exact.
 TEST_F(CudaIpcKernel, CancelAndTimeoutResolveOnlyAfterTheLaunchDrains) {
-  KVLayout l = small_layout();
-  l.num_layers = 32;
-  l.num_pages = 1024;
-  OwnerProcess owner(spec(l, 1024 * 16));
-  const auto& seq = owner.sequence();
-  std::vector<std::uint32_t> lp(seq.page_indices.size());
-  for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>((i * 7) % 1024);
-  for (const bool cancel : {true, false}) {
-    auto cache = local_cache(l);
-    auto m = manager(cache, "kernel", cancel ? 20000ms : 1ms);
-    auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
-    ASSERT_TRUE(f.has_value());
-    if (cancel) f->cancel();
-    ASSERT_TRUE(f->wait_for(30s));
-    const StatusCode c = f->status().code();
-    std::cout << "[ INFO     ] kernel, " << (cancel ? "cancel" : "1 ms timeout") << ": "
-              << f->status().to_string() << std::endl;
-    if (c == StatusCode::kOk) {
-      auto v = testing::verify_pattern_any(*cache, kSeed, lp, 0, seq.num_tokens);
-      EXPECT_TRUE(v.ok()) << v.first_mismatch;
-    } else {
-      EXPECT_EQ(c, cancel ? StatusCode::kCancelled : StatusCode::kTimeout)
-          << f->status().to_string();
-      testing::expect_quiet(*cache, 50ms);
-    }
-  }
+  cuda_test::expect_cancel_and_timeout_drain(
+      "kernel", [](std::shared_ptr<KVCache> cache, std::chrono::milliseconds timeout) {
+        return manager(std::move(cache), "kernel", timeout);
+      });
 }
 
 // Shutdown with kernel reads in flight resolves every one, closes every
@@ -305,8 +225,7 @@ TEST_F(CudaIpcKernel, ShutdownWithKernelReadsInFlight) {
   const auto& seq = owner.sequence();
   auto cache = local_cache(l);
   auto m = manager(cache, "kernel");
-  std::vector<std::uint32_t> lp(seq.page_indices.size());
-  for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>(i);
+  const auto lp = testing::iota_pages(seq.page_indices.size());
   std::vector<TransferFuture> fs;
   for (int i = 0; i < 4; ++i) {
     auto f = m->start_async_retrieve(0, seq.num_tokens, lp, seq.page_indices, seq.kv_transfer_info);
@@ -328,17 +247,14 @@ TEST_F(CudaIpcKernel, ShutdownWithKernelReadsInFlight) {
 // so reads may well succeed), the engine keeps working for a new owner,
 // and the dead owner's descriptor is refused.
 TEST_F(CudaIpcKernel, OwnerKilledMidCopyResolvesInBoundedTime) {
-  KVLayout l = small_layout();
-  l.num_layers = 32;
-  l.num_pages = 1024;
+  const KVLayout l = cuda_test::many_copies_layout();
   for (const char* path : {"kernel", "memcpy"}) {
     SCOPED_TRACE(path);
     auto owner = std::make_unique<OwnerProcess>(spec(l, 1024 * 16));
     const SequenceInfo seq = owner->sequence();
     auto cache = local_cache(l);
     auto m = manager(cache, path);
-    std::vector<std::uint32_t> lp(seq.page_indices.size());
-    for (std::size_t i = 0; i < lp.size(); ++i) lp[i] = static_cast<std::uint32_t>((i * 7) % 1024);
+    const auto lp = cuda_test::scattered_pages(seq.page_indices.size());
     std::vector<TransferFuture> fs;
     for (int i = 0; i < 8; ++i) {
       auto f =

@@ -80,6 +80,22 @@ std::vector<std::uint32_t> spread_pages(std::size_t n, std::uint32_t num_pages) 
   return v;
 }
 
+// The start of a case: an owner of `tokens` tokens of small_layout() in a
+// private cache, a reader's private cache, its manager and the local pages
+// the sequence lands on, spread over that cache.
+struct PrivatePull {
+  explicit PrivatePull(std::uint64_t tokens)
+      : owner(l, tokens),
+        cache(reader_cache(l, ReaderCache::kPrivate)),
+        m(shm_manager(cache)),
+        pages(spread_pages(owner.seq.page_indices.size(), l.num_pages)) {}
+  const KVLayout l = testing::small_layout();
+  PrivateOwner owner;
+  std::shared_ptr<KVCache> cache;
+  std::unique_ptr<KVTransferManager> m;
+  const std::vector<std::uint32_t> pages;
+};
+
 // The conformance suites' shm setups make the caches they name, and the
 // owner's engine publishes what they hold.
 TEST(ShmCma, TheLoopbackSetupsMakeTheCachesTheyName) {
@@ -176,11 +192,8 @@ TEST(ShmCma, OwnerKilledMidReadFailsInBoundedTimeAndNothingLandsAfter) {
 }
 
 TEST(ShmCma, ANewEngineOrCacheOfTheOwnerMakesItsOldDescriptorsStale) {
-  const KVLayout l = testing::small_layout();
-  PrivateOwner owner(l, 500);
-  auto cache = reader_cache(l, ReaderCache::kPrivate);
-  auto m = shm_manager(cache);
-  const auto pages = spread_pages(owner.seq.page_indices.size(), l.num_pages);
+  PrivatePull p(500);
+  auto& [l, owner, cache, m, pages] = p;
   m->sync_retrieve(0, 500, pages, owner.seq.page_indices, owner.seq.kv_transfer_info);
   // The same cache under a new engine: a new anchor, a new nonce.
   const SequenceInfo old = owner.seq;
@@ -283,11 +296,8 @@ void forbid_cross_memory_attach_on_this_thread() {
 }
 
 TEST(ShmCma, AReaderTheKernelForbidsIsToldWhyAndWhatToChange) {
-  const KVLayout l = testing::small_layout();
-  PrivateOwner owner(l, 500);
-  auto cache = reader_cache(l, ReaderCache::kPrivate);
-  auto m = shm_manager(cache);
-  const auto pages = spread_pages(owner.seq.page_indices.size(), l.num_pages);
+  PrivatePull p(500);
+  auto& [l, owner, cache, m, pages] = p;
   std::string message;
   std::thread t([&] {
     forbid_cross_memory_attach_on_this_thread();
