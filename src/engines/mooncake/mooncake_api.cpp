@@ -143,18 +143,21 @@ MooncakeLibrary::MooncakeLibrary(const std::string& path) : path_(path) {
                                               "; set --mooncake-lib PATH or " + kLibEnv);
   }
   try {
-    resolve(handle_, path_, "createTransferEngine", api_.createTransferEngine);
-    resolve(handle_, path_, "getLocalIpAndPort", api_.getLocalIpAndPort);
-    resolve(handle_, path_, "installTransport", api_.installTransport);
-    resolve(handle_, path_, "openSegment", api_.openSegment);
-    resolve(handle_, path_, "closeSegment", api_.closeSegment);
-    resolve(handle_, path_, "destroyTransferEngine", api_.destroyTransferEngine);
-    resolve(handle_, path_, "registerLocalMemory", api_.registerLocalMemory);
-    resolve(handle_, path_, "unregisterLocalMemory", api_.unregisterLocalMemory);
-    resolve(handle_, path_, "allocateBatchID", api_.allocateBatchID);
-    resolve(handle_, path_, "submitTransfer", api_.submitTransfer);
-    resolve(handle_, path_, "getTransferStatus", api_.getTransferStatus);
-    resolve(handle_, path_, "freeBatchID", api_.freeBatchID);
+    // Each C symbol into the member of the same name.
+#define MSTAR_KV_RESOLVE(fn) resolve(handle_, path_, #fn, api_.fn)
+    MSTAR_KV_RESOLVE(createTransferEngine);
+    MSTAR_KV_RESOLVE(getLocalIpAndPort);
+    MSTAR_KV_RESOLVE(installTransport);
+    MSTAR_KV_RESOLVE(openSegment);
+    MSTAR_KV_RESOLVE(closeSegment);
+    MSTAR_KV_RESOLVE(destroyTransferEngine);
+    MSTAR_KV_RESOLVE(registerLocalMemory);
+    MSTAR_KV_RESOLVE(unregisterLocalMemory);
+    MSTAR_KV_RESOLVE(allocateBatchID);
+    MSTAR_KV_RESOLVE(submitTransfer);
+    MSTAR_KV_RESOLVE(getTransferStatus);
+    MSTAR_KV_RESOLVE(freeBatchID);
+#undef MSTAR_KV_RESOLVE
     dlerror();
     api_.openSegmentNoCache =
         reinterpret_cast<McOpenSegmentFn>(dlsym(handle_, "openSegmentNoCache"));
