@@ -18,21 +18,21 @@
 #include <string>
 #include <vector>
 
-#include "testkit/child.hpp"
 #include "testkit/ports.hpp"
+#include "toolkit/child.hpp"
 
 namespace mstar::kv::cli::bench {
 
-// Bench children (testkit::Child) run in their own process group, so that
+// Bench children (toolkit::Child) run in their own process group, so that
 // the kills reach the helpers they start, and get 2 s to exit on SIGTERM.
-struct SpawnOptions : testkit::ChildOptions {
+struct SpawnOptions : toolkit::ChildOptions {
   SpawnOptions() {
     own_group = true;
     destroy_grace = std::chrono::milliseconds(2000);
   }
 };
-using testkit::Child;
-using testkit::find_program;
+using toolkit::Child;
+using toolkit::find_program;
 
 // The whole file, or "" when it cannot be read.
 std::string read_file(const std::string& path);

@@ -3,7 +3,7 @@
 // Running one benchmark case: the engine moving a workload's pages through
 // the public API (KVTransferManager, the remote cache in a server process),
 // interleaved with its baseline: the fastest copy of the same copy spans this
-// machine makes (testkit::BestCopy). Not thread-safe: one case at a time.
+// machine makes (toolkit::BestCopy). Not thread-safe: one case at a time.
 #pragma once
 
 #include <chrono>
