@@ -1,12 +1,13 @@
 // Copyright mstar-kv authors.
 //
 // Child processes for `mstar-kv bench`: the benchmark's server processes
-// (the remote side of a same-host or loopback transfer) and the external
-// baselines (ucx_perftest, iperf3, Mooncake's transfer_engine_bench).
+// (the remote side of a same-host or loopback transfer), and in the
+// development benchmark (bench/mstar-kv-bench) the external baselines
+// (ucx_perftest, iperf3, Mooncake's transfer_engine_bench, NIXL).
 //
 // Every child runs in its own process group, dies with the parent
 // (PR_SET_PDEATHSIG) and is bounded in time: Child's destructor kills the
-// whole group (SIGTERM, then SIGKILL) and reaps it (src/testkit/child.hpp).
+// whole group (SIGTERM, then SIGKILL) and reaps it (src/toolkit/child.hpp).
 #pragma once
 
 #include <sys/types.h>
@@ -18,7 +19,6 @@
 #include <string>
 #include <vector>
 
-#include "testkit/ports.hpp"
 #include "toolkit/child.hpp"
 
 namespace mstar::kv::cli::bench {
@@ -32,7 +32,6 @@ struct SpawnOptions : toolkit::ChildOptions {
   }
 };
 using toolkit::Child;
-using toolkit::find_program;
 
 // The whole file, or "" when it cannot be read.
 std::string read_file(const std::string& path);
@@ -40,8 +39,6 @@ std::string read_file(const std::string& path);
 std::string temp_file(const std::string& stem);
 // The last `n` non-empty lines of `text` joined by " | ", at most 400 chars.
 std::string last_lines(const std::string& text, int n);
-using testkit::pick_port;
-using testkit::tcp_port_listening;
 
 // Blocking I/O on pipes, with a deadline; false on EOF, error or timeout.
 bool write_all(int fd, const void* data, std::size_t n);
