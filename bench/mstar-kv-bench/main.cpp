@@ -203,6 +203,7 @@ void measure_references(const Args& args, const BenchPlan& plan, Report& report,
 
 int run(int argc, char** argv) {
   BenchExtension ext;
+  ext.tool = "mstar-kv-bench";
   ext.help_header = kHeader;
   ext.help_options = kOptions;
   ext.flags = {"no-external"};

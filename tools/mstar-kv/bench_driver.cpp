@@ -257,6 +257,7 @@ int bench_main(int argc, char** argv, const BenchExtension& ext) {
                 "bench takes no positional arguments, got '" + args.positional()[0] + "'");
   }
   Report report;
+  report.tool = ext.tool;
   report.date = utc_now();
   report.nproc = std::max(1u, std::thread::hardware_concurrency());
   report.suite = args.has("piece") || args.has("model") || args.has("tokens") || args.has("batch")

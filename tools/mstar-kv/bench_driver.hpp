@@ -32,6 +32,8 @@ struct BenchPlan {
 
 // What a program built on the driver adds to it.
 struct BenchExtension {
+  // The program, as the table, JSON and plot name it.
+  std::string tool = "mstar-kv bench";
   // The usage line and what the run measures, before the common options.
   std::string help_header;
   // Its own options' help, after the common ones.
