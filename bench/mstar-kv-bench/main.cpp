@@ -54,55 +54,57 @@ const char* kOptions =
 // request is one 512 MiB span; at that size the tool only measures TCP).
 constexpr std::uint64_t kMaxPerftestMessage = 16u << 20;
 
-// The references, after the engine cases: ucx_perftest as the baseline of
-// the cases over TCP, plain TCP beside them, and with `peers` iperf3 and the
-// peers' rows at the raw cases' sizes.
-void measure_references(const Args& args, const BenchPlan& plan, Report& report,
-                        Progress& progress) {
-  const int mc_duration = static_cast<int>(args.u64("mooncake-duration", 5));
-  const std::string mc_sizes = args.str("mooncake-sizes", "default");
-  // The peers run with no --engine, with --engine peers, or beside an engine
-  // whose peers may be on other hosts.
-  const bool peers = !args.has("engine") || plan.pseudo_named.count("peers") != 0 ||
-                     std::any_of(plan.variants.begin(), plan.variants.end(),
-                                 [](const EngineVariant& v) { return v.crosses_hosts; });
-  std::set<std::string> over_tcp;  // the variants whose bytes cross a TCP socket
-  for (const EngineVariant& v : plan.variants) {
-    if (v.over_tcp) over_tcp.insert(v.name);
-  }
-  // ucx_perftest at each message size a UCX case used, cached per (tls, size).
-  std::map<std::pair<std::string, std::uint64_t>, std::optional<Stat>> perftest;
-  std::map<std::pair<std::string, std::uint64_t>, std::string> perftest_err;
-  const std::uint32_t ext_repeat = std::min<std::uint32_t>(plan.run.repeat, 3);
-  auto ucx_perf = [&](const std::string& tls, std::uint64_t size) -> std::optional<Stat> {
-    const auto key = std::make_pair(tls, size);
-    if (auto it = perftest.find(key); it != perftest.end()) return it->second;
-    progress.set_label("ucx_perftest stream_bw " + tls + " " + std::to_string(size) + " B");
+// ucx_perftest stream_bw over tcp at each message size asked, run once per
+// size (up to 3 repetitions, as many as the cases have).
+class Perftest {
+ public:
+  Perftest(Progress& progress, std::uint32_t repeat)
+      : progress_(progress), repeat_(std::min<std::uint32_t>(repeat, 3)) {}
+
+  // The GB/s at `size`, or nullopt and error(size) says why.
+  std::optional<Stat> at(std::uint64_t size) {
+    if (auto it = done_.find(size); it != done_.end()) return it->second;
+    progress_.set_label("ucx_perftest stream_bw tcp " + std::to_string(size) + " B");
     std::vector<double> g;
-    for (std::uint32_t i = 0; i < ext_repeat; ++i) {
-      const ExternalResult er = run_ucx_perftest(tls, "stream_bw", size);
+    for (std::uint32_t i = 0; i < repeat_; ++i) {
+      const ExternalResult er = run_ucx_perftest("tcp", "stream_bw", size);
       if (!er.ok) {
-        perftest_err[key] = er.error;
+        errors_[size] = er.error;
         break;
       }
       g.push_back(er.gbps);
     }
     std::optional<Stat> s;
     if (!g.empty()) s = make_stat(g);
-    perftest[key] = s;
+    done_[size] = s;
     return s;
-  };
-  // Over TCP the transport's own best is the limit, not memcpy. (For
-  // ucx-sm memcpy is the limit: ucx_perftest re-sends one cache-hot buffer.)
+  }
+  std::string error(std::uint64_t size) const {
+    const auto it = errors_.find(size);
+    return it == errors_.end() ? "" : it->second;
+  }
+
+ private:
+  Progress& progress_;
+  std::uint32_t repeat_;
+  std::map<std::uint64_t, std::optional<Stat>> done_;
+  std::map<std::uint64_t, std::string> errors_;
+};
+
+// Over TCP the transport's own best is the limit, not memcpy: every case of
+// a variant in `over_tcp` gets ucx_perftest at its median copy span as its
+// baseline. (For ucx-sm memcpy is the limit: ucx_perftest re-sends one
+// cache-hot buffer.)
+void set_tcp_baselines(Report& report, const std::set<std::string>& over_tcp, Perftest& perftest) {
   for (CaseResult& c : report.cases) {
     if (!c.ok || c.piece_bytes == 0) continue;
     if (over_tcp.count(c.engine) == 0) continue;
     const std::uint64_t size = std::min(c.piece_bytes, kMaxPerftestMessage);
-    const auto s = ucx_perf("tcp", size);
+    const auto s = perftest.at(size);
     const std::string name = "ucx_perftest stream_bw tcp " + size_name(size);
     if (!s) {
       report.notes.push_back(c.engine + " " + c.workload.name + ": no " + name +
-                             " baseline: " + perftest_err[{"tcp", size}]);
+                             " baseline: " + perftest.error(size));
       continue;
     }
     c.extra["ucx_perftest_stream_bw_tcp"] = s->median;
@@ -110,95 +112,121 @@ void measure_references(const Args& args, const BenchPlan& plan, Report& report,
     c.baseline_gbps = *s;
     c.ratio = s->median > 0 ? std::optional<double>(c.gbps.median / s->median) : std::nullopt;
   }
+}
+
+// iperf3, one stream with 1 MiB writes: the wire's best here (iperf3's
+// default 128 KiB writes carry less than half of it on some machines); a
+// note with the ratio of every case over TCP to it.
+void note_iperf3(Report& report, const std::set<std::string>& over_tcp, Progress& progress) {
+  progress.set_label("iperf3 tcp loopback");
+  const ExternalResult ip = run_iperf3(2.0, 1u << 20);
+  report.references.push_back({"iperf3 tcp loopback (1 stream, 1 MiB writes)", ip.ok, ip.gbps,
+                               ip.ok ? ip.command : ip.error});
+  if (!ip.ok || ip.gbps <= 0) return;
+  for (CaseResult& c : report.cases) {
+    if (!c.ok || over_tcp.count(c.engine) == 0) continue;
+    c.extra["iperf3_tcp"] = ip.gbps;
+    char line[256];
+    std::snprintf(line, sizeof line, "%s %s: %.2f GB/s = %.2f of iperf3 (1 stream, 1 MiB writes)",
+                  c.engine.c_str(), c.workload.name.c_str(), c.gbps.median,
+                  c.gbps.median / ip.gbps);
+    report.notes.push_back(line);
+  }
+}
+
+// A peer's row at a raw case's block and batch, beside ucx_perftest over
+// TCP, and a note with the ratio of each of our TCP cases of that size to it.
+void peer_row(Report& report, const std::set<std::string>& over_tcp, Perftest& perftest,
+              const std::string& peer, const std::string& what, std::uint64_t block,
+              std::uint32_t batch, const ExternalResult& er) {
+  CaseResult r;
+  r.engine = peer;
+  r.workload = raw_workload(block, batch, "piece");
+  if (!er.ok) {
+    r.error = er.error;
+    r.skipped = true;  // a reference that did not run, not a failure of ours
+    report.cases.push_back(r);
+    return;
+  }
+  r.ok = true;
+  r.gbps = Stat{er.gbps, er.gbps, er.gbps};
+  r.requests_per_s = er.gbps * 1e9 / static_cast<double>(block * batch);  // batches/s
+  r.piece_bytes = block;
+  r.reads = batch;
+  r.copies = batch;
+  r.extra[peer] = er.gbps;
+  if (const auto st = perftest.at(block)) {
+    r.baseline_name = "ucx_perftest stream_bw tcp " + size_name(block);
+    r.baseline_gbps = *st;
+    r.ratio = r.gbps.median / st->median;
+  }
+  report.notes.push_back(what + ": " + er.command + " -> " + std::to_string(er.gbps) + " GB/s");
+  for (CaseResult& c : report.cases) {
+    if (c.ok && c.engine != peer && c.workload.model == "raw" && c.workload.piece_bytes == block &&
+        c.workload.batch == batch && over_tcp.count(c.engine) != 0) {
+      c.extra[peer] = er.gbps;
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "%s %s: %.2fx %s", c.engine.c_str(), c.workload.name.c_str(),
+                    c.gbps.median / er.gbps, what.c_str());
+      report.notes.push_back(buf);
+    }
+  }
+  report.cases.push_back(r);
+}
+
+// The peers (Mooncake's transfer_engine_bench, NVIDIA NIXL: PyPI wheel, UCX
+// backend, DRAM) over the same TCP, at the raw cases' block and batch sizes
+// (--mooncake-sizes).
+void run_peers(const Args& args, const BenchPlan& plan, Report& report,
+               const std::set<std::string>& over_tcp, Perftest& perftest, Progress& progress) {
+  const int mc_duration = static_cast<int>(args.u64("mooncake-duration", 5));
+  const std::string mc_sizes = args.str("mooncake-sizes", "default");
+  std::set<std::pair<std::uint64_t, std::uint32_t>> sizes;
+  if (mc_sizes != "none") sizes.insert({65536, 128});
+  if (mc_sizes == "all") {
+    for (const auto& w : plan.workloads) {
+      if (w.model == "raw") sizes.insert({w.piece_bytes, w.batch});
+    }
+  }
+  if (sizes.empty()) return;
+  std::string why_not;
+  const std::string te = find_mooncake_bench(&why_not);
+  if (te.empty()) {
+    report.references.push_back({"Mooncake transfer_engine_bench", false, 0, why_not});
+  } else {
+    for (const auto& [block, batch] : sizes) {
+      progress.set_label("Mooncake transfer_engine_bench " + size_name(block));
+      peer_row(report, over_tcp, perftest, "mooncake_te_bench", "Mooncake transfer_engine_bench",
+               block, batch, run_mooncake_bench(te, block, batch, 1, mc_duration));
+    }
+  }
+  for (const auto& [block, batch] : sizes) {
+    progress.set_label("NIXL READ over UCX tcp " + size_name(block));
+    peer_row(report, over_tcp, perftest, "nixl_ucx_tcp", "NIXL over UCX tcp", block, batch,
+             run_nixl_peer("tcp", block, batch, 200));
+  }
+}
+
+// The references, after the engine cases.
+void measure_references(const Args& args, const BenchPlan& plan, Report& report,
+                        Progress& progress) {
+  std::set<std::string> over_tcp;  // the variants whose bytes cross a TCP socket
+  for (const EngineVariant& v : plan.variants) {
+    if (v.over_tcp) over_tcp.insert(v.name);
+  }
+  Perftest perftest(progress, plan.run.repeat);
+  set_tcp_baselines(report, over_tcp, perftest);
   // Beside plain TCP: small requests against one round trip of their
   // bytes, large ones against one stream of them (bench_tcp.hpp).
   note_tcp_floors(report, over_tcp, progress);
-  if (peers) {
-    // One stream with 1 MiB writes: the wire's best here (iperf3's default
-    // 128 KiB writes carry less than half of it on some machines).
-    progress.set_label("iperf3 tcp loopback");
-    const ExternalResult ip = run_iperf3(2.0, 1u << 20);
-    report.references.push_back({"iperf3 tcp loopback (1 stream, 1 MiB writes)", ip.ok, ip.gbps,
-                                 ip.ok ? ip.command : ip.error});
-    for (CaseResult& c : report.cases) {
-      if (ip.ok && c.ok && over_tcp.count(c.engine) != 0) {
-        c.extra["iperf3_tcp"] = ip.gbps;
-        // Every case whose bytes cross TCP (LoopbackSetup::over_tcp).
-        if (ip.gbps > 0) {
-          char line[256];
-          std::snprintf(
-              line, sizeof line, "%s %s: %.2f GB/s = %.2f of iperf3 (1 stream, 1 MiB writes)",
-              c.engine.c_str(), c.workload.name.c_str(), c.gbps.median, c.gbps.median / ip.gbps);
-          report.notes.push_back(line);
-        }
-      }
-    }
-    // The peers (Mooncake's transfer_engine_bench, NIXL) at the raw cases'
-    // block and batch sizes (--mooncake-sizes).
-    std::set<std::pair<std::uint64_t, std::uint32_t>> sizes;
-    if (mc_sizes != "none") sizes.insert({65536, 128});
-    if (mc_sizes == "all") {
-      for (const auto& w : plan.workloads) {
-        if (w.model == "raw") sizes.insert({w.piece_bytes, w.batch});
-      }
-    }
-    std::string why_not;
-    const std::string te = sizes.empty() ? "" : find_mooncake_bench(&why_not);
-    if (!sizes.empty() && te.empty()) {
-      report.references.push_back({"Mooncake transfer_engine_bench", false, 0, why_not});
-    }
-    // A peer's row at a raw case's block and batch, beside ucx_perftest over
-    // TCP, and the ratio of each of our TCP cases of that size to it.
-    auto peer_row = [&](const std::string& peer, const std::string& what, std::uint64_t block,
-                        std::uint32_t batch, const ExternalResult& er) {
-      CaseResult r;
-      r.engine = peer;
-      r.workload = raw_workload(block, batch, "piece");
-      if (!er.ok) {
-        r.error = er.error;
-        r.skipped = true;  // a reference that did not run, not a failure of ours
-        report.cases.push_back(r);
-        return;
-      }
-      r.ok = true;
-      r.gbps = Stat{er.gbps, er.gbps, er.gbps};
-      r.requests_per_s = er.gbps * 1e9 / static_cast<double>(block * batch);  // batches/s
-      r.piece_bytes = block;
-      r.reads = batch;
-      r.copies = batch;
-      r.extra[peer] = er.gbps;
-      if (const auto st = ucx_perf("tcp", block)) {
-        r.baseline_name = "ucx_perftest stream_bw tcp " + size_name(block);
-        r.baseline_gbps = *st;
-        r.ratio = r.gbps.median / st->median;
-      }
-      report.notes.push_back(what + ": " + er.command + " -> " + std::to_string(er.gbps) + " GB/s");
-      for (CaseResult& c : report.cases) {
-        if (c.ok && c.engine != peer && c.workload.model == "raw" &&
-            c.workload.piece_bytes == block && c.workload.batch == batch &&
-            over_tcp.count(c.engine) != 0) {
-          c.extra[peer] = er.gbps;
-          char buf[160];
-          std::snprintf(buf, sizeof buf, "%s %s: %.2fx %s", c.engine.c_str(),
-                        c.workload.name.c_str(), c.gbps.median / er.gbps, what.c_str());
-          report.notes.push_back(buf);
-        }
-      }
-      report.cases.push_back(r);
-    };
-    for (const auto& [block, batch] : sizes) {
-      if (te.empty()) break;
-      progress.set_label("Mooncake transfer_engine_bench " + size_name(block));
-      peer_row("mooncake_te_bench", "Mooncake transfer_engine_bench", block, batch,
-               run_mooncake_bench(te, block, batch, 1, mc_duration));
-    }
-    // NVIDIA NIXL (PyPI wheel, UCX backend, DRAM) over the same TCP.
-    for (const auto& [block, batch] : sizes) {
-      progress.set_label("NIXL READ over UCX tcp " + size_name(block));
-      peer_row("nixl_ucx_tcp", "NIXL over UCX tcp", block, batch,
-               run_nixl_peer("tcp", block, batch, 200));
-    }
-  }
+  // The peers run with no --engine, with --engine peers, or beside an engine
+  // whose peers may be on other hosts.
+  const bool peers = !args.has("engine") || plan.pseudo_named.count("peers") != 0 ||
+                     std::any_of(plan.variants.begin(), plan.variants.end(),
+                                 [](const EngineVariant& v) { return v.crosses_hosts; });
+  if (!peers) return;
+  note_iperf3(report, over_tcp, progress);
+  run_peers(args, plan, report, over_tcp, perftest, progress);
 }
 
 int run(int argc, char** argv) {
