@@ -8,6 +8,7 @@
 # (Debian) against 1.22".
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+dev_bench=$root/build/release/bench/mstar-kv-bench  # iperf3 beside the cases
 cli=$root/build/release/tools/mstar-kv
 rounds=${1:-3}
 wheel_dir=$root/build/ucx-pypi
@@ -25,11 +26,11 @@ for round in $(seq "$rounds"); do
       unset LD_LIBRARY_PATH UCX_MODULES
     fi
     echo "== round $round: UCX from $ver"
-    "$cli" bench --engine ucx-tcp,peers --mooncake-sizes none --piece 65536,4096 \
+    "$dev_bench" --engine ucx-tcp,peers --mooncake-sizes none --piece 65536,4096 \
       --batch 128,4096 --repeat 5 | grep -E "^ucx|iperf3"
     "$cli" bench --engine ucx-tcp --model llama3-8b --tokens 4096 --table scattered \
-      --repeat 5 --no-external | grep -E "^ucx"
-    "$cli" bench --engine ucx-sm --piece 1048576 --batch 64 --repeat 5 --no-external |
+      --repeat 5 | grep -E "^ucx"
+    "$cli" bench --engine ucx-sm --piece 1048576 --batch 64 --repeat 5 |
       grep -E "^ucx"
   done
 done

@@ -49,8 +49,8 @@
 #include "mstar/kv/engines/cuda_ipc.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/testing/pattern.hpp"
-#include "testkit/child.hpp"
-#include "testkit/seq_line.hpp"
+#include "toolkit/child.hpp"
+#include "toolkit/seq_line.hpp"
 
 using namespace mstar::kv;
 using Clock = std::chrono::steady_clock;
@@ -109,7 +109,7 @@ int owner_main(int argc, char** argv) {
     KVCachePool pool(cache, manager.get_kv_transfer_info(), /*scatter_seed=*/7);
     const auto p = pool.allocate(1, tokens);
     upload_pattern(*cache, p, tokens);
-    std::cout << testkit::seq_line(pool.publish(1)) << std::endl;
+    std::cout << toolkit::seq_line(pool.publish(1)) << std::endl;
     for (std::string line; std::getline(std::cin, line);) {
       if (line == "quit") break;
     }
@@ -124,7 +124,7 @@ int owner_main(int argc, char** argv) {
 class Owner {
  public:
   Owner(std::uint32_t pages, std::uint64_t tokens, const std::string& order, bool hnd)
-      : child_({testkit::self_exe(), "--owner", "--pages", std::to_string(pages), "--tokens",
+      : child_({toolkit::self_exe(), "--owner", "--pages", std::to_string(pages), "--tokens",
                 std::to_string(tokens), "--order", order, "--hnd", hnd ? "1" : "0"},
                {}, /*merge_stderr=*/false) {
     const auto deadline = Clock::now() + std::chrono::seconds(120);
@@ -137,7 +137,7 @@ class Owner {
       } catch (const Error& e) {
         throw std::runtime_error(std::string("owner did not publish: ") + e.what());
       }
-      if (auto seq = testkit::parse_seq_line(line)) {
+      if (auto seq = toolkit::parse_seq_line(line)) {
         seq_ = std::move(*seq);
         return;
       }
@@ -157,7 +157,7 @@ class Owner {
   const SequenceInfo& seq() const { return seq_; }
 
  private:
-  testkit::Child child_;
+  toolkit::Child child_;
   SequenceInfo seq_;
 };
 

@@ -69,7 +69,7 @@ inline void stream_copy(std::byte* d, const std::byte* s, std::uint64_t n) noexc
 // n bytes with non-temporal stores, four pages at a time (four DRAM streams
 // in flight, the source prefetched ahead: 15% faster than stream_copy over
 // scattered 32 KiB blocks). The shm engine's large copies, and the copy
-// baseline's (testkit/span_copy.hpp), which must be the fastest there is.
+// baseline's (toolkit/span_copy.hpp), which must be the fastest there is.
 inline void stream_copy_pages(std::byte* d, const std::byte* s, std::uint64_t n) noexcept {
 #if MSTAR_KV_STREAMING_STORES
   constexpr std::uint64_t kPage = 4096;

@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "testkit/child.hpp"
+#include "toolkit/child.hpp"
 
 #ifndef MSTAR_KV_CLI_PATH
 #error "MSTAR_KV_CLI_PATH must name the mstar-kv executable"
@@ -18,7 +18,7 @@
 
 namespace mstar::kv::testing {
 
-class CliProcess : public testkit::Child {
+class CliProcess : public toolkit::Child {
  public:
   explicit CliProcess(std::vector<std::string> args,
                       const std::map<std::string, std::string>& env = {})

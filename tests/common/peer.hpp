@@ -4,7 +4,7 @@
 //
 // A peer (kv_conformance_peer, shm_peer, cuda_ipc_owner,
 // mooncake_shared_peer) owns a cache, publishes sequences as "SEQ <hex>"
-// lines on its stdout (src/testkit/seq_line.hpp), takes commands one a line
+// lines on its stdout (src/toolkit/seq_line.hpp), takes commands one a line
 // on its stdin and prints "ERR <message>" and exits 1 when it fails.
 #pragma once
 
@@ -22,11 +22,11 @@
 #include "mstar/kv/core/descriptor.hpp"
 #include "mstar/kv/core/layout.hpp"
 #include "mstar/kv/manager.hpp"
-#include "testkit/child.hpp"
+#include "toolkit/child.hpp"
 
 namespace mstar::kv::testing {
 
-using testkit::Child;
+using toolkit::Child;
 
 // ---- the test's side ----------------------------------------------------------
 

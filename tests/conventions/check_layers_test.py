@@ -38,9 +38,12 @@ CLEAN = {
     "src/engines/factory.cpp": ('#include "mstar/kv/factory.hpp"\n'
                                 '#include "mstar/kv/engines/shm.hpp"\n'),
     "src/manager/manager.cpp": '#include "mstar/kv/manager.hpp"\n',
-    "src/testkit/child.hpp": '#include "mstar/kv/testing/pattern.hpp"\n',
+    "src/toolkit/child.hpp": '#include "mstar/kv/testing/pattern.hpp"\n',
+    "src/testkit/ports.hpp": '#include "toolkit/child.hpp"\n',
     "python/src/module.cpp": '#include "mstar/kv/kv.hpp"\n',
-    "tools/mstar-kv/main.cpp": '#include "testkit/child.hpp"\n#include "mstar/kv/kv.hpp"\n',
+    "tools/mstar-kv/main.cpp": '#include "toolkit/child.hpp"\n#include "mstar/kv/kv.hpp"\n',
+    "bench/peers.cpp": '#include "main.hpp"\n#include "testkit/ports.hpp"\n',
+    "tools/mstar-kv/main.hpp": "#include <vector>\n",
     "tests/core/layout_test.cpp": '#include "core/codec.hpp"\n#include "mstar/kv/kv.hpp"\n',
 }
 
@@ -101,6 +104,21 @@ class SyntheticTree(unittest.TestCase):
         for path, include, *expected in BREAKS:
             with self.subTest(path=path, include=include):
                 self.assert_breaks({path: f'#include "{include}"\n'}, *expected)
+
+
+    def test_cli_including_the_test_kit_fails(self):
+        self.assert_breaks({"tools/mstar-kv/main.cpp": '#include "testkit/ports.hpp"\n'},
+                           "tools/mstar-kv/main.cpp:2:",
+                           "the installed CLI and its kit include no test kit")
+
+    def test_library_including_the_tool_kit_fails(self):
+        self.assert_breaks({"src/manager/manager.cpp": '#include "toolkit/child.hpp"\n'},
+                           "src/manager/manager.cpp:2:", "library code includes no tool kit")
+
+    def test_tests_including_the_cli_fail(self):
+        self.assert_breaks({"tests/core/layout_test.cpp": '#include "main.hpp"\n'},
+                           "tests/core/layout_test.cpp:2:",
+                           "nothing but the development benchmarks includes the CLI's files")
 
 
 class RealTree(unittest.TestCase):

@@ -1,7 +1,7 @@
 // Copyright mstar-kv authors.
 //
 // Invariant checks shared by the reliability tests (and usable by any engine
-// test): the read checker (src/testkit/read_check.hpp: no byte outside a
+// test): the read checker (src/toolkit/read_check.hpp: no byte outside a
 // read's destination spans changes, none after a failed read resolved, the
 // future resolves in time), and that nothing is left in /dev/shm and no file
 // descriptor leaked.
@@ -13,13 +13,13 @@
 #include <set>
 #include <string>
 
-#include "testkit/read_check.hpp"
+#include "toolkit/read_check.hpp"
 
 namespace mstar::kv::testing {
 
 // The read checker is the kit's (the soak uses it too).
-using testkit::allowed_ranges;
-using testkit::ReadChecker;
+using toolkit::allowed_ranges;
+using toolkit::ReadChecker;
 
 // Names in /dev/shm and the number of open file descriptors of this process,
 // to compare before and after.

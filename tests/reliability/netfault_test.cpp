@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "common/netns.hpp"
-#include "testkit/child.hpp"
+#include "toolkit/child.hpp"
 
 #ifndef MSTAR_KV_CLI_PATH
 #error "MSTAR_KV_CLI_PATH must name the mstar-kv executable"
@@ -112,7 +112,7 @@ class Hosts {
   // The owner: one sequence of `tokens` tokens x `layers` layers (32 KiB a
   // token at 8 layers), never freed until a reader marks it done.
   void start_owner(int tokens, int layers) {
-    serve_ = std::make_unique<testkit::Child>(
+    serve_ = std::make_unique<toolkit::Child>(
         ns_.in_a({MSTAR_KV_CLI_PATH, "serve", "--engine", "ucx", "--listen", http(), "--token-file",
                   token_, "--sequences", "1", "--tokens", std::to_string(tokens), "--layers",
                   std::to_string(layers), "--lease-ms", "0", "--exit-when-done"}),
@@ -129,7 +129,7 @@ class Hosts {
       argv.insert(argv.end(), {"--stand-in", ns_.router_a() + "=" + ns_.addr_b(), "--stand-in",
                                ns_.router_b() + "=" + ns_.addr_a()});
     }
-    relay_ = std::make_unique<testkit::Child>(ns_.in_r(argv), std::map<std::string, std::string>{},
+    relay_ = std::make_unique<toolkit::Child>(ns_.in_r(argv), std::map<std::string, std::string>{},
                                               false);
     ASSERT_EQ(relay_->read_line(10s), "READY");
     ASSERT_EQ(nft(ns_.ns_r(),
@@ -154,7 +154,7 @@ class Hosts {
   void start_reader(int timeout_ms, int grace_ms) {
     timeout_ms_ = timeout_ms;
     grace_ms_ = grace_ms;
-    reader_ = std::make_unique<testkit::Child>(
+    reader_ = std::make_unique<toolkit::Child>(
         ns_.in_b({NET_READER_PATH, "--from", http(), "--seq", "0", "--timeout-ms",
                   std::to_string(timeout_ms), "--grace-ms", std::to_string(grace_ms),
                   "--token-file", token_}),
@@ -266,7 +266,7 @@ class Hosts {
     ASSERT_TRUE(owner_alive()) << serve_->output();
     reader_->write_line("quit");
     EXPECT_EQ(reader_->wait_exit(20s), 0);
-    testkit::Child pull(ns_.in_b({MSTAR_KV_CLI_PATH, "pull", "--from", http(), "--seq", "0",
+    toolkit::Child pull(ns_.in_b({MSTAR_KV_CLI_PATH, "pull", "--from", http(), "--seq", "0",
                                   "--token-file", token_, "--timeout-ms", "30000"}),
                         tcp_env(ns_.veth_b()));
     ASSERT_EQ(pull.wait_exit(60s), 0) << pull.output();
@@ -311,7 +311,7 @@ class Hosts {
   // Packets on B's link and those the fault rule dropped, so far (the
   // rules' counters: every packet, then the dropped ones, per direction).
   std::pair<long long, long long> seen_and_dropped_b() {
-    testkit::Child list(NetNamespaces::in(ns_.ns_b(), {"nft", "list", "table", "inet", "nffault"}));
+    toolkit::Child list(NetNamespaces::in(ns_.ns_b(), {"nft", "list", "table", "inet", "nffault"}));
     const std::string out = list.read_all(10s);
     long long n[2] = {0, 0};
     int i = 0;
@@ -330,7 +330,7 @@ class Hosts {
   Shape shape_;
   NetNamespaces ns_;
   std::string reason_, token_;
-  std::unique_ptr<testkit::Child> serve_, relay_, reader_;
+  std::unique_ptr<toolkit::Child> serve_, relay_, reader_;
   int timeout_ms_ = 0, grace_ms_ = 0;
 };
 
@@ -348,7 +348,7 @@ void pulls_under_loss(int percent) {
     h.pull_ok(std::to_string(percent) + "% loss, pull " + std::to_string(i + 1));
   }
   // The CLI's own pull under the same loss (--keep: the sequence stays).
-  testkit::Child cli(h.ns().in_b({MSTAR_KV_CLI_PATH, "pull", "--from", h.http(), "--seq", "0",
+  toolkit::Child cli(h.ns().in_b({MSTAR_KV_CLI_PATH, "pull", "--from", h.http(), "--seq", "0",
                                   "--token-file", h.token(), "--repeat", "2", "--keep"}),
                      {{"UCX_TLS", "tcp"}, {"UCX_NET_DEVICES", h.ns().veth_b()}});
   EXPECT_EQ(cli.wait_exit(120s), 0) << cli.output();

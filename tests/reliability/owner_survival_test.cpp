@@ -27,7 +27,7 @@
 #include "common/wire.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/testing/pattern.hpp"
-#include "testkit/seq_line.hpp"
+#include "toolkit/seq_line.hpp"
 
 #ifndef MSTAR_KV_SURVIVAL_READER_PATH
 #error "MSTAR_KV_SURVIVAL_READER_PATH must name survival_reader"
@@ -61,7 +61,7 @@ TEST_P(OwnerSurvival, OwnerServesAFreshReaderAfterEveryReaderThatGoesAwayBadly) 
   spec.extra = c.extra;
   PeerProcess owner(spec);
   const SequenceInfo seq = owner.sequence();
-  const std::string hex = testkit::seq_line(seq).substr(4);
+  const std::string hex = toolkit::seq_line(seq).substr(4);
 
   auto fresh_pull = [&](const std::string& after) {
     auto cache = make_kv_cache(layout(), MemoryKind::kHost);
@@ -86,7 +86,7 @@ TEST_P(OwnerSurvival, OwnerServesAFreshReaderAfterEveryReaderThatGoesAwayBadly) 
   auto alive = [&](const std::string& after) {
     const auto rc = owner.child().wait_for(0ms);
     EXPECT_FALSE(rc.has_value()) << "the owner died after " << after << ": "
-                                 << (rc ? testkit::describe_wait_status(owner.child().wait_status())
+                                 << (rc ? toolkit::describe_wait_status(owner.child().wait_status())
                                         : "");
     return !rc.has_value();
   };
@@ -106,7 +106,7 @@ TEST_P(OwnerSurvival, OwnerServesAFreshReaderAfterEveryReaderThatGoesAwayBadly) 
       argv.push_back("--extra");
       argv.push_back(k + "=" + v);
     }
-    testkit::Child reader(argv, c.env);
+    toolkit::Child reader(argv, c.env);
     // Its stderr (UCX's complaints about peers going away) shares the pipe.
     if (what != "vanish") {
       ASSERT_TRUE(reader.wait_for_output("STARTED", 30s)) << after << ": " << reader.output();

@@ -24,7 +24,7 @@
 
 #include "common/peer.hpp"
 #include "mstar/kv/kv.hpp"
-#include "testkit/seq_line.hpp"
+#include "toolkit/seq_line.hpp"
 
 using namespace mstar::kv;
 
@@ -32,7 +32,7 @@ int main(int argc, char** argv) {
   return testing::run_peer([&] {
     const testing::PeerArgs a = testing::parse_peer_args(argc, argv);
     const std::string what = a.other.at("--do");
-    const auto seq = testkit::parse_seq_line("SEQ " + a.other.at("--seq"));
+    const auto seq = toolkit::parse_seq_line("SEQ " + a.other.at("--seq"));
     if (!seq) throw std::runtime_error("--seq is no sequence");
     auto cache = make_kv_cache(a.layout, MemoryKind::kHost);
     std::memset(cache->base(), 0xA5, cache->size_bytes());

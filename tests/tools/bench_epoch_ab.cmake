@@ -7,7 +7,7 @@ if(NOT MSTAR_KV)
 endif()
 execute_process(
   COMMAND ${MSTAR_KV} bench --engine shm --suite tiny --epoch-ab --repeat 2 --min-time 0.01
-          --threads 2 --no-external --quiet
+          --threads 2 --quiet
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 240)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "mstar-kv bench --epoch-ab exited with '${rc}'\nstdout:\n${out}\nstderr:\n${err}")

@@ -8,7 +8,7 @@ endif()
 file(REMOVE ${OUT})
 execute_process(
   COMMAND ${MSTAR_KV} bench --suite tiny --repeat 2 --min-time 0.01 --threads 2
-          --no-external --quiet --json ${OUT}
+          --quiet --json ${OUT}
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 240)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "mstar-kv bench exited with '${rc}'\nstdout:\n${out}\nstderr:\n${err}")

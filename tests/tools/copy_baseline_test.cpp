@@ -1,6 +1,6 @@
 // Copyright mstar-kv authors.
 //
-// The copy baseline of `mstar-kv demo` and `bench` (src/testkit/span_copy.hpp):
+// The copy baseline of `mstar-kv demo` and `bench` (src/toolkit/span_copy.hpp):
 // every way it tries (memcpy and non-temporal stores, on the caller's thread
 // and on pools cut for fewer threads than they have) copies exactly the
 // spans named, and it tries the thread counts it says.
@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "mstar/kv/util/status.hpp"
-#include "testkit/span_copy.hpp"
+#include "toolkit/span_copy.hpp"
 
-namespace mstar::kv::testkit {
+namespace mstar::kv::toolkit {
 namespace {
 
 constexpr std::byte kSentinel{0xA5};
@@ -109,4 +109,4 @@ TEST(CopyBaseline, ThreadCountsCoverEveryCountUpToEightThenDoublings) {
 }
 
 }  // namespace
-}  // namespace mstar::kv::testkit
+}  // namespace mstar::kv::toolkit

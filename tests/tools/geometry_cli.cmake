@@ -19,7 +19,7 @@ if(NOT rc EQUAL 0 OR NOT out MATCHES "result: OK" OR NOT out MATCHES "heads 4-8 
 endif()
 execute_process(
   COMMAND ${MSTAR_KV} bench --engine shm --model llama3-8b --tokens 300 ${geo} --repeat 2
-          --min-time 0.01 --threads 2 --no-external --json -
+          --min-time 0.01 --threads 2 --json -
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 120)
 if(NOT rc EQUAL 0 OR NOT out MATCHES "tp1->2r1/p64<-p16" OR NOT out MATCHES "\"verified\": *true")
   message(FATAL_ERROR "mstar-kv bench with another prefill geometry: rc '${rc}'\nstdout:\n${out}\nstderr:\n${err}")
@@ -35,7 +35,7 @@ if(NOT rc EQUAL 0 OR NOT out MATCHES "result: OK" OR NOT out MATCHES "layer-page
 endif()
 execute_process(
   COMMAND ${MSTAR_KV} bench --engine shm --model llama3-8b --tokens 300 ${geo} --repeat 2
-          --min-time 0.01 --threads 2 --no-external --json - --cache-order layer
+          --min-time 0.01 --threads 2 --json - --cache-order layer
           --remote-cache-order layer_page
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 120)
 if(NOT rc EQUAL 0 OR NOT out MATCHES "layer<-layer_page" OR NOT out MATCHES "\"verified\": *true")

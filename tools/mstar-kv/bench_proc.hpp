@@ -1,12 +1,13 @@
 // Copyright mstar-kv authors.
 //
 // Child processes for `mstar-kv bench`: the benchmark's server processes
-// (the remote side of a same-host or loopback transfer) and the external
-// baselines (ucx_perftest, iperf3, Mooncake's transfer_engine_bench).
+// (the remote side of a same-host or loopback transfer), and in the
+// development benchmark (bench/mstar-kv-bench) the external baselines
+// (ucx_perftest, iperf3, Mooncake's transfer_engine_bench, NIXL).
 //
 // Every child runs in its own process group, dies with the parent
 // (PR_SET_PDEATHSIG) and is bounded in time: Child's destructor kills the
-// whole group (SIGTERM, then SIGKILL) and reaps it (src/testkit/child.hpp).
+// whole group (SIGTERM, then SIGKILL) and reaps it (src/toolkit/child.hpp).
 #pragma once
 
 #include <sys/types.h>
@@ -18,21 +19,19 @@
 #include <string>
 #include <vector>
 
-#include "testkit/child.hpp"
-#include "testkit/ports.hpp"
+#include "toolkit/child.hpp"
 
 namespace mstar::kv::cli::bench {
 
-// Bench children (testkit::Child) run in their own process group, so that
+// Bench children (toolkit::Child) run in their own process group, so that
 // the kills reach the helpers they start, and get 2 s to exit on SIGTERM.
-struct SpawnOptions : testkit::ChildOptions {
+struct SpawnOptions : toolkit::ChildOptions {
   SpawnOptions() {
     own_group = true;
     destroy_grace = std::chrono::milliseconds(2000);
   }
 };
-using testkit::Child;
-using testkit::find_program;
+using toolkit::Child;
 
 // The whole file, or "" when it cannot be read.
 std::string read_file(const std::string& path);
@@ -40,8 +39,6 @@ std::string read_file(const std::string& path);
 std::string temp_file(const std::string& stem);
 // The last `n` non-empty lines of `text` joined by " | ", at most 400 chars.
 std::string last_lines(const std::string& text, int n);
-using testkit::pick_port;
-using testkit::tcp_port_listening;
 
 // Blocking I/O on pipes, with a deadline; false on EOF, error or timeout.
 bool write_all(int fd, const void* data, std::size_t n);

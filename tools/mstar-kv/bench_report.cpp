@@ -162,7 +162,7 @@ void note_plain_twins(Report& report) {
 }
 
 void print_table(std::FILE* out, const Report& r) {
-  std::fprintf(out, "mstar-kv bench  %s  %u cores  suite %s  threads %u  repeat %u\n",
+  std::fprintf(out, "%s  %s  %u cores  suite %s  threads %u  repeat %u\n", r.tool.c_str(),
                r.date.c_str(), r.nproc, r.suite.c_str(), r.threads, r.repeat);
   std::fprintf(out, "engines built:");
   for (const auto& e : r.engines_built) std::fprintf(out, " %s", e.c_str());
@@ -230,8 +230,8 @@ void print_table(std::FILE* out, const Report& r) {
 // ---- JSON ----------------------------------------------------------------------
 
 void write_json(std::FILE* out, const Report& r) {
-  std::fprintf(out, "{\n  \"tool\": \"mstar-kv bench\",\n  \"date\": %s,\n  \"nproc\": %u,\n",
-               json_str(r.date).c_str(), r.nproc);
+  std::fprintf(out, "{\n  \"tool\": %s,\n  \"date\": %s,\n  \"nproc\": %u,\n",
+               json_str(r.tool).c_str(), json_str(r.date).c_str(), r.nproc);
   std::fprintf(out, "  \"suite\": %s,\n  \"threads\": %u,\n  \"repeat\": %u,\n",
                json_str(r.suite).c_str(), r.threads, r.repeat);
   std::fprintf(out, "  \"min_time_s\": %s,\n  \"engines_built\": [", num(r.min_time_s).c_str());
@@ -374,9 +374,9 @@ void write_svg(std::FILE* out, const Report& r) {
                W, H, W, H);
   std::fprintf(out, "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n");
   std::fprintf(out,
-               "<text x=\"%g\" y=\"24\" font-size=\"15\">mstar-kv bench: bandwidth vs piece size "
+               "<text x=\"%g\" y=\"24\" font-size=\"15\">%s: bandwidth vs piece size "
                "(%s, %u cores, %u threads)</text>\n",
-               L, xml(r.date).c_str(), r.nproc, r.threads);
+               L, xml(r.tool).c_str(), xml(r.date).c_str(), r.nproc, r.threads);
   if (lines.empty()) {
     std::fprintf(out, "<text x=\"%g\" y=\"%g\">no piece-size sweep cases were measured</text>\n", L,
                  H / 2);

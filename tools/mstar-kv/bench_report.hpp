@@ -23,7 +23,8 @@ struct Reference {
 };
 
 struct Report {
-  std::string date;  // UTC, ISO 8601
+  std::string tool = "mstar-kv bench";  // the program that measured
+  std::string date;                     // UTC, ISO 8601
   unsigned nproc = 0;
   std::string suite;
   std::uint32_t threads = 0;

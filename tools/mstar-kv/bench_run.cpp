@@ -19,7 +19,7 @@
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/testing/pattern.hpp"
 #include "mstar/kv/util/thread_annotations.hpp"
-#include "testkit/span_copy.hpp"
+#include "toolkit/span_copy.hpp"
 
 namespace mstar::kv::cli::bench {
 
@@ -29,9 +29,9 @@ using Clock = std::chrono::steady_clock;
 
 // ---- memcpy on a fixed number of threads: the kit's span-copy pool ----------
 
-using testkit::partition;
-using testkit::Partition;
-using CopyPool = testkit::SpanCopyPool;
+using toolkit::partition;
+using toolkit::Partition;
+using CopyPool = toolkit::SpanCopyPool;
 
 // Sets environment variables for the client side of a variant (UCX reads
 // UCX_TLS when its context is created) and restores them afterwards. Only
@@ -266,10 +266,10 @@ void run_case_inner(const EngineVariant& v, const Workload& w, const RunOptions&
   const bool baseline = src != nullptr && v.memcpy_baseline;
   // The baseline is the fastest this machine copies the same spans, whatever
   // --threads the engine runs with; chosen once here, outside the timing.
-  std::optional<testkit::BestCopy> best;
+  std::optional<toolkit::BestCopy> best;
   if (baseline) {
     progress("baseline");
-    best.emplace(base_spans, testkit::hardware_threads());
+    best.emplace(base_spans, toolkit::hardware_threads());
     best->calibrate(local->regions(), src->regions());
   }
 

@@ -3,7 +3,7 @@
 // Running one benchmark case: the engine moving a workload's pages through
 // the public API (KVTransferManager, the remote cache in a server process),
 // interleaved with its baseline: the fastest copy of the same copy spans this
-// machine makes (testkit::BestCopy). Not thread-safe: one case at a time.
+// machine makes (toolkit::BestCopy). Not thread-safe: one case at a time.
 #pragma once
 
 #include <chrono>
@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "bench_workload.hpp"
 
@@ -23,7 +24,9 @@ struct RunOptions {
   std::uint32_t min_requests = 1;                   // per repetition
   std::chrono::milliseconds timeout{30000};         // engine timeout for one read
   std::map<std::string, std::string> engine_extra;  // EngineOptions::extra
-  std::string self_exe;                             // this binary, for server processes
+  // This binary and the arguments before --internal-serve that start a
+  // case's server process (bench_driver.hpp).
+  std::vector<std::string> serve_argv;
   bool verify = true;
   // Page epoch checks on and off in the same case: each repetition also
   // pulls through a second manager with EngineOptions::check_epochs = false

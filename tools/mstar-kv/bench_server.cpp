@@ -99,16 +99,12 @@ SpawnOptions spawn_options(const EngineVariant& v, const Workload& w, const RunO
   std::map<std::string, std::string> extra = o.engine_extra;
   extra.insert(v.extra.begin(), v.extra.end());
   SpawnOptions s;
-  s.argv = {o.self_exe,
-            "bench",
-            "--internal-serve",
-            v.engine,
-            std::to_string(static_cast<int>(v.remote_kind)),
-            encode_layout(w.remote),
-            std::to_string(o.threads),
-            std::to_string(o.timeout.count()),
-            encode_extra(extra),
-            v.layer_regions ? "layers" : "one"};
+  s.argv = o.serve_argv;
+  s.argv.insert(
+      s.argv.end(),
+      {"--internal-serve", v.engine, std::to_string(static_cast<int>(v.remote_kind)),
+       encode_layout(w.remote), std::to_string(o.threads), std::to_string(o.timeout.count()),
+       encode_extra(extra), v.layer_regions ? "layers" : "one"});
   s.env = v.env;
   s.output_file = log;
   s.in_fd = kServerIn;

@@ -2,9 +2,9 @@
 //
 // The server process behind a remote engine variant of `mstar-kv bench`: it
 // owns the remote cache, publishes sequences over it on request and serves
-// reads through its engine (`mstar-kv bench --internal-serve ...`, started by
-// run_case through Server). The two talk over a pair of pipes: framed
-// replies, 'K' + bytes or 'E' + status code + message.
+// reads through its engine (`mstar-kv bench --internal-serve ...`, or
+// `mstar-kv-bench --internal-serve ...`, started by run_case through Server). The two talk over a
+// pair of pipes: framed replies, 'K' + bytes or 'E' + status code + message.
 #pragma once
 
 #include <cstdint>
@@ -55,8 +55,9 @@ class Server {
   Child child_;
 };
 
-// The server's main (`mstar-kv bench --internal-serve ENGINE KIND LAYOUT
-// THREADS TIMEOUT_MS EXTRA`).
+// The server's main (RunOptions::serve_argv, then `--internal-serve ENGINE
+// KIND LAYOUT THREADS TIMEOUT_MS EXTRA REGIONS`): the arguments after
+// --internal-serve.
 int serve_main(int argc, char** argv);
 
 }  // namespace mstar::kv::cli::bench

@@ -25,8 +25,8 @@
 #include "demo_proc.hpp"
 #include "layout_args.hpp"
 #include "mstar/kv/kv.hpp"
-#include "testkit/child.hpp"
-#include "testkit/span_copy.hpp"
+#include "toolkit/child.hpp"
+#include "toolkit/span_copy.hpp"
 #if MSTAR_KV_DEMO_SHM
 #include "mstar/kv/engines/shm.hpp"
 #include "mstar/kv/testing/pattern.hpp"
@@ -125,7 +125,7 @@ DemoConfig parse(const Args& args) {
     bad("--tokens " + std::to_string(c.tokens) + " out of range [1, 16777216]");
   }
   // The default follows the cores, within the limit --workers has.
-  const std::uint64_t w = args.u64("workers", std::min(testkit::hardware_threads(), 256u));
+  const std::uint64_t w = args.u64("workers", std::min(toolkit::hardware_threads(), 256u));
   if (w == 0 || w > 256) bad("--workers " + std::to_string(w) + " out of range [1, 256]");
   c.workers = static_cast<std::uint32_t>(w);
   c.engine = args.str("engine", "shm");
@@ -354,7 +354,7 @@ int run_decode(const DemoConfig& c) {
       !c.layout.same_geometry(src.layout) || c.layout.page_order != src.layout.page_order;
   CopyPlan plan = planned;
   if (mixed) plan.spans = {{0, 0, planned.total_bytes}};
-  testkit::BestCopy best(plan.spans, testkit::hardware_threads());
+  toolkit::BestCopy best(plan.spans, toolkit::hardware_threads());
   best.warm(cache->base(), src.data);
   std::vector<double> pull_s;
   std::vector<double> base_s;
@@ -467,15 +467,15 @@ int run_parent(const DemoConfig& c, int argc, char** argv) {
   const std::vector<std::string> args(argv, argv + argc);
   // `<this executable> demo --role ROLE --fd 3 <args>`, the channel as its fd 3.
   auto spawn_role = [&](const char* role, int channel_fd) {
-    testkit::ChildOptions o;
-    o.argv = {testkit::self_exe(), "demo", "--role", role, "--fd", "3"};
+    toolkit::ChildOptions o;
+    o.argv = {toolkit::self_exe(), "demo", "--role", role, "--fd", "3"};
     o.argv.insert(o.argv.end(), args.begin(), args.end());
     o.pass_fds[3] = channel_fd;
-    return std::make_unique<testkit::Child>(o);
+    return std::make_unique<toolkit::Child>(o);
   };
   struct Kid {
     const char* role;
-    std::unique_ptr<testkit::Child> child;
+    std::unique_ptr<toolkit::Child> child;
     bool done = false;
   };
   Kid kids[2] = {{"prefill", nullptr}, {"decode", nullptr}};
@@ -510,7 +510,7 @@ int run_parent(const DemoConfig& c, int argc, char** argv) {
       const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
       if (!ok && failure.empty()) {
         failure = std::string(k.role) + " process (pid " + std::to_string(k.child->pid()) + ") " +
-                  testkit::describe_wait_status(status);
+                  toolkit::describe_wait_status(status);
         stop_all(SIGTERM);
         kill_at = Clock::now() + std::chrono::seconds(2);
       }

@@ -51,7 +51,7 @@
 #include "soak_prefill.hpp"
 #include "soak_readers.hpp"
 #include "soak_shared.hpp"
-#include "testkit/seq_line.hpp"
+#include "toolkit/seq_line.hpp"
 
 namespace mstar::kv::cli {
 
@@ -287,9 +287,9 @@ int cmd_soak(int argc, char** argv) {
       guard_pages.push_back(p);
       guard_pages.push_back(local_layout.num_pages - 1 - p);
     }
-    guard = testkit::page_ranges(local_layout, guard_pages);
-    testkit::fill_sentinel(*cache, guard, seed + 12345);
-    guard_saved = testkit::save(*cache, guard);
+    guard = toolkit::page_ranges(local_layout, guard_pages);
+    toolkit::fill_sentinel(*cache, guard, seed + 12345);
+    guard_saved = toolkit::save(*cache, guard);
 
     for (std::size_t t = 0; t < n_threads; ++t) {
       std::vector<std::uint32_t> region;
@@ -361,7 +361,7 @@ int cmd_soak(int argc, char** argv) {
   cleanup_children();
   ::sigaction(SIGINT, &old_int, nullptr);
   ::sigaction(SIGTERM, &old_term, nullptr);
-  if (testkit::changed(*cache, guard, guard_saved))
+  if (toolkit::changed(*cache, guard, guard_saved))
     stats.corruption("a guard page (no thread's) changed");
   if (faults.duplicates != faults.duplicates_ignored) {
     stats.corruption("a duplicate completion changed a resolved future");

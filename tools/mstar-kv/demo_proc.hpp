@@ -1,7 +1,7 @@
 // Copyright mstar-kv authors.
 //
 // The descriptor channel of `mstar-kv demo`: the demo re-execs itself once
-// per role (testkit::Child), connected by a Unix socketpair that carries
+// per role (toolkit::Child), connected by a Unix socketpair that carries
 // length-prefixed frames (the SequenceInfo bytes) and a one-byte "done".
 #pragma once
 

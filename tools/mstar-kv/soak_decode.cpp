@@ -26,7 +26,7 @@ void decode_thread(std::size_t t, const DecodeConfig& cfg, const KVCache& cache,
                    const std::atomic<bool>& stop) {
   const KVLayout& l = cache.layout();
   std::mt19937_64 rng(cfg.seed * 1000003 + t);
-  const Ranges mine = testkit::page_ranges(l, region);
+  const Ranges mine = toolkit::page_ranges(l, region);
   std::uint64_t n = 0;
   while (!stop.load(std::memory_order_relaxed)) {
     const std::size_t slot = rng() % shared.size();
@@ -42,7 +42,7 @@ void decode_thread(std::size_t t, const DecodeConfig& cfg, const KVCache& cache,
         region.begin(), region.begin() + static_cast<std::ptrdiff_t>(seq.page_indices.size()));
     const std::uint64_t start = rng() % 4 == 0 ? rng() % seq.num_tokens : 0;
     const auto reads = plan_reads(l, start, seq.num_tokens, lp, seq.page_indices);
-    testkit::ReadChecker checker(cache, testkit::allowed_ranges(l, remote_layout, reads),
+    toolkit::ReadChecker checker(cache, toolkit::allowed_ranges(l, remote_layout, reads),
                                  cfg.seed ^ (t << 40) ^ ++n, mine);
     stats.requests.fetch_add(1, std::memory_order_relaxed);
     const std::string what = "thread " + std::to_string(t) + " request " + std::to_string(n) +

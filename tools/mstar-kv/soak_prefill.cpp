@@ -12,7 +12,7 @@
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/testing/pattern.hpp"
 #include "soak_shared.hpp"
-#include "testkit/seq_line.hpp"
+#include "toolkit/seq_line.hpp"
 
 namespace mstar::kv::cli {
 
@@ -103,7 +103,7 @@ int run_soak_prefill(const Args& args) {
     const std::uint64_t tokens = std::uniform_int_distribution<std::uint64_t>(1, max_tokens)(rng);
     const auto pages = pool.allocate(seq_id, tokens);
     fill_pattern(*cache, soak::pattern_seed(seq_id), pages, 0, tokens);
-    std::printf("%s\n", testkit::seq_line(pool.publish(seq_id)).c_str());
+    std::printf("%s\n", toolkit::seq_line(pool.publish(seq_id)).c_str());
     live.push_back(seq_id);
   }
   std::printf("READY\n");
@@ -115,7 +115,7 @@ int run_soak_prefill(const Args& args) {
   churn.first_free_id = sequences;
   serve_prefill_with_churn(pool, *cache, std::move(live), churn, soak::pattern_seed,
                            [](const SequenceInfo& s) {
-                             std::printf("%s\n", testkit::seq_line(s).c_str());
+                             std::printf("%s\n", toolkit::seq_line(s).c_str());
                              std::fflush(stdout);
                            });
   m.cleanup();

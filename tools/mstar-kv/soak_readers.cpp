@@ -16,7 +16,7 @@
 #include <thread>
 
 #include "soak_prefill.hpp"
-#include "testkit/seq_line.hpp"
+#include "toolkit/seq_line.hpp"
 
 namespace mstar::kv::cli::soak {
 
@@ -65,7 +65,7 @@ void take_line(const std::string& line, Shared& shared, std::size_t keep, std::a
   }
   std::string engine, hex;
   if (verb != "PUB" || !(in >> engine >> hex)) return;
-  auto seq = testkit::parse_seq_line("SEQ " + hex);
+  auto seq = toolkit::parse_seq_line("SEQ " + hex);
   if (!seq) return;
   std::lock_guard<std::mutex> lock(shared.mu);
   auto pub = shared.slots[slot] ? std::make_shared<Published>(*shared.slots[slot])
@@ -162,13 +162,13 @@ void ReaderChurn::start(Shared& shared) {
 }
 
 void ReaderChurn::start_one(Reader& r, Shared& shared) {
-  testkit::ChildOptions o;
-  o.argv = {testkit::self_exe(), "soak", "--role", "decode"};
+  toolkit::ChildOptions o;
+  o.argv = {toolkit::self_exe(), "soak", "--role", "decode"};
   o.argv.insert(o.argv.end(), args_.begin(), args_.end());
   o.in_fd = 0;
   o.out_fd = 1;
   r = Reader{};
-  r.child = std::make_unique<testkit::Child>(o);
+  r.child = std::make_unique<toolkit::Child>(o);
   ++counts_.started;
   for (std::size_t i = 0; i < shared.size(); ++i) {
     if (auto pub = shared.get(i)) publish_to(r, i, pub->engine, pub->seqs);
@@ -178,7 +178,7 @@ void ReaderChurn::start_one(Reader& r, Shared& shared) {
 void ReaderChurn::publish_to(Reader& r, std::size_t slot, const std::string& engine,
                              const std::vector<SequenceInfo>& seqs) {
   for (const SequenceInfo& s : seqs) {
-    send(r, "PUB " + std::to_string(slot) + " " + engine + " " + testkit::seq_line(s).substr(4));
+    send(r, "PUB " + std::to_string(slot) + " " + engine + " " + toolkit::seq_line(s).substr(4));
   }
 }
 
@@ -257,7 +257,7 @@ std::size_t ReaderChurn::poll(Stats& stats, Shared& shared) {
       ++counts_.unexpected_exits;
       if (counts_.first_unexpected.empty()) {
         counts_.first_unexpected =
-            "a decode process " + testkit::describe_wait_status(r.child->wait_status());
+            "a decode process " + toolkit::describe_wait_status(r.child->wait_status());
       }
     }
     account(r, stats);
@@ -303,7 +303,7 @@ void ReaderChurn::stop(Stats& stats) {
       ++counts_.unexpected_exits;
       if (counts_.first_unexpected.empty()) {
         counts_.first_unexpected =
-            "a decode process " + testkit::describe_wait_status(r.child->wait_status());
+            "a decode process " + toolkit::describe_wait_status(r.child->wait_status());
       }
     }
     account(r, stats);

@@ -28,7 +28,7 @@
 
 #include "args.hpp"
 #include "soak_shared.hpp"
-#include "testkit/child.hpp"
+#include "toolkit/child.hpp"
 
 namespace mstar::kv::cli::soak {
 
@@ -62,7 +62,7 @@ class ReaderChurn {
 
  private:
   struct Reader {
-    std::unique_ptr<testkit::Child> child;
+    std::unique_ptr<toolkit::Child> child;
     bool asked_to_die = false;                                                // told DIE
     bool killed_now = false;                                                  // SIGKILLed by us
     std::uint64_t requests = 0, ok = 0, failed = 0, rejected = 0, bytes = 0;  // last STATS

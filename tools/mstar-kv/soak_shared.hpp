@@ -22,12 +22,12 @@
 #include "mstar/kv/engines/fault_injection.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/util/thread_annotations.hpp"
-#include "testkit/child.hpp"
-#include "testkit/read_check.hpp"
+#include "toolkit/child.hpp"
+#include "toolkit/read_check.hpp"
 
 namespace mstar::kv::cli::soak {
 
-using testkit::Ranges;
+using toolkit::Ranges;
 
 inline std::uint64_t pattern_seed(std::uint64_t seq_id) {
   return seq_id * 0x9E3779B97F4A7C15ULL + 17;
@@ -36,7 +36,7 @@ inline std::uint64_t pattern_seed(std::uint64_t seq_id) {
 // A prefill process as the supervisor holds it.
 struct Prefill {
   std::string engine;
-  std::unique_ptr<testkit::Child> child;  // null while stopped
+  std::unique_ptr<toolkit::Child> child;  // null while stopped
   pid_t pid() const { return child ? child->pid() : -1; }
 };
 

@@ -1,13 +1,13 @@
 // Copyright mstar-kv authors.
 //
 // `mstar-kv soak`'s prefill processes, seen from the supervisor: started as
-// re-execs of this program (testkit::Child), SIGKILLed and reaped, and what
+// re-execs of this program (toolkit::Child), SIGKILLed and reaped, and what
 // they publish.
 #include <algorithm>
 
 #include "args.hpp"
 #include "soak_shared.hpp"
-#include "testkit/seq_line.hpp"
+#include "toolkit/seq_line.hpp"
 
 namespace mstar::kv::cli::soak {
 
@@ -21,12 +21,12 @@ void kill_prefill(Prefill& p) { p.child.reset(); }
 
 std::vector<SequenceInfo> start_prefill(Prefill& p, const std::vector<std::string>& args,
                                         std::chrono::milliseconds timeout) {
-  testkit::ChildOptions o;
-  o.argv = {testkit::self_exe(), "soak", "--role", "prefill"};
+  toolkit::ChildOptions o;
+  o.argv = {toolkit::self_exe(), "soak", "--role", "prefill"};
   o.argv.insert(o.argv.end(), args.begin(), args.end());
   o.in_fd = 0;
   o.out_fd = 1;
-  p.child = std::make_unique<testkit::Child>(o);
+  p.child = std::make_unique<toolkit::Child>(o);
   std::vector<SequenceInfo> seqs;
   const auto deadline = Clock::now() + timeout;
   try {
@@ -36,7 +36,7 @@ std::vector<SequenceInfo> start_prefill(Prefill& p, const std::vector<std::strin
       const std::string line = p.child->read_line(std::max(left, std::chrono::milliseconds(1)));
       // What it prints after READY (page reuse) stays in the child's buffer.
       if (line == "READY") return seqs;
-      if (auto seq = testkit::parse_seq_line(line)) seqs.push_back(std::move(*seq));
+      if (auto seq = toolkit::parse_seq_line(line)) seqs.push_back(std::move(*seq));
     }
   } catch (const Error&) {
   }
@@ -50,7 +50,7 @@ std::vector<SequenceInfo> take_published(Prefill& p, std::size_t i, std::size_t 
   while (p.child) {
     const auto line = p.child->poll_line();
     if (!line) break;
-    if (auto seq = testkit::parse_seq_line(*line)) fresh.push_back(std::move(*seq));
+    if (auto seq = toolkit::parse_seq_line(*line)) fresh.push_back(std::move(*seq));
   }
   if (fresh.empty()) return fresh;
   std::lock_guard<std::mutex> lock(shared.mu);

@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <string>
 
-#include "testkit/child.hpp"
+#include "toolkit/child.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -23,7 +23,7 @@ struct DemoRun {
 
 DemoRun run_demo(std::vector<std::string> args, std::chrono::milliseconds timeout = 60s) {
   args.insert(args.begin(), {MSTAR_KV_CLI, "demo"});
-  testkit::Child child(args);
+  toolkit::Child child(args);
   DemoRun r;
   r.out = child.read_all(timeout);
   child.wait_exit(5s);

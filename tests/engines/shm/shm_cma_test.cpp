@@ -31,7 +31,7 @@
 #include "mstar/kv/engines/shm.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/testing/pattern.hpp"
-#include "testkit/read_check.hpp"
+#include "toolkit/read_check.hpp"
 
 namespace mstar::kv {
 namespace {
@@ -163,7 +163,7 @@ TEST(ShmCma, OwnerKilledMidReadFailsInBoundedTimeAndNothingLandsAfter) {
     std::vector<std::uint32_t> pages(owner.seq.page_indices.size());
     for (std::uint32_t i = 0; i < pages.size(); ++i) pages[i] = i;
     const auto reads = plan_reads(l, 0, tokens, pages, owner.seq.page_indices);
-    testkit::ReadChecker checker(*cache, l, reads, 1);
+    toolkit::ReadChecker checker(*cache, l, reads, 1);
     const auto started = std::chrono::steady_clock::now();
     auto f = m->start_async_retrieve(0, tokens, pages, owner.seq.page_indices,
                                      owner.seq.kv_transfer_info);

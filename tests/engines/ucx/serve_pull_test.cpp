@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "common/netns.hpp"
-#include "testkit/child.hpp"
+#include "toolkit/child.hpp"
 
 #ifndef MSTAR_KV_CLI_PATH
 #error "MSTAR_KV_CLI_PATH must name the mstar-kv executable"
@@ -31,7 +31,7 @@ using Clock = std::chrono::steady_clock;
 
 // A child process with its stdout+stderr on a pipe; the destructor kills
 // (SIGKILL) and reaps it if it still runs.
-using mstar::kv::testkit::Child;
+using mstar::kv::toolkit::Child;
 
 int random_port() {
   std::random_device rd;

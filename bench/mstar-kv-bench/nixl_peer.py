@@ -1,8 +1,8 @@
 # Copyright mstar-kv authors.
 #
-# NVIDIA NIXL as a peer row of `mstar-kv bench` (embedded into the CLI at
-# build time and run as `python3 -c <this> initiator BLOCK COUNT ITERS` with
-# the same text in MSTAR_KV_NIXL_SCRIPT): two processes, each with a
+# NVIDIA NIXL as a peer row of `mstar-kv-bench` (bench/mstar-kv-bench, which
+# runs `python3 nixl_peer.py initiator BLOCK COUNT ITERS` from the source
+# tree): two processes, each with a
 # NIXL agent on the UCX backend over DRAM; the target fills a buffer with a
 # pattern and hands its agent metadata and buffer address to the initiator
 # over a pipe; the initiator prepares the scattered descriptors once (COUNT
@@ -16,10 +16,6 @@ import struct
 import subprocess
 import sys
 import time
-
-
-# This script's text, to start the target with (`mstar-kv bench` passes it).
-SCRIPT = os.environ.get("MSTAR_KV_NIXL_SCRIPT", "")
 
 # What this process says goes to its stdout as it was at start; anything
 # else written to fd 1 afterwards (NIXL's and UCX's logs) goes to stderr.
@@ -72,10 +68,10 @@ def target(size):
 
 
 def initiator(block, count, iters):
-    import numpy as np
     import nixl._api  # noqa: F401 - missing NIXL is said here, before the target starts
+    import numpy as np
     size = block * count
-    child = subprocess.Popen([sys.executable, "-c", SCRIPT, "target", str(size)],
+    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "target", str(size)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     meta = recv(child.stdout)
     base, remote_size = struct.unpack("<QQ", recv(child.stdout))

@@ -14,7 +14,7 @@
 
 #include "mstar/kv/core/descriptor.hpp"
 
-namespace mstar::kv::testkit {
+namespace mstar::kv::toolkit {
 
 std::string to_hex(std::span<const std::uint8_t> bytes);
 // Throws Error(kCorruptDescriptor) on an odd length or a non-hex digit,
@@ -28,4 +28,4 @@ std::string seq_line(const SequenceInfo& seq);
 // not decode.
 std::optional<SequenceInfo> parse_seq_line(std::string_view line);
 
-}  // namespace mstar::kv::testkit
+}  // namespace mstar::kv::toolkit

@@ -19,7 +19,7 @@
 #include "mstar/kv/core/regions.hpp"
 #include "mstar/kv/util/thread_annotations.hpp"
 
-namespace mstar::kv::testkit {
+namespace mstar::kv::toolkit {
 
 // The spans cut into `threads` runs of (nearly) equal bytes.
 struct Partition {
@@ -151,4 +151,4 @@ class BestCopy {
   Way way_;
 };
 
-}  // namespace mstar::kv::testkit
+}  // namespace mstar::kv::toolkit

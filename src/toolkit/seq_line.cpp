@@ -1,9 +1,9 @@
 // Copyright mstar-kv authors.
-#include "testkit/seq_line.hpp"
+#include "toolkit/seq_line.hpp"
 
 #include "mstar/kv/util/status.hpp"
 
-namespace mstar::kv::testkit {
+namespace mstar::kv::toolkit {
 
 namespace {
 constexpr std::string_view kSeqPrefix = "SEQ ";
@@ -47,4 +47,4 @@ std::optional<SequenceInfo> parse_seq_line(std::string_view line) {
   return SequenceInfo::decode(from_hex(line.substr(kSeqPrefix.size())));
 }
 
-}  // namespace mstar::kv::testkit
+}  // namespace mstar::kv::toolkit

@@ -1,5 +1,5 @@
 // Copyright mstar-kv authors.
-#include "testkit/read_check.hpp"
+#include "toolkit/read_check.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -7,7 +7,7 @@
 
 #include "mstar/kv/core/planner.hpp"
 
-namespace mstar::kv::testkit {
+namespace mstar::kv::toolkit {
 
 Ranges merged(Ranges r) {
   std::sort(r.begin(), r.end());
@@ -150,4 +150,4 @@ bool ReadChecker::destination_untouched() const {
   return !changed(cache_, watched_, before_).has_value();
 }
 
-}  // namespace mstar::kv::testkit
+}  // namespace mstar::kv::toolkit

@@ -1,8 +1,8 @@
 // Copyright mstar-kv authors.
 //
-// External references run by `mstar-kv bench` in the same run as the
+// External references run by `mstar-kv-bench` in the same run as the
 // engines: ucx_perftest (the UCX transport's own best), iperf3 (raw TCP on
-// loopback) and Mooncake's transfer_engine_bench (the peer). Each run is
+// loopback), Mooncake's transfer_engine_bench and NIXL (the peers). Each run is
 // bounded in time and its processes are always killed; a tool that is
 // missing or fails gives ok = false and the reason. Not thread-safe.
 #pragma once
@@ -41,7 +41,7 @@ ExternalResult run_mooncake_bench(const std::string& binary, std::uint64_t block
                                   std::uint32_t batch, std::uint32_t threads, int seconds);
 
 // NVIDIA NIXL's READ of `count` scattered blocks of `block` bytes between
-// two processes on loopback (nixl_peer.py, embedded; PyPI's nixl-cu12 wheel,
+// two processes on loopback (nixl_peer.py beside this file; PyPI's nixl-cu12 wheel,
 // UCX backend with UCX_TLS=tls, DRAM), the descriptors prepared once and the
 // transfer re-posted `iters` times, the bytes of the last one verified.
 // Not ok, with the reason, when python3 or NIXL is missing or it fails.

@@ -1,5 +1,5 @@
 // Copyright mstar-kv authors.
-#include "testkit/child.hpp"
+#include "toolkit/child.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -20,7 +20,7 @@
 
 extern char** environ;
 
-namespace mstar::kv::testkit {
+namespace mstar::kv::toolkit {
 
 namespace {
 
@@ -350,4 +350,4 @@ void Child::kill_and_reap(std::chrono::milliseconds grace) {
   if (!wait_for(grace)) kill_now();
 }
 
-}  // namespace mstar::kv::testkit
+}  // namespace mstar::kv::toolkit

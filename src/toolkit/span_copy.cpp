@@ -1,5 +1,5 @@
 // Copyright mstar-kv authors.
-#include "testkit/span_copy.hpp"
+#include "toolkit/span_copy.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -10,7 +10,7 @@
 #include "mstar/kv/util/status.hpp"
 #include "util/stream_copy.hpp"
 
-namespace mstar::kv::testkit {
+namespace mstar::kv::toolkit {
 
 Partition partition(std::span<const CopySpan> spans, unsigned threads) {
   Partition p;
@@ -203,4 +203,4 @@ std::string BestCopy::name() const {
          std::to_string(way_.threads);
 }
 
-}  // namespace mstar::kv::testkit
+}  // namespace mstar::kv::toolkit

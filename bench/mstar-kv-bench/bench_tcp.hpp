@@ -1,6 +1,6 @@
 // Copyright mstar-kv authors.
 //
-// Plain TCP on loopback beside the `mstar-kv bench` cases that cross a TCP
+// Plain TCP on loopback beside the `mstar-kv-bench` cases that cross a TCP
 // socket, measured in the same run: a small request against one round trip
 // carrying its bytes, a large one against one stream carrying its bytes
 // from and into memory of its size. Not thread-safe.

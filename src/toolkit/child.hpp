@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-namespace mstar::kv::testkit {
+namespace mstar::kv::toolkit {
 
 struct ChildOptions {
   std::vector<std::string> argv;           // argv[0]: a path, or a name looked up on PATH
@@ -120,4 +120,4 @@ std::string self_exe();
 // "was killed by signal 9 (Killed)".
 std::string describe_wait_status(int status);
 
-}  // namespace mstar::kv::testkit
+}  // namespace mstar::kv::toolkit

@@ -21,7 +21,7 @@
 #include "mstar/kv/core/future.hpp"
 #include "mstar/kv/core/read_info.hpp"
 
-namespace mstar::kv::testkit {
+namespace mstar::kv::toolkit {
 
 // Byte ranges [begin, end) of a cache.
 using Ranges = std::vector<std::pair<std::uint64_t, std::uint64_t>>;
@@ -80,4 +80,4 @@ class ReadChecker {
   Status status_;
 };
 
-}  // namespace mstar::kv::testkit
+}  // namespace mstar::kv::toolkit

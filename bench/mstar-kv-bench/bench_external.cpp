@@ -15,7 +15,6 @@
 
 #include "bench_proc.hpp"
 #include "mstar/kv/util/status.hpp"
-#include "nixl_peer_script.hpp"  // generated from nixl_peer.py
 #include "testkit/ports.hpp"
 
 namespace mstar::kv::cli::bench {
@@ -24,6 +23,9 @@ namespace {
 
 using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
+using testkit::pick_port;
+using testkit::tcp_port_listening;
+using toolkit::find_program;
 
 std::string join(const std::vector<std::string>& v) {
   std::string s;
@@ -286,18 +288,14 @@ ExternalResult run_nixl_peer(const std::string& tls, std::uint64_t block, std::u
   TempFiles tmp;
   SpawnOptions so;
   so.argv = {"python3",
-             "-c",
-             kNixlPeerScript,
+             MSTAR_KV_NIXL_PEER_PY,  // bench/mstar-kv-bench/nixl_peer.py (CMakeLists.txt)
              "initiator",
              std::to_string(block),
              std::to_string(count),
              std::to_string(iters)};
   // UCX_MODULES=^ib: the wheel's bundled libnl crashes processes at exit
   // otherwise (and there is no InfiniBand here).
-  so.env = {{"UCX_TLS", tls},
-            {"UCX_NET_DEVICES", "lo"},
-            {"UCX_MODULES", "^ib"},
-            {"MSTAR_KV_NIXL_SCRIPT", kNixlPeerScript}};
+  so.env = {{"UCX_TLS", tls}, {"UCX_NET_DEVICES", "lo"}, {"UCX_MODULES", "^ib"}};
   so.output_file = tmp.make("nixl");
   r.command = "UCX_TLS=" + tls + " nixl_peer.py initiator " + std::to_string(block) + " " +
               std::to_string(count) + " " + std::to_string(iters);
