@@ -34,6 +34,27 @@ class _Source(NamedTuple):
 _peer_key = peer_key
 
 
+LOAD_THREADS = 4
+
+
+def _start_threads(pool: cf.ThreadPoolExecutor, n: int) -> None:
+    """Starts the pool's ``n`` threads now: an executor starts a thread
+    inside submit() when none is idle, and Thread.start waits until the new
+    thread runs, which on a busy host (vLLM's loop holding the GIL) took
+    tens of milliseconds on the engine's thread, inside the first pulls (their
+    done notices). Each task waits for the others, so each gets a thread."""
+    barrier = threading.Barrier(n)
+
+    def wait() -> None:
+        try:
+            barrier.wait(10.0)
+        except threading.BrokenBarrierError:
+            pass
+
+    for _ in range(n):
+        pool.submit(wait)
+
+
 class _Done:
     """The future of a pull with nothing to move."""
 
@@ -99,7 +120,9 @@ class Consumer:
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.reader = f"{reader_name}:{tp_rank}"
-        self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="mstar-kv-load")
+        self._pool = cf.ThreadPoolExecutor(max_workers=LOAD_THREADS,
+                                           thread_name_prefix="mstar-kv-load")
+        _start_threads(self._pool, LOAD_THREADS)
         self._lock = threading.Lock()
         self._loads: dict = {}
         self._done: list = []   # loads that ended before a future existed (errors)
