@@ -34,6 +34,10 @@ from .side_channel import SideChannelError, open_watch
 
 log = logging.getLogger("mstar_kv.vllm")
 
+# Engines whose KVTransferManager.connect opens what a first pull would
+# (the others, cuda_ipc, have nothing to open ahead: their first pull opens
+# its handles itself, so it stays off the engine's thread).
+CONNECTS_AHEAD = ("ucx", "shm", "mooncake")
 CONNECT_TIMEOUT_S = 2.0
 FIRST_RETRY_S = 0.1
 MAX_RETRY_S = 2.0
@@ -80,7 +84,8 @@ class PeerKeeper:
     """``connect(info)`` opens a descriptor's peer (the manager's connect);
     ``on_up(key)`` / ``on_down(key)`` tell the consumer which caches are
     connected (peer_key); ``sources(tp_size)`` are the prefill ranks this
-    worker reads from; ``engine`` the transfer engine both sides must use."""
+    worker reads from; ``engine`` the transfer engine both sides must use.
+    For an engine not in CONNECTS_AHEAD it keeps nothing (no thread)."""
 
     def __init__(self, connect: Callable, on_up: Callable, on_down: Callable,
                  sources: Callable[[int], list], engine: str, token: str = ""):
@@ -95,8 +100,11 @@ class PeerKeeper:
         self._ranks: dict = {}     # (host, port + rank) -> _Rank
         self._inbox: list = []     # (what, args) for the thread
         self._lost: set = set()    # keys whose watch ended (not connected any more)
-        self._closed = False
+        self._closed = engine not in CONNECTS_AHEAD
         self.stats = {"peer_connects": 0, "peer_connect_failures": 0, "peers_lost": 0}
+        if self._closed:
+            self._thread = None
+            return
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -114,7 +122,7 @@ class PeerKeeper:
 
     def learn(self, host: str, port: int, tp_size: int) -> None:
         """A pull named this engine (the engine's thread: a lookup unless new)."""
-        if (host, port) not in self._engines:
+        if self._thread is not None and (host, port) not in self._engines:
             self._post("add", (host, int(port), int(tp_size), False))
 
     def recheck(self, key: tuple) -> None:
@@ -136,6 +144,8 @@ class PeerKeeper:
                 "error": r.error, "connects": r.connects} for r in self._ranks.values()}
 
     def close(self, timeout: float = 5.0) -> None:
+        if self._thread is None:
+            return
         with self._lock:
             self._closed = True
         self._wake()
