@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The first pull from a new peer against a steady one, over KVTransferManager
 alone (no vLLM): an owner process publishes one sequence; this process makes
-a fresh reader manager (a new peer: nothing connected, nothing mapped) and
-times its first pull and the pulls after it, either as they come ("cold":
+a fresh reader manager (a new peer: nothing connected, nothing mapped), or
+with --warm-reader one reader all along and a new owner process each round,
+and times its first pull and the pulls after it, either as they come ("cold":
 the first pull connects) or after KVTransferManager.connect ("connected":
 the connect timed apart). Rounds alternate the two; medians.
 
@@ -37,13 +38,18 @@ def owner(engine: str, tokens: int) -> None:
     mgr.cleanup()
 
 
-def one_round(kv, engine: str, seq, connect: bool, steady: int) -> dict:
+def reader(kv, engine: str) -> tuple:
     cache = kv.KVCache(kv.KVLayout(**LAYOUT))
     # Touched, as vLLM's KV tensors are (torch zeroes them): the first pull
     # pays no page faults of a fresh allocation.
     cache.numpy().view("uint8")[:] = 0
     mgr = kv.KVTransferManager(kv.TransferEngineInfo("reader", "", engine, {"timeout": 10}),
                                cache)
+    return cache, mgr
+
+
+def one_round(kv, engine: str, seq, connect: bool, steady: int, warm=None) -> dict:
+    cache, mgr = warm if warm is not None else reader(kv, engine)
     local = list(range(len(seq.page_indices)))
     out = {}
     try:
@@ -59,8 +65,24 @@ def one_round(kv, engine: str, seq, connect: bool, steady: int) -> dict:
         assert cache.verify_pattern(7, local, 0, seq.num_tokens)["ok"]
         out["first"], out["steady"] = times[0], statistics.median(times[1:])
     finally:
-        mgr.cleanup()
+        if warm is None:
+            mgr.cleanup()
     return out
+
+
+class Owner:
+    def __init__(self, args):
+        import mstar_kv as kv
+        self.p = subprocess.Popen([sys.executable, __file__, "--owner", "--engine", args.engine,
+                                   "--tokens", str(args.tokens)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        line = self.p.stdout.readline()
+        assert line.startswith("SEQ "), line
+        self.seq = kv.SequenceInfo.from_bytes(bytes.fromhex(line[4:].strip()))
+
+    def close(self):
+        self.p.stdin.close()
+        self.p.wait(30)
 
 
 def main() -> int:
@@ -69,6 +91,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--steady", type=int, default=9, help="pulls after the first, per round")
+    ap.add_argument("--warm-reader", action="store_true",
+                    help="one reader for every round, a new owner process each round")
     ap.add_argument("--owner", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine == "ucx":
@@ -78,28 +102,41 @@ def main() -> int:
         owner(args.engine, args.tokens)
         return 0
     import mstar_kv as kv
-    p = subprocess.Popen([sys.executable, __file__, "--owner", "--engine", args.engine,
-                          "--tokens", str(args.tokens)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
-    try:
-        line = p.stdout.readline()
-        assert line.startswith("SEQ "), line
-        seq = kv.SequenceInfo.from_bytes(bytes.fromhex(line[4:].strip()))
-        rows = {"cold": [], "connected": []}
+    rows = {"cold": [], "connected": []}
+    if args.warm_reader:
+        # One long-lived reader (a decode worker), a new owner each round (a
+        # prefill engine it has not met): the reader's own first-use costs
+        # are paid by a pull before the rounds.
+        warm = reader(kv, args.engine)
+        o = Owner(args)
+        one_round(kv, args.engine, o.seq, False, 1, warm)
+        o.close()
         for i in range(args.rounds):
             for mode in (("cold", "connected") if i % 2 == 0 else ("connected", "cold")):
-                rows[mode].append(one_round(kv, args.engine, seq, mode == "connected",
-                                            args.steady))
-        kib = args.tokens * LAYOUT["num_layers"] * 2 * 8 * 128 * 2 // 1024
-        for mode, rs in rows.items():
-            med = {k: statistics.median(r[k] for r in rs) * 1e3 for k in rs[0]}
-            med["first/steady"] = med["first"] / med["steady"]
-            print(json.dumps({"engine": args.engine, "tokens": args.tokens, "kib": kib,
-                              "mode": mode, "rounds": len(rs),
-                              **{k: round(v, 3) for k, v in med.items()}}), flush=True)
-    finally:
-        p.stdin.close()
-        p.wait(30)
+                o = Owner(args)
+                try:
+                    rows[mode].append(one_round(kv, args.engine, o.seq, mode == "connected",
+                                                args.steady, warm))
+                finally:
+                    o.close()
+        warm[1].cleanup()
+    else:
+        o = Owner(args)
+        try:
+            for i in range(args.rounds):
+                for mode in (("cold", "connected") if i % 2 == 0 else ("connected", "cold")):
+                    rows[mode].append(one_round(kv, args.engine, o.seq, mode == "connected",
+                                                args.steady))
+        finally:
+            o.close()
+    kib = args.tokens * LAYOUT["num_layers"] * 2 * 8 * 128 * 2 // 1024
+    for mode, rs in rows.items():
+        med = {k: statistics.median(r[k] for r in rs) * 1e3 for k in rs[0]}
+        med["first/steady"] = med["first"] / med["steady"]
+        print(json.dumps({"engine": args.engine, "tokens": args.tokens, "kib": kib,
+                          "reader": "warm" if args.warm_reader else "fresh", "mode": mode,
+                          "rounds": len(rs), **{k: round(v, 3) for k, v in med.items()}}),
+              flush=True)
     return 0
 
 
