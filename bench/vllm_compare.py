@@ -71,18 +71,19 @@ def make_model(path: Path, layers: int, max_len: int) -> Path:
 
 
 # ---------------------------------------------------------------- engine peer
-def _kv_config(connector: str, role: str, port: int):
+def _kv_config(connector: str, role: str, port: int, peers: str = "configured"):
     """The connector, timed (vllm_compare_timed.py, imported by vLLM in its
     worker process)."""
     from vllm.config import KVTransferConfig
     timed = dict(kv_connector_module_path="vllm_compare_timed")
     if connector.startswith("mstar"):
+        extra = {"engine": connector.split("-")[1], "side_channel_port": port}
+        if role == "decode" and peers == "configured":  # connected before the first request
+            extra["prefill_peers"] = [f"127.0.0.1:{port}"]
         return KVTransferConfig(
             kv_connector="TimedMstarKVConnector", **timed,
             kv_role="kv_producer" if role == "prefill" else "kv_consumer",
-            kv_connector_extra_config={"engine": connector.split("-")[1],
-                                       "side_channel_port": port},
-            kv_load_failure_policy="fail")
+            kv_connector_extra_config=extra, kv_load_failure_policy="fail")
     if connector == "nixl":
         return KVTransferConfig(kv_connector="TimedNixlConnector", **timed, kv_role="kv_both",
                                 kv_buffer_device="cpu")
@@ -99,7 +100,7 @@ def peer(args) -> None:
               gpu_memory_utilization=0.05,
               max_num_batched_tokens=args.max_len, num_gpu_blocks_override=args.blocks)
     if args.role != "single":
-        kw["kv_transfer_config"] = _kv_config(args.connector, args.role, args.port)
+        kw["kv_transfer_config"] = _kv_config(args.connector, args.role, args.port, args.peers)
     llm = LLM(**kw)
     print("READY", flush=True)
     for line in sys.stdin:
@@ -122,10 +123,11 @@ def peer(args) -> None:
 
 # ---------------------------------------------------------------- the driver
 class Engine:
-    def __init__(self, role, connector, model, max_len, blocks, port, log, logdir):
+    def __init__(self, role, connector, model, max_len, blocks, port, log, logdir,
+                 peers="configured"):
         cmd = [sys.executable, __file__, "--peer", role, "--connector", connector,
                "--model", str(model), "--max-len", str(max_len), "--blocks", str(blocks),
-               "--port", str(port), "--log", str(log)]
+               "--port", str(port), "--log", str(log), "--peers", peers]
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                    VLLM_COMPARE_LOG=str(log),
                    # Two engines on one host: NIXL's side channels apart.
@@ -180,8 +182,8 @@ def run_connector(connector, model, lengths, repeat, args, logdir, reference) ->
     log = logdir / f"{connector}.pulls"
     log.unlink(missing_ok=True)
     port = K.free_port_pair()
-    engines = [Engine(r, connector, model, args.max_len, args.blocks, port, log, logdir)
-               for r in ("prefill", "decode")]
+    engines = [Engine(r, connector, model, args.max_len, args.blocks, port, log, logdir,
+                      args.peers) for r in ("prefill", "decode")]
     rows = []
     try:
         for e in engines:
@@ -230,6 +232,9 @@ def main():
     ap.add_argument("--blocks", type=int, default=1024)
     ap.add_argument("--lengths", default="32,128,512,2048,4000")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--peers", choices=["configured", "learned"], default="configured",
+                    help="mstar decode: prefill_peers set (connected at start) or not (the "
+                         "first pull learns the peer and connects)")
     ap.add_argument("--smoke", action="store_true", help="two short prompts, 1 repeat")
     ap.add_argument("--out", default="", help="also write the rows here (JSON)")
     args = ap.parse_args()

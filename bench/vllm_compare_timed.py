@@ -20,6 +20,7 @@ import torch
 torch.accelerator.current_device_index = lambda: 0
 
 _started: dict = {}
+_how: dict = {}  # MstarKVConnector: how each load started (logged with its time)
 
 
 def _loads_in(meta) -> list:
@@ -40,7 +41,7 @@ def _ended(req_ids) -> None:
         t0 = _started.pop(r, None)
         if t0 is not None and path:
             with open(path, "a") as f:
-                f.write(json.dumps({"req": r, "pull_s": now - t0}) + "\n")
+                f.write(json.dumps({"req": r, "pull_s": now - t0, **_how.pop(r, {})}) + "\n")
 
 
 def _timed(base):
@@ -49,7 +50,18 @@ def _timed(base):
             now = time.perf_counter()
             for r in _loads_in(meta):
                 _started.setdefault(r, now)
-            return super().bind_connector_metadata(meta)
+            out = super().bind_connector_metadata(meta)
+            consumer = getattr(self, "consumer", None)
+            if consumer is not None and hasattr(consumer, "_loads"):
+                # Started on the engine's thread (the peer was connected) or
+                # on a load thread; how many prefill ranks were connected.
+                peers = consumer.peers() if hasattr(consumer, "peers") else {}
+                for r in _loads_in(meta):
+                    ld = consumer._loads.get(r)
+                    _how[r] = {"direct": bool(ld is not None and ld.direct),
+                               "peers_up": sum(p["state"] == "connected"
+                                               for p in peers.values())}
+            return out
 
         def get_finished(self, finished_req_ids):
             sending, recving = super().get_finished(finished_req_ids)

@@ -153,6 +153,18 @@ class KVTransferManager(RequestScopedMethods):
             future.cancel()
             raise
 
+    def connect(self, kv_transfer_info: Any) -> None:
+        """Opens what pulls from the owner of ``kv_transfer_info`` (any
+        descriptor of its cache) need before the first one: the ucx or
+        mooncake connection and its handshake, the shm mapping or
+        cross-memory attach; kept as a pull keeps it. So the first pull from
+        a new peer costs what a later one does. Blocks for at most the
+        engine's timeout and raises what that first pull would have raised
+        there (PeerFailureError, TransferTimeoutError, StaleDescriptorError
+        for an owner that no longer serves it). Moves no byte; a no-op for
+        engines with nothing to open (cuda_ipc, Python engines)."""
+        self._m.connect(kv_transfer_info)
+
     def notify_done(self, seq: SequenceInfo) -> None:
         """Tells the owner of ``seq`` this reader is done with it, over the
         engine's channel (UCX), not acknowledged. Engines without one (shm,

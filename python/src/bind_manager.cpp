@@ -253,6 +253,19 @@ void bind_manager(nb::module_& m) {
           nb::arg("ready_timeout") = 0.0, nb::arg("poll_interval") = 20e-6,
           nb::arg("max_reads_in_flight") = 4)
       .def(
+          "connect",
+          [](PyManager& p, nb::handle remote) {
+            // A Python engine has nothing to open ahead (KVTransferEngine::connect).
+            if (p.bridge != nullptr) return;
+            KVTransferInfo info = to_transfer_info(remote);
+            nb::gil_scoped_release release;
+            p.get().connect(info);
+          },
+          nb::arg("kv_transfer_info"),
+          "Opens what pulls from this descriptor's owner need (ucx: the connection; shm: the "
+          "mapping) before the first one; at most the engine's timeout; raises what that pull "
+          "would have raised there. Moves no byte.")
+      .def(
           "notify_done",
           [](PyManager& p, const SequenceInfo& seq) {
             nb::gil_scoped_release release;

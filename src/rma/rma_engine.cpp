@@ -235,6 +235,11 @@ std::unique_ptr<LayerWatch> RmaKVTransferEngine::watch_layers(
   }
 }
 
+void RmaKVTransferEngine::connect(const RemoteCache& remote_cache) {
+  check_running();
+  (void)peer_for(remote_as<RmaRegionInfo>(remote_cache, engine_name_.c_str()));
+}
+
 void RmaKVTransferEngine::notify_done(const RemoteCache& remote_cache, std::uint64_t seq_id) {
   const RmaRegionInfo& remote = remote_as<RmaRegionInfo>(remote_cache, engine_name_.c_str());
   if (remote_cache.epoch() == 0) {

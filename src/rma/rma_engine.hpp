@@ -79,6 +79,8 @@ class RmaKVTransferEngine final : public KVTransferEngine {
                                                    std::span<const KVReadInfo> read_info) override;
 
   void shutdown() override;
+  // peer_for(remote): connects and verifies, as the first read would.
+  void connect(const RemoteCache& remote) override;
   void notify_done(const RemoteCache& remote, std::uint64_t seq_id) override;
   void set_done_handler(DoneHandler handler) override;
   ServedStats served_stats() const override { return backend_->served_stats(); }

@@ -110,6 +110,15 @@ class KVTransferManager {
   // forms below, which read each page with its own epoch.
   RemoteHandle open_remote(const KVTransferInfo& kv_transfer_info) const;
 
+  // Opens what reads from the owner of `kv_transfer_info` need ahead of
+  // the first one (KVTransferEngine::connect: the ucx connection, the shm
+  // mapping), so that the first pull from a new peer costs what a later one
+  // does. Any descriptor of that owner's cache will do (its epoch is not
+  // looked at). Blocks for at most the engine's timeout; throws the Error
+  // the first read would have thrown there. Moves no byte, is not counted
+  // in stats() as a read.
+  void connect(const KVTransferInfo& kv_transfer_info);
+
   // Pulls tokens [start_len, end_len) of a remote sequence (skip a cached
   // prefix by raising start_len). Validates everything first and throws
   // Error before any byte moves: the caller's local page table (errors

@@ -123,7 +123,7 @@ class RecordingConsumer(Consumer):
                 "error": ld.error, "start": r.start, "end": r.end,
                 "tokens": (r.end - r.start) if ld.ok else 0,
                 "seconds": round(ld.t1 - ld.t0, 6), "rank": self.tp_rank, "via": ld.via,
-                "retried_stale": ld.retried}
+                "retried_stale": ld.retried, "direct": ld.direct}
         if self._recorder.record:
             line.update(digest=digest, landed=landed, t_end=ld.t1)
         self._recorder.line(line)

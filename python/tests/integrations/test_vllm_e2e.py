@@ -69,7 +69,10 @@ def cluster(request, shared, tmp_path_factory):
     cached = [] if streaming else ["--prefix-cache"]
     p_args = ["--record", "--lease", "600"] + cached + (
         ["--publish-early", "--save-delay", str(SAVE_DELAY_S)] if streaming else [])
-    d_args = ["--record", "--fetch-timeout", "120", "--transfer-timeout", "60"] + cached + (
+    # The decode connects to the prefill at start (prefill_peers): its first
+    # pull does not connect.
+    d_args = ["--record", "--fetch-timeout", "120", "--transfer-timeout", "60",
+              "--prefill-peers"] + cached + (
         ["--layerwise"] if streaming else [])
     specs = [
         (("prefill", model, d / "prefill.log"),
@@ -115,6 +118,9 @@ def test_decode_tokens_equal_a_single_engine_and_the_prompt_was_loaded(cluster):
         # (a layer-wise decode asks the side channel: it may stream a
         # publication its params could not name).
         assert s[-1]["via"] == ("side_channel" if cluster["streaming"] else "params"), s[-1]
+        # The first included: started on the engine's thread, its peer
+        # connected ahead (prefill_peers).
+        assert s[-1]["direct"] == (not cluster["streaming"]), s[-1]
         # ... and the bytes in the decode's blocks are the prefill's.
         pub = published(cluster, params["mstar"]["request_id"])
         assert pub["tokens"] == len(prompt)

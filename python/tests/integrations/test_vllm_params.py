@@ -16,6 +16,7 @@ from mstar_kv.integrations.vllm.side_channel import (
     SideChannelError,
     SideChannelServer,
     fetch_sequence,
+    open_watch,
     send_done,
 )
 
@@ -56,6 +57,45 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_prefill_peers_config_and_its_refusals():
+    c = ConnectorConfig.from_extra({"prefill_peers": ["10.0.0.5:25600", "[::1]:7", "h:7",
+                                                      "h:7"]})
+    assert c.prefill_peers == (("10.0.0.5", 25600), ("::1", 7), ("h", 7))
+    assert ConnectorConfig.from_extra({}).prefill_peers == ()
+    for bad, says in (("h:1", "not a list"), (["nohost"], "'nohost'"), (["h:0"], "'h:0'"),
+                      ([":5"], "':5'"), (["h:x"], "'h:x'"), (["h:70000"], "'h:70000'")):
+        with pytest.raises(ConfigError, match=pytest.importorskip("re").escape(says)):
+            ConnectorConfig.from_extra({"prefill_peers": bad})
+
+
+def test_side_channel_watch_answers_the_descriptor_and_ends_with_the_producer():
+    import select
+    srv = SideChannelServer("127.0.0.1", 0, lambda r, s: None, lambda *a: None, token="t" * 16,
+                            describe=lambda: {"desc": b"\x01\x02", "tp_size": 2,
+                                              "engine": "ucx"})
+    host, port = srv.address
+    try:
+        with pytest.raises(SideChannelError, match="permission denied"):
+            open_watch(host, port, "wrong")
+        s, rep = open_watch(host, port, "t" * 16)
+        assert rep == {"desc": b"\x01\x02", "tp_size": 2, "engine": "ucx"}
+        assert select.select([s], [], [], 0.2)[0] == []  # open and idle while both live
+    finally:
+        t0 = time.monotonic()
+        srv.close()
+    assert select.select([s], [], [], 5.0)[0] and s.recv(16) == b""  # ended by close()
+    assert time.monotonic() - t0 < 5
+    s.close()
+    plain = SideChannelServer("127.0.0.1", 0, lambda r, s: None, lambda *a: None)
+    try:
+        with pytest.raises(SideChannelError, match="serves no watch"):
+            open_watch(*plain.address)
+    finally:
+        plain.close()
+    with pytest.raises(SideChannelError):  # nobody listens there any more
+        open_watch(host, port, "t" * 16, timeout=1.0)
 
 
 def test_side_channel_waits_for_the_publication_and_counts_readers():

@@ -40,6 +40,8 @@ def build(args):
                  "lease_s": args.lease}
         if args.layerwise:
             extra["layerwise"] = True
+        if args.prefill_peers and args.role == "decode":
+            extra["prefill_peers"] = [f"127.0.0.1:{args.port}"]
         if args.publish_early:
             extra["publish_early"] = True
         module, cls = "mstar_kv.integrations.vllm", "MstarKVConnector"
@@ -75,6 +77,8 @@ def main():
     ap.add_argument("--prefix-cache", action="store_true")
     ap.add_argument("--record", action="store_true", help="digests, layer times in the stats")
     ap.add_argument("--layerwise", action="store_true", help="decode: stream the pull")
+    ap.add_argument("--prefill-peers", action="store_true",
+                    help="decode: connect to the prefill on --port at start (prefill_peers)")
     ap.add_argument("--publish-early", action="store_true",
                     help="prefill: publish before the forward pass, mark layers as saved")
     ap.add_argument("--save-delay", type=float, default=0.0, help="prefill: s per saved layer")

@@ -1,8 +1,10 @@
 """A prefill worker for test_vllm_worker.py: MstarKVConnector's worker side
 (kv_producer) over vLLM's own KV tensors, in its own process. It fills a
 request's blocks with block_values, publishes them (metadata as the
-scheduler sends it), prints READY, then reports each get_finished until the
-request is freed (FREED) or stdin closes.
+scheduler sends it), prints READY, then runs get_finished until stdin
+closes, printing FREED once the request is freed. On stdin, "seq" prints SEQ
+and the published SequenceInfo (base64), "served" prints SERVED and what its
+engine served (the stats' "served" part, JSON).
 
   python vllm_worker_peer.py MODEL_DIR PORT LAYOUT BLOCKS TOKENS SEED [TP_RANK TP_SIZE]
   python vllm_worker_peer.py --zygote SOCKET
@@ -60,14 +62,24 @@ def main():
             c.producer.mark_layers_ready("p1", layer + 1)
             print(f"MARKED {layer}", flush=True)
     import select
-    while True:
+    freed = False
+    while True:  # until stdin closes (it still answers the commands once freed)
         sending, _ = c.get_finished({"p1"})
-        if sending and "p1" in sending:
+        if sending and "p1" in sending and not freed:
             print("FREED", flush=True)
-            break
+            freed = True
         r, _, _ = select.select([sys.stdin], [], [], 0.01)
-        if r and not sys.stdin.readline():
+        if not r:
+            continue
+        cmd = sys.stdin.readline()
+        if not cmd:
             break
+        if cmd.strip() == "seq" and not freed:
+            import base64
+            print("SEQ " + base64.b64encode(c.producer._lookup("p1", True)).decode(), flush=True)
+        elif cmd.strip() == "served":
+            import json
+            print("SERVED " + json.dumps(c.manager.stats()["served"]), flush=True)
     c.shutdown()
 
 

@@ -177,6 +177,8 @@ std::unique_ptr<LayerWatch> MooncakeKVTransferEngine::watch_layers(
   return impl_->watch_layers(remote, read_info);
 }
 
+void MooncakeKVTransferEngine::connect(const RemoteCache& remote) { impl_->connect(remote); }
+
 void MooncakeKVTransferEngine::shutdown() { impl_->shutdown(); }
 
 namespace engines {

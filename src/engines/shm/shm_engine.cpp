@@ -306,6 +306,10 @@ std::optional<TransferFuture> ShmKVTransferEngine::read_batched_async(
   return impl_->pool.submit(std::move(spec), help);
 }
 
+void ShmKVTransferEngine::connect(const RemoteCache& remote_cache) {
+  (void)impl_->source_for(remote_as<ShmKVTransferInfo>(remote_cache, "shm"));
+}
+
 ShmEngineOptions ShmEngineOptions::parse(const EngineOptions& options) {
   // The shm engine has no options of its own: any shm_* key is a typo.
   engines::reject_unknown_keys(options.extra, "shm", "shm_", {});

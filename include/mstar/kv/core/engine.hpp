@@ -115,6 +115,16 @@ class KVTransferEngine {
 
   virtual void shutdown() = 0;
 
+  // Opens what reads from `remote`'s owner need, so that the first read
+  // does not wait for it (ucx, mooncake: the connection and its handshake,
+  // cached per peer as a read would cache it; shm: the mapping or the
+  // cross-memory attach). Moves no byte. Bounded by the engine's timeout;
+  // throws the Errors a read throws before it is posted (kPeerFailure,
+  // kTimeout, kUnavailable, kStaleDescriptor for an owner that no longer
+  // serves `remote`, kShutdown). The default, for engines with nothing to
+  // open ahead (local, cuda_ipc, Python engines), does nothing.
+  virtual void connect(const RemoteCache& remote) { (void)remote; }
+
   // open_remote(remote)->layout(): the geometry of the cache `remote`
   // describes, validated (throws what open_remote throws).
   std::optional<KVLayout> remote_layout(const KVTransferInfo& remote) const;

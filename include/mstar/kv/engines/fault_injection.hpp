@@ -143,6 +143,7 @@ class FaultInjectingEngine final : public KVTransferEngine {
                                                    std::span<const KVReadInfo> read_info) override;
   void shutdown() override;
   void notify_done(const RemoteCache& remote, std::uint64_t seq_id) override;
+  void connect(const RemoteCache& remote) override;
   void set_done_handler(DoneHandler handler) override;
   ServedStats served_stats() const override;
   std::unique_ptr<LayerWatch> watch_layers(const RemoteCache& remote,

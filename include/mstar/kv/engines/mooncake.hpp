@@ -177,6 +177,7 @@ class MooncakeKVTransferEngine final : public KVTransferEngine {
   // (mooncake_readiness.hpp).
   std::unique_ptr<LayerWatch> watch_layers(const RemoteCache& remote,
                                            std::span<const KVReadInfo> read_info) override;
+  void connect(const RemoteCache& remote) override;
 
   void shutdown() override;
 

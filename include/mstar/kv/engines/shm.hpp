@@ -208,6 +208,9 @@ class ShmKVTransferEngine final : public KVTransferEngine {
   // died before marking them fails the stream with kNotFound).
   std::unique_ptr<LayerWatch> watch_layers(const RemoteCache& remote,
                                            std::span<const KVReadInfo> read_info) override;
+  // Maps the owner's memfd (or opens its cross-memory attach) and caches it
+  // as the first read would; the errors of a read's open.
+  void connect(const RemoteCache& remote) override;
 
   // The descriptor as a struct (kMemfd for a shared cache, kCma for a
   // private one).

@@ -128,7 +128,7 @@ class MstarKVConnector(KVConnectorBase_V1):
         override point: a subclass may return a Producer of its own (one
         that observes what it publishes, say)."""
         from .producer import Producer
-        return Producer(self.cfg, self.manager, self.tp_rank, self.mapped)
+        return Producer(self.cfg, self.manager, self.tp_rank, self.mapped, tp_size=self.tp_size)
 
     def _make_consumer(self, failure_policy: str):
         """The decode worker's half, once the caches are registered. An

@@ -14,6 +14,7 @@ import mstar_kv as kv
 from .layout import KV_LATENT, KV_PLANES, heads_of_rank, to_mstar_tokens
 from .metadata import LoadReq
 from .params import ConnectorConfig, RemotePrefill
+from .peers import PeerKeeper, peer_key
 from .side_channel import SideChannelError, fetch_sequence, send_done
 
 log = logging.getLogger("mstar_kv.vllm")
@@ -30,9 +31,28 @@ class _Source(NamedTuple):
     kv_transfer_info: "kv.KVTransferInfo"
 
 
-def _peer_key(info: "kv.KVTransferInfo") -> tuple:
-    """A producer rank's cache, whatever the epoch of one sequence in it."""
-    return info.engine, bytes(info.payload)
+_peer_key = peer_key
+
+
+LOAD_THREADS = 4
+
+
+def _start_threads(pool: cf.ThreadPoolExecutor, n: int) -> None:
+    """Starts the pool's ``n`` threads now: an executor starts a thread
+    inside submit() when none is idle, and Thread.start waits until the new
+    thread runs, which on a busy host (vLLM's loop holding the GIL) took
+    tens of milliseconds on the engine's thread, inside the first pulls (their
+    done notices). Each task waits for the others, so each gets a thread."""
+    barrier = threading.Barrier(n)
+
+    def wait() -> None:
+        try:
+            barrier.wait(10.0)
+        except threading.BrokenBarrierError:
+            pass
+
+    for _ in range(n):
+        pool.submit(wait)
 
 
 class _Done:
@@ -75,9 +95,11 @@ class Consumer:
     """Loads start on the engine's thread when the step's metadata is bound,
     from the descriptors the params carry (no round trip before the pull),
     and are reaped in get_finished by looking at their futures: no thread
-    and no wait between a pull's end and vLLM learning of it. A load whose
-    params carry no descriptor (or whose peer is new: connecting may take a
-    round trip) starts on a load thread, which asks the producer's side
+    and no wait between a pull's end and vLLM learning of it. The peers are
+    connected ahead of the pulls (peers.py: prefill_peers from the start,
+    any other prefill engine from its first pull on). A load whose params
+    carry no descriptor (or whose peer is not connected: connecting may take
+    a round trip) starts on a load thread, which asks the producer's side
     channel for the sequence; so does a direct load that failed as stale (a
     prediction the producer overtook). Done notices go out on a load thread
     after the load is reported."""
@@ -98,25 +120,40 @@ class Consumer:
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.reader = f"{reader_name}:{tp_rank}"
-        self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="mstar-kv-load")
+        self._pool = cf.ThreadPoolExecutor(max_workers=LOAD_THREADS,
+                                           thread_name_prefix="mstar-kv-load")
+        _start_threads(self._pool, LOAD_THREADS)
         self._lock = threading.Lock()
         self._loads: dict = {}
         self._done: list = []   # loads that ended before a future existed (errors)
         self._bad_blocks: set = set()
-        self._peers: set = set()  # descriptors pulled from before: connected, cheap to start
+        # Caches connected (by the keeper, or pulled from before): cheap to start.
+        self._peers: set = set()
         self.stats = {"loads_ok": 0, "loads_failed": 0, "tokens_loaded": 0, "bytes_loaded": 0,
                       "loads_direct": 0, "loads_side_channel": 0, "loads_retried_stale": 0}
+        self._keeper = PeerKeeper(manager.connect, self._peers.add, self._peers.discard,
+                                  self._source_ranks, cfg.engine,
+                                  cfg.engine_options.get("auth_token", ""))
+        for host, port in cfg.prefill_peers:
+            self._keeper.add(host, port, configured=True)
 
     # -- which prefill ranks hold this rank's heads ------------------------
     def _sources(self, rp: RemotePrefill) -> list:
+        return self._source_ranks(rp.tp_size)
+
+    def _source_ranks(self, tp_size: int) -> list:
+        """The ranks of a prefill engine of ``tp_size`` ranks this rank reads."""
         if self.cell_layout == KV_LATENT:
             # Every prefill rank holds the whole latent: one source, the
             # decode ranks spread over them.
-            return [self.tp_rank % rp.tp_size]
+            return [self.tp_rank % tp_size]
         total = self.layout.model_kv_heads
         mine = range(self.layout.first_kv_head, self.layout.first_kv_head + self.layout.num_kv_heads)
-        return [p for p in range(rp.tp_size)
-                if _overlap(heads_of_rank(total, rp.tp_size, p), mine)]
+        return [p for p in range(tp_size) if _overlap(heads_of_rank(total, tp_size, p), mine)]
+
+    def peers(self) -> dict:
+        """The prefill ranks kept connected (PeerKeeper.status)."""
+        return self._keeper.status()
 
     def _notified(self, rp: RemotePrefill, d: int) -> list:
         """The prefill ranks decode rank d sends a done notice to: those it
@@ -136,6 +173,8 @@ class Consumer:
     # -- engine steps -------------------------------------------------------
     def start(self, loads, releases, cancels) -> None:
         for r in loads:
+            # Kept connected from now on (a lookup unless the engine is new).
+            self._keeper.learn(r.remote.host, r.remote.port, r.remote.tp_size)
             ld = _Load(r)
             with self._lock:
                 self._loads[r.req_id] = ld
@@ -255,7 +294,9 @@ class Consumer:
         # reconnect to a peer that went away may wait for its timeout, which
         # the engine's thread must not.
         for src in ld.seqs:
-            self._peers.discard(_peer_key(src.kv_transfer_info))
+            key = _peer_key(src.kv_transfer_info)
+            self._peers.discard(key)
+            self._keeper.recheck(key)  # back on the engine's thread once connected
         ld.ended = True
         ld.t1 = time.monotonic()
         ld.error = f"{type(e).__name__}: {e}"
@@ -298,7 +339,9 @@ class Consumer:
         if self._kv_stats is not None and f is not _DONE:
             self._kv_stats.record_pull(ld.nbytes, ld.t1 - ld.t0, self.cfg.engine)
         for s in ld.seqs:
-            self._peers.add(_peer_key(s.kv_transfer_info))
+            key = _peer_key(s.kv_transfer_info)
+            if not self._keeper.lost(key):  # its producer went away since the pull
+                self._peers.add(key)
         ld.ok = True
         with self._lock:
             self.stats["loads_ok"] += 1
@@ -377,6 +420,7 @@ class Consumer:
             return len(self._loads)
 
     def close(self) -> None:
+        self._keeper.close()
         with self._lock:
             loads = list(self._loads.values())
         for ld in loads:

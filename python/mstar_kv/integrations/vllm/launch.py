@@ -36,6 +36,8 @@ def serve_cmd(model: str, port: int, role: str, engine: str, side_port: int, ext
            "kv_connector_module_path": "mstar_kv.integrations.vllm", "kv_role": role,
            "kv_load_failure_policy": "recompute",
            "kv_connector_extra_config": {"engine": engine, "side_channel_port": side_port}}
+    if role == "kv_consumer":  # connected to the prefill before the first request
+        cfg["kv_connector_extra_config"]["prefill_peers"] = [f"127.0.0.1:{side_port}"]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--host", "127.0.0.1", "--port", str(port), "--kv-transfer-config", json.dumps(cfg),
             *extra]

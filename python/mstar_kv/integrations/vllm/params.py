@@ -82,6 +82,14 @@ class ConnectorConfig:
     cell_layout       'auto' (default: 'latent' for an MLA model, else
                       'kv_planes' on the CPU backend, 'kv_cells' elsewhere),
                       or one of them to force it (layout.py).
+    prefill_peers     consumer: the prefill engines to stay connected to, as
+                      "HOST:PORT" of each one's side channel (its host and
+                      side_channel_port). The decode worker connects to them
+                      when it starts, in the background, and keeps the
+                      connection (reconnecting after a prefill restarts), so
+                      that the first pull from them costs what a later one
+                      does (default none: a prefill engine is kept connected
+                      from its first pull on).
     publish_early     accepted for older configs; always on now: a
                       remote-decode request is published when its last prompt
                       chunk is scheduled, before the forward pass, with no
@@ -103,6 +111,7 @@ class ConnectorConfig:
     engine_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     cell_layout: str = "auto"
     publish_early: bool = False
+    prefill_peers: tuple = ()  # ((host, port), ...)
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> "ConnectorConfig":
@@ -131,7 +140,27 @@ class ConnectorConfig:
             engine_options={str(k): str(v) for k, v in opts.items()},
             cell_layout=_choice(extra, "cell_layout", "auto", ("auto",) + CELL_LAYOUTS, where),
             publish_early=bool(extra.get("publish_early", False)),
+            prefill_peers=_peers(extra.get("prefill_peers", ()), where),
         )
+
+
+def _peers(value, where: str) -> tuple:
+    """kv_connector_extra_config['prefill_peers']: "HOST:PORT" strings."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where}['prefill_peers'] = {value!r} is not a list of "
+                          "\"HOST:PORT\" strings")
+    if len(value) > 1024:
+        raise ConfigError(f"{where}['prefill_peers'] has {len(value)} entries, at most 1024")
+    out = []
+    for v in value:
+        host, _, port = str(v).rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not host or len(host) > 255 or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError(f"{where}['prefill_peers'] entry {v!r} is not \"HOST:PORT\" "
+                              "(a side channel's host and port in [1, 65535])")
+        if (host, int(port)) not in out:
+            out.append((host, int(port)))
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,8 +42,9 @@ class _Published:
 
 class Producer:
     def __init__(self, cfg: ConnectorConfig, manager: "kv.KVTransferManager", tp_rank: int,
-                 mapped=None):
+                 mapped=None, tp_size: int = 1):
         self.cfg = cfg
+        self.tp_size = tp_size
         self._streaming: dict = {}  # name -> layers marked, of requests published early
         self.mapped = mapped
         self.cache = manager.kv_cache
@@ -64,7 +65,13 @@ class Producer:
         self._seen_finished: set = set()
         self.stats = {"published": 0, "freed_done": 0, "freed_lease": 0, "publish_failed": 0}
         self.server = SideChannelServer(cfg.host, cfg.side_channel_port + tp_rank, self._lookup,
-                                        self._on_done, cfg.engine_options.get("auth_token", ""))
+                                        self._on_done, cfg.engine_options.get("auth_token", ""),
+                                        describe=self._describe)
+
+    def _describe(self) -> dict:
+        """A watch's answer: what a decode worker connects to ahead of its
+        first pull (the cache descriptor the params carry too)."""
+        return {"desc": self.descriptor, "tp_size": self.tp_size, "engine": self.cfg.engine}
 
     # -- side channel (its threads) ----------------------------------------
     def _lookup(self, name: str, stream: bool = False) -> Optional[bytes]:
