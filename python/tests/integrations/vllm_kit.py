@@ -179,6 +179,38 @@ def make_tiny_gemma3(path: Path, seed: int = 0, **over) -> Path:
     return path
 
 
+# IBM Granite 4.0-H's architecture, tiny: Mamba2 layers beside attention
+# layers (vLLM: a Mamba state group, conv (3, 288) + SSM (8, 32, 16) fp32
+# per layer, and a full-attention group), dense MLPs (no experts), fp32.
+TINY_GRANITE_HYBRID = dict(
+    vocab_size=512, hidden_size=128, intermediate_size=256, shared_intermediate_size=256,
+    num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+    layer_types=["mamba", "attention"] * 2, num_local_experts=0, num_experts_per_tok=0,
+    mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2,
+    mamba_d_conv=4, mamba_chunk_size=64, max_position_embeddings=1024, bos_token_id=1,
+    eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, position_embedding_type="rope")
+
+
+def make_tiny_granite_hybrid(path: Path, seed: int = 0, **over) -> Path:
+    """A random GraniteMoeHybridForCausalLM (fp32 safetensors made by
+    transformers' own class): embeddings N(0, 1), the rest N(0, 0.08)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if (path / "model.safetensors").exists():
+        return path
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+    cfg = GraniteMoeHybridConfig(**dict(TINY_GRANITE_HYBRID, **over))
+    cfg.architectures = ["GraniteMoeHybridForCausalLM"]
+    torch.manual_seed(seed)
+    m = GraniteMoeHybridForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 1.0 if "embed" in n else 0.08)
+    m.to(torch.float32).save_pretrained(path)
+    return path
+
+
 def connector_transfer_config(role: str, extra: dict, policy: str = "recompute"):
     from vllm.config import KVTransferConfig
     return KVTransferConfig(kv_connector="MstarKVConnector",

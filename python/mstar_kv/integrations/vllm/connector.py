@@ -117,10 +117,8 @@ class MstarKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._total_kv_heads = 0
 
     def _group_block_size(self) -> int:
-        """vLLM's tokens per block: its groups' (the attention backend may
-        choose another than the configured one), else the configured."""
-        sizes = {g.block_size for g in self.groups if g.block_size}
-        return sizes.pop() if len(sizes) == 1 else self.block_size
+        from .groups import block_size
+        return block_size(self.groups, self.block_size)
 
     @property
     def hybrid(self) -> bool:
@@ -133,8 +131,9 @@ class MstarKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.hybrid:
             # The groups overlay one allocation: one cache over its distinct
             # regions; a region is ready once each layer on it was saved.
-            from .groups import region_tensors
-            kv_caches, self._layer_index = region_tensors(kv_caches)
+            from .groups import MAMBA, region_tensors
+            state = [n for g in self.groups if g.kind == MAMBA for n in g.layer_names]
+            kv_caches, self._layer_index = region_tensors(kv_caches, state)
         self.mapped = map_kv_caches(kv_caches, self.tp_rank, self.tp_size, self._total_kv_heads,
                                     self.cell_layout)
         if not self.hybrid:
@@ -261,6 +260,10 @@ class MstarKVConnector(KVConnectorBase_V1, SupportsHMA):
             if isinstance(d, bytes) and d:
                 descs[int(rank)] = d
         self.scheduler.set_descriptors(descs)
+
+    def on_new_request(self, request) -> None:
+        if self.scheduler is not None:
+            self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 
 import mstar_kv as kv
 
-from .groups import pair_pages
+from .groups import has_state, pair_pages
 from .layout import KV_LATENT, KV_PLANES, heads_of_rank, to_mstar_tokens
 from .metadata import LoadReq
 from .params import ConnectorConfig, RemotePrefill
@@ -115,6 +115,8 @@ class Consumer:
 
     # -- which prefill ranks hold this rank's heads ------------------------
     def _sources(self, rp: RemotePrefill) -> list:
+        if self.groups and has_state(self.groups):
+            return [self.tp_rank]  # a state is this rank's shard, whatever the heads
         if self.cell_layout == KV_LATENT:
             # Every prefill rank holds the whole latent: one source, the
             # decode ranks spread over them.
@@ -128,6 +130,8 @@ class Consumer:
         """The prefill ranks decode rank d sends a done notice to: those it
         reads from and, for a latent cache, those no decode rank reads from
         (they hold the request too, until told)."""
+        if self.groups and has_state(self.groups):
+            return [d]
         if self.cell_layout != KV_LATENT:
             total = self.layout.model_kv_heads
             mine = heads_of_rank(total, self.tp_size, d)
@@ -171,6 +175,9 @@ class Consumer:
         if bool(self.groups) != bool(rp.groups):
             raise RuntimeError(f"the producer has {len(rp.groups) or 1} KV cache groups, this "
                                f"engine {len(self.groups) or 1}")
+        if self.groups and has_state(self.groups) and rp.tp_size != self.tp_size:
+            raise RuntimeError(f"a Mamba state group needs one TP size: the producer's is "
+                               f"{rp.tp_size}, this engine's {self.tp_size}")
         if self.groups and rp.block_size != self.block_size:
             raise RuntimeError(f"several KV cache groups need one block size: the producer's "
                                f"is {rp.block_size}, this engine's {self.block_size}")

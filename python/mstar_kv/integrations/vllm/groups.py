@@ -20,8 +20,18 @@ A request's pages are published as one list, group after group; the params
 name each group's segment (its kind, the block index of its first page,
 its page count), and the decode pairs them with its own block table of the
 same group, block index by block index, skipping the null blocks vLLM put
-where a group keeps nothing. Mamba / linear-attention state groups are
-refused at engine start, by name (check_groups).
+where a group keeps nothing. A Mamba / linear-attention state group
+(Granite 4.0-H, Nemotron-H, Jamba, Qwen3-Next, ...) moves the request's
+state block(s) (conv and SSM state; vLLM's mamba_cache_mode "none": one
+block per request). vLLM pads every group's page to one size and places a
+layer's states at the start of its page in the region, whatever their
+shapes: the connector moves the whole page of each region, so the states
+arrive byte for byte. vLLM's own convention (NixlConnector): the prefill
+stops one token short of the prompt (on_new_request), so the state is
+h(N-1) and the decode computes the last prompt token itself.
+
+Several groups need one block size for the attention groups and, with a
+state group, one TP size on both sides (refused, naming them).
 """
 from __future__ import annotations
 
@@ -30,7 +40,7 @@ from typing import Sequence
 
 from .layout import LayoutError
 
-FULL, SLIDING = "full", "sliding_window"
+FULL, SLIDING, MAMBA = "full", "sliding_window", "mamba"
 # vLLM's specs this connector moves, by exact class: a subclass may keep its
 # blocks otherwise (chunked local attention, a circular buffer, sinks).
 _FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
@@ -41,7 +51,7 @@ NULL_BLOCK = 0  # vLLM's null block: a block a group keeps nothing in
 @dataclasses.dataclass(frozen=True)
 class Group:
     """One KV cache group: what it keeps of a request."""
-    kind: str                   # FULL or SLIDING
+    kind: str                   # FULL, SLIDING or MAMBA
     window: int                 # tokens (SLIDING), 0 for FULL
     block_size: int
     layer_names: tuple
@@ -54,15 +64,18 @@ class Group:
         """The index of the first block a request of ``num_tokens`` computed
         tokens needs (the decode computes token num_tokens - 1 again, or the
         next one: the window of the earlier)."""
-        if self.kind != SLIDING:
+        if self.kind != SLIDING:  # FULL: every block; MAMBA: its state block(s)
             return 0
         return max(0, num_tokens - self.window) // self.block_size
 
 
 def check_groups(kv_cache_config) -> list:
-    """The model's KV cache groups as Groups; raises LayoutError at engine
-    start naming each group this connector cannot move."""
+    """A hybrid model's KV cache groups as Groups ([] for one group);
+    raises LayoutError at engine start naming each group this connector
+    cannot move."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) <= 1:
+        return []  # one group: the connector maps its tensors as they are (layout.py)
     out, bad = [], []
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
@@ -75,18 +88,38 @@ def check_groups(kv_cache_config) -> list:
         elif kind in _SLIDING_SPECS and int(getattr(spec, "sliding_window", 0) or 0) > 0:
             out.append(Group(SLIDING, int(spec.sliding_window), bs, names))
         elif kind == "MambaSpec":
-            bad.append(f"{where}: Mamba / linear-attention state is not moved by "
-                       "MstarKVConnector yet")
+            mode = str(getattr(spec, "mamba_cache_mode", "none"))
+            if mode != "none" or int(getattr(spec, "num_speculative_blocks", 0) or 0):
+                bad.append(f"{where}: Mamba state cached by prefix (mamba_cache_mode "
+                           f"{mode!r}) or with speculative blocks is not moved; "
+                           "MstarKVConnector moves mamba_cache_mode 'none'")
+            else:
+                out.append(Group(MAMBA, 0, bs, names))
         else:
             bad.append(f"{where}: a {kind} keeps its blocks in a way MstarKVConnector "
                        "does not move")
     if bad:
         raise LayoutError("KV cache groups MstarKVConnector cannot move: " + "; ".join(bad))
-    if len(out) > 1 and len({g.block_size for g in out}) != 1:
+    attn = [g for g in out if g.kind != MAMBA]
+    if len({g.block_size for g in attn}) > 1:
         raise LayoutError("KV cache groups of several block sizes ("
-                          + ", ".join(f"{g.name}: {g.block_size}" for g in out)
+                          + ", ".join(f"{g.name}: {g.block_size}" for g in attn)
                           + "): MstarKVConnector moves groups of one block size")
+    if not attn:
+        raise LayoutError("KV cache groups of Mamba state alone: MstarKVConnector describes "
+                          "the cache by an attention layer's tensors")
     return out
+
+
+def block_size(groups: Sequence[Group], default: int) -> int:
+    """The attention groups' tokens per block (vLLM's backend may choose
+    another than the configured one; a state group's is not a block's)."""
+    sizes = {g.block_size for g in groups if g.kind != MAMBA and g.block_size}
+    return sizes.pop() if len(sizes) == 1 else default
+
+
+def has_state(groups: Sequence[Group]) -> bool:
+    return any(g.kind == MAMBA for g in groups)
 
 
 def publish_pages(groups: Sequence[Group], block_ids: Sequence[Sequence[int]],
@@ -99,6 +132,13 @@ def publish_pages(groups: Sequence[Group], block_ids: Sequence[Sequence[int]],
         raise LayoutError(f"{len(block_ids)} block tables for {len(groups)} KV cache groups")
     pages, segs = [], []
     for g, ids in zip(groups, block_ids):
+        if g.kind == MAMBA:
+            mine = [b for b in ids if b != NULL_BLOCK]
+            if not mine:
+                raise LayoutError(f"group {g.name}: the request holds no state block ({ids})")
+            pages.extend(mine)
+            segs.append([g.name, 0, len(mine)])
+            continue
         end = -(-num_tokens // g.block_size)
         first = g.first_block(num_tokens)
         mine = list(ids[first:end])
@@ -127,6 +167,15 @@ def pair_pages(groups: Sequence[Group], segments: Sequence, remote_pages: Sequen
     for g, (name, first, count), ids in zip(groups, segments, local_ids):
         if name != g.name:
             raise LayoutError(f"the producer's group {name} is this engine's {g.name}")
+        if g.kind == MAMBA:  # the state after the loaded tokens, whole
+            mine = [b for b in ids if b != NULL_BLOCK]
+            if len(mine) != int(count):
+                raise LayoutError(f"group {g.name}: the producer published {count} state "
+                                  f"blocks, this engine holds {len(mine)}")
+            remote.extend(int(p) for p in remote_pages[off:off + int(count)])
+            local.extend(mine)
+            off += int(count)
+            continue
         lo = max(int(first), start // g.block_size)
         hi = min(int(first) + int(count), -(-end // g.block_size), len(ids))
         for j in range(lo, hi):
@@ -137,9 +186,13 @@ def pair_pages(groups: Sequence[Group], segments: Sequence, remote_pages: Sequen
     return remote, local
 
 
-def region_tensors(kv_caches: dict) -> tuple:
+def region_tensors(kv_caches: dict, state_layers=()) -> tuple:
     """({representative layer: tensor} with one tensor per distinct region,
     {layer name: region index ready once it is saved, -1 for none}).
+
+    A region is described by an attention layer's view of it (a state
+    layer's tensor is vLLM's raw bytes): a region no attention layer uses
+    gets that view at its own address.
 
     Layer i of every group addresses region i; a region holds its final
     bytes once every layer on it has been saved, which the layer order of
@@ -150,7 +203,30 @@ def region_tensors(kv_caches: dict) -> tuple:
     for n in sorted(kv_caches, key=_layer_key):
         by_ptr.setdefault(kv_caches[n].data_ptr(), []).append(n)
     regions = sorted(by_ptr.items())  # address order, as map_kv_caches orders layers
-    reps = {names[0]: kv_caches[names[0]] for _, names in regions}
+    state = set(state_layers)
+    attn = [n for _, names in regions for n in names if n not in state]
+    if not attn:
+        raise LayoutError("no attention layer describes vLLM's KV cache regions")
+    t0 = kv_caches[attn[0]]
+    stride = int(t0.stride(0)) * t0.element_size()
+    reps = {}
+    for ptr, names in regions:
+        a = [n for n in names if n not in state]
+        if a:
+            reps[a[0]] = kv_caches[a[0]]
+            continue
+        off = ptr - t0.data_ptr()
+        if off % t0.element_size():
+            raise LayoutError(f"the region of {names[0]} at +{off} B is not aligned to "
+                              f"{attn[0]}'s elements")
+        import torch
+        reps[names[0]] = torch.as_strided(t0, t0.size(), t0.stride(),
+                                          t0.storage_offset() + off // t0.element_size())
+    for n in state:  # every group's pages are one size (vLLM pads them)
+        t = kv_caches.get(n)
+        if t is not None and int(t.stride(0)) * t.element_size() != stride:
+            raise LayoutError(f"layer {n}: its block stride {t.stride(0) * t.element_size()} "
+                              f"B is not {attn[0]}'s {stride} B")
     region_of = {n: i for i, (_, names) in enumerate(regions) for n in names}
     pending = [len(names) for _, names in regions]
     ready, out = 0, {}

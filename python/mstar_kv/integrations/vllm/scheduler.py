@@ -5,7 +5,7 @@ import logging
 import secrets
 from typing import Any, Optional
 
-from .groups import publish_pages
+from .groups import has_state, publish_pages
 from .layout import LayoutError
 from .metadata import LoadReq, PublishReq, ReleaseReq, StepMeta, UnpublishReq
 from .params import (
@@ -143,6 +143,24 @@ class SchedulerSide:
             log.warning("request %s: not published: %s", req_id, e)
             return None
         return pages, len(pages) * self.block_size, n, segs
+
+    def on_new_request(self, request) -> None:
+        """Producer of a model with a state group: the request stops one
+        prompt token short, so the published state is h(N-1) and the decode
+        computes the last prompt token from it (vLLM's convention,
+        NixlConnector's _truncate_request_for_prefill: a state cannot be
+        rolled back to recompute a token, as attention's KV can)."""
+        params = request.kv_transfer_params
+        if not (self.is_producer and self.groups and has_state(self.groups) and params
+                and params.get("do_remote_decode") and not params.get("_mstar_truncated")):
+            return
+        if request.num_prompt_tokens <= 1 or request.prompt_token_ids is None:
+            return
+        del request.prompt_token_ids[-1:]
+        del request._all_token_ids[-1:]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_mstar_truncated"] = True
 
     # -- consumer --------------------------------------------------------
     def _remote(self, request) -> Optional[Any]:
