@@ -9,15 +9,6 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM (build/venvs/vllm)")
 
 import torch  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
-
 from mstar_kv.integrations.vllm.groups import (  # noqa: E402
     MAMBA,
     check_groups,
@@ -26,6 +17,14 @@ from mstar_kv.integrations.vllm.groups import (  # noqa: E402
     region_tensors,
 )
 from mstar_kv.integrations.vllm.layout import LayoutError  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 
 F32 = torch.float32
 
@@ -75,9 +74,8 @@ def test_a_group_it_cannot_move_is_refused_by_name(spec, why):
 
 def test_refused_when_the_connector_is_built_at_engine_start(tmp_path):
     import vllm_kit as K
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
     from mstar_kv.integrations.vllm import MstarKVConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     K.make_tiny_llama(tmp_path / "m", weights=False)
     cfg = K.make_vllm_config(tmp_path / "m", "kv_consumer", {"engine": "ucx"}, 32)
     bad = config(full(), ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=1, head_size=64,

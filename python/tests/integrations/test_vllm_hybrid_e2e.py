@@ -10,10 +10,14 @@ allocation of 2 regions, 32-token blocks. For each prompt the decode's
 greedy tokens equal a single engine's, its connector loaded every prompt
 token (none recomputed), and the bytes it moved are the full group's blocks
 plus only the sliding-window group's blocks inside the window (the decode's
-other blocks of that group are vLLM's null block), in both regions.
-Negative control: a prefill engine with other weights changes every
-prompt's tokens.
+other blocks of that group are vLLM's null block), in both regions. The
+ucx decode streams its pulls layer by layer (layerwise), and a request whose
+params a proxy made before the prefill ran (no groups named) streams from
+the running prefill. Negative control: a prefill engine with other weights
+changes every prompt's tokens.
 """
+
+import time
 
 import pytest
 import vllm_kit as K  # noqa: E402
@@ -75,14 +79,15 @@ def cluster(request, shared, tmp_path_factory):
               env={"MSTAR_KV_TEST_STATS": str(stp)})),
         (("decode", shared["model"], d / "decode.log"),
          dict(engine=engine, port=port,
-              extra_args=common + ["--fetch-timeout", "120", "--transfer-timeout", "60"],
+              extra_args=common + ["--fetch-timeout", "120", "--transfer-timeout", "60"]
+              + (["--layerwise"] if engine == "ucx" else []),
               env={"MSTAR_KV_TEST_STATS": str(st)})),
     ]
     if engine == "shm":  # the negative control needs one other prefill: the shm cluster's
         specs.append((("prefill", shared["other"], d / "other.log"),
                       dict(engine=engine, port=other_port, extra_args=FP32 + ["--lease", "600"])))
     engines = E.start_all(specs, started=[shared["single"]])
-    yield dict(prefill=engines[0], decode=engines[1],
+    yield dict(prefill=engines[0], decode=engines[1], engine=engine, port=port,
                other=engines[2] if len(engines) > 2 else None, stats=st, prefill_stats=stp)
     for e in engines:
         e.close()
@@ -128,3 +133,27 @@ def test_hybrid_negative_control_other_weights_change_every_prompt(shared, clust
             "the same tokens: the comparison above could not fail"
     loads = K.read_stats(cluster["stats"])[n:]
     assert len(loads) == 3 and all(s["ok"] and s["start"] == 0 for s in loads), loads
+
+
+def test_hybrid_proxy_params_stream_from_the_running_prefill(shared, cluster):
+    """The proxy's early path: the decode request goes first with params
+    the proxy made (no descriptors, no groups); the decode pairs the
+    groups' pages this model publishes and streams them layer by layer."""
+    if cluster["engine"] != "ucx":
+        pytest.skip("the ucx cluster's decode streams (layerwise)")
+    from mstar_kv.integrations.vllm import ConnectorConfig, make_decode_params
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    prompt = PROMPTS[2]
+    want = reference(shared, prompt)
+    name = f"proxied-{time.monotonic_ns()}"
+    cfg = ConnectorConfig(engine="ucx", side_channel_port=cluster["port"], lease_s=600.0)
+    params = make_decode_params(cfg, name, 1, BS, len(prompt), "kv_planes")
+    n = len(K.read_stats(cluster["stats"]))
+    decode.send(prompt, MAX_TOKENS, params=params)
+    time.sleep(0.5)  # the decode's connector is waiting for the publication
+    prefill.generate(prompt, remote_decode=True, name=name)
+    assert decode.result()["tokens"] == want
+    (s,) = K.read_stats(cluster["stats"])[n:]
+    assert s["ok"] and s["via"] == "side_channel" and s["tokens"] == len(prompt), s
+    assert s["pages"] == expected_pages(len(prompt)), s
+    assert sorted(dict(s["landed"])) == [0, 1], s  # both regions streamed

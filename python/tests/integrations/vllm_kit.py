@@ -377,13 +377,13 @@ def token_values(seed: int, layer: int, tok: int, heads: int, cell: int = 128):
 class Glue:
     """The consumer's worker side through vLLM's CPU connector glue."""
 
-    def __init__(self, vllm_config, kv_caches):
+    def __init__(self, vllm_config, kv_caches, kv_cache_cfg=None):
         from mstar_kv.integrations.vllm import MstarKVConnector
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.worker.cpu.kv_connector import ActiveKVConnector
         self.connector = MstarKVConnector(vllm_config, KVConnectorRole.WORKER,
-                                          kv_cache_config(vllm_config, 1))
+                                          kv_cache_cfg or kv_cache_config(vllm_config, 1))
         kv_transfer_state._KV_CONNECTOR_AGENT = self.connector
         self.glue = ActiveKVConnector(vllm_config, kv_caches)  # calls register_kv_caches
 

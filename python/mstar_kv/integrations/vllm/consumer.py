@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 
 import mstar_kv as kv
 
-from .groups import has_state, pair_pages
+from .groups import has_state, pair_pages, segments
 from .layout import KV_LATENT, KV_PLANES, heads_of_rank, to_mstar_tokens
 from .metadata import LoadReq
 from .params import ConnectorConfig, RemotePrefill
@@ -172,9 +172,12 @@ class Consumer:
         if self.cell_layout == KV_PLANES and rp.block_size != self.block_size:
             raise RuntimeError(f"K and V planes need one block size: the producer's is "
                                f"{rp.block_size}, this engine's {self.block_size}")
-        if bool(self.groups) != bool(rp.groups):
-            raise RuntimeError(f"the producer has {len(rp.groups) or 1} KV cache groups, this "
-                               f"engine {len(self.groups) or 1}")
+        if rp.groups and not self.groups:
+            raise RuntimeError(f"the producer has {len(rp.groups)} KV cache groups, this "
+                               "engine 1")
+        if self.groups and not rp.groups and has_state(self.groups):
+            raise RuntimeError("params that name no KV cache groups (made before the prefill "
+                               "ran) cannot say how many tokens a Mamba state holds")
         if self.groups and has_state(self.groups) and rp.tp_size != self.tp_size:
             raise RuntimeError(f"a Mamba state group needs one TP size: the producer's is "
                                f"{rp.tp_size}, this engine's {self.tp_size}")
@@ -188,7 +191,11 @@ class Consumer:
         if not self.groups:
             return None, None, seqs
         r = ld.req
-        remote, local = pair_pages(self.groups, r.remote.groups, list(seqs[0].page_indices),
+        # Params a proxy made before the prefill ran name no groups: those
+        # the producer publishes for this model (its groups are this
+        # engine's) and the prompt's tokens.
+        segs = r.remote.groups or segments(self.groups, r.remote.num_tokens)
+        remote, local = pair_pages(self.groups, segs, list(seqs[0].page_indices),
                                    r.block_ids, r.start, r.end)
         if any(list(s.page_indices) != list(seqs[0].page_indices) for s in seqs[1:]):
             raise RuntimeError("the producer's ranks published other pages for one request")

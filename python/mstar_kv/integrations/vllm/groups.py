@@ -150,6 +150,21 @@ def publish_pages(groups: Sequence[Group], block_ids: Sequence[Sequence[int]],
     return pages, segs
 
 
+def segments(groups: Sequence[Group], num_tokens: int) -> list:
+    """The segments a producer of these groups publishes for a request of
+    ``num_tokens`` tokens (publish_pages), for params made before the
+    prefill ran (a proxy's: they name no groups). A state group's one block
+    is vLLM's mamba_cache_mode 'none'."""
+    out = []
+    for g in groups:
+        if g.kind == MAMBA:
+            out.append([g.name, 0, 1])
+            continue
+        first = g.first_block(num_tokens)
+        out.append([g.name, first, -(-num_tokens // g.block_size) - first])
+    return out
+
+
 def pair_pages(groups: Sequence[Group], segments: Sequence, remote_pages: Sequence[int],
                local_ids: Sequence[Sequence[int]], start: int, end: int) -> tuple:
     """(remote pages, local pages) to move for tokens [start, end): per
