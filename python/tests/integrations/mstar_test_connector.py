@@ -111,11 +111,13 @@ class RecordingConsumer(Consumer):
         ps = self.block_size
         landed = self._landed.pop(r.req_id, [])
         digest = ""
+        # Several KV cache groups: the pages the pull wrote (ld.pages).
+        written = ld.pages if ld.pages is not None else r.block_ids[r.start // ps:-(-r.end // ps)]
         if ld.ok and self._recorder is not None and self._recorder.record:
-            digest = self._recorder.digest(r.block_ids[r.start // ps:-(-r.end // ps)])
+            digest = self._recorder.digest(written)
         if ld.ok and self._corrupt_tensors is not None:
             for t in self._corrupt_tensors:
-                for b in r.block_ids[r.start // ps:]:
+                for b in (written if ld.pages is not None else r.block_ids[r.start // ps:]):
                     t[b].normal_()
         if self._recorder is None:
             return
@@ -123,7 +125,8 @@ class RecordingConsumer(Consumer):
                 "error": ld.error, "start": r.start, "end": r.end,
                 "tokens": (r.end - r.start) if ld.ok else 0,
                 "seconds": round(ld.t1 - ld.t0, 6), "rank": self.tp_rank, "via": ld.via,
-                "retried_stale": ld.retried, "direct": ld.direct}
+                "retried_stale": ld.retried, "direct": ld.direct, "bytes": ld.nbytes,
+                "pages": None if ld.pages is None else len(ld.pages)}
         if self._recorder.record:
             line.update(digest=digest, landed=landed, t_end=ld.t1)
         self._recorder.line(line)
@@ -155,4 +158,5 @@ class MstarTestConnector(MstarKVConnector):
         return RecordingConsumer(self.cfg, self.manager, self.tp_rank, self.tp_size,
                                  self.engine_id, mapped=self.mapped,
                                  failure_policy=failure_policy, kv_stats=self._stats,
-                                 recorder=self._recorder(), corrupt_tensors=corrupt)
+                                 recorder=self._recorder(), corrupt_tensors=corrupt,
+                                 groups=self.groups if self.hybrid else ())

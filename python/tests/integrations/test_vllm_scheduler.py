@@ -334,10 +334,12 @@ def test_publish_early_then_aborted_unpublishes(model_dir):
     assert free_blocks(p) == held + 3 and "p2" not in p.requests
 
 
-def test_several_kv_cache_groups_are_refused_by_name_at_engine_start(model_dir):
-    """A hybrid model's groups (here attention beside Mamba state, as vLLM's
-    hybrid allocator gives them) fail the connector's construction, in both
-    roles, naming each group: not a request later."""
+def test_a_kv_cache_group_it_cannot_move_is_refused_by_name_at_engine_start(model_dir):
+    """A hybrid model's groups are moved (groups.py), but a group the
+    connector cannot move (here Mamba state cached by prefix, vLLM's
+    mamba_cache_mode 'align', beside attention) fails the connector's
+    construction, in both roles, naming the group: not a request later.
+    The same model with mamba_cache_mode 'none' is accepted."""
     import torch
     from mstar_kv.integrations.vllm import MstarKVConnector
     from mstar_kv.integrations.vllm.layout import LayoutError
@@ -350,16 +352,21 @@ def test_several_kv_cache_groups_are_refused_by_name_at_engine_start(model_dir):
     )
     cfg = K.make_vllm_config(model_dir, "kv_consumer", {}, BS)
     attn = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    mamba = MambaSpec(block_size=BS, shapes=((3, 256), (4, 64, 16)),
-                      dtypes=(torch.bfloat16, torch.float32))
-    kcc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], attn),
-        KVCacheGroupSpec(["model.layers.0.mixer", "model.layers.2.mixer"], mamba)])
+
+    def kcc(mode):
+        mamba = MambaSpec(block_size=BS, shapes=((3, 256), (4, 64, 16)),
+                          dtypes=(torch.bfloat16, torch.float32), mamba_cache_mode=mode)
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(["model.layers.1.self_attn.attn"], attn),
+            KVCacheGroupSpec(["model.layers.0.mixer", "model.layers.2.mixer"], mamba)])
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
-        with pytest.raises(LayoutError, match=r"moves one KV cache group; this model has 2 "
-                           r"\(group 0: FullAttentionSpec, 1 layers \(model.layers.1.self_attn"
-                           r".attn, ...\); group 1: MambaSpec, 2 layers \(model.layers.0.mixer"):
-            MstarKVConnector(cfg, role, kcc)
-    # One group is what the connector moves: constructed as before.
-    one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=kcc.kv_cache_groups[:1])
-    MstarKVConnector(cfg, KVConnectorRole.SCHEDULER, one)
+        with pytest.raises(LayoutError, match=r"cannot move: group 1 \(MambaSpec, 2 layers: "
+                           r"model.layers.0.mixer, ...\): Mamba state cached by prefix "
+                           r"\(mamba_cache_mode 'align'\)"):
+            MstarKVConnector(cfg, role, kcc("align"))
+    c = MstarKVConnector(cfg, KVConnectorRole.SCHEDULER, kcc("none"))
+    assert [g.name for g in c.groups] == ["full", "mamba"]
+    # One group: the one-group path, as before.
+    one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                        kv_cache_groups=kcc("none").kv_cache_groups[:1])
+    assert MstarKVConnector(cfg, KVConnectorRole.SCHEDULER, one).groups == []

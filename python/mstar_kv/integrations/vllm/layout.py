@@ -93,21 +93,6 @@ def to_mstar_tokens(cell_layout: str, block_size: int, start: int, end: int) -> 
     return (start // n) * 2 * n, -(-end // n) * 2 * n
 
 
-def check_one_group(kv_cache_config) -> None:
-    """The connector moves one KV cache group. A model vLLM gives several
-    (its hybrid allocator: Mamba or linear-attention state beside attention;
-    sliding-window layers only when the allocator stays on, which vLLM turns
-    off for a connector without SupportsHMA) is refused here, at engine
-    start, naming each group, never when a request arrives."""
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
-    if len(groups) <= 1:
-        return
-    names = "; ".join(f"group {i}: {type(g.kv_cache_spec).__name__}, {len(g.layer_names)} "
-                      f"layers ({g.layer_names[0]}, ...)" for i, g in enumerate(groups))
-    raise LayoutError(f"MstarKVConnector moves one KV cache group; this model has "
-                      f"{len(groups)} ({names})")
-
-
 @dataclasses.dataclass
 class MappedCache:
     layout: "kv.KVLayout"

@@ -184,6 +184,10 @@ class RemotePrefill:
     pages: tuple = ()
     epoch: int = 0
     page_epochs: tuple = ()
+    # Several KV cache groups (hybrid models, groups.py): per group (name,
+    # first block index, page count); ``pages`` and the published sequence
+    # hold the groups' pages one group after another.
+    groups: tuple = ()
 
     @property
     def direct(self) -> bool:
@@ -197,7 +201,7 @@ class RemotePrefill:
 def make_decode_params(cfg: ConnectorConfig, request_id: str, tp_size: int, block_size: int,
                        num_tokens: int, cell_layout: str = "kv_cells",
                        descs: Sequence[bytes] = (), pages: Sequence[int] = (), epoch: int = 0,
-                       page_epochs: Sequence[tuple] = ()) -> dict:
+                       page_epochs: Sequence[tuple] = (), groups: Sequence = ()) -> dict:
     """The kv_transfer_params a producer returns for a finished request.
 
     With ``descs`` (one cache descriptor per prefill TP rank), ``pages``
@@ -209,6 +213,8 @@ def make_decode_params(cfg: ConnectorConfig, request_id: str, tp_size: int, bloc
         "block_size": int(block_size), "num_tokens": int(num_tokens),
         "lease_s": cfg.lease_s, "cell_layout": cell_layout,
     }
+    if groups:
+        m["groups"] = [[str(n), int(f), int(c)] for n, f, c in groups]
     if (descs and epoch and len(descs) == tp_size and len(pages) <= MAX_PARAMS_PAGES
             and all(len(d) <= MAX_PARAMS_DESC_BYTES for d in descs)):
         m["descs"] = [base64.b64encode(bytes(d)).decode() for d in descs]
@@ -249,6 +255,21 @@ def _direct(m: Mapping[str, Any], tp_size: int, where: str) -> dict:
                           "[page, epoch] pairs (epoch >= 1)")
     return dict(descs=tuple(out), pages=tuple(pages), epoch=epoch,
                 page_epochs=tuple((x[0], x[1]) for x in pe))
+
+
+def _groups(m: Mapping[str, Any], where: str) -> tuple:
+    """params['mstar']['groups'], checked: [[name, first block, pages], ...]."""
+    g = m.get("groups")
+    if g is None:
+        return ()
+    if not isinstance(g, list) or not 1 <= len(g) <= 64 or not all(
+            isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) and len(x[0]) <= 64
+            and all(isinstance(v, int) and 0 <= v < 1 << 32 for v in x[1:]) for x in g):
+        raise ConfigError(f"{where}['groups'] must be a list of 1 to 64 [name, first block, "
+                          "page count] triples")
+    if sum(x[2] for x in g) > MAX_PARAMS_PAGES * 64:
+        raise ConfigError(f"{where}['groups'] name more than {MAX_PARAMS_PAGES * 64} pages")
+    return tuple((x[0], x[1], x[2]) for x in g)
 
 
 def published_name(params: Optional[Mapping[str, Any]], req_id: str) -> str:
@@ -297,5 +318,6 @@ def parse_remote_prefill(params: Optional[Mapping[str, Any]]) -> Optional[Remote
         num_tokens=_num(m, "num_tokens", None, int, 0, 1 << 40, where),
         lease_s=_num(m, "lease_s", 60.0, float, 0.0, 1e9, where),
         cell_layout=_choice(m, "cell_layout", "kv_cells", CELL_LAYOUTS, where),
+        groups=_groups(m, where),
         **_direct(m, tp_size, where),
     )

@@ -5,6 +5,8 @@ import logging
 import secrets
 from typing import Any, Optional
 
+from .groups import has_state, publish_pages
+from .layout import LayoutError
 from .metadata import LoadReq, PublishReq, ReleaseReq, StepMeta, UnpublishReq
 from .params import (
     ConfigError,
@@ -79,8 +81,11 @@ class PageEpochs:
 
 class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, block_size: int, tp_size: int, is_producer: bool,
-                 is_consumer: bool, cell_layout: str = "kv_cells"):
+                 is_consumer: bool, cell_layout: str = "kv_cells", groups=()):
         self.cfg = cfg
+        # Several KV cache groups (groups.py): block ids come as one list per
+        # group, and a request's pages are the groups' pages one after another.
+        self.groups = list(groups) if len(groups) > 1 else []
         self.cell_layout = cell_layout
         self.block_size = block_size
         self.tp_size = tp_size
@@ -104,9 +109,58 @@ class SchedulerSide:
         descs = [by_rank.get(r) for r in range(self.tp_size)]
         self._descs = descs if all(descs) else []
 
-    def _params(self, name: str, n: int, pages: list, epoch: int, shared: list) -> dict:
+    def _params(self, name: str, n: int, pages: list, epoch: int, shared: list,
+                segs=()) -> dict:
         return make_decode_params(self.cfg, name, self.tp_size, self.block_size, n,
-                                  self.cell_layout, self._descs, pages, epoch, shared)
+                                  self.cell_layout, self._descs, pages, epoch, shared, segs)
+
+    def _blocks(self, block_ids) -> list:
+        """vLLM's block ids of a request: the one group's list, or one list
+        per group."""
+        if self.groups:
+            return [list(b) for b in block_ids]
+        return _first_group(block_ids)
+
+    def _extend(self, have: list, new) -> list:
+        if self.groups:
+            return [a + list(b) for a, b in zip(have, new)] if have else self._blocks(new)
+        return have + _first_group(new)
+
+    def _pages(self, req_id: str, blocks: list, n: int):
+        """(pages, publish tokens, params tokens, group segments) of a
+        request with ``n`` computed tokens, or None when there is nothing
+        (or, several groups, nothing whole) to publish."""
+        if not self.groups:
+            n = min(n, len(blocks) * self.block_size)
+            if n <= 0:
+                return None
+            return blocks[:(n + self.block_size - 1) // self.block_size], n, n, ()
+        if n <= 0:
+            return None
+        try:
+            pages, segs = publish_pages(self.groups, blocks, n)
+        except LayoutError as e:
+            log.warning("request %s: not published: %s", req_id, e)
+            return None
+        return pages, len(pages) * self.block_size, n, segs
+
+    def on_new_request(self, request) -> None:
+        """Producer of a model with a state group: the request stops one
+        prompt token short, so the published state is h(N-1) and the decode
+        computes the last prompt token from it (vLLM's convention,
+        NixlConnector's _truncate_request_for_prefill: a state cannot be
+        rolled back to recompute a token, as attention's KV can)."""
+        params = request.kv_transfer_params
+        if not (self.is_producer and self.groups and has_state(self.groups) and params
+                and params.get("do_remote_decode") and not params.get("_mstar_truncated")):
+            return
+        if request.num_prompt_tokens <= 1 or request.prompt_token_ids is None:
+            return
+        del request.prompt_token_ids[-1:]
+        del request._all_token_ids[-1:]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_mstar_truncated"] = True
 
     # -- consumer --------------------------------------------------------
     def _remote(self, request) -> Optional[Any]:
@@ -138,7 +192,7 @@ class SchedulerSide:
         req_id = request.request_id
         start = self._matched.pop(req_id, None)
         if num_external_tokens > 0 and start is not None:
-            block_ids = _first_group(blocks.get_block_ids())
+            block_ids = self._blocks(blocks.get_block_ids())
             self._meta.load.append(LoadReq(req_id, rp, block_ids, start,
                                            start + num_external_tokens))
             self._loading.add(req_id)
@@ -175,7 +229,7 @@ class SchedulerSide:
         for nr in getattr(so, "scheduled_new_reqs", None) or ():
             t = self._prefilling.get(nr.req_id)
             if t is not None:
-                t[2] = _first_group(nr.block_ids)
+                t[2] = self._blocks(nr.block_ids)
                 self._maybe_publish(nr.req_id, t, nr.num_computed_tokens, so)
         cr = getattr(so, "scheduled_cached_reqs", None)
         for i, req_id in enumerate(getattr(cr, "req_ids", None) or ()):
@@ -184,11 +238,10 @@ class SchedulerSide:
                 continue
             new = cr.new_block_ids[i]
             if new is not None:
-                ids = _first_group(new)
                 # vLLM 0.32 names resumed requests (their block ids are
                 # replaced); 0.34 sends them again as new requests.
                 resumed = getattr(cr, "resumed_req_ids", None) or ()
-                t[2] = ids if req_id in resumed else t[2] + ids
+                t[2] = self._blocks(new) if req_id in resumed else self._extend(t[2], new)
             self._maybe_publish(req_id, t, cr.num_computed_tokens[i], so)
 
     def _maybe_publish(self, req_id: str, t: list, computed: int, so) -> None:
@@ -197,14 +250,14 @@ class SchedulerSide:
         if end < prompt:
             return  # an earlier chunk: its layers are written by the time the last one runs
         del self._prefilling[req_id]
-        n = min(prompt, len(blocks) * self.block_size)
-        if n <= 0:
+        got = self._pages(req_id, blocks, prompt)
+        if got is None:
             return
-        pages = blocks[:(n + self.block_size - 1) // self.block_size]
+        pages, pub_n, n, segs = got
         epoch, shared = self.epochs.hold(req_id, pages)
-        self._meta.publish.append(PublishReq(req_id, pages, n, layers_ready=0, name=name,
+        self._meta.publish.append(PublishReq(req_id, pages, pub_n, layers_ready=0, name=name,
                                              epoch=epoch))
-        self._early[req_id] = (name, n, pages, epoch, shared)
+        self._early[req_id] = (name, n, pages, epoch, shared, segs)
         self._sending.add(req_id)
         self.stats["published"] += 1
 
@@ -259,21 +312,21 @@ class SchedulerSide:
             return False, None
         if not finished_ok:
             return False, None  # aborted: nothing to hand over
-        blocks = _first_group(block_ids)
-        n = min(int(request.num_computed_tokens), len(request.prompt_token_ids or []),
-                len(blocks) * self.block_size)
-        if n <= 0:
+        got = self._pages(req_id, self._blocks(block_ids),
+                          min(int(request.num_computed_tokens),
+                              len(request.prompt_token_ids or [])))
+        if got is None:
             return False, None
-        pages = blocks[:(n + self.block_size - 1) // self.block_size]
+        pages, pub_n, n, segs = got
         # Not published before its forward pass (not seen scheduled to the
         # end of its prompt): published in the next step, which the decode
         # may outrun; its pull then waits on the side channel.
         name = self._name(request)
         epoch, shared = self.epochs.hold(req_id, pages)
-        self._meta.publish.append(PublishReq(req_id, pages, n, name=name, epoch=epoch))
+        self._meta.publish.append(PublishReq(req_id, pages, pub_n, name=name, epoch=epoch))
         self._sending.add(req_id)
         self.stats["published"] += 1
-        return True, self._params(name, n, pages, epoch, shared)
+        return True, self._params(name, n, pages, epoch, shared, segs)
 
     def has_pending(self) -> bool:
         return bool(self._sending or self._loading)
