@@ -46,11 +46,23 @@ inline KVLayout layout(std::uint32_t pages = 64, CacheOrder co = CacheOrder::kLa
 using testing::iota_pages;
 using testing::small_layout;
 
+// Whether this build has the ucx engine (the suites skip without it).
+inline bool ucx_built() {
+  const auto b = built_engines();
+  return std::find(b.begin(), b.end(), "ucx") != b.end();
+}
+
+// UCX over TCP on loopback only: the suites that hold a backend or talk to
+// raw UCX peers themselves.
+inline void use_loopback_tcp() {
+  ::setenv("UCX_TLS", "tcp", 1);
+  ::setenv("UCX_NET_DEVICES", "lo", 1);
+}
+
 class UcxFixture : public ::testing::TestWithParam<UcxCase> {
  protected:
   void SetUp() override {
-    const auto b = built_engines();
-    if (std::find(b.begin(), b.end(), "ucx") == b.end()) GTEST_SKIP() << "ucx engine not built";
+    if (!ucx_built()) GTEST_SKIP() << "ucx engine not built";
     for (const auto& [k, v] : env()) ::setenv(k.c_str(), v.c_str(), 1);
   }
 

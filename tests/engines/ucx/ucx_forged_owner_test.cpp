@@ -20,6 +20,7 @@
 
 #include "common/layouts.hpp"
 #include "engines/ucx/raw_owner.hpp"
+#include "engines/ucx/ucx_fixture.hpp"
 #include "mstar/kv/kv.hpp"
 
 namespace mstar::kv::ucx {
@@ -80,10 +81,8 @@ struct ForgedCase {
 class UcxForgedOwner : public ::testing::TestWithParam<ForgedCase> {
  protected:
   void SetUp() override {
-    const auto b = built_engines();
-    if (std::find(b.begin(), b.end(), "ucx") == b.end()) GTEST_SKIP() << "ucx engine not built";
-    ::setenv("UCX_TLS", "tcp", 1);
-    ::setenv("UCX_NET_DEVICES", "lo", 1);
+    if (!ucx_test::ucx_built()) GTEST_SKIP() << "ucx engine not built";
+    ucx_test::use_loopback_tcp();
     const bool strided = GetParam().strided;
     remote_ = testing::make_layout(2, 64, 16, 2, 64, DType::kBFloat16, CacheOrder::kLayerMajor,
                                    strided ? PageOrder::kHND : PageOrder::kNHD);

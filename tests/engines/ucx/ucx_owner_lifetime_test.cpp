@@ -31,6 +31,7 @@
 #include "engines/ucx/raw_client.hpp"
 #include "engines/ucx/ucx_backend.hpp"
 #include "engines/ucx/ucx_core.hpp"
+#include "engines/ucx/ucx_fixture.hpp"
 #include "mstar/kv/engines/ucx.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/testing/pattern.hpp"
@@ -54,10 +55,8 @@ void PrintTo(const HeldCase& c, std::ostream* os) { *os << c.label; }
 class UcxOwnerLifetime : public ::testing::TestWithParam<HeldCase> {
  protected:
   void SetUp() override {
-    const auto b = built_engines();
-    if (std::find(b.begin(), b.end(), "ucx") == b.end()) GTEST_SKIP() << "ucx engine not built";
-    ::setenv("UCX_TLS", "tcp", 1);
-    ::setenv("UCX_NET_DEVICES", "lo", 1);
+    if (!ucx_test::ucx_built()) GTEST_SKIP() << "ucx engine not built";
+    ucx_test::use_loopback_tcp();
     cache_ = make_kv_cache(testing::small_layout(64), MemoryKind::kHost);
     UcxOptions o;
     EngineOptions eo;

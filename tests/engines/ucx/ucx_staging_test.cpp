@@ -20,6 +20,7 @@
 
 #include "common/cache_probe.hpp"
 #include "common/layouts.hpp"
+#include "engines/ucx/ucx_fixture.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/testing/pattern.hpp"
 
@@ -40,10 +41,8 @@ struct StagingCase {
 class UcxStaging : public ::testing::TestWithParam<StagingCase> {
  protected:
   void SetUp() override {
-    const auto b = built_engines();
-    if (std::find(b.begin(), b.end(), "ucx") == b.end()) GTEST_SKIP() << "ucx engine not built";
-    ::setenv("UCX_TLS", "tcp", 1);
-    ::setenv("UCX_NET_DEVICES", "lo", 1);
+    if (!ucx_test::ucx_built()) GTEST_SKIP() << "ucx engine not built";
+    ucx_test::use_loopback_tcp();
     ::unsetenv("MSTAR_KV_UCX_STAGING");
   }
 
