@@ -6,6 +6,7 @@ decode worker pulls them into its blocks; every token of every layer is
 compared. Layouts (NHD, HND, block-major), block sizes and TP merges;
 the producer's frees on the done notice and on lease expiry; a stale
 sequence (the blocks freed and reused) fails instead of loading wrong KV."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -112,6 +113,12 @@ class Producer:
             except subprocess.TimeoutExpired:
                 self.p.kill()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 def params(port, tokens, tp=1, cell="kv_cells"):
     return parse_remote_prefill({"do_remote_prefill": True, "mstar": {
@@ -125,6 +132,16 @@ def consumer(model_dir, layout="LBNHC", block_size=32, extra=None, num_blocks=64
                              block_size, layout=layout)
     kv = K.vllm_kv_tensors(cfg, num_blocks)
     return K.Glue(cfg, kv), kv
+
+
+@contextlib.contextmanager
+def consuming(model_dir, *args, **kw):
+    """consumer(...), its connector shut down on the way out."""
+    glue, kv = consumer(model_dir, *args, **kw)
+    try:
+        yield glue, kv
+    finally:
+        glue.close()
 
 
 def pull(glue, load, finished_within=20.0):
@@ -159,9 +176,8 @@ def test_pull_lands_the_producers_bytes_in_vllms_blocks(model_dir, cell, p_layou
     port = K.free_port()
     n = 150
     p_blocks = [9, 3, 40, 17, 22]            # 5 blocks of 32 (scattered)
-    prod = Producer(model_dir, port, p_layout, p_blocks, n, cell=cell)
-    glue, kv = consumer(model_dir, c_layout, c_bs, cell=cell)
-    try:
+    with (Producer(model_dir, port, p_layout, p_blocks, n, cell=cell) as prod,
+          consuming(model_dir, c_layout, c_bs, cell=cell) as (glue, kv)):
         c_blocks = [(7 * j + 5) % 64 for j in range((n + c_bs - 1) // c_bs)]
         assert len(set(c_blocks)) == len(c_blocks)
         assert K.check_request(kv, c_blocks, SEED, 0, n), "test set-up: zeros already match?"
@@ -171,23 +187,16 @@ def test_pull_lands_the_producers_bytes_in_vllms_blocks(model_dir, cell, p_layou
         st = glue.connector.consumer.stats
         assert st["loads_ok"] == 1 and st["tokens_loaded"] == n
         assert prod.freed(), "the producer did not free on the done notice"
-    finally:
-        glue.close()
-        prod.close()
 
 
 def test_kv_planes_with_another_block_size_fail_the_load(model_dir):
     """The CPU backend's K and V planes do not map across block sizes: the
     load fails (vLLM recomputes) instead of landing misplaced rows."""
     port = K.free_port()
-    prod = Producer(model_dir, port, "LBHNC", [1, 2], 50, cell="kv_planes")
-    glue, kv = consumer(model_dir, "LBHNC", 64, cell="kv_planes")
-    try:
+    with (Producer(model_dir, port, "LBHNC", [1, 2], 50, cell="kv_planes"),
+          consuming(model_dir, "LBHNC", 64, cell="kv_planes") as (glue, kv)):
         assert pull(glue, LoadReq("d1", params(port, 50, cell="kv_planes"), [4], 0, 50)) == {4}
         assert bool((kv[sorted(kv)[0]][4] == 0).all())
-    finally:
-        glue.close()
-        prod.close()
 
 
 def test_layer_by_layer_each_layer_lands_once_the_producer_marked_it(model_dir):
@@ -197,11 +206,11 @@ def test_layer_by_layer_each_layer_lands_once_the_producer_marked_it(model_dir):
     are in vLLM's blocks, while the next layer is still untouched."""
     port = K.free_port()
     n = 100
-    prod = Producer(model_dir, port, "LBNHC", [3, 1, 4, 2], n, env={"PEER_LAYERWISE": "1"})
-    glue, kv = consumer(model_dir, extra={"layerwise": True})
-    names = sorted(kv, key=lambda x: kv[x].data_ptr())
     c_blocks = [20, 21, 22, 23]
-    try:
+    with (Producer(model_dir, port, "LBNHC", [3, 1, 4, 2], n,
+                   env={"PEER_LAYERWISE": "1"}) as prod,
+          consuming(model_dir, extra={"layerwise": True}) as (glue, kv)):
+        names = sorted(kv, key=lambda x: kv[x].data_ptr())
         glue.step(StepMeta(load=[LoadReq("d1", params(port, n), c_blocks, 0, n)]))
         time.sleep(0.5)
         assert K.check_request(kv, c_blocks, SEED, 0, n, layers=[0]), "layer 0 before its mark"
@@ -225,17 +234,13 @@ def test_layer_by_layer_each_layer_lands_once_the_producer_marked_it(model_dir):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert K.check_request(kv, c_blocks, SEED, 0, n) == []
-    finally:
-        glue.close()
-        prod.close()
 
 
 def test_prefix_hit_pulls_only_the_missing_tokens(model_dir):
     port = K.free_port()
     n = 120
-    prod = Producer(model_dir, port, "LBNHC", [1, 2, 3, 4], n)
-    glue, kv = consumer(model_dir)
-    try:
+    with (Producer(model_dir, port, "LBNHC", [1, 2, 3, 4], n),
+          consuming(model_dir) as (glue, kv)):
         c_blocks = [10, 11, 12, 13]
         for t in kv.values():
             t[10].fill_(3.0)   # the "locally cached" first block stays untouched
@@ -243,25 +248,19 @@ def test_prefix_hit_pulls_only_the_missing_tokens(model_dir):
         assert K.check_request(kv, c_blocks, SEED, 32, n) == []
         assert all(bool((t[10] == 3.0).all()) for t in kv.values())
         assert glue.connector.consumer.stats["tokens_loaded"] == n - 32
-    finally:
-        glue.close()
-        prod.close()
 
 
 def test_tp_merge_two_prefill_ranks_into_one_decode_rank(model_dir):
     port = K.free_port_pair()
     n = 70
-    prods = [Producer(model_dir, port, "LBHNC", [5, 6, 7], n, tp=(r, 2)) for r in range(2)]
-    glue, kv = consumer(model_dir)
-    try:
+    with contextlib.ExitStack() as stack:
+        prods = [stack.enter_context(Producer(model_dir, port, "LBHNC", [5, 6, 7], n, tp=(r, 2)))
+                 for r in range(2)]
+        glue, kv = stack.enter_context(consuming(model_dir))
         c_blocks = [30, 20, 10]
         assert not pull(glue, LoadReq("d1", params(port, n, tp=2), c_blocks, 0, n))
         assert K.check_request(kv, c_blocks, SEED, 0, n) == []
         assert all(p.freed() for p in prods)
-    finally:
-        glue.close()
-        for p in prods:
-            p.close()
 
 
 def test_owner_gone_reports_the_blocks_invalid(model_dir):
@@ -269,39 +268,29 @@ def test_owner_gone_reports_the_blocks_invalid(model_dir):
     prod = Producer(model_dir, port, "LBNHC", [1, 2], 50)
     prod.p.kill()
     prod.p.wait()
-    glue, kv = consumer(model_dir, extra={"fetch_timeout_s": 1.0})
-    try:
+    with consuming(model_dir, extra={"fetch_timeout_s": 1.0}) as (glue, kv):
         t0 = time.monotonic()
         bad = pull(glue, LoadReq("d1", params(port, 50), [4, 5], 0, 50))
         assert bad == {4, 5} and time.monotonic() - t0 < 10
         assert glue.connector.consumer.stats["loads_failed"] == 1
-    finally:
-        glue.close()
 
 
 def test_lease_expiry_frees_and_a_late_reader_fails(model_dir):
     port = K.free_port()
-    prod = Producer(model_dir, port, "LBNHC", [1, 2], 50, env={"PEER_LEASE_S": "1.0"})
-    try:
+    with Producer(model_dir, port, "LBNHC", [1, 2], 50, env={"PEER_LEASE_S": "1.0"}) as prod:
         t0 = time.monotonic()
         assert prod.p.stdout.readline().strip() == "FREED"   # nobody read it
         assert time.monotonic() - t0 < 5
-        glue, kv = consumer(model_dir, extra={"fetch_timeout_s": 1.0})
-        try:
+        with consuming(model_dir, extra={"fetch_timeout_s": 1.0}) as (glue, kv):
             bad = pull(glue, LoadReq("d1", params(port, 50), [4, 5], 0, 50))
             assert bad == {4, 5}
             assert K.check_request(kv, [4, 5], SEED, 0, 50)  # nothing was loaded
-        finally:
-            glue.close()
-    finally:
-        prod.close()
 
 
 def test_abort_mid_load_still_reports_it_finished(model_dir):
     port = K.free_port()
-    prod = Producer(model_dir, port, "LBNHC", [1, 2], 50)
-    glue, kv = consumer(model_dir)
-    try:
+    with (Producer(model_dir, port, "LBNHC", [1, 2], 50),
+          consuming(model_dir) as (glue, kv)):
         load = LoadReq("d1", params(port, 50), [4, 5], 0, 50)
         glue.step(StepMeta(load=[load], cancel=["d1"]))
         deadline = time.monotonic() + 10
@@ -311,9 +300,6 @@ def test_abort_mid_load_still_reports_it_finished(model_dir):
             out = glue.step()
             done |= set((out.finished_recving or ()) if out else ())
             time.sleep(0.01)
-    finally:
-        glue.close()
-        prod.close()
 
 
 # -- MLA: one latent vector per token, the same on every TP rank ------------
@@ -326,17 +312,13 @@ def mla_dir(tmp_path_factory):
 def test_mla_latent_lands_byte_exact_in_vllms_blocks(mla_dir, c_bs):
     port = K.free_port()
     n = 150
-    prod = Producer(mla_dir, port, "LBNHC", [9, 3, 7, 1, 5], n, cell="latent")
-    glue, kv = consumer(mla_dir, block_size=c_bs, cell="latent")
-    try:
+    with (Producer(mla_dir, port, "LBNHC", [9, 3, 7, 1, 5], n, cell="latent") as prod,
+          consuming(mla_dir, block_size=c_bs, cell="latent") as (glue, kv)):
         assert next(iter(kv.values())).shape[1:] == (1, c_bs, K.MLA_LATENT)
         c_blocks = list(range(40, 40 + -(-n // c_bs)))
         assert not pull(glue, LoadReq("d1", params(port, n, cell="latent"), c_blocks, 0, n))
         assert K.check_request(kv, c_blocks, SEED, 0, n) == []
         assert prod.freed()
-    finally:
-        glue.close()
-        prod.close()
 
 
 def test_mla_two_prefill_ranks_one_decode_rank_reads_one_rank_whole(mla_dir):
@@ -345,18 +327,14 @@ def test_mla_two_prefill_ranks_one_decode_rank_reads_one_rank_whole(mla_dir):
     read that mixed the ranks would show), and both ranks are told done."""
     port = K.free_port_pair()
     n = 70
-    prods = [Producer(mla_dir, port, "LBNHC", [5, 6, 7], n, tp=(r, 2), cell="latent",
-                      seed=SEED + r) for r in range(2)]
-    glue, kv = consumer(mla_dir, cell="latent")
-    try:
+    with contextlib.ExitStack() as stack:
+        prods = [stack.enter_context(Producer(mla_dir, port, "LBNHC", [5, 6, 7], n, tp=(r, 2),
+                                              cell="latent", seed=SEED + r)) for r in range(2)]
+        glue, kv = stack.enter_context(consuming(mla_dir, cell="latent"))
         c_blocks = [30, 20, 10]
         assert not pull(glue, LoadReq("d1", params(port, n, tp=2, cell="latent"), c_blocks, 0, n))
         assert K.check_request(kv, c_blocks, SEED, 0, n) == []
         assert all(p.freed() for p in prods)
-    finally:
-        glue.close()
-        for p in prods:
-            p.close()
 
 
 def test_mla_one_prefill_rank_two_decode_ranks_each_read_it_whole(mla_dir, monkeypatch):
@@ -365,23 +343,17 @@ def test_mla_one_prefill_rank_two_decode_ranks_each_read_it_whole(mla_dir, monke
     from mstar_kv.integrations.vllm import connector as conn_mod
     port = K.free_port()
     n = 90
-    prod = Producer(mla_dir, port, "LBNHC", [2, 4, 6], n, cell="latent")
-    try:
+    with Producer(mla_dir, port, "LBNHC", [2, 4, 6], n, cell="latent") as prod:
         for rank in range(2):
             monkeypatch.setattr(conn_mod, "_tp", lambda _c, r=rank: (r, 2))
-            glue, kv = consumer(mla_dir, cell="latent")
-            try:
+            with consuming(mla_dir, cell="latent") as (glue, kv):
                 c_blocks = [11 + rank, 21, 31]
                 assert not pull(glue, LoadReq(f"d{rank}", params(port, n, cell="latent"),
                                               c_blocks, 0, n))
                 assert K.check_request(kv, c_blocks, SEED, 0, n) == []
-            finally:
-                glue.close()
             if rank == 0:
                 assert not prod.freed(timeout=1.0), "freed before the second rank's pull"
         assert prod.freed()
-    finally:
-        prod.close()
 
 
 def test_mla_decode_ranks_spread_over_the_prefill_ranks(mla_dir, monkeypatch):
@@ -390,20 +362,14 @@ def test_mla_decode_ranks_spread_over_the_prefill_ranks(mla_dir, monkeypatch):
     from mstar_kv.integrations.vllm import connector as conn_mod
     port = K.free_port_pair()
     n = 40
-    prods = [Producer(mla_dir, port, "LBNHC", [3, 8], n, tp=(r, 2), cell="latent",
-                      seed=SEED + r) for r in range(2)]
-    try:
+    with contextlib.ExitStack() as stack:
+        prods = [stack.enter_context(Producer(mla_dir, port, "LBNHC", [3, 8], n, tp=(r, 2),
+                                              cell="latent", seed=SEED + r)) for r in range(2)]
         for rank in range(2):
             monkeypatch.setattr(conn_mod, "_tp", lambda _c, r=rank: (r, 2))
-            glue, kv = consumer(mla_dir, cell="latent")
-            try:
+            with consuming(mla_dir, cell="latent") as (glue, kv):
                 c_blocks = [12, 13]
                 assert not pull(glue, LoadReq(f"d{rank}", params(port, n, tp=2, cell="latent"),
                                               c_blocks, 0, n))
                 assert K.check_request(kv, c_blocks, SEED + rank, 0, n) == [], f"rank {rank}"
-            finally:
-                glue.close()
         assert all(p.freed() for p in prods)
-    finally:
-        for p in prods:
-            p.close()
