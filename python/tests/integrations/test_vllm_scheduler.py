@@ -57,6 +57,17 @@ def prefill_params(model_dir, prompt, p=None, req_id="p1"):
     return o.kv_transfer_params, p, req, meta(so)
 
 
+def remote_prefilled(model_dir, prompt, max_tokens):
+    """A consumer scheduler with request "d1" of the prompt added, its KV
+    that of the producer's request "p1" (prefill_params); returns (the
+    scheduler, the request)."""
+    params, _, _, _ = prefill_params(model_dir, prompt)
+    d = consumer(model_dir)
+    req = K.make_request("d1", prompt, max_tokens, params, BS)
+    d.add_request(req)
+    return d, req
+
+
 def free_blocks(sched):
     return sched.kv_cache_manager.block_pool.get_num_free_blocks()
 
@@ -121,10 +132,7 @@ def test_prefix_shared_blocks_keep_the_epoch_of_their_first_publication(model_di
 
 def test_remote_prefill_loads_asynchronously_then_runs(model_dir):
     prompt = list(range(100, 170))
-    params, _, _, _ = prefill_params(model_dir, prompt)
-    d = consumer(model_dir)
-    req = K.make_request("d1", prompt, 4, params, BS)
-    d.add_request(req)
+    d, req = remote_prefilled(model_dir, prompt, 4)
     so, out = step(d)
     assert so.num_scheduled_tokens == {}  # waiting for the remote KV
     (load,) = meta(so).load
@@ -201,9 +209,7 @@ def test_abort_mid_load_cancels_and_frees_once_the_worker_reports(model_dir):
 
 def test_abort_before_the_load_started_releases_the_producer(model_dir):
     prompt = list(range(500, 540))
-    params, _, _, _ = prefill_params(model_dir, prompt)
-    d = consumer(model_dir)
-    d.add_request(K.make_request("d1", prompt, 4, params, BS))
+    d, _ = remote_prefilled(model_dir, prompt, 4)
     d.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
     so, _ = step(d)
     assert [r.remote.request_id for r in meta(so).release] == ["p1"] and not meta(so).load
@@ -213,10 +219,7 @@ def test_load_error_recomputes_the_prompt(model_dir):
     """The owner is gone: the worker reports the load finished with its
     blocks invalid; vLLM (policy recompute) recomputes them."""
     prompt = list(range(600, 670))
-    params, _, _, _ = prefill_params(model_dir, prompt)
-    d = consumer(model_dir)
-    req = K.make_request("d1", prompt, 2, params, BS)
-    d.add_request(req)
+    d, req = remote_prefilled(model_dir, prompt, 2)
     so, _ = step(d)
     (load,) = meta(so).load
     step(d, finished_recving={"d1"}, invalid_block_ids=set(load.block_ids))
@@ -229,10 +232,7 @@ def test_load_error_recomputes_the_prompt(model_dir):
 
 def test_partial_load_error_keeps_the_valid_prefix(model_dir):
     prompt = list(range(700, 770))
-    params, _, _, _ = prefill_params(model_dir, prompt)
-    d = consumer(model_dir)
-    req = K.make_request("d1", prompt, 1, params, BS)
-    d.add_request(req)
+    d, req = remote_prefilled(model_dir, prompt, 1)
     so, _ = step(d)
     (load,) = meta(so).load
     step(d, finished_recving={"d1"}, invalid_block_ids={load.block_ids[2]})
