@@ -135,25 +135,36 @@ def make_tiny_deepseek_v2(path: Path, seed: int = 0, weights: bool = True, **ove
     by transformers' own class, so the names are the checkpoint's). The
     weights are wide enough (embeddings N(0, 1), the rest N(0, 0.08)) that
     greedy tokens vary from step to step and with the attention's input."""
+    return _random_checkpoint(path, "DeepseekV2ForCausalLM", "DeepseekV2Config",
+                              dict(TINY_DEEPSEEK_V2, dtype="bfloat16", **over), seed, 1.0,
+                              "bfloat16", weights)
+
+
+def _random_checkpoint(path: Path, arch: str, config_cls: str, cfg: dict, seed: int,
+                       embed_std: float, dtype: str, weights: bool = True) -> Path:
+    """transformers' ``arch`` (a class name) with ``config_cls(**cfg)``:
+    config.json and, with ``weights``, ``dtype`` safetensors of the model
+    the class builds after seeding torch with ``seed``, its matrices redrawn
+    (the embeddings N(0, embed_std), the others N(0, 0.08)). Made once: a
+    path that has them is kept."""
     path.mkdir(parents=True, exist_ok=True)
     if (path / "config.json").exists() and (not weights
                                             or (path / "model.safetensors").exists()):
         return path
-    from transformers import DeepseekV2Config
-    cfg = DeepseekV2Config(dtype="bfloat16", **dict(TINY_DEEPSEEK_V2, **over))
+    import transformers
+    config = getattr(transformers, config_cls)(**cfg)
+    config.architectures = [arch]
     if not weights:
-        cfg.architectures = ["DeepseekV2ForCausalLM"]
-        cfg.save_pretrained(path)
+        config.save_pretrained(path)
         return path
     import torch
-    from transformers import DeepseekV2ForCausalLM
     torch.manual_seed(seed)
-    m = DeepseekV2ForCausalLM(cfg)
+    m = getattr(transformers, arch)(config)
     with torch.no_grad():
         for n, p in m.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0, 1.0 if "embed" in n else 0.08)
-    m.to(torch.bfloat16).save_pretrained(path)
+                p.normal_(0, embed_std if "embed" in n else 0.08)
+    m.to(getattr(torch, dtype)).save_pretrained(path)
     return path
 
 
@@ -174,21 +185,8 @@ def make_tiny_gemma3(path: Path, seed: int = 0, **over) -> Path:
     embeddings N(0, 0.1) (the rest N(0, 0.08), untied) the residual stream
     is not its input token's embedding alone, and greedy tokens depend on
     what attention read (N(0, 1), tied, repeats the input token)."""
-    path.mkdir(parents=True, exist_ok=True)
-    if (path / "model.safetensors").exists():
-        return path
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-    cfg = Gemma3TextConfig(**dict(TINY_GEMMA3, **over))
-    cfg.architectures = ["Gemma3ForCausalLM"]
-    torch.manual_seed(seed)
-    m = Gemma3ForCausalLM(cfg)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1 if "embed" in n else 0.08)
-    m.to(torch.float32).save_pretrained(path)
-    return path
+    return _random_checkpoint(path, "Gemma3ForCausalLM", "Gemma3TextConfig",
+                              dict(TINY_GEMMA3, **over), seed, 0.1, "float32")
 
 
 # IBM Granite 4.0-H's architecture, tiny: Mamba2 layers beside attention
@@ -206,21 +204,8 @@ TINY_GRANITE_HYBRID = dict(
 def make_tiny_granite_hybrid(path: Path, seed: int = 0, **over) -> Path:
     """A random GraniteMoeHybridForCausalLM (fp32 safetensors made by
     transformers' own class): embeddings N(0, 1), the rest N(0, 0.08)."""
-    path.mkdir(parents=True, exist_ok=True)
-    if (path / "model.safetensors").exists():
-        return path
-    import torch
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-    cfg = GraniteMoeHybridConfig(**dict(TINY_GRANITE_HYBRID, **over))
-    cfg.architectures = ["GraniteMoeHybridForCausalLM"]
-    torch.manual_seed(seed)
-    m = GraniteMoeHybridForCausalLM(cfg)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 1.0 if "embed" in n else 0.08)
-    m.to(torch.float32).save_pretrained(path)
-    return path
+    return _random_checkpoint(path, "GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
+                              dict(TINY_GRANITE_HYBRID, **over), seed, 1.0, "float32")
 
 
 def connector_transfer_config(role: str, extra: dict, policy: str = "recompute"):
