@@ -12,11 +12,11 @@ from typing import NamedTuple, Optional
 import mstar_kv as kv
 
 from .groups import has_state, pair_pages, segments, state_tp_refusal
-from .layout import KV_LATENT, KV_PLANES, LayoutError, heads_of_rank, to_mstar_tokens
+from .layout import KV_LATENT, KV_PLANES, heads_of_rank, to_mstar_tokens
 from .metadata import LoadReq
 from .params import ConnectorConfig, RemotePrefill
-from .peers import CONNECT_TIMEOUT_S, PeerKeeper, peer_key
-from .side_channel import SideChannelError, fetch_sequence, open_watch, send_done
+from .peers import PeerKeeper, peer_key, refuse_configured
+from .side_channel import SideChannelError, fetch_sequence, send_done
 
 log = logging.getLogger("mstar_kv.vllm")
 
@@ -157,20 +157,9 @@ class Consumer:
         in prefill_peers that is up and runs another fails this start,
         naming both. One that is not up yet is checked when the peer keeper
         reaches it, and every request's params before its load starts."""
-        if not (self.groups and has_state(self.groups)):
-            return
-        token = self.cfg.engine_options.get("auth_token", "")
-        for host, port in self.cfg.prefill_peers:
-            try:
-                sock, rep = open_watch(host, port, token, CONNECT_TIMEOUT_S)
-            except (SideChannelError, OSError, ValueError) as e:
-                log.info("MstarKVConnector: prefill engine %s:%d not up at start (its TP size "
-                         "is checked when it is): %s", host, port, e)
-                continue
-            sock.close()
-            why = self._tp_refusal(rep["tp_size"], f"{host}:{port} (prefill_peers)")
-            if why:
-                raise LayoutError(why)
+        if self.groups and has_state(self.groups):
+            refuse_configured(self.cfg.prefill_peers, self.cfg.engine_options.get(
+                "auth_token", ""), self._tp_refusal)
 
     # -- which prefill ranks hold this rank's heads ------------------------
     def _sources(self, rp: RemotePrefill) -> list:

@@ -45,6 +45,25 @@ FORGET_LEARNED_S = 300.0
 MAX_LOST_KEYS = 1024
 
 
+def refuse_configured(peers, token: str, refusal: Callable[[int, str], str]) -> None:
+    """Engine start: asks each prefill engine of ``peers`` ((host, port), ...)
+    that is up its TP size, and raises LayoutError with ``refusal(tp_size,
+    where)`` when that is not "" (one not up is checked by the keeper when
+    it is). Bounded: CONNECT_TIMEOUT_S an engine."""
+    from .layout import LayoutError
+    for host, port in peers:
+        try:
+            sock, rep = open_watch(host, port, token, CONNECT_TIMEOUT_S)
+        except (SideChannelError, OSError, ValueError) as e:
+            log.info("MstarKVConnector: prefill engine %s:%d not up at start (its TP size is "
+                     "checked when it is): %s", host, port, e)
+            continue
+        sock.close()
+        why = refusal(rep["tp_size"], f"{host}:{port} (prefill_peers)")
+        if why:
+            raise LayoutError(why)
+
+
 def peer_key(info: "kv.KVTransferInfo") -> tuple:
     """A producer rank's cache, whatever the epoch of one sequence in it."""
     return info.engine, bytes(info.payload)
