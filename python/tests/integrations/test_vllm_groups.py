@@ -131,3 +131,46 @@ def test_regions_of_overlaid_groups_and_when_each_is_ready():
     reps, _ = region_tensors(kv, ["model.layers.0.mixer", "model.layers.2.mixer"])
     t = reps["model.layers.2.mixer"]
     assert t.dtype == F32 and t.shape == attn[1].shape and t.data_ptr() == attn[1].data_ptr()
+
+
+def test_a_state_group_between_tp_sizes_is_refused_naming_both():
+    from mstar_kv.integrations.vllm.groups import state_tp_refusal
+    groups = check_groups(config(mamba(), full(64)))
+    why = state_tp_refusal(groups, 2, 1, "10.0.0.5:25600")
+    assert why.startswith("KV cache group 'mamba' (Mamba state, 2 layers: model.layers.0.attn")
+    assert "prefill engine 10.0.0.5:25600 runs TP 2, this decode engine TP 1" in why
+    assert "only between engines of one TP size" in why
+    assert state_tp_refusal(groups, 2, 2, "h:1") == ""
+    # Attention groups split and merge by heads: any TP sizes.
+    assert state_tp_refusal(check_groups(config(swa(), full())), 2, 1, "h:1") == ""
+
+
+def test_the_peer_keeper_refuses_a_prefill_engine_of_another_tp_size():
+    """A decode started before its prefill_peers engine was up learns its TP
+    size from the watch: not connected, the refusal in its status."""
+    import time
+
+    from mstar_kv.integrations.vllm.groups import state_tp_refusal
+    from mstar_kv.integrations.vllm.peers import PeerKeeper
+    from mstar_kv.integrations.vllm.side_channel import SideChannelServer
+    groups = check_groups(config(mamba(), full(64)))
+    srv = SideChannelServer("127.0.0.1", 0, lambda r, s: None, lambda *a: None,
+                            describe=lambda: {"desc": b"\x01", "tp_size": 2, "engine": "ucx"})
+    connects, ups = [], []
+    keeper = PeerKeeper(connects.append, ups.append, lambda k: None, lambda tp: [0], "ucx",
+                        refusal=lambda tp, where: state_tp_refusal(groups, tp, 1, where))
+    host, port = srv.address
+    try:
+        keeper.add(host, port, configured=True)
+        deadline = time.monotonic() + 10
+        while not keeper.status().get(f"{host}:{port}", {}).get("error"):
+            assert time.monotonic() < deadline, keeper.status()
+            time.sleep(0.02)
+        st = keeper.status()[f"{host}:{port}"]
+        assert st["state"] == "down" and st["error"].startswith("PeerRefused: KV cache group "
+                                                               "'mamba'"), st
+        assert f"prefill engine {host}:{port} runs TP 2, this decode engine TP 1" in st["error"]
+        assert connects == [] and ups == []
+    finally:
+        keeper.close()
+        srv.close()

@@ -3,7 +3,7 @@ to end tests and the benchmark: a single engine, a prefill engine
 (kv_producer) or a decode engine (kv_consumer) of MstarKVConnector.
 
   python vllm_engine_peer.py ROLE --model DIR [--engine ucx|shm] [--port P]
-         [--block-size N] [--fetch-timeout S] [--lease S]
+         [--block-size N] [--tp N] [--fetch-timeout S] [--lease S]
          [--transfer-timeout S] [--corrupt] [--prefix-cache] [--record] [--layerwise]
          [--publish-early] [--save-delay S]
 
@@ -32,6 +32,8 @@ def build(args):
               skip_tokenizer_init=True, dtype=args.dtype, max_model_len=1024, seed=0,
               gpu_memory_utilization=0.05, num_gpu_blocks_override=256,
               enable_prefix_caching=args.prefix_cache)
+    if args.tp > 1:
+        kw.update(tensor_parallel_size=args.tp, distributed_executor_backend="mp")
     if args.role != "single":
         from vllm.config import KVTransferConfig
         extra = {"engine": args.engine, "side_channel_port": args.port,
@@ -70,6 +72,7 @@ def main():
     ap.add_argument("--engine", default="ucx")
     ap.add_argument("--port", type=int, default=25600)
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     ap.add_argument("--fetch-timeout", type=float, default=10.0)
     ap.add_argument("--lease", type=float, default=60.0)
     ap.add_argument("--transfer-timeout", type=float, default=10.0)

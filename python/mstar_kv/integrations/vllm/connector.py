@@ -81,9 +81,11 @@ class MstarKVConnector(KVConnectorBase_V1, SupportsHMA):
     recomputes (kv_load_failure_policy="recompute").
 
     Hybrid models (several KV cache groups: sliding-window beside full
-    attention) move every group's blocks of a request, a sliding-window
-    group only those inside the window (groups.py); a group it cannot move
-    (Mamba state) is refused here, at engine start.
+    attention, Mamba state) move every group's blocks of a request, a
+    sliding-window group only those inside the window (groups.py); a group
+    it cannot move is refused here, at engine start. A state group moves
+    between engines of one TP size only (groups.state_tp_refusal: refused
+    at engine start for a prefill_peers engine, else before the load).
     """
 
     def __init__(self, vllm_config, role, kv_cache_config=None):

@@ -11,11 +11,11 @@ from typing import NamedTuple, Optional
 
 import mstar_kv as kv
 
-from .groups import has_state, pair_pages, segments
+from .groups import has_state, pair_pages, segments, state_tp_refusal
 from .layout import KV_LATENT, KV_PLANES, heads_of_rank, to_mstar_tokens
 from .metadata import LoadReq
 from .params import ConnectorConfig, RemotePrefill
-from .peers import PeerKeeper, peer_key
+from .peers import PeerKeeper, peer_key, refuse_configured
 from .side_channel import SideChannelError, fetch_sequence, send_done
 
 log = logging.getLogger("mstar_kv.vllm")
@@ -113,6 +113,9 @@ class Consumer:
         # Several KV cache groups (groups.py): a load pairs each group's
         # published pages with this engine's blocks of the group.
         self.groups = list(groups)
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self._refuse_configured_peers()
         self._kv_stats = kv_stats  # stats.StatsRecorder (vLLM's connector metrics), or None
         self._recomputes = failure_policy == "recompute"
         # What vLLM does with a failed load's request (kv_load_failure_policy).
@@ -122,8 +125,6 @@ class Consumer:
         self.layout = manager.kv_cache.layout
         self.cell_layout = mapped.cell_layout if mapped is not None else "kv_cells"
         self.block_size = mapped.block_size if mapped is not None else self.layout.page_size
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
         self.reader = f"{reader_name}:{tp_rank}"
         self._pool = cf.ThreadPoolExecutor(max_workers=LOAD_THREADS,
                                            thread_name_prefix="mstar-kv-load")
@@ -139,9 +140,26 @@ class Consumer:
                       "loads_direct": 0, "loads_side_channel": 0, "loads_retried_stale": 0}
         self._keeper = PeerKeeper(manager.connect, self._peers.add, self._peers.discard,
                                   self._source_ranks, cfg.engine,
-                                  cfg.engine_options.get("auth_token", ""))
+                                  cfg.engine_options.get("auth_token", ""),
+                                  refusal=self._tp_refusal)
         for host, port in cfg.prefill_peers:
             self._keeper.add(host, port, configured=True)
+
+    def _tp_refusal(self, prefill_tp: int, prefill: str) -> str:
+        """Why this engine cannot load from a prefill engine of
+        ``prefill_tp`` ranks ("" when it can)."""
+        return state_tp_refusal(self.groups, prefill_tp, self.tp_size, prefill) \
+            if self.groups else ""
+
+    def _refuse_configured_peers(self) -> None:
+        """Engine start: a model with a state group loads only from prefill
+        engines of its TP size (groups.state_tp_refusal); a prefill engine
+        in prefill_peers that is up and runs another fails this start,
+        naming both. One that is not up yet is checked when the peer keeper
+        reaches it, and every request's params before its load starts."""
+        if self.groups and has_state(self.groups):
+            refuse_configured(self.cfg.prefill_peers, self.cfg.engine_options.get(
+                "auth_token", ""), self._tp_refusal)
 
     # -- which prefill ranks hold this rank's heads ------------------------
     def _sources(self, rp: RemotePrefill) -> list:
@@ -168,7 +186,9 @@ class Consumer:
         reads from and, for a latent cache, those no decode rank reads from
         (they hold the request too, until told)."""
         if self.groups and has_state(self.groups):
-            return [d]
+            # Its own rank; with another TP size (a refused load: a release)
+            # every prefill rank is told by one decode rank.
+            return [p for p in range(rp.tp_size) if p % self.tp_size == d]
         if self.cell_layout != KV_LATENT:
             total = self.layout.model_kv_heads
             mine = heads_of_rank(total, self.tp_size, d)
@@ -217,9 +237,9 @@ class Consumer:
         if self.groups and not rp.groups and has_state(self.groups):
             raise RuntimeError("params that name no KV cache groups (made before the prefill "
                                "ran) cannot say how many tokens a Mamba state holds")
-        if self.groups and has_state(self.groups) and rp.tp_size != self.tp_size:
-            raise RuntimeError(f"a Mamba state group needs one TP size: the producer's is "
-                               f"{rp.tp_size}, this engine's {self.tp_size}")
+        why = self._tp_refusal(rp.tp_size, f"{rp.host}:{rp.port}")
+        if why:
+            raise RuntimeError(why)
         if self.groups and rp.block_size != self.block_size:
             raise RuntimeError(f"several KV cache groups need one block size: the producer's "
                                f"is {rp.block_size}, this engine's {self.block_size}")

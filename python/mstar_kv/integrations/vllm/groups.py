@@ -122,6 +122,30 @@ def has_state(groups: Sequence[Group]) -> bool:
     return any(g.kind == MAMBA for g in groups)
 
 
+def state_tp_refusal(groups: Sequence[Group], prefill_tp: int, decode_tp: int,
+                     prefill: str) -> str:
+    """Why a state group cannot move from a prefill engine of
+    ``prefill_tp`` ranks (``prefill``: where it is) to this decode engine of
+    ``decode_tp`` ranks, or "" when it can (no state group, one TP size).
+
+    A rank's state is its shard of the heads and conv channels, laid out
+    in sub-projections (x, B, C) each split by TP: another TP size needs
+    slices of every sub-projection of the page, which vLLM's NixlConnector
+    reads with DS conv layout (VLLM_SSM_CONV_STATE_LAYOUT=DS); this
+    connector moves whole pages."""
+    if prefill_tp == decode_tp:
+        return ""
+    for g in groups:
+        if g.kind == MAMBA:
+            first = g.layer_names[0] if g.layer_names else "-"
+            return (f"KV cache group {g.name!r} (Mamba state, {len(g.layer_names)} layers: "
+                    f"{first}, ...): the prefill engine {prefill} runs TP {prefill_tp}, this "
+                    f"decode engine TP {decode_tp}; MstarKVConnector moves a Mamba state "
+                    "only between engines of one TP size (each rank's state is its shard, "
+                    "moved as whole pages)")
+    return ""
+
+
 def publish_pages(groups: Sequence[Group], block_ids: Sequence[Sequence[int]],
                   num_tokens: int) -> tuple:
     """(pages, segments) of a request with ``num_tokens`` computed tokens:

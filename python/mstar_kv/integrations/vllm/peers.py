@@ -45,9 +45,33 @@ FORGET_LEARNED_S = 300.0
 MAX_LOST_KEYS = 1024
 
 
+def refuse_configured(peers, token: str, refusal: Callable[[int, str], str]) -> None:
+    """Engine start: asks each prefill engine of ``peers`` ((host, port), ...)
+    that is up its TP size, and raises LayoutError with ``refusal(tp_size,
+    where)`` when that is not "" (one not up is checked by the keeper when
+    it is). Bounded: CONNECT_TIMEOUT_S an engine."""
+    from .layout import LayoutError
+    for host, port in peers:
+        try:
+            sock, rep = open_watch(host, port, token, CONNECT_TIMEOUT_S)
+        except (SideChannelError, OSError, ValueError) as e:
+            log.info("MstarKVConnector: prefill engine %s:%d not up at start (its TP size is "
+                     "checked when it is): %s", host, port, e)
+            continue
+        sock.close()
+        why = refusal(rep["tp_size"], f"{host}:{port} (prefill_peers)")
+        if why:
+            raise LayoutError(why)
+
+
 def peer_key(info: "kv.KVTransferInfo") -> tuple:
     """A producer rank's cache, whatever the epoch of one sequence in it."""
     return info.engine, bytes(info.payload)
+
+
+class PeerRefused(RuntimeError):
+    """A prefill engine this worker cannot load from (another TP size with
+    a state group): not connected, said as an error."""
 
 
 class _Engine:
@@ -84,12 +108,18 @@ class PeerKeeper:
     """``connect(info)`` opens a descriptor's peer (the manager's connect);
     ``on_up(key)`` / ``on_down(key)`` tell the consumer which caches are
     connected (peer_key); ``sources(tp_size)`` are the prefill ranks this
-    worker reads from; ``engine`` the transfer engine both sides must use.
-    For an engine not in CONNECTS_AHEAD it keeps nothing (no thread)."""
+    worker reads from; ``engine`` the transfer engine both sides must use;
+    ``refusal(tp_size, "HOST:PORT")`` why this worker cannot load from a
+    prefill engine of that TP size ("" when it can): such an engine is not
+    connected (an error in the log, retried in case it restarts with
+    another). For an engine not in CONNECTS_AHEAD it keeps nothing (no
+    thread)."""
 
     def __init__(self, connect: Callable, on_up: Callable, on_down: Callable,
-                 sources: Callable[[int], list], engine: str, token: str = ""):
+                 sources: Callable[[int], list], engine: str, token: str = "",
+                 refusal: Optional[Callable[[int, str], str]] = None):
         self._connect = connect
+        self._refusal = refusal
         self._on_up = on_up
         self._on_down = on_down
         self._sources = sources
@@ -237,6 +267,9 @@ class PeerKeeper:
                 raise RuntimeError(f"the producer moves KV with {rep['engine']!r}, this engine "
                                    f"with {self._engine_name!r}")
             e = r.engine
+            why = self._refusal(rep["tp_size"], f"{e.host}:{e.port}") if self._refusal else ""
+            if why:
+                raise PeerRefused(why)
             if e.tp_size != rep["tp_size"]:
                 e.tp_size = rep["tp_size"]
                 self._place_ranks(e)
@@ -266,12 +299,17 @@ class PeerKeeper:
         now = time.monotonic()
         with self._lock:
             first = r.down_since is None or not r.error
+            changed = r.error != f"{type(e).__name__}: {e}"
             r.error = f"{type(e).__name__}: {e}"
             if r.down_since is None:
                 r.down_since = now
             r.next_try = now + r.delay
             r.delay = min(r.delay * 2, MAX_RETRY_S)
             self.stats["peer_connect_failures"] += 1
+        if isinstance(e, PeerRefused):
+            (log.error if changed else log.debug)("MstarKVConnector: prefill rank %s:%d refused "
+                                                  "(not connected): %s", *r.addr, r.error)
+            return
         (log.warning if first else log.debug)(
             "MstarKVConnector: prefill rank %s:%d not connected (retrying in the "
             "background, pulls from it connect on their own): %s", r.addr[0], r.addr[1], r.error)

@@ -5,7 +5,7 @@ import logging
 import secrets
 from typing import Any, Optional
 
-from .groups import has_state, publish_pages
+from .groups import has_state, publish_pages, state_tp_refusal
 from .layout import LayoutError
 from .metadata import LoadReq, PublishReq, ReleaseReq, StepMeta, UnpublishReq
 from .params import (
@@ -101,7 +101,9 @@ class SchedulerSide:
         self._early: dict = {}       # req_id -> (name, num_tokens, pages, epoch, shared)
         self.epochs = PageEpochs()
         self._descs: list = []       # each prefill rank's cache descriptor (handshake)
-        self.stats = {"published": 0, "loads": 0, "releases": 0, "cancelled": 0}
+        self.stats = {"published": 0, "loads": 0, "releases": 0, "cancelled": 0,
+                      "refused": 0}
+        self._refused_peers: set = set()  # (host, port, tp) said once in the log
 
     def set_descriptors(self, by_rank: dict) -> None:
         """The cache descriptor of each of this engine's TP ranks (vLLM's
@@ -174,12 +176,30 @@ class SchedulerSide:
         if not self.is_consumer:
             return 0, False
         rp = self._remote(request)
-        if rp is None:
+        if rp is None or self._refuse(request, rp):
             return 0, False
         prompt = len(request.prompt_token_ids or [])
         count = min(rp.num_tokens, prompt) - num_computed_tokens
         self._matched[request.request_id] = num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _refuse(self, request, rp) -> bool:
+        """A load this engine cannot do (a state group from a prefill engine
+        of another TP size, groups.state_tp_refusal): none is scheduled, the
+        request computes its prompt here, and the producer is told to free
+        it (update_state_after_alloc: a release). Before any byte moves."""
+        why = state_tp_refusal(self.groups, rp.tp_size, self.tp_size,
+                               f"{rp.host}:{rp.port}") if self.groups else ""
+        if not why:
+            return False
+        self.stats["refused"] += 1
+        key = (rp.host, rp.port, rp.tp_size)
+        if key not in self._refused_peers:
+            if len(self._refused_peers) >= 1024:
+                self._refused_peers.clear()
+            self._refused_peers.add(key)
+            log.error("request %s: not loaded, computed here: %s", request.request_id, why)
+        return True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self.is_producer:
