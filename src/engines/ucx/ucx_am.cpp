@@ -233,6 +233,8 @@ ucs_status_t UcxCore::handle_data(const DataHdr& h, void* data, std::size_t leng
     return UCS_OK;
   }
   b->pending.erase(p);
+  trace("read %llu: reply %zu B%s, %zu to come", static_cast<unsigned long long>(b->id), length,
+        (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 ? " (rndv)" : "", b->pending.size());
   std::byte* dest = cache_->at(h.local_offset);  // a span is in one region
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
     std::memcpy(dest, data, length);
@@ -297,6 +299,8 @@ ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t 
   }
   std::fill_n(b->got.begin() + static_cast<std::ptrdiff_t>(h.first), h.count, std::uint8_t{1});
   b->got_count += h.count;
+  trace("read %llu: gathered reply %zu B%s, %zu of %zu units",
+        static_cast<unsigned long long>(b->id), length, rndv ? " (rndv)" : "", b->got_count, units);
   if (b->staged) return staged_arrival(b, h, data, length, rndv);
   const RegionMap& base = cache_->regions();
   if (rndv) {  // UCX hands the fragments to the local rows (a RowSink)

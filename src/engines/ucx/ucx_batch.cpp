@@ -28,6 +28,7 @@ void UcxCore::on_fin(const std::shared_ptr<Batch>& b, const Status& st) {
     return;
   }
   if (!b->get) {
+    trace("read %llu: verdict", static_cast<unsigned long long>(b->id));
     b->fin = true;
   } else if (b->get_phase == 0) {
     b->get_phase = 1;
@@ -64,6 +65,10 @@ void UcxCore::maybe_finish(std::shared_ptr<Batch> b) {
     if (b->get && b->get_phase == 2) return;
   }
   if (batches_.erase(b->id) == 0) return;  // finished already
+  trace("read %llu: resolved (%s)", static_cast<unsigned long long>(b->id),
+        b->failure   ? b->failure->message().c_str()
+        : b->aborted ? "aborted"
+                     : "ok");
   const auto& c = b->conn;
   c->batches.erase(b->id);
   if (c->closing && c->batches.empty() && c->data_ep) {
@@ -82,6 +87,8 @@ void UcxCore::request_finished(std::uint64_t batch_id, ucs_status_t st) {
   if (it == batches_.end()) return;
   auto b = it->second;
   if (b->outstanding > 0) --b->outstanding;
+  trace("read %llu: receive done, %zu outstanding", static_cast<unsigned long long>(batch_id),
+        b->outstanding);
   if (st != UCS_OK && !b->failure && !b->aborted) {
     b->failure = Status(StatusCode::kPeerFailure, "ucx request failed: " + ucs_str(st));
   }
@@ -210,8 +217,11 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
   const ReadReqHdr hdr{b->id,          c->served.generation,  nspans,   flags,
                        b->check.epoch, b->check.pages.size(), c->ticket};
   append(b->check.pages);
+  trace("read %llu: asking", static_cast<unsigned long long>(b->id));
   send_small(c->am_on_data ? c->data_ep.get() : c->ep.get(), kAmReadReq, &hdr, sizeof hdr,
              body.data(), body.size(), true);
+  trace("read %llu: asked %s for %zu spans (flags %llu)", static_cast<unsigned long long>(b->id),
+        c->session_id.c_str(), nspans, static_cast<unsigned long long>(flags));
 }
 
 void UcxCore::abort_batch(std::uint64_t id) {

@@ -124,6 +124,19 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
 
   const rma::RmaRegionInfo& region() const noexcept { return region_; }
   const UcxOptions& options() const noexcept { return options_; }
+  // One step of a read, at debug level (MSTAR_KV_LOG=debug), stamped with
+  // CLOCK_MONOTONIC seconds so an owner's and a reader's lines on one host
+  // interleave: where a slow read's time went.
+  template <class... A>
+  void trace(const char* fmt, A... a) const noexcept {
+    if (!options_.log.enabled(LogLevel::kDebug)) return;
+    char line[320];
+    const double now =
+        std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    const int n = std::snprintf(line, sizeof line, "ucx t=%.6f ", now);
+    std::snprintf(line + n, sizeof line - static_cast<std::size_t>(n), fmt, a...);
+    options_.log.debug(line);
+  }
 
   // Runs `cmd` on the progress thread; false when the core is stopped.
   bool post(std::function<void()> cmd);

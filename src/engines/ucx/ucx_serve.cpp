@@ -76,6 +76,8 @@ void UcxCore::serve_read(const Served& to, const ReadReqHdr& h, std::vector<Copy
                          std::vector<StridedSpan> strided, std::vector<std::uint32_t> pages) {
   const std::uint64_t batch_id = h.batch_id;
   const std::uint64_t flags = h.flags;
+  trace("serve %llu: %zu spans, %zu strided asked", static_cast<unsigned long long>(batch_id),
+        spans.size(), strided.size());
   // The reader's connection closed since the request arrived: nobody to
   // answer.
   if (!to->usable()) {
@@ -221,6 +223,10 @@ void UcxCore::on_data_sent(void* req, ucs_status_t st, void* ud) {
   if (!c) return;
   const std::shared_ptr<SendQueue>& q = c->queue;
   --q->in_flight;
+  core->trace("serve %llu: sent %llu B (%s), %zu in flight, %zu of %zu posted",
+              static_cast<unsigned long long>(q->batch_id),
+              static_cast<unsigned long long>(c->bytes), ucs_status_string(st), q->in_flight,
+              q->next, q->total());
   if (c->staged) q->staged->sent(*c->staged);  // its buffer gathers the next message
   if (st == UCS_OK) {
     core->counters_.bytes.fetch_add(c->bytes, std::memory_order_relaxed);
@@ -292,6 +298,8 @@ bool UcxCore::posted(const std::shared_ptr<SendQueue>& q, SendCtx* ctx, ucs_stat
 }
 
 void UcxCore::serve_done(const std::shared_ptr<SendQueue>& q) {
+  trace("serve %llu: every send completed%s", static_cast<unsigned long long>(q->batch_id),
+        q->failed ? " (failed)" : "");
   if (q->failed) return;  // a send failed: the reader fails by itself
   if (q->epoch != 0) {
     if (!q->ep->usable()) {
