@@ -42,7 +42,7 @@ constexpr std::uint64_t kSeedFull = 0x5eed0001;
 constexpr std::uint64_t kSeedPrefix = 0x5eed0002;
 constexpr std::byte kSentinel{0xA5};
 
-const char* kHelp =
+const char* kDemoHelp =
     "usage: mstar-kv demo [options]\n"
     "\n"
     "Starts a prefill process and a decode process. The prefill fills two requests'\n"
@@ -537,7 +537,7 @@ int run_parent(const DemoConfig& c, int argc, char** argv) {
 int cmd_demo(int argc, char** argv) {
   Args args(argc, argv, demo_flags(), demo_options());
   if (args.flag("help")) {
-    std::printf("%s%s", kHelp, layout_help());
+    std::printf("%s%s", kDemoHelp, layout_help());
     return 0;
   }
   const DemoConfig c = parse(args);

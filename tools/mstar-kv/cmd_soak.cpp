@@ -67,7 +67,7 @@ static_assert(std::atomic<bool>::is_always_lock_free);
 
 extern "C" void on_soak_signal(int) { g_interrupted.store(true, std::memory_order_relaxed); }
 
-const char* kHelp =
+const char* kSoakHelp =
     "usage: mstar-kv soak [--seconds N] [options] [layout options]\n"
     "Decode threads and decode processes pull requests from prefill processes that\n"
     "are SIGKILLed and restarted at random, through the shm and ucx engines, with\n"
@@ -108,7 +108,7 @@ int cmd_soak(int argc, char** argv) {
   }
   const Args args(argc, argv, {"help"}, options);
   if (args.flag("help")) {
-    std::printf("%s%s", kHelp, layout_help());
+    std::printf("%s%s", kSoakHelp, layout_help());
     return 0;
   }
   // UCX is pinned to loopback (its error log shows the peers dying).
