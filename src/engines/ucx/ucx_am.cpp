@@ -1,6 +1,10 @@
 // Copyright mstar-kv authors.
 //
-// UcxCore: active-message dispatch and the reader's data arrival.
+// Active messages: UcxCore's dispatch to the side each id is for, the
+// owner's and the reader's handlers, and the reader's data arrival
+// (UcxReads).
+#include <cstring>
+
 #include "ucx_core.hpp"
 
 namespace mstar::kv::ucx {
@@ -10,11 +14,26 @@ namespace mstar::kv::ucx {
 ucs_status_t UcxCore::on_am(void* arg, const void* header, std::size_t header_length, void* data,
                             std::size_t length, const ucp_am_recv_param_t* param) {
   auto* tag = static_cast<AmTag*>(arg);
-  return tag->core->handle_am(tag->id, header, header_length, data, length, param);
+  UcxCore& core = *tag->core;
+  switch (tag->id) {
+    case kAmHello:
+    case kAmAuth:
+    case kAmReadReq:
+    case kAmDone:
+    case kAmReadyReq:
+      return core.owner_.handle_am(tag->id, header, header_length, data, length, param);
+    case kAmReadData:
+    case kAmGatherData:
+    case kAmReadErr:
+    case kAmReadFin:
+      return core.reads_.handle_am(tag->id, header, header_length, data, length, param);
+    default:
+      return core.reader_.handle_am(tag->id, header, header_length, data, length, param);
+  }
 }
 
-ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t header_length,
-                                void* data, std::size_t length, const ucp_am_recv_param_t* param) {
+ucs_status_t UcxOwner::handle_am(unsigned id, const void* header, std::size_t header_length,
+                                 void* data, std::size_t length, const ucp_am_recv_param_t* param) {
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   const bool has_reply_ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0;
   switch (id) {
@@ -23,7 +42,7 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       HelloHdr h;
       std::memcpy(&h, header, sizeof h);
       Served to = served_of(param->reply_ep, 0);
-      if (to) deferred_.push_back([this, to, h] { on_hello(to, h); });
+      if (to) core_.progress().defer([this, to, h] { on_hello(to, h); });
       return UCS_OK;
     }
     case kAmAuth: {
@@ -31,23 +50,7 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       AuthHdr h;
       std::memcpy(&h, header, sizeof h);
       Served to = served_of(param->reply_ep, 0);
-      if (to) deferred_.push_back([this, to, h] { on_auth(to, h); });
-      return UCS_OK;
-    }
-    case kAmChallenge: {
-      if (header_length != sizeof(ChallengeHdr) || rndv) return UCS_OK;
-      ChallengeHdr h;
-      std::memcpy(&h, header, sizeof h);
-      deferred_.push_back([this, h] { on_challenge(h); });
-      return UCS_OK;
-    }
-    case kAmHelloReply: {
-      if (header_length != sizeof(HelloHdr) || rndv) return UCS_OK;
-      HelloHdr h;
-      std::memcpy(&h, header, sizeof h);
-      std::vector<std::uint8_t> bytes(static_cast<std::uint8_t*>(data),
-                                      static_cast<std::uint8_t*>(data) + length);
-      deferred_.push_back([this, h, b = std::move(bytes)] { hello_reply(h, b); });
+      if (to) core_.progress().defer([this, to, h] { on_auth(to, h); });
       return UCS_OK;
     }
     case kAmReadReq: {
@@ -71,13 +74,13 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
           h.npages > kMaxSpansPerRequest || (h.epoch == 0 && (h.npages != 0 || check_only)) ||
           (strided && (check_only || (h.flags & kReqGather) == 0)) ||
           length != h.nspans * span_bytes + h.npages * sizeof(std::uint32_t)) {
-        deferred_.push_back([this, to, h] {
+        core_.progress().defer([this, to, h] {
           send_err(to, h.batch_id, Status(StatusCode::kInvalidArgument, "malformed read request"));
         });
         return UCS_OK;
       }
       if (!ticket_valid(h.ticket)) {
-        deferred_.push_back([this, to, h] {
+        core_.progress().defer([this, to, h] {
           send_err(to, h.batch_id,
                    Status(StatusCode::kPermissionDenied,
                           "read request without the ticket of an authenticated connection"));
@@ -92,14 +95,14 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       if (strided) {
         std::vector<WireStrided> spans(h.nspans);
         std::memcpy(spans.data(), data, h.nspans * sizeof(WireStrided));
-        deferred_.push_back([this, to, h, s = std::move(spans), p = std::move(pages)]() mutable {
-          serve_strided(to, h, s, std::move(p));
+        core_.progress().defer([this, to, h, s = std::move(spans), p = std::move(pages)]() mutable {
+          core_.serving().serve_strided(to, h, s, std::move(p));
         });
         return UCS_OK;
       }
       if (check_only) {
-        deferred_.push_back([this, to, h, p = std::move(pages)] {
-          Status st = check_served_epochs(h.epoch, p, "around the gets");
+        core_.progress().defer([this, to, h, p = std::move(pages)] {
+          Status st = core_.serving().check_served_epochs(h.epoch, p, "around the gets");
           const ErrHdr fin{h.batch_id, static_cast<std::uint32_t>(st.code()), 0};
           reply(to, kAmReadFin, &fin, sizeof fin, st.message().data(), st.message().size());
         });
@@ -112,11 +115,97 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
         std::memcpy(&w, static_cast<const std::byte*>(data) + i * sizeof w, sizeof w);
         rows[i] = {w.local_offset, w.remote_offset, w.length};
       }
-      deferred_.push_back([this, to, h, r = std::move(rows), p = std::move(pages)]() mutable {
-        serve_read(to, h, std::move(r), {}, std::move(p));
+      core_.progress().defer([this, to, h, r = std::move(rows), p = std::move(pages)]() mutable {
+        core_.serving().serve_read(to, h, std::move(r), {}, std::move(p));
       });
       return UCS_OK;
     }
+    case kAmDone: {
+      if (header_length != sizeof(DoneHdr) || rndv) return UCS_OK;
+      DoneHdr h;
+      std::memcpy(&h, header, sizeof h);
+      // A notice for another registration of this cache is stale: ignore it.
+      if (h.generation != core_.worker().region().generation || h.epoch == 0 ||
+          !ticket_valid(h.ticket)) {
+        return UCS_OK;
+      }
+      core_.progress().defer([this, h] {
+        std::function<void(std::uint64_t, std::uint64_t)> handler;
+        {
+          std::lock_guard<std::mutex> lk(done_mu_);
+          handler = done_handler_;
+        }
+        if (handler) handler(h.seq_id, h.epoch);
+      });
+      return UCS_OK;
+    }
+    case kAmReadyReq: {
+      if (header_length != sizeof(ReadyReqHdr) || !has_reply_ep || rndv) return UCS_OK;
+      ReadyReqHdr h;
+      std::memcpy(&h, header, sizeof h);
+      Served to = served_of(param->reply_ep, h.ticket);
+      if (!to) return UCS_OK;
+      // Untrusted: the page count must match the length exactly.
+      if (h.npages == 0 || h.npages > kMaxReadyPages || h.epoch == 0 ||
+          length != h.npages * sizeof(std::uint32_t)) {
+        core_.progress().defer([this, to, h] {
+          const std::string why = "malformed readiness request";
+          const ReadyHdr out{h.watch_id, 0,
+                             static_cast<std::uint32_t>(StatusCode::kInvalidArgument)};
+          reply(to, kAmReadyNotice, &out, sizeof out, why.data(), why.size());
+        });
+        return UCS_OK;
+      }
+      std::vector<std::uint32_t> pages(h.npages);
+      std::memcpy(pages.data(), data, length);
+      core_.progress().defer(
+          [this, to, h, p = std::move(pages)]() mutable { on_ready_req(to, h, std::move(p)); });
+      return UCS_OK;
+    }
+    default:
+      return UCS_OK;
+  }
+}
+
+ucs_status_t UcxReader::handle_am(unsigned id, const void* header, std::size_t header_length,
+                                  void* data, std::size_t length,
+                                  const ucp_am_recv_param_t* param) {
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  switch (id) {
+    case kAmChallenge: {
+      if (header_length != sizeof(ChallengeHdr) || rndv) return UCS_OK;
+      ChallengeHdr h;
+      std::memcpy(&h, header, sizeof h);
+      core_.progress().defer([this, h] { on_challenge(h); });
+      return UCS_OK;
+    }
+    case kAmHelloReply: {
+      if (header_length != sizeof(HelloHdr) || rndv) return UCS_OK;
+      HelloHdr h;
+      std::memcpy(&h, header, sizeof h);
+      std::vector<std::uint8_t> bytes(static_cast<std::uint8_t*>(data),
+                                      static_cast<std::uint8_t*>(data) + length);
+      core_.progress().defer([this, h, b = std::move(bytes)] { hello_reply(h, b); });
+      return UCS_OK;
+    }
+    case kAmReadyNotice: {
+      if (header_length != sizeof(ReadyHdr) || rndv) return UCS_OK;
+      ReadyHdr h;
+      std::memcpy(&h, header, sizeof h);
+      std::string msg(static_cast<const char*>(data), std::min<std::size_t>(length, 1024));
+      core_.progress().defer(
+          [this, h, m = std::move(msg)]() mutable { on_ready_notice(h, std::move(m)); });
+      return UCS_OK;
+    }
+    default:
+      return UCS_OK;
+  }
+}
+
+ucs_status_t UcxReads::handle_am(unsigned id, const void* header, std::size_t header_length,
+                                 void* data, std::size_t length, const ucp_am_recv_param_t* param) {
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  switch (id) {
     case kAmReadData: {
       if (header_length != sizeof(DataHdr)) return UCS_OK;
       DataHdr h;
@@ -143,56 +232,6 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
       fail_batch(it->second, Status(code, "owner rejected the read: " + msg));
       return UCS_OK;
     }
-    case kAmDone: {
-      if (header_length != sizeof(DoneHdr) || rndv) return UCS_OK;
-      DoneHdr h;
-      std::memcpy(&h, header, sizeof h);
-      // A notice for another registration of this cache is stale: ignore it.
-      if (h.generation != region_.generation || h.epoch == 0 || !ticket_valid(h.ticket)) {
-        return UCS_OK;
-      }
-      deferred_.push_back([this, h] {
-        std::function<void(std::uint64_t, std::uint64_t)> handler;
-        {
-          std::lock_guard<std::mutex> lk(done_mu_);
-          handler = done_handler_;
-        }
-        if (handler) handler(h.seq_id, h.epoch);
-      });
-      return UCS_OK;
-    }
-    case kAmReadyReq: {
-      if (header_length != sizeof(ReadyReqHdr) || !has_reply_ep || rndv) return UCS_OK;
-      ReadyReqHdr h;
-      std::memcpy(&h, header, sizeof h);
-      Served to = served_of(param->reply_ep, h.ticket);
-      if (!to) return UCS_OK;
-      // Untrusted: the page count must match the length exactly.
-      if (h.npages == 0 || h.npages > kMaxReadyPages || h.epoch == 0 ||
-          length != h.npages * sizeof(std::uint32_t)) {
-        deferred_.push_back([this, to, h] {
-          const std::string why = "malformed readiness request";
-          const ReadyHdr out{h.watch_id, 0,
-                             static_cast<std::uint32_t>(StatusCode::kInvalidArgument)};
-          reply(to, kAmReadyNotice, &out, sizeof out, why.data(), why.size());
-        });
-        return UCS_OK;
-      }
-      std::vector<std::uint32_t> pages(h.npages);
-      std::memcpy(pages.data(), data, length);
-      deferred_.push_back(
-          [this, to, h, p = std::move(pages)]() mutable { on_ready_req(to, h, std::move(p)); });
-      return UCS_OK;
-    }
-    case kAmReadyNotice: {
-      if (header_length != sizeof(ReadyHdr) || rndv) return UCS_OK;
-      ReadyHdr h;
-      std::memcpy(&h, header, sizeof h);
-      std::string msg(static_cast<const char*>(data), std::min<std::size_t>(length, 1024));
-      deferred_.push_back(
-          [this, h, m = std::move(msg)]() mutable { on_ready_notice(h, std::move(m)); });
-      return UCS_OK;
-    }
     case kAmReadFin: {
       if (header_length != sizeof(ErrHdr) || rndv) return UCS_OK;
       ErrHdr h;
@@ -216,8 +255,8 @@ ucs_status_t UcxCore::handle_am(unsigned id, const void* header, std::size_t hea
   }
 }
 
-ucs_status_t UcxCore::handle_data(const DataHdr& h, void* data, std::size_t length,
-                                  const ucp_am_recv_param_t* param) {
+ucs_status_t UcxReads::handle_data(const DataHdr& h, void* data, std::size_t length,
+                                   const ucp_am_recv_param_t* param) {
   auto it = batches_.find(h.batch_id);
   // A stopped or unknown read: drop the data (a rendezvous is dropped too,
   // and the owner's send completes).
@@ -233,8 +272,9 @@ ucs_status_t UcxCore::handle_data(const DataHdr& h, void* data, std::size_t leng
     return UCS_OK;
   }
   b->pending.erase(p);
-  trace("read %llu: reply %zu B%s, %zu to come", static_cast<unsigned long long>(b->id), length,
-        (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 ? " (rndv)" : "", b->pending.size());
+  core_.trace("read %llu: reply %zu B%s, %zu to come", static_cast<unsigned long long>(b->id),
+              length, (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 ? " (rndv)" : "",
+              b->pending.size());
   std::byte* dest = cache_->at(h.local_offset);  // a span is in one region
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
     std::memcpy(dest, data, length);
@@ -242,29 +282,29 @@ ucs_status_t UcxCore::handle_data(const DataHdr& h, void* data, std::size_t leng
     return UCS_OK;
   }
   auto* ctx = new_ctx(b->id);
-  ctx->memh = memh_at(h.local_offset);
+  ctx->memh = core_.worker().memh_at(h.local_offset);
   return post_recv(b, data, dest, length, ctx);
 }
 
-ucs_status_t UcxCore::post_recv(const std::shared_ptr<Batch>& b, void* data, void* buffer,
-                                std::size_t count, ReqCtx* ctx) {
+ucs_status_t UcxReads::post_recv(const std::shared_ptr<Batch>& b, void* data, void* buffer,
+                                 std::size_t count, ReqCtx* ctx) {
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  rp.cb.recv_am = trampoline<&UcxCore::on_recv_done, RequestGuard>;
+  rp.cb.recv_am = trampoline<&UcxReads::on_recv_done, RequestGuard>;
   rp.user_data = static_cast<Pending*>(ctx);
   if (!ctx->gathered) {  // contiguous, in our registered pages
     rp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
     rp.memh = ctx->memh;
   } else {  // the rows of a gathered reply
     rp.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
-    rp.datatype = sink_dt_.get();
+    rp.datatype = core_.worker().sink_dt();
   }
-  ucs_status_ptr_t sp = ucp_am_recv_data_nbx(worker_.get(), data, buffer, count, &rp);
+  ucs_status_ptr_t sp = ucp_am_recv_data_nbx(core_.worker().get(), data, buffer, count, &rp);
   if (UCS_PTR_IS_PTR(sp)) {
     ++b->outstanding;
     return UCS_INPROGRESS;
   }
-  reads_.take(ctx);
+  core_.worker().read_requests().take(ctx);
   if (UCS_PTR_IS_ERR(sp)) {
     fail_batch(b, Status(StatusCode::kPeerFailure,
                          "ucp_am_recv_data_nbx: " + ucs_str(UCS_PTR_STATUS(sp))));
@@ -274,7 +314,8 @@ ucs_status_t UcxCore::post_recv(const std::shared_ptr<Batch>& b, void* data, voi
   return UCS_INPROGRESS;
 }
 
-ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t length, bool rndv) {
+ucs_status_t UcxReads::handle_gather(const GatherHdr& h, void* data, std::size_t length,
+                                     bool rndv) {
   auto it = batches_.find(h.batch_id);
   if (it == batches_.end()) return UCS_OK;  // a stopped or unknown read: dropped
   auto b = it->second;
@@ -299,9 +340,10 @@ ucs_status_t UcxCore::handle_gather(const GatherHdr& h, void* data, std::size_t 
   }
   std::fill_n(b->got.begin() + static_cast<std::ptrdiff_t>(h.first), h.count, std::uint8_t{1});
   b->got_count += h.count;
-  trace("read %llu: gathered reply %zu B%s, %zu of %zu units",
-        static_cast<unsigned long long>(b->id), length, rndv ? " (rndv)" : "", b->got_count, units);
-  if (b->staged) return staged_arrival(b, h, data, length, rndv);
+  core_.trace("read %llu: gathered reply %zu B%s, %zu of %zu units",
+              static_cast<unsigned long long>(b->id), length, rndv ? " (rndv)" : "", b->got_count,
+              units);
+  if (b->staged) return core_.staging().staged_arrival(b, h, data, length, rndv);
   const RegionMap& base = cache_->regions();
   if (rndv) {  // UCX hands the fragments to the local rows (a RowSink)
     // The group's spans are copied into the request: UCX may call the sink

@@ -23,7 +23,7 @@ class UcxOperation final : public rma::RmaOperation {
       UcxCore* c = core.get();
       const std::uint64_t id = id_;
       try {
-        c->post([c, id] { c->abort_batch(id); });
+        c->post([c, id] { c->reads().abort_batch(id); });
       } catch (...) {
         // Out of memory queuing the abort: the timeout or shutdown retries.
       }
@@ -42,7 +42,8 @@ class UcxPeer final : public rma::RmaPeer {
   ~UcxPeer() override {
     UcxCore* c = core_.get();
     auto conn = conn_;
-    c->post([c, conn] { c->close_conn(conn, Status(StatusCode::kCancelled, "released")); });
+    c->post(
+        [c, conn] { c->reader().close_conn(conn, Status(StatusCode::kCancelled, "released")); });
   }
 
   void verify(const rma::RmaRegionInfo& claimed) const override {
@@ -53,7 +54,7 @@ class UcxPeer final : public rma::RmaPeer {
     UcxCore* c = core_.get();
     auto conn = conn_;
     if (!c->post([c, conn, seq_id, epoch] {
-          if (!conn->closing && conn->ep) c->send_done(conn, seq_id, epoch);
+          if (!conn->closing && conn->ep) c->reader().send_done(conn, seq_id, epoch);
         })) {
       throw Error(StatusCode::kShutdown, "the ucx engine is shut down");
     }
@@ -98,14 +99,14 @@ class UcxPeer final : public rma::RmaPeer {
   std::shared_ptr<Batch> new_batch(rma::RmaCompletion done, rma::RmaEpochCheck check) {
     auto b = std::make_shared<Batch>();
     b->check = std::move(check);
-    b->id = core_->next_batch.fetch_add(1, std::memory_order_relaxed);
+    b->id = core_->reads().next_batch.fetch_add(1, std::memory_order_relaxed);
     b->conn = conn_;
     b->done = std::move(done);
     return b;
   }
   std::shared_ptr<rma::RmaOperation> start(const std::shared_ptr<Batch>& b) {
     UcxCore* c = core_.get();
-    if (!c->post([c, b] { c->start_batch(b); })) {
+    if (!c->post([c, b] { c->reads().start_batch(b); })) {
       throw Error(StatusCode::kShutdown, "the ucx engine is shut down");
     }
     return std::make_shared<UcxOperation>(core_, b->id);
@@ -205,16 +206,16 @@ rma::RmaRegionInfo UcxBackend::local_region() const { return core_->region(); }
 
 std::shared_ptr<rma::RmaPeer> UcxBackend::connect(const rma::RmaRegionInfo& remote,
                                                   std::chrono::milliseconds timeout) {
-  auto conn = core_->connect(remote, timeout);
+  auto conn = core_->reader().connect(remote, timeout);
   return std::make_shared<UcxPeer>(core_, std::move(conn));
 }
 
 void UcxBackend::shutdown() noexcept { core_->stop(); }
 
 void UcxBackend::set_done_handler(std::function<void(std::uint64_t, std::uint64_t)> handler) {
-  core_->set_done_handler(std::move(handler));
+  core_->owner().set_done_handler(std::move(handler));
 }
 
-ServedStats UcxBackend::served_stats() const { return core_->served_stats(); }
+ServedStats UcxBackend::served_stats() const { return core_->owner().served_stats(); }
 
 }  // namespace mstar::kv::ucx

@@ -72,9 +72,9 @@ class UcxBackend final : public rma::RmaBackend {
   void shutdown() noexcept override;
   void set_done_handler(std::function<void(std::uint64_t, std::uint64_t)> handler) override;
   ServedStats served_stats() const override;
-  UcxCore& core() noexcept { return *core_; }  // tests
 
  private:
+  friend struct UcxTestAccess;  // tests reach the core (tests/engines/ucx)
   std::shared_ptr<UcxCore> core_;
 };
 

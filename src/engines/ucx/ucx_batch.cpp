@@ -1,34 +1,52 @@
 // Copyright mstar-kv authors.
 //
-// UcxCore, the reader's reads (batches): starting one (an am request or
+// UcxReads, the reader's reads (batches, ucx_batch.hpp): starting one (an am request or
 // gets), its requests' completions, the epoch checks, failing, aborting and
 // finishing it.
+#include "ucx_batch.hpp"
+
+#include <cstring>
+
 #include "ucx_core.hpp"
 #include "util/stream_copy.hpp"
 
 namespace mstar::kv::ucx {
 
-void UcxCore::fail_batch(std::shared_ptr<Batch> b, Status st) {
+UcxReads::UcxReads(UcxCore& core) : core_(core), cache_(core.cache()), options_(core.options()) {}
+
+std::shared_ptr<Batch> UcxReads::find(std::uint64_t batch_id) const {
+  auto it = batches_.find(batch_id);
+  return it == batches_.end() ? nullptr : it->second;
+}
+
+ReqCtx* UcxReads::new_ctx(std::uint64_t batch_id) {
+  auto c = std::make_unique<ReqCtx>();
+  c->core = &core_;
+  c->batch_id = batch_id;
+  return core_.worker().read_requests().add(std::move(c));
+}
+
+void UcxReads::fail_batch(std::shared_ptr<Batch> b, Status st) {
   if (!b->failure) b->failure = std::move(st);
   maybe_finish(b);
 }
 
-void UcxCore::send_epoch_check(const std::shared_ptr<Batch>& b) {
+void UcxReads::send_epoch_check(const std::shared_ptr<Batch>& b) {
   const auto& c = b->conn;
   const ReadReqHdr hdr{b->id,          c->served.generation,  0,        kReqCheckOnly,
                        b->check.epoch, b->check.pages.size(), c->ticket};
-  send_small(c->ep.get(), kAmReadReq, &hdr, sizeof hdr, b->check.pages.data(),
-             b->check.pages.size() * sizeof(std::uint32_t), true);
+  core_.worker().send_small(c->ep.get(), kAmReadReq, &hdr, sizeof hdr, b->check.pages.data(),
+                            b->check.pages.size() * sizeof(std::uint32_t), true);
 }
 
-void UcxCore::on_fin(const std::shared_ptr<Batch>& b, const Status& st) {
+void UcxReads::on_fin(const std::shared_ptr<Batch>& b, const Status& st) {
   if (b->aborted || b->failure) return;
   if (!st.is_ok()) {
     fail_batch(b, st);
     return;
   }
   if (!b->get) {
-    trace("read %llu: verdict", static_cast<unsigned long long>(b->id));
+    core_.trace("read %llu: verdict", static_cast<unsigned long long>(b->id));
     b->fin = true;
   } else if (b->get_phase == 0) {
     b->get_phase = 1;
@@ -39,7 +57,7 @@ void UcxCore::on_fin(const std::shared_ptr<Batch>& b, const Status& st) {
   maybe_finish(b);
 }
 
-void UcxCore::maybe_finish(std::shared_ptr<Batch> b) {
+void UcxReads::maybe_finish(std::shared_ptr<Batch> b) {
   if (b->outstanding != 0) return;
   if (b->staged && !b->aborted && !b->failure && !b->staged->status().is_ok()) {
     b->failure = b->staged->status();  // a scatter (or a receive into a buffer) failed
@@ -47,7 +65,7 @@ void UcxCore::maybe_finish(std::shared_ptr<Batch> b) {
   const bool stopped = b->aborted || b->failure.has_value();
   if (b->staged) {
     // No byte lands after the read resolves: its scatters finish first.
-    if (stopped && !staged_idle(*b)) return;
+    if (stopped && !core_.staging().staged_idle(*b)) return;
     if (!stopped && !b->staged->finished()) return;
   }
   if (!stopped && !b->pending.empty()) return;
@@ -65,15 +83,15 @@ void UcxCore::maybe_finish(std::shared_ptr<Batch> b) {
     if (b->get && b->get_phase == 2) return;
   }
   if (batches_.erase(b->id) == 0) return;  // finished already
-  trace("read %llu: resolved (%s)", static_cast<unsigned long long>(b->id),
-        b->failure   ? b->failure->message().c_str()
-        : b->aborted ? "aborted"
-                     : "ok");
+  core_.trace("read %llu: resolved (%s)", static_cast<unsigned long long>(b->id),
+              b->failure   ? b->failure->message().c_str()
+              : b->aborted ? "aborted"
+                           : "ok");
   const auto& c = b->conn;
   c->batches.erase(b->id);
   if (c->closing && c->batches.empty() && c->data_ep) {
     // The last get on a closed connection drained: now its endpoint goes.
-    close_ep(std::move(c->data_ep), std::move(c->rkeys), c);
+    core_.worker().close_ep(std::move(c->data_ep), std::move(c->rkeys), c);
   }
   Status st = b->failure   ? *b->failure
               : b->aborted ? Status(StatusCode::kCancelled, "aborted")
@@ -82,13 +100,13 @@ void UcxCore::maybe_finish(std::shared_ptr<Batch> b) {
   if (done) done(std::move(st));
 }
 
-void UcxCore::request_finished(std::uint64_t batch_id, ucs_status_t st) {
+void UcxReads::request_finished(std::uint64_t batch_id, ucs_status_t st) {
   auto it = batches_.find(batch_id);
   if (it == batches_.end()) return;
   auto b = it->second;
   if (b->outstanding > 0) --b->outstanding;
-  trace("read %llu: receive done, %zu outstanding", static_cast<unsigned long long>(batch_id),
-        b->outstanding);
+  core_.trace("read %llu: receive done, %zu outstanding", static_cast<unsigned long long>(batch_id),
+              b->outstanding);
   if (st != UCS_OK && !b->failure && !b->aborted) {
     b->failure = Status(StatusCode::kPeerFailure, "ucx request failed: " + ucs_str(st));
   }
@@ -96,7 +114,7 @@ void UcxCore::request_finished(std::uint64_t batch_id, ucs_status_t st) {
   maybe_finish(b);
 }
 
-void UcxCore::post_gets(const std::shared_ptr<Batch>& b) {
+void UcxReads::post_gets(const std::shared_ptr<Batch>& b) {
   const auto& c = b->conn;
   while (b->outstanding < kGetWindow && b->next_chunk < b->chunks.size() && !b->aborted &&
          !b->failure && c->data_ep && !c->closing) {
@@ -105,9 +123,9 @@ void UcxCore::post_gets(const std::shared_ptr<Batch>& b) {
     ucp_request_param_t rp{};
     rp.op_attr_mask =
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
-    rp.cb.send = trampoline<&UcxCore::on_req_done, RequestGuard>;
+    rp.cb.send = trampoline<&UcxReads::on_req_done, RequestGuard>;
     rp.user_data = static_cast<Pending*>(ctx);
-    rp.memh = memh_at(r.local_offset);
+    rp.memh = core_.worker().memh_at(r.local_offset);
     // Spans never cross a layer of a cache of one region per layer
     // (planner.hpp): one region, one key each side.
     const std::size_t region =
@@ -119,29 +137,29 @@ void UcxCore::post_gets(const std::shared_ptr<Batch>& b) {
       ++b->outstanding;
       continue;
     }
-    reads_.take(ctx);
+    core_.worker().read_requests().take(ctx);
     if (UCS_PTR_IS_ERR(sp)) {
       b->failure = Status(StatusCode::kPeerFailure, "ucp_get_nbx: " + ucs_str(UCS_PTR_STATUS(sp)));
     }
   }
 }
 
-void UcxCore::on_req_done(void* request, ucs_status_t st, void* user_data) {
+void UcxReads::on_req_done(void* request, ucs_status_t st, void* user_data) {
   const Request freed(request);
   auto* ctx = context_of<ReqCtx>(user_data);
   UcxCore* core = ctx->core;
   const std::uint64_t id = ctx->batch_id;
   const std::optional<std::size_t> staged = ctx->staged;
-  core->reads_.take(ctx);
-  if (staged) core->staged_received(id, *staged, st);
-  core->request_finished(id, st);
+  core->worker().read_requests().take(ctx);
+  if (staged) core->staging().staged_received(id, *staged, st);
+  core->reads().request_finished(id, st);
 }
 
-void UcxCore::on_recv_done(void* request, ucs_status_t st, std::size_t, void* user_data) {
+void UcxReads::on_recv_done(void* request, ucs_status_t st, std::size_t, void* user_data) {
   on_req_done(request, st, user_data);
 }
 
-void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
+void UcxReads::start_batch(const std::shared_ptr<Batch>& b) {
   const auto& c = b->conn;
   batches_[b->id] = b;
   if (c->closing || !c->ep) {
@@ -169,10 +187,10 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
   }
   // Many small spans (rows of a layout change): gathered replies. Staged:
   // always, each message into a host buffer.
-  b->gather = copier_ || !b->strided.empty() || gathers(b->chunks);
-  if (copier_) {
+  b->gather = core_.staging().active() || !b->strided.empty() || gathers(b->chunks);
+  if (core_.staging().active()) {
     try {
-      stage_reads(b);
+      core_.staging().stage_reads(b);
     } catch (const Error& e) {
       fail_batch(b, e.status());
       return;
@@ -217,14 +235,15 @@ void UcxCore::start_batch(const std::shared_ptr<Batch>& b) {
   const ReadReqHdr hdr{b->id,          c->served.generation,  nspans,   flags,
                        b->check.epoch, b->check.pages.size(), c->ticket};
   append(b->check.pages);
-  trace("read %llu: asking", static_cast<unsigned long long>(b->id));
-  send_small(c->am_on_data ? c->data_ep.get() : c->ep.get(), kAmReadReq, &hdr, sizeof hdr,
-             body.data(), body.size(), true);
-  trace("read %llu: asked %s for %zu spans (flags %llu)", static_cast<unsigned long long>(b->id),
-        c->session_id.c_str(), nspans, static_cast<unsigned long long>(flags));
+  core_.trace("read %llu: asking", static_cast<unsigned long long>(b->id));
+  core_.worker().send_small(c->am_on_data ? c->data_ep.get() : c->ep.get(), kAmReadReq, &hdr,
+                            sizeof hdr, body.data(), body.size(), true);
+  core_.trace("read %llu: asked %s for %zu spans (flags %llu)",
+              static_cast<unsigned long long>(b->id), c->session_id.c_str(), nspans,
+              static_cast<unsigned long long>(flags));
 }
 
-void UcxCore::abort_batch(std::uint64_t id) {
+void UcxReads::abort_batch(std::uint64_t id) {
   auto it = batches_.find(id);
   if (it == batches_.end()) return;
   auto b = it->second;
@@ -239,6 +258,36 @@ void UcxCore::abort_batch(std::uint64_t id) {
     draining_.insert(b->id);
   }
   maybe_finish(b);
+}
+
+void UcxReads::check_drains() {
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = draining_.begin(); it != draining_.end();) {
+    auto b = batches_.find(*it);
+    if (b == batches_.end()) {
+      it = draining_.erase(it);
+      continue;
+    }
+    if (now < b->second->drain_deadline) {
+      ++it;
+      continue;
+    }
+    auto conn = b->second->conn;
+    it = draining_.erase(it);
+    core_.reader().close_conn(
+        conn,
+        Status(StatusCode::kCancelled, "gets of a stopped read did not drain in " +
+                                           std::to_string(kDrainGrace.count()) + " ms"),
+        true);
+  }
+}
+
+void UcxReads::abandon() {
+  auto left = batches_;
+  for (auto& [id, b] : left) {
+    b->outstanding = 0;
+    fail_batch(b, Status(StatusCode::kShutdown, "the ucx engine shut down"));
+  }
 }
 
 }  // namespace mstar::kv::ucx

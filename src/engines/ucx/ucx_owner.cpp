@@ -1,16 +1,70 @@
 // Copyright mstar-kv authors.
 //
-// UcxCore, the owner's side: listener connections and the handshake
-// (served reads: ucx_serve.cpp).
+// UcxOwner, the owner's side: the listener, readers' connections and the
+// handshake (ucx_owner.hpp; served reads: ucx_serve.cpp).
+#include "ucx_owner.hpp"
+
+#include <cstring>
+#include <random>
+
 #include "ucx_core.hpp"
 
 namespace mstar::kv::ucx {
 
 // ---- server side -----------------------------------------------------------
 
-void UcxCore::on_conn_request(ucp_conn_request_h req, void* arg) {
-  auto* self = static_cast<UcxCore*>(arg);
-  if (self->stop_requested_.load(std::memory_order_acquire)) {
+UcxOwner::UcxOwner(UcxCore& core, const std::string& session_id)
+    : core_(core), cache_(core.cache()), options_(core.options()) {
+  open_listener(session_id);
+}
+
+void UcxOwner::open_listener(const std::string& session_id) {
+  ucp_listener_params_t lp{};
+  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  lp.conn_handler.cb = trampoline<&UcxOwner::on_conn_request, CoreGuard>;
+  lp.conn_handler.arg = &core_;
+  auto try_open = [&](const HostPort& hp) {
+    socklen_t len = 0;
+    sockaddr_storage ss = resolve(hp, &len);
+    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+    lp.sockaddr.addrlen = len;
+    ucp_listener_h l = nullptr;
+    const ucs_status_t st = ucp_listener_create(core_.worker().get(), &lp, &l);
+    lp.sockaddr.addr = nullptr;  // ss is gone after this call; UCX copied it
+    if (st == UCS_OK) listener_ = Listener(l);
+    return st;
+  };
+  // "HOST:PORT" listens there. Empty, or a bare name without ':' (a label
+  // such as the demo's "demo-<pid>"), listens on 127.0.0.1 at a free port.
+  if (session_id.find(':') != std::string::npos) {
+    const HostPort hp = parse_host_port(session_id);
+    const ucs_status_t st = try_open(hp);
+    if (st != UCS_OK) {
+      throw Error(st == UCS_ERR_BUSY ? StatusCode::kRetryLater : StatusCode::kUnavailable,
+                  "cannot listen on ucx session '" + session_id + "': " + ucs_str(st));
+    }
+    core_.worker().set_session(session_id);
+    return;
+  }
+  std::random_device rd;
+  std::mt19937 rng(rd());
+  std::uniform_int_distribution<int> port(20000, 29999);
+  ucs_status_t st = UCS_OK;
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    const HostPort hp{"127.0.0.1", static_cast<std::uint16_t>(port(rng))};
+    st = try_open(hp);
+    if (st == UCS_OK) {
+      core_.worker().set_session(hp.host + ":" + std::to_string(hp.port));
+      return;
+    }
+  }
+  throw Error(StatusCode::kUnavailable,
+              "no free port in 20000-29999 for the ucx listener: " + ucs_str(st));
+}
+
+void UcxOwner::on_conn_request(ucp_conn_request_h req, void* arg) {
+  UcxOwner* self = &static_cast<UcxCore*>(arg)->owner();
+  if (self->core_.progress().stopping()) {
     ucp_listener_reject(self->listener_.get(), req);
     return;
   }
@@ -19,22 +73,22 @@ void UcxCore::on_conn_request(ucp_conn_request_h req, void* arg) {
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
   ep.conn_request = req;
   ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ep.err_handler.cb = trampoline<&UcxCore::on_server_ep_error, CoreGuard>;
-  ep.err_handler.arg = self;
+  ep.err_handler.cb = trampoline<&UcxOwner::on_server_ep_error, CoreGuard>;
+  ep.err_handler.arg = &self->core_;
   ucp_ep_h h = nullptr;
-  if (ucp_ep_create(self->worker_.get(), &ep, &h) != UCS_OK) return;
+  if (ucp_ep_create(self->core_.worker().get(), &ep, &h) != UCS_OK) return;
   Listened l{Endpoint(h), std::make_shared<ServedEp>()};  // closed again if it cannot be kept
   l.served->ep = h;
   self->server_eps_.emplace(h, std::move(l));
   self->counters_.connected.fetch_add(1, std::memory_order_relaxed);
 }
 
-void UcxCore::on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t) {
-  auto* self = static_cast<UcxCore*>(arg);
-  self->deferred_.push_back([self, ep] { self->close_server_ep(ep); });
+void UcxOwner::on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t) {
+  UcxOwner* self = &static_cast<UcxCore*>(arg)->owner();
+  self->core_.progress().defer([self, ep] { self->close_server_ep(ep); });
 }
 
-void UcxCore::close_server_ep(ucp_ep_h ep) {
+void UcxOwner::close_server_ep(ucp_ep_h ep) {
   auto owned = server_eps_.find(ep);
   if (owned == server_eps_.end()) return;
   Endpoint closing = std::move(owned->second.owned);
@@ -46,10 +100,22 @@ void UcxCore::close_server_ep(ucp_ep_h ep) {
   served->open = false;
   if (served->ticket != 0) tickets_.erase(served->ticket);  // its requests are refused now
   counters_.gone.fetch_add(1, std::memory_order_relaxed);
-  close_ep(std::move(closing), {}, nullptr);
+  core_.worker().close_ep(std::move(closing), {}, nullptr);
 }
 
-Served UcxCore::served_of(ucp_ep_h reply_ep, std::uint64_t ticket) {
+void UcxOwner::close_all() {
+  std::vector<ucp_ep_h> seps;
+  for (const auto& [ep, owned] : server_eps_) seps.push_back(ep);
+  for (ucp_ep_h ep : seps) close_server_ep(ep);
+  listener_.reset();
+}
+
+void UcxOwner::clear() noexcept {
+  server_eps_.clear();
+  listener_.reset();
+}
+
+Served UcxOwner::served_of(ucp_ep_h reply_ep, std::uint64_t ticket) {
   if (auto it = server_eps_.find(reply_ep); it != server_eps_.end()) return it->second.served;
   // A reader's data endpoint (ucx_mode=am_shm): UCX made this endpoint and
   // owns it; it answers for the connection whose ticket the request
@@ -64,19 +130,19 @@ Served UcxCore::served_of(ucp_ep_h reply_ep, std::uint64_t ticket) {
   return s;
 }
 
-void UcxCore::reply(const Served& to, unsigned id, const void* header, std::size_t header_len,
-                    const void* data, std::size_t data_len) {
+void UcxOwner::reply(const Served& to, unsigned id, const void* header, std::size_t header_len,
+                     const void* data, std::size_t data_len) {
   if (!to->usable()) {
     drop(1, id == kAmReadFin ? "an epoch verdict" : "a reply");
     return;
   }
-  send_small(to->ep, id, header, header_len, data, data_len, false);
+  core_.worker().send_small(to->ep, id, header, header_len, data, data_len, false);
 }
 
-void UcxCore::drop(std::uint64_t n, const char* what) {
+void UcxOwner::drop(std::uint64_t n, const char* what) {
   // Shutting down closes every connection: what it leaves unsent is no
   // reader's going away.
-  if (stop_requested_.load(std::memory_order_acquire)) return;
+  if (core_.progress().stopping()) return;
   counters_.dropped.fetch_add(n, std::memory_order_relaxed);
   if (!drop_logged_.exchange(true, std::memory_order_relaxed)) {
     options_.log.warn(std::string("ucx owner: ") + what +
@@ -86,7 +152,7 @@ void UcxCore::drop(std::uint64_t n, const char* what) {
   }
 }
 
-ServedStats UcxCore::served_stats() const noexcept {
+ServedStats UcxOwner::served_stats() const noexcept {
   ServedStats s;
   s.reads = counters_.reads.load(std::memory_order_relaxed);
   s.bytes = counters_.bytes.load(std::memory_order_relaxed);
@@ -98,32 +164,7 @@ ServedStats UcxCore::served_stats() const noexcept {
   return s;
 }
 
-void UcxCore::send_small(ucp_ep_h ep, unsigned id, const void* header, std::size_t header_len,
-                         const void* data, std::size_t data_len, bool reply) {
-  auto msg = std::make_unique<Control>();
-  msg->core = this;
-  msg->bytes.resize(header_len + data_len);
-  if (header_len) std::memcpy(msg->bytes.data(), header, header_len);
-  if (data_len) std::memcpy(msg->bytes.data() + header_len, data, data_len);
-  Control* block = controls_.add(std::move(msg));
-  ucp_request_param_t rp{};
-  rp.op_attr_mask =
-      UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  rp.flags = UCP_AM_SEND_FLAG_EAGER | (reply ? UCP_AM_SEND_FLAG_REPLY : 0);
-  rp.cb.send = trampoline<&UcxCore::on_control_sent, RequestGuard>;
-  rp.user_data = static_cast<Pending*>(block);
-  ucs_status_ptr_t sp = ucp_am_send_nbx(ep, id, block->bytes.data(), header_len,
-                                        block->bytes.data() + header_len, data_len, &rp);
-  if (!UCS_PTR_IS_PTR(sp)) controls_.take(block);  // done (or failed) at once
-}
-
-void UcxCore::on_control_sent(void* req, ucs_status_t, void* ud) {
-  const Request freed(req);
-  auto* c = context_of<Control>(ud);
-  c->core->controls_.take(c);
-}
-
-void UcxCore::on_hello(const Served& to, const HelloHdr& h) {
+void UcxOwner::on_hello(const Served& to, const HelloHdr& h) {
   if (to->conn || !to->open || to->refused || to->challenge || to->ticket != 0) {
     return;  // one handshake per listener endpoint
   }
@@ -146,7 +187,7 @@ void UcxCore::on_hello(const Served& to, const HelloHdr& h) {
   reply(to, kAmChallenge, &c, sizeof c, nullptr, 0);
 }
 
-void UcxCore::on_auth(const Served& to, const AuthHdr& h) {
+void UcxOwner::on_auth(const Served& to, const AuthHdr& h) {
   if (to->conn || !to->open || !to->challenge) return;
   const auto [nonce_r, nonce_o] = *to->challenge;
   to->challenge.reset();
@@ -159,14 +200,14 @@ void UcxCore::on_auth(const Served& to, const AuthHdr& h) {
   serve_hello(to, h.conn_id);
 }
 
-void UcxCore::refuse_hello(const Served& to, std::uint64_t conn_id, const std::string& why) {
+void UcxOwner::refuse_hello(const Served& to, std::uint64_t conn_id, const std::string& why) {
   HelloHdr hdr{};
   hdr.conn_id = conn_id;
   hdr.code = static_cast<std::uint32_t>(StatusCode::kPermissionDenied);
   reply(to, kAmHelloReply, &hdr, sizeof hdr, why.data(), why.size());
 }
 
-void UcxCore::serve_hello(const Served& to, std::uint64_t conn_id) {
+void UcxOwner::serve_hello(const Served& to, std::uint64_t conn_id) {
   // Every connection gets a ticket: with an auth_token its requests must
   // carry it, and a request on a reader's data endpoint is answered for
   // the connection that holds it (served_of).
@@ -181,18 +222,19 @@ void UcxCore::serve_hello(const Served& to, std::uint64_t conn_id) {
   HelloHdr hdr{};
   hdr.conn_id = conn_id;
   hdr.ticket = ticket;
-  const std::vector<std::uint8_t> region = region_.encode();
-  std::vector<std::uint8_t> bytes(4 + region.size() + worker_address_.size());
+  const std::vector<std::uint8_t> region = core_.worker().region().encode();
+  const std::vector<std::uint8_t>& address = core_.worker().address();
+  std::vector<std::uint8_t> bytes(4 + region.size() + address.size());
   const std::uint32_t n = static_cast<std::uint32_t>(region.size());
   std::memcpy(bytes.data(), &n, 4);
   std::memcpy(bytes.data() + 4, region.data(), region.size());
-  if (!worker_address_.empty()) {
-    std::memcpy(bytes.data() + 4 + region.size(), worker_address_.data(), worker_address_.size());
+  if (!address.empty()) {
+    std::memcpy(bytes.data() + 4 + region.size(), address.data(), address.size());
   }
   reply(to, kAmHelloReply, &hdr, sizeof hdr, bytes.data(), bytes.size());
 }
 
-void UcxCore::send_err(const Served& to, std::uint64_t batch_id, const Status& st) {
+void UcxOwner::send_err(const Served& to, std::uint64_t batch_id, const Status& st) {
   counters_.refused.fetch_add(1, std::memory_order_relaxed);
   const ErrHdr hdr{batch_id, static_cast<std::uint32_t>(st.code()), 0};
   reply(to, kAmReadErr, &hdr, sizeof hdr, st.message().data(), st.message().size());

@@ -1,23 +1,29 @@
 // Copyright mstar-kv authors.
 //
-// UcxCore, the reader's side: connecting (the handshake and the data endpoint),
+// UcxReader, the reader's side (ucx_reader.hpp): connecting (the handshake and the data endpoint),
 // peer failure and closing. Its reads are ucx_batch.cpp.
+#include "ucx_reader.hpp"
+
+#include <cstring>
+
 #include "ucx_core.hpp"
 
 namespace mstar::kv::ucx {
 
 // ---- client side -----------------------------------------------------------
 
-std::shared_ptr<Conn> UcxCore::connect(const rma::RmaRegionInfo& remote,
-                                       std::chrono::milliseconds timeout) {
+UcxReader::UcxReader(UcxCore& core) : core_(core), options_(core.options()) {}
+
+std::shared_ptr<Conn> UcxReader::connect(const rma::RmaRegionInfo& remote,
+                                         std::chrono::milliseconds timeout) {
   const HostPort hp = parse_host_port(remote.session_id);
   socklen_t len = 0;
   const sockaddr_storage ss = resolve(hp, &len);
   auto conn = std::make_shared<Conn>();
-  conn->core = this;
+  conn->core = &core_;
   conn->session_id = remote.session_id;
   std::future<Status> hello = conn->hello.get_future();
-  const bool posted = post([this, conn, ss, len] {
+  const bool posted = core_.progress().post([this, conn, ss, len] {
     conn->id = next_conn_++;
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
@@ -26,10 +32,10 @@ std::shared_ptr<Conn> UcxCore::connect(const rma::RmaRegionInfo& remote,
     ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
     ep.sockaddr.addrlen = len;
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ep.err_handler.cb = trampoline<&UcxCore::on_client_ep_error, ConnGuard>;
+    ep.err_handler.cb = trampoline<&UcxReader::on_client_ep_error, ConnGuard>;
     ep.err_handler.arg = conn.get();
     ucp_ep_h h = nullptr;
-    const ucs_status_t st = ucp_ep_create(worker_.get(), &ep, &h);
+    const ucs_status_t st = ucp_ep_create(core_.worker().get(), &ep, &h);
     if (st == UCS_OK) conn->ep = Endpoint(h);
     if (st != UCS_OK) {
       close_conn(conn, Status(StatusCode::kPeerFailure, "ucp_ep_create: " + ucs_str(st)));
@@ -41,11 +47,12 @@ std::shared_ptr<Conn> UcxCore::connect(const rma::RmaRegionInfo& remote,
     hdr.flags = options_.auth_token.empty() ? 0 : kHelloHasToken;
     conn->nonce_r = new_nonce();
     std::memcpy(hdr.nonce, conn->nonce_r.data(), kNonceBytes);
-    send_small(conn->ep.get(), kAmHello, &hdr, sizeof hdr, nullptr, 0, true);
+    core_.worker().send_small(conn->ep.get(), kAmHello, &hdr, sizeof hdr, nullptr, 0, true);
   });
   if (!posted) throw Error(StatusCode::kShutdown, "the ucx engine is shut down");
   if (hello.wait_for(timeout) != std::future_status::ready) {
-    post([this, conn] { close_conn(conn, Status(StatusCode::kTimeout, "connect timed out")); });
+    core_.progress().post(
+        [this, conn] { close_conn(conn, Status(StatusCode::kTimeout, "connect timed out")); });
     throw Error(StatusCode::kTimeout, "ucx peer at " + remote.session_id +
                                           " did not answer within " +
                                           std::to_string(timeout.count()) + " ms");
@@ -63,7 +70,7 @@ std::shared_ptr<Conn> UcxCore::connect(const rma::RmaRegionInfo& remote,
   return conn;
 }
 
-void UcxCore::on_challenge(const ChallengeHdr& h) {
+void UcxReader::on_challenge(const ChallengeHdr& h) {
   auto it = conns_.find(h.conn_id);
   if (it == conns_.end()) return;
   auto conn = it->second;
@@ -87,10 +94,10 @@ void UcxCore::on_challenge(const ChallengeHdr& h) {
   a.conn_id = conn->id;
   const Mac mac = reader_proof(options_.auth_token, conn->nonce_r, nonce_o);
   std::memcpy(a.mac, mac.data(), kMacBytes);
-  send_small(conn->ep.get(), kAmAuth, &a, sizeof a, nullptr, 0, true);
+  core_.worker().send_small(conn->ep.get(), kAmAuth, &a, sizeof a, nullptr, 0, true);
 }
 
-void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& bytes) {
+void UcxReader::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& bytes) {
   auto it = conns_.find(h.conn_id);
   if (it == conns_.end()) return;
   auto conn = it->second;
@@ -137,7 +144,7 @@ void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& by
     // endpoint (tcp, peer error handling), which then closes this one.
     ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
     ucp_ep_h data_ep = nullptr;
-    ucs_status_t st = ucp_ep_create(worker_.get(), &ep, &data_ep);
+    ucs_status_t st = ucp_ep_create(core_.worker().get(), &ep, &data_ep);
     if (st == UCS_OK) conn->data_ep = Endpoint(data_ep);
     EpInfo info;
     if (conn->data_ep) info = inspect_ep(conn->data_ep.get());
@@ -145,7 +152,7 @@ void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& by
     // that publishes no remote keys serves none (ucx_emulated_gets).
     const bool served_keys = !conn->served.backend_blob.empty();
     const bool get =
-        !copier_ && conn->data_ep && served_keys &&
+        !core_.staging().active() && conn->data_ep && served_keys &&
         (options_.mode == Mode::kGet || (options_.mode == Mode::kAuto && info.nic_rma));
     if (options_.mode == Mode::kGet && conn->data_ep && !served_keys) {
       close_conn(conn, Status(StatusCode::kUnavailable,
@@ -188,7 +195,7 @@ void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& by
       conn->am_on_data = true;
     } else if (conn->data_ep) {
       // Nothing better than the control endpoint: am reads go over it.
-      close_ep(std::move(conn->data_ep), {}, nullptr);
+      core_.worker().close_ep(std::move(conn->data_ep), {}, nullptr);
     }
     if (conn->data_ep) {
       // Finish the endpoint's wireup before the first read, within the
@@ -197,14 +204,14 @@ void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& by
       ucp_request_param_t rp{};
       rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       auto flush = std::make_unique<Control>();
-      flush->core = this;
+      flush->core = &core_;
       flush->conn_id = conn->id;
-      Control* ctx = controls_.add(std::move(flush));
-      rp.cb.send = trampoline<&UcxCore::on_data_ep_flushed, RequestGuard>;
+      Control* ctx = core_.worker().control_requests().add(std::move(flush));
+      rp.cb.send = trampoline<&UcxReader::on_data_ep_flushed, RequestGuard>;
       rp.user_data = static_cast<Pending*>(ctx);
       ucs_status_ptr_t sp = ucp_ep_flush_nbx(conn->data_ep.get(), &rp);
       if (!UCS_PTR_IS_PTR(sp)) {
-        controls_.take(ctx);
+        core_.worker().control_requests().take(ctx);
         data_ep_ready(conn->id, UCS_PTR_STATUS(sp));
       }
       return;
@@ -218,7 +225,7 @@ void UcxCore::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& by
   conn->hello.set_value(Status::ok());
 }
 
-UcxCore::EpInfo UcxCore::inspect_ep(ucp_ep_h ep) {
+UcxReader::EpInfo UcxReader::inspect_ep(ucp_ep_h ep) {
   // UCX 1.13 cannot be asked "is RMA native on this endpoint" (ucp_ep_query
   // reports names and addresses only), but its configuration dump names the
   // transport and the roles of every lane. Measured here (protocol v1, the
@@ -246,7 +253,7 @@ UcxCore::EpInfo UcxCore::inspect_ep(ucp_ep_h ep) {
   return out;
 }
 
-void UcxCore::data_ep_ready(std::uint64_t conn_id, ucs_status_t st) {
+void UcxReader::data_ep_ready(std::uint64_t conn_id, ucs_status_t st) {
   auto it = conns_.find(conn_id);
   if (it == conns_.end()) return;
   auto conn = it->second;
@@ -260,21 +267,22 @@ void UcxCore::data_ep_ready(std::uint64_t conn_id, ucs_status_t st) {
   conn->hello.set_value(Status::ok());
 }
 
-void UcxCore::on_data_ep_flushed(void* req, ucs_status_t st, void* ud) {
+void UcxReader::on_data_ep_flushed(void* req, ucs_status_t st, void* ud) {
   const Request freed(req);
   auto* c = context_of<Control>(ud);
   UcxCore* core = c->core;
   const std::uint64_t id = c->conn_id;
-  core->controls_.take(c);
-  core->deferred_.push_back([core, id, st] { core->data_ep_ready(id, st); });
+  core->worker().control_requests().take(c);
+  UcxReader& self = core->reader();
+  core->progress().defer([&self, id, st] { self.data_ep_ready(id, st); });
 }
 
-void UcxCore::on_client_ep_error(void* arg, ucp_ep_h, ucs_status_t st) {
+void UcxReader::on_client_ep_error(void* arg, ucp_ep_h, ucs_status_t st) {
   auto* conn = static_cast<Conn*>(arg);
-  UcxCore* self = conn->core;
+  UcxReader* self = &conn->core->reader();
   conn->failed.store(true, std::memory_order_release);
   const std::uint64_t id = conn->id;
-  self->deferred_.push_back([self, id, st] {
+  self->core_.progress().defer([self, id, st] {
     auto it = self->conns_.find(id);
     if (it == self->conns_.end()) return;
     self->close_conn(it->second, Status(StatusCode::kPeerFailure, "peer failed: " + ucs_str(st)),
@@ -282,23 +290,23 @@ void UcxCore::on_client_ep_error(void* arg, ucp_ep_h, ucs_status_t st) {
   });
 }
 
-void UcxCore::close_conn(std::shared_ptr<Conn> c, const Status& why, bool force) {
+void UcxReader::close_conn(std::shared_ptr<Conn> c, const Status& why, bool force) {
   if (c->closing) return;
   c->closing = true;
   c->failed.store(true, std::memory_order_release);
   // A forced close purges every request on the endpoint: their callbacks
   // run (with an error) before the close completes.
-  if (c->ep) close_ep(std::move(c->ep), {}, c);
+  if (c->ep) core_.worker().close_ep(std::move(c->ep), {}, c);
   // Requests still in flight keep the data endpoint open until they
   // complete (maybe_finish closes it): UCX 1.13 does not reliably purge
   // requests queued on an endpoint without peer error handling.
   bool gets_in_flight = false;
   for (std::uint64_t id : c->batches) {
-    auto it = batches_.find(id);
-    if (it != batches_.end() && it->second->outstanding != 0) gets_in_flight = true;
+    const std::shared_ptr<Batch> b = core_.reads().find(id);
+    if (b && b->outstanding != 0) gets_in_flight = true;
   }
   if (c->data_ep && (force || !gets_in_flight)) {
-    close_ep(std::move(c->data_ep), std::move(c->rkeys), c);
+    core_.worker().close_ep(std::move(c->data_ep), std::move(c->rkeys), c);
     if (gets_in_flight) {
       // Written off: gets and rendezvous receives over shared memory or tcp
       // are executed by this thread inside UCX calls on that endpoint
@@ -306,8 +314,7 @@ void UcxCore::close_conn(std::shared_ptr<Conn> c, const Status& why, bool force)
       // gone, so what UCX left uncompleted can no longer write. (UCX 1.13
       // leaves such requests of a dead owner uncompleted.)
       for (std::uint64_t id : c->batches) {
-        auto it = batches_.find(id);
-        if (it != batches_.end()) it->second->outstanding = 0;
+        if (const std::shared_ptr<Batch> b = core_.reads().find(id)) b->outstanding = 0;
       }
     }
   }
@@ -318,18 +325,26 @@ void UcxCore::close_conn(std::shared_ptr<Conn> c, const Status& why, bool force)
   }
   std::vector<std::uint64_t> ids(c->batches.begin(), c->batches.end());
   for (std::uint64_t id : ids) {
-    auto it = batches_.find(id);
-    if (it == batches_.end()) continue;
-    auto b = it->second;  // a copy: finishing erases the map entry
-    fail_batch(b, Status(why.code() == StatusCode::kShutdown ? StatusCode::kShutdown
-                                                             : StatusCode::kPeerFailure,
-                         "connection to " + c->session_id + " closed: " + why.message()));
+    auto b = core_.reads().find(id);  // a copy: finishing erases the map entry
+    if (!b) continue;
+    core_.reads().fail_batch(
+        b, Status(why.code() == StatusCode::kShutdown ? StatusCode::kShutdown
+                                                      : StatusCode::kPeerFailure,
+                  "connection to " + c->session_id + " closed: " + why.message()));
   }
 }
 
-void UcxCore::close_ep(Endpoint ep, std::vector<RemoteKey> rkeys, std::shared_ptr<Conn> keep) {
-  Request closing = close(ep);
-  if (closing) closing_.push_back({std::move(rkeys), std::move(closing), std::move(keep)});
+void UcxReader::close_all() {
+  auto conns = conns_;
+  for (auto& [id, c] : conns) {
+    close_conn(c, Status(StatusCode::kShutdown, "the ucx engine shut down"), true);
+  }
+}
+
+void UcxReader::send_done(const std::shared_ptr<Conn>& c, std::uint64_t seq_id,
+                          std::uint64_t epoch) {
+  const DoneHdr hdr{seq_id, epoch, c->served.generation, c->ticket};
+  core_.worker().send_small(c->ep.get(), kAmDone, &hdr, sizeof hdr, nullptr, 0, true);
 }
 
 }  // namespace mstar::kv::ucx

@@ -1,6 +1,6 @@
 // Copyright mstar-kv authors.
 //
-// UcxCore, layer readiness (layer-wise streaming, readiness.hpp) over the
+// Layer readiness (layer-wise streaming, readiness.hpp) over the
 // engine's own channel: the reader keeps one kAmReadyReq outstanding per
 // watch; the owner checks the epochs and readiness words of its own cache
 // (check_layer_readiness, the same checks a shm reader makes on the mapped
@@ -29,7 +29,7 @@ class UcxLayerWatch final : public LayerWatch {
     UcxCore* c = core_.get();
     const std::uint64_t id = w_->id;
     try {
-      (void)c->post([c, id] { c->forget_watch(id); });
+      (void)c->post([c, id] { c->reader().forget_watch(id); });
     } catch (...) {
       // Out of memory: the entry goes with the notice that answers it.
     }
@@ -49,7 +49,7 @@ class UcxLayerWatch final : public LayerWatch {
       w_->outstanding = true;
       lk.unlock();
       UcxCore* c = core_.get();
-      if (!c->post([c, w = w_] { c->send_ready_req(w); })) {
+      if (!c->post([c, w = w_] { c->reader().send_ready_req(w); })) {
         return {StatusCode::kShutdown, "the ucx engine is shut down"};
       }
     }
@@ -73,7 +73,7 @@ std::unique_ptr<LayerWatch> make_ready_watch(std::shared_ptr<UcxCore> core,
                                                   std::to_string(kMaxReadyPages) + "]");
   }
   auto w = std::make_shared<ReadyWatch>();
-  w->id = core->next_watch.fetch_add(1, std::memory_order_relaxed);
+  w->id = core->reader().next_watch.fetch_add(1, std::memory_order_relaxed);
   w->conn = std::move(conn);
   w->pages = std::move(pages);
   w->epoch = epoch;
@@ -83,7 +83,7 @@ std::unique_ptr<LayerWatch> make_ready_watch(std::shared_ptr<UcxCore> core,
 
 // ---- reader ----------------------------------------------------------------
 
-void UcxCore::send_ready_req(const std::shared_ptr<ReadyWatch>& w) {
+void UcxReader::send_ready_req(const std::shared_ptr<ReadyWatch>& w) {
   const auto& c = w->conn;
   if (c->closing || !c->ep) {
     std::lock_guard<std::mutex> lk(w->mu);
@@ -105,11 +105,11 @@ void UcxCore::send_ready_req(const std::shared_ptr<ReadyWatch>& w) {
   hdr.npages = w->pages.size();
   hdr.ticket = c->ticket;
   watches_[w->id] = w;
-  send_small(c->ep.get(), kAmReadyReq, &hdr, sizeof hdr, w->pages.data(),
-             w->pages.size() * sizeof(std::uint32_t), true);
+  core_.worker().send_small(c->ep.get(), kAmReadyReq, &hdr, sizeof hdr, w->pages.data(),
+                            w->pages.size() * sizeof(std::uint32_t), true);
 }
 
-void UcxCore::on_ready_notice(const ReadyHdr& h, std::string message) {
+void UcxReader::on_ready_notice(const ReadyHdr& h, std::string message) {
   auto it = watches_.find(h.watch_id);
   if (it == watches_.end()) return;  // forgotten, or never ours
   const std::shared_ptr<ReadyWatch> w = std::move(it->second);
@@ -141,8 +141,8 @@ void UcxCore::on_ready_notice(const ReadyHdr& h, std::string message) {
 
 // ---- owner -----------------------------------------------------------------
 
-void UcxCore::on_ready_req(const Served& to, const ReadyReqHdr& h,
-                           std::vector<std::uint32_t> pages) {
+void UcxOwner::on_ready_req(const Served& to, const ReadyReqHdr& h,
+                            std::vector<std::uint32_t> pages) {
   if (to->conn || !to->open) return;  // held only for live listener endpoints
   ReadyHold r{to, h, std::move(pages),
               std::chrono::steady_clock::now() + std::chrono::milliseconds(kReadyHoldMs)};
@@ -150,14 +150,15 @@ void UcxCore::on_ready_req(const Served& to, const ReadyReqHdr& h,
   ready_holds_.push_back(std::move(r));
 }
 
-bool UcxCore::answer_ready(const ReadyHold& r, bool expired) {
+bool UcxOwner::answer_ready(const ReadyHold& r, bool expired) {
   const std::uint32_t num_layers = cache_->layout().num_layers;
   std::uint32_t layers = 0;
   Status st;
-  if (r.hdr.generation != region_.generation) {
+  if (r.hdr.generation != core_.worker().region().generation) {
     st = Status(StatusCode::kStaleDescriptor,
                 "readiness asked of generation " + std::to_string(r.hdr.generation) +
-                    ", this owner serves generation " + std::to_string(region_.generation));
+                    ", this owner serves generation " +
+                    std::to_string(core_.worker().region().generation));
   } else if (!ticket_valid(r.hdr.ticket)) {
     st = Status(StatusCode::kPermissionDenied,
                 "readiness request without the ticket of an authenticated connection");
@@ -178,7 +179,7 @@ bool UcxCore::answer_ready(const ReadyHold& r, bool expired) {
   return true;
 }
 
-void UcxCore::check_ready_holds() {
+void UcxOwner::check_ready_holds() {
   const auto now = std::chrono::steady_clock::now();
   std::size_t kept = 0;
   for (std::size_t i = 0; i < ready_holds_.size(); ++i) {

@@ -1,33 +1,45 @@
 // Copyright mstar-kv authors.
 //
-// UcxCore, the owner's side of a read: checking its spans (or strided
+// UcxServedReads, the owner's side of a read (ucx_serve.hpp): checking its spans (or strided
 // spans) against the region and its pages' epochs, grouping them into
 // messages, sending them through a window of kSendWindow replies, and the
 // epoch verdict once the last send completed.
+#include "ucx_serve.hpp"
+
 #include "ucx_core.hpp"
 
 namespace mstar::kv::ucx {
 
-Status UcxCore::check_served_epochs(std::uint64_t epoch, const std::vector<std::uint32_t>& pages,
-                                    const char* when) const {
+UcxServedReads::UcxServedReads(UcxCore& core)
+    : core_(core), cache_(core.cache()), options_(core.options()) {}
+
+bool UcxServedReads::within_one_layer(std::uint64_t first, std::uint64_t last) const noexcept {
+  const std::uint64_t layer_bytes = core_.worker().layer_bytes();
+  return layer_bytes == 0 || first / layer_bytes == last / layer_bytes;
+}
+
+Status UcxServedReads::check_served_epochs(std::uint64_t epoch,
+                                           const std::vector<std::uint32_t>& pages,
+                                           const char* when) const {
   const PageEpochs& ep = cache_->epochs();
   return check_page_epochs(ep.words(), ep.num_pages(), pages, epoch, when,
                            /*after_copy=*/true);
 }
 
-Status UcxCore::crosses_layers(const char* what, std::size_t i, std::uint64_t first,
-                               std::uint64_t last) const {
+Status UcxServedReads::crosses_layers(const char* what, std::size_t i, std::uint64_t first,
+                                      std::uint64_t last) const {
   return {StatusCode::kInvalidArgument,
           std::string(what) + " " + std::to_string(i) + " [" + std::to_string(first) + ", " +
               std::to_string(last + 1) + ") crosses a layer boundary of this owner's cache of " +
-              "one region per layer (" + std::to_string(layer_bytes_) + " bytes a layer)"};
+              "one region per layer (" + std::to_string(core_.worker().layer_bytes()) +
+              " bytes a layer)"};
 }
 
-void UcxCore::serve_strided(const Served& to, const ReadReqHdr& h,
-                            const std::vector<WireStrided>& spans,
-                            std::vector<std::uint32_t> pages) {
+void UcxServedReads::serve_strided(const Served& to, const ReadReqHdr& h,
+                                   const std::vector<WireStrided>& spans,
+                                   std::vector<std::uint32_t> pages) {
   if (!to->usable()) {
-    drop(1, "a read request");
+    core_.owner().drop(1, "a read request");
     return;
   }
   // Untrusted: every row of every span inside the region, and no more rows
@@ -37,7 +49,7 @@ void UcxCore::serve_strided(const Served& to, const ReadReqHdr& h,
   std::uint64_t rows = 0;
   for (std::size_t i = 0; i < spans.size(); ++i) {
     const WireStrided& s = spans[i];
-    const std::uint64_t size = region_.size;
+    const std::uint64_t size = core_.worker().region().size;
     // The last row starts at remote_offset + (rows - 1) * remote_stride.
     const bool shape_ok = s.length != 0 && s.rows != 0 && s.rows <= kMaxSpansPerRequest &&
                           rows + s.rows <= kMaxSpansPerRequest;
@@ -45,7 +57,7 @@ void UcxCore::serve_strided(const Served& to, const ReadReqHdr& h,
         shape_ok && s.remote_offset <= size && s.length <= size - s.remote_offset &&
         (s.rows == 1 || (s.remote_stride <= (size - s.remote_offset - s.length) / (s.rows - 1)));
     if (!inside) {
-      send_err(
+      core_.owner().send_err(
           to, h.batch_id,
           Status(shape_ok ? StatusCode::kPermissionDenied : StatusCode::kInvalidArgument,
                  "strided span " + std::to_string(i) + " (" + std::to_string(s.rows) + " rows of " +
@@ -61,7 +73,8 @@ void UcxCore::serve_strided(const Served& to, const ReadReqHdr& h,
     // rows ascend: the first's start and the last's end tell).
     const std::uint64_t last = s.remote_offset + (s.rows - 1) * s.remote_stride + s.length - 1;
     if (!within_one_layer(s.remote_offset, last)) {
-      send_err(to, h.batch_id, crosses_layers("strided span", i, s.remote_offset, last));
+      core_.owner().send_err(to, h.batch_id,
+                             crosses_layers("strided span", i, s.remote_offset, last));
       return;
     }
     rows += s.rows;
@@ -72,41 +85,45 @@ void UcxCore::serve_strided(const Served& to, const ReadReqHdr& h,
   serve_read(to, h, {}, std::move(planned), std::move(pages));
 }
 
-void UcxCore::serve_read(const Served& to, const ReadReqHdr& h, std::vector<CopySpan> spans,
-                         std::vector<StridedSpan> strided, std::vector<std::uint32_t> pages) {
+void UcxServedReads::serve_read(const Served& to, const ReadReqHdr& h, std::vector<CopySpan> spans,
+                                std::vector<StridedSpan> strided,
+                                std::vector<std::uint32_t> pages) {
   const std::uint64_t batch_id = h.batch_id;
   const std::uint64_t flags = h.flags;
-  trace("serve %llu: %zu spans, %zu strided asked", static_cast<unsigned long long>(batch_id),
-        spans.size(), strided.size());
+  core_.trace("serve %llu: %zu spans, %zu strided asked", static_cast<unsigned long long>(batch_id),
+              spans.size(), strided.size());
   // The reader's connection closed since the request arrived: nobody to
   // answer.
   if (!to->usable()) {
-    drop(1, "a read request");
+    core_.owner().drop(1, "a read request");
     return;
   }
   // Validate the whole request before sending a byte: the reader is not
   // trusted with anything outside the registered region.
-  if (h.generation != region_.generation) {
-    send_err(to, batch_id,
-             Status(StatusCode::kStaleDescriptor,
-                    "read names generation " + std::to_string(h.generation) +
-                        ", this owner serves generation " + std::to_string(region_.generation)));
+  const rma::RmaRegionInfo& region = core_.worker().region();
+  if (h.generation != region.generation) {
+    core_.owner().send_err(
+        to, batch_id,
+        Status(StatusCode::kStaleDescriptor,
+               "read names generation " + std::to_string(h.generation) +
+                   ", this owner serves generation " + std::to_string(region.generation)));
     return;
   }
   for (std::size_t i = 0; i < spans.size(); ++i) {
     const CopySpan& s = spans[i];
-    if (s.length == 0 || s.remote_offset > region_.size ||
-        s.length > region_.size - s.remote_offset) {
-      send_err(to, batch_id,
-               Status(StatusCode::kPermissionDenied,
-                      "span " + std::to_string(i) + " [" + std::to_string(s.remote_offset) + ", +" +
-                          std::to_string(s.length) + ") is outside the registered region of " +
-                          std::to_string(region_.size) + " bytes"));
+    if (s.length == 0 || s.remote_offset > region.size ||
+        s.length > region.size - s.remote_offset) {
+      core_.owner().send_err(
+          to, batch_id,
+          Status(StatusCode::kPermissionDenied,
+                 "span " + std::to_string(i) + " [" + std::to_string(s.remote_offset) + ", +" +
+                     std::to_string(s.length) + ") is outside the registered region of " +
+                     std::to_string(region.size) + " bytes"));
       return;
     }
     if (!within_one_layer(s.remote_offset, s.remote_offset + s.length - 1)) {
-      send_err(to, batch_id,
-               crosses_layers("span", i, s.remote_offset, s.remote_offset + s.length - 1));
+      core_.owner().send_err(
+          to, batch_id, crosses_layers("span", i, s.remote_offset, s.remote_offset + s.length - 1));
       return;
     }
   }
@@ -114,7 +131,7 @@ void UcxCore::serve_read(const Served& to, const ReadReqHdr& h, std::vector<Copy
   // before the first byte goes out (and after the last, in serve_done).
   if (h.epoch != 0) {
     if (Status st = check_served_epochs(h.epoch, pages, "before the owner sent it"); !st.is_ok()) {
-      send_err(to, batch_id, st);
+      core_.owner().send_err(to, batch_id, st);
       return;
     }
   }
@@ -135,20 +152,20 @@ void UcxCore::serve_read(const Served& to, const ReadReqHdr& h, std::vector<Copy
         q->spans.size(), [&](std::size_t i) { return q->spans[i].length; },
         [](std::size_t) { return std::uint64_t{1}; });
   }
-  if (copier_ && !stage_sends(q)) return;
+  if (core_.staging().active() && !core_.staging().stage_sends(q)) return;
   q->left = q->total() + 1;
   pump(q);
 }
 
-void UcxCore::pump(const std::shared_ptr<SendQueue>& q) {
+void UcxServedReads::pump(const std::shared_ptr<SendQueue>& q) {
   if (q->done_posting) return;
   // The reader's connection closed (it fails by itself) or we stop: the
   // rest of the read is never sent.
   const bool gone = !q->ep->usable();
-  if (gone || q->failed || stop_requested_.load(std::memory_order_acquire)) {
+  if (gone || q->failed || core_.progress().stopping()) {
     // What was never posted, and the verdict, for a reader that is gone.
     const std::size_t unsent = q->total() - q->next + (q->epoch != 0 ? 1 : 0);
-    if (gone && unsent != 0) drop(unsent, "a data reply");
+    if (gone && unsent != 0) core_.owner().drop(unsent, "a data reply");
     q->failed = true;
     if (q->staged) q->staged->abort();  // no gather starts; those running finish
   } else {
@@ -161,7 +178,7 @@ void UcxCore::pump(const std::shared_ptr<SendQueue>& q) {
       if (q->staged && !(gathered = q->staged->poll())) break;  // none gathered yet
       const std::size_t k = q->next++;
       ++posted_now;
-      const bool ok = gathered ? send_staged(q, *gathered)
+      const bool ok = gathered ? core_.staging().send_staged(q, *gathered)
                       : q->groups.empty()
                           ? send_span(q, q->spans[k])
                           : send_gathered(q, q->groups[k].first, q->groups[k].second);
@@ -172,39 +189,39 @@ void UcxCore::pump(const std::shared_ptr<SendQueue>& q) {
     }
     if (q->staged && !q->failed && !q->staged->status().is_ok()) {
       // A gather failed (the device copy): the reader learns why now.
-      send_err(q->ep, q->batch_id, q->staged->status());
+      core_.owner().send_err(q->ep, q->batch_id, q->staged->status());
       q->failed = true;
     }
     if (!q->failed && q->next < q->total()) {
       if (q->in_flight != 0) return;  // each completion pumps
       // Staged: a gather runs; the progress loop pumps again (poll_staged).
       if (q->staged) {
-        staged_waits_.push_back(q);
+        core_.staging().wait_gather(q);
       } else {
-        later([this, q] { pump(q); });
+        core_.progress().later([this, q] { pump(q); });
       }
       return;
     }
   }
   q->done_posting = true;
-  if (--q->left == 0) later([this, q] { serve_done(q); });
+  if (--q->left == 0) core_.progress().later([this, q] { serve_done(q); });
 }
 
-bool UcxCore::send_span(const std::shared_ptr<SendQueue>& q, const CopySpan& s) {
+bool UcxServedReads::send_span(const std::shared_ptr<SendQueue>& q, const CopySpan& s) {
   auto owned = std::make_unique<SendCtx>();
-  owned->core = this;
+  owned->core = &core_;
   owned->hdr = DataHdr{q->batch_id, s.local_offset, s.length};
   owned->bytes = s.length;
   owned->queue = q;
-  SendCtx* ctx = sends_.add(std::move(owned));
+  SendCtx* ctx = core_.worker().send_requests().add(std::move(owned));
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
                     UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
   rp.flags = (q->flags & kReqEagerOnly) == 0 && s.length >= options_.rndv_bytes
                  ? UCP_AM_SEND_FLAG_RNDV
                  : UCP_AM_SEND_FLAG_EAGER;
-  rp.memh = memh_at(s.remote_offset);
-  rp.cb.send = trampoline<&UcxCore::on_data_sent, RequestGuard>;
+  rp.memh = core_.worker().memh_at(s.remote_offset);
+  rp.cb.send = trampoline<&UcxServedReads::on_data_sent, RequestGuard>;
   rp.user_data = static_cast<Pending*>(ctx);
   ucs_status_ptr_t sp = ucp_am_send_nbx(q->ep->ep, kAmReadData, &ctx->hdr, sizeof ctx->hdr,
                                         cache_->at(s.remote_offset), s.length, &rp);
@@ -215,11 +232,11 @@ bool UcxCore::send_span(const std::shared_ptr<SendQueue>& q, const CopySpan& s) 
 // read's next replies go out, and its epoch verdict once its last send
 // completed. UCX may complete a send as successful after the endpoint was
 // closed (forced: destroyed at once): what runs next looks at the record.
-void UcxCore::on_data_sent(void* req, ucs_status_t st, void* ud) {
+void UcxServedReads::on_data_sent(void* req, ucs_status_t st, void* ud) {
   const Request freed(req);
   auto* raw = context_of<SendCtx>(ud);
   UcxCore* core = raw->core;
-  const std::unique_ptr<SendCtx> c = core->sends_.take(raw);
+  const std::unique_ptr<SendCtx> c = core->worker().send_requests().take(raw);
   if (!c) return;
   const std::shared_ptr<SendQueue>& q = c->queue;
   --q->in_flight;
@@ -229,19 +246,20 @@ void UcxCore::on_data_sent(void* req, ucs_status_t st, void* ud) {
               q->next, q->total());
   if (c->staged) q->staged->sent(*c->staged);  // its buffer gathers the next message
   if (st == UCS_OK) {
-    core->counters_.bytes.fetch_add(c->bytes, std::memory_order_relaxed);
-    if (c->staged) core->counters_.staged.fetch_add(c->bytes, std::memory_order_relaxed);
+    core->owner().counters().bytes.fetch_add(c->bytes, std::memory_order_relaxed);
+    if (c->staged) core->owner().counters().staged.fetch_add(c->bytes, std::memory_order_relaxed);
   } else {
     q->failed = true;
   }
-  if (!q->done_posting) core->later([core, q] { core->pump(q); });
-  if (--q->left == 0) core->later([core, q] { core->serve_done(q); });
+  UcxServedReads& self = core->serving();
+  if (!q->done_posting) core->progress().later([&self, q] { self.pump(q); });
+  if (--q->left == 0) core->progress().later([&self, q] { self.serve_done(q); });
 }
 
-bool UcxCore::send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t first,
-                            std::size_t count) {
+bool UcxServedReads::send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t first,
+                                   std::size_t count) {
   auto owned = std::make_unique<SendCtx>();
-  owned->core = this;
+  owned->core = &core_;
   owned->queue = q;
   SendCtx* ctx = owned.get();
   std::uint64_t bytes = 0;
@@ -260,7 +278,7 @@ bool UcxCore::send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t fir
   }
   ctx->gather = GatherHdr{q->batch_id, first, count, bytes};
   ctx->bytes = bytes;
-  sends_.add(std::move(owned));
+  core_.worker().send_requests().add(std::move(owned));
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
                     UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
@@ -270,8 +288,8 @@ bool UcxCore::send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t fir
   rp.flags = (q->flags & kReqEagerOnly) == 0 && bytes >= options_.rndv_bytes
                  ? UCP_AM_SEND_FLAG_RNDV
                  : UCP_AM_SEND_FLAG_EAGER;
-  rp.datatype = strided ? rows_dt_.get() : ucp_dt_make_iov();
-  rp.cb.send = trampoline<&UcxCore::on_data_sent, RequestGuard>;
+  rp.datatype = strided ? core_.worker().rows_dt() : ucp_dt_make_iov();
+  rp.cb.send = trampoline<&UcxServedReads::on_data_sent, RequestGuard>;
   rp.user_data = static_cast<Pending*>(ctx);
   ucs_status_ptr_t sp =
       strided ? ucp_am_send_nbx(q->ep->ep, kAmGatherData, &ctx->gather, sizeof ctx->gather,
@@ -283,35 +301,37 @@ bool UcxCore::send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t fir
 
 // After ucp_am_send_nbx of ctx: in flight (the callback completes it), or
 // done or failed at once. False when the endpoint failed.
-bool UcxCore::posted(const std::shared_ptr<SendQueue>& q, SendCtx* ctx, ucs_status_ptr_t sp) {
+bool UcxServedReads::posted(const std::shared_ptr<SendQueue>& q, SendCtx* ctx,
+                            ucs_status_ptr_t sp) {
   if (UCS_PTR_IS_PTR(sp)) {
     ++q->in_flight;
     return true;
   }
-  const std::unique_ptr<SendCtx> done = sends_.take(ctx);
+  const std::unique_ptr<SendCtx> done = core_.worker().send_requests().take(ctx);
   --q->left;  // never 0 here: pump holds one while posting
   if (done->staged) q->staged->sent(*done->staged);
   if (UCS_PTR_IS_ERR(sp)) return false;
-  counters_.bytes.fetch_add(done->bytes, std::memory_order_relaxed);
-  if (done->staged) counters_.staged.fetch_add(done->bytes, std::memory_order_relaxed);
+  core_.owner().counters().bytes.fetch_add(done->bytes, std::memory_order_relaxed);
+  if (done->staged)
+    core_.owner().counters().staged.fetch_add(done->bytes, std::memory_order_relaxed);
   return true;
 }
 
-void UcxCore::serve_done(const std::shared_ptr<SendQueue>& q) {
-  trace("serve %llu: every send completed%s", static_cast<unsigned long long>(q->batch_id),
-        q->failed ? " (failed)" : "");
+void UcxServedReads::serve_done(const std::shared_ptr<SendQueue>& q) {
+  core_.trace("serve %llu: every send completed%s", static_cast<unsigned long long>(q->batch_id),
+              q->failed ? " (failed)" : "");
   if (q->failed) return;  // a send failed: the reader fails by itself
   if (q->epoch != 0) {
     if (!q->ep->usable()) {
-      drop(1, "an epoch verdict");
+      core_.owner().drop(1, "an epoch verdict");
       return;
     }
     Status s = check_served_epochs(q->epoch, q->pages, "while the owner sent it");
     const ErrHdr hdr{q->batch_id, static_cast<std::uint32_t>(s.code()), 0};
-    send_small(q->ep->ep, kAmReadFin, &hdr, sizeof hdr, s.message().data(), s.message().size(),
-               false);
+    core_.worker().send_small(q->ep->ep, kAmReadFin, &hdr, sizeof hdr, s.message().data(),
+                              s.message().size(), false);
   }
-  counters_.reads.fetch_add(1, std::memory_order_relaxed);
+  core_.owner().counters().reads.fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace mstar::kv::ucx

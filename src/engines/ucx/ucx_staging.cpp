@@ -1,6 +1,6 @@
 // Copyright mstar-kv authors.
 //
-// UcxCore, staging (ucx_staging, core/staging.hpp): a cache the transport
+// UcxStaging, staging (ucx_staging, core/staging.hpp): a cache the transport
 // cannot touch (device memory; a host cache when asked) crosses through
 // host buffers. The wire is unchanged: the owner answers every request with
 // the messages a direct owner sends (gathered groups, or single spans),
@@ -10,6 +10,10 @@
 // whose copier scatters it into the cache. Copies run beside the wire: a
 // pipeline's buffers (kStagingBuffers) hold messages being copied, sent or
 // received at once. A read resolves only once none of its copies runs.
+#include "ucx_staging.hpp"
+
+#include <cstring>
+
 #include "ucx_core.hpp"
 
 namespace mstar::kv::ucx {
@@ -36,9 +40,38 @@ std::vector<staging::Message> messages_of(
 
 }  // namespace
 
+UcxStaging::UcxStaging(UcxCore& core, const std::shared_ptr<KVCache>& cache,
+                       const UcxOptions& options)
+    : core_(core), cache_(cache), options_(options) {
+  // Staging (ucx_staging): a device cache's bytes cross through host
+  // buffers, copied by its memory's copier (the cuda_ipc copy kernel); a
+  // host cache only when asked (tests, the cost of staging in the bench).
+  if (cache_->memory_kind() == MemoryKind::kDevice) {
+    if (options_.staging == Staging::kOff) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "ucx_staging=off, but the cache is device memory: the ucx engine moves a "
+                  "device cache only through host staging (ucx_staging=auto or on)");
+    }
+    copier_ = cache_->memory().staging_copier();
+    if (!copier_) {
+      throw Error(StatusCode::kUnavailable,
+                  "the ucx engine moves a device cache through pinned host buffers with the "
+                  "cuda_ipc engine's copy kernel, which this build lacks (no CUDA compiler, "
+                  "or MSTAR_KV_CUDA_IPC_KERNEL=OFF)");
+    }
+  } else if (options_.staging == Staging::kOn) {
+    copier_ = staging::host_copier();
+  }
+  if (copier_ && options_.mode == Mode::kGet) {
+    throw Error(StatusCode::kInvalidArgument,
+                "ucx_mode=get cannot fill a staged cache (ucx_staging): its bytes land through "
+                "host buffers, never by a get into its pages");
+  }
+}
+
 // ---- the owner's side ----------------------------------------------------------
 
-bool UcxCore::stage_sends(const std::shared_ptr<SendQueue>& q) {
+bool UcxStaging::stage_sends(const std::shared_ptr<SendQueue>& q) {
   if (q->strided.empty()) {  // spans of one row each
     q->strided.reserve(q->spans.size());
     for (const CopySpan& s : q->spans) {
@@ -55,16 +88,16 @@ bool UcxCore::stage_sends(const std::shared_ptr<SendQueue>& q) {
                                                           messages_of(q->strided, q->groups),
                                                           kStagingBuffers);
   } catch (const Error& e) {
-    send_err(q->ep, q->batch_id, e.status());
+    core_.owner().send_err(q->ep, q->batch_id, e.status());
     return false;
   }
   return true;
 }
 
-bool UcxCore::send_staged(const std::shared_ptr<SendQueue>& q,
-                          const staging::GatherPipeline::Ready& r) {
+bool UcxStaging::send_staged(const std::shared_ptr<SendQueue>& q,
+                             const staging::GatherPipeline::Ready& r) {
   auto owned = std::make_unique<SendCtx>();
-  owned->core = this;
+  owned->core = &core_;
   owned->queue = q;
   owned->bytes = r.bytes;
   owned->staged = r.index;
@@ -81,22 +114,22 @@ bool UcxCore::send_staged(const std::shared_ptr<SendQueue>& q,
   } else {
     ctx->gather = GatherHdr{q->batch_id, first, count, r.bytes};
   }
-  sends_.add(std::move(owned));
+  core_.worker().send_requests().add(std::move(owned));
   ucp_request_param_t rp{};
   rp.op_attr_mask =
       UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   rp.flags = (q->flags & kReqEagerOnly) == 0 && r.bytes >= options_.rndv_bytes
                  ? UCP_AM_SEND_FLAG_RNDV
                  : UCP_AM_SEND_FLAG_EAGER;
-  rp.cb.send = trampoline<&UcxCore::on_data_sent, RequestGuard>;
+  rp.cb.send = trampoline<&UcxServedReads::on_data_sent, RequestGuard>;
   rp.user_data = static_cast<Pending*>(ctx);
   ucs_status_ptr_t sp = ucp_am_send_nbx(q->ep->ep, id, header, header_length, r.data, r.bytes, &rp);
-  return posted(q, ctx, sp);
+  return core_.serving().posted(q, ctx, sp);
 }
 
 // ---- the reader's side ---------------------------------------------------------
 
-void UcxCore::stage_reads(const std::shared_ptr<Batch>& b) {
+void UcxStaging::stage_reads(const std::shared_ptr<Batch>& b) {
   std::vector<StridedSpan> spans = b->strided;
   if (spans.empty()) {
     spans.reserve(b->chunks.size());
@@ -114,8 +147,8 @@ void UcxCore::stage_reads(const std::shared_ptr<Batch>& b) {
       copier_, cache_->regions(), std::move(spans), std::move(messages), kStagingBuffers);
 }
 
-ucs_status_t UcxCore::staged_arrival(const std::shared_ptr<Batch>& b, const GatherHdr& h,
-                                     void* data, std::size_t length, bool rndv) {
+ucs_status_t UcxStaging::staged_arrival(const std::shared_ptr<Batch>& b, const GatherHdr& h,
+                                        void* data, std::size_t length, bool rndv) {
   // Untrusted: exactly one of the read's messages (handle_gather checked
   // that its units are the read's, each once, with their bytes).
   const std::size_t m = b->message_of[h.first];
@@ -124,11 +157,12 @@ ucs_status_t UcxCore::staged_arrival(const std::shared_ptr<Batch>& b, const Gath
     return want.count == h.count && want.bytes == length;
   }();
   if (!ok) {
-    fail_batch(b, Status(StatusCode::kInternal,
-                         "owner sent a gathered reply (spans " + std::to_string(h.first) + "+" +
-                             std::to_string(h.count) +
-                             ") that the read did not ask for: not one of the messages this "
-                             "staged read receives"));
+    core_.reads().fail_batch(
+        b, Status(StatusCode::kInternal,
+                  "owner sent a gathered reply (spans " + std::to_string(h.first) + "+" +
+                      std::to_string(h.count) +
+                      ") that the read did not ask for: not one of the messages this "
+                      "staged read receives"));
     return UCS_OK;
   }
   staging::Buffer* into = b->staged->receive_into(m - 1);
@@ -137,7 +171,7 @@ ucs_status_t UcxCore::staged_arrival(const std::shared_ptr<Batch>& b, const Gath
     return UCS_OK;
   }
   if (!b->staged->status().is_ok()) {
-    fail_batch(b, b->staged->status());
+    core_.reads().fail_batch(b, b->staged->status());
     return UCS_OK;
   }
   // Every buffer busy: the message waits for one (poll_staged). UCX keeps a
@@ -153,41 +187,41 @@ ucs_status_t UcxCore::staged_arrival(const std::shared_ptr<Batch>& b, const Gath
   return UCS_OK;
 }
 
-void UcxCore::land_staged(const std::shared_ptr<Batch>& b, std::size_t message,
-                          staging::Buffer& into, void* data, std::size_t length, bool rndv) {
+void UcxStaging::land_staged(const std::shared_ptr<Batch>& b, std::size_t message,
+                             staging::Buffer& into, void* data, std::size_t length, bool rndv) {
   staged_reads_.insert(b->id);
   if (!rndv) {
     std::memcpy(into.data(), data, length);
     b->staged->received(message);
     b->staged->poll();
-    maybe_finish(b);
+    core_.reads().maybe_finish(b);
     return;
   }
-  auto* ctx = new_ctx(b->id);
+  auto* ctx = core_.reads().new_ctx(b->id);
   ctx->staged = message;
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  rp.cb.recv_am = trampoline<&UcxCore::on_recv_done, RequestGuard>;
+  rp.cb.recv_am = trampoline<&UcxReads::on_recv_done, RequestGuard>;
   rp.user_data = static_cast<Pending*>(ctx);
-  ucs_status_ptr_t sp = ucp_am_recv_data_nbx(worker_.get(), data, into.data(), length, &rp);
+  ucs_status_ptr_t sp = ucp_am_recv_data_nbx(core_.worker().get(), data, into.data(), length, &rp);
   if (UCS_PTR_IS_PTR(sp)) {
     ++b->outstanding;
     return;
   }
-  reads_.take(ctx);
+  core_.worker().read_requests().take(ctx);
   staged_received(b->id, message, UCS_PTR_STATUS(sp));
   if (UCS_PTR_IS_ERR(sp)) {
-    fail_batch(b, Status(StatusCode::kPeerFailure,
-                         "ucp_am_recv_data_nbx: " + ucs_str(UCS_PTR_STATUS(sp))));
+    core_.reads().fail_batch(b, Status(StatusCode::kPeerFailure,
+                                       "ucp_am_recv_data_nbx: " + ucs_str(UCS_PTR_STATUS(sp))));
     return;
   }
-  maybe_finish(b);
+  core_.reads().maybe_finish(b);
 }
 
-void UcxCore::staged_received(std::uint64_t batch_id, std::size_t message, ucs_status_t st) {
-  auto it = batches_.find(batch_id);
-  if (it == batches_.end() || !it->second->staged) return;
-  staging::ScatterPipeline& p = *it->second->staged;
+void UcxStaging::staged_received(std::uint64_t batch_id, std::size_t message, ucs_status_t st) {
+  const std::shared_ptr<Batch> b = core_.reads().find(batch_id);
+  if (!b || !b->staged) return;
+  staging::ScatterPipeline& p = *b->staged;
   if (st == UCS_OK) {
     p.received(message);  // its scatter starts (none once the read stopped)
   } else {
@@ -197,30 +231,29 @@ void UcxCore::staged_received(std::uint64_t batch_id, std::size_t message, ucs_s
   p.poll();
 }
 
-bool UcxCore::staged_idle(Batch& b) {
+bool UcxStaging::staged_idle(Batch& b) {
   b.staged->abort();
   for (Batch::Waiting& w : b.waiting) {
-    if (w.rndv != nullptr) ucp_am_data_release(worker_.get(), w.rndv);
+    if (w.rndv != nullptr) ucp_am_data_release(core_.worker().get(), w.rndv);
   }
   b.waiting.clear();
   b.staged->poll();
   return b.staged->idle();
 }
 
-void UcxCore::poll_staged() {
+void UcxStaging::poll() {
   // Owners: queues whose next message was still being gathered.
   auto waits = std::move(staged_waits_);
   staged_waits_.clear();
-  for (const auto& q : waits) pump(q);
+  for (const auto& q : waits) core_.serving().pump(q);
   // Readers: finished scatters free buffers for waiting messages.
   for (auto it = staged_reads_.begin(); it != staged_reads_.end();) {
-    auto bi = batches_.find(*it);
-    if (bi == batches_.end()) {
+    const std::shared_ptr<Batch> b = core_.reads().find(*it);
+    if (!b) {
       it = staged_reads_.erase(it);
       continue;
     }
     ++it;
-    const std::shared_ptr<Batch> b = bi->second;
     b->staged->poll();
     while (!b->waiting.empty() && !b->aborted && !b->failure) {
       Batch::Waiting& w = b->waiting.front();
@@ -236,7 +269,7 @@ void UcxCore::poll_staged() {
                     false);
       }
     }
-    maybe_finish(b);
+    core_.reads().maybe_finish(b);
   }
 }
 

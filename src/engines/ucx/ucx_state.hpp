@@ -3,8 +3,9 @@
 // The ucx engine's state (internal to the engine): its tuning constants, a
 // reader's connections and reads (Conn, Batch), an owner's endpoints and
 // served reads (ServedEp, SendQueue), the contexts UCX requests carry (Pending and its
-// kinds) and the two halves of a layer watch. UcxCore (ucx_core.hpp) owns
-// them; members marked [progress] are used only on its progress thread.
+// kinds) and the two halves of a layer watch. The parts of UcxCore
+// (ucx_core.hpp) own them; members marked [progress] are used only on its
+// progress thread.
 #pragma once
 
 #include <ucp/api/ucp.h>

@@ -12,7 +12,7 @@
 // endpoint (SIGSEGV in ucp_am_send_nbx, 2 runs in 25 of the issue's
 // reproducer) or on the next reader's endpoint. Here the window is hit every
 // time: the owner runs with the test seam that holds its continuations
-// (UcxCore::test_hold) until the first reader's connection
+// (UcxTestAccess::hold, ucx_test_access.hpp) until the first reader's connection
 // closed and a second reader connected, then releases them. The second
 // reader (a raw UCP client) must receive nothing but its hello reply; the
 // owner counts the replies it dropped, and a real reader then pulls every
@@ -32,6 +32,7 @@
 #include "engines/ucx/ucx_backend.hpp"
 #include "engines/ucx/ucx_core.hpp"
 #include "engines/ucx/ucx_fixture.hpp"
+#include "engines/ucx/ucx_test_access.hpp"
 #include "mstar/kv/engines/ucx.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/testing/pattern.hpp"
@@ -72,7 +73,7 @@ class UcxOwnerLifetime : public ::testing::TestWithParam<HeldCase> {
       }
     }
     ASSERT_TRUE(owner_) << "no free port";
-    ASSERT_TRUE(backend_->core().test_hold(true));
+    ASSERT_TRUE(UcxTestAccess::hold(*backend_, true));
     pool_ = std::make_unique<KVCachePool>(cache_, owner_->get_kv_transfer_info(), 0);
     const auto pages = pool_->allocate(1, 64 * 16);
     fill_pattern(*cache_, kSeed, pages, 0, 64 * 16);
@@ -150,7 +151,7 @@ TEST_P(UcxOwnerLifetime, RepliesHeldPastTheReadersCloseReachNobodyAndAreCounted)
   // one's had), then the held continuations run.
   RawClient b("127.0.0.1", port_);
   hello(b);
-  ASSERT_TRUE(backend_->core().test_hold(false));
+  ASSERT_TRUE(UcxTestAccess::hold(*backend_, false));
   b.wait_for(kAmReadFin, 500ms);
   for (const Received& m : b.got()) {
     EXPECT_EQ(m.id, kAmHelloReply)

@@ -1,0 +1,87 @@
+// Copyright mstar-kv authors.
+//
+// UcxReader, the reader's connections to owners (internal to the ucx
+// engine): connecting (the handshake's reader half, the data endpoint for
+// gets or shared-memory replies), the reader's control messages (done
+// notices, readiness requests and their notices), peer failure and
+// closing. It owns the connections (Conn) and the layer watches waiting on
+// a notice; their reads are UcxReads'. Threads: connect() from caller
+// threads (it posts to the progress thread and waits); made and cleared
+// (clear()) by UcxCore while no progress thread runs; next_watch from any
+// thread; the rest on the progress thread only.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "rma/rma_engine.hpp"
+#include "ucx_backend.hpp"
+#include "ucx_state.hpp"
+#include "ucx_wire.hpp"
+
+namespace mstar::kv::ucx {
+
+class UcxCore;
+
+class UcxReader {
+ public:
+  explicit UcxReader(UcxCore& core);
+  UcxReader(const UcxReader&) = delete;
+  UcxReader& operator=(const UcxReader&) = delete;
+
+  // Caller threads: a connection whose handshake completed within
+  // `timeout`; throws Error(kTimeout), Error(kShutdown), or the refusal
+  // (kPermissionDenied, kUnavailable; anything else as kPeerFailure).
+  std::shared_ptr<Conn> connect(const rma::RmaRegionInfo& remote,
+                                std::chrono::milliseconds timeout);
+  // An active message for the reader's connections (kAmChallenge,
+  // kAmHelloReply, kAmReadyNotice), in UCX's handler.
+  ucs_status_t handle_am(unsigned id, const void* header, std::size_t header_length, void* data,
+                         std::size_t length, const ucp_am_recv_param_t* param);
+  // Closes both endpoints and fails the connection's reads. Gets still in
+  // flight keep the rma endpoint open until they drain, unless `force`
+  // (the peer is dead, the engine stops, or a drain took too long): then it
+  // is closed at once and its gets are written off (see close_conn).
+  void close_conn(std::shared_ptr<Conn> c, const Status& why, bool force = false);
+  // Done notices (leases), the reader's half.
+  void send_done(const std::shared_ptr<Conn>& c, std::uint64_t seq_id, std::uint64_t epoch);
+  // Layer readiness (ucx_readiness.cpp): asks the owner for the next
+  // notice of watch w, forgets a watch.
+  void send_ready_req(const std::shared_ptr<ReadyWatch>& w);
+  void forget_watch(std::uint64_t id) { watches_.erase(id); }
+  std::atomic<std::uint64_t> next_watch{1};  // watch ids, unique per core
+  // Stopping: closes every connection by force.
+  void close_all();
+  // After the progress thread ended: drops the connections left.
+  void clear() noexcept { conns_.clear(); }
+
+ private:
+  // The handshake (ucx_wire.hpp), reader half.
+  void on_challenge(const ChallengeHdr& h);
+  void hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& bytes);
+  struct EpInfo {
+    bool nic_rma = false;  // an RMA lane on an RDMA transport
+    bool shm_am = false;   // an active-message lane on shared memory
+  };
+  EpInfo inspect_ep(ucp_ep_h ep);
+  void data_ep_ready(std::uint64_t conn_id, ucs_status_t st);
+  void on_ready_notice(const ReadyHdr& h, std::string message);
+  // The bodies of the C callbacks, each called through trampoline<>.
+  static void on_data_ep_flushed(void* request, ucs_status_t st, void* user_data);
+  static void on_client_ep_error(void* arg, ucp_ep_h ep, ucs_status_t st);
+
+  UcxCore& core_;
+  const UcxOptions& options_;
+  std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> conns_;          // [progress]
+  std::unordered_map<std::uint64_t, std::shared_ptr<ReadyWatch>> watches_;  // [progress]
+  std::uint64_t next_conn_ = 1;                                             // [progress]
+};
+
+}  // namespace mstar::kv::ucx
