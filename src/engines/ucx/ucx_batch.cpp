@@ -12,7 +12,7 @@
 
 namespace mstar::kv::ucx {
 
-UcxReads::UcxReads(UcxCore& core) : core_(core), cache_(core.cache()), options_(core.options()) {}
+UcxReads::UcxReads(UcxCore& core) : UcxPart(core, core.cache(), core.options()) {}
 
 std::shared_ptr<Batch> UcxReads::find(std::uint64_t batch_id) const {
   auto it = batches_.find(batch_id);

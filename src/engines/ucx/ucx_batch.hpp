@@ -17,18 +17,15 @@
 #include <unordered_map>
 
 #include "ucx_backend.hpp"
+#include "ucx_part.hpp"
 #include "ucx_state.hpp"
 #include "ucx_wire.hpp"
 
 namespace mstar::kv::ucx {
 
-class UcxCore;
-
-class UcxReads {
+class UcxReads : private UcxPart {
  public:
   explicit UcxReads(UcxCore& core);
-  UcxReads(const UcxReads&) = delete;
-  UcxReads& operator=(const UcxReads&) = delete;
 
   std::atomic<std::uint64_t> next_batch{1};  // batch ids, unique per core
   void start_batch(const std::shared_ptr<Batch>& b);
@@ -69,9 +66,6 @@ class UcxReads {
   void request_finished(std::uint64_t batch_id, ucs_status_t st);
   void post_gets(const std::shared_ptr<Batch>& b);
 
-  UcxCore& core_;
-  const std::shared_ptr<KVCache> cache_;
-  const UcxOptions& options_;
   std::unordered_map<std::uint64_t, std::shared_ptr<Batch>> batches_;  // [progress]
   std::set<std::uint64_t> draining_;  // [progress] aborted get batches waiting to drain
 };

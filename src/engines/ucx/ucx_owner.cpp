@@ -14,7 +14,7 @@ namespace mstar::kv::ucx {
 // ---- server side -----------------------------------------------------------
 
 UcxOwner::UcxOwner(UcxCore& core, const std::string& session_id)
-    : core_(core), cache_(core.cache()), options_(core.options()) {
+    : UcxPart(core, core.cache(), core.options()) {
   open_listener(session_id);
 }
 

@@ -23,14 +23,13 @@
 #include "mstar/kv/util/thread_annotations.hpp"
 #include "ucx_backend.hpp"
 #include "ucx_handles.hpp"
+#include "ucx_part.hpp"
 #include "ucx_state.hpp"
 #include "ucx_wire.hpp"
 
 namespace mstar::kv::ucx {
 
-class UcxCore;
-
-class UcxOwner {
+class UcxOwner : private UcxPart {
  public:
   // What this owner served (ServedStats), counted where it happens.
   struct Counters {
@@ -43,8 +42,6 @@ class UcxOwner {
   // session id. Throws Error(kRetryLater) when the port is taken,
   // Error(kUnavailable) when no listener opens.
   UcxOwner(UcxCore& core, const std::string& session_id);
-  UcxOwner(const UcxOwner&) = delete;
-  UcxOwner& operator=(const UcxOwner&) = delete;
 
   // An active message for the owner (kAmHello, kAmAuth, kAmReadReq,
   // kAmDone, kAmReadyReq), in UCX's handler.
@@ -100,9 +97,6 @@ class UcxOwner {
   void on_ready_req(const Served& to, const ReadyReqHdr& h, std::vector<std::uint32_t> pages);
   bool answer_ready(const ReadyHold& r, bool expired);
 
-  UcxCore& core_;
-  const std::shared_ptr<KVCache> cache_;
-  const UcxOptions& options_;
   Listener listener_;
   // [progress] The owner's listener endpoints (one per reader connection),
   // each with the record its replies hold (ServedEp), and the connections

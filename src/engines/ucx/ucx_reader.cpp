@@ -12,7 +12,7 @@ namespace mstar::kv::ucx {
 
 // ---- client side -----------------------------------------------------------
 
-UcxReader::UcxReader(UcxCore& core) : core_(core), options_(core.options()) {}
+UcxReader::UcxReader(UcxCore& core) : UcxPart(core, core.cache(), core.options()) {}
 
 std::shared_ptr<Conn> UcxReader::connect(const rma::RmaRegionInfo& remote,
                                          std::chrono::milliseconds timeout) {

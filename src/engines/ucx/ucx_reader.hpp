@@ -23,18 +23,15 @@
 
 #include "rma/rma_engine.hpp"
 #include "ucx_backend.hpp"
+#include "ucx_part.hpp"
 #include "ucx_state.hpp"
 #include "ucx_wire.hpp"
 
 namespace mstar::kv::ucx {
 
-class UcxCore;
-
-class UcxReader {
+class UcxReader : private UcxPart {
  public:
   explicit UcxReader(UcxCore& core);
-  UcxReader(const UcxReader&) = delete;
-  UcxReader& operator=(const UcxReader&) = delete;
 
   // Caller threads: a connection whose handshake completed within
   // `timeout`; throws Error(kTimeout), Error(kShutdown), or the refusal
@@ -77,8 +74,6 @@ class UcxReader {
   static void on_data_ep_flushed(void* request, ucs_status_t st, void* user_data);
   static void on_client_ep_error(void* arg, ucp_ep_h ep, ucs_status_t st);
 
-  UcxCore& core_;
-  const UcxOptions& options_;
   std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> conns_;          // [progress]
   std::unordered_map<std::uint64_t, std::shared_ptr<ReadyWatch>> watches_;  // [progress]
   std::uint64_t next_conn_ = 1;                                             // [progress]

@@ -10,8 +10,7 @@
 
 namespace mstar::kv::ucx {
 
-UcxServedReads::UcxServedReads(UcxCore& core)
-    : core_(core), cache_(core.cache()), options_(core.options()) {}
+UcxServedReads::UcxServedReads(UcxCore& core) : UcxPart(core, core.cache(), core.options()) {}
 
 bool UcxServedReads::within_one_layer(std::uint64_t first, std::uint64_t last) const noexcept {
   const std::uint64_t layer_bytes = core_.worker().layer_bytes();

@@ -17,18 +17,15 @@
 
 #include "core/staging.hpp"
 #include "ucx_backend.hpp"
+#include "ucx_part.hpp"
 #include "ucx_state.hpp"
 #include "ucx_wire.hpp"
 
 namespace mstar::kv::ucx {
 
-class UcxCore;
-
-class UcxServedReads {
+class UcxServedReads : private UcxPart {
  public:
   explicit UcxServedReads(UcxCore& core);
-  UcxServedReads(const UcxServedReads&) = delete;
-  UcxServedReads& operator=(const UcxServedReads&) = delete;
 
   // A kReqStrided request: validates every span against the region, then
   // serves it as serve_read does, gathering each message's rows from the
@@ -60,10 +57,6 @@ class UcxServedReads {
   bool send_gathered(const std::shared_ptr<SendQueue>& q, std::size_t first, std::size_t count);
   // Every send of q completed (or failed): the verdict, and q counted.
   void serve_done(const std::shared_ptr<SendQueue>& q);
-
-  UcxCore& core_;
-  const std::shared_ptr<KVCache> cache_;
-  const UcxOptions& options_;
 };
 
 }  // namespace mstar::kv::ucx

@@ -42,7 +42,7 @@ std::vector<staging::Message> messages_of(
 
 UcxStaging::UcxStaging(UcxCore& core, const std::shared_ptr<KVCache>& cache,
                        const UcxOptions& options)
-    : core_(core), cache_(cache), options_(options) {
+    : UcxPart(core, cache, options) {
   // Staging (ucx_staging): a device cache's bytes cross through host
   // buffers, copied by its memory's copier (the cuda_ipc copy kernel); a
   // host cache only when asked (tests, the cost of staging in the bench).

@@ -16,13 +16,12 @@
 
 #include "core/staging.hpp"
 #include "ucx_backend.hpp"
+#include "ucx_part.hpp"
 #include "ucx_state.hpp"
 
 namespace mstar::kv::ucx {
 
-class UcxCore;
-
-class UcxStaging {
+class UcxStaging : private UcxPart {
  public:
   // Picks the copier: a device cache's (Error(kUnavailable) when this build
   // has none, Error(kInvalidArgument) with ucx_staging=off), the host
@@ -59,9 +58,6 @@ class UcxStaging {
   void land_staged(const std::shared_ptr<Batch>& b, std::size_t message, staging::Buffer& into,
                    void* data, std::size_t length, bool rndv);
 
-  UcxCore& core_;
-  const std::shared_ptr<KVCache> cache_;
-  const UcxOptions& options_;
   std::shared_ptr<staging::Copier> copier_;               // null: no staging
   std::vector<std::shared_ptr<SendQueue>> staged_waits_;  // [progress] owner: a gather to finish
   std::set<std::uint64_t> staged_reads_;                  // [progress] reader: reads with copies

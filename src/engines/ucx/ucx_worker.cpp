@@ -98,7 +98,7 @@ std::vector<std::span<const std::uint8_t>> unpack_rkeys(std::span<const std::uin
 
 UcxWorker::UcxWorker(UcxCore& core, std::shared_ptr<KVCache> cache, const std::string& entity_id,
                      const UcxOptions& options)
-    : core_(core), cache_(std::move(cache)), options_(options) {
+    : UcxPart(core, std::move(cache), options) {
   region_.entity_id = entity_id;
   // A cache of one region per layer: each layer registered and published
   // on its own (one layer is one region).

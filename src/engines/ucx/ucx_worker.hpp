@@ -25,13 +25,12 @@
 #include "ucx_backend.hpp"
 #include "ucx_callback.hpp"
 #include "ucx_handles.hpp"
+#include "ucx_part.hpp"
 #include "ucx_rows.hpp"
 #include "ucx_state.hpp"
 #include "ucx_wire.hpp"
 
 namespace mstar::kv::ucx {
-
-class UcxCore;
 
 // The lines a UCX dump writes (`print` gets the stream: ucp_ep_print_info,
 // ucp_context_print_info), without their newlines; none if no stream opens.
@@ -53,7 +52,7 @@ struct AmTag {  // argument of the active-message handler for one id
   unsigned id = 0;
 };
 
-class UcxWorker {
+class UcxWorker : private UcxPart {
  public:
   // Registers the cache (a device cache: not at all, it is only staged),
   // publishes its remote keys where gets may be served, and routes every
@@ -61,8 +60,6 @@ class UcxWorker {
   // cannot start.
   UcxWorker(UcxCore& core, std::shared_ptr<KVCache> cache, const std::string& entity_id,
             const UcxOptions& options);
-  UcxWorker(const UcxWorker&) = delete;
-  UcxWorker& operator=(const UcxWorker&) = delete;
 
   ucp_worker_h get() const noexcept { return worker_.get(); }
   int efd() const noexcept { return efd_; }  // -1: no event fd (the loop polls)
@@ -107,9 +104,6 @@ class UcxWorker {
   void init_ucp();
   static void on_control_sent(void* request, ucs_status_t st, void* user_data);
 
-  UcxCore& core_;
-  const std::shared_ptr<KVCache> cache_;
-  const UcxOptions& options_;
   // Destroyed after the worker (declared before it): UCX may write through
   // them until then.
   InFlight<ReqCtx> reads_;
