@@ -123,3 +123,20 @@ def test_what_cannot_move_is_refused_naming_the_value():
                    dtypes=(torch.float32, torch.float32),
                    mamba_type=mamba_utils.MambaAttentionBackendEnum.MAMBA1)
     assert "MAMBA1" in state_tp.geometry(m1, HF(1), 1)
+
+
+def test_the_params_say_the_conv_layout_and_refuse_another():
+    from mstar_kv.integrations.vllm.params import (
+        ConfigError,
+        ConnectorConfig,
+        make_decode_params,
+        parse_remote_prefill,
+    )
+    cfg = ConnectorConfig.from_extra({})
+    p = make_decode_params(cfg, "r", 2, 64, 96, "kv_planes", conv_layout=state_tp.conv_layout())
+    assert state_tp.conv_layout() == "DS"
+    assert parse_remote_prefill(p).conv_layout == "DS"
+    assert parse_remote_prefill(make_decode_params(cfg, "r", 2, 64, 96)).conv_layout == ""
+    p["mstar"]["conv_layout"] = "XY"
+    with pytest.raises(ConfigError, match="conv_layout"):
+        parse_remote_prefill(p)

@@ -268,6 +268,12 @@ class Consumer:
         why = self._tp_refusal(rp.tp_size, f"{rp.host}:{rp.port}")
         if why:
             raise RuntimeError(why)
+        if self.groups and has_state(self.groups):
+            mine = state_tp.conv_layout()
+            if rp.conv_layout != mine and (rp.conv_layout or self._splits_state(rp.tp_size)):
+                raise RuntimeError(f"the producer's conv state layout is "
+                                   f"{rp.conv_layout or 'not said'}, this engine's {mine} "
+                                   "(VLLM_SSM_CONV_STATE_LAYOUT must be the same on both)")
         if self.groups and rp.block_size != self.block_size:
             raise RuntimeError(f"several KV cache groups need one block size: the producer's "
                                f"is {rp.block_size}, this engine's {self.block_size}")

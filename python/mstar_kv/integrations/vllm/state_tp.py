@@ -76,6 +76,15 @@ class StateGeom:
                 ("ssm", rank * h, (rank + 1) * h, self.conv_bytes(tp), self.head_bytes)]
 
 
+def conv_layout() -> str:
+    """This process's conv state layout, vLLM's: "DS" or "SD"."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+        return "DS" if is_conv_state_dim_first() else "SD"
+    except Exception:  # no such vLLM: SD, the layout it always had
+        return "SD"
+
+
 def geometry(spec, hf_config, tp: int):
     """The StateGeom of a vLLM MambaSpec at this engine's TP ``tp``, or a
     string saying why this connector cannot move it between TP sizes."""
@@ -83,12 +92,7 @@ def geometry(spec, hf_config, tp: int):
     mtype = getattr(mtype, "name", str(mtype))
     if mtype.upper() != "MAMBA2":
         return f"its state is a {mtype} layer's (between TP sizes: Mamba2 only)"
-    try:
-        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-        ds = bool(is_conv_state_dim_first())
-    except Exception:  # no such vLLM: SD, the layout it always had
-        ds = False
-    if not ds:
+    if conv_layout() != "DS":
         return ("its conv state is laid out SD ([kernel - 1, channels]): between TP sizes "
                 "it needs VLLM_SSM_CONV_STATE_LAYOUT=DS on both engines, as vLLM's "
                 "NixlConnector does")
