@@ -251,3 +251,27 @@ def test_a_load_moves_the_state_slices_and_the_attention_pages_over_ucx(prefill_
     finally:
         for m in mgrs:
             m.cleanup()
+
+
+def test_a_load_waits_for_staging_pages_then_fails_naming_the_setting():
+    import threading
+
+    import mstar_kv as kv
+    from mstar_kv.integrations.vllm.layout import LayoutError, MappedCache
+    from mstar_kv.integrations.vllm.state_move import _Staging
+
+    lay = _layout(kv, 1, 1, 0)
+    t = torch.zeros(lay.total_bytes, dtype=torch.uint8)
+    mapped = MappedCache(lay, kv.KVCache.from_dlpack(t, lay), ["a", "b"], t.data_ptr(), "cpu",
+                         "kv_planes", 64, [t])
+    st = _Staging(mapped, lambda name: None, 0, 1, 3)  # a local-only manager
+    assert st.layout.num_pages == 3 and st.layout.first_kv_head == 0
+    held = st.take(2, 1.0)
+    with pytest.raises(LayoutError, match=r"needs 2 staging pages, 1 of 3 were free for 0.2 s"):
+        st.take(2, 0.2)
+    with pytest.raises(LayoutError, match="needs 4 staging pages, more than the 3 of "
+                                          "state_staging_pages"):
+        st.take(4, 0.2)
+    threading.Timer(0.2, st.give, (held,)).start()
+    t0 = time.monotonic()
+    assert len(st.take(3, 10.0)) == 3 and time.monotonic() - t0 >= 0.15

@@ -134,7 +134,8 @@ class Consumer:
         if sg is not None and isinstance(sg.state, state_tp.StateGeom) and mapped is not None \
                 and state_info is not None:
             from .state_move import StateMover
-            self._state = StateMover(mapped, sg.state, tp_rank, tp_size, state_info)
+            self._state = StateMover(mapped, sg.state, tp_rank, tp_size, state_info,
+                                     cfg.state_staging_pages, cfg.transfer_timeout_s)
         self._pool = cf.ThreadPoolExecutor(max_workers=LOAD_THREADS,
                                            thread_name_prefix="mstar-kv-load")
         _start_threads(self._pool, LOAD_THREADS)
@@ -376,9 +377,15 @@ class Consumer:
             if ld.cancelled:
                 raise kv.TransferCancelledError("aborted before the pull started")
             ld.seqs = seqs
-            ld.future = self._state.start_load(
-                self.mgr, rp.tp_size, info, self._attn_ranks(self.tp_rank, rp.tp_size),
-                [(x, y, k == MAMBA) for x, y, k in zip(remote, local, kinds)])
+        # Not under ld.lock: it may wait for staging pages, and the engine's
+        # thread takes that lock to cancel.
+        f = self._state.start_load(
+            self.mgr, rp.tp_size, info, self._attn_ranks(self.tp_rank, rp.tp_size),
+            [(x, y, k == MAMBA) for x, y, k in zip(remote, local, kinds)])
+        with ld.lock:
+            ld.future = f
+            if ld.cancelled:
+                f.cancel()
 
     def _run(self, ld: _Load, retry: bool) -> None:
         """A load thread: asks the side channel for the sequences (or uses

@@ -98,6 +98,11 @@ class ConnectorConfig:
                       layer l while the prefill computes layer l + 1, and the
                       params of a finished request name pages that are
                       published already.
+    state_staging_pages consumer, a Mamba state from prefill engines of
+                      another TP size: pages of the staging cache each
+                      worker allocates at its first such load (state_move.py;
+                      a load takes one per source rank, and waits up to
+                      transfer_timeout_s for them; default 8).
     """
 
     engine: str = "ucx"
@@ -112,6 +117,7 @@ class ConnectorConfig:
     cell_layout: str = "auto"
     publish_early: bool = False
     prefill_peers: tuple = ()  # ((host, port), ...)
+    state_staging_pages: int = 8
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> "ConnectorConfig":
@@ -141,6 +147,7 @@ class ConnectorConfig:
             cell_layout=_choice(extra, "cell_layout", "auto", ("auto",) + CELL_LAYOUTS, where),
             publish_early=bool(extra.get("publish_early", False)),
             prefill_peers=_peers(extra.get("prefill_peers", ()), where),
+            state_staging_pages=_num(extra, "state_staging_pages", 8, int, 1, 4096, where),
         )
 
 

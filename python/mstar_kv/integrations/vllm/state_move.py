@@ -19,8 +19,6 @@ import mstar_kv as kv
 from . import state_tp
 from .layout import LayoutError, heads_of_rank
 
-STAGING_SLOTS = 64  # staging pages per decode rank: loads in flight x sources x state blocks
-
 
 class _Staging:
     """One staging cache: pages [0, slots) over heads [lo, hi)."""
@@ -41,19 +39,26 @@ class _Staging:
         self.head_block = self.layout.block_bytes // (hi - lo)  # one head's rows of a page
         self.lo = lo
         self._free = list(range(slots))
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()
 
-    def take(self, n: int) -> list:
-        with self._lock:
-            if len(self._free) < n:
+    def take(self, n: int, timeout: float) -> list:
+        """``n`` free pages; waits up to ``timeout`` s for loads in flight to
+        give theirs back (a load thread's wait, never the engine's)."""
+        if n > self.layout.num_pages:
+            raise LayoutError(f"a state load needs {n} staging pages, more than the "
+                              f"{self.layout.num_pages} of state_staging_pages")
+        with self._cv:
+            if not self._cv.wait_for(lambda: len(self._free) >= n, timeout):
                 raise LayoutError(f"a state load needs {n} staging pages, {len(self._free)} of "
-                                  f"{self.layout.num_pages} are free (state loads in flight)")
+                                  f"{self.layout.num_pages} were free for {timeout} s (state "
+                                  "loads in flight; state_staging_pages)")
             out, self._free = self._free[:n], self._free[n:]
             return out
 
     def give(self, slots) -> None:
-        with self._lock:
+        with self._cv:
             self._free.extend(slots)
+            self._cv.notify_all()
 
     def at(self, layer: int, page: int) -> int:
         return (layer * self.layout.num_pages + page) * self.layout.block_bytes
@@ -62,8 +67,10 @@ class _Staging:
 class StateMover:
     """Builds and finishes the state part of a load between TP sizes."""
 
-    def __init__(self, mapped, geom, tp_rank: int, tp_size: int, info_factory):
+    def __init__(self, mapped, geom, tp_rank: int, tp_size: int, info_factory,
+                 slots: int = 8, timeout: float = 30.0):
         self.mapped = mapped
+        self.slots, self.timeout = slots, timeout
         self.geom = geom
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self._info_factory = info_factory
@@ -79,7 +86,7 @@ class StateMover:
         with self._lock:
             st = self._staging.get((lo, hi))
             if st is None:
-                st = _Staging(self.mapped, self._info_factory, lo, hi, STAGING_SLOTS)
+                st = _Staging(self.mapped, self._info_factory, lo, hi, self.slots)
                 self._staging[(lo, hi)] = st
             return st
 
@@ -95,7 +102,7 @@ class StateMover:
         k = len(remote)
         if all(h == heads[0] for h in heads):
             st = self._staging_for(heads[0].start, heads[0].stop)
-            slots = st.take(k * len(ranks))
+            slots = st.take(k * len(ranks), self.timeout)
             where = [(slots[i * k:(i + 1) * k], 0) for i in range(len(ranks))]
             pulls = [(slots[i * k:(i + 1) * k], [(remote, infos[i])]) for i in range(len(ranks))]
         else:
@@ -105,7 +112,7 @@ class StateMover:
                                   f"{[(h.start, h.stop) for h in heads]} of a {lay.page_order} "
                                   "page: a state page is not their concatenation")
             st = self._staging_for(lo, hi)
-            slots = st.take(k)
+            slots = st.take(k, self.timeout)
             where = [(slots, (h.start - lo) * st.head_block) for h in heads]
             pulls = [(slots, [(remote, info) for info in infos])]
         try:
