@@ -116,6 +116,15 @@ class Consumer:
         self.groups = list(groups)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        # A Mamba2 state from prefill engines of another TP size moves part
+        # by part through a staging cache (state_move.py).
+        self._state = None
+        sg = state_group(self.groups)
+        if sg is not None and isinstance(sg.state, state_tp.StateGeom) and mapped is not None \
+                and state_info is not None:
+            from .state_move import StateMover
+            self._state = StateMover(mapped, sg.state, tp_rank, tp_size, state_info,
+                                     cfg.state_staging_pages, cfg.transfer_timeout_s)
         self._refuse_configured_peers()
         self._kv_stats = kv_stats  # stats.StatsRecorder (vLLM's connector metrics), or None
         self._recomputes = failure_policy == "recompute"
@@ -127,15 +136,6 @@ class Consumer:
         self.cell_layout = mapped.cell_layout if mapped is not None else "kv_cells"
         self.block_size = mapped.block_size if mapped is not None else self.layout.page_size
         self.reader = f"{reader_name}:{tp_rank}"
-        # A Mamba2 state from prefill engines of another TP size moves part
-        # by part through a staging cache (state_move.py).
-        self._state = None
-        sg = state_group(self.groups)
-        if sg is not None and isinstance(sg.state, state_tp.StateGeom) and mapped is not None \
-                and state_info is not None:
-            from .state_move import StateMover
-            self._state = StateMover(mapped, sg.state, tp_rank, tp_size, state_info,
-                                     cfg.state_staging_pages, cfg.transfer_timeout_s)
         self._pool = cf.ThreadPoolExecutor(max_workers=LOAD_THREADS,
                                            thread_name_prefix="mstar-kv-load")
         _start_threads(self._pool, LOAD_THREADS)
@@ -158,8 +158,14 @@ class Consumer:
     def _tp_refusal(self, prefill_tp: int, prefill: str) -> str:
         """Why this engine cannot load from a prefill engine of
         ``prefill_tp`` ranks ("" when it can)."""
-        return state_tp_refusal(self.groups, prefill_tp, self.tp_size, prefill) \
-            if self.groups else ""
+        if not self.groups:
+            return ""
+        why = state_tp_refusal(self.groups, prefill_tp, self.tp_size, prefill)
+        if not why and prefill_tp != self.tp_size and has_state(self.groups) \
+                and self._state is None:
+            why = (f"the prefill engine {prefill} runs TP {prefill_tp}, this decode engine TP "
+                   f"{self.tp_size}, and this consumer has no staging cache for a state")
+        return why
 
     def _refuse_configured_peers(self) -> None:
         """Engine start: a model with a state group loads from a prefill

@@ -142,10 +142,11 @@ def state_tp_refusal(groups: Sequence[Group], prefill_tp: int, decode_tp: int,
     if prefill_tp == decode_tp:
         return ""
     from .state_tp import refusal
-    for g in groups:
-        if g.kind != MAMBA:
-            continue
+    states = [g for g in groups if g.kind == MAMBA]
+    for g in states:
         why = refusal(g.state, prefill_tp, decode_tp)
+        if not why and g.state != states[0].state:
+            why = f"its state's geometry {g.state} is not group 0's {states[0].state}"
         if why:
             first = g.layer_names[0] if g.layer_names else "-"
             return (f"KV cache group {g.name!r} (Mamba state, {len(g.layer_names)} layers: "
