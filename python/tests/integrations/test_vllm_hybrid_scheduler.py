@@ -5,8 +5,8 @@ driven by vLLM 0.34's real Scheduler and KV cache manager
 block table of the request holds, the decode's load pairs each published
 page with the block vLLM allocated for it in the same group (vLLM's null
 block where the sliding window keeps nothing), and a decode of another TP
-size than the producer loads alike (only a state group needs one TP size:
-test_vllm_groups.py, test_vllm_mamba_tp_e2e.py). The worker side is
+size than the producer loads alike (a state group between TP sizes:
+test_vllm_state_tp.py, test_vllm_mamba_tp_e2e.py). The worker side is
 played by the test; the data path is test_vllm_hybrid_e2e.py's."""
 import pytest
 

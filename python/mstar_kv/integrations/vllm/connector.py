@@ -83,15 +83,21 @@ class MstarKVConnector(KVConnectorBase_V1, SupportsHMA):
     Hybrid models (several KV cache groups: sliding-window beside full
     attention, Mamba state) move every group's blocks of a request, a
     sliding-window group only those inside the window (groups.py); a group
-    it cannot move is refused here, at engine start. A state group moves
-    between engines of one TP size only (groups.state_tp_refusal: refused
-    at engine start for a prefill_peers engine, else before the load).
+    it cannot move is refused here, at engine start. A Mamba2 state group
+    moves between TP sizes part by part (state_tp.py, conv layout DS); one
+    it cannot move is refused (groups.state_tp_refusal: at engine start for
+    a prefill_peers engine, else before the load).
     """
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         from .groups import check_groups
-        self.groups = check_groups(kv_cache_config)
+        try:
+            hf_config = vllm_config.model_config.hf_config
+        except AttributeError:
+            hf_config = None
+        self.groups = check_groups(kv_cache_config, hf_config,
+                                   int(vllm_config.parallel_config.tensor_parallel_size))
         tc = vllm_config.kv_transfer_config
         self.cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
         self.is_producer = bool(tc.is_kv_producer)
@@ -169,7 +175,18 @@ class MstarKVConnector(KVConnectorBase_V1, SupportsHMA):
         from .consumer import Consumer
         return Consumer(self.cfg, self.manager, self.tp_rank, self.tp_size, self.engine_id,
                         mapped=self.mapped, failure_policy=failure_policy,
-                        kv_stats=self._stats, groups=self.groups if self.hybrid else ())
+                        kv_stats=self._stats, groups=self.groups if self.hybrid else (),
+                        state_info=self._staging_info)
+
+    def _staging_info(self, suffix: str):
+        """The engine of a decode rank's staging cache (state_move.py): this
+        rank's engine, under its own name."""
+        session = "" if self.cfg.engine != "ucx" or self.cfg.host in ("127.0.0.1", "localhost") \
+            else f"{self.cfg.host}:0"
+        opts = dict(self.cfg.engine_options)
+        opts.update(max_workers=self.cfg.max_workers, timeout=self.cfg.transfer_timeout_s)
+        return kv.TransferEngineInfo(f"{self.engine_id}:{self.tp_rank}:{suffix}", session,
+                                     self.cfg.engine, opts)
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -11,7 +11,8 @@ from typing import NamedTuple, Optional
 
 import mstar_kv as kv
 
-from .groups import has_state, pair_pages, segments, state_tp_refusal
+from . import state_tp
+from .groups import MAMBA, has_state, pair_pages, segments, state_group, state_tp_refusal
 from .layout import KV_LATENT, KV_PLANES, heads_of_rank, to_mstar_tokens
 from .metadata import LoadReq
 from .params import ConnectorConfig, RemotePrefill
@@ -108,13 +109,22 @@ class Consumer:
 
     def __init__(self, cfg: ConnectorConfig, manager: "kv.KVTransferManager", tp_rank: int,
                  tp_size: int, reader_name: str, mapped=None, failure_policy: str = "recompute",
-                 kv_stats=None, groups=()):
+                 kv_stats=None, groups=(), state_info=None):
         self.cfg = cfg
         # Several KV cache groups (groups.py): a load pairs each group's
         # published pages with this engine's blocks of the group.
         self.groups = list(groups)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        # A Mamba2 state from prefill engines of another TP size moves part
+        # by part through a staging cache (state_move.py).
+        self._state = None
+        sg = state_group(self.groups)
+        if sg is not None and isinstance(sg.state, state_tp.StateGeom) and mapped is not None \
+                and state_info is not None:
+            from .state_move import StateMover
+            self._state = StateMover(mapped, sg.state, tp_rank, tp_size, state_info,
+                                     cfg.state_staging_pages, cfg.transfer_timeout_s)
         self._refuse_configured_peers()
         self._kv_stats = kv_stats  # stats.StatsRecorder (vLLM's connector metrics), or None
         self._recomputes = failure_policy == "recompute"
@@ -148,13 +158,20 @@ class Consumer:
     def _tp_refusal(self, prefill_tp: int, prefill: str) -> str:
         """Why this engine cannot load from a prefill engine of
         ``prefill_tp`` ranks ("" when it can)."""
-        return state_tp_refusal(self.groups, prefill_tp, self.tp_size, prefill) \
-            if self.groups else ""
+        if not self.groups:
+            return ""
+        why = state_tp_refusal(self.groups, prefill_tp, self.tp_size, prefill)
+        if not why and prefill_tp != self.tp_size and has_state(self.groups) \
+                and self._state is None:
+            why = (f"the prefill engine {prefill} runs TP {prefill_tp}, this decode engine TP "
+                   f"{self.tp_size}, and this consumer has no staging cache for a state")
+        return why
 
     def _refuse_configured_peers(self) -> None:
-        """Engine start: a model with a state group loads only from prefill
-        engines of its TP size (groups.state_tp_refusal); a prefill engine
-        in prefill_peers that is up and runs another fails this start,
+        """Engine start: a model with a state group loads from a prefill
+        engine of another TP size only when its state splits over both
+        (groups.state_tp_refusal); a prefill engine in prefill_peers that
+        is up and runs a TP size it cannot load from fails this start,
         naming both. One that is not up yet is checked when the peer keeper
         reaches it, and every request's params before its load starts."""
         if self.groups and has_state(self.groups):
@@ -167,15 +184,31 @@ class Consumer:
 
     def _source_ranks(self, tp_size: int) -> list:
         """The ranks of a prefill engine of ``tp_size`` ranks this rank reads."""
-        if self.groups and has_state(self.groups):
-            return [self.tp_rank]  # a state is this rank's shard, whatever the heads
+        return self._ranks_of(self.tp_rank, tp_size)
+
+    def _splits_state(self, tp_size: int) -> bool:
+        """A state group from a prefill engine of another TP size (moved part
+        by part, state_move.py)."""
+        return self._state is not None and tp_size != self.tp_size
+
+    def _attn_ranks(self, d: int, tp_size: int) -> list:
+        """The prefill ranks (of ``tp_size``) decode rank d reads attention from."""
         if self.cell_layout == KV_LATENT:
             # Every prefill rank holds the whole latent: one source, the
             # decode ranks spread over them.
-            return [self.tp_rank % tp_size]
+            return [d % tp_size]
         total = self.layout.model_kv_heads
-        mine = range(self.layout.first_kv_head, self.layout.first_kv_head + self.layout.num_kv_heads)
+        mine = heads_of_rank(total, self.tp_size, d)
         return [p for p in range(tp_size) if _overlap(heads_of_rank(total, tp_size, p), mine)]
+
+    def _ranks_of(self, d: int, tp_size: int) -> list:
+        """Every prefill rank decode rank d reads (attention and state)."""
+        if self.groups and has_state(self.groups):
+            if not self._splits_state(tp_size):
+                return [d]  # a state is this rank's shard, whatever the heads
+            return sorted(set(self._attn_ranks(d, tp_size))
+                          | set(state_tp.sources(tp_size, self.tp_size, d)))
+        return self._attn_ranks(d, tp_size)
 
     def peers(self) -> dict:
         """The prefill ranks kept connected (PeerKeeper.status)."""
@@ -186,6 +219,8 @@ class Consumer:
         reads from and, for a latent cache, those no decode rank reads from
         (they hold the request too, until told)."""
         if self.groups and has_state(self.groups):
+            if self._splits_state(rp.tp_size) and not self._tp_refusal(rp.tp_size, ""):
+                return self._ranks_of(d, rp.tp_size)  # those it read from
             # Its own rank; with another TP size (a refused load: a release)
             # every prefill rank is told by one decode rank.
             return [p for p in range(rp.tp_size) if p % self.tp_size == d]
@@ -240,6 +275,12 @@ class Consumer:
         why = self._tp_refusal(rp.tp_size, f"{rp.host}:{rp.port}")
         if why:
             raise RuntimeError(why)
+        if self.groups and has_state(self.groups):
+            mine = state_tp.conv_layout()
+            if rp.conv_layout != mine and (rp.conv_layout or self._splits_state(rp.tp_size)):
+                raise RuntimeError(f"the producer's conv state layout is "
+                                   f"{rp.conv_layout or 'not said'}, this engine's {mine} "
+                                   "(VLLM_SSM_CONV_STATE_LAYOUT must be the same on both)")
         if self.groups and rp.block_size != self.block_size:
             raise RuntimeError(f"several KV cache groups need one block size: the producer's "
                                f"is {rp.block_size}, this engine's {self.block_size}")
@@ -277,7 +318,9 @@ class Consumer:
         descriptors and every source is a peer pulled from before; False
         sends it to a load thread."""
         rp = ld.req.remote
-        if not rp.direct or self.cfg.layerwise:
+        if not rp.direct or self.cfg.layerwise or self._splits_state(rp.tp_size):
+            # (a state between TP sizes pulls into a staging cache that may
+            # still have to connect to the peer: not on the engine's thread)
             return False
         try:
             self._check(rp)
@@ -299,6 +342,8 @@ class Consumer:
 
     def _issue(self, ld: _Load, seqs: list) -> None:
         r = ld.req
+        if self._splits_state(r.remote.tp_size):
+            return self._issue_split(ld, seqs)
         start, end = to_mstar_tokens(self.cell_layout, self.block_size, r.start, r.end)
         blocks = r.block_ids
         rows, local, seqs = self._paired(ld, seqs)
@@ -322,6 +367,32 @@ class Consumer:
             if ld.future is None:  # nothing to move
                 ld.future = _DONE
 
+    def _issue_split(self, ld: _Load, seqs: list) -> None:
+        """A load whose state comes from a prefill engine of another TP size
+        (state_move.StateMover.start_load): one future for both parts."""
+        r, rp = ld.req, ld.req.remote
+        segs = rp.groups or segments(self.groups, rp.num_tokens)
+        kinds: list = []
+        remote, local = pair_pages(self.groups, segs, list(seqs[0].page_indices),
+                                   r.block_ids, r.start, r.end, kinds)
+        if any(list(s.page_indices) != list(seqs[0].page_indices) for s in seqs[1:]):
+            raise RuntimeError("the producer's ranks published other pages for one request")
+        ld.pages = local
+        info = {p: s.kv_transfer_info for p, s in zip(self._sources(rp), seqs)}
+        with ld.lock:
+            if ld.cancelled:
+                raise kv.TransferCancelledError("aborted before the pull started")
+            ld.seqs = seqs
+        # Not under ld.lock: it may wait for staging pages, and the engine's
+        # thread takes that lock to cancel.
+        f = self._state.start_load(
+            self.mgr, rp.tp_size, info, self._attn_ranks(self.tp_rank, rp.tp_size),
+            [(x, y, k == MAMBA) for x, y, k in zip(remote, local, kinds)])
+        with ld.lock:
+            ld.future = f
+            if ld.cancelled:
+                f.cancel()
+
     def _run(self, ld: _Load, retry: bool) -> None:
         """A load thread: asks the side channel for the sequences (or uses
         the params' when the peer is new), then starts the pull."""
@@ -333,7 +404,8 @@ class Consumer:
                 seqs = self._direct_seqs(rp)
                 ld.via = "params"
             else:
-                stream = self.cfg.layerwise and len(self._sources(rp)) == 1
+                stream = self.cfg.layerwise and len(self._sources(rp)) == 1 and \
+                    not self._splits_state(rp.tp_size)
                 seqs = []
                 for p in self._sources(rp):
                     host, port = rp.rank_address(p)

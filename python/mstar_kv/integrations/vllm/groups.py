@@ -30,8 +30,11 @@ arrive byte for byte. vLLM's own convention (NixlConnector): the prefill
 stops one token short of the prompt (on_new_request), so the state is
 h(N-1) and the decode computes the last prompt token itself.
 
-Several groups need one block size for the attention groups and, with a
-state group, one TP size on both sides (refused, naming them).
+Several groups need one block size for the attention groups. A state
+group between engines of different TP sizes moves each part of the state
+(conv x, B, C, SSM heads) from the prefill ranks holding it (state_tp.py,
+Mamba2 with VLLM_SSM_CONV_STATE_LAYOUT=DS); what it cannot move is refused,
+naming it.
 """
 from __future__ import annotations
 
@@ -55,6 +58,8 @@ class Group:
     window: int                 # tokens (SLIDING), 0 for FULL
     block_size: int
     layer_names: tuple
+    # MAMBA: its state_tp.StateGeom, or why it cannot move between TP sizes
+    state: object = dataclasses.field(default=None, compare=False)
 
     @property
     def name(self) -> str:
@@ -69,10 +74,11 @@ class Group:
         return max(0, num_tokens - self.window) // self.block_size
 
 
-def check_groups(kv_cache_config) -> list:
+def check_groups(kv_cache_config, hf_config=None, tp_size: int = 1) -> list:
     """A hybrid model's KV cache groups as Groups ([] for one group);
     raises LayoutError at engine start naming each group this connector
-    cannot move."""
+    cannot move. ``hf_config`` (the model's) and ``tp_size`` (this
+    engine's) give a state group its geometry (state_tp.geometry)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     if len(groups) <= 1:
         return []  # one group: the connector maps its tensors as they are (layout.py)
@@ -94,7 +100,12 @@ def check_groups(kv_cache_config) -> list:
                            f"{mode!r}) or with speculative blocks is not moved; "
                            "MstarKVConnector moves mamba_cache_mode 'none'")
             else:
-                out.append(Group(MAMBA, 0, bs, names))
+                from .state_tp import geometry
+                try:
+                    geom = geometry(spec, hf_config, tp_size)
+                except Exception as e:  # an unexpected spec: only one TP size
+                    geom = f"its geometry is unknown ({type(e).__name__}: {e})"
+                out.append(Group(MAMBA, 0, bs, names, geom))
         else:
             bad.append(f"{where}: a {kind} keeps its blocks in a way MstarKVConnector "
                        "does not move")
@@ -126,24 +137,28 @@ def state_tp_refusal(groups: Sequence[Group], prefill_tp: int, decode_tp: int,
                      prefill: str) -> str:
     """Why a state group cannot move from a prefill engine of
     ``prefill_tp`` ranks (``prefill``: where it is) to this decode engine of
-    ``decode_tp`` ranks, or "" when it can (no state group, one TP size).
-
-    A rank's state is its shard of the heads and conv channels, laid out
-    in sub-projections (x, B, C) each split by TP: another TP size needs
-    slices of every sub-projection of the page, which vLLM's NixlConnector
-    reads with DS conv layout (VLLM_SSM_CONV_STATE_LAYOUT=DS); this
-    connector moves whole pages."""
+    ``decode_tp`` ranks, or "" when it can (no state group, one TP size, or
+    a Mamba2 state whose parts split over both: state_tp.refusal)."""
     if prefill_tp == decode_tp:
         return ""
-    for g in groups:
-        if g.kind == MAMBA:
+    from .state_tp import refusal
+    states = [g for g in groups if g.kind == MAMBA]
+    for g in states:
+        why = refusal(g.state, prefill_tp, decode_tp)
+        if not why and g.state != states[0].state:
+            why = f"its state's geometry {g.state} is not group 0's {states[0].state}"
+        if why:
             first = g.layer_names[0] if g.layer_names else "-"
             return (f"KV cache group {g.name!r} (Mamba state, {len(g.layer_names)} layers: "
                     f"{first}, ...): the prefill engine {prefill} runs TP {prefill_tp}, this "
-                    f"decode engine TP {decode_tp}; MstarKVConnector moves a Mamba state "
-                    "only between engines of one TP size (each rank's state is its shard, "
-                    "moved as whole pages)")
+                    f"decode engine TP {decode_tp}; MstarKVConnector cannot move this state "
+                    f"between TP sizes: {why}")
     return ""
+
+
+def state_group(groups: Sequence[Group]):
+    """The state group, or None."""
+    return next((g for g in groups if g.kind == MAMBA), None)
 
 
 def publish_pages(groups: Sequence[Group], block_ids: Sequence[Sequence[int]],
@@ -190,10 +205,12 @@ def segments(groups: Sequence[Group], num_tokens: int) -> list:
 
 
 def pair_pages(groups: Sequence[Group], segments: Sequence, remote_pages: Sequence[int],
-               local_ids: Sequence[Sequence[int]], start: int, end: int) -> tuple:
+               local_ids: Sequence[Sequence[int]], start: int, end: int,
+               kinds: list = None) -> tuple:
     """(remote pages, local pages) to move for tokens [start, end): per
     group, the blocks the producer published and the decode holds (not
-    the null block). Raises LayoutError when the groups differ."""
+    the null block); ``kinds``, when given, gets each pair's group kind.
+    Raises LayoutError when the groups differ."""
     if len(segments) != len(groups) or len(local_ids) != len(groups):
         raise LayoutError(f"the producer has {len(segments)} KV cache groups "
                           f"({[s[0] for s in segments]}), this engine "
@@ -213,6 +230,8 @@ def pair_pages(groups: Sequence[Group], segments: Sequence, remote_pages: Sequen
                                   f"blocks, this engine holds {len(mine)}")
             remote.extend(int(p) for p in remote_pages[off:off + int(count)])
             local.extend(mine)
+            if kinds is not None:
+                kinds.extend([MAMBA] * len(mine))
             off += int(count)
             continue
         lo = max(int(first), start // g.block_size)
@@ -221,6 +240,8 @@ def pair_pages(groups: Sequence[Group], segments: Sequence, remote_pages: Sequen
             if ids[j] != NULL_BLOCK:
                 remote.append(int(remote_pages[off + j - int(first)]))
                 local.append(int(ids[j]))
+                if kinds is not None:
+                    kinds.append(g.kind)
         off += int(count)
     return remote, local
 

@@ -102,6 +102,7 @@ class MappedCache:
     device: str
     cell_layout: str = KV_CELLS
     block_size: int = 0         # vLLM's tokens per block
+    byte_views: list = dataclasses.field(default_factory=list)  # flat uint8: the cache, or its regions
 
 
 def heads_of_rank(total_heads: int, tp_size: int, tp_rank: int) -> range:
@@ -207,7 +208,8 @@ def map_kv_caches(kv_caches: Mapping[str, "object"], tp_rank: int = 0, tp_size: 
         cache = kv.KVCache.from_dlpack(flat, layout)
     else:
         cache = kv.KVCache.from_layer_tensors(regions, layout)
-    return MappedCache(layout, cache, names, base, str(t0.device), cell_layout, tokens)
+    return MappedCache(layout, cache, names, base, str(t0.device), cell_layout, tokens,
+                       [flat] if one else list(regions))
 
 
 def _layer_key(name: str) -> tuple:

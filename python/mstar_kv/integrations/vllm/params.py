@@ -98,6 +98,11 @@ class ConnectorConfig:
                       layer l while the prefill computes layer l + 1, and the
                       params of a finished request name pages that are
                       published already.
+    state_staging_pages consumer, a Mamba state from prefill engines of
+                      another TP size: pages of the staging cache each
+                      worker allocates at its first such load (state_move.py;
+                      a load takes one per source rank, and waits up to
+                      transfer_timeout_s for them; default 8).
     """
 
     engine: str = "ucx"
@@ -112,6 +117,7 @@ class ConnectorConfig:
     cell_layout: str = "auto"
     publish_early: bool = False
     prefill_peers: tuple = ()  # ((host, port), ...)
+    state_staging_pages: int = 8
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> "ConnectorConfig":
@@ -141,6 +147,7 @@ class ConnectorConfig:
             cell_layout=_choice(extra, "cell_layout", "auto", ("auto",) + CELL_LAYOUTS, where),
             publish_early=bool(extra.get("publish_early", False)),
             prefill_peers=_peers(extra.get("prefill_peers", ()), where),
+            state_staging_pages=_num(extra, "state_staging_pages", 8, int, 1, 4096, where),
         )
 
 
@@ -188,6 +195,9 @@ class RemotePrefill:
     # first block index, page count); ``pages`` and the published sequence
     # hold the groups' pages one group after another.
     groups: tuple = ()
+    # A state group's conv state layout on the prefill ("DS", "SD"; "" when
+    # it has none or does not say): a state is moved only into the same.
+    conv_layout: str = ""
 
     @property
     def direct(self) -> bool:
@@ -201,7 +211,8 @@ class RemotePrefill:
 def make_decode_params(cfg: ConnectorConfig, request_id: str, tp_size: int, block_size: int,
                        num_tokens: int, cell_layout: str = "kv_cells",
                        descs: Sequence[bytes] = (), pages: Sequence[int] = (), epoch: int = 0,
-                       page_epochs: Sequence[tuple] = (), groups: Sequence = ()) -> dict:
+                       page_epochs: Sequence[tuple] = (), groups: Sequence = (),
+                       conv_layout: str = "") -> dict:
     """The kv_transfer_params a producer returns for a finished request.
 
     With ``descs`` (one cache descriptor per prefill TP rank), ``pages``
@@ -215,6 +226,8 @@ def make_decode_params(cfg: ConnectorConfig, request_id: str, tp_size: int, bloc
     }
     if groups:
         m["groups"] = [[str(n), int(f), int(c)] for n, f, c in groups]
+    if conv_layout:
+        m["conv_layout"] = conv_layout
     if (descs and epoch and len(descs) == tp_size and len(pages) <= MAX_PARAMS_PAGES
             and all(len(d) <= MAX_PARAMS_DESC_BYTES for d in descs)):
         m["descs"] = [base64.b64encode(bytes(d)).decode() for d in descs]
@@ -319,5 +332,6 @@ def parse_remote_prefill(params: Optional[Mapping[str, Any]]) -> Optional[Remote
         lease_s=_num(m, "lease_s", 60.0, float, 0.0, 1e9, where),
         cell_layout=_choice(m, "cell_layout", "kv_cells", CELL_LAYOUTS, where),
         groups=_groups(m, where),
+        conv_layout=_choice(m, "conv_layout", "", ("", "DS", "SD"), where),
         **_direct(m, tp_size, where),
     )

@@ -104,6 +104,8 @@ class SchedulerSide:
         self.stats = {"published": 0, "loads": 0, "releases": 0, "cancelled": 0,
                       "refused": 0}
         self._refused_peers: set = set()  # (host, port, tp) said once in the log
+        from .state_tp import conv_layout
+        self._conv_layout = conv_layout() if has_state(self.groups) else ""
 
     def set_descriptors(self, by_rank: dict) -> None:
         """The cache descriptor of each of this engine's TP ranks (vLLM's
@@ -114,7 +116,8 @@ class SchedulerSide:
     def _params(self, name: str, n: int, pages: list, epoch: int, shared: list,
                 segs=()) -> dict:
         return make_decode_params(self.cfg, name, self.tp_size, self.block_size, n,
-                                  self.cell_layout, self._descs, pages, epoch, shared, segs)
+                                  self.cell_layout, self._descs, pages, epoch, shared, segs,
+                                  self._conv_layout)
 
     def _blocks(self, block_ids) -> list:
         """vLLM's block ids of a request: the one group's list, or one list
