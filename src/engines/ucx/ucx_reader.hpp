@@ -47,6 +47,13 @@ class UcxReader : private UcxPart {
   // (the peer is dead, the engine stops, or a drain took too long): then it
   // is closed at once and its gets are written off (see close_conn).
   void close_conn(std::shared_ptr<Conn> c, const Status& why, bool force = false);
+  // A reader's message `id` on connection `conn` failed (at once or in its
+  // completion): the owner cannot be reached, so after this round the
+  // connection closes by force and its reads fail. UCX reports some
+  // failures of a dead owner only to the request that met them, not to the
+  // endpoint's error handler: a read whose request was lost that way would
+  // wait for its timeout.
+  void message_failed(std::uint64_t conn, unsigned id, ucs_status_t st);
   // Done notices (leases), the reader's half.
   void send_done(const std::shared_ptr<Conn>& c, std::uint64_t seq_id, std::uint64_t epoch);
   // Layer readiness (ucx_readiness.cpp): asks the owner for the next

@@ -233,7 +233,8 @@ struct SendCtx : Pending {  // a data reply (its header must outlive the send)
 // connection conn_id's data endpoint.
 struct Control : Pending {
   std::vector<std::uint8_t> bytes;
-  std::uint64_t conn_id = 0;
+  std::uint64_t conn_id = 0;  // a reader's message: its connection, else 0
+  unsigned id = 0;            // the message's active-message id (kAm*)
 };
 
 // The reader's half of one layer watch (ucx_readiness.cpp), shared by the
