@@ -104,6 +104,7 @@ void UcxReads::request_finished(std::uint64_t batch_id, ucs_status_t st) {
   auto it = batches_.find(batch_id);
   if (it == batches_.end()) return;
   auto b = it->second;
+  b->conn->heard = std::chrono::steady_clock::now();
   if (b->outstanding > 0) --b->outstanding;
   core_.trace("read %llu: receive done, %zu outstanding", static_cast<unsigned long long>(batch_id),
               b->outstanding);
@@ -167,6 +168,8 @@ void UcxReads::start_batch(const std::shared_ptr<Batch>& b) {
                Status(StatusCode::kPeerFailure, "connection to " + c->session_id + " is closed"));
     return;
   }
+  // The owner's silence counts from the first read it owes (check_peers).
+  if (c->batches.empty()) c->heard = std::chrono::steady_clock::now();
   c->batches.insert(b->id);
   if (c->mode == Mode::kGet) {
     b->get = true;

@@ -305,6 +305,44 @@ void UcxReader::message_failed(std::uint64_t conn, unsigned id, ucs_status_t st)
   });
 }
 
+void UcxReader::check_peers() {
+  using Clock = std::chrono::steady_clock;
+  const auto timeout = options_.peer_timeout;
+  const auto now = Clock::now();
+  if (timeout.count() == 0 || now - peers_checked_ < std::chrono::milliseconds(20)) return;
+  peers_checked_ = now;
+  const auto ping_every = timeout / 4;
+  std::vector<std::shared_ptr<Conn>> silent;
+  for (auto& [id, c] : conns_) {
+    if (c->batches.empty() || c->closing || !c->hello_set || !c->ep) continue;
+    const auto quiet = now - c->heard;
+    if (quiet >= timeout) {
+      silent.push_back(c);
+    } else if (quiet >= ping_every && now - c->pinged >= ping_every) {
+      // A message the owner's progress thread answers at once, and one
+      // more send on the connection: a peer whose socket is dead fails it.
+      c->pinged = now;
+      const PingHdr hdr{c->id, c->ticket};
+      core_.trace("conn %llu: %s quiet for %lld ms, pinged", static_cast<unsigned long long>(c->id),
+                  c->session_id.c_str(),
+                  static_cast<long long>(
+                      std::chrono::duration_cast<std::chrono::milliseconds>(quiet).count()));
+      core_.worker().send_small(c->ep.get(), kAmPing, &hdr, sizeof hdr, nullptr, 0, true, c->id);
+    }
+  }
+  for (auto& c : silent) {
+    core_.trace("conn %llu: %s silent for the peer timeout (%lld ms), closed",
+                static_cast<unsigned long long>(c->id), c->session_id.c_str(),
+                static_cast<long long>(timeout.count()));
+    close_conn(
+        c,
+        Status(StatusCode::kPeerFailure, "the owner sent nothing and answered no ping for " +
+                                             std::to_string(timeout.count()) +
+                                             " ms (ucx_peer_timeout_ms): it is dead or hung"),
+        true);
+  }
+}
+
 void UcxReader::close_conn(std::shared_ptr<Conn> c, const Status& why, bool force) {
   if (c->closing) return;
   c->closing = true;

@@ -79,6 +79,11 @@ struct Conn {
   bool closing = false;             // [progress]
   bool hello_set = false;           // [progress]
   std::set<std::uint64_t> batches;  // [progress]
+  // [progress] The owner's liveness while reads wait (check_peers): when
+  // it last sent anything for this connection (or a read started after a
+  // quiet spell), and when it was last pinged.
+  std::chrono::steady_clock::time_point heard{};
+  std::chrono::steady_clock::time_point pinged{};
   std::atomic<bool> failed{false};
   // [progress] The handshake (ucx_auth.hpp): this reader's nonce, whether
   // the owner proved the secret, and the ticket its requests carry.
