@@ -160,10 +160,11 @@ class UcxKVTransferEngine(NativeKVTransferEngine):
     registered once; a listener opens on ``session_id`` ("HOST:PORT"; empty:
     127.0.0.1 and a free port). One progress thread per engine. ``options``
     are the engine's extra settings (ucx_mode, ucx_am_proto, ucx_chunk_bytes, ucx_progress,
-    ucx_staging, ucx_emulated_gets, auth_token; see include/mstar/kv/engines/ucx.hpp); UCX itself reads UCX_TLS,
-    UCX_NET_DEVICES. With ``auth_token`` (a shared secret of >= 16 bytes)
-    owner and reader prove it to each other when connecting (HMAC-SHA-256
-    challenge-response; the secret never crosses the wire); a peer without
+    ucx_staging, ucx_emulated_gets, ucx_peer_timeout_ms, auth_token; see
+    include/mstar/kv/engines/ucx.hpp); UCX itself reads UCX_TLS, UCX_NET_DEVICES.
+    With ``auth_token`` (a shared secret of >= 16 bytes) owner and reader
+    prove it to each other when connecting (HMAC-SHA-256 challenge-response;
+    the secret never crosses the wire); a peer without
     it, or with another, gets PermissionDeniedError before any byte moves.
     """
 

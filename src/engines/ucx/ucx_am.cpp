@@ -21,6 +21,7 @@ ucs_status_t UcxCore::on_am(void* arg, const void* header, std::size_t header_le
     case kAmReadReq:
     case kAmDone:
     case kAmReadyReq:
+    case kAmPing:
       return core.owner_.handle_am(tag->id, header, header_length, data, length, param);
     case kAmReadData:
     case kAmGatherData:
@@ -162,6 +163,16 @@ ucs_status_t UcxOwner::handle_am(unsigned id, const void* header, std::size_t he
           [this, to, h, p = std::move(pages)]() mutable { on_ready_req(to, h, std::move(p)); });
       return UCS_OK;
     }
+    case kAmPing: {  // answered after this round, whatever the owner is busy with
+      if (header_length != sizeof(PingHdr) || !has_reply_ep || rndv) return UCS_OK;
+      PingHdr h;
+      std::memcpy(&h, header, sizeof h);
+      Served to = served_of(param->reply_ep, h.ticket);
+      if (to) {
+        core_.progress().defer([this, to, h] { reply(to, kAmPong, &h, sizeof h, nullptr, 0); });
+      }
+      return UCS_OK;
+    }
     default:
       return UCS_OK;
   }
@@ -195,6 +206,14 @@ ucs_status_t UcxReader::handle_am(unsigned id, const void* header, std::size_t h
       std::string msg(static_cast<const char*>(data), std::min<std::size_t>(length, 1024));
       core_.progress().defer(
           [this, h, m = std::move(msg)]() mutable { on_ready_notice(h, std::move(m)); });
+      return UCS_OK;
+    }
+    case kAmPong: {  // the owner is alive (check_peers)
+      if (header_length != sizeof(PingHdr) || rndv) return UCS_OK;
+      PingHdr h;
+      std::memcpy(&h, header, sizeof h);
+      auto it = conns_.find(h.conn_id);
+      if (it != conns_.end()) it->second->heard = std::chrono::steady_clock::now();
       return UCS_OK;
     }
     default:
@@ -238,6 +257,7 @@ ucs_status_t UcxReads::handle_am(unsigned id, const void* header, std::size_t he
       std::memcpy(&h, header, sizeof h);
       auto it = batches_.find(h.batch_id);
       if (it == batches_.end()) return UCS_OK;
+      it->second->conn->heard = std::chrono::steady_clock::now();
       // Only kOk or kStaleDescriptor are answers; anything else is a broken owner.
       Status st;
       if (h.code == static_cast<std::uint32_t>(StatusCode::kStaleDescriptor)) {
@@ -262,6 +282,7 @@ ucs_status_t UcxReads::handle_data(const DataHdr& h, void* data, std::size_t len
   // and the owner's send completes).
   if (it == batches_.end()) return UCS_OK;
   auto b = it->second;
+  b->conn->heard = std::chrono::steady_clock::now();
   if (b->aborted || b->failure) return UCS_OK;
   auto p = b->pending.find(h.local_offset);
   if (p == b->pending.end() || p->second != h.length || h.length != length) {
@@ -319,6 +340,7 @@ ucs_status_t UcxReads::handle_gather(const GatherHdr& h, void* data, std::size_t
   auto it = batches_.find(h.batch_id);
   if (it == batches_.end()) return UCS_OK;  // a stopped or unknown read: dropped
   auto b = it->second;
+  b->conn->heard = std::chrono::steady_clock::now();
   if (b->aborted || b->failure) return UCS_OK;
   // Untrusted: a group of this read's units (spans, or whole strided
   // spans), each once, with their bytes.

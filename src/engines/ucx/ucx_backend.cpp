@@ -183,13 +183,23 @@ UcxOptions UcxOptions::parse(const EngineOptions& options) {
       o.staging = parse_staging(value, "ucx_staging");
     } else if (key == "ucx_emulated_gets") {
       o.emulated_gets = parse_on_off(value, "ucx_emulated_gets");
+    } else if (key == "ucx_peer_timeout_ms") {
+      // 0 (off), or at least a few ping rounds (check_peers pings every
+      // quarter of it).
+      const std::uint64_t ms = util::parse_u64(value, "ucx_peer_timeout_ms", 0, 3600000);
+      if (ms != 0 && ms < 200) {
+        throw Error(
+            StatusCode::kInvalidArgument,
+            "ucx_peer_timeout_ms " + value + " is below 200 (0 turns it off; at most 3600000)");
+      }
+      o.peer_timeout = std::chrono::milliseconds(ms);
     } else if (key == auth::kTokenKey) {
       o.auth_token = auth::token_from(options.extra);
     } else if (key.rfind("ucx_", 0) == 0) {
       throw Error(StatusCode::kInvalidArgument, "unknown UCX option '" + key +
                                                     "' (known: ucx_mode, ucx_am_proto, "
                                                     "ucx_chunk_bytes, ucx_progress, ucx_staging, "
-                                                    "ucx_emulated_gets)");
+                                                    "ucx_emulated_gets, ucx_peer_timeout_ms)");
     }
     // Keys of other engines are ignored: one EngineOptions may serve several.
   }

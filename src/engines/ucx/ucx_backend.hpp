@@ -3,6 +3,7 @@
 // The UCX RmaBackend (see include/mstar/kv/engines/ucx.hpp for the behaviour).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -42,6 +43,13 @@ struct UcxOptions {
   // messages. Off by default: a reader that dies mid-get can abort such an
   // owner (tcp) or stall its receive fifo for every reader (shared memory).
   bool emulated_gets = false;
+  // extra["ucx_peer_timeout_ms"]: a reader whose reads wait on an owner
+  // that has sent nothing (no data, no answer to its pings) for this long
+  // fails them as a dead peer (kPeerFailure), whatever the transfer
+  // timeout. A SIGKILLed owner whose process has not finished exiting
+  // keeps its sockets open, so neither TCP nor UCX sees it die; only its
+  // silence does. 0: off (the transfer timeout alone bounds the wait).
+  std::chrono::milliseconds peer_timeout{10000};
   // extra["auth_token"]: the shared secret of the connect handshake
   // (ucx_auth.hpp); empty: no authentication.
   std::string auth_token;

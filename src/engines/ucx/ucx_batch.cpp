@@ -36,7 +36,7 @@ void UcxReads::send_epoch_check(const std::shared_ptr<Batch>& b) {
   const ReadReqHdr hdr{b->id,          c->served.generation,  0,        kReqCheckOnly,
                        b->check.epoch, b->check.pages.size(), c->ticket};
   core_.worker().send_small(c->ep.get(), kAmReadReq, &hdr, sizeof hdr, b->check.pages.data(),
-                            b->check.pages.size() * sizeof(std::uint32_t), true);
+                            b->check.pages.size() * sizeof(std::uint32_t), true, c->id);
 }
 
 void UcxReads::on_fin(const std::shared_ptr<Batch>& b, const Status& st) {
@@ -104,6 +104,7 @@ void UcxReads::request_finished(std::uint64_t batch_id, ucs_status_t st) {
   auto it = batches_.find(batch_id);
   if (it == batches_.end()) return;
   auto b = it->second;
+  b->conn->heard = std::chrono::steady_clock::now();
   if (b->outstanding > 0) --b->outstanding;
   core_.trace("read %llu: receive done, %zu outstanding", static_cast<unsigned long long>(batch_id),
               b->outstanding);
@@ -167,6 +168,8 @@ void UcxReads::start_batch(const std::shared_ptr<Batch>& b) {
                Status(StatusCode::kPeerFailure, "connection to " + c->session_id + " is closed"));
     return;
   }
+  // The owner's silence counts from the first read it owes (check_peers).
+  if (c->batches.empty()) c->heard = std::chrono::steady_clock::now();
   c->batches.insert(b->id);
   if (c->mode == Mode::kGet) {
     b->get = true;
@@ -237,7 +240,7 @@ void UcxReads::start_batch(const std::shared_ptr<Batch>& b) {
   append(b->check.pages);
   core_.trace("read %llu: asking", static_cast<unsigned long long>(b->id));
   core_.worker().send_small(c->am_on_data ? c->data_ep.get() : c->ep.get(), kAmReadReq, &hdr,
-                            sizeof hdr, body.data(), body.size(), true);
+                            sizeof hdr, body.data(), body.size(), true, c->id);
   core_.trace("read %llu: asked %s for %zu spans (flags %llu)",
               static_cast<unsigned long long>(b->id), c->session_id.c_str(), nspans,
               static_cast<unsigned long long>(flags));

@@ -37,6 +37,7 @@ void UcxCore::stop() noexcept {
 void UcxCore::after_round() {
   worker_.reap_closing(false);
   if (reads_.draining()) reads_.check_drains();
+  if (!reads_.empty()) reader_.check_peers();
   if (staging_.pending()) staging_.poll();
   if (owner_.holding()) owner_.check_ready_holds();
 }

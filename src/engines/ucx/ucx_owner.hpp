@@ -44,7 +44,7 @@ class UcxOwner : private UcxPart {
   UcxOwner(UcxCore& core, const std::string& session_id);
 
   // An active message for the owner (kAmHello, kAmAuth, kAmReadReq,
-  // kAmDone, kAmReadyReq), in UCX's handler.
+  // kAmDone, kAmReadyReq, kAmPing: answered with kAmPong), in UCX's handler.
   ucs_status_t handle_am(unsigned id, const void* header, std::size_t header_length, void* data,
                          std::size_t length, const ucp_am_recv_param_t* param);
   // Sends a small reply on `to`, or, its endpoint gone, drops it (drop()).

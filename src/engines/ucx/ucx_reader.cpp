@@ -47,7 +47,8 @@ std::shared_ptr<Conn> UcxReader::connect(const rma::RmaRegionInfo& remote,
     hdr.flags = options_.auth_token.empty() ? 0 : kHelloHasToken;
     conn->nonce_r = new_nonce();
     std::memcpy(hdr.nonce, conn->nonce_r.data(), kNonceBytes);
-    core_.worker().send_small(conn->ep.get(), kAmHello, &hdr, sizeof hdr, nullptr, 0, true);
+    core_.worker().send_small(conn->ep.get(), kAmHello, &hdr, sizeof hdr, nullptr, 0, true,
+                              conn->id);
   });
   if (!posted) throw Error(StatusCode::kShutdown, "the ucx engine is shut down");
   if (hello.wait_for(timeout) != std::future_status::ready) {
@@ -94,7 +95,7 @@ void UcxReader::on_challenge(const ChallengeHdr& h) {
   a.conn_id = conn->id;
   const Mac mac = reader_proof(options_.auth_token, conn->nonce_r, nonce_o);
   std::memcpy(a.mac, mac.data(), kMacBytes);
-  core_.worker().send_small(conn->ep.get(), kAmAuth, &a, sizeof a, nullptr, 0, true);
+  core_.worker().send_small(conn->ep.get(), kAmAuth, &a, sizeof a, nullptr, 0, true, conn->id);
 }
 
 void UcxReader::hello_reply(const HelloHdr& h, const std::vector<std::uint8_t>& bytes) {
@@ -290,6 +291,58 @@ void UcxReader::on_client_ep_error(void* arg, ucp_ep_h, ucs_status_t st) {
   });
 }
 
+void UcxReader::message_failed(std::uint64_t conn, unsigned id, ucs_status_t st) {
+  // After this progress round: the failing send may be inside one of our
+  // own calls (start_batch) or inside a close that purges the endpoint.
+  core_.progress().defer([this, conn, id, st] {
+    auto it = conns_.find(conn);
+    if (it == conns_.end()) return;  // closed already (a purge by our own close)
+    core_.trace("conn %llu: message %u to %s failed: %s", static_cast<unsigned long long>(conn), id,
+                it->second->session_id.c_str(), ucs_status_string(st));
+    close_conn(it->second,
+               Status(StatusCode::kPeerFailure, "a message to the owner failed: " + ucs_str(st)),
+               true);
+  });
+}
+
+void UcxReader::check_peers() {
+  using Clock = std::chrono::steady_clock;
+  const auto timeout = options_.peer_timeout;
+  const auto now = Clock::now();
+  if (timeout.count() == 0 || now - peers_checked_ < std::chrono::milliseconds(20)) return;
+  peers_checked_ = now;
+  const auto ping_every = timeout / 4;
+  std::vector<std::shared_ptr<Conn>> silent;
+  for (auto& [id, c] : conns_) {
+    if (c->batches.empty() || c->closing || !c->hello_set || !c->ep) continue;
+    const auto quiet = now - c->heard;
+    if (quiet >= timeout) {
+      silent.push_back(c);
+    } else if (quiet >= ping_every && now - c->pinged >= ping_every) {
+      // A message the owner's progress thread answers at once, and one
+      // more send on the connection: a peer whose socket is dead fails it.
+      c->pinged = now;
+      const PingHdr hdr{c->id, c->ticket};
+      core_.trace("conn %llu: %s quiet for %lld ms, pinged", static_cast<unsigned long long>(c->id),
+                  c->session_id.c_str(),
+                  static_cast<long long>(
+                      std::chrono::duration_cast<std::chrono::milliseconds>(quiet).count()));
+      core_.worker().send_small(c->ep.get(), kAmPing, &hdr, sizeof hdr, nullptr, 0, true, c->id);
+    }
+  }
+  for (auto& c : silent) {
+    core_.trace("conn %llu: %s silent for the peer timeout (%lld ms), closed",
+                static_cast<unsigned long long>(c->id), c->session_id.c_str(),
+                static_cast<long long>(timeout.count()));
+    close_conn(
+        c,
+        Status(StatusCode::kPeerFailure, "the owner sent nothing and answered no ping for " +
+                                             std::to_string(timeout.count()) +
+                                             " ms (ucx_peer_timeout_ms): it is dead or hung"),
+        true);
+  }
+}
+
 void UcxReader::close_conn(std::shared_ptr<Conn> c, const Status& why, bool force) {
   if (c->closing) return;
   c->closing = true;
@@ -344,7 +397,7 @@ void UcxReader::close_all() {
 void UcxReader::send_done(const std::shared_ptr<Conn>& c, std::uint64_t seq_id,
                           std::uint64_t epoch) {
   const DoneHdr hdr{seq_id, epoch, c->served.generation, c->ticket};
-  core_.worker().send_small(c->ep.get(), kAmDone, &hdr, sizeof hdr, nullptr, 0, true);
+  core_.worker().send_small(c->ep.get(), kAmDone, &hdr, sizeof hdr, nullptr, 0, true, c->id);
 }
 
 }  // namespace mstar::kv::ucx

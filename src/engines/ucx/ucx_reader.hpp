@@ -3,9 +3,10 @@
 // UcxReader, the reader's connections to owners (internal to the ucx
 // engine): connecting (the handshake's reader half, the data endpoint for
 // gets or shared-memory replies), the reader's control messages (done
-// notices, readiness requests and their notices), peer failure and
-// closing. It owns the connections (Conn) and the layer watches waiting on
-// a notice; their reads are UcxReads'. Threads: connect() from caller
+// notices, readiness requests and their notices), peer failure (an
+// owner's failed message, or its silence: pings), and closing. It owns
+// the connections (Conn) and the layer watches waiting on a notice; their
+// reads are UcxReads'. Threads: connect() from caller
 // threads (it posts to the progress thread and waits); made and cleared
 // (clear()) by UcxCore while no progress thread runs; next_watch from any
 // thread; the rest on the progress thread only.
@@ -39,7 +40,7 @@ class UcxReader : private UcxPart {
   std::shared_ptr<Conn> connect(const rma::RmaRegionInfo& remote,
                                 std::chrono::milliseconds timeout);
   // An active message for the reader's connections (kAmChallenge,
-  // kAmHelloReply, kAmReadyNotice), in UCX's handler.
+  // kAmHelloReply, kAmReadyNotice, kAmPong), in UCX's handler.
   ucs_status_t handle_am(unsigned id, const void* header, std::size_t header_length, void* data,
                          std::size_t length, const ucp_am_recv_param_t* param);
   // Closes both endpoints and fails the connection's reads. Gets still in
@@ -47,6 +48,18 @@ class UcxReader : private UcxPart {
   // (the peer is dead, the engine stops, or a drain took too long): then it
   // is closed at once and its gets are written off (see close_conn).
   void close_conn(std::shared_ptr<Conn> c, const Status& why, bool force = false);
+  // A reader's message `id` on connection `conn` failed (at once or in its
+  // completion): the owner cannot be reached, so after this round the
+  // connection closes by force and its reads fail. UCX reports some
+  // failures of a dead owner only to the request that met them, not to the
+  // endpoint's error handler: a read whose request was lost that way would
+  // wait for its timeout.
+  void message_failed(std::uint64_t conn, unsigned id, ucs_status_t st);
+  // Every progress round while reads are in flight (UcxOptions::peer_timeout):
+  // pings an owner that reads wait on and that has sent nothing for a
+  // quarter of the timeout, closes by force the connection of one silent
+  // for all of it (its reads fail as a peer failure).
+  void check_peers();
   // Done notices (leases), the reader's half.
   void send_done(const std::shared_ptr<Conn>& c, std::uint64_t seq_id, std::uint64_t epoch);
   // Layer readiness (ucx_readiness.cpp): asks the owner for the next
@@ -77,6 +90,7 @@ class UcxReader : private UcxPart {
   std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> conns_;          // [progress]
   std::unordered_map<std::uint64_t, std::shared_ptr<ReadyWatch>> watches_;  // [progress]
   std::uint64_t next_conn_ = 1;                                             // [progress]
+  std::chrono::steady_clock::time_point peers_checked_{};                   // [progress]
 };
 
 }  // namespace mstar::kv::ucx

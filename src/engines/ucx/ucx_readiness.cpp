@@ -106,7 +106,7 @@ void UcxReader::send_ready_req(const std::shared_ptr<ReadyWatch>& w) {
   hdr.ticket = c->ticket;
   watches_[w->id] = w;
   core_.worker().send_small(c->ep.get(), kAmReadyReq, &hdr, sizeof hdr, w->pages.data(),
-                            w->pages.size() * sizeof(std::uint32_t), true);
+                            w->pages.size() * sizeof(std::uint32_t), true, c->id);
 }
 
 void UcxReader::on_ready_notice(const ReadyHdr& h, std::string message) {

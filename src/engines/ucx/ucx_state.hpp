@@ -79,6 +79,11 @@ struct Conn {
   bool closing = false;             // [progress]
   bool hello_set = false;           // [progress]
   std::set<std::uint64_t> batches;  // [progress]
+  // [progress] The owner's liveness while reads wait (check_peers): when
+  // it last sent anything for this connection (or a read started after a
+  // quiet spell), and when it was last pinged.
+  std::chrono::steady_clock::time_point heard{};
+  std::chrono::steady_clock::time_point pinged{};
   std::atomic<bool> failed{false};
   // [progress] The handshake (ucx_auth.hpp): this reader's nonce, whether
   // the owner proved the secret, and the ticket its requests carry.
@@ -233,7 +238,8 @@ struct SendCtx : Pending {  // a data reply (its header must outlive the send)
 // connection conn_id's data endpoint.
 struct Control : Pending {
   std::vector<std::uint8_t> bytes;
-  std::uint64_t conn_id = 0;
+  std::uint64_t conn_id = 0;  // a reader's message: its connection, else 0
+  unsigned id = 0;            // the message's active-message id (kAm*)
 };
 
 // The reader's half of one layer watch (ucx_readiness.cpp), shared by the

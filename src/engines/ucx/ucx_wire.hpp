@@ -40,7 +40,9 @@ enum AmId : unsigned {
   kAmGatherData = 10,   // owner -> reader: many spans' bytes in one message (GatherHdr)
   kAmReadyReq = 11,     // reader -> owner: tell me when more layers are ready (ReadyReqHdr)
   kAmReadyNotice = 12,  // owner -> reader: layers ready, or why not (ReadyHdr)
-  kAmMaxId = 12,
+  kAmPing = 13,         // reader -> owner: are you there? (PingHdr)
+  kAmPong = 14,         // owner -> reader: yes (the PingHdr echoed)
+  kAmMaxId = 14,
 };
 
 inline constexpr std::size_t kNonceBytes = 16;
@@ -64,6 +66,13 @@ struct ChallengeHdr {
 struct AuthHdr {
   std::uint64_t conn_id;
   std::uint8_t mac[kMacBytes];  // the reader's proof
+};
+
+// A reader waiting on an owner that has sent nothing for a while asks
+// whether it is still there (UcxOptions::peer_timeout).
+struct PingHdr {
+  std::uint64_t conn_id;  // the reader's connection, echoed
+  std::uint64_t ticket;
 };
 
 struct DoneHdr {

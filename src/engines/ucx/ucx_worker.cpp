@@ -228,8 +228,9 @@ void UcxWorker::init_ucp() {
                   UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
   hp.flags = UCP_AM_FLAG_WHOLE_MSG;
   hp.cb = trampoline<&UcxCore::on_am, AmGuard>;
-  for (unsigned id : {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr, kAmReadFin,
-                      kAmDone, kAmChallenge, kAmAuth, kAmGatherData, kAmReadyReq, kAmReadyNotice}) {
+  for (unsigned id :
+       {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr, kAmReadFin, kAmDone,
+        kAmChallenge, kAmAuth, kAmGatherData, kAmReadyReq, kAmReadyNotice, kAmPing, kAmPong}) {
     am_tags_[id] = AmTag{&core_, id};
     hp.id = id;
     hp.arg = &am_tags_[id];
@@ -241,9 +242,11 @@ void UcxWorker::init_ucp() {
 }
 
 void UcxWorker::send_small(ucp_ep_h ep, unsigned id, const void* header, std::size_t header_len,
-                           const void* data, std::size_t data_len, bool reply) {
+                           const void* data, std::size_t data_len, bool reply, std::uint64_t conn) {
   auto msg = std::make_unique<Control>();
   msg->core = &core_;
+  msg->conn_id = conn;
+  msg->id = id;
   msg->bytes.resize(header_len + data_len);
   if (header_len) std::memcpy(msg->bytes.data(), header, header_len);
   if (data_len) std::memcpy(msg->bytes.data() + header_len, data, data_len);
@@ -256,13 +259,19 @@ void UcxWorker::send_small(ucp_ep_h ep, unsigned id, const void* header, std::si
   rp.user_data = static_cast<Pending*>(block);
   ucs_status_ptr_t sp = ucp_am_send_nbx(ep, id, block->bytes.data(), header_len,
                                         block->bytes.data() + header_len, data_len, &rp);
-  if (!UCS_PTR_IS_PTR(sp)) controls_.take(block);  // done (or failed) at once
+  if (UCS_PTR_IS_PTR(sp)) return;
+  controls_.take(block);  // done (or failed) at once
+  if (UCS_PTR_IS_ERR(sp) && conn != 0) core_.reader().message_failed(conn, id, UCS_PTR_STATUS(sp));
 }
 
-void UcxWorker::on_control_sent(void* req, ucs_status_t, void* ud) {
+void UcxWorker::on_control_sent(void* req, ucs_status_t st, void* ud) {
   const Request freed(req);
   auto* c = context_of<Control>(ud);
-  c->core->worker().control_requests().take(c);
+  UcxCore* core = c->core;
+  const std::uint64_t conn = c->conn_id;
+  const unsigned id = c->id;
+  core->worker().control_requests().take(c);
+  if (st != UCS_OK && conn != 0) core->reader().message_failed(conn, id, st);
 }
 
 void UcxWorker::close_ep(Endpoint ep, std::vector<RemoteKey> rkeys, std::shared_ptr<Conn> keep) {

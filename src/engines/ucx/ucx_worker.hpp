@@ -86,9 +86,11 @@ class UcxWorker : private UcxPart {
   bool sending() const noexcept { return !sends_.empty(); }  // data replies in flight
 
   // [progress] Sends a small message whose header and data are copied into
-  // a block that lives until the send completes.
+  // a block that lives until the send completes. A reader's message names
+  // its connection (`conn`, else 0): its failure, at once or in its
+  // completion, fails the connection (UcxReader::message_failed).
   void send_small(ucp_ep_h ep, unsigned id, const void* header, std::size_t header_len,
-                  const void* data, std::size_t data_len, bool reply);
+                  const void* data, std::size_t data_len, bool reply, std::uint64_t conn = 0);
   // [progress] Closes `ep` by force; `rkeys` and `keep` (the error
   // handler's argument) live until the close completes.
   void close_ep(Endpoint ep, std::vector<RemoteKey> rkeys, std::shared_ptr<Conn> keep);
