@@ -49,7 +49,7 @@ struct UcxOptions {
   // timeout. A SIGKILLed owner whose process has not finished exiting
   // keeps its sockets open, so neither TCP nor UCX sees it die; only its
   // silence does. 0: off (the transfer timeout alone bounds the wait).
-  std::chrono::milliseconds peer_timeout{10000};
+  std::chrono::milliseconds peer_timeout{20000};
   // extra["auth_token"]: the shared secret of the connect handshake
   // (ucx_auth.hpp); empty: no authentication.
   std::string auth_token;

@@ -77,7 +77,7 @@ namespace mstar::kv {
 //                   every reader). A reader with ucx_mode=get gets
 //                   kUnavailable at connect from an owner that serves none.
 //                   Without the option, MSTAR_KV_UCX_EMULATED_GETS says
-//   ucx_peer_timeout_ms 0 | 200..3600000 (default 10000)   a reader fails
+//   ucx_peer_timeout_ms 0 | 200..3600000 (default 20000)   a reader fails
 //                   the reads of an owner that sent nothing and answered no
 //                   ping (sent after a quarter of it) for this long, with
 //                   kPeerFailure: a killed owner still exiting keeps its
