@@ -120,7 +120,7 @@ TEST(KVTransferManager, EveryEngineRejectsUnknownKeysOfItsPrefix) {
        "known cuda_ipc_* options: cuda_ipc_batch, cuda_ipc_check_owner_pid", MemoryKind::kHost},
       {"ucx", "ucx_mdoe",
        "(known: ucx_mode, ucx_am_proto, ucx_chunk_bytes, ucx_progress, ucx_staging, "
-       "ucx_emulated_gets)",
+       "ucx_emulated_gets, ucx_peer_timeout_ms)",
        MemoryKind::kHost},
   };
   const std::map<std::string, std::string> others = {
