@@ -65,7 +65,9 @@ class PageEpochs:
                 if e[0] != epoch:
                     shared.append((p, e[0]))
         self._held[req_id] = list(pages)
-        return epoch, shared
+        # A descriptor names its exceptions in page order (validated when
+        # it is read); a request's pages are in its groups' order.
+        return epoch, sorted(shared)
 
     def release(self, req_id: str) -> None:
         for p in self._held.pop(req_id, ()):
