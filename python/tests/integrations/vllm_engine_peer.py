@@ -4,7 +4,8 @@ to end tests and the benchmark: a single engine, a prefill engine
 
   python vllm_engine_peer.py ROLE --model DIR [--engine ucx|shm] [--port P]
          [--block-size N] [--tp N] [--fetch-timeout S] [--lease S]
-         [--transfer-timeout S] [--corrupt] [--prefix-cache] [--record] [--layerwise]
+         [--transfer-timeout S] [--corrupt] [--prefix-cache] [--max-batched-tokens N]
+         [--record] [--layerwise]
          [--publish-early] [--save-delay S]
 
 --record, --corrupt and --save-delay (and MSTAR_KV_TEST_STATS in the
@@ -32,6 +33,8 @@ def build(args):
               skip_tokenizer_init=True, dtype=args.dtype, max_model_len=1024, seed=0,
               gpu_memory_utilization=0.05, num_gpu_blocks_override=256,
               enable_prefix_caching=args.prefix_cache)
+    if args.max_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_batched_tokens
     if args.tp > 1:
         kw.update(tensor_parallel_size=args.tp, distributed_executor_backend="mp")
     if args.role != "single":
@@ -78,6 +81,8 @@ def main():
     ap.add_argument("--transfer-timeout", type=float, default=10.0)
     ap.add_argument("--corrupt", action="store_true")
     ap.add_argument("--prefix-cache", action="store_true")
+    ap.add_argument("--max-batched-tokens", type=int, default=0,
+                    help="vLLM's max_num_batched_tokens (0: vLLM's default)")
     ap.add_argument("--record", action="store_true", help="digests, layer times in the stats")
     ap.add_argument("--layerwise", action="store_true", help="decode: stream the pull")
     ap.add_argument("--prefill-peers", action="store_true",

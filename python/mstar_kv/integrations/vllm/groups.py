@@ -22,8 +22,12 @@ its page count), and the decode pairs them with its own block table of the
 same group, block index by block index, skipping the null blocks vLLM put
 where a group keeps nothing. A Mamba / linear-attention state group
 (Granite 4.0-H, Nemotron-H, Jamba, Qwen3-Next, ...) moves the request's
-state block(s) (conv and SSM state; vLLM's mamba_cache_mode "none": one
-block per request). vLLM pads every group's page to one size and places a
+running state (conv and SSM state): the last block its table holds, as
+NixlConnector's clip_ssm_state_blocks takes it. With mamba_cache_mode
+"none" that is the request's one state block; with "align" (vLLM's mode
+when prefix caching is on) the table has a slot per block of tokens, the
+earlier ones null or prefix-cache checkpoints, and the state after the
+computed tokens is in the last. vLLM pads every group's page to one size and places a
 layer's states at the start of its page in the region, whatever their
 shapes: the connector moves the whole page of each region, so the states
 arrive byte for byte. vLLM's own convention (NixlConnector): the prefill
@@ -49,6 +53,9 @@ FULL, SLIDING, MAMBA = "full", "sliding_window", "mamba"
 _FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 _SLIDING_SPECS = ("SlidingWindowSpec", "SlidingWindowMLASpec")
 NULL_BLOCK = 0  # vLLM's null block: a block a group keeps nothing in
+# Mamba cache modes whose running state is the last block of the table
+# ("all" keeps a state per token block and computes into several).
+_STATE_MODES = ("none", "align")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +102,12 @@ def check_groups(kv_cache_config, hf_config=None, tp_size: int = 1) -> list:
             out.append(Group(SLIDING, int(spec.sliding_window), bs, names))
         elif kind == "MambaSpec":
             mode = str(getattr(spec, "mamba_cache_mode", "none"))
-            if mode != "none" or int(getattr(spec, "num_speculative_blocks", 0) or 0):
-                bad.append(f"{where}: Mamba state cached by prefix (mamba_cache_mode "
-                           f"{mode!r}) or with speculative blocks is not moved; "
-                           "MstarKVConnector moves mamba_cache_mode 'none'")
+            spec_blocks = int(getattr(spec, "num_speculative_blocks", 0) or 0)
+            if mode not in _STATE_MODES or spec_blocks:
+                bad.append(f"{where}: Mamba state with mamba_cache_mode {mode!r} and "
+                           f"{spec_blocks} speculative blocks is not moved; MstarKVConnector "
+                           f"moves mamba_cache_mode {' or '.join(map(repr, _STATE_MODES))} "
+                           "with none")
             else:
                 from .state_tp import geometry
                 try:
@@ -161,6 +170,14 @@ def state_group(groups: Sequence[Group]):
     return next((g for g in groups if g.kind == MAMBA), None)
 
 
+def running_state(ids: Sequence[int]) -> list:
+    """The state block of a state group's table: its last non-null block
+    ([] for none). vLLM's align mode leaves null slots and prefix-cache
+    checkpoints before it; the state after the computed tokens is last."""
+    held = [int(b) for b in ids if b != NULL_BLOCK]
+    return held[-1:]
+
+
 def publish_pages(groups: Sequence[Group], block_ids: Sequence[Sequence[int]],
                   num_tokens: int) -> tuple:
     """(pages, segments) of a request with ``num_tokens`` computed tokens:
@@ -172,7 +189,7 @@ def publish_pages(groups: Sequence[Group], block_ids: Sequence[Sequence[int]],
     pages, segs = [], []
     for g, ids in zip(groups, block_ids):
         if g.kind == MAMBA:
-            mine = [b for b in ids if b != NULL_BLOCK]
+            mine = running_state(ids)
             if not mine:
                 raise LayoutError(f"group {g.name}: the request holds no state block ({ids})")
             pages.extend(mine)
@@ -192,8 +209,8 @@ def publish_pages(groups: Sequence[Group], block_ids: Sequence[Sequence[int]],
 def segments(groups: Sequence[Group], num_tokens: int) -> list:
     """The segments a producer of these groups publishes for a request of
     ``num_tokens`` tokens (publish_pages), for params made before the
-    prefill ran (a proxy's: they name no groups). A state group's one block
-    is vLLM's mamba_cache_mode 'none'."""
+    prefill ran (a proxy's: they name no groups). A state group moves one
+    block: its running state (running_state)."""
     out = []
     for g in groups:
         if g.kind == MAMBA:
@@ -224,7 +241,7 @@ def pair_pages(groups: Sequence[Group], segments: Sequence, remote_pages: Sequen
         if name != g.name:
             raise LayoutError(f"the producer's group {name} is this engine's {g.name}")
         if g.kind == MAMBA:  # the state after the loaded tokens, whole
-            mine = [b for b in ids if b != NULL_BLOCK]
+            mine = running_state(ids)
             if len(mine) != int(count):
                 raise LayoutError(f"group {g.name}: the producer published {count} state "
                                   f"blocks, this engine holds {len(mine)}")
