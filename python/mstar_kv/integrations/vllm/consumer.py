@@ -12,18 +12,15 @@ from typing import NamedTuple, Optional
 import mstar_kv as kv
 
 from . import state_tp
-from .groups import MAMBA, has_state, pair_pages, segments, state_group, state_tp_refusal
-from .layout import KV_LATENT, KV_PLANES, heads_of_rank, to_mstar_tokens
+from .groups import MAMBA, pair_pages, segments, state_group
+from .layout import to_mstar_tokens
 from .metadata import LoadReq
 from .params import ConnectorConfig, RemotePrefill
-from .peers import PeerKeeper, peer_key, refuse_configured
+from .peers import PeerKeeper, peer_key
+from .ranks import SourceRanks
 from .side_channel import SideChannelError, fetch_sequence, send_done
 
 log = logging.getLogger("mstar_kv.vllm")
-
-
-def _overlap(a: range, b: range) -> bool:
-    return a.start < b.stop and b.start < a.stop
 
 
 class _Source(NamedTuple):
@@ -125,7 +122,8 @@ class Consumer:
             from .state_move import StateMover
             self._state = StateMover(mapped, sg.state, tp_rank, tp_size, state_info,
                                      cfg.state_staging_pages, cfg.transfer_timeout_s)
-        self._refuse_configured_peers()
+        self.ranks = SourceRanks(cfg, self.groups, tp_rank, tp_size, self._state is not None)
+        self.ranks.refuse_configured_peers()
         self._kv_stats = kv_stats  # stats.StatsRecorder (vLLM's connector metrics), or None
         self._recomputes = failure_policy == "recompute"
         # What vLLM does with a failed load's request (kv_load_failure_policy).
@@ -135,6 +133,7 @@ class Consumer:
         self.layout = manager.kv_cache.layout
         self.cell_layout = mapped.cell_layout if mapped is not None else "kv_cells"
         self.block_size = mapped.block_size if mapped is not None else self.layout.page_size
+        self.ranks.bind(self.layout.model_kv_heads, self.cell_layout, self.block_size)
         self.reader = f"{reader_name}:{tp_rank}"
         self._pool = cf.ThreadPoolExecutor(max_workers=LOAD_THREADS,
                                            thread_name_prefix="mstar-kv-load")
@@ -149,91 +148,15 @@ class Consumer:
         self.stats = {"loads_ok": 0, "loads_failed": 0, "tokens_loaded": 0, "bytes_loaded": 0,
                       "loads_direct": 0, "loads_side_channel": 0, "loads_retried_stale": 0}
         self._keeper = PeerKeeper(manager.connect, self._peers.add, self._peers.discard,
-                                  self._source_ranks, cfg.engine,
+                                  self.ranks.of_tp, cfg.engine,
                                   cfg.engine_options.get("auth_token", ""),
-                                  refusal=self._tp_refusal)
+                                  refusal=self.ranks.refusal)
         for host, port in cfg.prefill_peers:
             self._keeper.add(host, port, configured=True)
-
-    def _tp_refusal(self, prefill_tp: int, prefill: str) -> str:
-        """Why this engine cannot load from a prefill engine of
-        ``prefill_tp`` ranks ("" when it can)."""
-        if not self.groups:
-            return ""
-        why = state_tp_refusal(self.groups, prefill_tp, self.tp_size, prefill)
-        if not why and prefill_tp != self.tp_size and has_state(self.groups) \
-                and self._state is None:
-            why = (f"the prefill engine {prefill} runs TP {prefill_tp}, this decode engine TP "
-                   f"{self.tp_size}, and this consumer has no staging cache for a state")
-        return why
-
-    def _refuse_configured_peers(self) -> None:
-        """Engine start: a model with a state group loads from a prefill
-        engine of another TP size only when its state splits over both
-        (groups.state_tp_refusal); a prefill engine in prefill_peers that
-        is up and runs a TP size it cannot load from fails this start,
-        naming both. One that is not up yet is checked when the peer keeper
-        reaches it, and every request's params before its load starts."""
-        if self.groups and has_state(self.groups):
-            refuse_configured(self.cfg.prefill_peers, self.cfg.engine_options.get(
-                "auth_token", ""), self._tp_refusal)
-
-    # -- which prefill ranks hold this rank's heads ------------------------
-    def _sources(self, rp: RemotePrefill) -> list:
-        return self._source_ranks(rp.tp_size)
-
-    def _source_ranks(self, tp_size: int) -> list:
-        """The ranks of a prefill engine of ``tp_size`` ranks this rank reads."""
-        return self._ranks_of(self.tp_rank, tp_size)
-
-    def _splits_state(self, tp_size: int) -> bool:
-        """A state group from a prefill engine of another TP size (moved part
-        by part, state_move.py)."""
-        return self._state is not None and tp_size != self.tp_size
-
-    def _attn_ranks(self, d: int, tp_size: int) -> list:
-        """The prefill ranks (of ``tp_size``) decode rank d reads attention from."""
-        if self.cell_layout == KV_LATENT:
-            # Every prefill rank holds the whole latent: one source, the
-            # decode ranks spread over them.
-            return [d % tp_size]
-        total = self.layout.model_kv_heads
-        mine = heads_of_rank(total, self.tp_size, d)
-        return [p for p in range(tp_size) if _overlap(heads_of_rank(total, tp_size, p), mine)]
-
-    def _ranks_of(self, d: int, tp_size: int) -> list:
-        """Every prefill rank decode rank d reads (attention and state)."""
-        if self.groups and has_state(self.groups):
-            if not self._splits_state(tp_size):
-                return [d]  # a state is this rank's shard, whatever the heads
-            return sorted(set(self._attn_ranks(d, tp_size))
-                          | set(state_tp.sources(tp_size, self.tp_size, d)))
-        return self._attn_ranks(d, tp_size)
 
     def peers(self) -> dict:
         """The prefill ranks kept connected (PeerKeeper.status)."""
         return self._keeper.status()
-
-    def _notified(self, rp: RemotePrefill, d: int) -> list:
-        """The prefill ranks decode rank d sends a done notice to: those it
-        reads from and, for a latent cache, those no decode rank reads from
-        (they hold the request too, until told)."""
-        if self.groups and has_state(self.groups):
-            if self._splits_state(rp.tp_size) and not self._tp_refusal(rp.tp_size, ""):
-                return self._ranks_of(d, rp.tp_size)  # those it read from
-            # Its own rank; with another TP size (a refused load: a release)
-            # every prefill rank is told by one decode rank.
-            return [p for p in range(rp.tp_size) if p % self.tp_size == d]
-        if self.cell_layout != KV_LATENT:
-            total = self.layout.model_kv_heads
-            mine = heads_of_rank(total, self.tp_size, d)
-            return [p for p in range(rp.tp_size)
-                    if _overlap(heads_of_rank(total, rp.tp_size, p), mine)]
-        return sorted({d % rp.tp_size} | {p for p in range(rp.tp_size) if p % self.tp_size == d})
-
-    def _readers_of(self, rp: RemotePrefill, p: int) -> int:
-        """How many of this engine's ranks send prefill rank p a done notice."""
-        return sum(1 for d in range(self.tp_size) if p in self._notified(rp, d))
 
     # -- engine steps -------------------------------------------------------
     def start(self, loads, releases, cancels) -> None:
@@ -256,35 +179,6 @@ class Consumer:
                     if ld.future is not None:
                         ld.future.cancel()
 
-    def _check(self, rp: RemotePrefill) -> None:
-        if rp.engine != self.cfg.engine:
-            raise RuntimeError(f"the producer moves KV with {rp.engine!r}, this engine with "
-                               f"{self.cfg.engine!r}")
-        if rp.cell_layout != self.cell_layout:
-            raise RuntimeError(f"the producer stores K and V as {rp.cell_layout}, this "
-                               f"engine as {self.cell_layout}")
-        if self.cell_layout == KV_PLANES and rp.block_size != self.block_size:
-            raise RuntimeError(f"K and V planes need one block size: the producer's is "
-                               f"{rp.block_size}, this engine's {self.block_size}")
-        if rp.groups and not self.groups:
-            raise RuntimeError(f"the producer has {len(rp.groups)} KV cache groups, this "
-                               "engine 1")
-        if self.groups and not rp.groups and has_state(self.groups):
-            raise RuntimeError("params that name no KV cache groups (made before the prefill "
-                               "ran) cannot say how many tokens a Mamba state holds")
-        why = self._tp_refusal(rp.tp_size, f"{rp.host}:{rp.port}")
-        if why:
-            raise RuntimeError(why)
-        if self.groups and has_state(self.groups):
-            mine = state_tp.conv_layout()
-            if rp.conv_layout != mine and (rp.conv_layout or self._splits_state(rp.tp_size)):
-                raise RuntimeError(f"the producer's conv state layout is "
-                                   f"{rp.conv_layout or 'not said'}, this engine's {mine} "
-                                   "(VLLM_SSM_CONV_STATE_LAYOUT must be the same on both)")
-        if self.groups and rp.block_size != self.block_size:
-            raise RuntimeError(f"several KV cache groups need one block size: the producer's "
-                               f"is {rp.block_size}, this engine's {self.block_size}")
-
     def _paired(self, ld: _Load, seqs: list) -> tuple:
         """Several groups: (rows, local pages, sources over the remote pages
         paired with them); else (None, None, seqs)."""
@@ -305,7 +199,7 @@ class Consumer:
     def _direct_seqs(self, rp: RemotePrefill) -> list:
         """What to pull from each source rank, from the params alone."""
         out = []
-        for p in self._sources(rp):
+        for p in self.ranks.sources(rp):
             info = kv.KVTransferInfo.from_bytes(rp.descs[p])
             info.epoch = rp.epoch
             if rp.page_epochs:
@@ -318,12 +212,12 @@ class Consumer:
         descriptors and every source is a peer pulled from before; False
         sends it to a load thread."""
         rp = ld.req.remote
-        if not rp.direct or self.cfg.layerwise or self._splits_state(rp.tp_size):
+        if not rp.direct or self.cfg.layerwise or self.ranks.splits_state(rp.tp_size):
             # (a state between TP sizes pulls into a staging cache that may
             # still have to connect to the peer: not on the engine's thread)
             return False
         try:
-            self._check(rp)
+            self.ranks.check(rp)
             seqs = self._direct_seqs(rp)
         except Exception as e:  # untrusted params: fail the load, never the engine's step
             self._fail(ld, e)
@@ -342,7 +236,7 @@ class Consumer:
 
     def _issue(self, ld: _Load, seqs: list) -> None:
         r = ld.req
-        if self._splits_state(r.remote.tp_size):
+        if self.ranks.splits_state(r.remote.tp_size):
             return self._issue_split(ld, seqs)
         start, end = to_mstar_tokens(self.cell_layout, self.block_size, r.start, r.end)
         blocks = r.block_ids
@@ -378,7 +272,7 @@ class Consumer:
         if any(list(s.page_indices) != list(seqs[0].page_indices) for s in seqs[1:]):
             raise RuntimeError("the producer's ranks published other pages for one request")
         ld.pages = local
-        info = {p: s.kv_transfer_info for p, s in zip(self._sources(rp), seqs)}
+        info = {p: s.kv_transfer_info for p, s in zip(self.ranks.sources(rp), seqs)}
         with ld.lock:
             if ld.cancelled:
                 raise kv.TransferCancelledError("aborted before the pull started")
@@ -386,7 +280,7 @@ class Consumer:
         # Not under ld.lock: it may wait for staging pages, and the engine's
         # thread takes that lock to cancel.
         f = self._state.start_load(
-            self.mgr, rp.tp_size, info, self._attn_ranks(self.tp_rank, rp.tp_size),
+            self.mgr, rp.tp_size, info, self.ranks.attention(self.tp_rank, rp.tp_size),
             [(x, y, k == MAMBA) for x, y, k in zip(remote, local, kinds)])
         with ld.lock:
             ld.future = f
@@ -399,15 +293,15 @@ class Consumer:
         r, rp = ld.req, ld.req.remote
         token = self.cfg.engine_options.get("auth_token", "")
         try:
-            self._check(rp)
+            self.ranks.check(rp)
             if rp.direct and not retry and not self.cfg.layerwise:
                 seqs = self._direct_seqs(rp)
                 ld.via = "params"
             else:
-                stream = self.cfg.layerwise and len(self._sources(rp)) == 1 and \
-                    not self._splits_state(rp.tp_size)
+                stream = self.cfg.layerwise and len(self.ranks.sources(rp)) == 1 and \
+                    not self.ranks.splits_state(rp.tp_size)
                 seqs = []
-                for p in self._sources(rp):
+                for p in self.ranks.sources(rp):
                     host, port = rp.rank_address(p)
                     data = fetch_sequence(host, port, rp.request_id, self.cfg.fetch_timeout_s,
                                           token, stream=stream)
@@ -491,10 +385,10 @@ class Consumer:
 
     def _notify_done(self, req_id: str, rp: RemotePrefill) -> None:
         token = self.cfg.engine_options.get("auth_token", "")
-        for p in self._notified(rp, self.tp_rank):
+        for p in self.ranks.notified(rp, self.tp_rank):
             host, port = rp.rank_address(p)
             try:
-                send_done(host, port, rp.request_id, self.reader, self._readers_of(rp, p), token)
+                send_done(host, port, rp.request_id, self.reader, self.ranks.readers_of(rp, p), token)
             except SideChannelError as e:  # the lease frees it then
                 log.info("request %s: done notice not delivered: %s", req_id, e)
 
