@@ -141,7 +141,9 @@ class Engine:
                    PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
         self.err = open(logdir / f"{connector}-{role}.log", "w")
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=self.err, text=True, env=env, start_new_session=True)
+                                  stderr=self.err, text=True, env=env,
+                                  # not a session per engine: engines.py says why
+                                  process_group=0)
         import queue
         import threading
         self.lines: queue.Queue = queue.Queue()

@@ -32,8 +32,14 @@ class Engine:
         self.ready = False
         self.log_path = log
         self._log = open(log, "w")
+        # A process group of its own (killpg), not a session: Linux gives
+        # every session its own scheduling group (sched_autogroup), and with
+        # each engine in one, the engines' threads that sleep and wake (the
+        # connector's progress and load threads) went without a CPU for up
+        # to 15 s on this 2-core VM while the others ran: pulls that take
+        # 3 ms stalled 5-60 s (bench/results/2026-12-07-autogroup-stalls.md).
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, env=e, start_new_session=True)
+                                     stderr=self._log, text=True, env=e, process_group=0)
         self._lines: "queue.Queue[str]" = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 

@@ -48,7 +48,7 @@ def served(tmp_path_factory):
         [sys.executable, "-m", "mstar_kv.integrations.vllm.launch", "--model", str(model),
          "--engine", "shm", "--port", str(K.free_port()), "--start-timeout", "500", "--",
          *SERVE_ARGS], stdout=subprocess.PIPE, stderr=log, text=True, env=env,
-        start_new_session=True)
+        process_group=0)  # not a session of its own: see engines.py
     try:
         # The servers write to the launcher's stdout too: its line is among theirs.
         m = None

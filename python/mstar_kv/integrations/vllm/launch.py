@@ -73,13 +73,13 @@ def main(argv=None) -> int:
     procs = []
     # Stopped by SIGTERM (a service manager, a test), Python would exit
     # without the finally below and leave both servers running in their own
-    # sessions: exit through it instead.
+    # process groups: exit through it instead.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         for role, port in (("kv_producer", pp), ("kv_consumer", dp)):
             procs.append(subprocess.Popen(
                 serve_cmd(args.model, port, role, args.engine, side, args.serve_args),
-                start_new_session=True, env=dict(os.environ, HF_HUB_OFFLINE="1")))
+                process_group=0, env=dict(os.environ, HF_HUB_OFFLINE="1")))
         urls = [f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"]
         for u, p in zip(urls, procs):
             wait_healthy(u, p, args.start_timeout)
