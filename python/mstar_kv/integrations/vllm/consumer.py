@@ -122,8 +122,6 @@ class Consumer:
             from .state_move import StateMover
             self._state = StateMover(mapped, sg.state, tp_rank, tp_size, state_info,
                                      cfg.state_staging_pages, cfg.transfer_timeout_s)
-        self.ranks = SourceRanks(cfg, self.groups, tp_rank, tp_size, self._state is not None)
-        self.ranks.refuse_configured_peers()
         self._kv_stats = kv_stats  # stats.StatsRecorder (vLLM's connector metrics), or None
         self._recomputes = failure_policy == "recompute"
         # What vLLM does with a failed load's request (kv_load_failure_policy).
@@ -133,7 +131,9 @@ class Consumer:
         self.layout = manager.kv_cache.layout
         self.cell_layout = mapped.cell_layout if mapped is not None else "kv_cells"
         self.block_size = mapped.block_size if mapped is not None else self.layout.page_size
-        self.ranks.bind(self.layout.model_kv_heads, self.cell_layout, self.block_size)
+        self.ranks = SourceRanks(cfg, self.groups, tp_rank, tp_size, self._state is not None,
+                                 self.layout.model_kv_heads, self.cell_layout, self.block_size)
+        self.ranks.refuse_configured_peers()
         self.reader = f"{reader_name}:{tp_rank}"
         self._pool = cf.ThreadPoolExecutor(max_workers=LOAD_THREADS,
                                            thread_name_prefix="mstar-kv-load")

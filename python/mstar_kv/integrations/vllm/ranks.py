@@ -23,22 +23,16 @@ class SourceRanks:
     the consumer has a state_move.StateMover)."""
 
     def __init__(self, cfg: ConnectorConfig, groups, tp_rank: int, tp_size: int,
-                 splits: bool):
+                 splits: bool, model_kv_heads: int, cell_layout: str, block_size: int):
         self.cfg = cfg
         self.groups = list(groups)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self._can_split = splits
         self._state = bool(self.groups) and has_state(self.groups)
-        # Set once vLLM's cache is mapped (Consumer): the layout's heads,
-        # its cell layout and block size.
-        self.model_kv_heads = 0
-        self.cell_layout = "kv_cells"
-        self.block_size = 0
-
-    def bind(self, model_kv_heads: int, cell_layout: str, block_size: int) -> None:
-        self.model_kv_heads, self.cell_layout, self.block_size = \
-            model_kv_heads, cell_layout, block_size
+        self.model_kv_heads = model_kv_heads  # of the model, over every rank
+        self.cell_layout = cell_layout
+        self.block_size = block_size
 
     def refusal(self, prefill_tp: int, prefill: str) -> str:
         """Why this engine cannot load from a prefill engine of
