@@ -165,6 +165,35 @@ def test_a_state_group_it_cannot_split_is_refused_naming_both_tp_sizes():
     assert state_tp_refusal(check_groups(config(swa(), full())), 2, 1, "h:1") == ""
 
 
+def test_mamba1_and_gdn_state_groups_move_between_tp_sizes_from_their_shapes():
+    """vLLM's own shapes of a Mamba1 and a GDN layer at TP 2 (no model
+    config needed: their parts follow from the shapes); a TP the state does
+    not split over is refused naming the value."""
+    import os
+    before = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT")
+    os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"
+    from mstar_kv.integrations.vllm.groups import state_tp_refusal
+    from vllm.model_executor.layers.mamba import mamba_utils
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as C
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as E
+    mamba_utils.get_conv_state_layout.cache_clear()
+    try:
+        for kind, shapes in ((E.MAMBA1, C.mamba1_state_shape(2, 256, 16, 4)),
+                             (E.GDN_ATTN, C.gated_delta_net_state_shape(2, 4, 8, 16, 32, 4))):
+            spec = MambaSpec(block_size=1024, shapes=shapes, dtypes=(F32, F32), mamba_type=kind)
+            groups = check_groups(config(spec, full(64)), None, tp_size=2)
+            assert groups[0].state.kind == kind.name.split("_")[0], groups[0].state
+            assert state_tp_refusal(groups, 1, 2, "h:1") == ""
+            assert state_tp_refusal(groups, 4, 2, "h:1") == ""
+            assert "do not split over TP 512" in state_tp_refusal(groups, 512, 2, "h:1")
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_SSM_CONV_STATE_LAYOUT", None)
+        else:
+            os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = before
+        mamba_utils.get_conv_state_layout.cache_clear()
+
+
 def test_the_peer_keeper_refuses_a_prefill_engine_of_another_tp_size():
     """A decode started before its prefill_peers engine was up learns its TP
     size from the watch: not connected, the refusal in its status."""

@@ -1,9 +1,10 @@
-"""A Mamba2 state between TP sizes (state_tp.py) with official vLLM's own
+"""A Mamba state between TP sizes (state_tp.py) with official vLLM's own
 shapes (build/venvs/vllm, VLLM_SSM_CONV_STATE_LAYOUT=DS): the page a decode
 rank assembles from the prefill ranks' pages by state_tp.copies equals the
 page vLLM's sharding gives that rank of the model's state, for TP 2 -> 1,
-1 -> 2, 4 -> 2 and 2 -> 4, with B and C sharded (n_groups 2, 4) and
-replicated (n_groups 1); what cannot move is refused naming the value."""
+1 -> 2, 4 -> 2 and 2 -> 4: Mamba2 with B and C sharded (n_groups 2, 4) and
+replicated (n_groups 1), Mamba1 and GDN (gated delta net); what cannot
+move is refused naming the value."""
 import os
 import time
 
@@ -57,6 +58,81 @@ def shard_page(conv, ssm, groups, tp, rank):
     got = spec(tp, groups)
     assert page.numel() * 4 == sum(torch.Size(s).numel() * 4 for s in got.shapes)
     return page.view(torch.uint8)
+
+
+class Other:
+    """A Mamba1 or GDN layer of the model: vLLM's shapes at a TP size
+    (MambaStateShapeCalculator) and a rank's page as the model shards it
+    (mamba_mixer: conv x and the SSM state by channel; gdn: conv Q, K, V
+    each by TP, the SSM state by v head)."""
+    KD, HV, DV, DK = 64, 8, 32, 16  # GDN: key_dim (4 k heads x 16), v heads, v dim, k dim
+
+    def __init__(self, kind, seed=0):
+        self.kind = kind
+        g = torch.Generator().manual_seed(seed)
+        if kind == "MAMBA1":
+            self.conv = torch.randn(I, K - 1, generator=g)
+            self.ssm = torch.randn(I, N, generator=g)
+        else:
+            self.conv = torch.randn(2 * self.KD + self.HV * self.DV, K - 1, generator=g)
+            self.ssm = torch.randn(self.HV, self.DV, self.DK, generator=g)
+
+    def spec(self, tp):
+        calc = MambaStateShapeCalculator
+        if self.kind == "MAMBA1":
+            shapes = calc.mamba1_state_shape(tp, I, N, K)
+        else:
+            shapes = calc.gated_delta_net_state_shape(tp, self.KD // self.DK, self.HV, self.DK,
+                                                      self.DV, K)
+        kind = "GDN_ATTN" if self.kind == "GDN" else self.kind
+        return MambaSpec(block_size=1024, shapes=shapes, dtypes=(torch.float32, torch.float32),
+                         mamba_type=getattr(mamba_utils.MambaAttentionBackendEnum, kind))
+
+    def page(self, tp, rank):
+        def part(t, r=rank):
+            n = t.shape[0] // tp
+            return t[r * n:(r + 1) * n].reshape(-1)
+        if self.kind == "MAMBA1":
+            conv = part(self.conv)
+        else:
+            kd = self.KD
+            conv = torch.cat([part(self.conv[:kd]), part(self.conv[kd:2 * kd]),
+                              part(self.conv[2 * kd:])])
+        page = torch.cat([conv, part(self.ssm)])
+        assert page.numel() * 4 == sum(torch.Size(s).numel() * 4 for s in self.spec(tp).shapes)
+        return page.view(torch.uint8)
+
+
+@pytest.mark.parametrize("kind", ["MAMBA1", "GDN"])
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (4, 2), (2, 4), (4, 1)])
+def test_a_mamba1_or_gdn_page_is_assembled_as_the_decode_ranks_shard(kind, prefill_tp,
+                                                                     decode_tp):
+    m = Other(kind, seed=3)
+    geom = state_tp.geometry(m.spec(decode_tp), object(), decode_tp)
+    assert isinstance(geom, state_tp.StateGeom) and geom.kind == kind, geom
+    assert geom == state_tp.geometry(m.spec(prefill_tp), object(), prefill_tp)
+    assert state_tp.refusal(geom, prefill_tp, decode_tp) == ""
+    for d in range(decode_tp):
+        srcs = state_tp.sources(prefill_tp, decode_tp, d)
+        pages = [m.page(prefill_tp, p) for p in srcs]
+        want = m.page(decode_tp, d)
+        got = torch.full_like(want, 0xAB)
+        runs = state_tp.copies(geom, prefill_tp, srcs, decode_tp, d)
+        for i, so, do, n in runs:
+            got[do:do + n] = pages[i][so:so + n]
+        assert torch.equal(got, want), (kind, prefill_tp, decode_tp, d, runs)
+        assert sum(n for *_, n in runs) == geom.state_bytes(decode_tp) == want.numel()
+
+
+def test_a_gdn_state_of_tp_2_to_1_in_bytes():
+    """Q and K 64 channels, V 256, of 3 rows x 4 B (12 B); 8 v heads of 2 KiB."""
+    geom = state_tp.geometry(Other("GDN").spec(1), object(), 1)
+    ch, head = 12, 32 * 16 * 4
+    assert state_tp.copies(geom, 2, [0, 1], 1, 0) == [
+        (0, 0, 0, 32 * ch), (1, 0, 32 * ch, 32 * ch),                           # Q
+        (0, 32 * ch, 64 * ch, 32 * ch), (1, 32 * ch, 96 * ch, 32 * ch),         # K
+        (0, 64 * ch, 128 * ch, 128 * ch), (1, 64 * ch, 256 * ch, 128 * ch),     # V
+        (0, 192 * ch, 384 * ch, 4 * head), (1, 192 * ch, 384 * ch + 4 * head, 4 * head)]
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4])
@@ -120,10 +196,16 @@ def test_what_cannot_move_is_refused_naming_the_value():
     finally:
         os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"
         mamba_utils.get_conv_state_layout.cache_clear()
-    m1 = MambaSpec(block_size=1024, shapes=((512, 3), (512, 16)),
+    conv = MambaSpec(block_size=1024, shapes=((512, 3),), dtypes=(torch.float32,),
+                     mamba_type=mamba_utils.MambaAttentionBackendEnum.SHORT_CONV)
+    assert "SHORT_CONV" in state_tp.geometry(conv, HF(1), 1)
+    m1 = MambaSpec(block_size=1024, shapes=((512, 3), (256, 16)),
                    dtypes=(torch.float32, torch.float32),
                    mamba_type=mamba_utils.MambaAttentionBackendEnum.MAMBA1)
-    assert "MAMBA1" in state_tp.geometry(m1, HF(1), 1)
+    assert "are not Mamba1's" in state_tp.geometry(m1, HF(1), 1)
+    gdn = Other("GDN").spec(2)
+    assert "v heads do not split over TP 16" in state_tp.refusal(
+        state_tp.geometry(gdn, object(), 2), 16, 2)
 
 
 def test_the_params_say_the_conv_layout_and_refuse_another():
@@ -160,10 +242,11 @@ def _layout(kv, heads, tp, rank):
                        total_kv_heads=heads, first_kv_head=(rank * n) % heads)
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("kind,kv_heads", [("MAMBA2", 1), ("MAMBA2", 2), ("MAMBA1", 2),
+                                            ("GDN", 1)])
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
 def test_a_load_moves_the_state_slices_and_the_attention_pages_over_ucx(prefill_tp, decode_tp,
-                                                                         kv_heads):
+                                                                         kind, kv_heads):
     """state_move.StateMover with real UCX on loopback: prefill ranks'
     caches publish a request of one state page and two attention pages;
     each decode rank's load leaves vLLM's state page equal to its shard of
@@ -177,7 +260,16 @@ def test_a_load_moves_the_state_slices_and_the_attention_pages_over_ucx(prefill_
     from mstar_kv.integrations.vllm.state_move import StateMover
 
     groups = 2
-    conv, ssm = model_state(groups, seed=5)
+    if kind == "MAMBA2":
+        conv, ssm = model_state(groups, seed=5)
+
+        def shard_of(tp, rank):
+            return shard_page(conv, ssm, groups, tp, rank)
+        geom = state_tp.geometry(spec(decode_tp, groups), HF(groups), decode_tp)
+    else:
+        m = Other(kind, seed=5)
+        shard_of = m.page
+        geom = state_tp.geometry(m.spec(decode_tp), object(), decode_tp)
     hb = 128 * 64 * 4  # one head's rows of a page
     attn = torch.randint(0, 256, (2, 2, kv_heads, hb), dtype=torch.uint8)
 
@@ -202,7 +294,7 @@ def test_a_load_moves_the_state_slices_and_the_attention_pages_over_ucx(prefill_
             state_page, *attn_pages = pool.pages(1)
             f = flat(c)
             f.fill_(0xEE)
-            page = shard_page(conv, ssm, groups, prefill_tp, p)
+            page = shard_of(prefill_tp, p)
             bb = lay.block_bytes
             for layer in range(2):
                 at = (layer * lay.num_pages + state_page) * bb
@@ -211,7 +303,6 @@ def test_a_load_moves_the_state_slices_and_the_attention_pages_over_ucx(prefill_
                     at = (layer * lay.num_pages + ap) * bb
                     f[at:at + bb] = attn_page(layer, j, prefill_tp, p)
             seqs[p] = pool.publish(1)
-        geom = state_tp.geometry(spec(decode_tp, groups), HF(groups), decode_tp)
         for d in range(decode_tp):
             lay = _layout(kv, kv_heads, decode_tp, d)
             bb = lay.block_bytes
@@ -236,7 +327,7 @@ def test_a_load_moves_the_state_slices_and_the_attention_pages_over_ucx(prefill_
                 assert time.monotonic() < deadline, "the load did not end"
                 time.sleep(0.001)
             assert f.exception() is None, f.exception()
-            want = shard_page(conv, ssm, groups, decode_tp, d)
+            want = shard_of(decode_tp, d)
             for layer in range(2):
                 at = (layer * lay.num_pages + local[0]) * bb
                 assert torch.equal(t[at:at + want.numel()], want), (d, layer)

@@ -83,8 +83,8 @@ class MstarKVConnector(KVConnectorBase_V1, SupportsHMA):
     Hybrid models (several KV cache groups: sliding-window beside full
     attention, Mamba state) move every group's blocks of a request, a
     sliding-window group only those inside the window (groups.py); a group
-    it cannot move is refused here, at engine start. A Mamba2 state group
-    moves between TP sizes part by part (state_tp.py, conv layout DS); one
+    it cannot move is refused here, at engine start. A Mamba1, Mamba2 or
+    GDN state group moves between TP sizes part by part (state_tp.py, conv layout DS); one
     it cannot move is refused (groups.state_tp_refusal: at engine start for
     a prefill_peers engine, else before the load).
     """

@@ -113,7 +113,7 @@ class Consumer:
         self.groups = list(groups)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        # A Mamba2 state from prefill engines of another TP size moves part
+        # A Mamba state from prefill engines of another TP size moves part
         # by part through a staging cache (state_move.py).
         self._state = None
         sg = state_group(self.groups)

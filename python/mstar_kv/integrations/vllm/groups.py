@@ -147,7 +147,7 @@ def state_tp_refusal(groups: Sequence[Group], prefill_tp: int, decode_tp: int,
     """Why a state group cannot move from a prefill engine of
     ``prefill_tp`` ranks (``prefill``: where it is) to this decode engine of
     ``decode_tp`` ranks, or "" when it can (no state group, one TP size, or
-    a Mamba2 state whose parts split over both: state_tp.refusal)."""
+    a Mamba1, Mamba2 or GDN state whose parts split over both: state_tp.refusal)."""
     if prefill_tp == decode_tp:
         return ""
     from .state_tp import refusal

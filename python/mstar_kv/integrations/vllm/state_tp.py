@@ -1,23 +1,29 @@
-"""A Mamba2 state between engines of different TP sizes: which bytes of
+"""A Mamba state between engines of different TP sizes: which bytes of
 which prefill rank's state page go where in a decode rank's page.
 
 A rank's state page (vLLM, VLLM_SSM_CONV_STATE_LAYOUT=DS) starts with its
 conv state, [conv channels, kernel - 1] (a channel's rows contiguous), then
-its SSM state, [heads, head_dim, d_state]. The conv channels are three
-sub-projections, each sharded by TP on its own:
+its temporal (SSM) state. The conv channels are sub-projections, each
+sharded by TP on its own, and so is the temporal state (vLLM's
+MambaStateShapeCalculator; NixlConnector reads the same parts,
+ssm_conv_transfer_utils.py):
 
-  x  intermediate_size channels      rank r of T: [r I/T, (r+1) I/T)
-  B  n_groups * d_state channels     groups [r G/T, (r+1) G/T); with one group
-  C  as B                            and T > 1 every rank holds group 0
-  SSM heads                          [r H/T, (r+1) H/T)
+  Mamba2  x  intermediate_size channels     rank r of T: [r I/T, (r+1) I/T)
+          B  n_groups * d_state channels    groups [r G/T, (r+1) G/T); with
+          C  as B                           one group and T > 1 every rank
+                                            holds group 0
+          SSM [heads, head_dim, d_state]    heads [r H/T, (r+1) H/T)
+  Mamba1  x  intermediate_size channels; SSM [channels, d_state] by channel
+  GDN     Q, K  key_dim channels each; V value_dim channels;
+          SSM [v heads, v head_dim, k head_dim] by v head
 
-so a rank's page is |x_r|B_r|C_r|SSM_r|, and another TP size needs a slice
-of each part of every source page (vLLM's NixlConnector reads the same
-parts, ssm_conv_transfer_utils.py). Each part is a run of units (a
-channel's rows, a group's d_state channels, an SSM head) split like KV
-heads: ``copies`` intersects the unit ranges a decode rank needs with those
-each source rank holds, in page bytes. SD conv layout ([kernel - 1,
-channels]: a part is strided by the row) is refused by name.
+so a Mamba2 rank's page is |x_r|B_r|C_r|SSM_r| (GDN |Q_r|K_r|V_r|SSM_r|,
+Mamba1 |x_r|SSM_r|), and another TP size needs a slice of each part of
+every source page. Each part is a run of units (a channel's rows, a
+group's d_state channels, an SSM head or channel) split like KV heads:
+``copies`` intersects the unit ranges a decode rank needs with those each
+source rank holds, in page bytes. SD conv layout ([kernel - 1, channels]:
+a part is strided by the row) is refused by name.
 """
 from __future__ import annotations
 
@@ -29,16 +35,22 @@ from .layout import LayoutError
 PARTS = ("x", "B", "C", "ssm")
 
 
+KINDS = ("MAMBA2", "MAMBA1", "GDN")
+
+
 @dataclasses.dataclass(frozen=True)
 class StateGeom:
-    """A Mamba2 layer's state, the model's (global) sizes."""
+    """A Mamba layer's state, the model's (global) sizes."""
     rows: int           # conv kernel - 1: the rows of one conv channel
     conv_es: int        # bytes of a conv element
-    x: int              # intermediate_size (x channels)
-    n_groups: int       # the model's B (and C) groups
-    d_state: int        # channels of one group
-    heads: int          # SSM heads
-    head_bytes: int     # one SSM head: head_dim * d_state elements
+    x: int              # Mamba1/2: intermediate_size (x channels); GDN: V channels
+    n_groups: int       # Mamba2: the model's B (and C) groups; else 0
+    d_state: int        # Mamba2: channels of one group; else 0
+    heads: int          # units of the temporal state: SSM heads (Mamba2), channels
+                        # (Mamba1), v heads (GDN)
+    head_bytes: int     # one such unit's bytes
+    kind: str = "MAMBA2"
+    qk: int = 0         # GDN: Q (and K) channels
 
     def groups_at(self, tp: int) -> int:
         """vLLM's groups at TP ``tp`` (mamba_mixer2: one group is replicated
@@ -47,15 +59,23 @@ class StateGeom:
 
     def check_tp(self, tp: int) -> str:
         """Why vLLM cannot shard this state over ``tp`` ranks ("" when it can)."""
+        if self.kind == "GDN":
+            if self.qk % tp or self.x % tp or self.heads % tp:
+                return (f"key_dim {self.qk} / value_dim {self.x} / {self.heads} v heads do not "
+                        f"split over TP {tp}")
+            return ""
         if self.x % tp or self.heads % tp:
             return f"intermediate_size {self.x} / {self.heads} SSM heads do not split over TP {tp}"
-        if self.n_groups % tp and self.n_groups != 1:
+        if self.kind == "MAMBA2" and self.n_groups % tp and self.n_groups != 1:
             return f"n_groups {self.n_groups} neither divides by TP {tp} nor is 1"
         return ""
 
     def conv_bytes(self, tp: int) -> int:
-        return (self.x // tp + 2 * self.groups_at(tp) * self.d_state // tp) * self.rows * \
-            self.conv_es
+        if self.kind == "MAMBA2":
+            channels = self.x // tp + 2 * self.groups_at(tp) * self.d_state // tp
+        else:  # Mamba1: x alone (qk 0); GDN: Q, K, V
+            channels = (2 * self.qk + self.x) // tp
+        return channels * self.rows * self.conv_es
 
     def state_bytes(self, tp: int) -> int:
         """One rank's state of one layer (conv then SSM) at TP ``tp``."""
@@ -66,14 +86,21 @@ class StateGeom:
         of rank ``rank`` of ``tp``, units in the model's numbering."""
         ch = self.rows * self.conv_es
         nx = self.x // tp
+        h = self.heads // tp
+        ssm = ("ssm", rank * h, (rank + 1) * h, self.conv_bytes(tp), self.head_bytes)
+        if self.kind == "MAMBA1":
+            return [("x", rank * nx, (rank + 1) * nx, 0, ch), ssm]
+        if self.kind == "GDN":
+            nq = self.qk // tp
+            return [("Q", rank * nq, (rank + 1) * nq, 0, ch),
+                    ("K", rank * nq, (rank + 1) * nq, nq * ch, ch),
+                    ("V", rank * nx, (rank + 1) * nx, 2 * nq * ch, ch), ssm]
         g = self.groups_at(tp) // tp
         g0 = rank * g if self.n_groups % tp == 0 else 0
         gb = self.d_state * ch
-        h = self.heads // tp
         return [("x", rank * nx, (rank + 1) * nx, 0, ch),
                 ("B", g0, g0 + g, nx * ch, gb),
-                ("C", g0, g0 + g, nx * ch + g * gb, gb),
-                ("ssm", rank * h, (rank + 1) * h, self.conv_bytes(tp), self.head_bytes)]
+                ("C", g0, g0 + g, nx * ch + g * gb, gb), ssm]
 
 
 def conv_layout() -> str:
@@ -90,13 +117,19 @@ def geometry(spec, hf_config, tp: int):
     string saying why this connector cannot move it between TP sizes."""
     mtype = getattr(spec, "mamba_type", "MAMBA2")
     mtype = getattr(mtype, "name", str(mtype))
-    if mtype.upper() != "MAMBA2":
-        return f"its state is a {mtype} layer's (between TP sizes: Mamba2 only)"
+    kind = next((k for k in KINDS if mtype.upper().startswith(k)), "")
+    if not kind:
+        return (f"its state is a {mtype} layer's (between TP sizes: Mamba1, Mamba2 and GDN, "
+                "as vLLM's NixlConnector)")
     if conv_layout() != "DS":
         return ("its conv state is laid out SD ([kernel - 1, channels]): between TP sizes "
                 "it needs VLLM_SSM_CONV_STATE_LAYOUT=DS on both engines, as vLLM's "
                 "NixlConnector does")
     shapes = [tuple(int(d) for d in s) for s in spec.shapes]
+    import torch
+    es = [torch.empty(0, dtype=d).element_size() for d in spec.dtypes]
+    if kind != "MAMBA2":
+        return _geometry_of(kind, shapes, es, tp)
     if len(shapes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3:
         return f"state shapes {shapes} are not Mamba2's (conv [C, K-1], SSM [H, P, N])"
     (dim_l, rows), (heads_l, head_dim, d_state) = shapes
@@ -105,8 +138,6 @@ def geometry(spec, hf_config, tp: int):
                      if isinstance(getattr(hf_config, a, None), int)), 0)
     if n_groups <= 0:
         return "the model config names no n_groups (mamba_n_groups, n_groups)"
-    import torch
-    es = [torch.empty(0, dtype=d).element_size() for d in spec.dtypes]
     geom = StateGeom(rows=rows, conv_es=es[0], x=heads_l * tp * head_dim, n_groups=n_groups,
                      d_state=d_state, heads=heads_l * tp,
                      head_bytes=head_dim * d_state * es[1])
@@ -117,6 +148,29 @@ def geometry(spec, hf_config, tp: int):
         return (f"conv channels {dim_l} x TP {tp} are not intermediate_size {geom.x} + 2 x "
                 f"{geom.groups_at(tp)} groups x d_state {d_state}")
     return geom
+
+
+def _geometry_of(kind: str, shapes: list, es: list, tp: int):
+    """geometry() of a Mamba1 or GDN layer from its rank's shapes."""
+    if kind == "MAMBA1":
+        if len(shapes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 2 or \
+                shapes[0][0] != shapes[1][0]:
+            return f"state shapes {shapes} are not Mamba1's (conv [C, K-1], SSM [C, N])"
+        (dim_l, rows), (_, d_state) = shapes
+        geom = StateGeom(rows=rows, conv_es=es[0], x=dim_l * tp, n_groups=0, d_state=0,
+                         heads=dim_l * tp, head_bytes=d_state * es[1], kind=kind)
+        return geom.check_tp(tp) or geom
+    if len(shapes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3:
+        return f"state shapes {shapes} are not GDN's (conv [C, K-1], SSM [Hv, Dv, Dk])"
+    (dim_l, rows), (heads_l, v_dim, k_dim) = shapes
+    value_l = heads_l * v_dim
+    if dim_l <= value_l or (dim_l - value_l) % 2:
+        return (f"conv channels {dim_l} are not 2 x key_dim + value_dim {value_l} "
+                f"({heads_l} v heads x {v_dim})")
+    geom = StateGeom(rows=rows, conv_es=es[0], x=value_l * tp, n_groups=0, d_state=0,
+                     heads=heads_l * tp, head_bytes=v_dim * k_dim * es[1], kind=kind,
+                     qk=(dim_l - value_l) // 2 * tp)
+    return geom.check_tp(tp) or geom
 
 
 def sources(prefill_tp: int, decode_tp: int, rank: int) -> list:
