@@ -68,23 +68,46 @@ def engine_param(request):
     return engine
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:  # no SO_REUSEADDR: a port in TIME_WAIT is not free
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(span: int = 1) -> int:
+    """A base port p with p .. p + span - 1 free, below the kernel's
+    ephemeral range: an engine binds its port tens of seconds after the test
+    chose it, and a port the kernel may hand out meanwhile as the local end
+    of any outgoing connection (vLLM's, UCX's, another engine's) was taken
+    that way once ("Address already in use")."""
+    import random
+    hi = _ephemeral_start() - 400  # the benchmarks use base + 200 .. + 201 too
+    rng = random.Random(os.getpid() ^ int.from_bytes(os.urandom(4), "little"))
+    for _ in range(200):
+        p = rng.randrange(20000, hi) if hi > 20000 + span else 0
+        if p == 0:  # an odd ephemeral range: whatever the kernel gives
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                p = s.getsockname()[1]
+        if all(_bindable(p + i) for i in range(span)):
+            return p
+    raise RuntimeError(f"no {span} consecutive free ports")
 
 
 def free_port_pair() -> int:
     """A base port p with p and p + 1 free (TP ranks listen on base + rank)."""
-    for _ in range(50):
-        p = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
+    return free_port(2)
 
 
 def make_tiny_llama(path: Path, seed: int = 0, weights: bool = True, **over) -> Path:
