@@ -32,9 +32,6 @@ from typing import Sequence
 
 from .layout import LayoutError
 
-PARTS = ("x", "B", "C", "ssm")
-
-
 KINDS = ("MAMBA2", "MAMBA1", "GDN")
 
 
