@@ -99,9 +99,9 @@ def _kv_config(connector: str, role: str, port: int, peers: str = "configured",
                             kv_connector_extra_config={"mooncake_protocol": "tcp"})
 
 
-def mooncake_params(port: int, n: int) -> tuple:
+def mooncake_params(port: int, key: tuple) -> tuple:
     """What vLLM's Mooncake proxy sends the prefill and the decode engine."""
-    tid = f"xfer-{port}-{n}"
+    tid = "-".join(map(str, ("xfer", port, *key)))
     return ({"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid},
             {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": tid,
              "remote_engine_id": "compare-prefill",
@@ -215,7 +215,7 @@ def run_connector(connector, model, lengths, repeat, args, logdir, reference) ->
         """Prefill the prompt; the params its decode is sent."""
         if connector != "mooncake":
             return engine.generate(prompt, 1)["params"]
-        to_prefill, to_decode = mooncake_params(port, hash(key) & 0xffffffff)
+        to_prefill, to_decode = mooncake_params(port, key)
         engine.generate(prompt, 1, to_prefill)
         return to_decode
 
