@@ -14,12 +14,14 @@ namespace mstar::kv::toolkit {
 
 Partition partition(std::span<const CopySpan> spans, unsigned threads) {
   Partition p;
+  p.threads = std::max(1u, threads);
+  const std::uint64_t chunks = std::uint64_t{p.threads} * Partition::kChunksPerThread;
   std::uint64_t total = 0;
   for (const CopySpan& s : spans) total += s.length;
-  p.pieces.reserve(spans.size() + threads);
+  p.pieces.reserve(spans.size() + chunks);
   p.begin.push_back(0);
-  const std::uint64_t share = (total + threads - 1) / std::max(1u, threads);
-  std::uint64_t filled = 0;  // bytes given to the current thread
+  const std::uint64_t share = std::max<std::uint64_t>(1, (total + chunks - 1) / chunks);
+  std::uint64_t filled = 0;  // bytes in the current chunk
   for (CopySpan s : spans) {
     while (s.length > 0) {
       const std::uint64_t take = std::min(s.length, share - filled);
@@ -28,13 +30,13 @@ Partition partition(std::span<const CopySpan> spans, unsigned threads) {
       s.remote_offset += take;
       s.length -= take;
       filled += take;
-      if (filled == share && p.begin.size() < threads) {
+      if (filled == share) {
         p.begin.push_back(p.pieces.size());
         filled = 0;
       }
     }
   }
-  while (p.begin.size() <= threads) p.begin.push_back(p.pieces.size());
+  if (p.begin.back() != p.pieces.size()) p.begin.push_back(p.pieces.size());
   return p;
 }
 
@@ -88,6 +90,7 @@ void SpanCopyPool::run(const Partition& p, const RegionMap& dst, const RegionMap
   dst_ = dst;
   src_ = src;
   pending_ = p.parts();
+  next_chunk_.store(0, std::memory_order_relaxed);
   ++generation_;
   start_cv_.notify_all();
   done_cv_.wait(lock, [this] {
@@ -120,7 +123,10 @@ void SpanCopyPool::work(unsigned idx) {
       dst = dst_;
       src = src_;
     }
-    copy_pieces(*job, job->begin[idx], job->begin[idx + 1], dst, src, mode);
+    for (std::size_t c = next_chunk_.fetch_add(1, std::memory_order_relaxed); c < job->chunks();
+         c = next_chunk_.fetch_add(1, std::memory_order_relaxed)) {
+      copy_pieces(*job, job->begin[c], job->begin[c + 1], dst, src, mode);
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (--pending_ == 0) done_cv_.notify_one();

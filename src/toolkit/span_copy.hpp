@@ -6,6 +6,7 @@
 // machine makes, which engines are held against.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -21,12 +22,19 @@
 
 namespace mstar::kv::toolkit {
 
-// The spans cut into `threads` runs of (nearly) equal bytes.
+// The spans cut, for `threads` threads, into kChunksPerThread chunks a
+// thread of (nearly) equal bytes, which the threads claim one at a time as
+// the engines' copy pools do: on a VM whose cores run at uneven speeds a
+// fixed share per thread waits for the slowest, and the baseline would lose
+// to the engine it bounds.
 struct Partition {
+  static constexpr unsigned kChunksPerThread = 8;
   std::vector<CopySpan> pieces;
-  std::vector<std::size_t> begin;  // thread t copies pieces [begin[t], begin[t+1])
+  std::vector<std::size_t> begin;  // chunk c is pieces [begin[c], begin[c+1])
+  unsigned threads = 1;
 
-  unsigned parts() const noexcept { return static_cast<unsigned>(begin.size() - 1); }
+  unsigned parts() const noexcept { return threads; }
+  std::size_t chunks() const noexcept { return begin.size() - 1; }
 };
 Partition partition(std::span<const CopySpan> spans, unsigned threads);
 
@@ -74,6 +82,7 @@ class SpanCopyPool {
   unsigned pending_ MSTAR_KV_GUARDED_BY(mu_) = 0;
   bool stop_ MSTAR_KV_GUARDED_BY(mu_) = false;
   const Partition* job_ MSTAR_KV_GUARDED_BY(mu_) = nullptr;
+  std::atomic<std::size_t> next_chunk_{0};  // the job's next unclaimed chunk
   CopyMode mode_ MSTAR_KV_GUARDED_BY(mu_) = CopyMode::kMemcpy;
   RegionMap dst_ MSTAR_KV_GUARDED_BY(mu_);
   RegionMap src_ MSTAR_KV_GUARDED_BY(mu_);

@@ -97,6 +97,32 @@ TEST(CopyBaseline, PoolRunsJobsCutForFewerThreadsThanItHas) {
   }
 }
 
+TEST(CopyBaseline, PartitionCutsEqualChunksTheThreadsClaim) {
+  const Case c = make_case();
+  std::uint64_t total = 0;
+  for (const CopySpan& s : c.spans) total += s.length;
+  for (unsigned threads : {1u, 2u, 3u, 7u}) {
+    const Partition p = partition(c.spans, threads);
+    const std::uint64_t chunks = std::uint64_t{threads} * Partition::kChunksPerThread;
+    const std::uint64_t share = (total + chunks - 1) / chunks;
+    ASSERT_EQ(p.parts(), threads);
+    // At most one chunk a share (a ceiling: the last may come out short or
+    // not at all), and never fewer chunks than threads.
+    ASSERT_LE(p.chunks(), chunks) << threads << " threads";
+    ASSERT_GE(p.chunks(), threads) << threads << " threads";
+    std::uint64_t seen = 0;
+    for (std::size_t k = 0; k < p.chunks(); ++k) {
+      std::uint64_t bytes = 0;
+      for (std::size_t i = p.begin[k]; i < p.begin[k + 1]; ++i) bytes += p.pieces[i].length;
+      EXPECT_LE(bytes, share) << "chunk " << k << " of " << threads << " threads";
+      EXPECT_GT(bytes, 0u) << "chunk " << k << " of " << threads << " threads";
+      seen += bytes;
+    }
+    EXPECT_EQ(seen, total);
+  }
+  EXPECT_EQ(partition({}, 4).chunks(), 0u);
+}
+
 TEST(CopyBaseline, ThreadCountsCoverEveryCountUpToEightThenDoublings) {
   using V = std::vector<unsigned>;
   EXPECT_EQ(baseline_thread_counts(0), V({1}));
