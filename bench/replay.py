@@ -8,6 +8,8 @@ on this host (a development tool, not part of the package).
     python3 bench/replay.py --sweep --requests 200      # 1x1..8x8, shm ucx nixl mooncake
     python3 bench/replay.py --smoke                     # a few requests, every byte checked
     python3 bench/replay.py --engines shm --sizes 2x2 --kill-prefill-at 6
+    python3 bench/replay.py --engines ucx,mooncake --sizes 4x4 --time-scale 0.01 \
+        --requests 200 --repeat 5 --warmup 1             # medians of 5, engines alternating
 
 Every prefill and decode has a KV cache of Llama-3-8B's per-layer geometry
 (8 KV heads x 128, bf16, 16-token pages) with --layers layers. For each
@@ -22,6 +24,12 @@ request when the decode is done. Engines: shm and ucx (mstar_kv), mooncake
 and nixl (NIXL's Python agent on its UCX backend, host memory; its pulls are
 the same token-clipped byte spans). UCX runs over TCP on loopback for ucx
 and nixl alike (UCX_TLS / UCX_NET_DEVICES from the environment otherwise).
+
+--repeat N runs the whole plan N times, round by round (each engine's run
+beside the others' under the same load), and adds a table of the medians;
+--warmup K runs K untimed rounds first: on the 2-vCPU VMs the first run after
+the machine idled ran up to 3x slower than the next ones, whatever the
+engine.
 
 Exit status: 0 when every request completed verified, or, with
 --kill-prefill-at, every failure was a request of the killed prefill and all
@@ -79,9 +87,20 @@ def parse_args(argv):
     p.add_argument("--smoke", action="store_true",
                    help="20 requests with prefix sharing, 1x1 and 2x2, shm and ucx, tiny "
                         "caches, every byte verified")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of the whole plan (medians table when > 1)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed rounds first")
+    p.add_argument("--engine-opt", default="", metavar="K=V,..",
+                   help="options of mstar_kv's engines (shm, ucx), e.g. ucx_progress=event")
     p.add_argument("--nixl-python", default="",
                    help="interpreter with nixl (default: this one, else " + VENV_PYTHON + ")")
     a = p.parse_args(argv)
+    if a.repeat < 1 or a.warmup < 0:
+        p.error(f"--repeat {a.repeat} must be >= 1 and --warmup {a.warmup} >= 0")
+    try:
+        a.engine_opts = dict(kv.split("=", 1) for kv in a.engine_opt.split(",") if kv)
+    except ValueError:
+        p.error(f"--engine-opt '{a.engine_opt}' is not K=V,K=V")
     if a.sweep:
         a.sizes = "1x1,2x2,4x4,8x8"
         if a.engines == "shm":
@@ -194,38 +213,46 @@ def main(argv=None):
     os.makedirs(log_dir, exist_ok=True)
     nixl_py = nixl_python(a) if any(e == "nixl" for e, _, _ in plan) else None
     results, all_records, failed_runs = [], {}, []
-    for engine, size, route in plan:
+    rounds = [(r - a.warmup, e, s, rt) for r in range(a.warmup + a.repeat)
+              for e, s, rt in plan]
+    for rnd, engine, size, route in rounds:
         npre, ndec = sizes[size]
-        label = {"engine": engine, "size": size, "route": route}
+        label = {"engine": engine, "size": size, "route": route, "round": rnd}
+        tag = f"{engine} {size} {route}" + (f" round {rnd}" if len(rounds) > len(plan) else "")
+        if rnd < 0:
+            tag += " (warm-up, untimed)"
         python = nixl_py if engine == "nixl" else sys.executable
         why = (probe(python, "nixl._api") if engine == "nixl" else
                probe(python, "mooncake.engine") if engine == "mooncake" else None)
         if why:
-            print(f"  {engine} {size} {route}: skipped, {why}", flush=True)
-            results.append({**label, "skipped": why})
+            print(f"  {tag}: skipped, {why}", flush=True)
+            if rnd == 0:
+                results.append({**label, "skipped": why})
             continue
         cfg = dict(engine=engine, prefill=npre, decode=ndec, route=route, layers=a.layers,
                    pages=pages, timeout=a.timeout, verify_held=a.verify_held,
                    bt=rc.block_tokens(a.length_scale), time_scale=a.time_scale,
                    kill_at=a.kill_prefill_at, deadline_s=a.deadline,
-                   corrupt_at=a.corrupt_at)
-        log_path = os.path.join(log_dir, f"{engine}-{size}-{route}.log")
+                   corrupt_at=a.corrupt_at, engine_opts=a.engine_opts)
+        log_path = os.path.join(log_dir, f"{engine}-{size}-{route}-{rnd}.log")
         t0 = time.monotonic()
         with open(log_path, "w") as log:
             try:
                 summary, records = rd.run(cfg, trace, python, worker_env(engine), log)
             except RuntimeError as e:
-                summary, records = {**label, "skipped": f"{e} ({log_path})"}, []
+                summary, records = {"skipped": f"{e} ({log_path})"}, []
+        summary.update(label)
         if "skipped" in summary:
-            failed_runs.append(f"{engine} {size} {route}: {summary['skipped']}")
-            print(f"  {engine} {size} {route}: FAILED to start: {summary['skipped']}", flush=True)
+            failed_runs.append(f"{tag}: {summary['skipped']}")
+            print(f"  {tag}: FAILED to start: {summary['skipped']}", flush=True)
             results.append(summary)
             continue
         bad = verdict(summary, records, a.kill_prefill_at)
         summary["verdict"] = bad or "ok"
-        results.append(summary)
-        all_records[f"{engine} {size} {route}"] = records
-        print(f"  {engine} {size} {route}: {summary['completed']}/{summary['requests']} ok, "
+        if rnd >= 0:
+            results.append(summary)
+            all_records[tag] = records
+        print(f"  {tag}: {summary['completed']}/{summary['requests']} ok, "
               f"{summary['failed']} failed, {summary['gbps']:.2f} GB/s, "
               f"{summary['bytes_verified'] / 1e9:.2f} GB verified, "
               f"{time.monotonic() - t0:.1f} s" + (f"; BAD: {bad}" if bad else ""), flush=True)
@@ -234,14 +261,18 @@ def main(argv=None):
                   f"{a.kill_prefill_at}; failed requests: "
                   f"{[f['req'] for f in summary['failures']]}", flush=True)
         if bad:
-            failed_runs.append(f"{engine} {size} {route}: {bad} (logs: {log_path})")
+            failed_runs.append(f"{tag}: {bad} (logs: {log_path})")
     print()
-    print(rc.table(results))
+    print(rc.table(results, rounds=a.repeat > 1))
+    if a.repeat > 1:
+        print(f"\nmedians of {a.repeat} rounds:\n")
+        print(rc.table(rc.medians(results)))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"argv": sys.argv[1:] if argv is None else argv,
                        "setup": describe(a, trace, pages, nprocs_max).split("\n"),
-                       "runs": results, "records": all_records}, f, indent=1)
+                       "runs": results, "medians": rc.medians(results) if a.repeat > 1 else [],
+                       "records": all_records}, f, indent=1)
     if failed_runs:
         print("\nreplay FAILED:\n  " + "\n  ".join(failed_runs), file=sys.stderr)
         return 1

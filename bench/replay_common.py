@@ -9,6 +9,7 @@ tokens, so every request keeps its number of blocks and its sharing.
 import collections
 import json
 import math
+import statistics
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -163,19 +164,49 @@ def fmt_ms(x):
     return "-" if x != x else f"{x:.1f}"
 
 
-def table(results):
-    """A markdown table of runs (rows) and their figures."""
+def medians(results):
+    """Per (engine, size, route), the median of its rounds' figures (each
+    percentile the median of the rounds' percentiles); counts are totals,
+    and `req_per_s_runs` lists every round's rate."""
+    groups = collections.OrderedDict()
+    for s in results:
+        if "skipped" not in s:
+            groups.setdefault((s["engine"], s["size"], s["route"]), []).append(s)
+    out = []
+    for (engine, size, route), runs in groups.items():
+        def med(f, runs=runs):
+            return statistics.median(f(r) for r in runs)
+        buckets = {name: {"n": sum(r["pull_latency"][name]["n"] for r in runs),
+                          **{k: med(lambda r, k=k, n=name: r["pull_latency"][n][k])
+                             for k in ("p50_ms", "p99_ms", "max_ms")}}
+                   for _, name in BUCKETS}
+        out.append({
+            "engine": engine, "size": size, "route": route, "rounds": len(runs),
+            "requests": sum(r["requests"] for r in runs),
+            "completed": sum(r["completed"] for r in runs),
+            "failed": sum(r["failed"] for r in runs),
+            **{k: med(lambda r, k=k: r[k]) for k in ("req_per_s", "gbps", "bytes_pulled",
+                                                     "bytes_saved", "e2e_p50_ms")},
+            "pull_latency": buckets,
+            "req_per_s_runs": [round(r["req_per_s"], 1) for r in runs],
+        })
+    return out
+
+
+def table(results, rounds=False):
+    """A markdown table of runs (rows) and their figures; `rounds`: a column
+    for each run's round."""
     names = [name for _, name in BUCKETS]
-    head = ["engine", "PxD", "route", "req", "ok", "fail", "req/s", "GB/s", "GB pulled",
-            "GB saved", "e2e p50 ms"]
+    head = ["engine", "PxD", "route"] + (["round"] if rounds else [])
+    head += ["req", "ok", "fail", "req/s", "GB/s", "GB pulled", "GB saved", "e2e p50 ms"]
     head += [f"pull {n} p50/p99/max ms (n)" for n in names]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in results:
+        first = [s["engine"], s["size"], s["route"]] + ([str(s.get("round", 0))] if rounds else [])
         if "skipped" in s:
-            lines.append(f"| {s['engine']} | {s['size']} | {s['route']} | "
-                         f"skipped: {s['skipped']} |")
+            lines.append("| " + " | ".join(first) + f" | skipped: {s['skipped']} |")
             continue
-        row = [s["engine"], s["size"], s["route"], str(s["requests"]), str(s["completed"]),
+        row = first + [str(s["requests"]), str(s["completed"]),
                str(s["failed"]), f"{s['req_per_s']:.1f}", f"{s['gbps']:.2f}",
                f"{s['bytes_pulled'] / 1e9:.2f}", f"{s['bytes_saved'] / 1e9:.2f}",
                fmt_ms(s["e2e_p50_ms"])]

@@ -66,6 +66,7 @@ class Run:
         self.q = queue.Queue()
         wcfg = {k: cfg[k] for k in ("engine", "layers", "pages", "timeout", "verify_held",
                                     "corrupt_at")}
+        wcfg["engine_opts"] = cfg.get("engine_opts", {})
         self.prefills = [Worker("prefill", i, wcfg, python, env, log, self.q)
                          for i in range(cfg["prefill"])]
         self.decodes = [Worker("decode", i, wcfg, python, env, log, self.q)

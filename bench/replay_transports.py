@@ -37,7 +37,8 @@ class MstarTransport:
             info = kv.MooncakeKVTransferEngine(self.cache, name, self.te,
                                                timeout=cfg["timeout"])
         else:
-            info = kv.TransferEngineInfo(name, "", engine, {"timeout": cfg["timeout"]})
+            info = kv.TransferEngineInfo(name, "", engine,
+                                         {"timeout": cfg["timeout"], **cfg.get("engine_opts", {})})
         self.manager = kv.KVTransferManager(info, self.cache)
         self.pool = kv.KVCachePool(self.cache, self.manager, lease=0)
 

@@ -89,3 +89,30 @@ def test_corrupted_block_fails_the_run(tmp_path):
     assert records[2]["status"] == "mismatch", records[2]
     assert "hash" in records[2]["why"]
     assert [rec["status"] for i, rec in enumerate(records) if i != 2] == ["ok"] * 5
+
+
+def test_rounds_give_medians_and_options_reach_the_engine(tmp_path):
+    # Two timed rounds after an untimed one, engines alternating; the option
+    # is one the ucx engine checks, so a run that ignored it would not differ.
+    r, data = replay(tmp_path, *WINDOW, "--engines", "shm,ucx", "--sizes", "1x1",
+                     "--repeat", "2", "--warmup", "1", "--engine-opt", "ucx_progress=event")
+    assert r.returncode == 0, r.stdout + r.stderr
+    runs = data["runs"]
+    assert [(x["engine"], x["round"]) for x in runs] == [
+        ("shm", 0), ("ucx", 0), ("shm", 1), ("ucx", 1)]
+    for run in runs:
+        check_completed(run, data["records"][f"{run['engine']} 1x1 rr round {run['round']}"])
+    assert "round -1 (warm-up, untimed)" in r.stdout
+    med = {m["engine"]: m for m in data["medians"]}
+    for engine in ("shm", "ucx"):
+        rates = sorted(x["req_per_s"] for x in runs if x["engine"] == engine)
+        assert med[engine]["rounds"] == 2 and med[engine]["completed"] == 40
+        assert med[engine]["req_per_s"] == pytest.approx(sum(rates) / 2)
+    assert "medians of 2 rounds" in r.stdout
+
+    r, _ = replay(tmp_path, *WINDOW, "--engines", "ucx", "--sizes", "1x1",
+                  "--engine-opt", "ucx_progress=bogus")
+    assert r.returncode == 1
+    assert "exited during start" in r.stderr, r.stderr
+    log = (tmp_path / "logs" / "ucx-1x1-rr-0.log").read_text()
+    assert "ucx_progress 'bogus'" in log, log
