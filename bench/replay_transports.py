@@ -18,6 +18,17 @@ def layout(cfg):
                        dtype="bf16")
 
 
+def new_cache(cfg, memory):
+    """A cache whose every page is written once before the replay starts, as
+    an engine's is (torch.zeros): a host cache is mapped lazily, in huge
+    pages where the kernel has them, and the first write to each would
+    otherwise land inside a pull, a page fault that compacts memory for
+    tens of milliseconds once free huge pages run out."""
+    cache = kv.KVCache(layout(cfg), memory)
+    cache.fill_pattern(0, list(range(cfg["pages"])), 0, cfg["pages"] * rc.PAGE_SIZE)
+    return cache
+
+
 class MstarTransport:
     def __init__(self, cfg):
         self.cfg = cfg
@@ -28,7 +39,7 @@ class MstarTransport:
         # The shm engine serves a shared cache by mapping it (a private one by
         # cross-memory attach); the network engines read host memory.
         memory = "shared" if engine == "shm" and cfg["role"] == "prefill" else "host"
-        self.cache = kv.KVCache(layout(cfg), memory)
+        self.cache = new_cache(cfg, memory)
         if engine == "mooncake":
             from mooncake.engine import TransferEngine
             self.te = TransferEngine()
@@ -86,7 +97,7 @@ class NixlTransport:
         self.num_pages = cfg["pages"]
         self.layers = cfg["layers"]
         self.token_bytes = rc.token_bytes(cfg["layers"])
-        self.cache = kv.KVCache(layout(cfg), "host")
+        self.cache = new_cache(cfg, "host")
         self.pool = kv.KVCachePool(self.cache, None, lease=0)
         self.agent = nixl_agent(f"{cfg['role']}-{cfg['index']}",
                                 nixl_agent_config(backends=["UCX"]))
