@@ -22,6 +22,7 @@ ucs_status_t UcxCore::on_am(void* arg, const void* header, std::size_t header_le
     case kAmDone:
     case kAmReadyReq:
     case kAmPing:
+    case kAmBind:
       return core.owner_.handle_am(tag->id, header, header_length, data, length, param);
     case kAmReadData:
     case kAmGatherData:
@@ -42,7 +43,7 @@ ucs_status_t UcxOwner::handle_am(unsigned id, const void* header, std::size_t he
       if (header_length != sizeof(HelloHdr) || !has_reply_ep || rndv) return UCS_OK;
       HelloHdr h;
       std::memcpy(&h, header, sizeof h);
-      Served to = served_of(param->reply_ep, 0);
+      Served to = served_of(param->reply_ep);
       if (to) core_.progress().defer([this, to, h] { on_hello(to, h); });
       return UCS_OK;
     }
@@ -50,7 +51,7 @@ ucs_status_t UcxOwner::handle_am(unsigned id, const void* header, std::size_t he
       if (header_length != sizeof(AuthHdr) || !has_reply_ep || rndv) return UCS_OK;
       AuthHdr h;
       std::memcpy(&h, header, sizeof h);
-      Served to = served_of(param->reply_ep, 0);
+      Served to = served_of(param->reply_ep);
       if (to) core_.progress().defer([this, to, h] { on_auth(to, h); });
       return UCS_OK;
     }
@@ -60,10 +61,25 @@ ucs_status_t UcxOwner::handle_am(unsigned id, const void* header, std::size_t he
       std::memcpy(&h, header, sizeof h);
       // Every answer goes through the record of the reader's connection
       // (ServedEp), never through the bare endpoint.
-      Served to = served_of(param->reply_ep, h.ticket);
-      if (!to) {  // a data endpoint of no connection: nobody to answer
+      Served to = served_of(param->reply_ep);
+      if (!to) {  // not on a listener endpoint: nobody to answer
         counters_.refused.fetch_add(1, std::memory_order_relaxed);
         return UCS_OK;
+      }
+      if ((h.flags & kReqReplyOnData) != 0) {
+        if (to->data_reply == nullptr) {
+          core_.progress().defer([this, to, h] {
+            send_err(to, h.batch_id,
+                     Status(StatusCode::kInvalidArgument,
+                            "a read request for replies on a data endpoint this connection did "
+                            "not bind (kAmBind)"));
+          });
+          return UCS_OK;
+        }
+        auto bound = std::make_shared<ServedEp>();
+        bound->ep = to->data_reply;
+        bound->conn = to;
+        to = std::move(bound);
       }
       const bool check_only = (h.flags & kReqCheckOnly) != 0;
       const bool strided = (h.flags & kReqStrided) != 0;
@@ -144,7 +160,7 @@ ucs_status_t UcxOwner::handle_am(unsigned id, const void* header, std::size_t he
       if (header_length != sizeof(ReadyReqHdr) || !has_reply_ep || rndv) return UCS_OK;
       ReadyReqHdr h;
       std::memcpy(&h, header, sizeof h);
-      Served to = served_of(param->reply_ep, h.ticket);
+      Served to = served_of(param->reply_ep);
       if (!to) return UCS_OK;
       // Untrusted: the page count must match the length exactly.
       if (h.npages == 0 || h.npages > kMaxReadyPages || h.epoch == 0 ||
@@ -163,11 +179,20 @@ ucs_status_t UcxOwner::handle_am(unsigned id, const void* header, std::size_t he
           [this, to, h, p = std::move(pages)]() mutable { on_ready_req(to, h, std::move(p)); });
       return UCS_OK;
     }
+    case kAmBind: {
+      if (header_length != sizeof(BindHdr) || !has_reply_ep || rndv) return UCS_OK;
+      BindHdr h;
+      std::memcpy(&h, header, sizeof h);
+      // Bound in this handler, while reply_ep is certainly valid, so that
+      // no request of the connection can overtake it.
+      on_bind(param->reply_ep, h);
+      return UCS_OK;
+    }
     case kAmPing: {  // answered after this round, whatever the owner is busy with
       if (header_length != sizeof(PingHdr) || !has_reply_ep || rndv) return UCS_OK;
       PingHdr h;
       std::memcpy(&h, header, sizeof h);
-      Served to = served_of(param->reply_ep, h.ticket);
+      Served to = served_of(param->reply_ep);
       if (to) {
         core_.progress().defer([this, to, h] { reply(to, kAmPong, &h, sizeof h, nullptr, 0); });
       }
@@ -206,6 +231,13 @@ ucs_status_t UcxReader::handle_am(unsigned id, const void* header, std::size_t h
       std::string msg(static_cast<const char*>(data), std::min<std::size_t>(length, 1024));
       core_.progress().defer(
           [this, h, m = std::move(msg)]() mutable { on_ready_notice(h, std::move(m)); });
+      return UCS_OK;
+    }
+    case kAmBound: {
+      if (header_length != sizeof(BindHdr) || rndv) return UCS_OK;
+      BindHdr h;
+      std::memcpy(&h, header, sizeof h);
+      core_.progress().defer([this, h] { on_bound(h); });
       return UCS_OK;
     }
     case kAmPong: {  // the owner is alive (check_peers)

@@ -208,8 +208,8 @@ void UcxReads::start_batch(const std::shared_ptr<Batch>& b) {
   } else {
     for (const rma::RmaRead& r : b->chunks) b->pending.emplace(r.local_offset, r.length);
   }
-  const std::uint64_t flags = (c->am_on_data ? kReqEagerOnly : 0) | (b->gather ? kReqGather : 0) |
-                              (b->strided.empty() ? 0 : kReqStrided);
+  const std::uint64_t flags = (c->am_on_data ? kReqEagerOnly | kReqReplyOnData : 0) |
+                              (b->gather ? kReqGather : 0) | (b->strided.empty() ? 0 : kReqStrided);
   std::vector<std::uint8_t> body;
   std::size_t nspans = 0;
   auto append = [&body](const auto& wire) {
@@ -239,8 +239,10 @@ void UcxReads::start_batch(const std::shared_ptr<Batch>& b) {
                        b->check.epoch, b->check.pages.size(), c->ticket};
   append(b->check.pages);
   core_.trace("read %llu: asking", static_cast<unsigned long long>(b->id));
-  core_.worker().send_small(c->am_on_data ? c->data_ep.get() : c->ep.get(), kAmReadReq, &hdr,
-                            sizeof hdr, body.data(), body.size(), true, c->id);
+  // Always on the control endpoint, even when the replies come over shared
+  // memory (ucx_wire.hpp, BindHdr).
+  core_.worker().send_small(c->ep.get(), kAmReadReq, &hdr, sizeof hdr, body.data(), body.size(),
+                            true, c->id);
   core_.trace("read %llu: asked %s for %zu spans (flags %llu)",
               static_cast<unsigned long long>(b->id), c->session_id.c_str(), nspans,
               static_cast<unsigned long long>(flags));

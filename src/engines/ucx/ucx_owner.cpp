@@ -115,19 +115,29 @@ void UcxOwner::clear() noexcept {
   listener_.reset();
 }
 
-Served UcxOwner::served_of(ucp_ep_h reply_ep, std::uint64_t ticket) {
+Served UcxOwner::served_of(ucp_ep_h reply_ep) {
+  // Requests come on listener endpoints only: a reader's data endpoint
+  // (ucx_mode=am_shm) carries its bind and the owner's replies
+  // (ucx_wire.hpp, BindHdr).
   if (auto it = server_eps_.find(reply_ep); it != server_eps_.end()) return it->second.served;
-  // A reader's data endpoint (ucx_mode=am_shm): UCX made this endpoint and
-  // owns it; it answers for the connection whose ticket the request
-  // carries, and is dropped with it. (UCX destroys such an endpoint by
-  // itself only when one of its lanes fails; shared-memory lanes, which
-  // am_shm requires for active messages, detect no failure.)
-  const auto c = tickets_.find(ticket);
-  if (ticket == 0 || c == tickets_.end()) return nullptr;
-  auto s = std::make_shared<ServedEp>();
-  s->ep = reply_ep;
-  s->conn = c->second;
-  return s;
+  return nullptr;
+}
+
+void UcxOwner::on_bind(ucp_ep_h reply_ep, const BindHdr& h) {
+  // A listener endpoint is no data endpoint; a connection binds once.
+  if (server_eps_.count(reply_ep) != 0) return;
+  const auto c = tickets_.find(h.ticket);
+  if (h.ticket == 0 || c == tickets_.end()) {
+    counters_.refused.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  const Served conn = c->second;
+  if (!conn->open || conn->data_reply != nullptr) return;
+  conn->data_reply = reply_ep;
+  auto data = std::make_shared<ServedEp>();
+  data->ep = reply_ep;
+  data->conn = conn;
+  core_.progress().defer([this, data, h] { reply(data, kAmBound, &h, sizeof h, nullptr, 0); });
 }
 
 void UcxOwner::reply(const Served& to, unsigned id, const void* header, std::size_t header_len,
@@ -209,8 +219,8 @@ void UcxOwner::refuse_hello(const Served& to, std::uint64_t conn_id, const std::
 
 void UcxOwner::serve_hello(const Served& to, std::uint64_t conn_id) {
   // Every connection gets a ticket: with an auth_token its requests must
-  // carry it, and a request on a reader's data endpoint is answered for
-  // the connection that holds it (served_of).
+  // carry it, and a reader's data endpoint is bound for the replies of the
+  // connection that holds it (on_bind).
   std::uint64_t ticket = new_ticket();
   while (ticket == 0 || tickets_.count(ticket) != 0) ticket = new_ticket();
   tickets_.emplace(ticket, to);

@@ -44,7 +44,8 @@ class UcxOwner : private UcxPart {
   UcxOwner(UcxCore& core, const std::string& session_id);
 
   // An active message for the owner (kAmHello, kAmAuth, kAmReadReq,
-  // kAmDone, kAmReadyReq, kAmPing: answered with kAmPong), in UCX's handler.
+  // kAmDone, kAmReadyReq, kAmPing: answered with kAmPong, kAmBind), in
+  // UCX's handler.
   ucs_status_t handle_am(unsigned id, const void* header, std::size_t header_length, void* data,
                          std::size_t length, const ucp_am_recv_param_t* param);
   // Sends a small reply on `to`, or, its endpoint gone, drops it (drop()).
@@ -82,15 +83,16 @@ class UcxOwner : private UcxPart {
   static void on_conn_request(ucp_conn_request_h req, void* arg);
   static void on_server_ep_error(void* arg, ucp_ep_h ep, ucs_status_t st);
   void close_server_ep(ucp_ep_h ep);
-  // The record a request that arrived on `reply_ep` carrying `ticket` is
-  // answered through (ServedEp): a listener endpoint's own, or for an
-  // endpoint UCX made (a reader's data endpoint) a record that answers for
-  // the connection holding the ticket; null when no connection holds it.
-  // Called in the active-message handler, while reply_ep is valid.
-  Served served_of(ucp_ep_h reply_ep, std::uint64_t ticket);
+  // The record of the connection whose listener endpoint is `reply_ep`;
+  // null for any other endpoint. In the active-message handler, while
+  // reply_ep is valid.
+  Served served_of(ucp_ep_h reply_ep);
   // The handshake (ucx_wire.hpp), owner half.
   void on_hello(const Served& to, const HelloHdr& h);
   void on_auth(const Served& to, const AuthHdr& h);
+  // A reader's data endpoint, bound for the replies of its connection
+  // (kAmBind), answered with kAmBound. In the active-message handler.
+  void on_bind(ucp_ep_h reply_ep, const BindHdr& h);
   void serve_hello(const Served& to, std::uint64_t conn_id);
   void refuse_hello(const Served& to, std::uint64_t conn_id, const std::string& why);
   // Layer readiness (ucx_readiness.cpp): answers or holds a request.

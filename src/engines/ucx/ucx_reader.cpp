@@ -264,8 +264,30 @@ void UcxReader::data_ep_ready(std::uint64_t conn_id, ucs_status_t st) {
                             "wireup of the data endpoint failed: " + ucs_str(st)));
     return;
   }
+  if (conn->am_on_data && !conn->bound) {
+    // Wired up: bind it for the owner's replies; connected once the owner
+    // answers on it (on_bound), within the connect timeout. The requests go
+    // on the control endpoint (ucx_wire.hpp, BindHdr).
+    if (!conn->bind_sent) {
+      conn->bind_sent = true;
+      const BindHdr b{conn->id, conn->ticket};
+      core_.worker().send_small(conn->data_ep.get(), kAmBind, &b, sizeof b, nullptr, 0, true,
+                                conn->id);
+    }
+    return;
+  }
   conn->hello_set = true;
   conn->hello.set_value(Status::ok());
+}
+
+void UcxReader::on_bound(const BindHdr& h) {
+  auto it = conns_.find(h.conn_id);
+  if (it == conns_.end()) return;
+  const auto& conn = it->second;
+  // Only the answer to this connection's own bind counts.
+  if (!conn->bind_sent || conn->bound || h.ticket != conn->ticket) return;
+  conn->bound = true;
+  data_ep_ready(conn->id, UCS_OK);
 }
 
 void UcxReader::on_data_ep_flushed(void* req, ucs_status_t st, void* ud) {

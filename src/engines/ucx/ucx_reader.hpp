@@ -82,6 +82,8 @@ class UcxReader : private UcxPart {
   };
   EpInfo inspect_ep(ucp_ep_h ep);
   void data_ep_ready(std::uint64_t conn_id, ucs_status_t st);
+  // The owner bound the data endpoint for replies (kAmBound).
+  void on_bound(const BindHdr& h);
   void on_ready_notice(const ReadyHdr& h, std::string message);
   // The bodies of the C callbacks, each called through trampoline<>.
   static void on_data_ep_flushed(void* request, ucs_status_t st, void* user_data);

@@ -75,7 +75,9 @@ struct Conn {
   // where its layout offsets are in the owner.
   std::vector<RemoteKey> rkeys;
   RegionMap remote;
-  bool am_on_data = false;          // am reads go over data_ep, not ep
+  bool am_on_data = false;          // am replies come over data_ep (kReqReplyOnData)
+  bool bind_sent = false;           // [progress] kAmBind sent on data_ep
+  bool bound = false;               // [progress] the owner answered it (kAmBound)
   bool closing = false;             // [progress]
   bool hello_set = false;           // [progress]
   std::set<std::uint64_t> batches;  // [progress]
@@ -186,6 +188,9 @@ struct ServedEp {
   std::optional<std::pair<Nonce, Nonce>> challenge;
   bool refused = false;
   std::uint64_t ticket = 0;
+  // [progress] Listener endpoints: the reader's data endpoint bound for
+  // replies (kAmBind), an endpoint UCX made and owns; null until bound.
+  ucp_ep_h data_reply = nullptr;
   bool usable() const noexcept { return open && (!conn || conn->open); }
 };
 using Served = std::shared_ptr<ServedEp>;

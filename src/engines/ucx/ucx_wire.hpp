@@ -16,8 +16,9 @@
 //                   or {conn_id, 0, kPermissionDenied} + message
 // The region (address, remote key, worker address) is only sent after the
 // reader proved the secret. Every later request (ReadReq, Done) carries the
-// ticket, which the owner checks, because a reader's data endpoint reaches
-// the owner on an endpoint UCX made, not the one that authenticated.
+// ticket, which the owner checks; a reader's data endpoint reaches the owner
+// on an endpoint UCX made, not the one that authenticated, and its one
+// message (kAmBind) names the connection by the ticket.
 #pragma once
 
 #include <cstddef>
@@ -42,7 +43,9 @@ enum AmId : unsigned {
   kAmReadyNotice = 12,  // owner -> reader: layers ready, or why not (ReadyHdr)
   kAmPing = 13,         // reader -> owner: are you there? (PingHdr)
   kAmPong = 14,         // owner -> reader: yes (the PingHdr echoed)
-  kAmMaxId = 14,
+  kAmBind = 15,         // reader -> owner, on the data endpoint: reply here (BindHdr)
+  kAmBound = 16,        // owner -> reader, on that endpoint: bound (the BindHdr echoed)
+  kAmMaxId = 16,
 };
 
 inline constexpr std::size_t kNonceBytes = 16;
@@ -75,6 +78,19 @@ struct PingHdr {
   std::uint64_t ticket;
 };
 
+// A reader whose data endpoint carries active messages over shared memory
+// (ucx_mode=am_shm) sends its requests on the control endpoint like any
+// other and binds the data endpoint once, for the owner's replies
+// (kReqReplyOnData). Only this small message ever crosses the owner's
+// shared-memory receive fifo: a reader killed while it wrote a request of
+// thousands of spans into that fifo left it stuck for every later reader
+// (UCX 1.13 has no peer error handling on shared-memory endpoints; 2 of 80
+// owner-survival runs beside a loaded machine).
+struct BindHdr {
+  std::uint64_t conn_id;  // the reader's connection, echoed in kAmBound
+  std::uint64_t ticket;   // HelloHdr.ticket: the connection bound
+};
+
 struct DoneHdr {
   std::uint64_t seq_id;
   std::uint64_t epoch;
@@ -102,6 +118,9 @@ inline constexpr std::uint64_t kReqCheckOnly = 2;
 // and UCX 1.13 aborts the reading process when the owner dies mid-transfer
 // (measured); eager data only ever sits in the reader's own fifo.
 inline constexpr std::uint64_t kReqEagerOnly = 1;
+// Reply on the data endpoint this connection bound (kAmBind), not on the
+// endpoint the request came on; refused when none is bound.
+inline constexpr std::uint64_t kReqReplyOnData = 16;
 // Many spans (a change of in-page order or head shard makes rows of a few
 // hundred bytes; a scattered page table blocks of 4-128 KiB): the owner
 // gathers consecutive spans from its registered pages into one message (an

@@ -228,9 +228,9 @@ void UcxWorker::init_ucp() {
                   UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
   hp.flags = UCP_AM_FLAG_WHOLE_MSG;
   hp.cb = trampoline<&UcxCore::on_am, AmGuard>;
-  for (unsigned id :
-       {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr, kAmReadFin, kAmDone,
-        kAmChallenge, kAmAuth, kAmGatherData, kAmReadyReq, kAmReadyNotice, kAmPing, kAmPong}) {
+  for (unsigned id : {kAmHello, kAmHelloReply, kAmReadReq, kAmReadData, kAmReadErr, kAmReadFin,
+                      kAmDone, kAmChallenge, kAmAuth, kAmGatherData, kAmReadyReq, kAmReadyNotice,
+                      kAmPing, kAmPong, kAmBind, kAmBound}) {
     am_tags_[id] = AmTag{&core_, id};
     hp.id = id;
     hp.arg = &am_tags_[id];
