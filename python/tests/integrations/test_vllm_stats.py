@@ -10,6 +10,7 @@ import pickle
 import socket
 import sys
 import threading
+import time
 
 import pytest
 
@@ -94,9 +95,16 @@ def test_recorder_is_thread_safe():
     stop = threading.Event()
 
     def record():
-        for _ in range(3000):
+        for i in range(3000):
             w.record_pull(1000, 0.001, "ucx")
             w.record_failure("timeout")
+            if i in (1000, 2000):
+                # The taker takes mid-recording, however the threads are
+                # scheduled (on a loaded machine the recorders could finish
+                # before it first ran).
+                deadline = time.monotonic() + 10
+                while len(taken) < i // 1000 and time.monotonic() < deadline:
+                    time.sleep(0.0005)
 
     def take():
         while not stop.is_set():
