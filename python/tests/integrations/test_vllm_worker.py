@@ -189,6 +189,26 @@ def test_pull_lands_the_producers_bytes_in_vllms_blocks(model_dir, cell, p_layou
         assert prod.freed(), "the producer did not free on the done notice"
 
 
+def test_a_step_that_computes_nothing_reports_the_pull_it_started(model_dir):
+    """vLLM sleeps 1 ms after a step with nothing scheduled: such a step
+    (StepMeta.idle) waits up to idle_wait_ms for its pull, which is then
+    reported by the step that started it, not a later one."""
+    port = K.free_port()
+    n = 150
+    with (Producer(model_dir, port, "LBNHC", [9, 3, 40, 17, 22], n),
+          consuming(model_dir, extra={"idle_wait_ms": 1000}) as (glue, kv)):
+        c_blocks = [4, 8, 15, 16, 23]
+        # A load through the side channel and the engine: milliseconds at least.
+        t0 = time.monotonic()
+        out = glue.step(StepMeta(load=[LoadReq("d1", params(port, n), c_blocks, 0, n)],
+                                 idle=True))
+        took = time.monotonic() - t0
+        assert out and "d1" in (out.finished_recving or ()), \
+            f"the idle step returned after {took * 1e3:.1f} ms without reporting the pull"
+        assert not out.invalid_block_ids
+        assert K.check_request(kv, c_blocks, SEED, 0, n) == []
+
+
 def test_kv_planes_with_another_block_size_fail_the_load(model_dir):
     """The CPU backend's K and V planes do not map across block sizes: the
     load fails (vLLM recomputes) instead of landing misplaced rows."""

@@ -405,10 +405,14 @@ class Consumer:
         get_finished is about to report it; nothing has touched its blocks
         since the pull."""
 
-    def finished_recving(self) -> set:
+    def finished_recving(self, wait_s: float = 0.0) -> set:
         """The engine's thread, every step: reaps the pulls that ended
-        (their futures resolved, no wait), reports them, then sends their
-        done notices from a load thread."""
+        (their futures resolved), reports them, then sends their done
+        notices from a load thread. With ``wait_s`` (a step that computes
+        nothing) and none ended yet, first waits that long at most for the
+        first pull in flight to end."""
+        if wait_s > 0:
+            self._wait_for_an_end(wait_s)
         with self._lock:
             live = [ld for ld in self._loads.values()
                     if ld.started and not ld.ended and ld.future is not None]
@@ -433,6 +437,30 @@ class Consumer:
             self._on_finished(ld)
             self._pool.submit(self._notify_done, ld.req.req_id, ld.req.remote)
         return out
+
+    def _wait_for_an_end(self, wait_s: float) -> None:
+        """Until a load ended (its future resolved, or it failed), none is in
+        flight, or ``wait_s`` passed. A load still on a load thread (the
+        side channel) gets its future meanwhile: looked at every 0.5 ms."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._lock:
+                if self._done:
+                    return
+                loads = [ld for ld in self._loads.values() if not ld.ended]
+            if not loads:
+                return
+            started = [ld.future for ld in loads if ld.started and ld.future is not None]
+            if any(f.done() for f in started):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            pending = [f for f in started if isinstance(f, cf.Future)]
+            if pending:
+                cf.wait(pending, timeout=min(left, 0.0005), return_when=cf.FIRST_COMPLETED)
+            else:
+                time.sleep(min(left, 0.0005))
 
     def failed_requests(self) -> set:
         """Several groups: the loads reported finished that failed (vLLM

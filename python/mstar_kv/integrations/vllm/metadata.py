@@ -61,3 +61,6 @@ class StepMeta:
     release: List[ReleaseReq] = dataclasses.field(default_factory=list)
     cancel: List[str] = dataclasses.field(default_factory=list)  # loads of aborted requests
     unpublish: List[UnpublishReq] = dataclasses.field(default_factory=list)
+    # Nothing is scheduled in this step: the worker may wait for its pulls
+    # in get_finished (ConnectorConfig.idle_wait_ms).
+    idle: bool = False

@@ -98,6 +98,12 @@ class ConnectorConfig:
                       layer l while the prefill computes layer l + 1, and the
                       params of a finished request name pages that are
                       published already.
+    idle_wait_ms      consumer: in a step with nothing scheduled (vLLM runs
+                      one, then sleeps 1 ms, while requests wait for their
+                      KV), how long get_finished waits for a pull in flight
+                      to end, so that the step reports it instead of a later
+                      one (default 2; 0: never wait). A step that computes
+                      anything never waits.
     state_staging_pages consumer, a Mamba state from prefill engines of
                       another TP size: pages of the staging cache each
                       worker allocates at its first such load (state_move.py;
@@ -118,6 +124,7 @@ class ConnectorConfig:
     publish_early: bool = False
     prefill_peers: tuple = ()  # ((host, port), ...)
     state_staging_pages: int = 8
+    idle_wait_ms: float = 2.0
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> "ConnectorConfig":
@@ -148,6 +155,7 @@ class ConnectorConfig:
             publish_early=bool(extra.get("publish_early", False)),
             prefill_peers=_peers(extra.get("prefill_peers", ()), where),
             state_staging_pages=_num(extra, "state_staging_pages", 8, int, 1, 4096, where),
+            idle_wait_ms=_num(extra, "idle_wait_ms", 2.0, float, 0.0, 1000.0, where),
         )
 
 

@@ -297,6 +297,7 @@ class SchedulerSide:
                     self.epochs.release(req_id)
             self._publish_early(scheduler_output)
         meta, self._meta = self._meta, StepMeta()
+        meta.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         return meta
 
     def update_connector_output(self, output) -> None:
