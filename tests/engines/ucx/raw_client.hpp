@@ -98,6 +98,21 @@ class RawClient {
     }
     return false;
   }
+  // The handshake with an owner that has no auth_token: kAmHello as
+  // `conn_id`; the reply's header (zeroed, and a test failure, when none
+  // came within 5 s).
+  ucx::HelloHdr hello(std::uint64_t conn_id) {
+    ucx::HelloHdr h{};
+    h.conn_id = conn_id;
+    send(ucx::kAmHello, &h, sizeof h);
+    ucx::HelloHdr r{};
+    if (!wait_for(ucx::kAmHelloReply, std::chrono::seconds(5))) {
+      ADD_FAILURE() << "no hello reply";
+      return r;
+    }
+    std::memcpy(&r, first(ucx::kAmHelloReply).header.data(), sizeof r);
+    return r;
+  }
   const std::vector<Received>& got() const { return got_; }
   bool got_any(unsigned id) const {
     for (const Received& r : got_) {

@@ -37,16 +37,11 @@ TEST(UcxBind, RepliesOnADataEndpointNeedOneTheConnectionBound) {
       UcxKVTransferInfo::decode(owner->get_kv_transfer_info()).generation;
 
   RawClient c("127.0.0.1", port);
-  HelloHdr h{};
-  h.conn_id = 4;
-  c.send(kAmHello, &h, sizeof h);
-  ASSERT_TRUE(c.wait_for(kAmHelloReply, 5s)) << "no hello reply";
-  HelloHdr hr{};
-  std::memcpy(&hr, c.first(kAmHelloReply).header.data(), sizeof hr);
+  const HelloHdr hr = c.hello(4);
   ASSERT_NE(hr.ticket, 0u) << "every connection gets a ticket";
 
   // The control endpoint is no data endpoint: binding it binds nothing.
-  const BindHdr bind{h.conn_id, hr.ticket};
+  const BindHdr bind{hr.conn_id, hr.ticket};
   c.send(kAmBind, &bind, sizeof bind);
   c.wait_for(kAmBound, 300ms);
   EXPECT_FALSE(c.got_any(kAmBound)) << "the owner bound its listener endpoint";

@@ -81,15 +81,7 @@ class UcxOwnerLifetime : public ::testing::TestWithParam<HeldCase> {
   }
 
   // A raw reader's hello; the ticket of its connection.
-  static std::uint64_t hello(RawClient& c) {
-    HelloHdr h{};
-    h.conn_id = 9;
-    c.send(kAmHello, &h, sizeof h);
-    EXPECT_TRUE(c.wait_for(kAmHelloReply, 5s)) << "no hello reply";
-    HelloHdr r{};
-    std::memcpy(&r, c.first(kAmHelloReply).header.data(), sizeof r);
-    return r.ticket;
-  }
+  static std::uint64_t hello(RawClient& c) { return c.hello(9).ticket; }
 
   // Polls the owner's counters until `pred` holds (5 s at most).
   template <class Pred>
