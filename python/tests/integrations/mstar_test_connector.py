@@ -7,7 +7,9 @@ vLLM builds the connector in processes it spawns (engine core, workers),
 which a monkeypatch in the test process would not reach; they inherit the
 environment, which says what to do:
 
-  MSTAR_KV_TEST_STATS=FILE     one JSON line per finished load (decode)
+  MSTAR_KV_TEST_STATS=FILE     one JSON line per finished load (decode);
+                               FILE.peers once every prefill_peers rank
+                               is connected (decode, prefill_peers set)
   MSTAR_KV_TEST_RECORD=1       with STATS: a digest of each published and
                                loaded request's blocks in every layer of
                                vLLM's own tensors, the time each layer was
@@ -21,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 
 from mstar_kv.integrations.vllm.connector import MstarKVConnector
@@ -96,6 +99,21 @@ class RecordingConsumer(Consumer):
         self._recorder = recorder
         self._corrupt_tensors = corrupt_tensors
         self._landed: dict = {}  # req_id -> [(layer, when it was in vLLM's blocks)]
+        if recorder is not None and self.cfg.prefill_peers:
+            threading.Thread(target=self._tell_peers_connected, args=(recorder.path + ".peers",),
+                             name="test-peers", daemon=True).start()
+
+    def _tell_peers_connected(self, path: str) -> None:
+        """Writes what peers() says to ``path`` once every rank it keeps is
+        connected: a test that claims a pull found its peer connected ahead
+        waits for this, not for a guess at how long connecting takes."""
+        while True:
+            status = self.peers()
+            if status and all(v["state"] == "connected" for v in status.values()):
+                with open(path, "w") as f:
+                    f.write(json.dumps(status) + "\n")
+                return
+            time.sleep(0.05)
 
     def _on_issued(self, ld) -> None:
         if ld.stream is None or self._recorder is None or not self._recorder.record:

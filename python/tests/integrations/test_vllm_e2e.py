@@ -73,6 +73,14 @@ def cluster(request, shared, tmp_path_factory):
                            env={"MSTAR_KV_TEST_STATS": str(stc)})))
     engines = C.start_pair(d, model, engine, port, p_args, d_args, extra,
                            started=[shared.single])
+    # Connected ahead means connected before the first request: the prefill
+    # may come up a moment before the test starts, inside the keeper's backoff.
+    try:
+        C.wait_peers_connected(d / "decode.stats")
+    except BaseException:
+        for e in engines:
+            e.close()
+        raise
     c = dict(single=shared.single, prefill=engines[0], decode=engines[1],
              corrupt=engines[2] if len(engines) > 2 else None, stats=d / "decode.stats",
              corrupt_stats=stc, prefill_stats=d / "prefill.stats", dir=d, model=model,

@@ -5,6 +5,8 @@ engine joined by MstarKVConnector, each writing its connector's stats, and
 the third engine a negative control needs, in one cluster of the module."""
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import vllm_kit as K
@@ -77,6 +79,19 @@ def start_pair(d: Path, model, engine: str, port: int, prefill_args, decode_args
         *extra_specs,
     ]
     return E.start_all(specs, started=started)
+
+
+def wait_peers_connected(stats: Path, timeout: float = 120.0) -> dict:
+    """Until the decode whose connector records to ``stats`` (started with
+    --prefill-peers) has connected every prefill rank it keeps
+    (mstar_test_connector: STATS.peers); its peers() status."""
+    path = Path(str(stats) + ".peers")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().endswith("\n"):
+            return json.loads(path.read_text())
+        time.sleep(0.05)
+    raise AssertionError(f"the decode did not connect its prefill_peers within {timeout} s")
 
 
 def cluster_fixture(request, shared: Shared, tmp_path_factory, name: str, args=(), *,
