@@ -26,7 +26,7 @@ std::uint64_t layout_hash(const KVLayout& layout) {
   return h;
 }
 
-CmaAnchor::CmaAnchor(const KVCache& cache) {
+CmaAnchor::CmaAnchor(const KVCache& cache, bool map_private) {
   if (cache.memory_kind() != MemoryKind::kHost) {
     throw Error(StatusCode::kInvalidArgument,
                 "cross-memory attach serves private host caches (kHost), got memory kind " +
@@ -53,6 +53,11 @@ CmaAnchor::CmaAnchor(const KVCache& cache) {
   for (std::size_t i = 0; i < count; ++i) info_.regions.push_back(map.base(i));
   info_.epochs_addr = reinterpret_cast<std::uintptr_t>(cache.epochs().words());
   info_.ready_addr = reinterpret_cast<std::uintptr_t>(cache.readiness().words());
+  if (map_private) {
+    backing_ = std::make_unique<PrivateBacking>(info_);
+    info_.backed = true;
+    info_.fd = static_cast<std::uint32_t>(backing_->fd());
+  }
   bytes_ = anchor_bytes(count);
   void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) {
@@ -89,6 +94,7 @@ CmaAnchor::~CmaAnchor() {
   internal::store_seq_cst(reinterpret_cast<std::uint64_t*>(page_ + 8), std::uint64_t{0});
   std::memset(page_, 0, sizeof(AnchorHeader));
   ::munmap(page_, bytes_);
+  backing_.reset();  // after the anchor: readers fail stale on the anchor first
 }
 
 }  // namespace mstar::kv::shm

@@ -20,9 +20,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "mstar/kv/core/cache.hpp"
 #include "mstar/kv/engines/shm.hpp"
+#include "private_backing.hpp"
 
 namespace mstar::kv::shm {
 
@@ -58,8 +60,9 @@ class CmaAnchor {
  public:
   // Throws Error(kInvalidArgument) for a device or shared cache,
   // Error(kRetryLater) / kInternal when the page cannot be allocated or the
-  // process's start time read.
-  explicit CmaAnchor(const KVCache& cache);
+  // process's start time read. With `map_private`, the cache's whole pages
+  // are re-backed by a memfd first (private_backing.hpp; its errors).
+  explicit CmaAnchor(const KVCache& cache, bool map_private = false);
   ~CmaAnchor();
   CmaAnchor(const CmaAnchor&) = delete;
   CmaAnchor& operator=(const CmaAnchor&) = delete;
@@ -71,6 +74,7 @@ class CmaAnchor {
   std::byte* page_ = nullptr;
   std::size_t bytes_ = 0;
   ShmKVTransferInfo info_;
+  std::unique_ptr<PrivateBacking> backing_;
 };
 
 }  // namespace mstar::kv::shm

@@ -5,6 +5,7 @@
 #include "cma_reader.hpp"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -21,6 +22,7 @@
 #include "cma_anchor.hpp"
 #include "mstar/kv/core/epochs.hpp"
 #include "shm_memory.hpp"
+#include "span_copy.hpp"
 #include "util/posix_fd.hpp"
 
 namespace mstar::kv::shm {
@@ -244,12 +246,14 @@ std::shared_ptr<const CmaPeer> CmaPeer::open(const ShmKVTransferInfo& info) {
   }
   p->regions_ = count == 1 ? RegionMap::contiguous(info.regions[0])
                            : RegionMap::per_layer(info.layout, info.regions);
+  if (info.backed) p->map_backing();
   // The owner may have died between the checks above and the read.
   if (Status s = p->check_alive(); !s.is_ok()) throw Error(std::move(s));
   return p;
 }
 
 CmaPeer::~CmaPeer() {
+  if (backing_ != nullptr) ::munmap(const_cast<std::byte*>(backing_), backing_bytes_);
   if (pidfd_ >= 0) ::close(pidfd_);
 }
 
@@ -299,7 +303,8 @@ Status CmaPeer::verify(std::span<const std::uint32_t> pages, std::uint64_t epoch
   return Status::ok();
 }
 
-Status CmaPeer::copy(const RegionMap& dst, const StridedSpan* b, const StridedSpan* e) const {
+Status CmaPeer::copy(const RegionMap& dst, const StridedSpan* b, const StridedSpan* e,
+                     bool streaming) const {
   thread_local IovList local;
   thread_local IovList remote;
   VmReadBatch batch(
@@ -307,20 +312,41 @@ Status CmaPeer::copy(const RegionMap& dst, const StridedSpan* b, const StridedSp
       [&](const iovec* l, std::size_t nl, const iovec* r, std::size_t nr, std::size_t bytes) {
         return read(l, nl, r, nr, bytes, "the cache's pages");
       });
+  // One run of `n` bytes from the owner's `r` to `d`: what lies in the
+  // region's whole pages from the mapping, the rest by the kernel.
+  auto run = [&](std::uint64_t d, std::uint64_t r, std::uint64_t n, const Interior* in) {
+    if (in == nullptr || r + n <= in->lo || r >= in->hi) return batch.add(d, r, n);
+    const std::uint64_t lo = std::max(r, in->lo);
+    const std::uint64_t hi = std::min(r + n, in->hi);
+    if (lo > r) {
+      if (Status st = batch.add(d, r, lo - r); !st.is_ok()) return st;
+    }
+    std::memcpy(reinterpret_cast<void*>(static_cast<std::uintptr_t>(d + (lo - r))),
+                backing_ + in->file_offset + (lo - in->lo), hi - lo);
+    return hi < r + n ? batch.add(d + (hi - r), hi, r + n - hi) : Status::ok();
+  };
+  bool streamed = false;
   for (const StridedSpan* s = b; s != e; ++s) {
+    if (const std::byte* rows = mapped_rows(*s); rows != nullptr) {
+      copy_span_at(dst.pointer(s->local_offset), rows, *s, streaming, nullptr, nullptr);
+      streamed = streamed || streaming;
+      continue;
+    }
+    const Interior* in = interior_of(*s);
     const std::uint64_t d = dst.address(s->local_offset);
     const std::uint64_t r = regions_.address(s->remote_offset);
     if (s->rows == 1 || (s->local_stride == s->length && s->remote_stride == s->length)) {
-      if (Status st = batch.add(d, r, s->bytes()); !st.is_ok()) return st;
+      if (Status st = run(d, r, s->bytes(), in); !st.is_ok()) return st;
       continue;
     }
     for (std::uint64_t i = 0; i < s->rows; ++i) {
-      if (Status st = batch.add(d + i * s->local_stride, r + i * s->remote_stride, s->length);
+      if (Status st = run(d + i * s->local_stride, r + i * s->remote_stride, s->length, in);
           !st.is_ok()) {
         return st;
       }
     }
   }
+  if (streamed) stream_fence();
   return batch.flush();
 }
 

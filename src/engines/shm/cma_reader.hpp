@@ -12,6 +12,13 @@
 // Unlike a memfd mapping, the owner's memory does not outlive it: a copy
 // running when the owner dies fails (kNotFound), and so does every later
 // one.
+//
+// An owner whose private cache is re-backed by a memfd (map_private,
+// private_backing.hpp) names it in the descriptor (backed): the reader maps
+// it read-only at open, after the same checks and its own (a sealed memfd of
+// the owner's user whose header names the anchor's nonce, owner and
+// regions), and copies every span that lies in a region's whole pages out
+// of that mapping; the rest still goes through process_vm_readv.
 #pragma once
 
 #include <sys/uio.h>
@@ -29,6 +36,7 @@
 #include "mstar/kv/core/regions.hpp"
 #include "mstar/kv/engines/shm.hpp"
 #include "mstar/kv/util/status.hpp"
+#include "private_backing.hpp"
 
 namespace mstar::kv::shm {
 
@@ -66,8 +74,13 @@ class CmaPeer {
   // regions()) to dst (local offsets), batching up to IOV_MAX runs per side
   // in each call. A short copy (the owner unmapped the memory) or a failed
   // call is an error (kNotFound when the owner exited, kStaleDescriptor
-  // when it lives but no longer maps the cache).
-  Status copy(const RegionMap& dst, const StridedSpan* b, const StridedSpan* e) const;
+  // when it lives but no longer maps the cache). Spans inside a backed
+  // cache's whole pages are copied from its mapping (`streaming`:
+  // span_copy.hpp's mode, fenced before this returns).
+  Status copy(const RegionMap& dst, const StridedSpan* b, const StridedSpan* e,
+              bool streaming = false) const;
+  // True when the owner's whole pages are mapped here (a backed cache).
+  bool mapped() const noexcept { return backing_ != nullptr; }
   // A layer watch over the owner's readiness words of `pages` (sorted,
   // distinct), three reads a poll (epochs, words, epochs: the seqlock of
   // readiness.hpp), at most one a `min_interval`; an owner that died
@@ -91,10 +104,20 @@ class CmaPeer {
   Status read(const iovec* local, std::size_t nlocal, const iovec* remote, std::size_t nremote,
               std::size_t bytes, std::string_view what) const;
   Status nonce_status(std::uint64_t found) const;
+  // Maps the memfd of a backed cache (open's last step); throws Error.
+  void map_backing();
+  // The whole pages of the span's region (nullptr: not a backed cache).
+  const Interior* interior_of(const StridedSpan& s) const noexcept;
+  // Where the span's remote rows are in the mapping, or nullptr when any
+  // byte of them is not in a region's whole pages.
+  const std::byte* mapped_rows(const StridedSpan& s) const noexcept;
 
   ShmKVTransferInfo info_;
   RegionMap regions_;
   int pidfd_ = -1;
+  const std::byte* backing_ = nullptr;
+  std::size_t backing_bytes_ = 0;
+  std::vector<Interior> interiors_;
 };
 
 // Why the kernel may refuse a cross-memory attach here, and what to change

@@ -129,7 +129,7 @@ struct CopyPool::Job {
         }
         Status copied = Status::ok();
         if (spec.cma != nullptr) {
-          copied = spec.cma->copy(spec.dst, s, e);
+          copied = spec.cma->copy(spec.dst, s, e, spec.total_bytes >= kStreamBytes);
         } else {
           const bool streaming = spec.total_bytes >= kStreamBytes;
           for (; s != e; ++s) {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -64,7 +65,7 @@ struct ShmKVTransferEngine::Impl {
       : cache(std::move(c)), options(o), pool(o.max_workers, o.timeout) {
     // A private cache is served through cross-memory attach (cma_anchor.hpp).
     if (dynamic_cast<const shm::SharedMemory*>(&cache->memory()) == nullptr || cache->split()) {
-      anchor = std::make_unique<shm::CmaAnchor>(*cache);
+      anchor = std::make_unique<shm::CmaAnchor>(*cache, o.map_private);
     }
   }
 
@@ -311,12 +312,28 @@ void ShmKVTransferEngine::connect(const RemoteCache& remote_cache) {
 }
 
 ShmEngineOptions ShmEngineOptions::parse(const EngineOptions& options) {
-  // The shm engine has no options of its own: any shm_* key is a typo.
-  engines::reject_unknown_keys(options.extra, "shm", "shm_", {});
+  // Any other shm_* key is a typo.
+  engines::reject_unknown_keys(options.extra, "shm", "shm_", {"shm_map_private"});
   ShmEngineOptions o;
   o.max_workers = options.max_workers;
   o.timeout = options.timeout;
   o.check_epochs = options.check_epochs;
+  // The option wins over the environment (MSTAR_KV_SHM_MAP_PRIVATE: test and
+  // benchmark setups of a whole process).
+  const char* env = std::getenv("MSTAR_KV_SHM_MAP_PRIVATE");
+  std::string what = "MSTAR_KV_SHM_MAP_PRIVATE";
+  std::string value = env != nullptr ? env : "";
+  if (auto it = options.extra.find("shm_map_private"); it != options.extra.end()) {
+    what = "shm option shm_map_private";
+    value = it->second;
+  }
+  if (!value.empty()) {
+    if (value != "on" && value != "off") {
+      throw Error(StatusCode::kInvalidArgument,
+                  what + " '" + value + "' is not one of on, off");
+    }
+    o.map_private = value == "on";
+  }
   return o;
 }
 

@@ -4,7 +4,8 @@
 // u8 version, u32 pid, u32 fd, u32 uid, u64 start_time, u64 nonce, u64 size,
 // layout. Version 2 (kCma): u8 version, u32 pid, u32 uid, u64 start_time,
 // u64 nonce, u64 size, layout, u64 anchor, u64 epochs_addr, u64 ready_addr,
-// u64 region_bytes, u32 count, count x u64 region address.
+// u64 region_bytes, u32 count, count x u64 region address. Version 3 (kCma,
+// backed: map_private): version 2's fields, then u32 fd.
 #include <string>
 
 #include "cma_anchor.hpp"
@@ -18,6 +19,7 @@ namespace {
 
 constexpr std::uint8_t kPayloadVersion = 1;     // kMemfd
 constexpr std::uint8_t kCmaPayloadVersion = 2;  // kCma
+constexpr std::uint8_t kBackedPayloadVersion = 3;  // kCma, its whole pages in a memfd
 // Linux's PID_MAX_LIMIT (2^22) and a generous descriptor-table bound.
 constexpr std::uint32_t kMaxPid = 1u << 22;
 constexpr std::uint32_t kMaxFd = 1u << 30;
@@ -27,7 +29,7 @@ constexpr std::uint32_t kMaxFd = 1u << 30;
 KVTransferInfo ShmKVTransferInfo::encode() const {
   codec::ByteWriter w;
   if (access == Access::kCma) {
-    w.u8(kCmaPayloadVersion);
+    w.u8(backed ? kBackedPayloadVersion : kCmaPayloadVersion);
     w.u32(pid);
     w.u32(uid);
     w.u64(start_time);
@@ -40,6 +42,7 @@ KVTransferInfo ShmKVTransferInfo::encode() const {
     w.u64(region_bytes);
     w.u32(static_cast<std::uint32_t>(regions.size()));
     for (std::uint64_t a : regions) w.u64(a);
+    if (backed) w.u32(fd);
     return KVTransferInfo{kEngineName, w.take()};
   }
   w.u8(kPayloadVersion);
@@ -57,7 +60,7 @@ namespace {
 
 // The kCma part after the layout: untrusted, every address and count
 // checked before anything reads the owner's memory.
-void decode_cma(codec::ByteReader& r, ShmKVTransferInfo& s) {
+void decode_cma(codec::ByteReader& r, ShmKVTransferInfo& s, bool backed) {
   const KVLayout& l = s.layout;
   s.access = ShmKVTransferInfo::Access::kCma;
   s.anchor = r.u64("anchor");
@@ -101,6 +104,14 @@ void decode_cma(codec::ByteReader& r, ShmKVTransferInfo& s) {
   }
   s.regions.resize(count);
   for (std::uint32_t i = 0; i < count; ++i) s.regions[i] = r.u64("region address");
+  if (backed) {
+    s.backed = true;
+    s.fd = r.u32("fd");
+    if (s.fd > kMaxFd) {
+      r.fail("fd",
+             "fd " + std::to_string(s.fd) + " out of range [0, " + std::to_string(kMaxFd) + "]");
+    }
+  }
   r.expect_end();
   std::vector<NamedRange> ranges;
   ranges.reserve(count + 3);
@@ -139,12 +150,12 @@ ShmKVTransferInfo ShmKVTransferInfo::decode(const KVTransferInfo& info) {
   }
   codec::ByteReader r(info.payload, "ShmKVTransferInfo");
   const std::uint8_t version = r.u8("version");
-  if (version != kPayloadVersion && version != kCmaPayloadVersion) {
+  if (version < kPayloadVersion || version > kBackedPayloadVersion) {
     r.fail("version", "version " + std::to_string(version) + " is not supported (expected " +
-                          std::to_string(kPayloadVersion) + " or " +
-                          std::to_string(kCmaPayloadVersion) + ")");
+                          std::to_string(kPayloadVersion) + " to " +
+                          std::to_string(kBackedPayloadVersion) + ")");
   }
-  const bool cma = version == kCmaPayloadVersion;
+  const bool cma = version != kPayloadVersion;
   ShmKVTransferInfo s;
   s.pid = r.u32("pid");
   if (s.pid == 0 || s.pid > kMaxPid) {
@@ -166,7 +177,7 @@ ShmKVTransferInfo ShmKVTransferInfo::decode(const KVTransferInfo& info) {
   s.size = r.u64("size");
   s.layout = r.layout("layout");
   if (cma) {
-    decode_cma(r, s);
+    decode_cma(r, s, version == kBackedPayloadVersion);
     return s;
   }
   if (s.size < s.layout.total_bytes() || s.size > LayoutLimits::kMaxTotalBytes) {

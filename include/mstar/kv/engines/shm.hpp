@@ -56,6 +56,18 @@ namespace mstar::kv {
 // where it refuses, the read fails with kPermissionDenied naming which and
 // what to change. Unlike a memfd, the owner's memory dies with it: a read
 // running when the owner dies fails with kNotFound.
+//
+// With the option map_private (ShmEngineOptions), the owner's engine
+// re-backs a private cache in place, once, when it is made: the whole pages
+// of each region move into one anonymous, size-sealed memfd mapped at the
+// same addresses (the bytes copied first, 64 MiB at a time), so the
+// application's pointers and bytes stay as they were and readers map those
+// pages read-only as they map a shared cache (a memcpy, not a system call
+// per batch of runs); a region's partial first and last pages, the page
+// epochs and the readiness words stay private and go through cross-memory
+// attach with every check above. Nothing may write the cache while its
+// engine is made, and a process forked after that shares those pages with
+// its parent instead of copying them.
 
 // What a reader needs to reach an owner's cache. Value type. Two kinds
 // (`access`):
@@ -84,6 +96,10 @@ struct ShmKVTransferInfo {
   std::uint64_t ready_addr = 0;        // layout.num_pages 4-byte readiness words
   std::uint64_t region_bytes = 0;      // bytes of each region
   std::vector<std::uint64_t> regions;  // one address, or one per layer
+  // kCma with map_private: `fd` is the owner's memfd holding the regions'
+  // whole pages (a 4 KiB header page naming this nonce, then each region's
+  // pages in order), which the reader maps read-only.
+  bool backed = false;
 
   // At most this many regions (LayoutLimits::kMaxLayers).
   static constexpr std::uint32_t kMaxRegions = LayoutLimits::kMaxLayers;
@@ -124,11 +140,15 @@ struct ShmEngineOptions {
   std::chrono::milliseconds timeout{30000};
   // Page epoch checks (epochs.hpp); off only to measure what they cost.
   bool check_epochs = true;
+  // A private cache (kHost) this engine serves: its whole pages re-backed
+  // in place by a memfd that readers map (the class comment above).
+  // extra["shm_map_private"] = "on" | "off".
+  bool map_private = false;
 
   // From the engine-independent options (every engine's options parse the
-  // same way: XOptions::parse(EngineOptions)). The shm engine has no
-  // options of its own: any "shm_*" key in options.extra is a typo and
-  // throws Error(kInvalidArgument) naming it.
+  // same way: XOptions::parse(EngineOptions)) and options.extra's
+  // "shm_map_private"; any other "shm_*" key is a typo and throws
+  // Error(kInvalidArgument) naming it, as does a value other than on, off.
   static ShmEngineOptions parse(const EngineOptions& options);
 };
 
@@ -154,9 +174,10 @@ struct ShmEngineOptions {
 //   (populating its page tables) on the calling thread. Every check happens
 //   before the first byte moves and throws Error.
 // * The timeout counts from read_batched_async, queueing included.
-//   TransferEngineInfo.options.extra holds nothing for this engine: a key
-//   starting with "shm_" is refused with Error(kInvalidArgument) (a typo),
-//   keys of other engines' prefixes and shared keys are ignored.
+//   TransferEngineInfo.options.extra holds one key for this engine,
+//   "shm_map_private"; any other starting with "shm_" is refused with
+//   Error(kInvalidArgument) (a typo), keys of other engines' prefixes and
+//   shared keys are ignored.
 // * The future completes when every byte is in place. TransferFuture::cancel()
 //   and the timeout stop a read between pieces; the future then resolves
 //   (kCancelled / kTimeout) only after the last piece being copied finished,
