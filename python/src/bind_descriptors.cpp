@@ -240,6 +240,9 @@ void bind_descriptors(nb::module_& m) {
       .def_rw("regions", &ShmKVTransferInfo::regions,
               "cma: the owner's region addresses (one, or one per layer).")
       .def_rw("region_bytes", &ShmKVTransferInfo::region_bytes)
+      .def_rw("backed", &ShmKVTransferInfo::backed,
+              "cma: the regions' whole pages are the owner's memfd `fd`, which readers map "
+              "(the engine option shm_map_private).")
       .def_rw("anchor", &ShmKVTransferInfo::anchor)
       .def_rw("pid", &ShmKVTransferInfo::pid)
       .def_rw("fd", &ShmKVTransferInfo::fd)
@@ -250,7 +253,8 @@ void bind_descriptors(nb::module_& m) {
       .def_rw("layout", &ShmKVTransferInfo::layout)
       .def("__repr__", [](const ShmKVTransferInfo& i) {
         if (i.access == ShmKVTransferInfo::Access::kCma) {
-          return "ShmKVTransferInfo(pid=" + std::to_string(i.pid) + ", cma, " +
+          return "ShmKVTransferInfo(pid=" + std::to_string(i.pid) +
+                 (i.backed ? ", cma, mapped fd=" + std::to_string(i.fd) + ", " : ", cma, ") +
                  std::to_string(i.regions.size()) + " region(s), size=" + std::to_string(i.size) +
                  ", layout=" + i.layout.to_string() + ")";
         }

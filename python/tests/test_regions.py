@@ -172,6 +172,31 @@ def test_a_private_owner_serves_same_host_readers_over_shm(peer_factory, owner):
         pull_and_check(mgr, cache, new, SEED + 2)
 
 
+def _mapped_owner_files():
+    with open("/proc/self/maps") as f:
+        return sum("memfd:mstar-kv-private" in line for line in f)
+
+
+@pytest.mark.parametrize("owner", ["torch", "torch-layers"])
+def test_a_torch_owner_mapped_in_place_serves_readers_through_its_pages(peer_factory, owner):
+    """shm_map_private (docs/engines/shm.md): the owner's torch tensors keep
+    their addresses and bytes, their whole pages move into a memfd, and a
+    reader maps those pages (its /proc/self/maps shows them) instead of
+    copying by cross-memory attach."""
+    pytest.importorskip("torch")
+    peer = peer_factory("shm", "--memory", owner, env={"MSTAR_KV_SHM_MAP_PRIVATE": "on"})
+    seq = peer.seqs[0]
+    info = kv.ShmKVTransferInfo.decode(seq.kv_transfer_info)
+    assert info.access == "cma" and info.backed, info
+    before = _mapped_owner_files()
+    for reader in ("host", "layers"):
+        cache = sentinel_cache(local_layout(), reader)
+        with manager(cache, "shm") as mgr:
+            pull_and_check(mgr, cache, seq, SEED + 1, prefix=20)
+            assert _mapped_owner_files() == before + 1
+    assert _mapped_owner_files() == before
+
+
 def test_a_private_owner_streams_layer_by_layer_over_shm(peer_factory):
     peer = peer_factory("shm", "--memory", "layers")
     cache = sentinel_cache(local_layout(), "layers")

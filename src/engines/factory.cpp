@@ -84,9 +84,12 @@ std::vector<Entry> entries() {
     e.layer_readiness = true;
     // shm-cma: the owner's cache is private memory, read by cross-memory
     // attach; shm-cma-layers: one region per layer on both sides (vLLM's
-    // per-layer tensors).
+    // per-layer tensors); shm-mapped-layers: the same, the private caches'
+    // whole pages re-backed by a memfd readers map (map_private).
     e.loopback = {setup("shm"), with_caches(setup("shm-cma"), MemoryKind::kHost, false),
-                  with_caches(setup("shm-cma-layers"), MemoryKind::kHost, true)};
+                  with_caches(setup("shm-cma-layers"), MemoryKind::kHost, true),
+                  with_caches(setup("shm-mapped-layers", {{"MSTAR_KV_SHM_MAP_PRIVATE", "on"}}),
+                              MemoryKind::kHost, true)};
     t.push_back(e);
   }
   {

@@ -114,7 +114,8 @@ TEST(ShmCma, TheLoopbackSetupsMakeTheCachesTheyName) {
         make_loopback_cache(shm, s, testing::small_layout(CacheOrder::kPageMajor), true)->split());
   }
   EXPECT_EQ(regions, (std::map<std::string, std::size_t>{
-                         {"shm", 0}, {"shm-cma", 1}, {"shm-cma-layers", 4}}));
+                         {"shm", 0}, {"shm-cma", 1}, {"shm-cma-layers", 4},
+                         {"shm-mapped-layers", 4}}));
 }
 
 TEST(ShmCma, PrivateAndLayerSplitOwnersPullByteExactIntoEveryKindOfCache) {

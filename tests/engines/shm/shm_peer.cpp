@@ -14,10 +14,16 @@
 //                      uid replaced by this process's; prints "CODE <status>
 //                      <message>" (with --as-uid, the kernel's check is
 //                      what must refuse)
+//   in  "refill <seed>"  (owner) rewrite the published pages with that
+//                      seed's pattern; prints "REFILLED"
 //   in  "quit"         exit 0 (also on EOF)
-// --as-uid N drops to that uid and gid first (needs root).
+// --as-uid N drops to that uid and gid first (needs root); --extra K=V
+// goes to the owner's engine options; --unaligned starts each private
+// region 1 KiB into a page (a tensor's allocation: partial first and last
+// pages).
 // Errors print "ERR <message>" and exit 1.
 #include <grp.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <iostream>
@@ -39,11 +45,44 @@ struct Owner {
   std::shared_ptr<KVCache> cache;
   std::unique_ptr<KVTransferManager> manager;
   std::unique_ptr<KVCachePool> pool;
+  std::vector<std::uint32_t> pages;
 };
 
 enum class OwnerMemory { kShared, kPrivate, kLayers };
 
-std::shared_ptr<KVCache> owner_cache(const KVLayout& l, OwnerMemory memory) {
+// Private memory `kOffset` bytes into its own mapping, as a tensor's
+// allocation is (glibc's chunk header first): its first and last pages are
+// partial.
+class OffsetMemory final : public KVMemory {
+ public:
+  static constexpr std::size_t kOffset = 1024;
+  explicit OffsetMemory(std::size_t size) : size_(size), bytes_(size + kOffset + 4096) {
+    void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("mmap of the owner's cache failed");
+    base_ = static_cast<std::byte*>(p);
+  }
+  ~OffsetMemory() override { ::munmap(base_, bytes_); }
+  std::byte* data() const noexcept override { return base_ + kOffset; }
+  std::size_t size() const noexcept override { return size_; }
+  MemoryKind kind() const noexcept override { return MemoryKind::kHost; }
+
+ private:
+  std::size_t size_;
+  std::size_t bytes_;
+  std::byte* base_ = nullptr;
+};
+
+std::shared_ptr<KVCache> owner_cache(const KVLayout& l, OwnerMemory memory, bool unaligned) {
+  if (unaligned && memory == OwnerMemory::kPrivate) {
+    return std::make_shared<KVCache>(l, std::make_unique<OffsetMemory>(l.total_bytes()));
+  }
+  if (unaligned && memory == OwnerMemory::kLayers) {
+    std::vector<std::unique_ptr<KVMemory>> layers;
+    for (std::uint32_t i = 0; i < l.num_layers; ++i) {
+      layers.push_back(std::make_unique<OffsetMemory>(l.layer_bytes()));
+    }
+    return std::make_shared<KVCache>(l, std::move(layers));
+  }
   switch (memory) {
     case OwnerMemory::kPrivate:
       return make_kv_cache(l, MemoryKind::kHost);
@@ -54,16 +93,16 @@ std::shared_ptr<KVCache> owner_cache(const KVLayout& l, OwnerMemory memory) {
   }
 }
 
-std::unique_ptr<Owner> make_owner(const KVLayout& l, std::uint64_t tokens, std::uint64_t seed,
-                                  std::uint64_t scatter, OwnerMemory memory,
+std::unique_ptr<Owner> make_owner(const testing::PeerArgs& a, OwnerMemory memory,
                                   std::shared_ptr<KVCache> cache = nullptr) {
   auto o = std::make_unique<Owner>();
-  o->cache = cache ? std::move(cache) : owner_cache(l, memory);
+  o->cache = cache ? std::move(cache)
+                   : owner_cache(a.layout, memory, a.flags.count("--unaligned") != 0);
   o->manager = std::make_unique<KVTransferManager>(
-      TransferEngineInfo{"peer", "", "shm", EngineOptions{}}, o->cache);
-  o->pool = std::make_unique<KVCachePool>(o->cache, o->manager->get_kv_transfer_info(), scatter);
-  auto pages = o->pool->allocate(1, tokens);
-  fill_pattern(*o->cache, seed, pages, 0, tokens);
+      TransferEngineInfo{"peer", "", "shm", a.options}, o->cache);
+  o->pool = std::make_unique<KVCachePool>(o->cache, o->manager->get_kv_transfer_info(), a.scatter);
+  o->pages = o->pool->allocate(1, a.tokens);
+  fill_pattern(*o->cache, a.seed, o->pages, 0, a.tokens);
   testing::say_sequence(o->pool->publish(1));
   return o;
 }
@@ -90,7 +129,7 @@ SequenceInfo decode_hex(const std::string& hex) {
 int main(int argc, char** argv) {
   return testing::run_peer([&] {
     const testing::PeerArgs a =
-        testing::parse_peer_args(argc, argv, {"--reader", "--private", "--layers"});
+        testing::parse_peer_args(argc, argv, {"--reader", "--private", "--layers", "--unaligned"});
     const OwnerMemory memory = a.flags.count("--layers") != 0    ? OwnerMemory::kLayers
                                : a.flags.count("--private") != 0 ? OwnerMemory::kPrivate
                                                                  : OwnerMemory::kShared;
@@ -103,17 +142,20 @@ int main(int argc, char** argv) {
     }
     std::unique_ptr<Owner> owner;
     if (a.flags.count("--reader") == 0) {
-      owner = make_owner(a.layout, a.tokens, a.seed, a.scatter, memory);
+      owner = make_owner(a, memory);
     }
     for (std::string line; std::getline(std::cin, line);) {
       if (line == "quit") break;
       if (line == "regen" && owner) {
         owner.reset();  // the old memfd is closed and unmapped here
-        owner = make_owner(a.layout, a.tokens, a.seed, a.scatter, memory);
+        owner = make_owner(a, memory);
       } else if (line == "reengine" && owner) {
         std::shared_ptr<KVCache> cache = owner->cache;
         owner.reset();  // the engine goes (with its anchor), the cache stays
-        owner = make_owner(a.layout, a.tokens, a.seed, a.scatter, memory, std::move(cache));
+        owner = make_owner(a, memory, std::move(cache));
+      } else if (line.rfind("refill ", 0) == 0 && owner) {
+        fill_pattern(*owner->cache, std::stoull(line.substr(7)), owner->pages, 0, a.tokens);
+        say("REFILLED");
       } else if (line.rfind("tryopen ", 0) == 0) {
         const SequenceInfo seq = decode_hex(line.substr(8));
         ShmKVTransferInfo info = ShmKVTransferInfo::decode(seq.kv_transfer_info);
