@@ -54,8 +54,14 @@ CmaAnchor::CmaAnchor(const KVCache& cache, bool map_private) {
   info_.epochs_addr = reinterpret_cast<std::uintptr_t>(cache.epochs().words());
   info_.ready_addr = reinterpret_cast<std::uintptr_t>(cache.readiness().words());
   if (map_private) {
-    backing_ = std::make_unique<PrivateBacking>(info_);
     info_.backed = true;
+    // The tables too when the cache allocated them itself (its memory keeps
+    // none: KVCache::bind_tables), whole pages of their own.
+    const std::uint32_t n = layout.num_pages;
+    const bool own = cache.split() || (cache.memory().epoch_words(n) == nullptr &&
+                                       cache.memory().ready_words(n) == nullptr);
+    info_.backed_tables = own && info_.epochs_addr % 4096 == 0 && info_.ready_addr % 4096 == 0;
+    backing_ = std::make_unique<PrivateBacking>(info_);
     info_.fd = static_cast<std::uint32_t>(backing_->fd());
   }
   bytes_ = anchor_bytes(count);

@@ -25,7 +25,7 @@ void CmaPeer::map_backing() {
       path, who, info_.uid,
       "fd " + fd + " is not the cache's memfd (not a regular file): its engine shut down",
       "(only the owner's user may map its cache)", "memory");
-  interiors_ = interiors_of(info_.regions, info_.region_bytes);
+  interiors_ = backing_parts(info_);
   const std::uint64_t want = backing_file_bytes(interiors_);
   const int seals = ::fcntl(file.fd.get(), F_GET_SEALS);
   if (seals < 0 || (seals & F_SEAL_SHRINK) == 0 || (seals & F_SEAL_GROW) == 0) {
@@ -51,7 +51,7 @@ void CmaPeer::map_backing() {
   std::memcpy(static_cast<void*>(&h), backing_, sizeof h);
   if (h.magic != BackingHeader::kMagic || h.nonce != info_.nonce || h.owner_pid != info_.pid ||
       h.owner_uid != info_.uid || h.region_bytes != info_.region_bytes || h.file_bytes != want ||
-      h.num_regions != info_.regions.size()) {
+      h.num_regions != info_.regions.size() || h.flags != (info_.backed_tables ? 1u : 0u)) {
     throw Error(StatusCode::kStaleDescriptor,
                 who + ": fd " + fd + " does not hold this cache's pages (its header names " +
                     (h.magic == BackingHeader::kMagic ? "nonce " + std::to_string(h.nonce)
@@ -59,6 +59,14 @@ void CmaPeer::map_backing() {
                     ", the descriptor's nonce is " + std::to_string(info_.nonce) +
                     "): its engine shut down, or the descriptor is forged");
   }
+  map_tables();
+}
+
+void CmaPeer::map_tables() noexcept {
+  if (!info_.backed_tables) return;
+  const std::size_t count = info_.regions.size();
+  mapped_nonce_ = reinterpret_cast<const std::uint64_t*>(backing_ + 8);
+  mapped_epochs_ = reinterpret_cast<const std::uint64_t*>(backing_ + interiors_[count].file_offset);
 }
 
 const Interior* CmaPeer::interior_of(const StridedSpan& s) const noexcept {

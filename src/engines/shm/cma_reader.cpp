@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -20,6 +21,7 @@
 #include <utility>
 
 #include "cma_anchor.hpp"
+#include "core/shared_word.hpp"
 #include "mstar/kv/core/epochs.hpp"
 #include "shm_memory.hpp"
 #include "span_copy.hpp"
@@ -290,7 +292,15 @@ Status CmaPeer::read_words(std::uint64_t table, std::size_t word,
 }
 
 Status CmaPeer::verify(std::span<const std::uint32_t> pages, std::uint64_t epoch,
-                       std::string_view when) const {
+                       std::string_view when, bool after_copy) const {
+  if (mapped_epochs_ != nullptr) {
+    if (after_copy) std::atomic_thread_fence(std::memory_order_acquire);
+    const std::uint64_t nonce = internal::load_acquire(mapped_nonce_);
+    if (nonce != info_.nonce) return nonce_status(nonce);
+    if (epoch == 0) return Status::ok();
+    return check_page_epochs(mapped_epochs_, info_.layout.num_pages, pages, epoch, when,
+                             after_copy);
+  }
   std::uint64_t nonce = 0;
   std::vector<std::uint64_t> found(epoch != 0 ? pages.size() : 0);
   Status s = read_words(info_.epochs_addr, 8, epoch != 0 ? pages : std::span<const std::uint32_t>(),

@@ -67,9 +67,12 @@ class CmaPeer {
   // Re-reads the anchor's nonce and, with epoch != 0, the owner's page
   // epochs of `pages` (sorted, distinct, in range): kStaleDescriptor
   // naming the first page that changed owner `when` ("before the copy"), or
-  // the anchor that changed; the errors of a failed read otherwise.
+  // the anchor that changed; the errors of a failed read otherwise. A
+  // backed cache whose tables are mapped reads them (and the nonce its
+  // memfd's header carries) in the mapping: no system call; `after_copy`
+  // fences the copy's loads before them (check_page_epochs).
   Status verify(std::span<const std::uint32_t> pages, std::uint64_t epoch,
-                std::string_view when) const;
+                std::string_view when, bool after_copy = false) const;
   // Copies the rows of spans [b, e) from the owner (remote offsets through
   // regions()) to dst (local offsets), batching up to IOV_MAX runs per side
   // in each call. A short copy (the owner unmapped the memory) or a failed
@@ -106,6 +109,9 @@ class CmaPeer {
   Status nonce_status(std::uint64_t found) const;
   // Maps the memfd of a backed cache (open's last step); throws Error.
   void map_backing();
+  // Where the mapping holds the header's nonce and the page epochs (backed
+  // tables only).
+  void map_tables() noexcept;
   // The whole pages of the span's region (nullptr: not a backed cache).
   const Interior* interior_of(const StridedSpan& s) const noexcept;
   // Where the span's remote rows are in the mapping, or nullptr when any
@@ -117,7 +123,9 @@ class CmaPeer {
   int pidfd_ = -1;
   const std::byte* backing_ = nullptr;
   std::size_t backing_bytes_ = 0;
-  std::vector<Interior> interiors_;
+  std::vector<Interior> interiors_;  // the regions', then (backed_tables) the tables'
+  const std::uint64_t* mapped_nonce_ = nullptr;
+  const std::uint64_t* mapped_epochs_ = nullptr;
 };
 
 // Why the kernel may refuse a cross-memory attach here, and what to change

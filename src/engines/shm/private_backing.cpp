@@ -48,18 +48,21 @@ void write_all(int fd, const std::byte* p, std::uint64_t n, std::uint64_t offset
 
 }  // namespace
 
-std::vector<Interior> interiors_of(std::span<const std::uint64_t> regions,
-                                   std::uint64_t region_bytes) {
+std::vector<Interior> backing_parts(const ShmKVTransferInfo& info) {
   std::vector<Interior> out;
-  out.reserve(regions.size());
+  out.reserve(info.regions.size() + 2);
   std::uint64_t offset = kBackingHeaderBytes;
-  for (std::uint64_t base : regions) {
-    Interior i;
-    i.lo = (base + kPage - 1) & ~(kPage - 1);
-    i.hi = std::max(i.lo, (base + region_bytes) & ~(kPage - 1));
-    i.file_offset = offset;
-    offset += i.hi - i.lo;
-    out.push_back(i);
+  auto add = [&](std::uint64_t lo, std::uint64_t hi) {
+    out.push_back({lo, std::max(lo, hi), offset});
+    offset += out.back().hi - lo;
+  };
+  for (std::uint64_t base : info.regions) {
+    add((base + kPage - 1) & ~(kPage - 1), (base + info.region_bytes) & ~(kPage - 1));
+  }
+  if (info.backed_tables) {
+    const std::uint64_t n = info.layout.num_pages;
+    add(info.epochs_addr, (info.epochs_addr + n * 8 + kPage - 1) & ~(kPage - 1));
+    add(info.ready_addr, (info.ready_addr + n * 4 + kPage - 1) & ~(kPage - 1));
   }
   return out;
 }
@@ -71,7 +74,7 @@ std::uint64_t backing_file_bytes(std::span<const Interior> interiors) {
 }
 
 PrivateBacking::PrivateBacking(const ShmKVTransferInfo& info) {
-  const std::vector<Interior> parts = interiors_of(info.regions, info.region_bytes);
+  const std::vector<Interior> parts = backing_parts(info);
   const std::uint64_t bytes = backing_file_bytes(parts);
   fd_ = ::memfd_create("mstar-kv-private", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd_ < 0) fail("memfd_create", errno);
@@ -111,6 +114,7 @@ PrivateBacking::PrivateBacking(const ShmKVTransferInfo& info) {
   hd.region_bytes = info.region_bytes;
   hd.file_bytes = bytes;
   hd.num_regions = static_cast<std::uint32_t>(info.regions.size());
+  hd.flags = info.backed_tables ? 1 : 0;
   std::memcpy(header_, &hd, sizeof hd);
   std::atomic_thread_fence(std::memory_order_release);
 }

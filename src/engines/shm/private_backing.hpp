@@ -33,7 +33,7 @@ struct BackingHeader {
   std::uint64_t region_bytes = 0;
   std::uint64_t file_bytes = 0;
   std::uint32_t num_regions = 0;
-  std::uint32_t reserved = 0;
+  std::uint32_t flags = 0;  // bit 0: the tables' pages follow the regions'
 };
 
 inline constexpr std::uint64_t kBackingHeaderBytes = 4096;
@@ -47,9 +47,11 @@ struct Interior {
 };
 
 // Each region's whole pages and where they lie in the file (both sides
-// compute them from the descriptor's regions and region bytes).
-std::vector<Interior> interiors_of(std::span<const std::uint64_t> regions,
-                                   std::uint64_t region_bytes);
+// compute them from the descriptor's regions and region bytes); with
+// info.backed_tables, then the page epoch table's pages and the readiness
+// words' (whole pages from their page-aligned starts: the cache's own
+// allocations, nothing else in them).
+std::vector<Interior> backing_parts(const ShmKVTransferInfo& info);
 // The file's size: the header page and every interior.
 std::uint64_t backing_file_bytes(std::span<const Interior> interiors);
 

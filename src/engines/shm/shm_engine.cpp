@@ -50,7 +50,7 @@ struct ShmSource {
   // cma the anchor's nonce is read with them (epoch 0 too).
   Status check(std::span<const std::uint32_t> pages, std::uint64_t epoch, const char* when,
                bool after_copy) const {
-    if (cma) return cma->verify(pages, epoch, when);
+    if (cma) return cma->verify(pages, epoch, when, after_copy);
     if (epoch == 0) return Status::ok();
     return check_page_epochs(mapping->epochs(), mapping->epoch_pages(), pages, epoch, when,
                              after_copy);

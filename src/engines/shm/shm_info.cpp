@@ -5,7 +5,8 @@
 // layout. Version 2 (kCma): u8 version, u32 pid, u32 uid, u64 start_time,
 // u64 nonce, u64 size, layout, u64 anchor, u64 epochs_addr, u64 ready_addr,
 // u64 region_bytes, u32 count, count x u64 region address. Version 3 (kCma,
-// backed: map_private): version 2's fields, then u32 fd.
+// backed: map_private): version 2's fields, then u32 fd, u8 flags (bit 0:
+// backed_tables).
 #include <string>
 
 #include "cma_anchor.hpp"
@@ -42,7 +43,10 @@ KVTransferInfo ShmKVTransferInfo::encode() const {
     w.u64(region_bytes);
     w.u32(static_cast<std::uint32_t>(regions.size()));
     for (std::uint64_t a : regions) w.u64(a);
-    if (backed) w.u32(fd);
+    if (backed) {
+      w.u32(fd);
+      w.u8(backed_tables ? 1 : 0);
+    }
     return KVTransferInfo{kEngineName, w.take()};
   }
   w.u8(kPayloadVersion);
@@ -110,6 +114,14 @@ void decode_cma(codec::ByteReader& r, ShmKVTransferInfo& s, bool backed) {
     if (s.fd > kMaxFd) {
       r.fail("fd",
              "fd " + std::to_string(s.fd) + " out of range [0, " + std::to_string(kMaxFd) + "]");
+    }
+    const std::uint8_t flags = r.u8("flags");
+    if (flags > 1) r.fail("flags", "flags " + std::to_string(flags) + " are not 0 or 1");
+    s.backed_tables = flags == 1;
+    if (s.backed_tables && (s.epochs_addr % 4096 != 0 || s.ready_addr % 4096 != 0)) {
+      r.fail("flags", "tables at " + hex_address(s.epochs_addr) + " and " +
+                          hex_address(s.ready_addr) + " are not page-aligned, as backed "
+                          "tables are");
     }
   }
   r.expect_end();

@@ -94,6 +94,8 @@ TEST(ShmMapped, OwnersPullByteExactThroughTheirPagesAndWhatTheyWriteLater) {
       const ShmKVTransferInfo info = ShmKVTransferInfo::decode(owner.seq.kv_transfer_info);
       ASSERT_EQ(info.access, ShmKVTransferInfo::Access::kCma);
       ASSERT_TRUE(info.backed);
+      // The page epochs and readiness words are the cache's own: mapped too.
+      EXPECT_TRUE(info.backed_tables);
       EXPECT_EQ(info.regions[0] % 4096, unaligned ? 1024u : 0u);
       auto cache = sentinel_cache(l);
       auto m = shm_manager(cache);

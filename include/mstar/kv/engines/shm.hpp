@@ -100,6 +100,10 @@ struct ShmKVTransferInfo {
   // whole pages (a 4 KiB header page naming this nonce, then each region's
   // pages in order), which the reader maps read-only.
   bool backed = false;
+  // backed, and the page epoch and readiness tables are the cache's own
+  // page-aligned allocations: their pages follow the regions' in the memfd,
+  // so a reader checks epochs in its mapping, without a system call.
+  bool backed_tables = false;
 
   // At most this many regions (LayoutLimits::kMaxLayers).
   static constexpr std::uint32_t kMaxRegions = LayoutLimits::kMaxLayers;
