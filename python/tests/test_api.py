@@ -173,7 +173,8 @@ def test_engines_reject_unknown_keys_of_their_prefix():
     other engines' keys and the shared auth_token are not its business."""
     cache = kv.KVCache(local_layout())
     with pytest.raises(kv.InvalidArgumentError,
-                       match=r"unknown shm option 'shm_max_wokers' .*known shm_\* options: none"):
+                       match=r"unknown shm option 'shm_max_wokers' .*known shm_\* options: "
+                             r"shm_map_private"):
         kv.KVTransferManager(kv.TransferEngineInfo("d", "", "shm", {"shm_max_wokers": "2"}),
                              cache)
     m = kv.KVTransferManager(kv.TransferEngineInfo(

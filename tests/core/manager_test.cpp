@@ -115,7 +115,7 @@ TEST(KVTransferManager, EveryEngineRejectsUnknownKeysOfItsPrefix) {
     MemoryKind kind;
   };
   const std::vector<Case> cases = {
-      {"shm", "shm_max_wokers", "known shm_* options: none", MemoryKind::kSharedHost},
+      {"shm", "shm_max_wokers", "known shm_* options: shm_map_private", MemoryKind::kSharedHost},
       {"cuda_ipc", "cuda_ipc_bach",
        "known cuda_ipc_* options: cuda_ipc_batch, cuda_ipc_check_owner_pid", MemoryKind::kHost},
       {"ucx", "ucx_mdoe",
