@@ -19,7 +19,7 @@ namespace mstar::kv::shm {
 
 namespace {
 
-constexpr std::uint64_t kPage = 4096;
+constexpr std::uint64_t kOsPage = 4096;
 // Copied and remapped this much at a time: the memory the move needs beyond
 // the cache's.
 constexpr std::uint64_t kMoveChunk = 64ull << 20;
@@ -57,12 +57,12 @@ std::vector<Interior> backing_parts(const ShmKVTransferInfo& info) {
     offset += out.back().hi - lo;
   };
   for (std::uint64_t base : info.regions) {
-    add((base + kPage - 1) & ~(kPage - 1), (base + info.region_bytes) & ~(kPage - 1));
+    add((base + kOsPage - 1) & ~(kOsPage - 1), (base + info.region_bytes) & ~(kOsPage - 1));
   }
   if (info.backed_tables) {
     const std::uint64_t n = info.layout.num_pages;
-    add(info.epochs_addr, (info.epochs_addr + n * 8 + kPage - 1) & ~(kPage - 1));
-    add(info.ready_addr, (info.ready_addr + n * 4 + kPage - 1) & ~(kPage - 1));
+    add(info.epochs_addr, (info.epochs_addr + n * 8 + kOsPage - 1) & ~(kOsPage - 1));
+    add(info.ready_addr, (info.ready_addr + n * 4 + kOsPage - 1) & ~(kOsPage - 1));
   }
   return out;
 }
