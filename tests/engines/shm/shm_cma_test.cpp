@@ -31,6 +31,7 @@
 #include "mstar/kv/engines/shm.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/testing/pattern.hpp"
+#include "shm_test_kit.hpp"
 #include "toolkit/read_check.hpp"
 
 namespace mstar::kv {
@@ -39,6 +40,9 @@ namespace {
 using namespace std::chrono_literals;
 using testing::Child;
 using testing::expect_error;
+using testing::forged;
+using testing::shm_manager;
+using testing::spread_pages;
 using testing::make_layout;
 
 constexpr std::byte kSentinel{0xA5};
@@ -64,20 +68,6 @@ std::shared_ptr<KVCache> reader_cache(const KVLayout& l, ReaderCache kind) {
                 l, kind == ReaderCache::kShared ? MemoryKind::kSharedHost : MemoryKind::kHost);
   testing::fill_bytes(*c, kSentinel);
   return c;
-}
-
-std::unique_ptr<KVTransferManager> shm_manager(std::shared_ptr<KVCache> cache,
-                                               std::chrono::milliseconds timeout = 5000ms) {
-  EngineOptions o;
-  o.timeout = timeout;
-  return std::make_unique<KVTransferManager>(TransferEngineInfo{"test", "", "shm", o},
-                                             std::move(cache));
-}
-
-std::vector<std::uint32_t> spread_pages(std::size_t n, std::uint32_t num_pages) {
-  std::vector<std::uint32_t> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::uint32_t>((3 + i * 7) % num_pages);
-  return v;
 }
 
 // The start of a case: an owner of `tokens` tokens of small_layout() in a
@@ -219,17 +209,6 @@ TEST(ShmCma, ANewEngineOrCacheOfTheOwnerMakesItsOldDescriptorsStale) {
                StatusCode::kStaleDescriptor);
   m->sync_retrieve(0, 500, pages, regen.page_indices, regen.kv_transfer_info);
   EXPECT_TRUE(testing::verify_pattern_any(*cache, kSeed, pages, 0, 500).ok());
-}
-
-// Re-encodes the owner's descriptor after `edit`; decoding it is the
-// reader's first check.
-KVTransferInfo forged(const SequenceInfo& seq,
-                      const std::function<void(ShmKVTransferInfo&)>& edit) {
-  ShmKVTransferInfo info = ShmKVTransferInfo::decode(seq.kv_transfer_info);
-  edit(info);
-  KVTransferInfo out = info.encode();
-  out.epoch = seq.kv_transfer_info.epoch;
-  return out;
 }
 
 TEST(ShmCma, ForgedDescriptorsAreRefusedByNameBeforeAnyByteMoves) {

@@ -28,12 +28,16 @@
 #include "mstar/kv/engines/shm.hpp"
 #include "mstar/kv/kv.hpp"
 #include "mstar/kv/testing/pattern.hpp"
+#include "shm_test_kit.hpp"
 
 namespace mstar::kv {
 namespace {
 
 using namespace std::chrono_literals;
 using testing::expect_error;
+using testing::forged;
+using testing::shm_manager;
+using testing::spread_pages;
 
 constexpr std::byte kSentinel{0xA5};
 constexpr std::uint64_t kSeed = 4242;
@@ -59,19 +63,6 @@ std::shared_ptr<KVCache> sentinel_cache(const KVLayout& l) {
   auto c = make_kv_cache(l, MemoryKind::kHost);
   testing::fill_bytes(*c, kSentinel);
   return c;
-}
-
-std::unique_ptr<KVTransferManager> shm_manager(std::shared_ptr<KVCache> cache) {
-  EngineOptions o;
-  o.timeout = 5000ms;
-  return std::make_unique<KVTransferManager>(TransferEngineInfo{"test", "", "shm", o},
-                                             std::move(cache));
-}
-
-std::vector<std::uint32_t> spread_pages(std::size_t n, std::uint32_t num_pages) {
-  std::vector<std::uint32_t> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::uint32_t>((3 + i * 7) % num_pages);
-  return v;
 }
 
 // Lines of this process's /proc/self/maps that map an owner's re-backed
@@ -146,15 +137,6 @@ TEST(ShmMapped, ANewEngineOrCacheOfTheOwnerMakesItsOldDescriptorsStale) {
       StatusCode::kStaleDescriptor);
   m->sync_retrieve(0, kTokens, pages, regen.page_indices, regen.kv_transfer_info);
   EXPECT_TRUE(verify_pattern(*cache, kSeed, pages, 0, kTokens).ok());
-}
-
-KVTransferInfo forged(const SequenceInfo& seq,
-                      const std::function<void(ShmKVTransferInfo&)>& edit) {
-  ShmKVTransferInfo info = ShmKVTransferInfo::decode(seq.kv_transfer_info);
-  edit(info);
-  KVTransferInfo out = info.encode();
-  out.epoch = seq.kv_transfer_info.epoch;
-  return out;
 }
 
 TEST(ShmMapped, ForgedDescriptorsNamingAnotherFdAreRefusedBeforeAnyByteMoves) {
