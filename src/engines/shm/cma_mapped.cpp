@@ -33,10 +33,10 @@ void CmaPeer::map_backing() {
                 who + ": fd " + fd + " is not a size-sealed memfd: not the cache's pages");
   }
   if (static_cast<std::uint64_t>(file.st.st_size) != want) {
-    throw Error(StatusCode::kStaleDescriptor,
-                who + ": fd " + fd + " holds " + std::to_string(file.st.st_size) +
-                    " bytes, the regions' whole pages need " + std::to_string(want) +
-                    ": not the cache's pages");
+    throw Error(StatusCode::kStaleDescriptor, who + ": fd " + fd + " holds " +
+                                                  std::to_string(file.st.st_size) +
+                                                  " bytes, the regions' whole pages need " +
+                                                  std::to_string(want) + ": not the cache's pages");
   }
   // Populated now, once per peer, as a shared cache's mapping is.
   void* m = ::mmap(nullptr, want, PROT_READ, MAP_SHARED | MAP_POPULATE, file.fd.get(), 0);

@@ -71,8 +71,8 @@ class CmaPeer {
   // backed cache whose tables are mapped reads them (and the nonce its
   // memfd's header carries) in the mapping: no system call; `after_copy`
   // fences the copy's loads before them (check_page_epochs).
-  Status verify(std::span<const std::uint32_t> pages, std::uint64_t epoch,
-                std::string_view when, bool after_copy = false) const;
+  Status verify(std::span<const std::uint32_t> pages, std::uint64_t epoch, std::string_view when,
+                bool after_copy = false) const;
   // Copies the rows of spans [b, e) from the owner (remote offsets through
   // regions()) to dst (local offsets), batching up to IOV_MAX runs per side
   // in each call. A short copy (the owner unmapped the memory) or a failed

@@ -329,8 +329,7 @@ ShmEngineOptions ShmEngineOptions::parse(const EngineOptions& options) {
   }
   if (!value.empty()) {
     if (value != "on" && value != "off") {
-      throw Error(StatusCode::kInvalidArgument,
-                  what + " '" + value + "' is not one of on, off");
+      throw Error(StatusCode::kInvalidArgument, what + " '" + value + "' is not one of on, off");
     }
     o.map_private = value == "on";
   }

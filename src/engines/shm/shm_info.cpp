@@ -18,8 +18,8 @@ namespace mstar::kv {
 
 namespace {
 
-constexpr std::uint8_t kPayloadVersion = 1;     // kMemfd
-constexpr std::uint8_t kCmaPayloadVersion = 2;  // kCma
+constexpr std::uint8_t kPayloadVersion = 1;        // kMemfd
+constexpr std::uint8_t kCmaPayloadVersion = 2;     // kCma
 constexpr std::uint8_t kBackedPayloadVersion = 3;  // kCma, its whole pages in a memfd
 // Linux's PID_MAX_LIMIT (2^22) and a generous descriptor-table bound.
 constexpr std::uint32_t kMaxPid = 1u << 22;
@@ -120,7 +120,8 @@ void decode_cma(codec::ByteReader& r, ShmKVTransferInfo& s, bool backed) {
     s.backed_tables = flags == 1;
     if (s.backed_tables && (s.epochs_addr % 4096 != 0 || s.ready_addr % 4096 != 0)) {
       r.fail("flags", "tables at " + hex_address(s.epochs_addr) + " and " +
-                          hex_address(s.ready_addr) + " are not page-aligned, as backed "
+                          hex_address(s.ready_addr) +
+                          " are not page-aligned, as backed "
                           "tables are");
     }
   }

@@ -41,9 +41,9 @@ using namespace std::chrono_literals;
 using testing::Child;
 using testing::expect_error;
 using testing::forged;
+using testing::make_layout;
 using testing::shm_manager;
 using testing::spread_pages;
-using testing::make_layout;
 
 constexpr std::byte kSentinel{0xA5};
 constexpr std::uint64_t kSeed = 4242;
@@ -103,9 +103,9 @@ TEST(ShmCma, TheLoopbackSetupsMakeTheCachesTheyName) {
     EXPECT_FALSE(
         make_loopback_cache(shm, s, testing::small_layout(CacheOrder::kPageMajor), true)->split());
   }
-  EXPECT_EQ(regions, (std::map<std::string, std::size_t>{
-                         {"shm", 0}, {"shm-cma", 1}, {"shm-cma-layers", 4},
-                         {"shm-mapped-layers", 4}}));
+  EXPECT_EQ(regions,
+            (std::map<std::string, std::size_t>{
+                {"shm", 0}, {"shm-cma", 1}, {"shm-cma-layers", 4}, {"shm-mapped-layers", 4}}));
 }
 
 TEST(ShmCma, PrivateAndLayerSplitOwnersPullByteExactIntoEveryKindOfCache) {

@@ -49,10 +49,12 @@ struct MappedOwner : testing::Peer {
   MappedOwner(const KVLayout& l, const char* memory, bool unaligned)
       : Peer(args(l, memory, unaligned)), seq(sequence()) {}
   static std::vector<std::string> args(const KVLayout& l, const char* memory, bool unaligned) {
-    std::vector<std::string> a = {SHM_PEER_PATH,  memory,   "--layout", testing::layout_arg(l),
-                                  "--tokens",     std::to_string(kTokens),
-                                  "--seed",       std::to_string(kSeed), "--scatter", "5",
-                                  "--extra",      "shm_map_private=on"};
+    std::vector<std::string> a = {SHM_PEER_PATH, memory,
+                                  "--layout",    testing::layout_arg(l),
+                                  "--tokens",    std::to_string(kTokens),
+                                  "--seed",      std::to_string(kSeed),
+                                  "--scatter",   "5",
+                                  "--extra",     "shm_map_private=on"};
     if (unaligned) a.push_back("--unaligned");
     return a;
   }
@@ -97,8 +99,7 @@ TEST(ShmMapped, OwnersPullByteExactThroughTheirPagesAndWhatTheyWriteLater) {
       m->sync_retrieve(0, 40, pages, owner.seq.page_indices, owner.seq.kv_transfer_info);
       EXPECT_TRUE(verify_pattern(*cache, kSeed, pages, 0, kTokens).ok());
       EXPECT_EQ(testing::bytes_written_outside(
-                    *cache, l, plan_reads(l, 0, kTokens, pages, owner.seq.page_indices),
-                    kSentinel),
+                    *cache, l, plan_reads(l, 0, kTokens, pages, owner.seq.page_indices), kSentinel),
                 0u);
       // The reader mapped the owner's pages (not only the kernel's copies).
       EXPECT_EQ(mapped_owner_files(), before + 1);
@@ -163,8 +164,8 @@ TEST(ShmMapped, ForgedDescriptorsNamingAnotherFdAreRefusedBeforeAnyByteMoves) {
     auto cache = sentinel_cache(l);
     auto m = shm_manager(cache);
     const KVTransferInfo bad = forged(owner.seq, c.edit);
-    expect_error([&] { m->sync_retrieve(0, kTokens, pages, owner.seq.page_indices, bad); },
-                 c.code, {c.needle});
+    expect_error([&] { m->sync_retrieve(0, kTokens, pages, owner.seq.page_indices, bad); }, c.code,
+                 {c.needle});
     EXPECT_EQ(testing::bytes_written_outside(*cache, l, {}, kSentinel), 0u);
   }
   // Not naming the memfd at all reads the same bytes by cross-memory attach.

@@ -96,10 +96,10 @@ std::shared_ptr<KVCache> owner_cache(const KVLayout& l, OwnerMemory memory, bool
 std::unique_ptr<Owner> make_owner(const testing::PeerArgs& a, OwnerMemory memory,
                                   std::shared_ptr<KVCache> cache = nullptr) {
   auto o = std::make_unique<Owner>();
-  o->cache = cache ? std::move(cache)
-                   : owner_cache(a.layout, memory, a.flags.count("--unaligned") != 0);
-  o->manager = std::make_unique<KVTransferManager>(
-      TransferEngineInfo{"peer", "", "shm", a.options}, o->cache);
+  o->cache =
+      cache ? std::move(cache) : owner_cache(a.layout, memory, a.flags.count("--unaligned") != 0);
+  o->manager = std::make_unique<KVTransferManager>(TransferEngineInfo{"peer", "", "shm", a.options},
+                                                   o->cache);
   o->pool = std::make_unique<KVCachePool>(o->cache, o->manager->get_kv_transfer_info(), a.scatter);
   o->pages = o->pool->allocate(1, a.tokens);
   fill_pattern(*o->cache, a.seed, o->pages, 0, a.tokens);
