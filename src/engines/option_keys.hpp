@@ -36,6 +36,15 @@ inline void reject_unknown_keys(const std::map<std::string, std::string>& extra,
   }
 }
 
+// "on" -> true, "off" -> false; anything else throws Error(kInvalidArgument)
+// naming `what` (the key or environment variable) and the value.
+inline bool parse_on_off(const std::string& value, std::string_view what) {
+  if (value == "on") return true;
+  if (value == "off") return false;
+  throw Error(StatusCode::kInvalidArgument,
+              std::string(what) + " '" + value + "' is not one of on, off");
+}
+
 // The limits every engine puts on the shared options: max_workers in
 // [1, max_workers_limit] and a timeout of at least 1 ms (0 once failed every
 // read over the inline size at once). `engine` begins the messages.

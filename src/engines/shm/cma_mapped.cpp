@@ -74,8 +74,7 @@ const Interior* CmaPeer::interior_of(const StridedSpan& s) const noexcept {
   return &interiors_[regions_.split() ? s.remote_offset / regions_.layer_bytes() : 0];
 }
 
-const std::byte* CmaPeer::mapped_rows(const StridedSpan& s) const noexcept {
-  const Interior* in = interior_of(s);
+const std::byte* CmaPeer::mapped_rows(const StridedSpan& s, const Interior* in) const noexcept {
   if (in == nullptr) return nullptr;
   const std::uint64_t first = regions_.address(s.remote_offset);
   const std::uint64_t end = first + (s.rows - 1) * s.remote_stride + s.length;

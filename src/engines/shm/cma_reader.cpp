@@ -337,12 +337,12 @@ Status CmaPeer::copy(const RegionMap& dst, const StridedSpan* b, const StridedSp
   };
   bool streamed = false;
   for (const StridedSpan* s = b; s != e; ++s) {
-    if (const std::byte* rows = mapped_rows(*s); rows != nullptr) {
+    const Interior* in = interior_of(*s);
+    if (const std::byte* rows = mapped_rows(*s, in); rows != nullptr) {
       copy_span_at(dst.pointer(s->local_offset), rows, *s, streaming, nullptr, nullptr);
       streamed = streamed || streaming;
       continue;
     }
-    const Interior* in = interior_of(*s);
     const std::uint64_t d = dst.address(s->local_offset);
     const std::uint64_t r = regions_.address(s->remote_offset);
     if (s->rows == 1 || (s->local_stride == s->length && s->remote_stride == s->length)) {

@@ -115,8 +115,8 @@ class CmaPeer {
   // The whole pages of the span's region (nullptr: not a backed cache).
   const Interior* interior_of(const StridedSpan& s) const noexcept;
   // Where the span's remote rows are in the mapping, or nullptr when any
-  // byte of them is not in a region's whole pages.
-  const std::byte* mapped_rows(const StridedSpan& s) const noexcept;
+  // byte of them is not in `in`, its region's whole pages (interior_of).
+  const std::byte* mapped_rows(const StridedSpan& s, const Interior* in) const noexcept;
 
   ShmKVTransferInfo info_;
   RegionMap regions_;

@@ -320,18 +320,12 @@ ShmEngineOptions ShmEngineOptions::parse(const EngineOptions& options) {
   o.check_epochs = options.check_epochs;
   // The option wins over the environment (MSTAR_KV_SHM_MAP_PRIVATE: test and
   // benchmark setups of a whole process).
-  const char* env = std::getenv("MSTAR_KV_SHM_MAP_PRIVATE");
-  std::string what = "MSTAR_KV_SHM_MAP_PRIVATE";
-  std::string value = env != nullptr ? env : "";
   if (auto it = options.extra.find("shm_map_private"); it != options.extra.end()) {
-    what = "shm option shm_map_private";
-    value = it->second;
-  }
-  if (!value.empty()) {
-    if (value != "on" && value != "off") {
-      throw Error(StatusCode::kInvalidArgument, what + " '" + value + "' is not one of on, off");
+    if (!it->second.empty()) {
+      o.map_private = engines::parse_on_off(it->second, "shm option shm_map_private");
     }
-    o.map_private = value == "on";
+  } else if (const char* env = std::getenv("MSTAR_KV_SHM_MAP_PRIVATE"); env != nullptr && *env) {
+    o.map_private = engines::parse_on_off(env, "MSTAR_KV_SHM_MAP_PRIVATE");
   }
   return o;
 }

@@ -4,6 +4,7 @@
 // and UcxOptions.
 #include <cstdlib>
 
+#include "engines/option_keys.hpp"
 #include "ucx_core.hpp"
 #include "util/parse.hpp"
 
@@ -116,12 +117,7 @@ class UcxPeer final : public rma::RmaPeer {
   std::shared_ptr<Conn> conn_;
 };
 
-bool parse_on_off(const std::string& value, const char* what) {
-  if (value == "on") return true;
-  if (value == "off") return false;
-  throw Error(StatusCode::kInvalidArgument,
-              std::string(what) + " '" + value + "' is not one of on, off");
-}
+using kv::engines::parse_on_off;
 
 Staging parse_staging(const std::string& value, const char* what) {
   if (value == "auto") return Staging::kAuto;
